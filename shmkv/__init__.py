@@ -1,0 +1,54 @@
+"""shmkv: a transformer KV cache in shared memory, shared by several processes.
+
+See README.md for a tour and ../shared/DESIGN.md for the contract.
+"""
+
+from ._header import Layout
+from ._sequence import Sequence
+from ._store import SequenceInfo, Store, StoreStats, attach, create, gc, list_stores, remove
+from .errors import (
+    CacheFullError,
+    CorruptStoreError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    LeaseError,
+    LockTimeout,
+    NotSupportedError,
+    ReadOnlyError,
+    SequenceNotFound,
+    ShmkvError,
+    SnapshotError,
+    StoreClosedError,
+    StoreExistsError,
+    StoreNotFound,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheFullError",
+    "CorruptStoreError",
+    "InvalidArgumentError",
+    "Layout",
+    "LayoutMismatchError",
+    "LeaseError",
+    "LockTimeout",
+    "NotSupportedError",
+    "ReadOnlyError",
+    "Sequence",
+    "SequenceInfo",
+    "SequenceNotFound",
+    "ShmkvError",
+    "SnapshotError",
+    "Store",
+    "StoreClosedError",
+    "StoreExistsError",
+    "StoreNotFound",
+    "StoreStats",
+    "__version__",
+    "attach",
+    "create",
+    "gc",
+    "list_stores",
+    "remove",
+]

@@ -1,0 +1,47 @@
+"""Storage dtypes: names, codes in the header, numpy dtypes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidArgumentError, NotSupportedError
+
+# name -> (header code, numpy storage dtype)
+_TABLE: dict[str, tuple[int, np.dtype]] = {
+    "float32": (1, np.dtype(np.float32)),
+    "float16": (2, np.dtype(np.float16)),
+    "float64": (3, np.dtype(np.float64)),
+}
+_PLANNED = ("bfloat16", "int8")
+_BY_CODE = {code: name for name, (code, _) in _TABLE.items()}
+
+
+def canonical(dtype: object) -> str:
+    """Map 'float16', np.float16, np.dtype('float16') ... to the storage name."""
+    name = dtype if isinstance(dtype, str) else None
+    if name is None:
+        try:
+            name = np.dtype(dtype).name  # type: ignore[call-overload]
+        except TypeError:
+            raise InvalidArgumentError(f"dtype={dtype!r} is not a dtype: use one of {sorted(_TABLE)}") from None
+    if name in _PLANNED:
+        raise NotSupportedError(f"dtype={name!r} is not implemented yet: use one of {sorted(_TABLE)}")
+    if name not in _TABLE:
+        raise InvalidArgumentError(f"dtype={dtype!r} is not supported: use one of {sorted(_TABLE)}")
+    return name
+
+
+def code(name: str) -> int:
+    return _TABLE[name][0]
+
+
+def from_code(c: int) -> str:
+    return _BY_CODE[c]
+
+
+def storage(name: str) -> np.dtype:
+    return _TABLE[name][1]
+
+
+def itemsize(name: str) -> int:
+    return _TABLE[name][1].itemsize

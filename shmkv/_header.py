@@ -1,0 +1,314 @@
+"""The header segment: the single source of truth of a store.
+
+Every process reads the layout and the tables from here; nothing about a store
+lives only in a process. All fields are little-endian int64 words (8-byte
+aligned, so a single word is read and written atomically on every platform we
+support), viewed through numpy.
+
+Header segment ``/dev/shm/skv_NAME.h``::
+
+    byte offset          words  field
+    ------------------   -----  ---------------------------------------------
+    0                    1      magic  b"SHMKV\\0HD"  (written last at create)
+    8                    1      version (FORMAT_VERSION)
+    16                   1      header segment size in bytes
+    24                   1      data segment size in bytes
+    32                   1      store generation (bumped by every structural op)
+    40                   1      layers
+    48                   1      kv_heads
+    56                   1      head_dim
+    64                   1      dtype code (see _dtypes)
+    72                   1      max_tokens (token cells in the data arena)
+    80                   1      max_seqs (rows of the sequence table)
+    88                   1      max_clients (rows of the client table)
+    96                   1      creator pid
+    104                  1      creator start time (clock ticks, 0 = unknown)
+    112                  1      persistent (0/1)
+    120                  1      next sequence id (ids are never reused)
+    128                  1      window (sliding layers; 0 = none)
+    136                  1      chunk (chunked layers; 0 = none)
+    144                  1      memory (extra tokens kept by sliding layers)
+    152                  1      layout checksum (crc32 of the fixed words 5..14, 16..18, layer kinds)
+    160 .. 511                  reserved (zero)
+    512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
+                                  padded to 8 bytes
+    SEQ_OFF              16 x max_seqs    sequence table, one 128-byte row a sequence
+    CLIENT_OFF           4 x max_clients  client table, one 32-byte row a process
+
+Sequence row (int64 words)::
+
+    0 STATE        0 free slot, 1 live
+    1 ID           sequence id (int, never reused within a store)
+    2 START        first token cell of the sequence's range
+    3 CAPACITY     cells in the range
+    4 LENGTH       committed tokens; published by the lease holder after the data
+    5 GEN          seqlock generation: odd while a structural op is changing the
+                   row or its cells, even otherwise
+    6 LEASE_PID    pid holding the write lease (0 = none)
+    7 LEASE_START  that process's start time (guards against pid reuse)
+    8 LEASE_TOKEN  random id of the handle holding the lease inside that process
+    9..15          reserved (encoder cache, flags)
+
+Client row: pid, start time, flags (1 = read-write), reserved.
+
+Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned)::
+
+    K          [layers, max_tokens, kv_heads, head_dim]  storage dtype
+    V          [layers, max_tokens, kv_heads, head_dim]
+    tokens     [max_tokens] int64   token id per cell (-1 = none given)
+    positions  [max_tokens] int64   position per cell
+
+The free ranges are not stored: they are the gaps between the live rows'
+ranges, computed under the store lock, so they can never disagree with the
+table (a crash half-way through an allocation cannot leak cells).
+"""
+
+from __future__ import annotations
+
+import mmap
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _dtypes
+from .errors import CorruptStoreError, InvalidArgumentError, LayoutMismatchError
+
+MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
+FORMAT_VERSION = 1
+
+# fixed block word indices
+W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
+W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS = 5, 6, 7, 8, 9
+W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_START = 10, 11, 12, 13
+W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
+FIXED_BYTES = 512
+LAYER_KINDS_OFF = 512
+
+# sequence row columns
+STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN = range(9)
+SEQ_WORDS = 16
+# client row columns
+C_PID, C_START, C_FLAGS = 0, 1, 2
+CLIENT_WORDS = 4
+
+LAYER_KINDS = ("full", "sliding", "chunked")
+MAX_LAYERS = 4096
+MAX_DIM = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The geometry and limits of a store; identical in every attached process."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    max_tokens: int
+    max_seqs: int
+    layer_types: tuple[str, ...]
+    window: int = 0
+    chunk: int = 0
+    memory: int = 0
+
+    @property
+    def geometry(self) -> tuple[int, int, int, str]:
+        """What a snapshot must match: layers, kv_heads, head_dim, dtype."""
+        return (self.layers, self.kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def cell_items(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def _positive(name: str, value: object, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(f"{name}={value!r} must be an int between 1 and {limit}")
+    v = int(value)
+    if not 1 <= v <= limit:
+        raise InvalidArgumentError(f"{name}={v} must be between 1 and {limit}")
+    return v
+
+
+def make_layout(
+    *,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    max_tokens: int,
+    max_seqs: int,
+    layer_types: list[str] | tuple[str, ...] | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    memory: int | None = None,
+) -> Layout:
+    """Validate create() arguments into a Layout, naming any bad value."""
+    layers = _positive("layers", layers, MAX_LAYERS)
+    kv_heads = _positive("kv_heads", kv_heads, MAX_DIM)
+    head_dim = _positive("head_dim", head_dim, MAX_DIM)
+    max_tokens = _positive("max_tokens", max_tokens, 1 << 40)
+    max_seqs = _positive("max_seqs", max_seqs, 1 << 20)
+    dtype = _dtypes.canonical(dtype)
+    if layer_types is None:
+        layer_types = ("full",) * layers
+    if isinstance(layer_types, str) or len(layer_types) != layers:
+        raise InvalidArgumentError(
+            f"layer_types={layer_types!r} must list one kind per layer ({layers} layers), "
+            f"each one of {LAYER_KINDS}"
+        )
+    for i, kind in enumerate(layer_types):
+        if kind not in LAYER_KINDS:
+            raise InvalidArgumentError(f"layer_types[{i}]={kind!r} is not one of {LAYER_KINDS}")
+    kinds = tuple(layer_types)
+    if "sliding" in kinds or "chunked" in kinds:
+        from .errors import NotSupportedError
+
+        raise NotSupportedError(
+            "sliding and chunked layers are not implemented yet: use layer_types of 'full' only"
+        )
+    return Layout(
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        max_tokens=max_tokens,
+        max_seqs=max_seqs,
+        layer_types=kinds,
+        window=int(window or 0),
+        chunk=int(chunk or 0),
+        memory=int(memory or 0),
+    )
+
+
+def _align(n: int, to: int = 8) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True, slots=True)
+class Offsets:
+    """Byte offsets of the tables and regions, derived from a Layout."""
+
+    seq_off: int
+    client_off: int
+    header_bytes: int
+    k_off: int
+    v_off: int
+    tokens_off: int
+    positions_off: int
+    data_bytes: int
+    layer_stride: int  # bytes between layers inside K or V
+    cell_bytes: int  # bytes of one token of one layer (kv_heads * head_dim * itemsize)
+
+
+def offsets(layout: Layout, max_clients: int) -> Offsets:
+    seq_off = LAYER_KINDS_OFF + _align(layout.layers)
+    client_off = seq_off + layout.max_seqs * SEQ_WORDS * 8
+    header_bytes = client_off + max_clients * CLIENT_WORDS * 8
+    page = mmap.PAGESIZE
+    cell_bytes = layout.cell_items * _dtypes.itemsize(layout.dtype)
+    layer_stride = layout.max_tokens * cell_bytes
+    k_off = 0
+    v_off = _align(k_off + layout.layers * layer_stride, page)
+    tokens_off = _align(v_off + layout.layers * layer_stride, page)
+    positions_off = _align(tokens_off + layout.max_tokens * 8, page)
+    data_bytes = _align(positions_off + layout.max_tokens * 8, page)
+    return Offsets(
+        seq_off, client_off, header_bytes, k_off, v_off, tokens_off, positions_off, data_bytes,
+        layer_stride, cell_bytes,
+    )
+
+
+_CHECKED_WORDS = [W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS, W_MAX_SEQS, W_MAX_CLIENTS,
+                  W_CREATOR_PID, W_CREATOR_START, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY]
+
+
+def _checksum(words: np.ndarray, kinds: bytes) -> int:
+    # only words that never change after create (not the generation or next id)
+    return zlib.crc32(kinds, zlib.crc32(np.asarray(words)[_CHECKED_WORDS].tobytes()))
+
+
+def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, max_clients: int,
+          creator_pid: int, creator_start: int, persistent: bool) -> None:
+    """Fill a zeroed header; the magic word goes last so attachers never see half of it."""
+    words[W_VERSION] = FORMAT_VERSION
+    words[W_HEADER_BYTES] = off.header_bytes
+    words[W_DATA_BYTES] = off.data_bytes
+    words[W_LAYERS] = layout.layers
+    words[W_KV_HEADS] = layout.kv_heads
+    words[W_HEAD_DIM] = layout.head_dim
+    words[W_DTYPE] = _dtypes.code(layout.dtype)
+    words[W_MAX_TOKENS] = layout.max_tokens
+    words[W_MAX_SEQS] = layout.max_seqs
+    words[W_MAX_CLIENTS] = max_clients
+    words[W_CREATOR_PID] = creator_pid
+    words[W_CREATOR_START] = creator_start
+    words[W_PERSISTENT] = int(persistent)
+    words[W_NEXT_ID] = 1
+    words[W_WINDOW] = layout.window
+    words[W_CHUNK] = layout.chunk
+    words[W_MEMORY] = layout.memory
+    kinds = bytes(LAYER_KINDS.index(k) for k in layout.layer_types)
+    raw[LAYER_KINDS_OFF : LAYER_KINDS_OFF + len(kinds)] = np.frombuffer(kinds, np.uint8)
+    words[W_CHECKSUM] = _checksum(words, kinds)
+    words[W_MAGIC] = MAGIC
+
+
+def read(words: np.ndarray, raw: np.ndarray, segment_size: int, name: str) -> tuple[Layout, int]:
+    """Decode and check a header; return its Layout and max_clients.
+
+    Raises CorruptStoreError for anything that is not an intact shmkv header.
+    """
+    if segment_size < FIXED_BYTES:
+        raise CorruptStoreError(f"segment {name!r} is {segment_size} bytes, too small for a shmkv header")
+    if int(words[W_MAGIC]) != MAGIC:
+        raise CorruptStoreError(f"segment {name!r} is not a shmkv store (bad magic)")
+    version = int(words[W_VERSION])
+    if version != FORMAT_VERSION:
+        raise CorruptStoreError(
+            f"store {name!r} has header version {version}; this shmkv reads version {FORMAT_VERSION}"
+        )
+    layers = int(words[W_LAYERS])
+    if not 1 <= layers <= MAX_LAYERS or LAYER_KINDS_OFF + layers > segment_size:
+        raise CorruptStoreError(f"store {name!r} header is damaged (layers={layers})")
+    kinds = raw[LAYER_KINDS_OFF : LAYER_KINDS_OFF + layers].tobytes()
+    if _checksum(words, kinds) != int(words[W_CHECKSUM]):
+        raise CorruptStoreError(f"store {name!r} header is damaged (layout checksum mismatch)")
+    try:
+        layer_types = tuple(LAYER_KINDS[b] for b in kinds)
+        dtype = _dtypes.from_code(int(words[W_DTYPE]))
+    except (IndexError, KeyError, ValueError):
+        raise CorruptStoreError(f"store {name!r} header is damaged (layer kinds or dtype)") from None
+    layout = Layout(
+        layers=layers,
+        kv_heads=int(words[W_KV_HEADS]),
+        head_dim=int(words[W_HEAD_DIM]),
+        dtype=dtype,
+        max_tokens=int(words[W_MAX_TOKENS]),
+        max_seqs=int(words[W_MAX_SEQS]),
+        layer_types=layer_types,
+        window=int(words[W_WINDOW]),
+        chunk=int(words[W_CHUNK]),
+        memory=int(words[W_MEMORY]),
+    )
+    max_clients = int(words[W_MAX_CLIENTS])
+    off = offsets(layout, max_clients)
+    if off.header_bytes != int(words[W_HEADER_BYTES]) or off.header_bytes > segment_size:
+        raise CorruptStoreError(
+            f"store {name!r} header is damaged (tables need {off.header_bytes} bytes, "
+            f"segment has {segment_size})"
+        )
+    if off.data_bytes != int(words[W_DATA_BYTES]):
+        raise CorruptStoreError(f"store {name!r} header is damaged (data size mismatch)")
+    return layout, max_clients
+
+
+def check_same(expected: Layout, actual: Layout, what: str) -> None:
+    if expected != actual:
+        diffs = [
+            f"{f}: {getattr(expected, f)!r} != {getattr(actual, f)!r}"
+            for f in Layout.__dataclass_fields__
+            if getattr(expected, f) != getattr(actual, f)
+        ]
+        raise LayoutMismatchError(f"{what} layouts differ ({'; '.join(diffs)})")

@@ -1,0 +1,308 @@
+"""POSIX shared-memory segments, mapped without Python's resource tracker.
+
+``multiprocessing.shared_memory.SharedMemory`` on Python < 3.13 registers every
+segment it opens with the resource tracker, which unlinks it when the *opening*
+process exits, so an inspector that attaches and exits would delete the store.
+We therefore open segments ourselves (``_posixshmem`` is the same C module
+SharedMemory uses) and decide removal explicitly: the creator, ``remove`` and
+``gc`` unlink; nobody else does. See tests/test_lifecycle.py.
+
+Views are ``np.frombuffer`` arrays over an ``mmap`` object. While any such
+view exists, the ``mmap`` cannot be closed (``BufferError``), so a view never
+outlives its mapping: :meth:`Segment.close` drops our reference and the pages
+stay mapped until the last view is garbage collected. Nothing can dangle.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import stat
+import sys
+
+import _posixshmem
+
+from .errors import CacheFullError, InvalidArgumentError, StoreExistsError, StoreNotFound
+
+SHM_DIR = "/dev/shm"
+PREFIX = "skv_"
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,24}")
+# Linux only; the value of MADV_POPULATE_WRITE (5.14+), absent from Python 3.11's mmap.
+_MADV_POPULATE_WRITE = 23
+
+# Bumped in every child after os.fork(): handles compare it to notice that they
+# were inherited and must not act as the parent (leases, locks, creator cleanup).
+fork_epoch = 0
+
+
+def _after_fork() -> None:
+    global fork_epoch
+    fork_epoch += 1
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def check_name(name: object) -> str:
+    """Return ``name`` if it is a valid store name, else raise InvalidArgumentError."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise InvalidArgumentError(
+            f"bad store name {name!r}: use 1 to 24 characters from [A-Za-z0-9_-] "
+            "(macOS limits a whole segment name to 30 characters)"
+        )
+    return name
+
+
+def header_name(name: str) -> str:
+    return f"{PREFIX}{name}.h"
+
+
+def data_name(name: str) -> str:
+    return f"{PREFIX}{name}.d"
+
+
+def lock_path(name: str) -> str:
+    return os.path.join(SHM_DIR, f"{PREFIX}{name}.lock")
+
+
+def shm_path(segment: str) -> str:
+    return os.path.join(SHM_DIR, segment)
+
+
+class Segment:
+    """One mapped POSIX shared-memory segment.
+
+    ``close()`` unmaps when no numpy view is left, and otherwise leaves the
+    mapping to the views (it is unmapped when the last one is collected).
+    ``unlink()`` removes the name; mapped pages stay valid for whoever maps them.
+    """
+
+    __slots__ = ("name", "size", "readonly", "mm", "_fd")
+
+    def __init__(self, name: str, size: int, readonly: bool, mm: mmap.mmap, fd: int) -> None:
+        self.name = name
+        self.size = size
+        self.readonly = readonly
+        self.mm: mmap.mmap | None = mm
+        self._fd = fd
+
+    @classmethod
+    def create(cls, name: str, size: int, mode: int = 0o600) -> Segment:
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=mode)
+        except FileExistsError:
+            raise StoreExistsError(
+                f"shared-memory segment {name!r} exists already: attach to it, "
+                "or remove it with shmkv.remove() / `shmkv rm`"
+            ) from None
+        try:
+            os.fchmod(fd, mode)  # shm_open's mode is filtered by the umask
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(name)
+            raise
+        return cls(name, size, False, mm, fd)
+
+    @classmethod
+    def open(cls, name: str, readonly: bool) -> Segment:
+        flags = os.O_RDONLY if readonly else os.O_RDWR
+        try:
+            fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+        except FileNotFoundError:
+            raise StoreNotFound(f"no shared-memory segment {name!r}: is the store created?") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise StoreNotFound(f"segment {name!r} is empty (being created, or a leftover)")
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, size, readonly, mm, fd)
+
+    def reserve(self, ranges: list[tuple[int, int]]) -> None:
+        """Allocate the pages of every ``(offset, length)`` range now, or raise CacheFullError.
+
+        tmpfs allocates pages on first touch; a touch when /dev/shm is full is a
+        SIGBUS that kills the process. posix_fallocate turns that into ENOSPC
+        here, and the following populate pre-faults the pages into our page
+        table, so the first real write runs at full speed.
+        """
+        if self.readonly:
+            return
+        page = mmap.PAGESIZE
+        spans = []
+        for offset, length in ranges:
+            if length > 0:
+                begin = offset - offset % page
+                spans.append((begin, min(self.size, -(-(offset + length) // page) * page)))
+        if not spans:
+            return
+        # tmpfs fallocate takes pages one by one until memory runs out: on a
+        # machine whose /dev/shm is as large as RAM that summons the OOM killer
+        # before ENOSPC. So refuse up front what cannot fit. See
+        # tests/test_capacity.py::test_store_larger_than_dev_shm_fails_cleanly_when_written.
+        room = _room_bytes()
+        if room is not None:
+            missing = sum(self._unallocated(b, e) for b, e in spans)
+            if missing > room:
+                raise CacheFullError(
+                    f"/dev/shm or memory has room for {room} more bytes, segment {self.name!r} needs "
+                    f"{missing}: free sequences, lower the capacity, or enlarge /dev/shm"
+                )
+        for begin, end in spans:
+            try:
+                os.posix_fallocate(self._fd, begin, end - begin)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                    raise CacheFullError(
+                        f"/dev/shm cannot hold {end - begin} more bytes for segment {self.name!r} "
+                        f"({os.strerror(e.errno)}): free sequences, lower the capacity, or enlarge /dev/shm"
+                    ) from None
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+            if sys.platform.startswith("linux") and self.mm is not None:
+                try:
+                    self.mm.madvise(_MADV_POPULATE_WRITE, begin, end - begin)
+                except OSError:
+                    pass  # older kernel: first touch stays lazy, the fallocate still guards SIGBUS
+
+    def _unallocated(self, begin: int, end: int) -> int:
+        """Bytes of ``[begin, end)`` that have no page yet (SEEK_HOLE/SEEK_DATA walk)."""
+        missing, pos = 0, begin
+        try:
+            while pos < end:
+                hole = os.lseek(self._fd, pos, os.SEEK_HOLE)
+                if hole >= end:
+                    break
+                try:
+                    data = os.lseek(self._fd, hole, os.SEEK_DATA)
+                except OSError as e:  # ENXIO: no data after the hole
+                    if e.errno != errno.ENXIO:
+                        raise
+                    data = end
+                missing += min(data, end) - hole
+                pos = data
+        except OSError:
+            return end - begin
+        return missing
+
+    def close(self) -> None:
+        mm, self.mm = self.mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # live numpy views: the mapping goes away with the last of them
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def unlink(self) -> None:
+        _unlink_quietly(self.name)
+
+
+def _unlink_quietly(name: str) -> bool:
+    try:
+        _posixshmem.shm_unlink("/" + name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def unlink(name: str) -> bool:
+    """Unlink segment ``name``; False when it did not exist."""
+    return _unlink_quietly(name)
+
+
+# Memory left to other processes when we reserve: tmpfs pages cannot be swapped
+# out or reclaimed, so taking the last of them starves the whole machine.
+MEMORY_MARGIN = 256 << 20
+
+
+def _room_bytes() -> int | None:
+    """Bytes we may still reserve: free space of /dev/shm, bounded by available memory."""
+    room = None
+    try:
+        st = os.statvfs(SHM_DIR)
+        room = st.f_bavail * st.f_frsize
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024 - MEMORY_MARGIN
+                    room = avail if room is None else min(room, avail)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    return None if room is None else max(room, 0)
+
+
+def segment_mtime(name: str) -> float | None:
+    try:
+        st = os.stat(shm_path(name))
+    except FileNotFoundError:
+        return None
+    return st.st_mtime if stat.S_ISREG(st.st_mode) else None
+
+
+def listdir() -> list[str]:
+    try:
+        return sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:  # not Linux: no way to list POSIX shm names
+        return []
+
+
+# -- process liveness ---------------------------------------------------------
+
+
+def process_start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (Linux), 0 when unknown.
+
+    Stored next to every pid we record, so a recycled pid is not mistaken for
+    the process that held a lease or created a store.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0
+    # The command name (field 2) may contain spaces and parentheses; fields after
+    # the last ')' are space-separated, starttime is field 22.
+    try:
+        return int(data[data.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return 0
+
+
+def pid_alive(pid: int, start_time: int = 0) -> bool:
+    """Whether ``pid`` is alive and (when known) is the process started at ``start_time``."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    if start_time:
+        now = process_start_time(pid)
+        if now and now != start_time:
+            return False  # the pid was recycled
+    return not _is_zombie(pid)  # killed but not reaped yet: dead for us
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return data[data.rindex(b")") + 2 : data.rindex(b")") + 3] in (b"Z", b"X")
+    except (OSError, ValueError):
+        return False

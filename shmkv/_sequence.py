@@ -1,0 +1,600 @@
+"""Sequence: one token stream of a store, through a read handle or a write (lease) handle.
+
+What invalidates a view: the arrays returned by ``keys()``, ``values()``,
+``kv()`` and ``append()`` are zero-copy windows on shared memory. They stay
+mapped as long as they live (closing the store cannot unmap them), but their
+*content* is only guaranteed while no structural operation touches the
+sequence: ``truncate``, ``remove``, ``shift_left``, ``copy_prefix`` into it,
+a move when it outgrows its range, ``free``. Take ``.copy()`` to keep data
+across those, or use ``read(layer)``, which copies under the seqlock.
+Views are read-only: committed cells are immutable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _segment
+from ._header import CAPACITY, GEN, ID, LEASE_PID, LEASE_START, LEASE_TOKEN, LENGTH, START, STATE
+from ._store import _live_writers, _count
+from .errors import (
+    InvalidArgumentError, LeaseError, ReadOnlyError, SequenceNotFound, StoreClosedError,
+)
+
+if TYPE_CHECKING:
+    from ._store import Store
+
+ShiftFn = Callable[[int, np.ndarray, int], np.ndarray]
+_SPIN = 2000  # seqlock retries before falling back to the store lock
+
+
+def _release_row(row: memoryview, token: int, pid: int, epoch: int) -> None:
+    """Finalizer of a write handle: give the lease back if we still hold it."""
+    if os.getpid() == pid and _segment.fork_epoch == epoch:
+        try:
+            if row[LEASE_TOKEN] == token and row[LEASE_PID] == pid:
+                row[LEASE_PID] = 0
+        except (ValueError, TypeError):  # released memoryview
+            pass
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class Sequence:
+    """A handle on one sequence. Get one from ``store.create_sequence()`` or ``store.sequence(id)``.
+
+    A write handle holds the sequence's lease: it alone appends, commits and
+    makes structural changes. Any number of read handles, in any process, see
+    the committed tokens.
+    """
+
+    def __init__(self, store: Store, seq_id: int, slot: int, *, write: bool, token: int) -> None:
+        self._store = store
+        self.id = int(seq_id)
+        self._slot = slot
+        self._row = store._row(slot)
+        self._token = token
+        self._write = write
+        self._epoch = _segment.fork_epoch
+        lay = store.layout
+        self._L = lay.layers
+        self._cell = (lay.kv_heads, lay.head_dim)
+        self._Kw, self._Vw = store._Kl, store._Vl  # writable per-layer bases (None read-only)
+        self._Kr = [_readonly(a) for a in store._Kl]
+        self._Vr = [_readonly(a) for a in store._Vl]
+        self._pending = [0] * self._L
+        self._gen = -1
+        self._start = self._cap = 0
+        self._fin: weakref.finalize | None = None
+        self._refresh()
+        if write:
+            _live_writers[token] = self
+            self._fin = weakref.finalize(self, _release_row, self._row, token, os.getpid(), self._epoch)
+
+    def __repr__(self) -> str:
+        kind = "write" if self._write else "read"
+        try:
+            return f"<shmkv.Sequence id={self.id} length={self.length} capacity={self.capacity} {kind}>"
+        except Exception:  # noqa: BLE001 - repr of a dead handle
+            return f"<shmkv.Sequence id={self.id} {kind} (unavailable)>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickles as a *read* handle: a lease never travels; the receiver takes its own.
+        return (_unpickle_sequence, (self._store, self.id))
+
+    # -- row access ----------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._store._closed:
+            raise StoreClosedError(f"store {self._store.name!r} is closed; sequence {self.id} is unusable")
+
+    def _span(self) -> tuple[int, int, int]:
+        """A consistent (start, capacity, length) of the row (seqlock read)."""
+        self._check()
+        row = self._row
+        for i in range(_SPIN):
+            g = row[GEN]
+            if not g & 1:
+                state, sid, start, cap, length = row[STATE], row[ID], row[START], row[CAPACITY], row[LENGTH]
+                if row[GEN] == g:
+                    if state != 1 or sid != self.id:
+                        raise SequenceNotFound(
+                            f"sequence {self.id} of store {self._store.name!r} was freed"
+                        )
+                    return start, cap, length
+            if i > 50:
+                time.sleep(0)
+        with self._store._locked() if not self._store.readonly else _nolock():
+            return self._span_unlocked()
+
+    def _span_unlocked(self) -> tuple[int, int, int]:
+        row = self._row
+        if row[STATE] != 1 or row[ID] != self.id:
+            raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
+        return row[START], row[CAPACITY], row[LENGTH]
+
+    def _refresh(self) -> None:
+        g = self._row[GEN]
+        start, cap, _ = self._span()
+        self._gen = g if not g & 1 else -1
+        self._start, self._cap = start, cap
+
+    def _need_writer(self, what: str) -> None:
+        if not self._write:
+            raise ReadOnlyError(
+                f"{what}: sequence {self.id} handle is read-only; take the lease with "
+                f"store.sequence({self.id}, write=True)"
+            )
+        if self._epoch != _segment.fork_epoch:
+            raise LeaseError(
+                f"{what}: this write handle of sequence {self.id} was inherited across fork; "
+                f"take the lease in this process with store.sequence({self.id}, write=True)"
+            )
+        self._check()
+        row = self._row
+        if row[LEASE_TOKEN] != self._token or row[LEASE_PID] != os.getpid():
+            self._write = False
+            raise LeaseError(
+                f"{what}: the lease on sequence {self.id} was taken over (pid {row[LEASE_PID]}); "
+                "this handle is now read-only"
+            )
+        if row[GEN] != self._gen:
+            # a structural change we did not make through this handle (e.g. copy_prefix
+            # into it): drop uncommitted tokens, reload the range
+            self._pending = [0] * self._L
+            self._refresh()
+
+    def _layer(self, layer: object) -> int:
+        if type(layer) is not int:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise InvalidArgumentError(f"layer={layer!r} must be an int in [0, {self._L})")
+            layer = int(layer)
+        if not 0 <= layer < self._L:  # type: ignore[operator]
+            raise InvalidArgumentError(
+                f"layer={layer} is out of range: the store has layers=0..{self._L - 1}"
+            )
+        return layer  # type: ignore[return-value]
+
+    def _kv_arrays(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+        k = np.asarray(k)
+        v = np.asarray(v)
+        if k.shape[-2:] != self._cell or k.shape != v.shape or k.ndim not in (2, 3):
+            H, D = self._cell
+            raise InvalidArgumentError(
+                f"k shape {k.shape} and v shape {v.shape} must both be [n, kv_heads={H}, head_dim={D}] "
+                f"(or [{H}, {D}] for one token)"
+            )
+        if k.dtype.kind not in "fiu" or v.dtype.kind not in "fiu":
+            raise InvalidArgumentError(
+                f"k dtype {k.dtype} / v dtype {v.dtype}: keys and values must be real numbers (float or int)"
+            )
+        if k.ndim == 2:
+            k = k[None]
+            v = v[None]
+        return k, v
+
+    # -- writing -------------------------------------------------------------
+
+    def append(self, layer: int, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Write ``n`` new tokens of one layer after the sequence's end (not yet visible).
+
+        Args:
+            layer: layer index.
+            k, v: ``[n, kv_heads, head_dim]`` (or ``[kv_heads, head_dim]`` for one token),
+                any float dtype; cast to the storage dtype.
+
+        Returns:
+            Read-only views ``(keys, values)`` of this layer, ``[length + pending, kv_heads,
+            head_dim]``: the committed tokens followed by this handle's pending ones.
+
+        The tokens become visible to other processes at ``commit()``, once every
+        layer has the same number of pending tokens.
+        """
+        self._need_writer("append")
+        layer = self._layer(layer)
+        k, v = self._kv_arrays(k, v)
+        n = k.shape[0]
+        length = self._row[LENGTH]
+        p = self._pending[layer]
+        end = length + p + n
+        if end > self._cap:
+            self._grow(end)
+        start = self._start
+        s = start + length + p
+        self._Kw[layer][s : s + n] = k
+        self._Vw[layer][s : s + n] = v
+        self._pending[layer] = p + n
+        return self._Kr[layer][start : s + n], self._Vr[layer][start : s + n]
+
+    def _grow(self, needed: int) -> None:
+        st = self._store
+        keep = self._row[LENGTH] + max(self._pending)
+        with st._locked():
+            row = self._row
+            with st._changing(row):
+                st._relocate(self._slot, row, needed, keep)
+            self._gen = row[GEN]
+            self._start, self._cap = row[START], row[CAPACITY]
+
+    def commit(self, tokens: Any = None, positions: Any = None) -> int:
+        """Publish the pending tokens of every layer; return the new length.
+
+        Args:
+            tokens: token ids of the pending tokens (``[n]`` ints), default -1.
+            positions: their positions (``[n]`` ints, increasing, after the last
+                committed position); default: the last position + 1 onwards.
+        """
+        self._need_writer("commit")
+        pend = self._pending
+        n = pend[0]
+        if pend.count(n) != self._L:
+            raise InvalidArgumentError(
+                f"commit: layers have different pending token counts {pend}; append the same "
+                "number of tokens to every layer before commit()"
+            )
+        length = self._row[LENGTH]
+        st = self._store
+        s = self._start + length
+        last = int(st._positions[s - 1]) if length else -1
+        if n == 0:
+            if tokens is not None and np.size(tokens) or positions is not None and np.size(positions):
+                raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
+            return length
+        if tokens is None:
+            st._tokens[s : s + n] = -1
+        else:
+            st._tokens[s : s + n] = self._ints("tokens", tokens, n)
+        if positions is None:
+            if n == 1:
+                st._positions[s] = last + 1
+            else:
+                st._positions[s : s + n] = np.arange(last + 1, last + 1 + n)
+        else:
+            pos = self._ints("positions", positions, n)
+            if pos[0] <= last or (n > 1 and np.any(np.diff(pos) <= 0)):
+                raise InvalidArgumentError(
+                    f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
+                )
+            st._positions[s : s + n] = pos
+        self._row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
+        self._pending = [0] * self._L
+        return length + n
+
+    @staticmethod
+    def _ints(name: str, values: Any, n: int) -> np.ndarray:
+        a = np.asarray(values)
+        if a.ndim == 0:
+            a = a.reshape(1)
+        if a.shape != (n,) or (a.size and a.dtype.kind not in "iu"):
+            raise InvalidArgumentError(
+                f"{name} must be {n} ints (one per pending token), got shape {a.shape} dtype {a.dtype}"
+            )
+        return a.astype(np.int64, copy=False)
+
+    def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None) -> int:
+        """Write ``n`` tokens of every layer and commit them; return the new length.
+
+        Args:
+            k_all, v_all: ``[layers, n, kv_heads, head_dim]``.
+        """
+        self._need_writer("extend")
+        if any(self._pending):
+            raise InvalidArgumentError(
+                f"extend: sequence {self.id} has uncommitted appends {self._pending}; commit() them first"
+            )
+        k_all = np.asarray(k_all)
+        v_all = np.asarray(v_all)
+        H, D = self._cell
+        if k_all.ndim != 4 or k_all.shape[0] != self._L or k_all.shape[2:] != (H, D) or v_all.shape != k_all.shape:
+            raise InvalidArgumentError(
+                f"extend: k_all {k_all.shape} and v_all {v_all.shape} must both be "
+                f"[layers={self._L}, n, kv_heads={H}, head_dim={D}]"
+            )
+        n = k_all.shape[1]
+        if tokens is not None:
+            self._ints("tokens", tokens, n)
+        if positions is not None:
+            self._ints("positions", positions, n)
+        try:
+            for layer in range(self._L):
+                self.append(layer, k_all[layer], v_all[layer])
+            return self.commit(tokens, positions)
+        except BaseException:
+            self._pending = [0] * self._L
+            raise
+
+    # -- structural operations ---------------------------------------------------
+
+    def _structural(self, what: str) -> Any:
+        self._need_writer(what)
+        return _Structural(self)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` committed tokens (never extends); drop pending ones."""
+        n = _count("n", n)
+        with self._structural("truncate") as row:
+            if n > row[LENGTH]:
+                raise InvalidArgumentError(
+                    f"truncate: n={n} exceeds the length {row[LENGTH]} of sequence {self.id} "
+                    "(truncate never extends)"
+                )
+            row[LENGTH] = n
+
+    def clear(self) -> None:
+        """Drop every token (the range stays reserved)."""
+        self.truncate(0)
+
+    def shift_left(self, n: int) -> None:
+        """Drop the oldest ``n`` tokens (sliding window); the rest keep their positions."""
+        n = _count("n", n)
+        with self._structural("shift_left") as row:
+            length = row[LENGTH]
+            if n > length:
+                raise InvalidArgumentError(f"shift_left: n={n} exceeds the length {length} of sequence {self.id}")
+            start = row[START]
+            self._store._copy_cells(start + n, start, length - n)
+            row[LENGTH] = length - n
+
+    def remove(self, begin: int, end: int, shift: ShiftFn | None = None) -> None:
+        """Remove tokens ``[begin, end)``; later tokens move down and take the freed positions.
+
+        The moved tokens' positions change by ``delta = positions[begin] -
+        positions[end]`` (negative). ``shift(layer, keys, delta) -> keys``, if
+        given, re-rotates their keys (RoPE shift) for each layer; it runs before
+        anything changes, so an exception in it leaves the sequence as it was.
+        """
+        begin = _count("begin", begin)
+        end = _count("end", end)
+        with self._structural("remove") as row:
+            length, start = row[LENGTH], row[START]
+            if not begin <= end <= length:
+                raise InvalidArgumentError(
+                    f"remove: need 0 <= begin <= end <= length, got begin={begin} end={end} length={length}"
+                )
+            if begin == end:
+                return
+            st = self._store
+            moved = length - end
+            delta = int(st._positions[start + begin] - st._positions[start + end]) if moved else 0
+            new_keys = []
+            if shift is not None and moved:
+                for layer in range(self._L):
+                    src = self._Kr[layer][start + end : start + length].copy()
+                    out = np.asarray(shift(layer, src, delta))
+                    if out.shape != src.shape or out.dtype.kind != "f":
+                        raise InvalidArgumentError(
+                            f"remove: shift() returned {out.shape} {out.dtype} for layer {layer}; "
+                            f"it must return float keys shaped {src.shape}"
+                        )
+                    new_keys.append(out)
+            st._copy_cells(start + end, start + begin, moved)
+            if moved:
+                st._positions[start + begin : start + begin + moved] += delta
+                for layer, keys in enumerate(new_keys):
+                    self._Kw[layer][start + begin : start + begin + moved] = keys
+            row[LENGTH] = length - (end - begin)
+
+    def release(self) -> None:
+        """Give up the write lease (pending tokens are dropped); the handle becomes a read handle."""
+        if self._write and self._epoch == _segment.fork_epoch:
+            self._drop_lease()
+
+    def _drop_lease(self) -> None:
+        row = self._row
+        try:
+            if row[LEASE_TOKEN] == self._token and row[LEASE_PID] == os.getpid():
+                row[LEASE_PID] = 0
+        except (ValueError, TypeError):
+            pass
+        self._write = False
+        self._pending = [0] * self._L
+        _live_writers.pop(self._token, None)
+        if self._fin is not None:
+            self._fin.detach()
+
+    def free(self) -> None:
+        """Delete the sequence: its cells return to the store. Needs the lease, or no live holder."""
+        st = self._store
+        with st._locked():
+            row = self._row
+            self._span_unlocked()
+            if not self._write:
+                st._check_not_leased_by_other(row, self.id)
+            else:
+                self._need_writer("free")
+            with st._changing(row):
+                row[STATE] = 0
+                row[LENGTH] = 0
+                row[CAPACITY] = 0
+                row[LEASE_PID] = 0
+                row[ID] = 0
+        if self._write:
+            self._drop_lease()
+
+    def fork(self, n: int | None = None, capacity: int | None = None) -> Sequence:
+        """A new sequence holding this one's first ``n`` tokens (default: all); returns its write handle."""
+        st = self._store
+        with st._locked():
+            length = self._span()[2]
+            n = length if n is None else _count("n", n)
+            if n > length:
+                raise InvalidArgumentError(f"fork: n={n} exceeds the length {length} of sequence {self.id}")
+            cap = max(n, 1, self.capacity if capacity is None else _count("capacity", capacity, 1))
+            child = st.create_sequence(capacity=cap)
+            try:
+                st.copy_prefix(self.id, child.id, n)
+            except BaseException:
+                child.free()
+                raise
+            child._refresh()
+        return child  # type: ignore[no-any-return]
+
+    # -- reading -------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        """Committed tokens (what every process sees)."""
+        return int(self._span()[2])
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def capacity(self) -> int:
+        return int(self._span()[1])
+
+    @property
+    def pending(self) -> int:
+        """Tokens appended to every layer by this handle and not yet committed."""
+        return min(self._pending)
+
+    @property
+    def remaining_capacity(self) -> int:
+        """Tokens that fit before the sequence must grow (moving if needed)."""
+        _, cap, length = self._span()
+        return int(cap - length - max(self._pending))
+
+    @property
+    def is_full(self) -> bool:
+        return self.remaining_capacity <= 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the committed tokens (K and V of all layers, ids, positions)."""
+        st = self._store
+        return self.length * (2 * self._L * st._off.cell_bytes + 16)
+
+    @property
+    def writable(self) -> bool:
+        """Whether this handle holds the write lease."""
+        return self._write
+
+    @property
+    def lease_pid(self) -> int:
+        return int(self._row[LEASE_PID])
+
+    def keys(self, layer: int) -> np.ndarray:
+        """Committed keys of ``layer``: a read-only zero-copy view ``[length, kv_heads, head_dim]``."""
+        layer = self._layer(layer)
+        start, _, length = self._span()
+        return self._Kr[layer][start : start + length]
+
+    def values(self, layer: int) -> np.ndarray:
+        """Committed values of ``layer``: a read-only zero-copy view ``[length, kv_heads, head_dim]``."""
+        layer = self._layer(layer)
+        start, _, length = self._span()
+        return self._Vr[layer][start : start + length]
+
+    def kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys(layer), values(layer))`` taken at the same length."""
+        layer = self._layer(layer)
+        start, _, length = self._span()
+        return self._Kr[layer][start : start + length], self._Vr[layer][start : start + length]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Token ids of the committed tokens (read-only view; -1 where none was given)."""
+        start, _, length = self._span()
+        return _readonly(self._store._tokens[start : start + length])
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Positions of the committed tokens (read-only view)."""
+        start, _, length = self._span()
+        return _readonly(self._store._positions[start : start + length])
+
+    def head(self, layer: int, head: int, begin: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of one KV head over tokens ``[begin, end)``: views ``[n, head_dim]``."""
+        k, v = self.kv(layer)
+        H = self._cell[0]
+        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < H:
+            raise InvalidArgumentError(f"head={head!r} is out of range: kv_heads=0..{H - 1}")
+        end = k.shape[0] if end is None else end
+        if not 0 <= begin <= end <= k.shape[0]:
+            raise InvalidArgumentError(f"head: need 0 <= begin <= end <= length, got {begin}, {end}, {k.shape[0]}")
+        return k[begin:end, head], v[begin:end, head]
+
+    def iter_tokens(self, layer: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+        """Yield ``(token_id, position, k, v)`` for each committed token of ``layer``."""
+        k, v = self.kv(layer)
+        n = k.shape[0]
+        start = self._span()[0]
+        toks = self._store._tokens[start : start + n].tolist()
+        poss = self._store._positions[start : start + n].tolist()
+        for i in range(n):
+            yield toks[i], poss[i], k[i], v[i]
+
+    def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the committed keys and values of ``layer``, consistent even while
+        structural operations run (seqlock: retried, then taken under the lock)."""
+        layer = self._layer(layer)
+        row = self._row
+        for _ in range(_SPIN):
+            g = row[GEN]
+            if g & 1:
+                time.sleep(0)
+                continue
+            start, _, length = self._span()
+            k = self._Kr[layer][start : start + length].copy()
+            v = self._Vr[layer][start : start + length].copy()
+            if row[GEN] == g:
+                return k, v
+        with self._store._locked():
+            start, _, length = self._span_unlocked()
+            return (self._Kr[layer][start : start + length].copy(),
+                    self._Vr[layer][start : start + length].copy())
+
+
+class _Structural:
+    """Context of a structural op on one sequence: store lock + seqlock bracket.
+
+    The handle's cached range and pending counts are refreshed afterwards.
+    """
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self._locked = seq._store._locked()
+        self._changing: Any = None
+
+    def __enter__(self) -> memoryview:
+        self._locked.__enter__()
+        try:
+            self.seq._span_unlocked()
+            self._changing = self.seq._store._changing(self.seq._row)
+            self._changing.__enter__()
+        except BaseException:
+            self._locked.__exit__(None, None, None)
+            raise
+        return self.seq._row
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._changing.__exit__(*exc)
+            seq = self.seq
+            seq._pending = [0] * seq._L
+            row = seq._row
+            seq._gen, seq._start, seq._cap = row[GEN], row[START], row[CAPACITY]
+        finally:
+            self._locked.__exit__(*exc)
+
+
+class _nolock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _unpickle_sequence(store: Store, seq_id: int) -> Sequence:
+    return store.sequence(seq_id)  # type: ignore[no-any-return]

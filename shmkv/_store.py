@@ -1,0 +1,731 @@
+"""Store: a named KV cache in shared memory, and the module-level lifecycle calls.
+
+Concurrency (DESIGN.md section 3):
+
+* The lease holder of a sequence writes cells beyond its committed length and
+  then publishes the new length with one aligned 8-byte store. On x86-64 (TSO)
+  stores become visible in program order, and the numpy copy is an opaque C
+  call that completes before the length store, so a reader that reads the
+  length first never sees a cell that is not fully written.
+* Structural operations take the store lock, and bracket their changes to a
+  sequence row with its seqlock generation (odd while changing). Readers read
+  the generation, the row, the generation again, and retry while it moved.
+* Liveness: every read-write process is in the client table; a lease whose
+  holder died (pid gone, or pid recycled: start times differ) can be taken.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes, _header, _lock, _segment
+from ._header import (
+    CAPACITY, CLIENT_WORDS, GEN, ID, LEASE_PID, LEASE_START, LEASE_TOKEN, LENGTH, SEQ_WORDS,
+    START, STATE, Layout,
+)
+from ._segment import Segment
+from .errors import (
+    CacheFullError, CorruptStoreError, InvalidArgumentError, LeaseError, ReadOnlyError,
+    SequenceNotFound, StoreClosedError, StoreNotFound,
+)
+
+DEFAULT_MAX_CLIENTS = 128
+DEFAULT_CAPACITY = 256
+SeqId = int  # sequence ids are plain ints in the API; kept as a name for the docs
+
+# token -> live write handle, for every Sequence handle holding a lease in this
+# process. A lease row whose pid is ours but whose token is not here belongs to
+# a handle that was dropped without release() and may be taken again.
+_live_writers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInfo:
+    """One row of the sequence table, as read at one moment."""
+
+    id: int
+    length: int
+    capacity: int
+    start: int
+    lease_pid: int
+    lease_alive: bool
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Occupancy of a store at one moment (``store.stats()``)."""
+
+    name: str
+    sequences: int
+    max_seqs: int
+    tokens: int  # committed tokens over all sequences
+    reserved_tokens: int  # cells owned by sequence ranges
+    max_tokens: int
+    free_tokens: int
+    largest_free_range: int
+    bytes_per_token: int  # K and V of every layer, plus token id and position
+    bytes_used: int  # committed tokens x bytes_per_token
+    bytes_reserved: int  # reserved cells x bytes_per_token
+    clients: int
+    generation: int
+
+
+def _words(mm: Any, offset: int, count: int) -> memoryview:
+    """An int64 memoryview of ``count`` words at ``offset``: item reads give Python ints."""
+    return memoryview(mm)[offset : offset + 8 * count].cast("q")
+
+
+class Store:
+    """A handle on a named store. Create with :func:`create`, attach with :func:`attach`.
+
+    ``close()`` gives up this process's leases and unmaps (views keep their
+    pages mapped until they are collected). The creator's ``close()`` (or exit)
+    also removes a non-persistent store; ``unlink()`` removes it explicitly.
+    """
+
+    def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
+                 creator: bool, persistent: bool, lock_timeout: float) -> None:
+        self.name = name
+        self.layout = layout
+        self.readonly = hseg.readonly
+        self.lock_timeout = float(lock_timeout)
+        self._creator = creator
+        self._persistent = persistent
+        self._pid = os.getpid()
+        self._fork_epoch = _segment.fork_epoch
+        self._closed = False
+        self._hseg, self._dseg = hseg, dseg
+        self._lock_path = _segment.lock_path(name)
+        off = self._off = _header.offsets(layout, max_clients)
+        self._max_clients = max_clients
+        self._hdr = _words(hseg.mm, 0, _header.FIXED_BYTES // 8)
+        self._table = _words(hseg.mm, off.seq_off, layout.max_seqs * SEQ_WORDS)
+        self._table_np = np.frombuffer(hseg.mm, np.int64, layout.max_seqs * SEQ_WORDS, off.seq_off).reshape(
+            layout.max_seqs, SEQ_WORDS
+        )
+        self._clients_np = np.frombuffer(hseg.mm, np.int64, max_clients * CLIENT_WORDS, off.client_off).reshape(
+            max_clients, CLIENT_WORDS
+        )
+        dt = _dtypes.storage(layout.dtype)
+        L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
+        self._K = np.frombuffer(dseg.mm, dt, L * T * H * D, off.k_off).reshape(L, T, H, D)
+        self._V = np.frombuffer(dseg.mm, dt, L * T * H * D, off.v_off).reshape(L, T, H, D)
+        self._tokens = np.frombuffer(dseg.mm, np.int64, T, off.tokens_off)
+        self._positions = np.frombuffer(dseg.mm, np.int64, T, off.positions_off)
+        self._Kl = list(self._K)  # per-layer views: slicing one is cheaper than a 4-D index
+        self._Vl = list(self._V)
+        self._finalizer: weakref.finalize | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("read-only" if self.readonly else "read-write")
+        lay = self.layout
+        return (f"<shmkv.Store {self.name!r} {state} layers={lay.layers} kv_heads={lay.kv_heads} "
+                f"head_dim={lay.head_dim} dtype={lay.dtype} max_tokens={lay.max_tokens}>")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A store pickles by name: the receiving process attaches on its own.
+        return (attach, (self.name, self.readonly))
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def persistent(self) -> bool:
+        return bool(self._hdr[_header.W_PERSISTENT])
+
+    def close(self) -> None:
+        """Give up this handle's leases and unmap; the creator also removes a non-persistent store."""
+        if self._closed:
+            return
+        inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
+        if not inherited and not self.readonly:
+            me = os.getpid()
+            for token, handle in list(_live_writers.items()):
+                if getattr(handle, "_store", None) is self:
+                    handle._drop_lease()
+            try:
+                self._unregister_client(me)
+            except Exception:  # noqa: BLE001 - closing must not fail because the lock is stuck
+                pass
+        remove = self._creator and not self.persistent and not inherited
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._hdr = self._table = None  # type: ignore[assignment]
+        self._hseg.close()
+        self._dseg.close()
+        if remove:
+            _remove_names(self.name)
+
+    def unlink(self) -> None:
+        """Remove the store's segments and lock file now (attached processes keep their mappings)."""
+        _remove_names(self.name)
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyError(
+                f"store {self.name!r} is attached read-only: attach with shmkv.attach({self.name!r}) to modify it"
+            )
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The store lock, for structural operations."""
+        self._check_writable()
+        with _lock.held(self._lock_path, self.name, self.lock_timeout):
+            yield
+
+    def transaction(self) -> Any:
+        """Hold the store lock across several structural operations (a context manager)."""
+        return self._locked()
+
+    # -- clients ---------------------------------------------------------------
+
+    def _register_client(self) -> None:
+        me, start = os.getpid(), _segment.process_start_time(os.getpid())
+        with self._locked():
+            rows = self._clients_np
+            free = None
+            for i in range(self._max_clients):
+                pid = int(rows[i, 0])
+                if pid and not _segment.pid_alive(pid, int(rows[i, 1])):
+                    rows[i] = 0
+                    pid = 0
+                if pid == 0 and free is None:
+                    free = i
+            if free is None:
+                raise CacheFullError(
+                    f"store {self.name!r}: all {self._max_clients} client slots hold live processes; "
+                    "close unused attachments (or create the store with a larger max_clients=)"
+                )
+            rows[free, 1] = start
+            rows[free, 2] = 1
+            rows[free, 0] = me
+
+    def _unregister_client(self, pid: int) -> None:
+        with self._locked():
+            rows = self._clients_np
+            for i in range(self._max_clients):
+                if int(rows[i, 0]) == pid:
+                    rows[i] = 0
+                    break
+
+    def clients(self) -> list[int]:
+        """Pids of the live read-write processes attached to the store."""
+        self._check_open()
+        out = []
+        for pid, start, _flags, _ in self._clients_np.tolist():
+            if pid and _segment.pid_alive(pid, start):
+                out.append(pid)
+        return out
+
+    # -- the sequence table ----------------------------------------------------
+
+    def _slot_of(self, seq_id: object) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
+            raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
+        t = self._table_np
+        hits = np.flatnonzero((t[:, ID] == int(seq_id)) & (t[:, STATE] == 1))
+        if hits.size == 0:
+            raise SequenceNotFound(
+                f"store {self.name!r} has no sequence {seq_id!r}: it was freed or never created "
+                "(store.sequences() lists the live ones)"
+            )
+        return int(hits[0])
+
+    def _row(self, slot: int) -> memoryview:
+        return self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
+
+    @contextmanager
+    def _changing(self, row: memoryview) -> Iterator[None]:
+        """Seqlock bracket around a structural change of one sequence (lock held)."""
+        row[GEN] += 1  # odd: readers wait
+        try:
+            yield
+        finally:
+            row[GEN] += 1
+            self._hdr[_header.W_GENERATION] += 1
+
+    def _free_ranges(self, exclude_slot: int = -1) -> list[tuple[int, int]]:
+        t = self._table_np
+        live = [(int(t[i, START]), int(t[i, CAPACITY])) for i in np.flatnonzero(t[:, STATE] == 1)
+                if i != exclude_slot]
+        live.sort()
+        gaps, pos = [], 0
+        for start, cap in live:
+            if start > pos:
+                gaps.append((pos, start - pos))
+            pos = max(pos, start + cap)
+        if pos < self.layout.max_tokens:
+            gaps.append((pos, self.layout.max_tokens - pos))
+        return gaps
+
+    def _alloc(self, capacity: int) -> int:
+        """First-fit a range of ``capacity`` cells (lock held); reserve its pages."""
+        gaps = self._free_ranges()
+        for start, size in gaps:
+            if size >= capacity:
+                self._reserve(start, capacity)
+                return start
+        raise CacheFullError(
+            f"store {self.name!r} has no free range of {capacity} token cells "
+            f"({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free, fragmented or used): "
+            "free or truncate sequences, or create the store with a larger max_tokens="
+        )
+
+    def _reserve(self, start: int, count: int) -> None:
+        off = self._off
+        cb = off.cell_bytes
+        ranges = [(base + layer * off.layer_stride + start * cb, count * cb)
+                  for base in (off.k_off, off.v_off) for layer in range(self.layout.layers)]
+        ranges += [(off.tokens_off + start * 8, count * 8), (off.positions_off + start * 8, count * 8)]
+        self._dseg.reserve(ranges)
+
+    def _copy_cells(self, src: int, dst: int, n: int) -> None:
+        """Copy n cells of every layer, token id and position (lock held; overlap-safe)."""
+        if n <= 0 or src == dst:
+            return
+        for a in (self._K, self._V):
+            np.copyto(a[:, dst : dst + n], a[:, src : src + n])
+        self._tokens[dst : dst + n] = self._tokens[src : src + n]
+        self._positions[dst : dst + n] = self._positions[src : src + n]
+
+    def _lease_holder(self, row: memoryview) -> tuple[int, bool]:
+        """(pid, alive) of the lease on ``row``; alive means it may not be taken."""
+        pid = row[LEASE_PID]
+        if pid == 0:
+            return 0, False
+        if pid == os.getpid() and self._fork_epoch == _segment.fork_epoch:
+            return pid, row[LEASE_TOKEN] in _live_writers
+        return pid, _segment.pid_alive(pid, row[LEASE_START])
+
+    def _check_not_leased_by_other(self, row: memoryview, seq_id: int, allow_token: int = 0) -> None:
+        pid, alive = self._lease_holder(row)
+        if alive and not (allow_token and row[LEASE_TOKEN] == allow_token):
+            who = "another handle in this process" if pid == os.getpid() else f"live process {pid}"
+            raise LeaseError(
+                f"sequence {seq_id} of store {self.name!r} is leased by {who}: "
+                "its writer must release() it first (or exit)"
+            )
+
+    # -- sequences -------------------------------------------------------------
+
+    def create_sequence(self, capacity: int = DEFAULT_CAPACITY) -> Any:
+        """Create an empty sequence with room for ``capacity`` tokens; return its write handle.
+
+        The pages of its range are reserved now, so a full /dev/shm raises
+        CacheFullError here rather than SIGBUS later.
+
+        Example:
+            >>> seq = store.create_sequence(capacity=1024)   # doctest: +SKIP
+            >>> seq.extend(k_all, v_all, tokens=[1, 2, 3])   # doctest: +SKIP
+        """
+        from ._sequence import Sequence
+
+        capacity = _count("capacity", capacity, minimum=1)
+        if capacity > self.layout.max_tokens:
+            raise CacheFullError(
+                f"capacity={capacity} exceeds the store's max_tokens={self.layout.max_tokens}: "
+                "ask for less, or create the store with a larger max_tokens="
+            )
+        token = _new_token()
+        with self._locked():
+            t = self._table_np
+            free = np.flatnonzero(t[:, STATE] == 0)
+            if free.size == 0:
+                raise CacheFullError(
+                    f"store {self.name!r} holds max_seqs={self.layout.max_seqs} sequences already: "
+                    "free some, or create the store with a larger max_seqs="
+                )
+            slot = int(free[0])
+            start = self._alloc(capacity)
+            seq_id = self._hdr[_header.W_NEXT_ID]
+            self._hdr[_header.W_NEXT_ID] = seq_id + 1
+            row = self._row(slot)
+            with self._changing(row):
+                row[ID] = seq_id
+                row[START] = start
+                row[CAPACITY] = capacity
+                row[LENGTH] = 0
+                row[LEASE_START] = _segment.process_start_time(os.getpid())
+                row[LEASE_TOKEN] = token
+                row[LEASE_PID] = os.getpid()
+                row[STATE] = 1
+        return Sequence(self, seq_id, slot, write=True, token=token)
+
+    def sequence(self, seq_id: int, write: bool = False) -> Any:
+        """A handle on sequence ``seq_id``; ``write=True`` takes its write lease.
+
+        Raises:
+            SequenceNotFound: no live sequence has that id.
+            LeaseError: ``write=True`` and a live process (or another handle here) holds the lease.
+        """
+        from ._sequence import Sequence
+
+        self._check_open()
+        slot = self._slot_of(seq_id)
+        if not write:
+            return Sequence(self, int(seq_id), slot, write=False, token=0)
+        token = _new_token()
+        with self._locked():
+            slot = self._slot_of(seq_id)
+            row = self._row(slot)
+            self._check_not_leased_by_other(row, int(seq_id))
+            row[LEASE_START] = _segment.process_start_time(os.getpid())
+            row[LEASE_TOKEN] = token
+            row[LEASE_PID] = os.getpid()
+        return Sequence(self, int(seq_id), slot, write=True, token=token)
+
+    def sequences(self) -> list[SequenceInfo]:
+        """The live sequences, in id order."""
+        self._check_open()
+        out = []
+        for slot in np.flatnonzero(self._table_np[:, STATE] == 1):
+            r = self._table_np[slot].tolist()
+            alive = bool(r[LEASE_PID]) and _segment.pid_alive(r[LEASE_PID], r[LEASE_START])
+            out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN]))
+        return sorted(out, key=lambda s: s.id)
+
+    def copy_prefix(self, src_id: int, dst_id: int, n: int) -> None:
+        """Replace sequence ``dst_id``'s content with the first ``n`` tokens of ``src_id``.
+
+        dst grows (or moves) if its capacity is below n. dst must not be leased by
+        another live process; a write handle of this process on dst sees the new
+        content (its uncommitted tokens are dropped).
+        """
+        n = _count("n", n)
+        if int(src_id) == int(dst_id):
+            raise InvalidArgumentError(f"copy_prefix: src_id and dst_id are both {src_id}; use truncate() instead")
+        with self._locked():
+            s_row = self._row(self._slot_of(src_id))
+            d_slot = self._slot_of(dst_id)
+            d_row = self._row(d_slot)
+            if n > s_row[LENGTH]:
+                raise InvalidArgumentError(
+                    f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
+                )
+            self._check_not_leased_by_other(d_row, int(dst_id), allow_token=_own_token(d_row))
+            with self._changing(d_row):
+                if n > d_row[CAPACITY]:
+                    self._relocate(d_slot, d_row, n, keep=0)
+                s, d = s_row[START], d_row[START]
+                self._copy_cells(s, d, n)
+                d_row[LENGTH] = n
+
+    def _relocate(self, slot: int, row: memoryview, needed: int, keep: int) -> None:
+        """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).
+
+        Tried in order: grow in place into the free cells after the range;
+        slide down into free cells before it (plus any after); move to a free
+        range elsewhere. Sizes tried: twice the capacity, then exactly ``needed``.
+        """
+        start, cap = row[START], row[CAPACITY]
+        new_cap = min(max(needed, 2 * cap), self.layout.max_tokens)
+        gaps = self._free_ranges()
+        before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
+        after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
+        for want in dict.fromkeys((new_cap, needed)):
+            if cap + after[1] >= want:
+                self._reserve(start + cap, want - cap)
+                row[CAPACITY] = want
+                return
+            if before[1] + cap + after[1] >= want:
+                new_start = max(before[0], start + cap + after[1] - want)
+                self._reserve(new_start, want)
+                self._copy_cells(start, new_start, keep)  # overlapping: numpy buffers it
+                row[START], row[CAPACITY] = new_start, want
+                return
+        for want in dict.fromkeys((new_cap, needed)):
+            try:
+                new_start = self._alloc(want)
+            except CacheFullError:
+                continue
+            self._copy_cells(start, new_start, keep)
+            row[START], row[CAPACITY] = new_start, want
+            return
+        raise CacheFullError(
+            f"store {self.name!r}: sequence {row[ID]} needs {needed} token cells and no free range "
+            f"is that large ({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free): "
+            "free or truncate sequences, or create the store with a larger max_tokens="
+        )
+
+    # -- reading ---------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        """Occupancy: sequences, tokens, free cells and bytes."""
+        self._check_open()
+        t = self._table_np
+        live = t[t[:, STATE] == 1]
+        gaps = self._free_ranges()
+        bpt = 2 * self.layout.layers * self._off.cell_bytes + 16
+        tokens = int(live[:, LENGTH].sum())
+        reserved = int(live[:, CAPACITY].sum())
+        return StoreStats(
+            name=self.name,
+            sequences=int(live.shape[0]),
+            max_seqs=self.layout.max_seqs,
+            tokens=tokens,
+            reserved_tokens=reserved,
+            max_tokens=self.layout.max_tokens,
+            free_tokens=sum(s for _, s in gaps),
+            largest_free_range=max((s for _, s in gaps), default=0),
+            bytes_per_token=bpt,
+            bytes_used=tokens * bpt,
+            bytes_reserved=reserved * bpt,
+            clients=len(self.clients()),
+            generation=int(self._hdr[_header.W_GENERATION]),
+        )
+
+
+def _own_token(row: memoryview) -> int:
+    """The lease token on ``row`` if a live handle of this process holds it, else 0."""
+    if row[LEASE_PID] == os.getpid() and row[LEASE_TOKEN] in _live_writers:
+        return int(row[LEASE_TOKEN])
+    return 0
+
+
+def _new_token() -> int:
+    return secrets.randbits(62) + 1
+
+
+def _count(name: str, value: object, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(f"{name}={value!r} must be an int >= {minimum}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name}={value} must be >= {minimum}")
+    return int(value)
+
+
+# -- module-level lifecycle ----------------------------------------------------
+
+
+def _remove_names(name: str) -> bool:
+    found = _segment.unlink(_segment.header_name(name))
+    found = _segment.unlink(_segment.data_name(name)) or found
+    try:
+        os.unlink(_segment.lock_path(name))
+    except FileNotFoundError:
+        pass
+    return found
+
+
+def _cleanup_at_exit(name: str, pid: int, epoch_ref: list[int]) -> None:
+    # Runs at interpreter exit (or when the creator's handle is collected), only in
+    # the creating process: a forked child that exits must not remove the store.
+    if os.getpid() == pid and _segment.fork_epoch == epoch_ref[0]:
+        _remove_names(name)
+
+
+def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any = "float16",
+           max_tokens: int = 65536, max_seqs: int = 64, layer_types: list[str] | None = None,
+           window: int | None = None, chunk: int | None = None, memory: int | None = None,
+           persistent: bool = False, mode: int = 0o600, max_clients: int = DEFAULT_MAX_CLIENTS,
+           lock_timeout: float = _lock.DEFAULT_TIMEOUT) -> Store:
+    """Create the store ``name`` and return a read-write handle on it.
+
+    Args:
+        name: 1-24 characters of ``[A-Za-z0-9_-]``.
+        layers, kv_heads, head_dim: the geometry of K and V per token.
+        dtype: storage dtype: "float32", "float16" or "float64".
+        max_tokens: token cells in the arena, shared by all sequences.
+        max_seqs: rows of the sequence table.
+        persistent: keep the store after this process closes or exits
+            (until ``shmkv.remove(name)``); by default the creator removes it.
+        mode: permission bits of the segments (0o600; 0o660 to share with a group).
+
+    Raises:
+        StoreExistsError: a store of that name exists.
+        InvalidArgumentError: a bad name or layout value (the message names it).
+
+    Example:
+        >>> store = shmkv.create("demo", layers=4, kv_heads=2, head_dim=8)  # doctest: +SKIP
+    """
+    _segment.check_name(name)
+    layout = _header.make_layout(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                 max_tokens=max_tokens, max_seqs=max_seqs, layer_types=layer_types,
+                                 window=window, chunk=chunk, memory=memory)
+    max_clients = _count("max_clients", max_clients, minimum=1)
+    off = _header.offsets(layout, max_clients)
+    hseg = Segment.create(_segment.header_name(name), off.header_bytes, mode)
+    try:
+        try:
+            dseg = Segment.create(_segment.data_name(name), off.data_bytes, mode)
+        except BaseException:
+            hseg.unlink()
+            raise
+        try:
+            hseg.reserve([(0, off.header_bytes)])
+            words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
+            raw = np.frombuffer(hseg.mm, np.uint8)  # type: ignore[arg-type]
+            pid = os.getpid()
+            _header.write(words, raw, layout, off, max_clients=max_clients, creator_pid=pid,
+                          creator_start=_segment.process_start_time(pid), persistent=persistent)
+            del words, raw
+            store = Store(name, hseg, dseg, layout, max_clients, creator=True, persistent=persistent,
+                          lock_timeout=lock_timeout)
+            store._register_client()
+        except BaseException:
+            hseg.unlink()
+            dseg.unlink()
+            dseg.close()
+            raise
+    except BaseException:
+        hseg.close()
+        raise
+    if not persistent:
+        store._finalizer = weakref.finalize(store, _cleanup_at_exit, name, os.getpid(), [_segment.fork_epoch])
+    return store
+
+
+def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
+           lock_timeout: float = _lock.DEFAULT_TIMEOUT) -> Store:
+    """Attach to the existing store ``name``.
+
+    ``readonly=True`` maps the segments read-only: views are not writeable and
+    any write through the mapping faults. A read-only attachment is not listed
+    as a client (it cannot write the client table) and holds no leases.
+
+    Raises:
+        StoreNotFound: no store of that name (the message says how to list them).
+        CorruptStoreError: the segment is not an intact shmkv store.
+    """
+    _segment.check_name(name)
+    try:
+        hseg = Segment.open(_segment.header_name(name), readonly)
+    except StoreNotFound:
+        raise StoreNotFound(f"no store named {name!r} (shmkv.list_stores() or `shmkv ls` lists them)") from None
+    try:
+        words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8) if hseg.size >= 512 else None  # type: ignore[arg-type]
+        deadline = time.monotonic() + timeout
+        while words is not None and int(words[_header.W_MAGIC]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # the creator writes the magic last
+        raw = np.frombuffer(hseg.mm, np.uint8)  # type: ignore[arg-type]
+        layout, max_clients = _header.read(words if words is not None else np.zeros(64, np.int64), raw,
+                                           hseg.size, name)
+        persistent = bool(words[_header.W_PERSISTENT])  # type: ignore[index]
+        del words, raw
+        dseg = Segment.open(_segment.data_name(name), readonly)
+        off = _header.offsets(layout, max_clients)
+        if dseg.size < off.data_bytes:
+            dseg.close()
+            raise CorruptStoreError(
+                f"store {name!r}: data segment is {dseg.size} bytes, the header needs {off.data_bytes}"
+            )
+    except StoreNotFound:
+        hseg.close()
+        raise StoreNotFound(
+            f"no store named {name!r} (shmkv.list_stores() or `shmkv ls` lists them)"
+        ) from None
+    except BaseException:
+        hseg.close()
+        raise
+    store = Store(name, hseg, dseg, layout, max_clients, creator=False, persistent=persistent,
+                  lock_timeout=lock_timeout)
+    if not readonly:
+        try:
+            store._register_client()
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+def list_stores() -> list[str]:
+    """Names of the stores in /dev/shm (Linux; empty where shm cannot be listed)."""
+    pre, suf = _segment.PREFIX, ".h"
+    return [f[len(pre) : -len(suf)] for f in _segment.listdir() if f.startswith(pre) and f.endswith(suf)]
+
+
+def remove(name: str) -> None:
+    """Remove store ``name`` (segments and lock file). Attached processes keep their mappings.
+
+    Raises:
+        StoreNotFound: nothing of that name existed.
+    """
+    _segment.check_name(name)
+    if not _remove_names(name):
+        raise StoreNotFound(f"no store named {name!r} to remove (`shmkv ls` lists them)")
+
+
+def _store_owners(name: str) -> tuple[list[tuple[int, int]], bool] | None:
+    """(creator and client (pid, start) pairs, persistent) of a store, None if unreadable."""
+    try:
+        hseg = Segment.open(_segment.header_name(name), readonly=True)
+    except StoreNotFound:
+        return None
+    try:
+        words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
+        raw = np.frombuffer(hseg.mm, np.uint8)  # type: ignore[arg-type]
+        try:
+            layout, max_clients = _header.read(words, raw, hseg.size, name)
+        except CorruptStoreError:
+            return None
+        off = _header.offsets(layout, max_clients)
+        clients = np.frombuffer(hseg.mm, np.int64, max_clients * CLIENT_WORDS, off.client_off)  # type: ignore[arg-type]
+        owners = [(int(words[_header.W_CREATOR_PID]), int(words[_header.W_CREATOR_START]))]
+        owners += [(int(p), int(s)) for p, s in clients.reshape(-1, CLIENT_WORDS)[:, :2] if p]
+        persistent = bool(words[_header.W_PERSISTENT])
+        del words, raw, clients
+        return owners, persistent
+    finally:
+        hseg.close()
+
+
+def gc(*, include_persistent: bool = False, grace: float = 30.0) -> list[str]:
+    """Remove stores whose creator and read-write clients are all dead; return their names.
+
+    Persistent stores are kept unless ``include_persistent=True``. Segments that
+    are not intact stores (a creation that crashed half-way) are removed once
+    they are older than ``grace`` seconds, as are lock files with no store.
+    """
+    removed = []
+    names = set(list_stores())
+    for name in sorted(names):
+        info = _store_owners(name)
+        if info is None:
+            mtime = _segment.segment_mtime(_segment.header_name(name))
+            if mtime is not None and time.time() - mtime > grace:
+                _remove_names(name)
+                removed.append(name)
+            continue
+        owners, persistent = info
+        if persistent and not include_persistent:
+            continue
+        if not any(_segment.pid_alive(pid, start) for pid, start in owners):
+            _remove_names(name)
+            removed.append(name)
+    pre = _segment.PREFIX
+    for f in _segment.listdir():  # data segments and lock files whose header is gone
+        for suf in (".d", ".lock"):
+            if f.startswith(pre) and f.endswith(suf) and f[len(pre) : -len(suf)] not in names:
+                mtime = _segment.segment_mtime(f)
+                if mtime is not None and time.time() - mtime > grace:
+                    try:
+                        os.unlink(os.path.join(_segment.SHM_DIR, f))
+                    except FileNotFoundError:
+                        pass
+    return removed

@@ -1,0 +1,180 @@
+"""Bad input gets the right error class and a message that names it (issue 2, point 8)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import shmkv
+from shmkv import _header, _segment
+from shmkv.testing import unique_name
+
+
+def test_error_tree_mixes_in_builtins():
+    pairs = [
+        (shmkv.CacheFullError, MemoryError), (shmkv.LayoutMismatchError, ValueError),
+        (shmkv.SnapshotError, ValueError), (shmkv.LockTimeout, TimeoutError),
+        (shmkv.LeaseError, PermissionError), (shmkv.ReadOnlyError, PermissionError),
+        (shmkv.SequenceNotFound, KeyError), (shmkv.StoreNotFound, FileNotFoundError),
+        (shmkv.NotSupportedError, NotImplementedError), (shmkv.InvalidArgumentError, ValueError),
+        (shmkv.CorruptStoreError, ValueError), (shmkv.StoreExistsError, FileExistsError),
+    ]
+    for cls, builtin in pairs:
+        assert issubclass(cls, shmkv.ShmkvError) and issubclass(cls, builtin)
+        e = pickle.loads(pickle.dumps(cls("message 7")))
+        assert type(e) is cls and str(e) == "message 7"
+
+
+@pytest.mark.parametrize("name", ["", "a" * 25, "has space", "slash/x", "dot.x", None, 7, "ü"])
+def test_bad_names(name):
+    with pytest.raises(shmkv.InvalidArgumentError, match="store name"):
+        shmkv.create(name, layers=1, kv_heads=1, head_dim=1)
+    with pytest.raises(shmkv.InvalidArgumentError, match="store name"):
+        shmkv.attach(name)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"layers": 0}, "layers=0"), ({"kv_heads": -1}, "kv_heads=-1"), ({"head_dim": 2.5}, "head_dim=2.5"),
+    ({"max_tokens": 0}, "max_tokens=0"), ({"max_seqs": True}, "max_seqs=True"),
+    ({"dtype": "complex64"}, "complex64"), ({"dtype": "nonsense"}, "nonsense"),
+    ({"layer_types": ["full"]}, "one kind per layer"), ({"layer_types": ["full", "dense"]}, "dense"),
+])
+def test_bad_layout(kw, match):
+    params = dict(layers=2, kv_heads=1, head_dim=2)
+    params.update(kw)
+    with pytest.raises(shmkv.InvalidArgumentError, match=match):
+        shmkv.create(unique_name(), **params)
+
+
+def test_existing_and_missing_stores(store):
+    with pytest.raises(shmkv.StoreExistsError, match=store.name):
+        shmkv.create(store.name, layers=1, kv_heads=1, head_dim=1)
+    missing = unique_name("nope")
+    with pytest.raises(shmkv.StoreNotFound, match="shmkv ls"):
+        shmkv.attach(missing)
+    with pytest.raises(shmkv.StoreNotFound):
+        shmkv.remove(missing)
+
+
+def test_bad_append_arguments(store):
+    seq = store.create_sequence(capacity=4)
+    good = np.zeros((1, 2, 4), np.float32)
+    cases = [
+        ((0, np.zeros((1, 2, 5)), np.zeros((1, 2, 5))), "kv_heads=2, head_dim=4"),
+        ((0, np.zeros((1, 2, 4)), np.zeros((2, 2, 4))), "must both be"),
+        ((0, np.zeros((4,)), np.zeros((4,))), "must both be"),
+        ((0, np.zeros((1, 1, 2, 4)), np.zeros((1, 1, 2, 4))), "must both be"),
+        ((0, good.astype(np.complex64), good), "real numbers"),
+        ((0, np.full((1, 2, 4), "x"), good), "real numbers"),
+        ((2, good, good), "layer=2 is out of range"),
+        ((-1, good, good), "layer=-1"),
+        (("0", good, good), "must be an int"),
+    ]
+    for args, match in cases:
+        with pytest.raises(shmkv.InvalidArgumentError, match=match):
+            seq.append(*args)
+    assert seq.pending == 0 and seq.length == 0  # nothing was written
+
+
+def test_bad_counts_and_ids(store):
+    seq = store.create_sequence(capacity=4)
+    seq.extend(np.zeros((2, 3, 2, 4)), np.zeros((2, 3, 2, 4)))
+    with pytest.raises(shmkv.InvalidArgumentError, match="never extends"):
+        seq.truncate(4)
+    with pytest.raises(shmkv.InvalidArgumentError, match="n=-1"):
+        seq.truncate(-1)
+    with pytest.raises(shmkv.InvalidArgumentError, match="begin=2 end=1"):
+        seq.remove(2, 1)
+    with pytest.raises(shmkv.InvalidArgumentError, match="n=9"):
+        seq.shift_left(9)
+    with pytest.raises(shmkv.InvalidArgumentError, match="n=5 exceeds"):
+        seq.fork(5)
+    with pytest.raises(shmkv.SequenceNotFound, match="12345"):
+        store.sequence(12345)
+    with pytest.raises(shmkv.InvalidArgumentError, match="must be an int"):
+        store.sequence("1")
+    other = store.create_sequence(capacity=1)
+    with pytest.raises(shmkv.InvalidArgumentError, match="n=4 exceeds"):
+        store.copy_prefix(seq.id, other.id, 4)
+    with pytest.raises(shmkv.InvalidArgumentError, match="both"):
+        store.copy_prefix(seq.id, seq.id, 1)
+    with pytest.raises(shmkv.InvalidArgumentError, match="capacity=0"):
+        store.create_sequence(capacity=0)
+    assert seq.length == 3
+
+
+def test_bad_commit(store):
+    seq = store.create_sequence(capacity=4)
+    seq.append(0, np.zeros((2, 2, 4)), np.zeros((2, 2, 4)))
+    with pytest.raises(shmkv.InvalidArgumentError, match=r"different pending token counts \[2, 0\]"):
+        seq.commit()
+    seq.append(1, np.zeros((2, 2, 4)), np.zeros((2, 2, 4)))
+    with pytest.raises(shmkv.InvalidArgumentError, match="tokens must be 2 ints"):
+        seq.commit(tokens=[1, 2, 3])
+    with pytest.raises(shmkv.InvalidArgumentError, match="must increase"):
+        seq.commit(positions=[5, 5])
+    assert seq.length == 0
+    assert seq.commit(positions=[3, 7]) == 2
+    with pytest.raises(shmkv.InvalidArgumentError, match="after the last committed position 7"):
+        seq.extend(np.zeros((2, 1, 2, 4)), np.zeros((2, 1, 2, 4)), positions=[7])
+    assert seq.length == 2 and seq.pending == 0
+    with pytest.raises(shmkv.InvalidArgumentError, match=r"\[layers=2, n, kv_heads=2, head_dim=4\]"):
+        seq.extend(np.zeros((1, 1, 2, 4)), np.zeros((1, 1, 2, 4)))
+
+
+def test_freed_sequence_and_closed_store(make_store):
+    store = make_store()
+    seq = store.create_sequence()
+    reader = store.sequence(seq.id)
+    seq.free()
+    with pytest.raises(shmkv.SequenceNotFound, match="freed"):
+        reader.keys(0)
+    other = store.create_sequence()
+    store.close()
+    with pytest.raises(shmkv.StoreClosedError, match="attach again"):
+        store.create_sequence()
+    with pytest.raises(shmkv.StoreClosedError):
+        other.keys(0)
+
+
+def _forge(name: str, size: int, content: bytes) -> None:
+    seg = _segment.Segment.create(_segment.header_name(name), size)
+    assert seg.mm is not None
+    seg.mm[: len(content)] = content
+    seg.close()
+
+
+@pytest.mark.parametrize("what", ["foreign", "tiny", "version", "checksum", "no-data"])
+def test_foreign_or_damaged_header(make_store, what):
+    if what in ("version", "checksum", "no-data"):
+        store = make_store()
+        name = store.name
+        hdr = _segment.Segment.open(_segment.header_name(name), readonly=False)
+        words = np.frombuffer(hdr.mm, np.int64, 64)
+        if what == "version":
+            words[_header.W_VERSION] = 99
+        elif what == "checksum":
+            words[_header.W_KV_HEADS] = 3
+        else:
+            _segment.unlink(_segment.data_name(name))
+        del words
+        hdr.close()
+        expected = shmkv.StoreNotFound if what == "no-data" else shmkv.CorruptStoreError
+        match = {"version": "version 99", "checksum": "damaged", "no-data": "no store named"}[what]
+        with pytest.raises(expected, match=match):
+            shmkv.attach(name)
+        return
+    name = unique_name("forged")
+    try:
+        if what == "foreign":
+            _forge(name, 4096, b"not a shmkv header at all" * 10)
+            match = "bad magic"
+        else:
+            _forge(name, 100, b"\x00" * 100)
+            match = "too small"
+        with pytest.raises(shmkv.CorruptStoreError, match=match):
+            shmkv.attach(name, timeout=0.05)
+    finally:
+        _segment.unlink(_segment.header_name(name))
