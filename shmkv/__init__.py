@@ -5,6 +5,7 @@ See README.md for a tour and ../shared/DESIGN.md for the contract.
 
 from ._header import Layout
 from ._sequence import Sequence
+from ._snapshot import Snapshot, load, read_header
 from ._store import SequenceInfo, Store, StoreStats, attach, create, gc, list_stores, remove
 from .errors import (
     CacheFullError,
@@ -36,6 +37,7 @@ __all__ = [
     "NotSupportedError",
     "ReadOnlyError",
     "Sequence",
+    "Snapshot",
     "SequenceInfo",
     "SequenceNotFound",
     "ShmkvError",
@@ -50,5 +52,7 @@ __all__ = [
     "create",
     "gc",
     "list_stores",
+    "load",
+    "read_header",
     "remove",
 ]

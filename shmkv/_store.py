@@ -20,7 +20,7 @@ import os
 import secrets
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -270,10 +270,11 @@ class Store:
             row[GEN] += 1
             self._hdr[_header.W_GENERATION] += 1
 
-    def _free_ranges(self, exclude_slot: int = -1) -> list[tuple[int, int]]:
+    def _free_ranges(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+        """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order."""
         t = self._table_np
-        live = [(int(t[i, START]), int(t[i, CAPACITY])) for i in np.flatnonzero(t[:, STATE] == 1)
-                if i != exclude_slot]
+        live = [(int(t[i, START]), int(t[i, CAPACITY])) for i in np.flatnonzero(t[:, STATE] == 1)]
+        live += taken or []
         live.sort()
         gaps, pos = [], 0
         for start, cap in live:
@@ -284,9 +285,9 @@ class Store:
             gaps.append((pos, self.layout.max_tokens - pos))
         return gaps
 
-    def _alloc(self, capacity: int) -> int:
+    def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None) -> int:
         """First-fit a range of ``capacity`` cells (lock held); reserve its pages."""
-        gaps = self._free_ranges()
+        gaps = self._free_ranges(taken)
         for start, size in gaps:
             if size >= capacity:
                 self._reserve(start, capacity)
@@ -472,6 +473,35 @@ class Store:
             f"is that large ({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free): "
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
+
+    # -- snapshots ---------------------------------------------------------------
+
+    def save(self, path: Any, seq_ids: list[int] | None = None, *,
+             progress: Callable[[int, int], None] | None = None) -> int:
+        """Write a msgpack snapshot of the store (or of ``seq_ids``) to a path or binary file.
+
+        Decode workers keep appending while it runs; each sequence is saved at
+        its committed length. A path is replaced atomically. Returns bytes written.
+
+        Example:
+            >>> store.save("/tmp/cache.shmkv")       # doctest: +SKIP
+        """
+        from . import _snapshot
+
+        return _snapshot.save(self, path, seq_ids, progress)
+
+    def restore(self, path: Any, seq_ids: list[int] | None = None, *,
+                progress: Callable[[int, int], None] | None = None) -> list[int]:
+        """Restore sequences from a snapshot (path or binary file), all or nothing; return their ids.
+
+        Raises:
+            SnapshotError: the file is damaged or not a snapshot (the store is unchanged).
+            LayoutMismatchError: the snapshot's geometry differs from the store's.
+            CacheFullError: the store has no room (the store is unchanged).
+        """
+        from . import _snapshot
+
+        return _snapshot.restore(self, path, seq_ids, progress)
 
     # -- reading ---------------------------------------------------------------
 

@@ -127,3 +127,15 @@ def write_through_readonly_mapping(name: str) -> None:
     addr = keys.__array_interface__["data"][0]
     ctypes.memset(addr, 0x7F, 4)
     raise AssertionError("wrote into a read-only mapping")
+
+
+def save_forever(name: str, path: str, ready_path: str) -> None:
+    """Save the store to ``path`` in a loop until killed."""
+    store = shmkv.attach(name, readonly=True)
+    first = True
+    while True:
+        store.save(path)
+        if first:
+            with open(ready_path, "w") as f:
+                f.write("saved")
+            first = False

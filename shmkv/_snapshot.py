@@ -1,0 +1,575 @@
+"""Snapshot files: a msgpack stream of a store's sequences.
+
+Format (version 1), a stream of msgpack objects that any msgpack reader walks:
+
+1. a header map, keys in this order::
+
+       format     "shmkv-snapshot"
+       version    1
+       layout     map: layers, kv_heads, head_dim, dtype, layer_types, window,
+                  chunk, memory, max_tokens, max_seqs
+       sequences  array of maps: id, length, capacity, tokens (bin, int64 LE),
+                  positions (bin, int64 LE)
+       chunk      largest bin in the stream (64 MiB)
+       meta_crc   crc32 of the msgpack encoding of the map's first five entries
+       checksums  bin: one uint32 LE crc32 per array below, in stream order
+
+2. the arrays, in order: for each sequence, K of layer 0..L-1 then V of layer
+   0..L-1, each ``length x kv_heads x head_dim`` values of the storage dtype
+   (little-endian, C order), split into ``bin`` values of at most 64 MiB (the
+   default streaming unpacker refuses larger); an empty array has no bin.
+
+Saving writes each array straight from shared memory (no packb of arrays).
+A sequence is captured at its committed length; appends beyond it go on
+untouched. A structural change of a sequence during the save (seen through its
+seqlock generation) restarts the file, and the last attempt holds the store
+lock. A path target is written to a temporary file in the same directory,
+fsynced, renamed into place and the directory fsynced: a crash leaves the old
+file or the new one. Restore reads everything into ranges that no sequence
+owns yet and publishes them only when every checksum matched: all or nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from . import _dtypes, _header, _lock, _segment
+from ._header import CAPACITY, GEN, ID, LEASE_PID, LENGTH, START, STATE, Layout
+from .errors import (
+    CacheFullError, InvalidArgumentError, LayoutMismatchError, SequenceNotFound, ShmkvError, SnapshotError,
+)
+
+if TYPE_CHECKING:
+    from ._store import Store
+
+FORMAT = "shmkv-snapshot"
+VERSION = 1
+CHUNK = 64 << 20
+MAX_HEADER = 512 << 20
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+_SAVE_ATTEMPTS = 4
+
+
+@dataclass
+class _Seq:
+    id: int
+    length: int
+    capacity: int
+    start: int = 0
+    gen: int = 0
+    slot: int = -1
+    tokens: np.ndarray | None = None
+    positions: np.ndarray | None = None
+
+
+def _layout_dict(layout: Layout) -> dict[str, Any]:
+    return {
+        "layers": layout.layers, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
+        "dtype": layout.dtype, "layer_types": list(layout.layer_types), "window": layout.window,
+        "chunk": layout.chunk, "memory": layout.memory, "max_tokens": layout.max_tokens,
+        "max_seqs": layout.max_seqs,
+    }
+
+
+# -- saving ------------------------------------------------------------------
+
+
+def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
+    """Each sequence's (start, length, generation) and token ids/positions, seqlock-consistent."""
+    t = store._table_np
+    if ids is None:
+        slots = [int(i) for i in np.flatnonzero(t[:, STATE] == 1)]
+    else:
+        slots = [store._slot_of(i) for i in ids]
+    out = []
+    for slot in slots:
+        row = store._row(slot)
+        for i in range(2000):
+            g = row[GEN]
+            if not g & 1:
+                sid, start, cap, length = row[ID], row[START], row[CAPACITY], row[LENGTH]
+                toks = store._tokens[start : start + length].copy()
+                poss = store._positions[start : start + length].copy()
+                if row[GEN] == g:
+                    if row[STATE] == 1:
+                        out.append(_Seq(sid, length, cap, start, g, slot, toks, poss))
+                    elif ids is not None:
+                        raise SequenceNotFound(f"store {store.name!r}: sequence {sid} was freed during the save")
+                    break
+            if i > 20:
+                time.sleep(0.0002)  # a structural op (a move, say) is running
+        else:
+            raise ShmkvError(f"store {store.name!r}: sequence in slot {slot} kept changing for 0.4 s; save again")
+    if ids is not None and len({s.id for s in out}) != len(out):
+        raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice")
+    return sorted(out, key=lambda s: s.id)
+
+
+def _unchanged(store: Store, seqs: list[_Seq]) -> bool:
+    return all(store._row(s.slot)[GEN] == s.gen and store._row(s.slot)[ID] == s.id for s in seqs)
+
+
+def _arrays(store: Store, s: _Seq) -> list[np.ndarray]:
+    a, b = s.start, s.start + s.length
+    return [store._K[layer, a:b] for layer in range(store.layout.layers)] + [
+        store._V[layer, a:b] for layer in range(store.layout.layers)
+    ]
+
+
+def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "layout": _layout_dict(store.layout),
+        "sequences": [
+            {"id": s.id, "length": s.length, "capacity": s.capacity,
+             "tokens": s.tokens.astype("<i8").tobytes(), "positions": s.positions.astype("<i8").tobytes()}  # type: ignore[union-attr]
+            for s in seqs
+        ],
+        "chunk": CHUNK,
+    }
+    meta_crc = zlib.crc32(msgpack.packb(meta))
+    meta["meta_crc"] = meta_crc
+    meta["checksums"] = np.asarray(crcs, "<u4").tobytes()
+    out: bytes = msgpack.packb(meta)
+    return out
+
+
+def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress | None) -> int:
+    arrays = [a for s in seqs for a in _arrays(store, s)]
+    crcs = [zlib.crc32(a) for a in arrays]  # zlib releases the GIL; ~3 GB/s
+    head = _header_bytes(store, seqs, crcs)
+    total = len(head) + sum(a.nbytes + 5 * -(-a.nbytes // CHUNK) for a in arrays)
+    done = len(head)
+    f.write(head)
+    if progress:
+        progress(done, total)
+    for a in arrays:
+        if not a.nbytes:
+            continue
+        mv = memoryview(a).cast("B")  # straight from shared memory
+        for pos in range(0, a.nbytes, CHUNK):
+            part = mv[pos : pos + CHUNK]
+            f.write(b"\xc6" + len(part).to_bytes(4, "big"))
+            f.write(part)
+            done += len(part) + 5
+            if progress:
+                progress(done, total)
+    return total
+
+
+def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: Progress | None = None) -> int:
+    """Write a snapshot of ``store`` (or of ``seq_ids``) to a path or a binary file object.
+
+    Returns the number of bytes written. See the module docstring for the format
+    and the guarantees.
+    """
+    store._check_open()
+    ids = None if seq_ids is None else [int(i) for i in seq_ids]
+    if isinstance(target, (str, bytes, os.PathLike)):
+        return _save_path(store, os.fsdecode(target), ids, progress)
+    if not hasattr(target, "write"):
+        raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file")
+    # a stream cannot be rewound: hold the store lock so no structural change can race
+    with _lock.held(store._lock_path, store.name, store.lock_timeout):
+        seqs = _capture(store, ids)
+        total = _write_once(store, target, seqs, progress)
+    flush = getattr(target, "flush", None)
+    if flush is not None:
+        flush()  # a buffered pipe or socket would otherwise hold the tail back
+    return total
+
+
+def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progress | None) -> int:
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"cannot save to {path!r}: directory {directory!r} does not exist") from None
+    try:
+        with open(fd, "wb", buffering=0) as f:
+            for attempt in range(_SAVE_ATTEMPTS):
+                last = attempt == _SAVE_ATTEMPTS - 1
+                with (_lock.held(store._lock_path, store.name, store.lock_timeout) if last
+                      else contextlib.nullcontext()):
+                    f.seek(0)
+                    f.truncate()
+                    seqs = _capture(store, ids)
+                    total = _write_once(store, f, seqs, progress)
+                    if last or _unchanged(store, seqs):
+                        break
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return total
+
+
+# -- reading -------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """A parsed, checked snapshot header (``shmkv.read_header`` returns one)."""
+
+    layout: Layout
+    sequences: list[_Seq]
+    checksums: np.ndarray
+    chunk: int
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return [s.id for s in self.sequences]
+
+    @property
+    def nbytes(self) -> int:
+        cell = self.layout.cell_items * _dtypes.itemsize(self.layout.dtype)
+        return sum(2 * self.layout.layers * s.length * cell for s in self.sequences)
+
+
+class _Reader:
+    """Reads a snapshot stream: the header via msgpack, arrays straight into memory."""
+
+    def __init__(self, f: IO[bytes], where: str) -> None:
+        self.f = f
+        self.where = where
+        self.pending = b""  # bytes read past the header
+        self.offset = 0  # stream offset of the next byte to consume
+
+    def _fail(self, what: str) -> SnapshotError:
+        return SnapshotError(f"{self.where}: {what}")
+
+    def header(self) -> Snapshot:
+        unp = msgpack.Unpacker(raw=False, max_buffer_size=MAX_HEADER, strict_map_key=True)
+        fed: list[bytes] = []
+        # read1 returns what a pipe or socket has now; read(n) would wait for n bytes
+        read = getattr(self.f, "read1", self.f.read)
+        while True:
+            chunk = read(1 << 16)
+            if not chunk:
+                if not fed:
+                    raise self._fail("empty file, not a shmkv snapshot")
+                raise self._fail(f"truncated inside the header (after {sum(map(len, fed))} bytes)")
+            fed.append(chunk)
+            try:
+                unp.feed(chunk)
+            except msgpack.BufferFull:
+                raise self._fail(f"header larger than {MAX_HEADER} bytes: not a shmkv snapshot") from None
+            try:
+                obj = unp.unpack()
+                break
+            except msgpack.OutOfData:
+                continue
+            except (ValueError, msgpack.UnpackException, TypeError) as e:
+                raise self._fail(f"not a msgpack stream at the start ({e})") from None
+        data = b"".join(fed)
+        used = unp.tell()
+        self.pending = data[used:]
+        self.offset = used
+        return _parse_header(obj, self._fail)
+
+    def _read(self, n: int) -> bytes:
+        out = self.pending[:n]
+        self.pending = self.pending[n:]
+        while len(out) < n:
+            more = self.f.read(n - len(out))
+            if not more:
+                break
+            out += more
+        self.offset += len(out)
+        return out
+
+    def _readinto(self, mv: memoryview) -> int:
+        got = 0
+        if self.pending:
+            k = min(len(self.pending), len(mv))
+            mv[:k] = self.pending[:k]
+            self.pending = self.pending[k:]
+            got = k
+        readinto = getattr(self.f, "readinto", None)
+        while got < len(mv):
+            if readinto is not None:
+                k = readinto(mv[got:])
+            else:
+                b = self.f.read(len(mv) - got)
+                k = len(b)
+                mv[got : got + k] = b
+            if not k:
+                break
+            got += k
+        self.offset += got
+        return got
+
+    def array(self, dest: memoryview | None, nbytes: int, crc: int, what: str) -> None:
+        """Read one array of ``nbytes`` into ``dest`` (or a scratch buffer) and check its crc."""
+        c = 0
+        pos = 0
+        scratch = None
+        while pos < nbytes:
+            at = self.offset
+            h = self._read(1)
+            if not h:
+                raise self._fail(f"truncated at byte {at}: {what} is missing")
+            kind = h[0]
+            width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(kind)
+            if width is None:
+                raise self._fail(f"byte {at}: expected a msgpack bin for {what}, found type byte 0x{kind:02x}")
+            lb = self._read(width)
+            if len(lb) < width:
+                raise self._fail(f"truncated at byte {at}: {what} is missing")
+            n = int.from_bytes(lb, "big")
+            if n == 0 or n > nbytes - pos or n > CHUNK:
+                raise self._fail(f"byte {at}: a bin of {n} bytes does not fit {what} ({nbytes - pos} left)")
+            if dest is not None:
+                target = dest[pos : pos + n]
+            else:
+                if scratch is None or len(scratch) < n:
+                    scratch = memoryview(bytearray(min(CHUNK, nbytes)))
+                target = scratch[:n]
+            got = self._readinto(target)
+            if got < n:
+                raise self._fail(f"truncated at byte {self.offset}: {what} has {pos + got} of {nbytes} bytes")
+            c = zlib.crc32(target, c)
+            pos += n
+        if c != crc:
+            raise self._fail(f"checksum mismatch in {what} (data damaged)")
+
+    def at_end(self) -> bool:
+        return not self.pending and not self.f.read(1)
+
+
+def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        fmt = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
+        raise fail(f"not a shmkv snapshot (format {fmt!r}, expected {FORMAT!r})")
+    if obj.get("version") != VERSION:
+        raise fail(f"snapshot version {obj.get('version')!r}; this shmkv reads version {VERSION}")
+    keys = ["format", "version", "layout", "sequences", "chunk"]
+    if list(obj)[:7] != [*keys, "meta_crc", "checksums"]:
+        raise fail(f"header keys {list(obj)} are not those of version {VERSION}")
+    meta = {k: obj[k] for k in keys}
+    if zlib.crc32(msgpack.packb(meta)) != obj["meta_crc"]:
+        raise fail("header checksum mismatch (meta_crc): the header is damaged")
+
+    def need(d: Any, key: str, typ: type, where: str) -> Any:
+        v = d.get(key) if isinstance(d, dict) else None
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise fail(f"{where}.{key} is {v!r}, expected {typ.__name__}")
+        return v
+
+    lay = obj["layout"]
+    try:
+        layout = _header.make_layout(
+            layers=need(lay, "layers", int, "layout"), kv_heads=need(lay, "kv_heads", int, "layout"),
+            head_dim=need(lay, "head_dim", int, "layout"), dtype=need(lay, "dtype", str, "layout"),
+            max_tokens=need(lay, "max_tokens", int, "layout"), max_seqs=need(lay, "max_seqs", int, "layout"),
+            layer_types=need(lay, "layer_types", list, "layout"), window=need(lay, "window", int, "layout"),
+            chunk=need(lay, "chunk", int, "layout"), memory=need(lay, "memory", int, "layout"),
+        )
+    except SnapshotError:
+        raise
+    except ShmkvError as e:
+        raise fail(f"layout is not usable: {e}") from None
+    seq_list = obj["sequences"]
+    if not isinstance(seq_list, list):
+        raise fail("sequences is not an array")
+    seqs = []
+    for i, s in enumerate(seq_list):
+        where = f"sequences[{i}]"
+        sid, length = need(s, "id", int, where), need(s, "length", int, where)
+        cap = need(s, "capacity", int, where)
+        toks, poss = need(s, "tokens", bytes, where), need(s, "positions", bytes, where)
+        if sid < 1 or not 0 <= length <= cap or len(toks) != 8 * length or len(poss) != 8 * length:
+            raise fail(f"{where} (id {sid}) declares inconsistent sizes: length {length}, capacity {cap}, "
+                       f"{len(toks)} token bytes, {len(poss)} position bytes")
+        seqs.append(_Seq(sid, length, cap, tokens=np.frombuffer(toks, "<i8").astype(np.int64),
+                         positions=np.frombuffer(poss, "<i8").astype(np.int64)))
+    if len({s.id for s in seqs}) != len(seqs):
+        raise fail("sequence ids repeat")
+    sums = obj["checksums"]
+    n_arrays = 2 * layout.layers * len(seqs)
+    if not isinstance(sums, bytes) or len(sums) != 4 * n_arrays:
+        raise fail(f"checksums hold {len(sums) if isinstance(sums, bytes) else sums!r} bytes, "
+                   f"expected {4 * n_arrays}")
+    return Snapshot(layout, seqs, np.frombuffer(sums, "<u4"), need(obj, "chunk", int, "header"))
+
+
+@contextlib.contextmanager
+def _open_source(source: Any) -> Iterator[tuple[_Reader, bool]]:
+    if isinstance(source, (str, bytes, os.PathLike)):
+        path = os.fsdecode(source)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot file {path!r} does not exist") from None
+        with f:
+            yield _Reader(f, path), True
+    elif hasattr(source, "read"):
+        yield _Reader(source, getattr(source, "name", "snapshot stream")), False
+    else:
+        raise InvalidArgumentError(f"snapshot source {source!r} is neither a path nor a readable binary file")
+
+
+def read_header(source: Any) -> Snapshot:
+    """Parse and check a snapshot's header (layout, sequences) without reading the arrays."""
+    with _open_source(source) as (reader, _):
+        return reader.header()
+
+
+def restore(store: Store, source: Any, seq_ids: list[int] | None = None, progress: Progress | None = None,
+            _reader: _Reader | None = None, _is_file: bool = False) -> list[int]:
+    """Restore sequences from a snapshot into ``store``, all or nothing; return their ids.
+
+    Sequences whose ids exist in the store are replaced (they must not be
+    leased by another live process); others are created with the snapshot's ids.
+    A store of another geometry (layers, kv_heads, head_dim, dtype) raises
+    LayoutMismatchError; capacity limits may differ.
+    """
+    store._check_writable()
+    if _reader is not None:
+        return _restore(store, _reader, _is_file, seq_ids, progress)
+    with _open_source(source) as (reader, is_file):
+        return _restore(store, reader, is_file, seq_ids, progress)
+
+
+def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | None,
+             progress: Progress | None) -> list[int]:
+    snap = reader.header() if not hasattr(reader, "snapshot") else reader.snapshot  # type: ignore[attr-defined]
+    lay = store.layout
+    if snap.layout.geometry != lay.geometry or snap.layout.layer_types != lay.layer_types:
+        raise LayoutMismatchError(
+            f"{reader.where}: snapshot geometry (layers, kv_heads, head_dim, dtype) {snap.layout.geometry} "
+            f"and layer kinds differ from store {store.name!r}'s {lay.geometry}; restore into a store "
+            f"created with the same geometry (shmkv.load creates one)"
+        )
+    ids = snap.seq_ids
+    if seq_ids is not None:
+        wanted = [int(i) for i in seq_ids]
+        missing = [i for i in wanted if i not in ids]
+        if missing:
+            raise SequenceNotFound(f"{reader.where}: sequences {missing} are not in the snapshot (it has {ids})")
+        selected = set(wanted)
+    else:
+        selected = set(ids)
+    cell = lay.cell_items * _dtypes.itemsize(lay.dtype)
+    total = sum(2 * lay.layers * s.length * cell for s in snap.sequences)
+    with _lock.held(store._lock_path, store.name, store.lock_timeout):
+        t = store._table_np
+        plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1, staged start)
+        taken: list[tuple[int, int]] = []
+        free_slots = [int(i) for i in np.flatnonzero(t[:, STATE] == 0)]
+        for s in snap.sequences:
+            if s.id not in selected:
+                continue
+            hits = np.flatnonzero((t[:, ID] == s.id) & (t[:, STATE] == 1))
+            slot = int(hits[0]) if hits.size else -1
+            if slot >= 0:
+                store._check_not_leased_by_other(store._row(slot), s.id, allow_token=_own(store, slot))
+            elif not free_slots:
+                raise CacheFullError(
+                    f"store {store.name!r} has no free sequence slot for sequence {s.id} of {reader.where} "
+                    f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
+                )
+            else:
+                free_slots.pop(0)
+            cap = max(1, min(max(s.capacity, s.length), lay.max_tokens))
+            if s.length > lay.max_tokens:
+                raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
+                                     f"store {store.name!r}'s max_tokens={lay.max_tokens}")
+            try:
+                start = store._alloc(cap, taken)
+            except CacheFullError:
+                cap = max(1, s.length)
+                start = store._alloc(cap, taken)
+            taken.append((start, cap))
+            plan.append((s, slot, start))
+        # stream every array; those selected land in their staged (unpublished) ranges
+        by_id = {p[0].id: p for p in plan}
+        done = 0
+        k = 0
+        for s in snap.sequences:
+            p = by_id.get(s.id)
+            for kind, arr in (("keys", store._K), ("values", store._V)):
+                for layer in range(lay.layers):
+                    nbytes = s.length * cell
+                    dest = memoryview(arr[layer, p[2] : p[2] + s.length]).cast("B") if p and nbytes else None
+                    reader.array(dest, nbytes, int(snap.checksums[k]),
+                                 f"sequence {s.id} layer {layer} {kind}")
+                    k += 1
+                    done += nbytes
+                    if progress:
+                        progress(done, total)
+        if is_file and not reader.at_end():
+            raise reader._fail(f"unexpected data after the last array (byte {reader.offset})")
+        # everything checked: publish
+        next_id = store._hdr[_header.W_NEXT_ID]
+        for s, slot, start in plan:
+            cap = next(c for st_, c in taken if st_ == start)
+            store._tokens[start : start + s.length] = s.tokens
+            store._positions[start : start + s.length] = s.positions
+            if slot < 0:
+                slot = int(np.flatnonzero(t[:, STATE] == 0)[0])
+                row = store._row(slot)
+                with store._changing(row):
+                    row[ID], row[START], row[CAPACITY], row[LENGTH], row[LEASE_PID] = s.id, start, cap, s.length, 0
+                    row[STATE] = 1
+            else:
+                row = store._row(slot)
+                with store._changing(row):
+                    row[START], row[CAPACITY], row[LENGTH] = start, cap, s.length
+            next_id = max(next_id, s.id + 1)
+        store._hdr[_header.W_NEXT_ID] = next_id
+    return [p[0].id for p in plan]
+
+
+def _own(store: Store, slot: int) -> int:
+    from ._store import _own_token
+
+    return _own_token(store._row(slot))
+
+
+def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | None = None,
+         max_seqs: int | None = None, progress: Progress | None = None, **create_kw: Any) -> Store:
+    """Create store ``name`` with a snapshot's layout and restore the whole snapshot into it."""
+    from ._store import create
+
+    with _open_source(source) as (reader, is_file):
+        snap = reader.header()
+        lay = snap.layout
+        need_tokens = sum(max(1, s.length) for s in snap.sequences)
+        store = create(
+            name, layers=lay.layers, kv_heads=lay.kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
+            max_tokens=max_tokens or max(lay.max_tokens, need_tokens),
+            max_seqs=max_seqs or max(lay.max_seqs, len(snap.sequences)),
+            layer_types=list(lay.layer_types), window=lay.window or None, chunk=lay.chunk or None,
+            memory=lay.memory or None, persistent=persistent, **create_kw,
+        )
+        try:
+            reader.snapshot = snap  # type: ignore[attr-defined]
+            _restore(store, reader, is_file, None, progress)
+        except BaseException:
+            store.unlink()
+            raise
+    return store
+
+
+__all__ = ["Snapshot", "load", "read_header", "restore", "save"]
+_ = (_segment, LEASE_PID)

@@ -1,0 +1,241 @@
+"""Snapshot files (issue 3)."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import signal
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+import shmkv
+from shmkv.testing import start_in_process, unique_name
+
+from _children import save_forever, writer_loop
+
+
+def _fill(store: shmkv.Store, rng: np.random.Generator, n_seqs: int = 5) -> dict[int, tuple]:
+    lay = store.layout
+    made = {}
+    for i in range(n_seqs):
+        n = int(rng.integers(0, 30)) if i else 0  # one empty sequence
+        seq = store.create_sequence(capacity=max(1, n))
+        k = rng.standard_normal((lay.layers, n, lay.kv_heads, lay.head_dim))
+        v = rng.standard_normal((lay.layers, n, lay.kv_heads, lay.head_dim))
+        toks = rng.integers(0, 50_000, n)
+        pos = np.cumsum(rng.integers(1, 4, n)) if n else np.zeros(0, int)
+        seq.extend(k, v, tokens=toks, positions=pos)
+        seq.release()
+        made[seq.id] = n
+    return made
+
+
+def _content(store: shmkv.Store) -> dict[int, tuple]:
+    out = {}
+    for info in store.sequences():
+        s = store.sequence(info.id)
+        layers = range(store.layout.layers)
+        out[info.id] = (
+            np.stack([s.keys(layer) for layer in layers]).tobytes(),
+            np.stack([s.values(layer) for layer in layers]).tobytes(),
+            s.tokens.tolist(),
+            s.positions.tolist(),
+        )
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_round_trip_bit_for_bit(make_store, tmp_path, dtype):
+    store = make_store(layers=3, kv_heads=2, head_dim=4, dtype=dtype, max_tokens=512, max_seqs=8)
+    _fill(store, np.random.default_rng(1))
+    before = _content(store)
+    path = tmp_path / "snap.shmkv"
+    seen = []
+    nbytes = store.save(path, progress=lambda done, total: seen.append((done, total)))
+    assert nbytes == path.stat().st_size
+    assert seen[-1] == (nbytes, nbytes) and all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
+    # any msgpack reader walks it: one header map, then bins
+    with open(path, "rb") as f:
+        objs = list(msgpack.Unpacker(f, raw=False))
+    assert objs[0]["format"] == "shmkv-snapshot" and all(isinstance(o, bytes) for o in objs[1:])
+    name = unique_name()
+    loaded = shmkv.load(path, name=name)
+    try:
+        assert _content(loaded) == before
+        assert loaded.layout.geometry == store.layout.geometry
+    finally:
+        loaded.close()
+    # restore into the same store after damage to it
+    for info in store.sequences():
+        w = store.sequence(info.id, write=True)
+        w.truncate(0)
+        w.free()
+    assert store.restore(path) == sorted(before)
+    assert _content(store) == before
+
+
+def test_partial_save_and_partial_restore(make_store, tmp_path):
+    store = make_store(max_tokens=512)
+    _fill(store, np.random.default_rng(2))
+    before = _content(store)
+    ids = sorted(before)
+    path = tmp_path / "part.shmkv"
+    store.save(path, seq_ids=ids[1:3])
+    assert shmkv.read_header(path).seq_ids == ids[1:3]
+    other = make_store(max_tokens=300, max_seqs=3)  # other limits, same geometry
+    assert other.restore(path, seq_ids=[ids[2]]) == [ids[2]]
+    assert _content(other) == {ids[2]: before[ids[2]]}
+    with pytest.raises(shmkv.SequenceNotFound, match=str(ids[0])):
+        other.restore(path, seq_ids=[ids[0]])
+    # restored ids are not handed out again
+    assert other.create_sequence().id > ids[2]
+
+
+def test_streams_and_layout_mismatch(make_store):
+    store = make_store()
+    _fill(store, np.random.default_rng(3))
+    r, w = os.pipe()
+    with open(w, "wb") as wf, open(r, "rb") as rf:
+        t = threading.Thread(target=store.save, args=(wf,))
+        t.start()
+        name = unique_name()
+        loaded = shmkv.load(rf, name=name)
+        t.join()
+    try:
+        assert _content(loaded) == _content(store)
+    finally:
+        loaded.close()
+    buf = io.BytesIO()
+    store.save(buf)
+    for kw in ({"head_dim": 5}, {"dtype": "float16"}, {"layers": 3}):
+        other = make_store(**kw)
+        buf.seek(0)
+        with pytest.raises(shmkv.LayoutMismatchError, match="geometry"):
+            other.restore(buf)
+        assert other.sequences() == []
+
+
+def _damaged_variants(data: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
+    out = [("empty", b""), ("random", bytes(rng.getrandbits(8) for _ in range(5000))),
+           ("foreign msgpack", msgpack.packb({"hello": [1, 2, 3]})),
+           ("foreign format", msgpack.packb({"format": "npy", "version": 1})),
+           ("trailing garbage", data + b"\x00\x01")]
+    for cut in sorted({1, 2, 10, 50, len(data) // 3, len(data) // 2, len(data) - 5, len(data) - 1}
+                      | {rng.randrange(1, len(data)) for _ in range(25)}):
+        out.append((f"truncated at {cut}", data[:cut]))
+    for _ in range(60):
+        at = rng.randrange(len(data))
+        flipped = bytearray(data)
+        flipped[at] ^= 1 << rng.randrange(8)
+        out.append((f"bit flipped at {at}", bytes(flipped)))
+    # a header that declares absurd sizes (consistent meta_crc, lying lengths)
+    head = next(iter(msgpack.Unpacker(io.BytesIO(data), raw=False)))
+    meta = {k: head[k] for k in ["format", "version", "layout", "sequences", "chunk"]}
+    meta["sequences"][1]["length"] = 1 << 40
+    meta["layout"]["max_tokens"] = 1 << 45
+    import zlib
+
+    meta["meta_crc"] = zlib.crc32(msgpack.packb({k: meta[k] for k in list(meta)[:5]}))
+    meta["checksums"] = head["checksums"]
+    out.append(("absurd sizes", msgpack.packb(meta)))
+    return out
+
+
+def test_damaged_files_are_refused_and_store_untouched(make_store, tmp_path):
+    seed = 20261122
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    src = make_store(max_tokens=512)
+    _fill(src, np.random.default_rng(4))
+    good = io.BytesIO()
+    src.save(good)
+    data = good.getvalue()
+    target = make_store(max_tokens=512)
+    _fill(target, np.random.default_rng(5), n_seqs=3)
+    before = _content(target)
+    path = tmp_path / "bad.shmkv"
+    for what, blob in _damaged_variants(data, rng):
+        path.write_bytes(blob)
+        with pytest.raises(shmkv.SnapshotError) as info:
+            target.restore(path)
+        assert str(path) in str(info.value), what
+        with pytest.raises(shmkv.SnapshotError):
+            shmkv.load(path, name=unique_name())
+        assert _content(target) == before, what
+    assert len(target.sequences()) == 3
+
+
+def test_killing_the_saver_never_damages_the_target(make_store, tmp_path):
+    store = make_store(layers=4, kv_heads=4, head_dim=64, max_tokens=8192, max_seqs=4)
+    rng = np.random.default_rng(6)
+    for _ in range(3):
+        s = store.create_sequence(capacity=2000)
+        s.extend(rng.standard_normal((4, 2000, 4, 64)), rng.standard_normal((4, 2000, 4, 64)))
+    path = tmp_path / "target.shmkv"
+    store.save(path)
+    want = _content(store)
+    seed = 7
+    print(f"seed={seed}")
+    r = random.Random(seed)
+    for i in range(6):
+        ready = tmp_path / f"ready{i}"
+        child = start_in_process(save_forever, store.name, str(path), str(ready), start_method="fork", timeout=60)
+        t_end = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < t_end
+            time.sleep(0.005)
+        time.sleep(r.uniform(0, 0.05))
+        child.kill(signal.SIGKILL)
+        with pytest.raises(Exception):
+            child.result()
+        name = unique_name()
+        loaded = shmkv.load(path, name=name)  # SnapshotError here would be a damaged target
+        try:
+            assert _content(loaded) == want
+        finally:
+            loaded.close()
+    for f in tmp_path.iterdir():  # leftovers are temporary files only, never the target
+        assert f.name == "target.shmkv" or f.name.startswith((".target.shmkv.tmp-", "ready"))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_save_while_two_writers_append(make_store, tmp_path, method):
+    store = make_store(layers=3, kv_heads=2, head_dim=4, max_tokens=8192, max_seqs=4)
+    ids = []
+    for _ in range(2):
+        s = store.create_sequence(capacity=16)
+        ids.append(s.id)
+        s.release()
+    n = 600
+    writers = [start_in_process(writer_loop, store.name, i, n, 0, start_method=method, timeout=120) for i in ids]
+    paths = []
+    while any(w.process.is_alive() for w in writers) and len(paths) < 40:
+        p = tmp_path / f"s{len(paths)}.shmkv"
+        store.save(p)
+        paths.append(p)
+    assert [w.result() for w in writers] == [n, n]
+    paths.append(tmp_path / "final.shmkv")
+    store.save(paths[-1])
+    lengths = []
+    for p in paths:
+        name = unique_name()
+        loaded = shmkv.load(p, name=name)
+        try:
+            for i in ids:
+                s = loaded.sequence(i)
+                length = s.length
+                lengths.append(length)
+                pos = np.arange(length)
+                for layer in range(3):
+                    want = i * 100_000 + pos * 16 + layer * 2
+                    assert np.array_equal(s.keys(layer).reshape(length, 8), np.repeat(want[:, None], 8, 1))
+                    assert np.array_equal(s.values(layer).reshape(length, 8), np.repeat(want[:, None] + 1, 8, 1))
+                assert s.tokens.tolist() == list(range(length))
+        finally:
+            loaded.close()
+    assert lengths[-2:] == [n, n]
