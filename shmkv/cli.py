@@ -1,0 +1,321 @@
+"""The ``shmkv`` command line. Inspection commands attach read-only.
+
+Exit codes: 0 success, 1 a problem found (missing store, failed check), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from . import _header
+from ._snapshot import load as load_snapshot
+from ._store import Store, attach, gc, list_stores, remove
+from .errors import ShmkvError
+
+
+class _Bar:
+    """A progress bar on stderr, shown only on a terminal (or when forced)."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and done < total):
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:4.0%} {done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _info(store: Store, first: int = 8) -> dict[str, Any]:
+    lay = store.layout
+    seqs = []
+    for info in store.sequences():
+        try:
+            toks = store.sequence(info.id).tokens[:first].tolist()
+        except ShmkvError:
+            continue  # freed meanwhile
+        seqs.append({"id": info.id, "length": info.length, "capacity": info.capacity, "start": info.start,
+                     "lease_pid": info.lease_pid, "lease_alive": info.lease_alive, "first_tokens": toks})
+    st = store.stats()
+    return {
+        "name": store.name,
+        "layout": {"layers": lay.layers, "kv_heads": lay.kv_heads, "head_dim": lay.head_dim,
+                   "dtype": lay.dtype, "max_tokens": lay.max_tokens, "max_seqs": lay.max_seqs,
+                   "layer_types": list(lay.layer_types), "window": lay.window, "chunk": lay.chunk},
+        "persistent": store.persistent,
+        "stats": {k: getattr(st, k) for k in st.__dataclass_fields__},
+        "sequences": seqs,
+    }
+
+
+def _print_info(d: dict[str, Any]) -> None:
+    lay, st = d["layout"], d["stats"]
+    print(f"store {d['name']}: layers={lay['layers']} kv_heads={lay['kv_heads']} head_dim={lay['head_dim']} "
+          f"dtype={lay['dtype']} max_tokens={lay['max_tokens']} max_seqs={lay['max_seqs']}"
+          f"{' persistent' if d['persistent'] else ''}")
+    print(f"  {st['sequences']} sequences, {st['tokens']} tokens, {st['free_tokens']} free cells, "
+          f"{st['bytes_used'] / 2**20:.2f} MiB used of {st['bytes_reserved'] / 2**20:.2f} MiB reserved, "
+          f"{st['clients']} read-write clients")
+    if d["sequences"]:
+        print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} first tokens")
+        for s in d["sequences"]:
+            lease = "-" if not s["lease_pid"] else f"{s['lease_pid']} {'alive' if s['lease_alive'] else 'dead'}"
+            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {s['first_tokens']}")
+
+
+def verify(store: Store) -> list[str]:
+    """Check the header's invariants; return the problems found (empty: all good)."""
+    problems = []
+    lay = store.layout
+    t = store._table_np.copy()
+    live = t[t[:, _header.STATE] == 1]
+    if np.any(t[:, _header.STATE] > 1) or np.any(t[:, _header.STATE] < 0):
+        problems.append("a sequence slot has an unknown state")
+    ranges = []
+    for row in live.tolist():
+        sid, start, cap, length, gen = (row[_header.ID], row[_header.START], row[_header.CAPACITY],
+                                        row[_header.LENGTH], row[_header.GEN])
+        if not 0 <= start and start + cap <= lay.max_tokens:
+            problems.append(f"sequence {sid}: range [{start}, {start + cap}) outside max_tokens={lay.max_tokens}")
+        if not 0 <= length <= cap:
+            problems.append(f"sequence {sid}: length {length} outside capacity {cap}")
+        if gen & 1:
+            problems.append(f"sequence {sid}: generation {gen} is odd (a structural change is running or died)")
+        if sid >= int(store._hdr[_header.W_NEXT_ID]) or sid < 1:
+            problems.append(f"sequence {sid}: id not below next id {int(store._hdr[_header.W_NEXT_ID])}")
+        ranges.append((start, cap, sid))
+    ids = [r[2] for r in ranges]
+    if len(set(ids)) != len(ids):
+        problems.append("sequence ids repeat")
+    ranges.sort()
+    for (s1, c1, i1), (s2, _, i2) in zip(ranges, ranges[1:]):
+        if s1 + c1 > s2:
+            problems.append(f"sequences {i1} and {i2} overlap at cell {s2}")
+    return problems
+
+
+def _cmd_ls(a: argparse.Namespace) -> int:
+    rows = []
+    for name in list_stores():
+        try:
+            with attach(name, readonly=True, timeout=0.2) as s:
+                st = s.stats()
+                rows.append({"name": name, "sequences": st.sequences, "tokens": st.tokens,
+                             "dtype": s.layout.dtype, "bytes_used": st.bytes_used, "persistent": s.persistent})
+        except ShmkvError as e:
+            rows.append({"name": name, "error": str(e)})
+    if a.json:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            if "error" in r:
+                print(f"{r['name']}: {r['error']}")
+            else:
+                print(f"{r['name']}: {r['sequences']} sequences, {r['tokens']} tokens, {r['dtype']}, "
+                      f"{r['bytes_used'] / 2**20:.2f} MiB{' persistent' if r['persistent'] else ''}")
+    return 0
+
+
+def _cmd_info(a: argparse.Namespace) -> int:
+    with attach(a.name, readonly=True) as s:
+        d = _info(s)
+    print(json.dumps(d)) if a.json else _print_info(d)
+    return 0
+
+
+def _cmd_watch(a: argparse.Namespace) -> int:
+    with attach(a.name, readonly=True) as s:
+        n = 0
+        try:
+            while a.count is None or n < a.count:
+                d = _info(s)
+                if a.json:
+                    print(json.dumps(d), flush=True)
+                else:
+                    if sys.stdout.isatty():
+                        sys.stdout.write("\x1b[H\x1b[2J")
+                    print(time.strftime("%H:%M:%S"), end=" ")
+                    _print_info(d)
+                    sys.stdout.flush()
+                n += 1
+                if a.count is None or n < a.count:
+                    time.sleep(a.interval)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _cmd_save(a: argparse.Namespace) -> int:
+    with attach(a.name, readonly=True) as s:
+        ids = [int(x) for x in a.seq.split(",")] if a.seq else None
+        n = s.save(a.file, ids, progress=_Bar("save", a.progress or sys.stderr.isatty()))
+    print(f"saved {a.name} to {a.file} ({n} bytes)")
+    return 0
+
+
+def _cmd_load(a: argparse.Namespace) -> int:
+    s = load_snapshot(a.file, a.name, persistent=True, progress=_Bar("load", a.progress or sys.stderr.isatty()))
+    n = len(s.sequences())
+    s.close()
+    print(f"loaded {a.file} into persistent store {a.name} ({n} sequences); remove it with `shmkv rm {a.name}`")
+    return 0
+
+
+def _cmd_rm(a: argparse.Namespace) -> int:
+    for name in a.names:
+        remove(name)
+        print(f"removed {name}")
+    return 0
+
+
+def _cmd_gc(a: argparse.Namespace) -> int:
+    removed = gc(include_persistent=a.all)
+    print(json.dumps(removed) if a.json else ("\n".join(f"removed {n}" for n in removed) or "nothing to remove"))
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    with attach(a.name, readonly=True) as s:
+        problems = verify(s)
+    if a.json:
+        print(json.dumps({"name": a.name, "ok": not problems, "problems": problems}))
+    else:
+        print("\n".join(problems) if problems else f"{a.name}: ok")
+    return 1 if problems else 0
+
+
+def snapshot_loop(name: str, directory: str, every: float, keep: int, count: int | None = None,
+                  stop: threading.Event | None = None, log: Any = print) -> list[str]:
+    """Save store ``name`` into ``directory`` every ``every`` seconds, keeping the newest ``keep``."""
+    stop = stop or threading.Event()
+    os.makedirs(directory, exist_ok=True)
+    written: list[str] = []
+    with attach(name, readonly=True) as store:
+        n = 0
+        while not stop.is_set() and (count is None or n < count):
+            t0 = time.monotonic()
+            stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+            path = os.path.join(directory, f"{name}-{stamp}.shmkv")
+            nbytes = store.save(path)
+            written.append(path)
+            log(f"snapshot {path} ({nbytes} bytes, {time.monotonic() - t0:.3f} s)")
+            mine = sorted(f for f in os.listdir(directory) if f.startswith(f"{name}-") and f.endswith(".shmkv"))
+            for old in mine[: max(0, len(mine) - keep)]:
+                os.unlink(os.path.join(directory, old))
+            n += 1
+            if count is None or n < count:
+                stop.wait(max(0.0, every - (time.monotonic() - t0)))
+    return written
+
+
+def _cmd_snapshot(a: argparse.Namespace) -> int:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        print(f"signal {signum}: stopping after the current snapshot", file=sys.stderr)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    snapshot_loop(a.name, a.dir, a.every, a.keep, a.count, stop, log=lambda m: print(m, flush=True))
+    return 0
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from . import demo
+
+    try:
+        summary = demo.run(workers=a.workers, new_tokens=a.tokens, snapshot=a.snapshot,
+                           start_method=a.start_method)
+    except KeyboardInterrupt:
+        print("interrupted; the demo's store was removed", file=sys.stderr)
+        return 130
+    return 0 if summary["ok"] else 1
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from . import _bench
+
+    return _bench.main(a.rest)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shmkv", description="Shared-memory KV cache: run the demo, inspect stores.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add(name: str, fn: Any, help: str, json_flag: bool = False) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="print JSON for scripts")
+        return sp
+
+    d = add("demo", _cmd_demo, "tokenizer + decode workers + snapshotter on one store, checked against numpy")
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--tokens", type=int, default=24, help="new tokens per request")
+    d.add_argument("--snapshot", help="snapshot file (default: in the temp directory)")
+    d.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"])
+    add("ls", _cmd_ls, "list stores", True)
+    sp = add("info", _cmd_info, "layout and sequence table of a store", True)
+    sp.add_argument("name")
+    sp = add("watch", _cmd_watch, "refresh `info` until Ctrl-C", True)
+    sp.add_argument("name")
+    sp.add_argument("--interval", type=float, default=1.0)
+    sp.add_argument("--count", type=int, help="stop after this many refreshes")
+    sp = add("save", _cmd_save, "save a store to a snapshot file")
+    sp.add_argument("name")
+    sp.add_argument("file")
+    sp.add_argument("--seq", help="comma-separated sequence ids (default: all)")
+    sp.add_argument("--progress", action="store_true", help="show progress even when not on a terminal")
+    sp = add("load", _cmd_load, "create a persistent store from a snapshot file")
+    sp.add_argument("file")
+    sp.add_argument("--name", required=True)
+    sp.add_argument("--progress", action="store_true")
+    sp = add("rm", _cmd_rm, "remove stores")
+    sp.add_argument("names", nargs="+")
+    sp = add("gc", _cmd_gc, "remove stores whose creator and clients are dead", True)
+    sp.add_argument("--all", action="store_true", help="persistent stores too")
+    sp = add("verify", _cmd_verify, "check a store's header invariants (exit 1 on a problem)", True)
+    sp.add_argument("name")
+    sp = add("snapshot", _cmd_snapshot, "save a store periodically, keeping the newest K files")
+    sp.add_argument("name")
+    sp.add_argument("--dir", required=True)
+    sp.add_argument("--every", type=float, default=60.0, help="seconds between snapshots")
+    sp.add_argument("--keep", type=int, default=3)
+    sp.add_argument("--count", type=int, help="stop after this many snapshots")
+    sp = add("bench", _cmd_bench, "benchmarks against numpy, np.save and multiprocessing (tools/bench.py)")
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ShmkvError as e:
+        print(f"shmkv {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""``shmkv demo``: a tokenizer, decode workers and a snapshotter sharing one store.
+
+A tiny numpy transformer (shmkv._model) continues a few prompts that share a
+system prefix. The tokenizer process prefills the prefix once and hands it to
+every request with ``copy_prefix``; decode workers take requests, lease their
+sequences and decode greedily on zero-copy views; a snapshotter saves the store
+once while they run. The main process then checks that every generated token
+equals a single-process run without shmkv.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _model
+from ._store import attach, create
+
+SYSTEM = "You are a helpful assistant. Answer briefly and cite the cache. "
+PROMPTS = [
+    "What is a KV cache?",
+    "Why share memory between processes?",
+    "Explain speculative decoding.",
+    "How does RoPE encode positions?",
+    "What does a snapshot contain?",
+    "Name three attention variants.",
+]
+
+
+@dataclass
+class Result:
+    index: int
+    seq_id: int
+    worker: int
+    tokens: list[int]
+    seconds: float
+
+
+def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, workers: int) -> None:
+    try:
+        store = attach(name)
+        model = _model.Model()
+        prefix = _model.encode(SYSTEM)
+        pre = store.create_sequence(capacity=len(prefix))
+        model.forward(_model.SeqCache(pre), prefix, np.arange(len(prefix)))
+        pre.commit(tokens=prefix)
+        for i, text in enumerate(prompts):
+            prompt = _model.encode(text)
+            seq = store.create_sequence(capacity=len(prefix) + len(prompt) + new_tokens)
+            store.copy_prefix(pre.id, seq.id, len(prefix))  # the prefix is computed once, shared by all
+            pos = np.arange(len(prefix), len(prefix) + len(prompt))
+            logits = model.forward(_model.SeqCache(seq), prompt, pos)
+            seq.commit(tokens=prompt, positions=pos)
+            seq.release()  # a decode worker takes the lease
+            requests.put((i, seq.id, int(np.argmax(logits)), len(prefix) + len(prompt)))
+        pre.free()
+        store.close()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for _ in range(workers):
+            requests.put(None)
+
+
+def _worker(name: str, wid: int, new_tokens: int, requests: Any, results: Any) -> None:
+    try:
+        store = attach(name)
+        model = _model.Model()
+        while (job := requests.get()) is not None:
+            index, seq_id, tok, pos = job
+            seq = store.sequence(seq_id, write=True)
+            cache = _model.SeqCache(seq)
+            out = []
+            t0 = time.perf_counter()
+            for _ in range(new_tokens):
+                out.append(tok)
+                logits = model.forward(cache, np.array([tok]), np.array([pos]))
+                seq.commit(tokens=[tok], positions=[pos])
+                tok, pos = int(np.argmax(logits)), pos + 1
+            results.put(Result(index, seq_id, wid, out, time.perf_counter() - t0))
+            seq.release()
+        store.close()
+    except KeyboardInterrupt:
+        pass
+
+
+def _snapshotter(name: str, path: str, delay: float, results: Any) -> None:
+    try:
+        store = attach(name, readonly=True)
+        time.sleep(delay)
+        t0 = time.perf_counter()
+        nbytes = store.save(path)
+        results.put(("snapshot", path, nbytes, len(store.sequences()), time.perf_counter() - t0))
+        store.close()
+    except KeyboardInterrupt:
+        pass
+
+
+def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = None,
+        snapshot: str | None = None, start_method: str = "spawn", out: Any = print,
+        timeout: float = 300.0) -> dict[str, Any]:
+    """Run the demo; return a summary (``ok`` is the equality check)."""
+    prompts = PROMPTS if prompts is None else prompts
+    cfg = _model.Config()
+    name = f"demo{os.getpid()}"
+    snapshot = snapshot or os.path.join(tempfile.gettempdir(), f"shmkv-demo-{os.getpid()}.shmkv")
+    ctx = mp.get_context(start_method)
+    store = create(name, layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype="float32",
+                   max_tokens=4096, max_seqs=len(prompts) + 2)
+    procs: list[Any] = []
+    try:
+        requests, results = ctx.Queue(), ctx.Queue()
+        procs.append(ctx.Process(target=_tokenizer, args=(name, prompts, new_tokens, requests, workers)))
+        procs += [ctx.Process(target=_worker, args=(name, w, new_tokens, requests, results)) for w in range(workers)]
+        procs.append(ctx.Process(target=_snapshotter, args=(name, snapshot, 0.5, results)))
+        t0 = time.perf_counter()
+        for p in procs:
+            p.start()
+        got: list[Result] = []
+        snap = None
+        deadline = time.monotonic() + timeout
+        while len(got) < len(prompts) or snap is None:
+            try:
+                item = results.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
+                    raise RuntimeError("demo processes stopped before finishing") from None
+                continue
+            if isinstance(item, Result):
+                got.append(item)
+            else:
+                snap = item
+        wall = time.perf_counter() - t0
+        for p in procs:
+            p.join(30)
+        # the equality claim: the same tokens as one process without shmkv
+        model = _model.Model(cfg)
+        prefix = _model.encode(SYSTEM)
+        ok = True
+        out(f"shmkv demo: store {name!r}, {workers} decode workers, {len(prompts)} requests, "
+            f"{new_tokens} new tokens each")
+        out(f"prefix: {len(prefix)} tokens prefilled once, reused by {len(prompts)} requests via copy_prefix "
+            f"({len(prefix) * (len(prompts) - 1)} token prefills saved)")
+        for r in sorted(got, key=lambda r: r.index):
+            want = _model.reference_generate(model, prefix, _model.encode(prompts[r.index]), new_tokens)
+            same = want == r.tokens
+            ok &= same
+            out(f"  request {r.index} (seq {r.seq_id}, worker {r.worker}): {'=' if same else 'DIFFERENT'} "
+                f"tokens {r.tokens[:10]}...")
+        for w in range(workers):
+            mine = [r for r in got if r.worker == w]
+            toks = sum(len(r.tokens) for r in mine)
+            secs = sum(r.seconds for r in mine)
+            out(f"worker {w}: {len(mine)} requests, {toks} tokens, {toks / secs if secs else 0:.0f} tokens/s")
+        out(f"snapshot: {snap[1]} ({snap[2]} bytes, {snap[3]} sequences, {snap[4] * 1000:.1f} ms)")
+        out(f"equal to a single-process run without shmkv: {'yes' if ok else 'NO'} ({wall:.1f} s)")
+        return {"ok": ok, "tokens": {r.index: r.tokens for r in got}, "snapshot": snap[1], "store": name}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        store.close()  # the creator: removes the store's segments
