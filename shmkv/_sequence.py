@@ -142,7 +142,7 @@ class Sequence:
             )
         self._check()
         row = self._row
-        if row[LEASE_TOKEN] != self._token or row[LEASE_PID] != os.getpid():
+        if row[LEASE_TOKEN] != self._token:  # random per handle: no pid check (a syscall) needed
             self._write = False
             raise LeaseError(
                 f"{what}: the lease on sequence {self.id} was taken over (pid {row[LEASE_PID]}); "
@@ -200,6 +200,37 @@ class Sequence:
         The tokens become visible to other processes at ``commit()``, once every
         layer has the same number of pending tokens.
         """
+        # Fast path (the per-token hot loop; see tools/bench.py decode): every check
+        # below is what _need_writer/_layer/_kv_arrays do, inlined for the common case.
+        row = self._row
+        if (self._write and row[LEASE_TOKEN] == self._token and row[GEN] == self._gen
+                and self._epoch == _segment.fork_epoch and type(layer) is int and 0 <= layer < self._L
+                and type(k) is np.ndarray and type(v) is np.ndarray and k.dtype.kind == "f"
+                and v.dtype.kind == "f"):
+            ks = k.shape
+            if ks == self._cell and v.shape == ks:
+                n = 1
+            elif len(ks) == 3 and ks[1:] == self._cell and v.shape == ks:
+                n = ks[0]
+            else:
+                return self._append_checked(layer, k, v)
+            length = row[LENGTH]
+            p = self._pending[layer]
+            if length + p + n > self._cap:
+                return self._append_checked(layer, k, v)
+            start = self._start
+            s = start + length + p
+            if n == 1 and len(ks) == 2:
+                self._Kw[layer][s] = k
+                self._Vw[layer][s] = v
+            else:
+                self._Kw[layer][s : s + n] = k
+                self._Vw[layer][s : s + n] = v
+            self._pending[layer] = p + n
+            return self._Kr[layer][start : s + n], self._Vr[layer][start : s + n]
+        return self._append_checked(layer, k, v)
+
+    def _append_checked(self, layer: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
         self._need_writer("append")
         layer = self._layer(layer)
         k, v = self._kv_arrays(k, v)

@@ -37,6 +37,7 @@ import secrets
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
@@ -145,9 +146,17 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
     return out
 
 
+def _crcs(arrays: list[np.ndarray]) -> list[int]:
+    """crc32 of each array; on two threads when it is worth it (zlib releases the GIL)."""
+    if sum(a.nbytes for a in arrays) < (8 << 20):
+        return [zlib.crc32(a) for a in arrays]
+    with ThreadPoolExecutor(2) as ex:
+        return list(ex.map(zlib.crc32, arrays))
+
+
 def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress | None) -> int:
     arrays = [a for s in seqs for a in _arrays(store, s)]
-    crcs = [zlib.crc32(a) for a in arrays]  # zlib releases the GIL; ~3 GB/s
+    crcs = _crcs(arrays)
     head = _header_bytes(store, seqs, crcs)
     total = len(head) + sum(a.nbytes + 5 * -(-a.nbytes // CHUNK) for a in arrays)
     done = len(head)
@@ -318,8 +327,14 @@ class _Reader:
         self.offset += got
         return got
 
-    def array(self, dest: memoryview | None, nbytes: int, crc: int, what: str) -> None:
-        """Read one array of ``nbytes`` into ``dest`` (or a scratch buffer) and check its crc."""
+    def array(self, dest: memoryview | None, nbytes: int, crc: int, what: str,
+              pool: ThreadPoolExecutor | None = None) -> Future[None] | None:
+        """Read one array of ``nbytes`` into ``dest`` (or a scratch buffer) and check its crc.
+
+        With a ``pool`` and a ``dest``, the crc is checked on the pool (overlapping
+        the next read) and the returned future raises SnapshotError on a mismatch.
+        """
+        deferred = pool is not None and dest is not None
         c = 0
         pos = 0
         scratch = None
@@ -347,9 +362,17 @@ class _Reader:
             got = self._readinto(target)
             if got < n:
                 raise self._fail(f"truncated at byte {self.offset}: {what} has {pos + got} of {nbytes} bytes")
-            c = zlib.crc32(target, c)
+            if not deferred:
+                c = zlib.crc32(target, c)
             pos += n
+        if deferred:
+            return pool.submit(self._check_crc, dest, crc, what)  # type: ignore[union-attr]
         if c != crc:
+            raise self._fail(f"checksum mismatch in {what} (data damaged)")
+        return None
+
+    def _check_crc(self, data: memoryview, crc: int, what: str) -> None:
+        if zlib.crc32(data) != crc:
             raise self._fail(f"checksum mismatch in {what} (data damaged)")
 
     def at_end(self) -> bool:
@@ -505,18 +528,24 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
         by_id = {p[0].id: p for p in plan}
         done = 0
         k = 0
-        for s in snap.sequences:
-            p = by_id.get(s.id)
-            for kind, arr in (("keys", store._K), ("values", store._V)):
-                for layer in range(lay.layers):
-                    nbytes = s.length * cell
-                    dest = memoryview(arr[layer, p[2] : p[2] + s.length]).cast("B") if p and nbytes else None
-                    reader.array(dest, nbytes, int(snap.checksums[k]),
-                                 f"sequence {s.id} layer {layer} {kind}")
-                    k += 1
-                    done += nbytes
-                    if progress:
-                        progress(done, total)
+        checks: list[Future[None]] = []
+        with ThreadPoolExecutor(1) as pool:
+            for s in snap.sequences:
+                p = by_id.get(s.id)
+                for kind, arr in (("keys", store._K), ("values", store._V)):
+                    for layer in range(lay.layers):
+                        nbytes = s.length * cell
+                        dest = memoryview(arr[layer, p[2] : p[2] + s.length]).cast("B") if p and nbytes else None
+                        fut = reader.array(dest, nbytes, int(snap.checksums[k]),
+                                           f"sequence {s.id} layer {layer} {kind}", pool)
+                        if fut is not None:
+                            checks.append(fut)
+                        k += 1
+                        done += nbytes
+                        if progress:
+                            progress(done, total)
+            for fut in checks:
+                fut.result()  # raises the first mismatch
         if is_file and not reader.at_end():
             raise reader._fail(f"unexpected data after the last array (byte {reader.offset})")
         # everything checked: publish

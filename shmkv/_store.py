@@ -310,8 +310,11 @@ class Store:
         """Copy n cells of every layer, token id and position (lock held; overlap-safe)."""
         if n <= 0 or src == dst:
             return
-        for a in (self._K, self._V):
-            np.copyto(a[:, dst : dst + n], a[:, src : src + n])
+        # one layer at a time: a 4-D slice over all layers spans overlapping address
+        # extents, and numpy would then copy through a temporary (half the bandwidth)
+        for a in (self._Kl, self._Vl):
+            for layer in a:
+                np.copyto(layer[dst : dst + n], layer[src : src + n])
         self._tokens[dst : dst + n] = self._tokens[src : src + n]
         self._positions[dst : dst + n] = self._positions[src : src + n]
 

@@ -156,3 +156,15 @@ def test_verify_finds_problems(make_store):
     r = shmkv_cmd("verify", store.name, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True
     _ = np
+
+
+def test_bench_runs_and_prints_json(capsys):
+    from shmkv import _bench
+
+    assert _bench.main(["--quick", "--only", "copy_prefix,decode", "--json"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    res = json.loads(last)
+    assert res["copy_prefix_ratio"] > 0 and res["decode_ratio"] > 0
+    with pytest.raises(SystemExit) as info:
+        _bench.main(["--only", "nonsense"])
+    assert info.value.code == 2

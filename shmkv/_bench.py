@@ -1,0 +1,425 @@
+"""Benchmarks against the alternatives, measured in the same run, reported as ratios.
+
+Run ``python tools/bench.py`` (or ``shmkv bench``); ``--quick`` for a short run,
+``--json`` to end with one JSON object. Every scenario times shmkv and its
+baseline in this process, on this machine, now; the ratios are what count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from . import _store
+from .testing import unique_name
+
+
+def _median(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# -- 1. decode ------------------------------------------------------------------
+
+
+def bench_decode(quick: bool) -> dict[str, float]:
+    L, H, D, n = 32, 8, 128, (128 if quick else 512)
+    rng = np.random.default_rng(0)
+    ks = rng.standard_normal((n, H, D)).astype(np.float16)
+    vs = rng.standard_normal((n, H, D)).astype(np.float16)
+    store = _store.create(unique_name("bd"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+                          max_tokens=n + 8, max_seqs=2)
+    try:
+        seq = store.create_sequence(capacity=n)  # reserved once: prefill measures reservation
+
+        def run_shmkv() -> None:
+            append, commit = seq.append, seq.commit
+            for t in range(n):
+                k, v = ks[t], vs[t]
+                for layer in range(L):
+                    append(layer, k, v)  # returns the views attention reads
+                commit()
+
+        K = np.zeros((L, n, H, D), np.float16)
+        V = np.zeros((L, n, H, D), np.float16)
+
+        def run_numpy() -> None:
+            for t in range(n):
+                k, v = ks[t], vs[t]
+                for layer in range(L):
+                    K[layer, t] = k
+                    V[layer, t] = v
+                    K[layer, : t + 1], V[layer, : t + 1]  # the views attention reads  # noqa: B018
+
+        def run_concat() -> None:
+            kc = [np.zeros((0, H, D), np.float16) for _ in range(L)]
+            vc = [np.zeros((0, H, D), np.float16) for _ in range(L)]
+            for t in range(min(n, 128)):
+                for layer in range(L):
+                    kc[layer] = np.concatenate([kc[layer], ks[t : t + 1]])
+                    vc[layer] = np.concatenate([vc[layer], vs[t : t + 1]])
+
+        reps = 3 if quick else 5
+        times = []
+        for _ in range(reps):
+            seq.clear()
+            t0 = time.perf_counter()
+            run_shmkv()
+            times.append(time.perf_counter() - t0)
+        t_s = statistics.median(times) / n
+        t_n = _median(run_numpy, reps) / n
+        t_c = _median(run_concat, 1 if quick else 3) / min(n, 128)
+    finally:
+        store.close()
+    return {"decode_us_per_token": t_s * 1e6, "numpy_us_per_token": t_n * 1e6,
+            "concat_us_per_token": t_c * 1e6, "decode_ratio": t_s / t_n}
+
+
+# -- 2. hand-off ---------------------------------------------------------------
+
+
+def _child_attach(name: str, seq_id: int, t_sent: float, out: Any) -> None:
+    t0 = time.perf_counter()
+    store = _store.attach(name, readonly=True)
+    seq = store.sequence(seq_id)
+    views = [seq.kv(layer) for layer in range(store.layout.layers)]
+    t1 = time.perf_counter()
+    out.put((t1 - t0, float(views[-1][0][-1, 0, 0])))
+    store.close()
+
+
+def _child_queue(q: Any, out: Any) -> None:
+    t0 = time.perf_counter()
+    arrays = q.get()
+    out.put((time.perf_counter() - t0, float(arrays[0][-1, 0, 0, 0])))
+
+
+def _child_pipe(conn: Any, out: Any) -> None:
+    t0 = time.perf_counter()
+    k = np.frombuffer(conn.recv_bytes(), np.float16)
+    v = np.frombuffer(conn.recv_bytes(), np.float16)
+    out.put((time.perf_counter() - t0, float(k[-1] + v[-1])))
+
+
+def _child_memmap(path: str, shape: tuple[int, ...], out: Any) -> None:
+    t0 = time.perf_counter()
+    a = np.memmap(path, np.float16, "r", shape=shape)
+    out.put((time.perf_counter() - t0, float(a[-1, -1, -1, -1])))
+
+
+def bench_handoff(quick: bool) -> dict[str, float]:
+    L, H, D, n = 16, 8, 128, 2048  # 2 x 16 x 2048 x 8 x 128 x 2 bytes = 128 MiB
+    ctx = mp.get_context("spawn")
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((L, n, H, D)).astype(np.float16)
+    v = rng.standard_normal((L, n, H, D)).astype(np.float16)
+    name = unique_name("bh")
+    store = _store.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=n, max_seqs=2)
+    res: dict[str, float] = {"handoff_mib": 2 * k.nbytes / 2**20}
+    try:
+        seq = store.create_sequence(capacity=n)
+        seq.extend(k, v)
+        out = ctx.Queue()
+        times = []
+        for _ in range(3):
+            p = ctx.Process(target=_child_attach, args=(name, seq.id, 0.0, out))
+            p.start()
+            times.append(out.get(timeout=120)[0])
+            p.join()
+        res["handoff_ms"] = statistics.median(times) * 1e3
+        q = ctx.Queue()
+        times = []
+        for _ in range(1 if quick else 3):
+            p = ctx.Process(target=_child_queue, args=(q, out))
+            p.start()
+            t0 = time.perf_counter()
+            q.put([k, v])
+            dt = out.get(timeout=300)[0]
+            p.join()
+            times.append(max(dt, time.perf_counter() - t0))
+        res["queue_handoff_ms"] = statistics.median(times) * 1e3
+        times = []
+        for _ in range(1 if quick else 3):
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child_pipe, args=(r, out))
+            p.start()
+            t0 = time.perf_counter()
+            w.send_bytes(memoryview(k).cast("B"))
+            w.send_bytes(memoryview(v).cast("B"))
+            dt = out.get(timeout=300)[0]
+            p.join()
+            times.append(time.perf_counter() - t0)
+        res["pipe_handoff_ms"] = statistics.median(times) * 1e3
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "kv.npy")
+            t0 = time.perf_counter()
+            mm = np.memmap(path, np.float16, "w+", shape=k.shape)
+            mm[:] = k
+            mm.flush()
+            t_write = time.perf_counter() - t0
+            del mm
+            p = ctx.Process(target=_child_memmap, args=(path, k.shape, out))
+            p.start()
+            dt = out.get(timeout=300)[0]
+            p.join()
+            res["memmap_handoff_ms"] = (t_write * 2 + dt) * 1e3  # K and V written, then mapped
+    finally:
+        store.close()
+    res["handoff_speedup_vs_queue"] = res["queue_handoff_ms"] / res["handoff_ms"]
+    return res
+
+
+# -- 3. copy_prefix --------------------------------------------------------------
+
+
+def bench_copy_prefix(quick: bool) -> dict[str, float]:
+    L, H, D, n = 16, 8, 128, (1024 if quick else 2048)
+    store = _store.create(unique_name("bc"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+                          max_tokens=2 * n, max_seqs=2)
+    try:
+        rng = np.random.default_rng(2)
+        src = store.create_sequence(capacity=n)
+        src.extend(rng.standard_normal((L, n, H, D)).astype(np.float16), rng.standard_normal((L, n, H, D)).astype(np.float16))
+        dst = store.create_sequence(capacity=n)
+        dst.release()
+        store.copy_prefix(src.id, dst.id, n)  # warm
+        t_s = _median(lambda: store.copy_prefix(src.id, dst.id, n), 5)
+        a = np.empty((2, L, n, H, D), np.float16)
+        b = np.empty_like(a)
+        a.fill(1)
+        b.fill(0)
+        t_n = _median(lambda: np.copyto(b, a), 5)
+        nbytes = a.nbytes
+    finally:
+        store.close()
+    return {"copy_prefix_gbps": nbytes / t_s / 1e9, "copyto_gbps": nbytes / t_n / 1e9, "copy_prefix_ratio": t_n / t_s}
+
+
+# -- 4. snapshots -----------------------------------------------------------------
+
+
+def bench_snapshot(quick: bool, directory: str | None = None) -> dict[str, float]:
+    L, H, D, n = 16, 8, 128, (1024 if quick else 2048)
+    name = unique_name("bs")
+    store = _store.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2 * n, max_seqs=4)
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((L, n, H, D)).astype(np.float16)
+    v = rng.standard_normal((L, n, H, D)).astype(np.float16)
+    res: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(dir=directory) as d:
+        try:
+            seq = store.create_sequence(capacity=n)
+            seq.extend(k, v)
+            snap, npy = os.path.join(d, "s.shmkv"), os.path.join(d, "s.npz")
+            both = np.stack([k, v])
+            reps = 3 if quick else 5
+
+            def np_save() -> None:
+                with open(npy, "wb") as f:
+                    np.save(f, both)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+            t_save = _median(lambda: store.save(snap), reps)
+            t_npsave = _median(np_save, reps)
+            t_packb = _median(lambda: msgpack.packb([k.tobytes(), v.tobytes()]), 1 if quick else 3)
+            loaded_names = []
+
+            def load() -> None:
+                nm = unique_name("bl")
+                loaded_names.append(nm)
+                s = _load(snap, nm)
+                s.close()
+
+            t_load = _median(load, reps)
+            t_npload = _median(lambda: np.load(npy), reps)
+            res = {"save_gbps": both.nbytes / t_save / 1e9, "np_save_gbps": both.nbytes / t_npsave / 1e9,
+                   "packb_gbps": both.nbytes / t_packb / 1e9, "load_gbps": both.nbytes / t_load / 1e9,
+                   "np_load_gbps": both.nbytes / t_npload / 1e9,
+                   "save_ratio": t_npsave / t_save, "load_ratio": t_npload / t_load}
+        finally:
+            store.close()
+    return res
+
+
+def _load(path: str, name: str) -> _store.Store:
+    from ._snapshot import load
+
+    return load(path, name)
+
+
+# -- 5. prefill into fresh memory ----------------------------------------------------
+
+
+def bench_prefill(quick: bool) -> dict[str, float]:
+    L, H, D, n = 16, 8, 128, 2048
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((L, n, H, D)).astype(np.float16)
+    store = _store.create(unique_name("bp"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+                          max_tokens=n, max_seqs=2)
+    try:
+        times_w, times_r = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            seq = store.create_sequence(capacity=n)  # reserves and pre-faults the range
+            t1 = time.perf_counter()
+            seq.extend(k, k)
+            t2 = time.perf_counter()
+            times_r.append(t1 - t0)
+            times_w.append(t2 - t1)
+            seq.free()
+            # give the pages back so the next round starts from fresh memory
+            store._dseg.mm.madvise(__import__("mmap").MADV_REMOVE, 0, store._dseg.size)  # type: ignore[union-attr]
+
+        def first_touch() -> None:
+            a = np.empty((L, n, H, D), np.float16)
+            b = np.empty((L, n, H, D), np.float16)
+            a[:] = k
+            b[:] = k
+
+        t_ft = _median(first_touch, 3)
+    finally:
+        store.close()
+    t_w = statistics.median(times_w)
+    return {"prefill_write_ms": t_w * 1e3, "prefill_reserve_ms": statistics.median(times_r) * 1e3,
+            "first_touch_ms": t_ft * 1e3, "prefill_ratio": t_ft / t_w}
+
+
+# -- 6. decode workers beside a snapshotter ----------------------------------------------
+
+
+def _decode_worker(name: str, seq_id: int, n: int, out: Any) -> None:
+    store = _store.attach(name)
+    lay = store.layout
+    seq = store.sequence(seq_id, write=True)
+    k = np.ones((lay.kv_heads, lay.head_dim), np.float16)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        for layer in range(lay.layers):
+            seq.append(layer, k, k)
+        seq.commit()
+    out.put(n / (time.perf_counter() - t0))
+    store.close()
+
+
+def _snap_loop(name: str, path: str, stop: Any, out: Any) -> None:
+    store = _store.attach(name, readonly=True)
+    count = 0
+    while not stop.is_set():
+        store.save(path)
+        count += 1
+    out.put(count)
+    store.close()
+
+
+def bench_workers(quick: bool) -> dict[str, float]:
+    L, H, D = 16, 8, 128
+    n = 300 if quick else 1500
+    ctx = mp.get_context("spawn")
+    res: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as d:
+        for workers in (1, 2):
+            for with_snap in (False, True):
+                name = unique_name("bw")
+                store = _store.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16",
+                                      max_tokens=workers * (n + 2048), max_seqs=4)
+                try:
+                    ids = []
+                    rng = np.random.default_rng(5)
+                    for _ in range(workers):
+                        s = store.create_sequence(capacity=n + 2048)
+                        s.extend(rng.standard_normal((L, 2048, H, D)), rng.standard_normal((L, 2048, H, D)))
+                        ids.append(s.id)
+                        s.release()
+                    out, stop = ctx.Queue(), ctx.Event()
+                    snap = None
+                    if with_snap:
+                        snap = ctx.Process(target=_snap_loop, args=(name, os.path.join(d, "w.shmkv"), stop, out))
+                        snap.start()
+                        time.sleep(0.3)
+                    procs = [ctx.Process(target=_decode_worker, args=(name, i, n, out)) for i in ids]
+                    for p in procs:
+                        p.start()
+                    rates = [out.get(timeout=600) for _ in procs]
+                    for p in procs:
+                        p.join()
+                    if snap is not None:
+                        stop.set()
+                        res[f"snapshots_during_{workers}w"] = out.get(timeout=600)
+                        snap.join()
+                    res[f"tokens_per_s_{workers}w{'_snap' if with_snap else ''}"] = sum(rates)
+                finally:
+                    store.close()
+    over = [1 - res[f"tokens_per_s_{w}w_snap"] / res[f"tokens_per_s_{w}w"] for w in (1, 2)]
+    res["snapshotter_overhead"] = max(over)
+    return res
+
+
+SCENARIOS: dict[str, Callable[[bool], dict[str, float]]] = {
+    "decode": bench_decode,
+    "handoff": bench_handoff,
+    "copy_prefix": bench_copy_prefix,
+    "snapshot": bench_snapshot,
+    "prefill": bench_prefill,
+    "workers": bench_workers,
+}
+
+GOALS = {  # DESIGN.md section 7: key -> (comparison, bound)
+    "decode_ratio": ("<=", 2.0),
+    "handoff_ms": ("<", 1.0),
+    "copy_prefix_ratio": (">=", 0.8),
+    "save_ratio": (">=", 0.9),
+    "load_ratio": (">=", 0.9),
+    "prefill_ratio": (">=", 3.0),
+    "snapshotter_overhead": ("<", 0.10),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="shmkv bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a short run (about a minute)")
+    p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    p.add_argument("--only", help="comma-separated scenarios: " + ",".join(SCENARIOS))
+    a = p.parse_args(argv)
+    names = a.only.split(",") if a.only else list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
+    results: dict[str, float] = {}
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"numpy {np.__version__}{', quick' if a.quick else ''}")
+    t_all = time.perf_counter()
+    for name in names:
+        t0 = time.perf_counter()
+        r = SCENARIOS[name](a.quick)
+        results.update(r)
+        print(f"\n[{name}] ({time.perf_counter() - t0:.1f} s)")
+        for key, val in r.items():
+            goal = GOALS.get(key)
+            mark = ""
+            if goal:
+                op, bound = goal
+                ok = {"<=": val <= bound, "<": val < bound, ">=": val >= bound}[op]
+                mark = f"   goal {op} {bound}: {'met' if ok else 'MISSED'}"
+            print(f"  {key:<28} {val:12.3f}{mark}")
+    results["seconds"] = time.perf_counter() - t_all
+    if a.json:
+        print(json.dumps(results))
+    _ = io
+    return 0
