@@ -371,6 +371,45 @@ def bench_workers(quick: bool) -> dict[str, float]:
     return res
 
 
+# -- 7. int8 quantization ------------------------------------------------------------
+
+
+def bench_quant(quick: bool) -> dict[str, float]:
+    L, H, D, n = 8, 8, 128, (512 if quick else 2048)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((L, n, H, D)).astype(np.float32)
+    res: dict[str, float] = {}
+    stores = {dt: _store.create(unique_name("bq"), layers=L, kv_heads=H, head_dim=D, dtype=dt, max_tokens=n,
+                                max_seqs=2) for dt in ("float16", "int8")}
+    try:
+        seqs = {dt: st.create_sequence(capacity=n) for dt, st in stores.items()}
+        for dt in seqs:
+            seqs[dt].extend(x, x)
+
+        def write(dt: str) -> Callable[[], None]:
+            def run() -> None:
+                seqs[dt].truncate(0)
+                seqs[dt].extend(x, x)
+            return run
+
+        # the baseline: a plain copy of the same data already in float16
+        x16 = x.astype(np.float16)
+        dst16 = np.empty_like(x16)
+        dst16.fill(0)
+        t_copy = _median(lambda: (np.copyto(dst16, x16), np.copyto(dst16, x16)), 3)  # K and V
+        t_w8 = _median(write("int8"), 3)  # quantize on write (K and V)
+        t_r8 = _median(lambda: [seqs["int8"].kv(layer) for layer in range(L)], 3)  # dequantize on read
+        t_w16, t_r16 = t_copy, t_copy
+        res = {"quantize_ratio": t_w16 / t_w8, "dequantize_ratio": t_r16 / t_r8,
+               "int8_bytes_per_token": stores["int8"].bytes_per_token,
+               "float16_bytes_per_token": stores["float16"].bytes_per_token,
+               "int8_memory_ratio": stores["int8"].bytes_per_token / stores["float16"].bytes_per_token}
+    finally:
+        for st in stores.values():
+            st.close()
+    return res
+
+
 SCENARIOS: dict[str, Callable[[bool], dict[str, float]]] = {
     "decode": bench_decode,
     "handoff": bench_handoff,
@@ -378,6 +417,7 @@ SCENARIOS: dict[str, Callable[[bool], dict[str, float]]] = {
     "snapshot": bench_snapshot,
     "prefill": bench_prefill,
     "workers": bench_workers,
+    "quant": bench_quant,
 }
 
 GOALS = {  # DESIGN.md section 7: key -> (comparison, bound)

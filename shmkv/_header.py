@@ -54,9 +54,11 @@ Client row: pid, start time, flags (1 = read-write), reserved.
 Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned)::
 
     K          [layers, max_tokens, kv_heads, head_dim]  storage dtype
-    V          [layers, max_tokens, kv_heads, head_dim]
+    V          [layers, max_tokens, kv_heads, head_dim]  (bfloat16: uint16 bits; int8: codes)
     tokens     [max_tokens] int64   token id per cell (-1 = none given)
     positions  [max_tokens] int64   position per cell
+    K scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
+    V scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
 
 The free ranges are not stored: they are the gaps between the live rows'
 ranges, computed under the store lock, so they can never disagree with the
@@ -197,6 +199,9 @@ class Offsets:
     v_off: int
     tokens_off: int
     positions_off: int
+    ks_off: int  # int8 scales of K (0 bytes for other dtypes)
+    vs_off: int
+    scale_stride: int  # bytes between layers inside a scales region
     data_bytes: int
     layer_stride: int  # bytes between layers inside K or V
     cell_bytes: int  # bytes of one token of one layer (kv_heads * head_dim * itemsize)
@@ -213,10 +218,13 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     v_off = _align(k_off + layout.layers * layer_stride, page)
     tokens_off = _align(v_off + layout.layers * layer_stride, page)
     positions_off = _align(tokens_off + layout.max_tokens * 8, page)
-    data_bytes = _align(positions_off + layout.max_tokens * 8, page)
+    scale_stride = layout.max_tokens * layout.kv_heads * 4 if layout.dtype == "int8" else 0
+    ks_off = _align(positions_off + layout.max_tokens * 8, page)
+    vs_off = _align(ks_off + layout.layers * scale_stride, page)
+    data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(
-        seq_off, client_off, header_bytes, k_off, v_off, tokens_off, positions_off, data_bytes,
-        layer_stride, cell_bytes,
+        seq_off, client_off, header_bytes, k_off, v_off, tokens_off, positions_off, ks_off, vs_off,
+        scale_stride, data_bytes, layer_stride, cell_bytes,
     )
 
 

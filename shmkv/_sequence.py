@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _segment
+from . import _dtypes, _quant, _segment
 from ._header import CAPACITY, GEN, ID, LEASE_PID, LEASE_START, LEASE_TOKEN, LENGTH, START, STATE
 from ._store import _live_writers, _count
 from .errors import (
@@ -42,6 +42,10 @@ def _release_row(row: memoryview, token: int, pid: int, epoch: int) -> None:
                 row[LEASE_PID] = 0
         except (ValueError, TypeError):  # released memoryview
             pass
+
+
+def _real(dt: np.dtype) -> bool:
+    return dt.kind in "fiu" or dt == _quant.BF16
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -72,6 +76,10 @@ class Sequence:
         self._Kw, self._Vw = store._Kl, store._Vl  # writable per-layer bases (None read-only)
         self._Kr = [_readonly(a) for a in store._Kl]
         self._Vr = [_readonly(a) for a in store._Vl]
+        self._dtype = lay.dtype
+        self._plain = lay.dtype in _dtypes.PLAIN  # stored as is: zero-copy reads, fast appends
+        self._KS = list(store._KS) if store._KS is not None else None
+        self._VS = list(store._VS) if store._VS is not None else None
         self._pending = [0] * self._L
         self._gen = -1
         self._start = self._cap = 0
@@ -174,13 +182,16 @@ class Sequence:
                 f"k shape {k.shape} and v shape {v.shape} must both be [n, kv_heads={H}, head_dim={D}] "
                 f"(or [{H}, {D}] for one token)"
             )
-        if k.dtype.kind not in "fiu" or v.dtype.kind not in "fiu":
+        if not (_real(k.dtype) and _real(v.dtype)):
             raise InvalidArgumentError(
                 f"k dtype {k.dtype} / v dtype {v.dtype}: keys and values must be real numbers (float or int)"
             )
         if k.ndim == 2:
             k = k[None]
             v = v[None]
+        if self._dtype == "int8":
+            _quant.check_finite(k, "k")
+            _quant.check_finite(v, "v")
         return k, v
 
     # -- writing -------------------------------------------------------------
@@ -203,7 +214,7 @@ class Sequence:
         # Fast path (the per-token hot loop; see tools/bench.py decode): every check
         # below is what _need_writer/_layer/_kv_arrays do, inlined for the common case.
         row = self._row
-        if (self._write and row[LEASE_TOKEN] == self._token and row[GEN] == self._gen
+        if (self._plain and self._write and row[LEASE_TOKEN] == self._token and row[GEN] == self._gen
                 and self._epoch == _segment.fork_epoch and type(layer) is int and 0 <= layer < self._L
                 and type(k) is np.ndarray and type(v) is np.ndarray and k.dtype.kind == "f"
                 and v.dtype.kind == "f"):
@@ -242,10 +253,39 @@ class Sequence:
             self._grow(end)
         start = self._start
         s = start + length + p
-        self._Kw[layer][s : s + n] = k
-        self._Vw[layer][s : s + n] = v
+        if self._plain:
+            self._Kw[layer][s : s + n] = k
+            self._Vw[layer][s : s + n] = v
+        else:
+            self._encode(layer, s, k, v)
         self._pending[layer] = p + n
-        return self._Kr[layer][start : s + n], self._Vr[layer][start : s + n]
+        return self._view("k", layer, start, s + n), self._view("v", layer, start, s + n)
+
+    def _encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write k, v (already checked) into cells s.. of layer in the storage encoding."""
+        n = k.shape[0]
+        if self._dtype == "int8":
+            for x, codes, scales in ((k, self._Kw, self._KS), (v, self._Vw, self._VS)):
+                q, sc = _quant.quantize_int8(x)
+                codes[layer][s : s + n] = q
+                scales[layer][s : s + n] = sc  # type: ignore[index]
+        elif self._dtype == "bfloat16":
+            self._Kw[layer][s : s + n] = _quant.to_bf16(k)
+            self._Vw[layer][s : s + n] = _quant.to_bf16(v)
+        else:
+            self._Kw[layer][s : s + n] = k
+            self._Vw[layer][s : s + n] = v
+
+    def _view(self, which: str, layer: int, a: int, b: int) -> np.ndarray:
+        """Cells [a, b) of a layer as the caller sees them: zero-copy for plain dtypes and
+        bfloat16 with ml_dtypes; a dequantized float32 copy otherwise."""
+        raw = (self._Kr if which == "k" else self._Vr)[layer][a:b]
+        if self._plain:
+            return raw
+        if self._dtype == "bfloat16":
+            return _quant.bf16_view(raw)
+        scales = (self._KS if which == "k" else self._VS)[layer][a:b]  # type: ignore[index]
+        return _quant.dequantize_int8(raw, scales)
 
     def _grow(self, needed: int) -> None:
         st = self._store
@@ -332,6 +372,9 @@ class Sequence:
                 f"[layers={self._L}, n, kv_heads={H}, head_dim={D}]"
             )
         n = k_all.shape[1]
+        if self._dtype == "int8":
+            _quant.check_finite(k_all, "k_all")
+            _quant.check_finite(v_all, "v_all")
         if tokens is not None:
             self._ints("tokens", tokens, n)
         if positions is not None:
@@ -400,9 +443,11 @@ class Sequence:
             new_keys = []
             if shift is not None and moved:
                 for layer in range(self._L):
-                    src = self._Kr[layer][start + end : start + length].copy()
+                    src = np.array(self._view("k", layer, start + end, start + length), dtype=np.float32
+                                   if not self._plain else None)
                     out = np.asarray(shift(layer, src, delta))
-                    if out.shape != src.shape or out.dtype.kind != "f":
+                    if out.shape != src.shape or out.dtype.kind != "f" or (
+                            self._dtype == "int8" and not np.isfinite(out).all()):
                         raise InvalidArgumentError(
                             f"remove: shift() returned {out.shape} {out.dtype} for layer {layer}; "
                             f"it must return float keys shaped {src.shape}"
@@ -412,7 +457,15 @@ class Sequence:
             if moved:
                 st._positions[start + begin : start + begin + moved] += delta
                 for layer, keys in enumerate(new_keys):
-                    self._Kw[layer][start + begin : start + begin + moved] = keys
+                    if self._plain:
+                        self._Kw[layer][start + begin : start + begin + moved] = keys
+                    else:  # re-encode (values and V scales stay as moved)
+                        if self._dtype == "int8":
+                            q, sc = _quant.quantize_int8(keys)
+                            self._Kw[layer][start + begin : start + begin + moved] = q
+                            self._KS[layer][start + begin : start + begin + moved] = sc  # type: ignore[index]
+                        else:
+                            self._Kw[layer][start + begin : start + begin + moved] = _quant.to_bf16(keys)
             row[LENGTH] = length - (end - begin)
 
     def release(self) -> None:
@@ -502,8 +555,7 @@ class Sequence:
     @property
     def nbytes(self) -> int:
         """Bytes held by the committed tokens (K and V of all layers, ids, positions)."""
-        st = self._store
-        return self.length * (2 * self._L * st._off.cell_bytes + 16)
+        return self.length * self._store.bytes_per_token
 
     @property
     def writable(self) -> bool:
@@ -515,22 +567,42 @@ class Sequence:
         return int(self._row[LEASE_PID])
 
     def keys(self, layer: int) -> np.ndarray:
-        """Committed keys of ``layer``: a read-only zero-copy view ``[length, kv_heads, head_dim]``."""
+        """Committed keys of ``layer`` ``[length, kv_heads, head_dim]``: a read-only zero-copy
+        view; for int8 stores a dequantized float32 copy (bfloat16: a copy unless ml_dtypes)."""
         layer = self._layer(layer)
         start, _, length = self._span()
-        return self._Kr[layer][start : start + length]
+        return self._view("k", layer, start, start + length)
 
     def values(self, layer: int) -> np.ndarray:
-        """Committed values of ``layer``: a read-only zero-copy view ``[length, kv_heads, head_dim]``."""
+        """Committed values of ``layer``; see :meth:`keys`."""
         layer = self._layer(layer)
         start, _, length = self._span()
-        return self._Vr[layer][start : start + length]
+        return self._view("v", layer, start, start + length)
 
     def kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """``(keys(layer), values(layer))`` taken at the same length."""
         layer = self._layer(layer)
         start, _, length = self._span()
-        return self._Kr[layer][start : start + length], self._Vr[layer][start : start + length]
+        return self._view("k", layer, start, start + length), self._view("v", layer, start, start + length)
+
+    def raw_keys(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Stored keys of ``layer`` without any decoding: ``(codes, scales)`` zero-copy views.
+
+        ``codes`` is the storage array (int8 codes, bfloat16 bits as uint16, or the
+        floats); ``scales`` the int8 float32 scales ``[length, kv_heads]``, else None.
+        """
+        return self._raw("k", layer)
+
+    def raw_values(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Stored values of ``layer``; see :meth:`raw_keys`."""
+        return self._raw("v", layer)
+
+    def _raw(self, which: str, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        layer = self._layer(layer)
+        start, _, length = self._span()
+        codes = (self._Kr if which == "k" else self._Vr)[layer][start : start + length]
+        scales = self._KS if which == "k" else self._VS
+        return codes, None if scales is None else _readonly(scales[layer][start : start + length])
 
     @property
     def tokens(self) -> np.ndarray:
@@ -576,14 +648,14 @@ class Sequence:
                 time.sleep(0)
                 continue
             start, _, length = self._span()
-            k = self._Kr[layer][start : start + length].copy()
-            v = self._Vr[layer][start : start + length].copy()
+            k = np.array(self._view("k", layer, start, start + length))
+            v = np.array(self._view("v", layer, start, start + length))
             if row[GEN] == g:
                 return k, v
         with self._store._locked():
             start, _, length = self._span_unlocked()
-            return (self._Kr[layer][start : start + length].copy(),
-                    self._Vr[layer][start : start + length].copy())
+            return (np.array(self._view("k", layer, start, start + length)),
+                    np.array(self._view("v", layer, start, start + length)))
 
 
 class _Structural:

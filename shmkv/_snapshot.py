@@ -16,7 +16,9 @@ Format (version 1), a stream of msgpack objects that any msgpack reader walks:
 
 2. the arrays, in order: for each sequence, K of layer 0..L-1 then V of layer
    0..L-1, each ``length x kv_heads x head_dim`` values of the storage dtype
-   (little-endian, C order), split into ``bin`` values of at most 64 MiB (the
+   (little-endian, C order; bfloat16 as its uint16 bits, int8 as codes), and for
+   int8 stores then the K and V scales of layer 0..L-1 (``length x kv_heads``
+   float32): the stored bytes exactly, never re-quantized; split into ``bin`` values of at most 64 MiB (the
    default streaming unpacker refuses larger); an empty array has no bin.
 
 Saving writes each array straight from shared memory (no packb of arrays).
@@ -122,9 +124,8 @@ def _unchanged(store: Store, seqs: list[_Seq]) -> bool:
 
 def _arrays(store: Store, s: _Seq) -> list[np.ndarray]:
     a, b = s.start, s.start + s.length
-    return [store._K[layer, a:b] for layer in range(store.layout.layers)] + [
-        store._V[layer, a:b] for layer in range(store.layout.layers)
-    ]
+    regions = [store._K, store._V] + ([store._KS, store._VS] if store._KS is not None else [])
+    return [r[layer, a:b] for r in regions for layer in range(store.layout.layers)]  # type: ignore[index]
 
 
 def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
@@ -249,9 +250,18 @@ class Snapshot:
         return [s.id for s in self.sequences]
 
     @property
-    def nbytes(self) -> int:
+    def regions(self) -> list[tuple[str, int]]:
+        """(name, bytes per token) of each array kind, in stream order."""
         cell = self.layout.cell_items * _dtypes.itemsize(self.layout.dtype)
-        return sum(2 * self.layout.layers * s.length * cell for s in self.sequences)
+        out = [("keys", cell), ("values", cell)]
+        if self.layout.dtype == "int8":
+            out += [("key scales", 4 * self.layout.kv_heads), ("value scales", 4 * self.layout.kv_heads)]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        per = sum(b for _, b in self.regions)
+        return sum(self.layout.layers * s.length * per for s in self.sequences)
 
 
 class _Reader:
@@ -428,7 +438,7 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
     if len({s.id for s in seqs}) != len(seqs):
         raise fail("sequence ids repeat")
     sums = obj["checksums"]
-    n_arrays = 2 * layout.layers * len(seqs)
+    n_arrays = (4 if layout.dtype == "int8" else 2) * layout.layers * len(seqs)
     if not isinstance(sums, bytes) or len(sums) != 4 * n_arrays:
         raise fail(f"checksums hold {len(sums) if isinstance(sums, bytes) else sums!r} bytes, "
                    f"expected {4 * n_arrays}")
@@ -492,8 +502,8 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
         selected = set(wanted)
     else:
         selected = set(ids)
-    cell = lay.cell_items * _dtypes.itemsize(lay.dtype)
-    total = sum(2 * lay.layers * s.length * cell for s in snap.sequences)
+    total = snap.nbytes
+    regions = [store._K, store._V] + ([store._KS, store._VS] if store._KS is not None else [])
     with _lock.held(store._lock_path, store.name, store.lock_timeout):
         t = store._table_np
         plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1, staged start)
@@ -532,9 +542,9 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
         with ThreadPoolExecutor(1) as pool:
             for s in snap.sequences:
                 p = by_id.get(s.id)
-                for kind, arr in (("keys", store._K), ("values", store._V)):
+                for (kind, per_token), arr in zip(snap.regions, regions):
                     for layer in range(lay.layers):
-                        nbytes = s.length * cell
+                        nbytes = s.length * per_token
                         dest = memoryview(arr[layer, p[2] : p[2] + s.length]).cast("B") if p and nbytes else None
                         fut = reader.array(dest, nbytes, int(snap.checksums[k]),
                                            f"sequence {s.id} layer {layer} {kind}", pool)

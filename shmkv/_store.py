@@ -124,7 +124,17 @@ class Store:
         self._positions = np.frombuffer(dseg.mm, np.int64, T, off.positions_off)
         self._Kl = list(self._K)  # per-layer views: slicing one is cheaper than a 4-D index
         self._Vl = list(self._V)
+        # int8 stores: one float32 scale per (layer, cell, head) for K and for V
+        S = L * T * H if layout.dtype == "int8" else 0
+        self._KS = np.frombuffer(dseg.mm, np.float32, S, off.ks_off).reshape(-1, T, H) if S else None
+        self._VS = np.frombuffer(dseg.mm, np.float32, S, off.vs_off).reshape(-1, T, H) if S else None
         self._finalizer: weakref.finalize | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes: K and V of every layer (and int8 scales), id and position."""
+        scales = 2 * self.layout.layers * self.layout.kv_heads * 4 if self._KS is not None else 0
+        return 2 * self.layout.layers * self._off.cell_bytes + scales + 16
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -304,6 +314,9 @@ class Store:
         ranges = [(base + layer * off.layer_stride + start * cb, count * cb)
                   for base in (off.k_off, off.v_off) for layer in range(self.layout.layers)]
         ranges += [(off.tokens_off + start * 8, count * 8), (off.positions_off + start * 8, count * 8)]
+        sb = self.layout.kv_heads * 4
+        ranges += [(base + layer * off.scale_stride + start * sb, count * sb)
+                   for base in (off.ks_off, off.vs_off) for layer in range(self.layout.layers) if off.scale_stride]
         self._dseg.reserve(ranges)
 
     def _copy_cells(self, src: int, dst: int, n: int) -> None:
@@ -312,8 +325,8 @@ class Store:
             return
         # one layer at a time: a 4-D slice over all layers spans overlapping address
         # extents, and numpy would then copy through a temporary (half the bandwidth)
-        for a in (self._Kl, self._Vl):
-            for layer in a:
+        for a in (self._Kl, self._Vl, self._KS, self._VS):
+            for layer in a if a is not None else ():
                 np.copyto(layer[dst : dst + n], layer[src : src + n])
         self._tokens[dst : dst + n] = self._tokens[src : src + n]
         self._positions[dst : dst + n] = self._positions[src : src + n]
@@ -514,7 +527,7 @@ class Store:
         t = self._table_np
         live = t[t[:, STATE] == 1]
         gaps = self._free_ranges()
-        bpt = 2 * self.layout.layers * self._off.cell_bytes + 16
+        bpt = self.bytes_per_token
         tokens = int(live[:, LENGTH].sum())
         reserved = int(live[:, CAPACITY].sum())
         return StoreStats(

@@ -24,6 +24,25 @@ class Model:
         self.positions = np.zeros(0, np.int64)
 
 
+def roundtrip(x: np.ndarray, dtype: str) -> np.ndarray:
+    """What a store of ``dtype`` gives back for ``x``: an independent reference encoding."""
+    if dtype == "int8":
+        x = np.asarray(x, np.float32)
+        scale = (np.abs(x).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+        q = np.clip(np.rint(x / np.where(scale > 0, scale, np.float32(1))), -127, 127)
+        return (q.astype(np.int8).astype(np.float32) * scale).astype(np.float64)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    return np.asarray(x, np.float64)
+
+
+def keys_dtype(dtype: str) -> type:
+    """The dtype shift() receives: the storage float, float32 for encoded storage."""
+    return {"float16": np.float16, "float64": np.float64}.get(dtype, np.float32)
+
+
 def check(seq: shmkv.Sequence, m: Model, where: str) -> None:
     assert seq.length == m.k.shape[1], where
     for layer in range(L):
@@ -34,7 +53,7 @@ def check(seq: shmkv.Sequence, m: Model, where: str) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16", "int8"])
 def test_random_operations_match_model(make_store, seed, dtype):
     print(f"seed={seed} dtype={dtype} (rerun with SHMKV_SEEDS={seed})")
     rng = random.Random(seed)
@@ -68,15 +87,15 @@ def test_random_operations_match_model(make_store, seed, dtype):
                 for layer in range(L):
                     kk, vv = s.append(layer, k[layer], v[layer])
                     assert kk.shape[0] == m.k.shape[1] + n
-                    np.testing.assert_array_equal(kk[-n:], k[layer])
+                    np.testing.assert_array_equal(kk[-n:], roundtrip(k[layer], dtype))
                 if rng.random() < 0.2:
                     s.release()  # pending tokens are dropped with the lease
                     seqs[sid] = store.sequence(sid, write=True)
                 else:
                     s.commit(tokens=toks)
                     last = m.positions[-1] + 1 if m.positions.size else 0
-                    m.k = np.concatenate([m.k, k], 1)
-                    m.v = np.concatenate([m.v, v], 1)
+                    m.k = np.concatenate([m.k, roundtrip(k, dtype)], 1)
+                    m.v = np.concatenate([m.v, roundtrip(v, dtype)], 1)
                     m.tokens = np.concatenate([m.tokens, toks])
                     m.positions = np.concatenate([m.positions, np.arange(last, last + n)])
                     next_tok += n
@@ -85,8 +104,8 @@ def test_random_operations_match_model(make_store, seed, dtype):
                 k, v = rand_kv(n), rand_kv(n)
                 s.extend(k, v)
                 last = m.positions[-1] + 1 if m.positions.size else 0
-                m.k = np.concatenate([m.k, k], 1)
-                m.v = np.concatenate([m.v, v], 1)
+                m.k = np.concatenate([m.k, roundtrip(k, dtype)], 1)
+                m.v = np.concatenate([m.v, roundtrip(v, dtype)], 1)
                 m.tokens = np.concatenate([m.tokens, np.full(n, -1)])
                 m.positions = np.concatenate([m.positions, np.arange(last, last + n)])
             elif op == "truncate":
@@ -102,13 +121,14 @@ def test_random_operations_match_model(make_store, seed, dtype):
                 shift = None
                 if op == "remove_shift":
                     def shift(layer, keys, d):
-                        return keys + layer - d  # a stand-in rotation, exact in every dtype
+                        assert keys.dtype.kind == "f"
+                        return keys + layer - d  # a stand-in rotation
                 s.remove(b, e, shift=shift)
                 if e > b:
                     tail_k = m.k[:, e:].copy()
                     if shift is not None and moved:
                         for layer in range(L):
-                            tail_k[layer] = tail_k[layer] + layer - delta
+                            tail_k[layer] = roundtrip(tail_k[layer].astype(keys_dtype(dtype)) + layer - delta, dtype)
                     m.k = np.concatenate([m.k[:, :b], tail_k], 1)
                     m.v = np.concatenate([m.v[:, :b], m.v[:, e:]], 1)
                     m.tokens = np.concatenate([m.tokens[:b], m.tokens[e:]])

@@ -45,11 +45,14 @@ def _content(store: shmkv.Store) -> dict[int, tuple]:
             np.stack([s.values(layer) for layer in layers]).tobytes(),
             s.tokens.tolist(),
             s.positions.tolist(),
+            # the stored bytes themselves (int8 codes and scales, bfloat16 bits): never re-quantized
+            b"".join(a.tobytes() for layer in layers for a in (*s.raw_keys(layer), *s.raw_values(layer))
+                     if a is not None),
         )
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16", "int8"])
 def test_round_trip_bit_for_bit(make_store, tmp_path, dtype):
     store = make_store(layers=3, kv_heads=2, head_dim=4, dtype=dtype, max_tokens=512, max_seqs=8)
     _fill(store, np.random.default_rng(1))
@@ -79,15 +82,16 @@ def test_round_trip_bit_for_bit(make_store, tmp_path, dtype):
     assert _content(store) == before
 
 
-def test_partial_save_and_partial_restore(make_store, tmp_path):
-    store = make_store(max_tokens=512)
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_partial_save_and_partial_restore(make_store, tmp_path, dtype):
+    store = make_store(max_tokens=512, dtype=dtype)
     _fill(store, np.random.default_rng(2))
     before = _content(store)
     ids = sorted(before)
     path = tmp_path / "part.shmkv"
     store.save(path, seq_ids=ids[1:3])
     assert shmkv.read_header(path).seq_ids == ids[1:3]
-    other = make_store(max_tokens=300, max_seqs=3)  # other limits, same geometry
+    other = make_store(max_tokens=300, max_seqs=3, dtype=dtype)  # other limits, same geometry
     assert other.restore(path, seq_ids=[ids[2]]) == [ids[2]]
     assert _content(other) == {ids[2]: before[ids[2]]}
     with pytest.raises(shmkv.SequenceNotFound, match=str(ids[0])):
@@ -146,16 +150,17 @@ def _damaged_variants(data: bytes, rng: random.Random) -> list[tuple[str, bytes]
     return out
 
 
-def test_damaged_files_are_refused_and_store_untouched(make_store, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_damaged_files_are_refused_and_store_untouched(make_store, tmp_path, dtype):
     seed = 20261122
     print(f"seed={seed}")
     rng = random.Random(seed)
-    src = make_store(max_tokens=512)
+    src = make_store(max_tokens=512, dtype=dtype)
     _fill(src, np.random.default_rng(4))
     good = io.BytesIO()
     src.save(good)
     data = good.getvalue()
-    target = make_store(max_tokens=512)
+    target = make_store(max_tokens=512, dtype=dtype)
     _fill(target, np.random.default_rng(5), n_seqs=3)
     before = _content(target)
     path = tmp_path / "bad.shmkv"

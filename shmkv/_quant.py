@@ -1,0 +1,72 @@
+"""Encodings of the compact storage dtypes.
+
+int8: each (token, head) row of ``head_dim`` values is stored as int8 with one
+float32 scale, ``scale = absmax / 127`` and ``q = round(x / scale)`` (round half
+to even, numpy's rule), so ``|q * scale - x| <= scale / 2 = absmax / 254``. An
+all-zero row has scale 0. NaN and infinity cannot be represented and are
+refused before anything is written.
+
+bfloat16: the upper 16 bits of the float32, rounded to nearest even; stored as
+uint16. Reads give float32 copies, or zero-copy ``ml_dtypes.bfloat16`` views
+when ml_dtypes is installed (``pip install shmkv[bf16]``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+
+try:  # optional: zero-copy bfloat16 views
+    import ml_dtypes as _ml
+
+    BF16: np.dtype | None = np.dtype(_ml.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    BF16 = None
+
+
+def check_finite(x: np.ndarray, what: str) -> None:
+    if not np.isfinite(x).all():
+        bad = np.argwhere(~np.isfinite(x))[0].tolist()
+        raise InvalidArgumentError(
+            f"{what} holds {x[tuple(bad)]!r} at index {bad}: int8 storage cannot represent NaN or infinity "
+            "(nothing was written)"
+        )
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` [..., head_dim] -> (int8 codes [..., head_dim], float32 scales [...])."""
+    x = np.asarray(x, np.float32)
+    absmax = np.abs(x).max(axis=-1)
+    scale = (absmax / np.float32(127)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.rint(x / safe[..., None])
+    np.clip(q, -127, 127, out=q)
+    return q.astype(np.int8), scale
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return q.astype(np.float32) * scale[..., None]
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float -> bfloat16 bits (uint16), round to nearest even; NaN stays NaN."""
+    f = np.ascontiguousarray(x, np.float32)
+    bits = f.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return rounded
+
+
+def from_bf16(u: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32 copy."""
+    return (u.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def bf16_view(u: np.ndarray) -> np.ndarray:
+    """Zero-copy ml_dtypes.bfloat16 view of stored bits, or a float32 copy without ml_dtypes."""
+    if BF16 is not None:
+        return u.view(BF16)
+    return from_bf16(u)

@@ -1,0 +1,103 @@
+"""int8 and bfloat16 storage (issue 5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shmkv
+from shmkv import _quant
+
+SEED = 5150
+
+
+def _cases(rng: np.random.Generator, n: int, H: int, D: int) -> np.ndarray:
+    x = rng.standard_normal((n, H, D)).astype(np.float32)
+    x[0] = 0.0  # all-zero tokens
+    x[1] = 3.25  # constant tokens
+    x[2] *= 1e30  # very large
+    x[3] *= 1e-30  # very small
+    x[4, 0] = 0.0  # one zero head beside a normal one
+    x[5] = -7.0
+    x[6:] *= np.exp(rng.uniform(-20, 20, (n - 6, H, 1))).astype(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_int8_error_bound(make_store, seed):
+    print(f"seed={SEED + seed}")
+    rng = np.random.default_rng(SEED + seed)
+    L, H, D, n = 2, 3, 16, 40
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=128)
+    seq = store.create_sequence(capacity=n)
+    k = np.stack([_cases(rng, n, H, D) for _ in range(L)])
+    v = np.stack([_cases(rng, n, H, D) for _ in range(L)])
+    seq.extend(k, v)
+    for layer in range(L):
+        for got, want in ((seq.keys(layer), k[layer]), (seq.values(layer), v[layer])):
+            assert got.dtype == np.float32 and got.shape == want.shape
+            bound = np.abs(want).max(axis=-1, keepdims=True) / 254
+            err = np.abs(got.astype(np.float64) - want)
+            assert np.all(err <= bound * (1 + 1e-6) + 1e-45), float((err - bound).max())
+        codes, scales = seq.raw_keys(layer)
+        assert codes.dtype == np.int8 and scales.dtype == np.float32 and scales.shape == (n, H)
+        assert not codes.flags.writeable and not scales.flags.writeable
+        # zero-copy: the raw views are the shared memory itself
+        assert np.shares_memory(codes, store._K)
+        np.testing.assert_array_equal(scales, np.abs(k[layer]).max(-1) / np.float32(127))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bfloat16_error_bound(make_store, seed, monkeypatch):
+    rng = np.random.default_rng(SEED + 100 + seed)
+    if seed % 2:  # without ml_dtypes: float32 copies
+        monkeypatch.setattr(_quant, "BF16", None)
+    L, H, D, n = 2, 2, 8, 30
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="bfloat16", max_tokens=64)
+    seq = store.create_sequence(capacity=n)
+    k = np.stack([_cases(rng, n, H, D) for _ in range(L)])
+    k[:, 2] /= 1e25  # keep within bfloat16's range (same exponent range as float32)
+    seq.extend(k, k)
+    for layer in range(L):
+        got = np.asarray(seq.keys(layer), np.float64)
+        want = k[layer].astype(np.float64)
+        assert np.all(np.abs(got - want) <= np.abs(want) * 2.0**-8)
+        if _quant.BF16 is not None:
+            assert np.shares_memory(seq.keys(layer), store._K)  # zero-copy view
+        else:
+            assert seq.keys(layer).dtype == np.float32
+    # round to nearest even, against an independent reference on a few values
+    x = np.array([1.0, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -2.5, np.inf, -np.inf], np.float32)
+    want = np.array([1.0, 1.0, 1.0 + 2.0**-6, -2.5, np.inf, -np.inf], np.float32)
+    np.testing.assert_array_equal(_quant.from_bf16(_quant.to_bf16(x)), want)
+    assert np.isnan(_quant.from_bf16(_quant.to_bf16(np.array([np.nan], np.float32))))[0]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_int8_refuses_non_finite_before_writing(make_store, bad):
+    store = make_store(dtype="int8")
+    seq = store.create_sequence(capacity=4)
+    seq.extend(np.ones((2, 1, 2, 4)), np.ones((2, 1, 2, 4)))
+    k = np.ones((2, 2, 2, 4))
+    k[1, 1, 0, 3] = bad
+    with pytest.raises(shmkv.InvalidArgumentError, match="NaN or infinity") as info:
+        seq.extend(k, np.ones_like(k))
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(shmkv.InvalidArgumentError):
+        seq.append(0, np.ones((2, 4)), np.full((2, 4), bad))
+    assert seq.length == 1 and seq.pending == 0
+    np.testing.assert_array_equal(seq.keys(1), np.ones((1, 2, 4)))
+
+
+def test_memory_is_reported(make_store):
+    lay = dict(layers=4, kv_heads=8, head_dim=128, max_tokens=64)
+    f16 = make_store(dtype="float16", **lay)
+    i8 = make_store(dtype="int8", **lay)
+    # per token: K and V x 4 layers x 8 heads x 128 x itemsize, int8 adds 2 x 4 x 8 float32 scales
+    assert f16.bytes_per_token == 2 * 4 * 8 * 128 * 2 + 16
+    assert i8.bytes_per_token == 2 * 4 * 8 * 128 + 2 * 4 * 8 * 4 + 16
+    for s in (f16, i8):
+        seq = s.create_sequence(capacity=10)
+        seq.extend(np.ones((4, 10, 8, 128)), np.ones((4, 10, 8, 128)))
+        assert s.stats().bytes_used == 10 * s.bytes_per_token == seq.nbytes
+    assert i8.stats().bytes_used / f16.stats().bytes_used < 0.52
