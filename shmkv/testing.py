@@ -77,10 +77,13 @@ class ChildProcess:
         return self.process.pid
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to the child and reap it."""
+        """Send ``sig`` to the child and reap it (SIGKILL if it outlives ``sig`` by 10 s)."""
         if self.process.is_alive():
             os.kill(self.pid, sig)
         self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the child; return what its function returned.
