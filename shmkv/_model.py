@@ -91,8 +91,12 @@ class Model:
     def _norm(x: np.ndarray) -> np.ndarray:
         return (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(np.float32)
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Run ``tokens`` at ``positions`` (new, after what the cache holds); return last logits."""
+    def forward(self, cache: KVCache, tokens: np.ndarray, positions: np.ndarray,
+                all_logits: bool = False) -> np.ndarray:
+        """Run ``tokens`` at ``positions`` (new, after what the cache holds).
+
+        Returns the logits of the last token, or of every token with ``all_logits``.
+        """
         cfg = self.cfg
         n, hd, g = len(tokens), cfg.head_dim, cfg.n_heads // cfg.kv_heads
         x = self.embed[tokens]
@@ -113,6 +117,8 @@ class Model:
             x = x + att @ self.wo[layer]
             hid = self._norm(x) @ self.w1[layer]
             x = (x + (hid / (1 + np.exp(-hid))) @ self.w2[layer]).astype(np.float32)
+        if all_logits:
+            return self._norm(x) @ self.out
         return (self._norm(x[-1:]) @ self.out)[0]
 
 
@@ -127,7 +133,8 @@ def decode(tokens: list[int]) -> str:
 def reference_generate(model: Model, prefix: np.ndarray, prompt: np.ndarray, new_tokens: int) -> list[int]:
     """What the demo must produce, without shmkv: same ops in the same order."""
     cache = NumpyCache(model.cfg)
-    model.forward(cache, prefix, np.arange(len(prefix)))
+    if len(prefix):
+        model.forward(cache, prefix, np.arange(len(prefix)))
     pos = len(prefix)
     logits = model.forward(cache, prompt, np.arange(pos, pos + len(prompt)))
     pos += len(prompt)
