@@ -319,6 +319,7 @@ def _decode_worker(name: str, seq_id: int, n: int, out: Any) -> None:
 
 
 def _snap_loop(name: str, path: str, stop: Any, out: Any) -> None:
+    os.nice(10)  # as `shmkv snapshot` does by default: decode workers come first
     store = _store.attach(name, readonly=True)
     count = 0
     while not stop.is_set():
@@ -431,11 +432,70 @@ GOALS = {  # DESIGN.md section 7: key -> (comparison, bound)
 }
 
 
+ROWS = [  # (what, shmkv key, baseline text, ratio key or None, how the ratio reads)
+    ("per-token append + commit, 32 layers", "decode_us_per_token", "preallocated numpy slices",
+     "decode_ratio", "time / numpy"),
+    ("hand-off of 128 MiB to another process", "handoff_ms", "multiprocessing.Queue (queue_handoff_ms)",
+     "handoff_speedup_vs_queue", "Queue time / shmkv time"),
+    ("copy_prefix", "copy_prefix_gbps", "np.copyto (copyto_gbps)", "copy_prefix_ratio", "bandwidth / np.copyto"),
+    ("snapshot save", "save_gbps", "np.save + fsync (np_save_gbps)", "save_ratio", "bandwidth / np.save"),
+    ("snapshot load", "load_gbps", "np.load (np_load_gbps)", "load_ratio", "bandwidth / np.load"),
+    ("prefill writes into reserved memory", "prefill_write_ms", "first-touch numpy (first_touch_ms)",
+     "prefill_ratio", "first-touch time / shmkv"),
+    ("2 decode workers beside a snapshotter", "tokens_per_s_2w_snap", "without it (tokens_per_s_2w)",
+     "snapshotter_overhead", "throughput lost"),
+    ("int8 quantize on write", "quantize_ratio", "float16 copy", None, "throughput / copy"),
+    ("int8 dequantize on read", "dequantize_ratio", "float16 copy", None, "throughput / copy"),
+]
+
+
+def markdown(r: dict[str, float]) -> str:
+    lines = ["| scenario | shmkv | baseline | ratio | goal |", "| --- | --- | --- | --- | --- |"]
+    for what, key, base, ratio, how in ROWS:
+        if key not in r:
+            continue
+        base_key = base.split("(")[-1].rstrip(")") if "(" in base else None
+        base_val = f" = {r[base_key]:.3g}" if base_key in r else ""
+        rk = ratio or key
+        gk = key if key in GOALS else rk
+        goal = GOALS.get(gk)
+        goal_s = f"{gk} {goal[0]} {goal[1]}: {'met' if _met(r[gk], goal) else 'missed'}" if goal else ""
+        lines.append(f"| {what} | {key} = {r[key]:.3g} | {base}{base_val} | {r[rk]:.3g} ({how}) | {goal_s} |")
+    return "\n".join(lines)
+
+
+def _met(val: float, goal: tuple[str, float]) -> bool:
+    op, bound = goal
+    return {"<=": val <= bound, "<": val < bound, ">=": val >= bound}[op]
+
+
+def plot(r: dict[str, float], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'shmkv[plot]'") from None
+    keys = [k for k in ("decode_ratio", "copy_prefix_ratio", "save_ratio", "load_ratio", "prefill_ratio")
+            if k in r]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.barh(keys, [r[k] for k in keys], color=["#4a7" if _met(r[k], GOALS[k]) else "#c55" for k in keys])
+    for i, k in enumerate(keys):
+        ax.plot([GOALS[k][1]] * 2, [i - 0.4, i + 0.4], "k--", lw=1)
+    ax.set_xlabel("ratio against the baseline measured in the same run (dashed: goal)")
+    ax.set_title("shmkv vs numpy / np.save / np.load (green: goal met)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shmkv bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a short run (about a minute)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--only", help="comma-separated scenarios: " + ",".join(SCENARIOS))
+    p.add_argument("--markdown", action="store_true", help="also print the README's table (Markdown)")
+    p.add_argument("--plot", metavar="PNG", help="draw the main ratios (needs the plot extra: matplotlib)")
     a = p.parse_args(argv)
     names = a.only.split(",") if a.only else list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -459,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
                 mark = f"   goal {op} {bound}: {'met' if ok else 'MISSED'}"
             print(f"  {key:<28} {val:12.3f}{mark}")
     results["seconds"] = time.perf_counter() - t_all
+    if a.markdown:
+        print("\n" + markdown(results))
+    if a.plot:
+        plot(results, a.plot)
     if a.json:
         print(json.dumps(results))
     _ = io

@@ -235,6 +235,8 @@ def _cmd_snapshot(a: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
+    if a.nice:
+        os.nice(a.nice)  # decode workers first: a snapshot may take longer, their tokens may not
     snapshot_loop(a.name, a.dir, a.every, a.keep, a.count, stop, log=lambda m: print(m, flush=True))
     return 0
 
@@ -301,6 +303,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--every", type=float, default=60.0, help="seconds between snapshots")
     sp.add_argument("--keep", type=int, default=3)
     sp.add_argument("--count", type=int, help="stop after this many snapshots")
+    sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (default 10; 0 keeps it)")
     sp = add("bench", _cmd_bench, "benchmarks against numpy, np.save and multiprocessing (tools/bench.py)")
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
