@@ -21,7 +21,7 @@ def worker(name: str, seq_id: int) -> None:
     for pos in range(TOKENS):
         for layer in range(LAYERS):
             k = np.full((HEADS, DIM), seq_id * 1000 + pos, np.float32)
-            keys, values = seq.append(layer, k, -k)  # zero-copy views, ready for attention
+            _keys, _values = seq.append(layer, k, -k)  # zero-copy views, ready for attention
         seq.commit(tokens=[pos])  # visible to every process from here
     store.close()
 

@@ -15,14 +15,13 @@ stay mapped until the last view is garbage collected. Nothing can dangle.
 
 from __future__ import annotations
 
+import _posixshmem
 import errno
 import mmap
 import os
 import re
 import stat
 import sys
-
-import _posixshmem
 
 from .errors import CacheFullError, InvalidArgumentError, StoreExistsError, StoreNotFound
 
@@ -79,7 +78,7 @@ class Segment:
     ``unlink()`` removes the name; mapped pages stay valid for whoever maps them.
     """
 
-    __slots__ = ("name", "size", "readonly", "mm", "_fd")
+    __slots__ = ("_fd", "mm", "name", "readonly", "size")
 
     def __init__(self, name: str, size: int, readonly: bool, mm: mmap.mmap, fd: int) -> None:
         self.name = name

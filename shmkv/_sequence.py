@@ -21,10 +21,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _dtypes, _quant, _segment
-from ._header import CAPACITY, GEN, ID, LEASE_PID, LEASE_START, LEASE_TOKEN, LENGTH, START, STATE
-from ._store import _live_writers, _count
+from ._header import CAPACITY, GEN, ID, LEASE_PID, LEASE_TOKEN, LENGTH, START, STATE
+from ._store import _count, _live_writers
 from .errors import (
-    InvalidArgumentError, LeaseError, ReadOnlyError, SequenceNotFound, StoreClosedError,
+    InvalidArgumentError,
+    LeaseError,
+    ReadOnlyError,
+    SequenceNotFound,
+    StoreClosedError,
 )
 
 if TYPE_CHECKING:
@@ -93,7 +97,7 @@ class Sequence:
         kind = "write" if self._write else "read"
         try:
             return f"<shmkv.Sequence id={self.id} length={self.length} capacity={self.capacity} {kind}>"
-        except Exception:  # noqa: BLE001 - repr of a dead handle
+        except Exception:  # repr of a dead handle
             return f"<shmkv.Sequence id={self.id} {kind} (unavailable)>"
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -318,7 +322,7 @@ class Sequence:
         s = self._start + length
         last = int(st._positions[s - 1]) if length else -1
         if n == 0:
-            if tokens is not None and np.size(tokens) or positions is not None and np.size(positions):
+            if (tokens is not None and np.size(tokens)) or (positions is not None and np.size(positions)):
                 raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
             return length
         if tokens is None:
@@ -459,13 +463,12 @@ class Sequence:
                 for layer, keys in enumerate(new_keys):
                     if self._plain:
                         self._Kw[layer][start + begin : start + begin + moved] = keys
-                    else:  # re-encode (values and V scales stay as moved)
-                        if self._dtype == "int8":
-                            q, sc = _quant.quantize_int8(keys)
-                            self._Kw[layer][start + begin : start + begin + moved] = q
-                            self._KS[layer][start + begin : start + begin + moved] = sc  # type: ignore[index]
-                        else:
-                            self._Kw[layer][start + begin : start + begin + moved] = _quant.to_bf16(keys)
+                    elif self._dtype == "int8":  # re-encode (values and V scales stay as moved)
+                        q, sc = _quant.quantize_int8(keys)
+                        self._Kw[layer][start + begin : start + begin + moved] = q
+                        self._KS[layer][start + begin : start + begin + moved] = sc  # type: ignore[index]
+                    else:
+                        self._Kw[layer][start + begin : start + begin + moved] = _quant.to_bf16(keys)
             row[LENGTH] = length - (end - begin)
 
     def release(self) -> None:
@@ -680,22 +683,22 @@ class _Structural:
             raise
         return self.seq._row
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
-            self._changing.__exit__(*exc)
+            self._changing.__exit__(*exc)  # type: ignore[arg-type]
             seq = self.seq
             seq._pending = [0] * seq._L
             row = seq._row
             seq._gen, seq._start, seq._cap = row[GEN], row[START], row[CAPACITY]
         finally:
-            self._locked.__exit__(*exc)
+            self._locked.__exit__(*exc)  # type: ignore[arg-type]
 
 
 class _nolock:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 

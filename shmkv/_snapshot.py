@@ -49,7 +49,12 @@ import numpy as np
 from . import _dtypes, _header, _lock, _segment
 from ._header import CAPACITY, GEN, ID, LEASE_PID, LENGTH, START, STATE, Layout
 from .errors import (
-    CacheFullError, InvalidArgumentError, LayoutMismatchError, SequenceNotFound, ShmkvError, SnapshotError,
+    CacheFullError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    SequenceNotFound,
+    ShmkvError,
+    SnapshotError,
 )
 
 if TYPE_CHECKING:
@@ -150,7 +155,7 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
 def _crcs(arrays: list[np.ndarray]) -> list[int]:
     """crc32 of each array; on two threads when it is worth it (zlib releases the GIL)."""
     if sum(a.nbytes for a in arrays) < (8 << 20):
-        return [zlib.crc32(a) for a in arrays]
+        return [zlib.crc32(a) for a in arrays]  # type: ignore[arg-type]  # ndarray is a Buffer
     with ThreadPoolExecutor(2) as ex:
         return list(ex.map(zlib.crc32, arrays))
 
@@ -167,7 +172,7 @@ def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress
     for a in arrays:
         if not a.nbytes:
             continue
-        mv = memoryview(a).cast("B")  # straight from shared memory
+        mv = memoryview(a).cast("B")  # type: ignore[arg-type]  # straight from shared memory
         for pos in range(0, a.nbytes, CHUNK):
             part = mv[pos : pos + CHUNK]
             f.write(b"\xc6" + len(part).to_bytes(4, "big"))
@@ -376,7 +381,8 @@ class _Reader:
                 c = zlib.crc32(target, c)
             pos += n
         if deferred:
-            return pool.submit(self._check_crc, dest, crc, what)  # type: ignore[union-attr]
+            assert pool is not None and dest is not None
+            return pool.submit(self._check_crc, dest, crc, what)
         if c != crc:
             raise self._fail(f"checksum mismatch in {what} (data damaged)")
         return None
@@ -450,7 +456,7 @@ def _open_source(source: Any) -> Iterator[tuple[_Reader, bool]]:
     if isinstance(source, (str, bytes, os.PathLike)):
         path = os.fsdecode(source)
         try:
-            f = open(path, "rb")
+            f = open(path, "rb")  # noqa: SIM115 - closed by the with below
         except FileNotFoundError:
             raise SnapshotError(f"snapshot file {path!r} does not exist") from None
         with f:
@@ -542,10 +548,11 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
         with ThreadPoolExecutor(1) as pool:
             for s in snap.sequences:
                 p = by_id.get(s.id)
-                for (kind, per_token), arr in zip(snap.regions, regions):
+                for (kind, per_token), arr in zip(snap.regions, regions, strict=True):
                     for layer in range(lay.layers):
                         nbytes = s.length * per_token
-                        dest = memoryview(arr[layer, p[2] : p[2] + s.length]).cast("B") if p and nbytes else None
+                        dest = (memoryview(arr[layer, p[2] : p[2] + s.length]).cast("B")  # type: ignore[arg-type,index]
+                                if p and nbytes else None)
                         fut = reader.array(dest, nbytes, int(snap.checksums[k]),
                                            f"sequence {s.id} layer {layer} {kind}", pool)
                         if fut is not None:
@@ -560,18 +567,18 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
             raise reader._fail(f"unexpected data after the last array (byte {reader.offset})")
         # everything checked: publish
         next_id = store._hdr[_header.W_NEXT_ID]
-        for s, slot, start in plan:
+        for s, existing, start in plan:
             cap = next(c for st_, c in taken if st_ == start)
+            assert s.tokens is not None and s.positions is not None
             store._tokens[start : start + s.length] = s.tokens
             store._positions[start : start + s.length] = s.positions
-            if slot < 0:
-                slot = int(np.flatnonzero(t[:, STATE] == 0)[0])
-                row = store._row(slot)
+            if existing < 0:
+                row = store._row(int(np.flatnonzero(t[:, STATE] == 0)[0]))
                 with store._changing(row):
                     row[ID], row[START], row[CAPACITY], row[LENGTH], row[LEASE_PID] = s.id, start, cap, s.length, 0
                     row[STATE] = 1
             else:
-                row = store._row(slot)
+                row = store._row(existing)
                 with store._changing(row):
                     row[START], row[CAPACITY], row[LENGTH] = start, cap, s.length
             next_id = max(next_id, s.id + 1)

@@ -29,13 +29,29 @@ import numpy as np
 
 from . import _dtypes, _header, _lock, _segment
 from ._header import (
-    CAPACITY, CLIENT_WORDS, GEN, ID, LEASE_PID, LEASE_START, LEASE_TOKEN, LENGTH, SEQ_WORDS,
-    START, STATE, Layout,
+    CAPACITY,
+    CLIENT_WORDS,
+    GEN,
+    ID,
+    LEASE_PID,
+    LEASE_START,
+    LEASE_TOKEN,
+    LENGTH,
+    SEQ_WORDS,
+    START,
+    STATE,
+    Layout,
 )
 from ._segment import Segment
 from .errors import (
-    CacheFullError, CorruptStoreError, InvalidArgumentError, LeaseError, ReadOnlyError,
-    SequenceNotFound, StoreClosedError, StoreNotFound,
+    CacheFullError,
+    CorruptStoreError,
+    InvalidArgumentError,
+    LeaseError,
+    ReadOnlyError,
+    SequenceNotFound,
+    StoreClosedError,
+    StoreNotFound,
 )
 
 DEFAULT_MAX_CLIENTS = 128
@@ -107,27 +123,29 @@ class Store:
         self._hseg, self._dseg = hseg, dseg
         self._lock_path = _segment.lock_path(name)
         off = self._off = _header.offsets(layout, max_clients)
+        hmm, dmm = hseg.mm, dseg.mm
+        assert hmm is not None and dmm is not None
         self._max_clients = max_clients
         self._hdr = _words(hseg.mm, 0, _header.FIXED_BYTES // 8)
         self._table = _words(hseg.mm, off.seq_off, layout.max_seqs * SEQ_WORDS)
-        self._table_np = np.frombuffer(hseg.mm, np.int64, layout.max_seqs * SEQ_WORDS, off.seq_off).reshape(
+        self._table_np = np.frombuffer(hmm, np.int64, layout.max_seqs * SEQ_WORDS, off.seq_off).reshape(
             layout.max_seqs, SEQ_WORDS
         )
-        self._clients_np = np.frombuffer(hseg.mm, np.int64, max_clients * CLIENT_WORDS, off.client_off).reshape(
+        self._clients_np = np.frombuffer(hmm, np.int64, max_clients * CLIENT_WORDS, off.client_off).reshape(
             max_clients, CLIENT_WORDS
         )
         dt = _dtypes.storage(layout.dtype)
         L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
-        self._K = np.frombuffer(dseg.mm, dt, L * T * H * D, off.k_off).reshape(L, T, H, D)
-        self._V = np.frombuffer(dseg.mm, dt, L * T * H * D, off.v_off).reshape(L, T, H, D)
-        self._tokens = np.frombuffer(dseg.mm, np.int64, T, off.tokens_off)
-        self._positions = np.frombuffer(dseg.mm, np.int64, T, off.positions_off)
+        self._K = np.frombuffer(dmm, dt, L * T * H * D, off.k_off).reshape(L, T, H, D)
+        self._V = np.frombuffer(dmm, dt, L * T * H * D, off.v_off).reshape(L, T, H, D)
+        self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
+        self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
         self._Kl = list(self._K)  # per-layer views: slicing one is cheaper than a 4-D index
         self._Vl = list(self._V)
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
-        self._KS = np.frombuffer(dseg.mm, np.float32, S, off.ks_off).reshape(-1, T, H) if S else None
-        self._VS = np.frombuffer(dseg.mm, np.float32, S, off.vs_off).reshape(-1, T, H) if S else None
+        self._KS = np.frombuffer(dmm, np.float32, S, off.ks_off).reshape(-1, T, H) if S else None
+        self._VS = np.frombuffer(dmm, np.float32, S, off.vs_off).reshape(-1, T, H) if S else None
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -169,12 +187,12 @@ class Store:
         inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
         if not inherited and not self.readonly:
             me = os.getpid()
-            for token, handle in list(_live_writers.items()):
+            for handle in list(_live_writers.values()):
                 if getattr(handle, "_store", None) is self:
                     handle._drop_lease()
             try:
                 self._unregister_client(me)
-            except Exception:  # noqa: BLE001 - closing must not fail because the lock is stuck
+            except Exception:  # closing must not fail because the lock is stuck
                 pass
         remove = self._creator and not self.persistent and not inherited
         self._closed = True

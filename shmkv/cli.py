@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import itertools
 import json
 import os
 import signal
@@ -67,7 +68,8 @@ def _info(store: Store, first: int = 8) -> dict[str, Any]:
 
 
 def _print_info(d: dict[str, Any]) -> None:
-    lay, st = d["layout"], d["stats"]
+    lay: dict[str, Any] = d["layout"]
+    st: dict[str, Any] = d["stats"]
     print(f"store {d['name']}: layers={lay['layers']} kv_heads={lay['kv_heads']} head_dim={lay['head_dim']} "
           f"dtype={lay['dtype']} max_tokens={lay['max_tokens']} max_seqs={lay['max_seqs']}"
           f"{' persistent' if d['persistent'] else ''}")
@@ -93,7 +95,7 @@ def verify(store: Store) -> list[str]:
     for row in live.tolist():
         sid, start, cap, length, gen = (row[_header.ID], row[_header.START], row[_header.CAPACITY],
                                         row[_header.LENGTH], row[_header.GEN])
-        if not 0 <= start and start + cap <= lay.max_tokens:
+        if start < 0 or start + cap > lay.max_tokens:
             problems.append(f"sequence {sid}: range [{start}, {start + cap}) outside max_tokens={lay.max_tokens}")
         if not 0 <= length <= cap:
             problems.append(f"sequence {sid}: length {length} outside capacity {cap}")
@@ -106,14 +108,14 @@ def verify(store: Store) -> list[str]:
     if len(set(ids)) != len(ids):
         problems.append("sequence ids repeat")
     ranges.sort()
-    for (s1, c1, i1), (s2, _, i2) in zip(ranges, ranges[1:]):
+    for (s1, c1, i1), (s2, _, i2) in itertools.pairwise(ranges):
         if s1 + c1 > s2:
             problems.append(f"sequences {i1} and {i2} overlap at cell {s2}")
     return problems
 
 
 def _cmd_ls(a: argparse.Namespace) -> int:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in list_stores():
         try:
             with attach(name, readonly=True, timeout=0.2) as s:
@@ -202,7 +204,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def snapshot_loop(name: str, directory: str, every: float, keep: int, count: int | None = None,
+def snapshot_loop(name: str, directory: str, every: float, keep: int, *, count: int | None = None,
                   stop: threading.Event | None = None, log: Any = print) -> list[str]:
     """Save store ``name`` into ``directory`` every ``every`` seconds, keeping the newest ``keep``."""
     stop = stop or threading.Event()
@@ -212,7 +214,7 @@ def snapshot_loop(name: str, directory: str, every: float, keep: int, count: int
         n = 0
         while not stop.is_set() and (count is None or n < count):
             t0 = time.monotonic()
-            stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+            stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
             path = os.path.join(directory, f"{name}-{stamp}.shmkv")
             nbytes = store.save(path)
             written.append(path)
@@ -237,7 +239,7 @@ def _cmd_snapshot(a: argparse.Namespace) -> int:
         signal.signal(sig, handler)
     if a.nice:
         os.nice(a.nice)  # decode workers first: a snapshot may take longer, their tokens may not
-    snapshot_loop(a.name, a.dir, a.every, a.keep, a.count, stop, log=lambda m: print(m, flush=True))
+    snapshot_loop(a.name, a.dir, a.every, a.keep, count=a.count, stop=stop, log=lambda m: print(m, flush=True))
     return 0
 
 

@@ -111,7 +111,7 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
     cfg = _model.Config()
     name = f"demo{os.getpid()}"
     snapshot = snapshot or os.path.join(tempfile.gettempdir(), f"shmkv-demo-{os.getpid()}.shmkv")
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)
     store = create(name, layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype="float32",
                    max_tokens=4096, max_seqs=len(prompts) + 2)
     procs: list[Any] = []

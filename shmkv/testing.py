@@ -48,11 +48,11 @@ def _child_main(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs
     try:
         result = fn(*args, **kwargs)
         conn.send(("ok", result, ""))
-    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException as e:  # everything goes back to the parent
         tb = traceback.format_exc()
         try:
             conn.send(("error", e, tb))
-        except Exception:  # noqa: BLE001 - unpicklable exception
+        except Exception:  # unpicklable exception
             conn.send(("error", RuntimeError(repr(e)), tb))
     finally:
         conn.close()
@@ -63,7 +63,7 @@ class ChildProcess:
 
     def __init__(self, fn: Callable[..., Any], *args: Any, start_method: str = "spawn",
                  timeout: float = 60.0, **kwargs: Any) -> None:
-        ctx = mp.get_context(start_method)
+        ctx: Any = mp.get_context(start_method)
         self._recv, send = ctx.Pipe(duplex=False)
         self.timeout = timeout
         self.start_method = start_method

@@ -11,12 +11,11 @@ import time
 
 import numpy as np
 import pytest
+from _cli_children import own_store
 
 import shmkv
 from shmkv import cli, demo
 from shmkv.testing import shm_entries, start_in_process, unique_name
-
-from _cli_children import own_store
 
 
 def shmkv_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -123,7 +122,7 @@ def test_snapshotter_stops_on_sigterm(live_store, tmp_path):
         time.sleep(0.05)
     time.sleep(0.5)
     p.send_signal(signal.SIGTERM)
-    stdout, stderr = p.communicate(timeout=30)
+    _, stderr = p.communicate(timeout=30)
     assert p.returncode == 0, stderr
     assert "stopping" in stderr
     files = sorted(os.listdir(out))
@@ -153,6 +152,10 @@ def test_verify_finds_problems(make_store):
     b._row[shmkv._header.LENGTH] = 99
     assert any("outside capacity" in p for p in cli.verify(store))
     b._row[shmkv._header.LENGTH] = 0
+    # regression: the range check once read `not 0 <= start and ...` and never fired
+    b._row[shmkv._header.START] = store.layout.max_tokens - 4
+    assert any("outside max_tokens" in p for p in cli.verify(store))
+    b._row[shmkv._header.START] = 8
     r = shmkv_cmd("verify", store.name, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True
     _ = np

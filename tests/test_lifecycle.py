@@ -7,13 +7,12 @@ import stat
 
 import numpy as np
 import pytest
+from _children import create_and_exit
+from conftest import START_METHODS
 
 import shmkv
 from shmkv import _segment
 from shmkv.testing import ChildFailed, run_in_process, unique_name
-
-from _children import create_and_exit
-from conftest import START_METHODS
 
 
 def _exists(name: str) -> bool:

@@ -85,7 +85,7 @@ def test_random_operations_match_model(make_store, seed, dtype):
                 k, v = rand_kv(n), rand_kv(n)
                 toks = list(range(next_tok, next_tok + n))
                 for layer in range(L):
-                    kk, vv = s.append(layer, k[layer], v[layer])
+                    kk, _ = s.append(layer, k[layer], v[layer])
                     assert kk.shape[0] == m.k.shape[1] + n
                     np.testing.assert_array_equal(kk[-n:], roundtrip(k[layer], dtype))
                 if rng.random() < 0.2:
@@ -166,8 +166,8 @@ def test_random_operations_match_model(make_store, seed, dtype):
             if op == "append":
                 seqs[sid].release()
                 seqs[sid] = store.sequence(sid, write=True)
-        for sid2 in seqs:
-            check(seqs[sid2], models[sid2], where + f" seq={sid2}")
+        for sid2, seq2 in seqs.items():
+            check(seq2, models[sid2], where + f" seq={sid2}")
     print(f"{full_errors} CacheFullError(s)")
     st = store.stats()
     assert st.sequences == len(seqs)

@@ -8,15 +8,20 @@ import time
 
 import numpy as np
 import pytest
+from _children import (
+    attach_and_exit,
+    hold_lease,
+    reader_loop,
+    token_kv,
+    value,
+    write_sequence,
+    write_through_readonly_mapping,
+    writer_loop,
+)
+from conftest import START_METHODS
 
 import shmkv
 from shmkv.testing import ChildFailed, run_in_process, start_in_process
-
-from _children import (
-    attach_and_exit, hold_lease, reader_loop, token_kv, value, write_sequence,
-    write_through_readonly_mapping, writer_loop,
-)
-from conftest import START_METHODS
 
 
 @pytest.mark.parametrize("method,dtype", [(m, "float32") for m in START_METHODS]

@@ -14,7 +14,7 @@ README = pathlib.Path(__file__).parent.parent / "README.md"
 
 def test_quick_start_runs(tmp_path):
     text = README.read_text()
-    block = re.search(r"## Quick start.*?```python\n(.*?)```", text, re.S).group(1)
+    block = re.search(r"## Quick start.*?```python\n(.*?)```", text, re.DOTALL).group(1)
     script = tmp_path / "quick.py"
     script.write_text(block)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import random
 import signal
@@ -12,11 +13,10 @@ import time
 import msgpack
 import numpy as np
 import pytest
+from _children import save_forever, writer_loop
 
 import shmkv
-from shmkv.testing import start_in_process, unique_name
-
-from _children import save_forever, writer_loop
+from shmkv.testing import ChildFailed, start_in_process, unique_name
 
 
 def _fill(store: shmkv.Store, rng: np.random.Generator, n_seqs: int = 5) -> dict[int, tuple]:
@@ -61,7 +61,7 @@ def test_round_trip_bit_for_bit(make_store, tmp_path, dtype):
     seen = []
     nbytes = store.save(path, progress=lambda done, total: seen.append((done, total)))
     assert nbytes == path.stat().st_size
-    assert seen[-1] == (nbytes, nbytes) and all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
+    assert seen[-1] == (nbytes, nbytes) and all(a <= b for (a, _), (b, _) in itertools.pairwise(seen))
     # any msgpack reader walks it: one header map, then bins
     with open(path, "rb") as f:
         objs = list(msgpack.Unpacker(f, raw=False))
@@ -196,7 +196,7 @@ def test_killing_the_saver_never_damages_the_target(make_store, tmp_path):
             time.sleep(0.005)
         time.sleep(r.uniform(0, 0.05))
         child.kill(signal.SIGKILL)
-        with pytest.raises(Exception):
+        with pytest.raises(ChildFailed, match="signal 9"):
             child.result()
         name = unique_name()
         loaded = shmkv.load(path, name=name)  # SnapshotError here would be a damaged target
