@@ -47,7 +47,9 @@ Sequence row (int64 words)::
     6 LEASE_PID    pid holding the write lease (0 = none)
     7 LEASE_START  that process's start time (guards against pid reuse)
     8 LEASE_TOKEN  random id of the handle holding the lease inside that process
-    9..15          reserved (encoder cache, flags)
+    9 WIN_OFF      index of the oldest token the bounded (sliding, chunked) layers still hold;
+                   they hold tokens WIN_OFF..LENGTH-1 in the sequence slot's window buffer
+    10..15         reserved
 
 Client row: pid, start time, flags (1 = read-write), reserved.
 
@@ -57,6 +59,9 @@ Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned)::
     V          [layers, max_tokens, kv_heads, head_dim]  (bfloat16: uint16 bits; int8: codes)
     tokens     [max_tokens] int64   token id per cell (-1 = none given)
     positions  [max_tokens] int64   position per cell
+    WK, WV     [bounded layers, max_seqs * window_cells, kv_heads, head_dim]: sliding and
+               chunked layers keep their recent tokens here, in a buffer per sequence slot
+               (slot * window_cells ...); their slices of K and V above stay unused (no pages)
     K scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
     V scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
 
@@ -88,7 +93,7 @@ FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 
 # sequence row columns
-STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN = range(9)
+STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN, WIN_OFF = range(10)
 SEQ_WORDS = 16
 # client row columns
 C_PID, C_START, C_FLAGS = 0, 1, 2
@@ -122,6 +127,28 @@ class Layout:
     @property
     def cell_items(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def bounded(self) -> tuple[int, ...]:
+        """Indices of the sliding and chunked layers: they keep a bounded number of tokens."""
+        return tuple(i for i, k in enumerate(self.layer_types) if k != "full")
+
+    @property
+    def keep(self) -> int:
+        """Tokens before a new one that bounded layers must still hold to resume there."""
+        need = [self.window - 1 if "sliding" in self.layer_types else 0,
+                self.chunk - 1 if "chunked" in self.layer_types else 0]
+        return max(need)
+
+    @property
+    def step(self) -> int:
+        """Most new tokens a bounded layer takes between commits (``memory``; default max(keep+1, 64))."""
+        return self.memory or max(self.keep + 1, 64)
+
+    @property
+    def window_cells(self) -> int:
+        """Cells of one sequence's buffer in each bounded layer (0 without bounded layers)."""
+        return self.keep + self.step if self.bounded else 0
 
 
 def _positive(name: str, value: object, limit: int) -> int:
@@ -164,12 +191,19 @@ def make_layout(
         if kind not in LAYER_KINDS:
             raise InvalidArgumentError(f"layer_types[{i}]={kind!r} is not one of {LAYER_KINDS}")
     kinds = tuple(layer_types)
-    if "sliding" in kinds or "chunked" in kinds:
+    for kind, value, what in (("sliding", window, "window"), ("chunked", chunk, "chunk")):
+        if kind in kinds:
+            _positive(what, value, 1 << 30)
+        elif value:
+            raise InvalidArgumentError(f"{what}={value!r} given but no layer is {kind!r} (layer_types={list(kinds)})")
+    if memory:  # None or 0: the default
+        if not ("sliding" in kinds or "chunked" in kinds):
+            raise InvalidArgumentError(f"memory={memory!r} given but no layer is 'sliding' or 'chunked'")
+        _positive("memory", memory, 1 << 30)
+    if ("sliding" in kinds or "chunked" in kinds) and dtype not in ("float32", "float16", "float64"):
         from .errors import NotSupportedError
 
-        raise NotSupportedError(
-            "sliding and chunked layers are not implemented yet: use layer_types of 'full' only"
-        )
+        raise NotSupportedError(f"sliding and chunked layers need a float dtype, not dtype={dtype!r}")
     return Layout(
         layers=layers,
         kv_heads=kv_heads,
@@ -199,6 +233,9 @@ class Offsets:
     v_off: int
     tokens_off: int
     positions_off: int
+    wk_off: int  # bounded layers' K buffers: [n_bounded, max_seqs * window_cells, kv_heads, head_dim]
+    wv_off: int
+    w_stride: int  # bytes between bounded layers inside a window region
     ks_off: int  # int8 scales of K (0 bytes for other dtypes)
     vs_off: int
     scale_stride: int  # bytes between layers inside a scales region
@@ -219,11 +256,15 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     tokens_off = _align(v_off + layout.layers * layer_stride, page)
     positions_off = _align(tokens_off + layout.max_tokens * 8, page)
     scale_stride = layout.max_tokens * layout.kv_heads * 4 if layout.dtype == "int8" else 0
-    ks_off = _align(positions_off + layout.max_tokens * 8, page)
+    w_stride = layout.max_seqs * layout.window_cells * cell_bytes
+    wk_off = _align(positions_off + layout.max_tokens * 8, page)
+    wv_off = _align(wk_off + len(layout.bounded) * w_stride, page)
+    ks_off = _align(wv_off + len(layout.bounded) * w_stride, page)
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(
-        seq_off, client_off, header_bytes, k_off, v_off, tokens_off, positions_off, ks_off, vs_off,
+        seq_off, client_off, header_bytes, k_off, v_off, tokens_off, positions_off, wk_off, wv_off, w_stride,
+        ks_off, vs_off,
         scale_stride, data_bytes, layer_stride, cell_bytes,
     )
 

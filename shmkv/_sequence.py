@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _dtypes, _quant, _segment
-from ._header import CAPACITY, GEN, ID, LEASE_PID, LEASE_TOKEN, LENGTH, START, STATE
+from ._header import CAPACITY, GEN, ID, LEASE_PID, LEASE_TOKEN, LENGTH, START, STATE, WIN_OFF
 from ._store import _count, _live_writers
 from .errors import (
+    CacheFullError,
+    NotSupportedError,
     InvalidArgumentError,
     LeaseError,
     ReadOnlyError,
@@ -86,7 +88,11 @@ class Sequence:
         self._VS = list(store._VS) if store._VS is not None else None
         self._pending = [0] * self._L
         self._gen = -1
-        self._start = self._cap = 0
+        bounded = set(lay.bounded)
+        self._isfull = [i not in bounded for i in range(self._L)]
+        self._wc = lay.window_cells
+        self._wbase = slot * lay.window_cells
+        self._start = self._cap = self._woff = 0
         self._fin: weakref.finalize | None = None
         self._refresh()
         if write:
@@ -110,36 +116,59 @@ class Sequence:
         if self._store._closed:
             raise StoreClosedError(f"store {self._store.name!r} is closed; sequence {self.id} is unusable")
 
-    def _span(self) -> tuple[int, int, int]:
-        """A consistent (start, capacity, length) of the row (seqlock read)."""
+    def _span(self) -> tuple[int, int, int, int]:
+        """A consistent (start, capacity, length, window offset) of the row (seqlock read)."""
         self._check()
         row = self._row
         for i in range(_SPIN):
             g = row[GEN]
             if not g & 1:
                 state, sid, start, cap, length = row[STATE], row[ID], row[START], row[CAPACITY], row[LENGTH]
+                woff = row[WIN_OFF]
                 if row[GEN] == g:
                     if state != 1 or sid != self.id:
                         raise SequenceNotFound(
                             f"sequence {self.id} of store {self._store.name!r} was freed"
                         )
-                    return start, cap, length
+                    return start, cap, length, woff
             if i > 50:
                 time.sleep(0)
         with self._store._locked() if not self._store.readonly else _nolock():
             return self._span_unlocked()
 
-    def _span_unlocked(self) -> tuple[int, int, int]:
+    def _span_unlocked(self) -> tuple[int, int, int, int]:
         row = self._row
         if row[STATE] != 1 or row[ID] != self.id:
             raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
-        return row[START], row[CAPACITY], row[LENGTH]
+        return row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
 
     def _refresh(self) -> None:
         g = self._row[GEN]
-        start, cap, _ = self._span()
+        start, cap, _, woff = self._span()
         self._gen = g if not g & 1 else -1
-        self._start, self._cap = start, cap
+        self._cache(start, cap, woff)
+
+    def _cache(self, start: int, cap: int, woff: int) -> None:
+        """Per-layer addressing for the writer's hot path.
+
+        Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
+        cell ``slot * window_cells + i - woff`` of that layer's window region.
+        """
+        self._start, self._cap, self._woff = start, cap, woff
+        wbase = self._wbase - woff
+        self._base = [start if f else wbase for f in self._isfull]  # cell of token 0
+        self._lim = [cap if f else woff + self._wc for f in self._isfull]  # token index limit
+        self._vfrom = [start if f else self._wbase for f in self._isfull]  # first kept cell
+
+    def _cells(self, layer: int, start: int, woff: int, a: int, b: int) -> tuple[int, int]:
+        """Cells of tokens [a, b) of ``layer`` (a >= woff on sliding/chunked layers)."""
+        if self._isfull[layer]:
+            return start + a, start + b
+        return self._wbase + a - woff, self._wbase + b - woff
+
+    def _first(self, layer: int, woff: int) -> int:
+        """Index of the oldest token ``layer`` holds."""
+        return 0 if self._isfull[layer] else woff
 
     def _need_writer(self, what: str) -> None:
         if not self._write:
@@ -231,10 +260,9 @@ class Sequence:
                 return self._append_checked(layer, k, v)
             length = row[LENGTH]
             p = self._pending[layer]
-            if length + p + n > self._cap:
+            if length + p + n > self._lim[layer]:
                 return self._append_checked(layer, k, v)
-            start = self._start
-            s = start + length + p
+            s = self._base[layer] + length + p
             if n == 1 and len(ks) == 2:
                 self._Kw[layer][s] = k
                 self._Vw[layer][s] = v
@@ -242,7 +270,8 @@ class Sequence:
                 self._Kw[layer][s : s + n] = k
                 self._Vw[layer][s : s + n] = v
             self._pending[layer] = p + n
-            return self._Kr[layer][start : s + n], self._Vr[layer][start : s + n]
+            first = self._vfrom[layer]
+            return self._Kr[layer][first : s + n], self._Vr[layer][first : s + n]
         return self._append_checked(layer, k, v)
 
     def _append_checked(self, layer: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -253,17 +282,45 @@ class Sequence:
         length = self._row[LENGTH]
         p = self._pending[layer]
         end = length + p + n
-        if end > self._cap:
-            self._grow(end)
-        start = self._start
-        s = start + length + p
+        if end > self._lim[layer]:
+            if self._isfull[layer]:
+                self._grow(end)
+            else:
+                self._compact(layer, end)
+        s = self._base[layer] + length + p
         if self._plain:
             self._Kw[layer][s : s + n] = k
             self._Vw[layer][s : s + n] = v
         else:
             self._encode(layer, s, k, v)
         self._pending[layer] = p + n
-        return self._view("k", layer, start, s + n), self._view("v", layer, start, s + n)
+        first = self._vfrom[layer]
+        return self._view("k", layer, first, s + n), self._view("v", layer, first, s + n)
+
+    def _compact(self, layer: int, end: int) -> None:
+        """Make room in the window buffers: keep the last ``keep`` committed tokens (and
+        every layer's pending ones) at the buffer's start. A structural change."""
+        st = self._store
+        keep_n = st.layout.keep
+        with st._locked():
+            row = self._row
+            length, woff = row[LENGTH], row[WIN_OFF]
+            new_off = max(woff, length - keep_n)
+            if end - new_off > self._wc:
+                raise CacheFullError(
+                    f"append: {end - length} new tokens on sliding/chunked layer {layer} exceed the "
+                    f"{self._wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
+                    f"or create the store with a larger memory= (now {st.layout.step})"
+                )
+            with st._changing(row):
+                for lay_i in st.layout.bounded:
+                    n = length - new_off + self._pending[lay_i]
+                    a, b = self._wbase + new_off - woff, self._wbase
+                    for arr in (self._Kw[lay_i], self._Vw[lay_i]):
+                        np.copyto(arr[b : b + n], arr[a : a + n])
+                row[WIN_OFF] = new_off
+            self._gen = row[GEN]
+            self._cache(row[START], row[CAPACITY], new_off)
 
     def _encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write k, v (already checked) into cells s.. of layer in the storage encoding."""
@@ -299,7 +356,7 @@ class Sequence:
             with st._changing(row):
                 st._relocate(self._slot, row, needed, keep)
             self._gen = row[GEN]
-            self._start, self._cap = row[START], row[CAPACITY]
+            self._cache(row[START], row[CAPACITY], row[WIN_OFF])
 
     def commit(self, tokens: Any = None, positions: Any = None) -> int:
         """Publish the pending tokens of every layer; return the new length.
@@ -406,7 +463,20 @@ class Sequence:
                     f"truncate: n={n} exceeds the length {row[LENGTH]} of sequence {self.id} "
                     "(truncate never extends)"
                 )
+            self._check_resumable(row, n, "truncate")
             row[LENGTH] = n
+            if n == 0:
+                row[WIN_OFF] = 0
+
+    def _check_resumable(self, row: memoryview, new_len: int, what: str) -> None:
+        """Refuse a change after which sliding/chunked layers would miss tokens a new one needs."""
+        woff, keep = row[WIN_OFF], self._store.layout.keep
+        if self._store.layout.bounded and woff and new_len and new_len - woff < keep:
+            raise NotSupportedError(
+                f"{what}: sliding/chunked layers of sequence {self.id} hold tokens from {woff} on; "
+                f"a length of {new_len} would leave them {max(new_len - woff, 0)} of the {keep} a new "
+                "token needs (keep at least that many, or clear())"
+            )
 
     def clear(self) -> None:
         """Drop every token (the range stays reserved)."""
@@ -419,8 +489,11 @@ class Sequence:
             length = row[LENGTH]
             if n > length:
                 raise InvalidArgumentError(f"shift_left: n={n} exceeds the length {length} of sequence {self.id}")
-            start = row[START]
+            start, woff = row[START], row[WIN_OFF]
             self._store._copy_cells(start + n, start, length - n)
+            drop = max(0, n - woff)  # tokens the window buffers held that go
+            self._store._copy_window(self._slot, drop, self._slot, 0, length - woff - drop)
+            row[WIN_OFF] = max(0, woff - n)
             row[LENGTH] = length - n
 
     def remove(self, begin: int, end: int, shift: ShiftFn | None = None) -> None:
@@ -443,11 +516,25 @@ class Sequence:
                 return
             st = self._store
             moved = length - end
+            woff = row[WIN_OFF]
+            if st.layout.bounded:
+                if begin < woff:
+                    raise NotSupportedError(
+                        f"remove: sliding/chunked layers of sequence {self.id} no longer hold tokens "
+                        f"before {woff}; remove from begin >= {woff}"
+                    )
+                if moved and shift is None:
+                    raise NotSupportedError(
+                        "remove: moved tokens take new positions, which sliding/chunked layers attend by; "
+                        "pass shift=(layer, keys, delta) -> keys to re-rotate their keys"
+                    )
+                self._check_resumable(row, length - (end - begin), "remove")
             delta = int(st._positions[start + begin] - st._positions[start + end]) if moved else 0
             new_keys = []
             if shift is not None and moved:
                 for layer in range(self._L):
-                    src = np.array(self._view("k", layer, start + end, start + length), dtype=np.float32
+                    lo, hi = self._cells(layer, start, woff, end, length)
+                    src = np.array(self._view("k", layer, lo, hi), dtype=np.float32
                                    if not self._plain else None)
                     out = np.asarray(shift(layer, src, delta))
                     if out.shape != src.shape or out.dtype.kind != "f" or (
@@ -458,17 +545,19 @@ class Sequence:
                         )
                     new_keys.append(out)
             st._copy_cells(start + end, start + begin, moved)
+            st._copy_window(self._slot, end - woff, self._slot, begin - woff, moved)
             if moved:
                 st._positions[start + begin : start + begin + moved] += delta
                 for layer, keys in enumerate(new_keys):
+                    lo, hi = self._cells(layer, start, woff, begin, begin + moved)
                     if self._plain:
-                        self._Kw[layer][start + begin : start + begin + moved] = keys
+                        self._Kw[layer][lo:hi] = keys
                     elif self._dtype == "int8":  # re-encode (values and V scales stay as moved)
                         q, sc = _quant.quantize_int8(keys)
-                        self._Kw[layer][start + begin : start + begin + moved] = q
-                        self._KS[layer][start + begin : start + begin + moved] = sc  # type: ignore[index]
+                        self._Kw[layer][lo:hi] = q
+                        self._KS[layer][lo:hi] = sc  # type: ignore[index]
                     else:
-                        self._Kw[layer][start + begin : start + begin + moved] = _quant.to_bf16(keys)
+                        self._Kw[layer][lo:hi] = _quant.to_bf16(keys)
             row[LENGTH] = length - (end - begin)
 
     def release(self) -> None:
@@ -548,7 +637,7 @@ class Sequence:
     @property
     def remaining_capacity(self) -> int:
         """Tokens that fit before the sequence must grow (moving if needed)."""
-        _, cap, length = self._span()
+        _, cap, length, _ = self._span()
         return int(cap - length - max(self._pending))
 
     @property
@@ -557,8 +646,10 @@ class Sequence:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the committed tokens (K and V of all layers, ids, positions)."""
-        return self.length * self._store.bytes_per_token
+        """Bytes held by the committed tokens (K and V of the layers that hold them, ids, positions)."""
+        _, _, length, woff = self._span()
+        st = self._store
+        return length * st.bytes_per_token + (length - woff) * 2 * len(st.layout.bounded) * st._off.cell_bytes
 
     @property
     def writable(self) -> bool:
@@ -569,24 +660,83 @@ class Sequence:
     def lease_pid(self) -> int:
         return int(self._row[LEASE_PID])
 
+    def _held(self, layer: int) -> tuple[int, int, int, int]:
+        """(first cell, end cell, first token index, main-arena start) of what ``layer`` holds."""
+        start, _, length, woff = self._span()
+        first = self._first(layer, woff)
+        lo, hi = self._cells(layer, start, woff, first, length)
+        return lo, hi, first, start
+
     def keys(self, layer: int) -> np.ndarray:
-        """Committed keys of ``layer`` ``[length, kv_heads, head_dim]``: a read-only zero-copy
-        view; for int8 stores a dequantized float32 copy (bfloat16: a copy unless ml_dtypes)."""
-        layer = self._layer(layer)
-        start, _, length = self._span()
-        return self._view("k", layer, start, start + length)
+        """Committed keys ``layer`` holds, ``[n, kv_heads, head_dim]``: a read-only zero-copy
+        view; for int8 stores a dequantized float32 copy (bfloat16: a copy unless ml_dtypes).
+
+        ``n`` is the length on full layers; sliding and chunked layers hold only the most
+        recent tokens (``held_positions(layer)`` gives their positions).
+        """
+        lo, hi, _, _ = self._held(self._layer(layer))
+        return self._view("k", layer, lo, hi)
 
     def values(self, layer: int) -> np.ndarray:
         """Committed values of ``layer``; see :meth:`keys`."""
-        layer = self._layer(layer)
-        start, _, length = self._span()
-        return self._view("v", layer, start, start + length)
+        lo, hi, _, _ = self._held(self._layer(layer))
+        return self._view("v", layer, lo, hi)
 
     def kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """``(keys(layer), values(layer))`` taken at the same length."""
+        lo, hi, _, _ = self._held(self._layer(layer))
+        return self._view("k", layer, lo, hi), self._view("v", layer, lo, hi)
+
+    def held_positions(self, layer: int) -> np.ndarray:
+        """Positions of the committed tokens ``layer`` holds (rows of ``keys(layer)``)."""
+        lo, hi, first, start = self._held(self._layer(layer))
+        return _readonly(self._store._positions[start + first : start + first + hi - lo])
+
+    def mask(self, layer: int, query_positions: Any) -> np.ndarray:
+        """Additive float32 attention mask ``[q, n]`` for new tokens at ``query_positions``.
+
+        Columns are what ``append(layer, ...)`` returned: the tokens ``layer`` holds,
+        then this handle's pending ones (at the positions ``commit()`` would give them
+        by default). 0 where the layer's kind lets the query see the key, -inf elsewhere:
+        full ``p' <= p``; sliding ``p - window < p' <= p``; chunked
+        ``p - p % chunk <= p' <= p``.
+        """
         layer = self._layer(layer)
-        start, _, length = self._span()
-        return self._view("k", layer, start, start + length), self._view("v", layer, start, start + length)
+        q = self._ints("query_positions", query_positions, np.size(query_positions))
+        lo, hi, first, start = self._held(layer)
+        keys_pos = self._store._positions[start + first : start + first + hi - lo]
+        p = self._pending[layer]
+        if p:
+            last = int(self._store._positions[start + first + hi - lo - 1]) if hi > lo else (
+                int(self._store._positions[start - 1 + first]) if first else -1)
+            keys_pos = np.concatenate([keys_pos, np.arange(last + 1, last + 1 + p)])
+        return attention_mask(self._store.layout, layer, q, keys_pos)
+
+    def can_resume(self, pos: int) -> bool:
+        """Whether a new token at position ``pos`` finds every token it needs in every layer.
+
+        It needs, per layer, each earlier position its kind lets it see; the sequence
+        must hold them all (positions 0..pos-1 with none missing), and ``pos`` must not
+        skip past the last committed position + 1.
+        """
+        pos = _count("pos", pos)
+        start, _, length, woff = self._span()
+        positions = self._store._positions[start : start + length]
+        before = positions[positions < pos]
+        last = int(positions[-1]) if length else -1
+        if pos > last + 1:
+            return False
+        lay = self._store.layout
+        for layer in range(self._L):
+            lo_pos = visible_from(lay, layer, pos)  # the oldest position the layer needs
+            need = pos - lo_pos
+            held = before[before >= lo_pos]
+            if not self._isfull[layer]:
+                held_idx = np.flatnonzero((positions >= lo_pos) & (positions < pos))
+                held = positions[held_idx[held_idx >= woff]]
+            if held.size != need or (need and (held[0] != lo_pos or held[-1] != pos - 1)):
+                return False
+        return True
 
     def raw_keys(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Stored keys of ``layer`` without any decoding: ``(codes, scales)`` zero-copy views.
@@ -601,22 +751,21 @@ class Sequence:
         return self._raw("v", layer)
 
     def _raw(self, which: str, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
-        layer = self._layer(layer)
-        start, _, length = self._span()
-        codes = (self._Kr if which == "k" else self._Vr)[layer][start : start + length]
+        lo, hi, _, _ = self._held(self._layer(layer))
+        codes = (self._Kr if which == "k" else self._Vr)[layer][lo:hi]
         scales = self._KS if which == "k" else self._VS
-        return codes, None if scales is None else _readonly(scales[layer][start : start + length])
+        return codes, None if scales is None else _readonly(scales[layer][lo:hi])
 
     @property
     def tokens(self) -> np.ndarray:
         """Token ids of the committed tokens (read-only view; -1 where none was given)."""
-        start, _, length = self._span()
+        start, _, length, _ = self._span()
         return _readonly(self._store._tokens[start : start + length])
 
     @property
     def positions(self) -> np.ndarray:
         """Positions of the committed tokens (read-only view)."""
-        start, _, length = self._span()
+        start, _, length, _ = self._span()
         return _readonly(self._store._positions[start : start + length])
 
     def head(self, layer: int, head: int, begin: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -632,11 +781,12 @@ class Sequence:
 
     def iter_tokens(self, layer: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """Yield ``(token_id, position, k, v)`` for each committed token of ``layer``."""
-        k, v = self.kv(layer)
-        n = k.shape[0]
-        start = self._span()[0]
-        toks = self._store._tokens[start : start + n].tolist()
-        poss = self._store._positions[start : start + n].tolist()
+        layer = self._layer(layer)
+        lo, hi, first, start = self._held(layer)
+        k, v = self._view("k", layer, lo, hi), self._view("v", layer, lo, hi)
+        n = hi - lo
+        toks = self._store._tokens[start + first : start + first + n].tolist()
+        poss = self._store._positions[start + first : start + first + n].tolist()
         for i in range(n):
             yield toks[i], poss[i], k[i], v[i]
 
@@ -650,15 +800,15 @@ class Sequence:
             if g & 1:
                 time.sleep(0)
                 continue
-            start, _, length = self._span()
-            k = np.array(self._view("k", layer, start, start + length))
-            v = np.array(self._view("v", layer, start, start + length))
+            lo, hi, _, _ = self._held(layer)
+            k = np.array(self._view("k", layer, lo, hi))
+            v = np.array(self._view("v", layer, lo, hi))
             if row[GEN] == g:
                 return k, v
         with self._store._locked():
-            start, _, length = self._span_unlocked()
-            return (np.array(self._view("k", layer, start, start + length)),
-                    np.array(self._view("v", layer, start, start + length)))
+            start, _, length, woff = self._span_unlocked()
+            lo, hi = self._cells(layer, start, woff, self._first(layer, woff), length)
+            return np.array(self._view("k", layer, lo, hi)), np.array(self._view("v", layer, lo, hi))
 
 
 class _Structural:
@@ -689,7 +839,8 @@ class _Structural:
             seq = self.seq
             seq._pending = [0] * seq._L
             row = seq._row
-            seq._gen, seq._start, seq._cap = row[GEN], row[START], row[CAPACITY]
+            seq._gen = row[GEN]
+            seq._cache(row[START], row[CAPACITY], row[WIN_OFF])
         finally:
             self._locked.__exit__(*exc)  # type: ignore[arg-type]
 
@@ -700,6 +851,29 @@ class _nolock:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def visible_from(layout: Any, layer: int, p: int) -> int:
+    """The oldest position a token at position ``p`` sees on ``layer``."""
+    kind = layout.layer_types[layer]
+    if kind == "sliding":
+        return max(0, p - layout.window + 1)
+    if kind == "chunked":
+        return p - p % layout.chunk
+    return 0
+
+
+def attention_mask(layout: Any, layer: int, query_positions: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
+    """0 / -inf float32 mask ``[q, k]`` of which keys each query sees on ``layer``."""
+    qp = np.asarray(query_positions, np.int64)[:, None]
+    kp = np.asarray(key_positions, np.int64)[None, :]
+    ok = kp <= qp
+    kind = layout.layer_types[layer]
+    if kind == "sliding":
+        ok &= kp > qp - layout.window
+    elif kind == "chunked":
+        ok &= kp >= qp - qp % layout.chunk
+    return np.where(ok, np.float32(0), np.float32(-np.inf)).astype(np.float32)
 
 
 def _unpickle_sequence(store: Store, seq_id: int) -> Sequence:

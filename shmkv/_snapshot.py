@@ -47,7 +47,7 @@ import msgpack
 import numpy as np
 
 from . import _dtypes, _header, _lock, _segment
-from ._header import CAPACITY, GEN, ID, LEASE_PID, LENGTH, START, STATE, Layout
+from ._header import CAPACITY, GEN, ID, LEASE_PID, LENGTH, START, STATE, WIN_OFF, Layout
 from .errors import (
     CacheFullError,
     InvalidArgumentError,
@@ -78,6 +78,7 @@ class _Seq:
     slot: int = -1
     tokens: np.ndarray | None = None
     positions: np.ndarray | None = None
+    window_offset: int = 0  # oldest token the sliding/chunked layers hold
 
 
 def _layout_dict(layout: Layout) -> dict[str, Any]:
@@ -105,12 +106,12 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
         for i in range(2000):
             g = row[GEN]
             if not g & 1:
-                sid, start, cap, length = row[ID], row[START], row[CAPACITY], row[LENGTH]
+                sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
                 toks = store._tokens[start : start + length].copy()
                 poss = store._positions[start : start + length].copy()
                 if row[GEN] == g:
                     if row[STATE] == 1:
-                        out.append(_Seq(sid, length, cap, start, g, slot, toks, poss))
+                        out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff))
                     elif ids is not None:
                         raise SequenceNotFound(f"store {store.name!r}: sequence {sid} was freed during the save")
                     break
@@ -128,9 +129,15 @@ def _unchanged(store: Store, seqs: list[_Seq]) -> bool:
 
 
 def _arrays(store: Store, s: _Seq) -> list[np.ndarray]:
+    """The stored arrays of a sequence in stream order; sliding/chunked layers: what they hold."""
     a, b = s.start, s.start + s.length
-    regions = [store._K, store._V] + ([store._KS, store._VS] if store._KS is not None else [])
-    return [r[layer, a:b] for r in regions for layer in range(store.layout.layers)]  # type: ignore[index]
+    w = s.slot * store.layout.window_cells
+    bounded = set(store.layout.bounded)
+    out = [per_layer[layer][w : w + s.length - s.window_offset] if layer in bounded else per_layer[layer][a:b]
+           for per_layer in (store._Kl, store._Vl) for layer in range(store.layout.layers)]
+    for r in (store._KS, store._VS) if store._KS is not None else ():
+        out += [r[layer, a:b] for layer in range(store.layout.layers)]  # type: ignore[index]
+    return out
 
 
 def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
@@ -139,7 +146,7 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
         "version": VERSION,
         "layout": _layout_dict(store.layout),
         "sequences": [
-            {"id": s.id, "length": s.length, "capacity": s.capacity,
+            {"id": s.id, "length": s.length, "capacity": s.capacity, "window_offset": s.window_offset,
              "tokens": s.tokens.astype("<i8").tobytes(), "positions": s.positions.astype("<i8").tobytes()}  # type: ignore[union-attr]
             for s in seqs
         ],
@@ -263,10 +270,19 @@ class Snapshot:
             out += [("key scales", 4 * self.layout.kv_heads), ("value scales", 4 * self.layout.kv_heads)]
         return out
 
+    def counts(self, s: _Seq) -> list[int]:
+        """Tokens in each array of sequence ``s``, in stream order."""
+        bounded = set(self.layout.bounded)
+        out = []
+        for name, _ in self.regions:
+            out += [s.length - s.window_offset if layer in bounded and "scales" not in name else s.length
+                    for layer in range(self.layout.layers)]
+        return out
+
     @property
     def nbytes(self) -> int:
-        per = sum(b for _, b in self.regions)
-        return sum(self.layout.layers * s.length * per for s in self.sequences)
+        per = [b for _, b in self.regions for _ in range(self.layout.layers)]
+        return sum(c * b for s in self.sequences for c, b in zip(self.counts(s), per, strict=True))
 
 
 class _Reader:
@@ -435,12 +451,15 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
         where = f"sequences[{i}]"
         sid, length = need(s, "id", int, where), need(s, "length", int, where)
         cap = need(s, "capacity", int, where)
+        woff = need(s, "window_offset", int, where)
         toks, poss = need(s, "tokens", bytes, where), need(s, "positions", bytes, where)
-        if sid < 1 or not 0 <= length <= cap or len(toks) != 8 * length or len(poss) != 8 * length:
+        if (sid < 1 or not 0 <= length <= cap or len(toks) != 8 * length or len(poss) != 8 * length
+                or not 0 <= woff <= length or (woff and not layout.bounded)
+                or (layout.bounded and length - woff > layout.window_cells)):
             raise fail(f"{where} (id {sid}) declares inconsistent sizes: length {length}, capacity {cap}, "
-                       f"{len(toks)} token bytes, {len(poss)} position bytes")
+                       f"{len(toks)} token bytes, {len(poss)} position bytes, window offset {woff}")
         seqs.append(_Seq(sid, length, cap, tokens=np.frombuffer(toks, "<i8").astype(np.int64),
-                         positions=np.frombuffer(poss, "<i8").astype(np.int64)))
+                         positions=np.frombuffer(poss, "<i8").astype(np.int64), window_offset=woff))
     if len({s.id for s in seqs}) != len(seqs):
         raise fail("sequence ids repeat")
     sums = obj["checksums"]
@@ -510,6 +529,7 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
         selected = set(ids)
     total = snap.nbytes
     regions = [store._K, store._V] + ([store._KS, store._VS] if store._KS is not None else [])
+    bounded = set(lay.bounded)
     with _lock.held(store._lock_path, store.name, store.lock_timeout):
         t = store._table_np
         plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1, staged start)
@@ -528,7 +548,7 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
                     f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
                 )
             else:
-                free_slots.pop(0)
+                slot = -1 - free_slots.pop(0)  # a new sequence: -1 - the slot it will take
             cap = max(1, min(max(s.capacity, s.length), lay.max_tokens))
             if s.length > lay.max_tokens:
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
@@ -545,14 +565,24 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
         done = 0
         k = 0
         checks: list[Future[None]] = []
+        # sliding/chunked layers' tokens go to private buffers first: an existing
+        # sequence's window buffer is live until the publish step below
+        windows: dict[tuple[int, int, int], np.ndarray] = {}
         with ThreadPoolExecutor(1) as pool:
             for s in snap.sequences:
                 p = by_id.get(s.id)
-                for (kind, per_token), arr in zip(snap.regions, regions, strict=True):
+                counts = iter(snap.counts(s))
+                for r, ((kind, per_token), arr) in enumerate(zip(snap.regions, regions, strict=True)):
                     for layer in range(lay.layers):
-                        nbytes = s.length * per_token
-                        dest = (memoryview(arr[layer, p[2] : p[2] + s.length]).cast("B")  # type: ignore[arg-type,index]
-                                if p and nbytes else None)
+                        count = next(counts)
+                        nbytes = count * per_token
+                        if not (p and nbytes):
+                            dest = None
+                        elif layer in bounded and r < 2:
+                            buf = windows[(s.id, r, layer)] = np.empty((count, *arr.shape[2:]), arr.dtype)  # type: ignore[union-attr]
+                            dest = memoryview(buf).cast("B")  # type: ignore[arg-type]
+                        else:
+                            dest = memoryview(arr[layer, p[2] : p[2] + count]).cast("B")  # type: ignore[arg-type,index]
                         fut = reader.array(dest, nbytes, int(snap.checksums[k]),
                                            f"sequence {s.id} layer {layer} {kind}", pool)
                         if fut is not None:
@@ -572,15 +602,19 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
             assert s.tokens is not None and s.positions is not None
             store._tokens[start : start + s.length] = s.tokens
             store._positions[start : start + s.length] = s.positions
-            if existing < 0:
-                row = store._row(int(np.flatnonzero(t[:, STATE] == 0)[0]))
-                with store._changing(row):
-                    row[ID], row[START], row[CAPACITY], row[LENGTH], row[LEASE_PID] = s.id, start, cap, s.length, 0
+            slot = existing if existing >= 0 else -1 - existing
+            row = store._row(slot)
+            with store._changing(row):
+                if existing < 0:
+                    store._reserve_window(slot)
+                w = slot * lay.window_cells
+                for (sid, r, layer), buf in windows.items():
+                    if sid == s.id:
+                        (store._Kl if r == 0 else store._Vl)[layer][w : w + buf.shape[0]] = buf
+                row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF] = start, cap, s.length, s.window_offset
+                if existing < 0:
+                    row[ID], row[LEASE_PID] = s.id, 0
                     row[STATE] = 1
-            else:
-                row = store._row(existing)
-                with store._changing(row):
-                    row[START], row[CAPACITY], row[LENGTH] = start, cap, s.length
             next_id = max(next_id, s.id + 1)
         store._hdr[_header.W_NEXT_ID] = next_id
     return [p[0].id for p in plan]

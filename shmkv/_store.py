@@ -40,6 +40,7 @@ from ._header import (
     SEQ_WORDS,
     START,
     STATE,
+    WIN_OFF,
     Layout,
 )
 from ._segment import Segment
@@ -48,6 +49,7 @@ from .errors import (
     CorruptStoreError,
     InvalidArgumentError,
     LeaseError,
+    NotSupportedError,
     ReadOnlyError,
     SequenceNotFound,
     StoreClosedError,
@@ -91,9 +93,10 @@ class StoreStats:
     largest_free_range: int
     bytes_per_token: int  # K and V of every layer, plus token id and position
     bytes_used: int  # committed tokens x bytes_per_token
-    bytes_reserved: int  # reserved cells x bytes_per_token
+    bytes_reserved: int  # reserved cells x bytes_per_token, plus the sliding/chunked buffers
     clients: int
     generation: int
+    window_tokens: int = 0  # tokens the sliding/chunked layers hold, over all sequences (bounded)
 
 
 def _words(mm: Any, offset: int, count: int) -> memoryview:
@@ -140,8 +143,18 @@ class Store:
         self._V = np.frombuffer(dmm, dt, L * T * H * D, off.v_off).reshape(L, T, H, D)
         self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
         self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
-        self._Kl = list(self._K)  # per-layer views: slicing one is cheaper than a 4-D index
+        # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
+        # layer's view is its window region instead: a buffer of window_cells per slot.
+        self._Kl = list(self._K)
         self._Vl = list(self._V)
+        self._full = [i for i in range(L) if i not in layout.bounded]
+        self._wc = layout.window_cells
+        nb, WT = len(layout.bounded), layout.max_seqs * layout.window_cells
+        if nb:
+            self._WK = np.frombuffer(dmm, dt, nb * WT * H * D, off.wk_off).reshape(nb, WT, H, D)
+            self._WV = np.frombuffer(dmm, dt, nb * WT * H * D, off.wv_off).reshape(nb, WT, H, D)
+            for j, layer in enumerate(layout.bounded):
+                self._Kl[layer], self._Vl[layer] = self._WK[j], self._WV[j]
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
         self._KS = np.frombuffer(dmm, np.float32, S, off.ks_off).reshape(-1, T, H) if S else None
@@ -150,9 +163,12 @@ class Store:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token takes: K and V of every layer (and int8 scales), id and position."""
-        scales = 2 * self.layout.layers * self.layout.kv_heads * 4 if self._KS is not None else 0
-        return 2 * self.layout.layers * self._off.cell_bytes + scales + 16
+        """Bytes one token takes in the full layers (K, V, int8 scales), plus its id and position.
+
+        Sliding and chunked layers add ``2 * cell bytes`` per token they keep (see stats()).
+        """
+        scales = 2 * len(self._full) * self.layout.kv_heads * 4 if self._KS is not None else 0
+        return 2 * len(self._full) * self._off.cell_bytes + scales + 16
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -330,12 +346,32 @@ class Store:
         off = self._off
         cb = off.cell_bytes
         ranges = [(base + layer * off.layer_stride + start * cb, count * cb)
-                  for base in (off.k_off, off.v_off) for layer in range(self.layout.layers)]
+                  for base in (off.k_off, off.v_off) for layer in self._full]
         ranges += [(off.tokens_off + start * 8, count * 8), (off.positions_off + start * 8, count * 8)]
         sb = self.layout.kv_heads * 4
         ranges += [(base + layer * off.scale_stride + start * sb, count * sb)
                    for base in (off.ks_off, off.vs_off) for layer in range(self.layout.layers) if off.scale_stride]
         self._dseg.reserve(ranges)
+
+    def _reserve_window(self, slot: int) -> None:
+        """Reserve a slot's buffer in every bounded layer (its size never changes)."""
+        off, wc = self._off, self._wc
+        if not wc:
+            return
+        cb = off.cell_bytes
+        self._dseg.reserve([(base + j * off.w_stride + slot * wc * cb, wc * cb)
+                            for base in (off.wk_off, off.wv_off) for j in range(len(self.layout.bounded))])
+
+    def _copy_window(self, src_slot: int, src_first: int, dst_slot: int, dst_first: int, n: int) -> None:
+        """Copy n cells of every bounded layer between window buffers (overlap-safe)."""
+        if n <= 0:
+            return
+        a, b = src_slot * self._wc + src_first, dst_slot * self._wc + dst_first
+        if a == b:
+            return
+        for layer in self.layout.bounded:
+            for arr in (self._Kl[layer], self._Vl[layer]):
+                np.copyto(arr[b : b + n], arr[a : a + n])
 
     def _copy_cells(self, src: int, dst: int, n: int) -> None:
         """Copy n cells of every layer, token id and position (lock held; overlap-safe)."""
@@ -343,8 +379,8 @@ class Store:
             return
         # one layer at a time: a 4-D slice over all layers spans overlapping address
         # extents, and numpy would then copy through a temporary (half the bandwidth)
-        for a in (self._Kl, self._Vl, self._KS, self._VS):
-            for layer in a if a is not None else ():
+        for arrs in ([self._Kl[i] for i in self._full], [self._Vl[i] for i in self._full], self._KS, self._VS):
+            for layer in arrs if arrs is not None else ():
                 np.copyto(layer[dst : dst + n], layer[src : src + n])
         self._tokens[dst : dst + n] = self._tokens[src : src + n]
         self._positions[dst : dst + n] = self._positions[src : src + n]
@@ -398,6 +434,7 @@ class Store:
                 )
             slot = int(free[0])
             start = self._alloc(capacity)
+            self._reserve_window(slot)
             seq_id = self._hdr[_header.W_NEXT_ID]
             self._hdr[_header.W_NEXT_ID] = seq_id + 1
             row = self._row(slot)
@@ -406,6 +443,7 @@ class Store:
                 row[START] = start
                 row[CAPACITY] = capacity
                 row[LENGTH] = 0
+                row[WIN_OFF] = 0
                 row[LEASE_START] = _segment.process_start_time(os.getpid())
                 row[LEASE_TOKEN] = token
                 row[LEASE_PID] = os.getpid()
@@ -464,11 +502,20 @@ class Store:
                     f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
                 )
             self._check_not_leased_by_other(d_row, int(dst_id), allow_token=_own_token(d_row))
+            s_off = s_row[WIN_OFF]
+            lo = max(s_off, n - self.layout.keep, 0)
+            if self.layout.bounded and s_off and (n < s_off or n - s_off < self.layout.keep):
+                raise NotSupportedError(
+                    f"copy_prefix: the sliding/chunked layers of sequence {src_id} hold tokens {s_off}.. only; "
+                    f"a prefix of n={n} needs tokens from {max(n - self.layout.keep, 0)} on"
+                )
             with self._changing(d_row):
                 if n > d_row[CAPACITY]:
                     self._relocate(d_slot, d_row, n, keep=0)
                 s, d = s_row[START], d_row[START]
                 self._copy_cells(s, d, n)
+                self._copy_window(self._slot_of(src_id), lo - s_off, d_slot, 0, n - lo)
+                d_row[WIN_OFF] = lo if self.layout.bounded else 0
                 d_row[LENGTH] = n
 
     def _relocate(self, slot: int, row: memoryview, needed: int, keep: int) -> None:
@@ -548,6 +595,8 @@ class Store:
         bpt = self.bytes_per_token
         tokens = int(live[:, LENGTH].sum())
         reserved = int(live[:, CAPACITY].sum())
+        kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if self.layout.bounded else 0
+        wbytes = 2 * len(self.layout.bounded) * self._off.cell_bytes  # per token a bounded layer keeps
         return StoreStats(
             name=self.name,
             sequences=int(live.shape[0]),
@@ -558,8 +607,9 @@ class Store:
             free_tokens=sum(s for _, s in gaps),
             largest_free_range=max((s for _, s in gaps), default=0),
             bytes_per_token=bpt,
-            bytes_used=tokens * bpt,
-            bytes_reserved=reserved * bpt,
+            bytes_used=tokens * bpt + kept * wbytes,
+            bytes_reserved=reserved * bpt + int(live.shape[0]) * self._wc * wbytes,
+            window_tokens=kept,
             clients=len(self.clients()),
             generation=int(self._hdr[_header.W_GENERATION]),
         )

@@ -99,6 +99,10 @@ def verify(store: Store) -> list[str]:
             problems.append(f"sequence {sid}: range [{start}, {start + cap}) outside max_tokens={lay.max_tokens}")
         if not 0 <= length <= cap:
             problems.append(f"sequence {sid}: length {length} outside capacity {cap}")
+        woff = row[_header.WIN_OFF]
+        if lay.bounded and not (0 <= woff <= length and length - woff <= lay.window_cells):
+            problems.append(f"sequence {sid}: sliding/chunked layers hold tokens {woff}..{length}, "
+                            f"more than their {lay.window_cells} cells or out of order")
         if gen & 1:
             problems.append(f"sequence {sid}: generation {gen} is odd (a structural change is running or died)")
         if sid >= int(store._hdr[_header.W_NEXT_ID]) or sid < 1:
