@@ -3,6 +3,7 @@
 See README.md for a tour and ../shared/DESIGN.md for the contract.
 """
 
+from ._batch import Batch
 from ._header import Layout
 from ._sequence import Sequence
 from ._snapshot import Snapshot, load, read_header
@@ -27,6 +28,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batch",
     "CacheFullError",
     "CorruptStoreError",
     "InvalidArgumentError",

@@ -473,6 +473,30 @@ class Store:
             row[LEASE_PID] = os.getpid()
         return Sequence(self, int(seq_id), slot, write=True, token=token)
 
+    def _writer_for(self, seq_id: int) -> Any:
+        """This process's live write handle on ``seq_id`` through this store, if any."""
+        for handle in list(_live_writers.values()):
+            if handle._store is self and handle.id == seq_id and handle._write:
+                return handle
+        return None
+
+    def forward(self, seq_ids: Any, positions: Any, tokens: Any = None) -> Any:
+        """Start a batch forward: one entry of ``seq_ids``/``positions`` per new token.
+
+        Uses this process's write handles on those sequences, or takes their leases
+        until commit. See :class:`shmkv.Batch`.
+
+        Example:
+            >>> with store.forward([a, a, b], [7, 8, 3]) as batch:       # doctest: +SKIP
+            ...     for layer in range(layers):
+            ...         K, V, mask = batch.put(layer, k[layer], v[layer])
+            ...     batch.commit()
+        """
+        from ._batch import Batch
+
+        self._check_writable()
+        return Batch(self, seq_ids, positions, tokens)
+
     def sequences(self) -> list[SequenceInfo]:
         """The live sequences, in id order."""
         self._check_open()

@@ -217,3 +217,88 @@ def test_snapshot_keeps_windows_and_decoding_continues(make_store, tmp_path):
         np.testing.assert_array_equal(again.held_positions(layer), seq.held_positions(layer))
     for _ in range(4):  # decoding goes on in the restored copy exactly as in the reference
         step(again, hist, rng, 2, KINDS, window, chunk)
+
+
+@pytest.mark.parametrize("window,chunk", [(2, 3), (4, 2)])
+def test_batch_forward_matches_reference_per_sequence(make_store, window, chunk):
+    rng = np.random.default_rng(window + 7 * chunk)
+    store = make_store(layers=3, kv_heads=H, head_dim=D, dtype="float64", layer_types=KINDS, window=window,
+                       chunk=chunk, memory=6, max_tokens=1024, max_seqs=8)
+    seqs = [store.create_sequence(capacity=4) for _ in range(3)]
+    hists = {s.id: History(3) for s in seqs}
+    for s in seqs[:2]:  # two with history, one empty
+        for _ in range(int(rng.integers(2, 5))):
+            step(s, hists[s.id], rng, 3, KINDS, window, chunk)
+    for s in seqs:
+        s.release()  # the batch takes the leases
+    for _ in range(6):
+        counts = {s.id: int(rng.integers(0, 4)) for s in seqs}
+        # rows of different sequences interleaved; each sequence's own rows in order
+        labels = rng.permutation([sid for sid, c in counts.items() for _ in range(c)])
+        nxt = {sid: (int(h.pos[-1]) + 1 if h.pos.size else 0) for sid, h in hists.items()}
+        ids, pos = [], []
+        for sid in labels.tolist():
+            ids.append(sid)
+            pos.append(nxt[sid])
+            nxt[sid] += 1
+        ids, pos = np.array(ids, np.int64), np.array(pos, np.int64)
+        with store.forward(ids, pos) as batch:
+            news = {}
+            for layer, kind in enumerate(KINDS):
+                k, v, q = (rng.standard_normal((len(ids), H, D)) for _ in range(3))
+                K, V, mask = batch.put(layer, k, v)
+                assert mask.shape == (len(ids), K.shape[0]) and K.shape == V.shape
+                held = sum(store.sequence(s.id).keys(layer).shape[0] for s in seqs if counts[s.id])
+                assert K.shape[0] == held + len(ids)  # only what the batch's sequences hold
+                got = attend(q, K, V, mask)
+                for sid in counts:
+                    rows = np.flatnonzero(ids == sid)
+                    if not rows.size:
+                        continue
+                    h = hists[sid]
+                    hk = np.concatenate([h.k[layer], k[rows]])
+                    hv = np.concatenate([h.v[layer], v[rows]])
+                    hp = np.concatenate([h.pos, pos[rows]])
+                    want = reference(q[rows], pos[rows], hk, hv, hp, kind, window, chunk)
+                    np.testing.assert_allclose(got[rows], want, rtol=1e-9, atol=1e-12)
+                    news.setdefault(sid, []).append((layer, hk, hv, hp))
+            batch.commit()
+        for sid, per_layer in news.items():
+            for layer, hk, hv, hp in per_layer:
+                hists[sid].k[layer], hists[sid].v[layer] = hk, hv
+                hists[sid].pos = hp
+    for s in seqs:
+        assert store.sequence(s.id).positions.tolist() == hists[s.id].pos.tolist()
+        assert store.sequence(s.id).lease_pid == 0  # the batch gave its leases back
+
+
+def test_batch_bad_input_commits_nothing(make_store):
+    store = make_store(layers=2, kv_heads=H, head_dim=D, layer_types=["full", "sliding"], window=2)
+    a = store.create_sequence(capacity=8)
+    a.extend(np.ones((2, 3, H, D)), np.ones((2, 3, H, D)))
+    b = store.create_sequence(capacity=8)
+    kv = np.ones((3, H, D))
+    with pytest.raises(shmkv.InvalidArgumentError, match="backwards or skipping"):
+        store.forward([a.id, a.id, b.id], [3, 5, 0])  # skips 4
+    with pytest.raises(shmkv.InvalidArgumentError, match="backwards or skipping"):
+        store.forward([a.id, b.id], [2, 0])  # goes back
+    with pytest.raises(shmkv.SequenceNotFound, match="999"):
+        store.forward([a.id, 999], [3, 0])
+    with pytest.raises(shmkv.InvalidArgumentError, match="equally long"):
+        store.forward([a.id, b.id], [3])
+    batch = store.forward([a.id, a.id, b.id], [3, 4, 0])
+    with pytest.raises(shmkv.InvalidArgumentError, match="batch_tokens=3"):
+        batch.put(0, np.ones((2, H, D)), np.ones((2, H, D)))
+    batch.put(0, kv, kv)
+    with pytest.raises(shmkv.InvalidArgumentError, match="put already"):
+        batch.put(0, kv, kv)
+    with pytest.raises(shmkv.InvalidArgumentError, match=r"layers \[1\] were not put"):
+        batch.commit()
+    batch.close()
+    assert a.length == 3 and b.length == 0 and a.pending == 0 and b.pending == 0
+    # a clean batch after the failed ones works
+    with store.forward([b.id, a.id], [0, 3]) as batch:
+        for layer in range(2):
+            batch.put(layer, np.ones((2, H, D)), np.ones((2, H, D)))
+        batch.commit()
+    assert a.length == 4 and b.length == 1
