@@ -37,7 +37,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
 
 Sequence row (int64 words)::
 
-    0 STATE        0 free slot, 1 live
+    0 STATE        0 free slot, 1 live sequence, 2 encoder cache of a sequence
     1 ID           sequence id (int, never reused within a store)
     2 START        first token cell of the sequence's range
     3 CAPACITY     cells in the range
@@ -49,7 +49,10 @@ Sequence row (int64 words)::
     8 LEASE_TOKEN  random id of the handle holding the lease inside that process
     9 WIN_OFF      index of the oldest token the bounded (sliding, chunked) layers still hold;
                    they hold tokens WIN_OFF..LENGTH-1 in the sequence slot's window buffer
-    10..15         reserved
+    10 ENC_SLOT    1 + the slot of this sequence's encoder (cross-attention) row, 0 = none.
+                   An encoder row has STATE 2 and ID = its sequence's id; its range holds
+                   position-independent K/V of every layer (LENGTH tokens)
+    11..15         reserved
 
 Client row: pid, start time, flags (1 = read-write), reserved.
 
@@ -93,7 +96,8 @@ FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 
 # sequence row columns
-STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN, WIN_OFF = range(10)
+STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
+LIVE, ENCODER = 1, 2  # STATE values (0: free slot)
 SEQ_WORDS = 16
 # client row columns
 C_PID, C_START, C_FLAGS = 0, 1, 2

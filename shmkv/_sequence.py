@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _dtypes, _quant, _segment
-from ._header import CAPACITY, GEN, ID, LEASE_PID, LEASE_TOKEN, LENGTH, START, STATE, WIN_OFF
+from ._header import CAPACITY, ENC_SLOT, GEN, ID, LEASE_PID, LEASE_TOKEN, LENGTH, START, STATE, WIN_OFF
 from ._store import _count, _live_writers
 from .errors import (
     CacheFullError,
@@ -348,6 +348,82 @@ class Sequence:
         scales = (self._KS if which == "k" else self._VS)[layer][a:b]  # type: ignore[index]
         return _quant.dequantize_int8(raw, scales)
 
+    def _decode(self, raw: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+        raw = _readonly(raw)
+        if self._plain:
+            return raw
+        if self._dtype == "bfloat16":
+            return _quant.bf16_view(raw)
+        return _quant.dequantize_int8(raw, scales)  # type: ignore[arg-type]
+
+    # -- encoder (cross-attention) cache -------------------------------------------
+
+    def set_encoder(self, k_all: Any, v_all: Any) -> None:
+        """Store this sequence's encoder keys and values ``[layers, n, kv_heads, head_dim]``.
+
+        Position-independent and written once (a second call replaces them); every
+        decode step reads them with :meth:`encoder_kv`, with no mask. Kept until the
+        sequence is freed, carried by ``fork`` and by snapshots.
+        """
+        self._need_writer("set_encoder")
+        k_all, v_all = np.asarray(k_all), np.asarray(v_all)
+        H, D = self._cell
+        if k_all.ndim != 4 or k_all.shape[0] != self._L or k_all.shape[2:] != (H, D) or v_all.shape != k_all.shape:
+            raise InvalidArgumentError(
+                f"set_encoder: k_all {k_all.shape} and v_all {v_all.shape} must both be "
+                f"[layers={self._L}, n, kv_heads={H}, head_dim={D}]"
+            )
+        if not (_real(k_all.dtype) and _real(v_all.dtype)):
+            raise InvalidArgumentError(f"set_encoder: dtypes {k_all.dtype}/{v_all.dtype} are not real numbers")
+        if self._dtype == "int8":
+            _quant.check_finite(k_all, "k_all")
+            _quant.check_finite(v_all, "v_all")
+        n = k_all.shape[1]
+        st = self._store
+        with st._locked():
+            row = self._row
+            self._span_unlocked()
+            with st._changing(row):
+                start = st._set_encoder(row, n)
+                for layer in range(self._L):
+                    for x, arrs, scales in ((k_all[layer], st._K, st._KS), (v_all[layer], st._V, st._VS)):
+                        dst = arrs[layer, start : start + n]
+                        if self._dtype == "int8":
+                            q, sc = _quant.quantize_int8(x)
+                            dst[...] = q
+                            scales[layer, start : start + n] = sc  # type: ignore[index]
+                        elif self._dtype == "bfloat16":
+                            dst[...] = _quant.to_bf16(x)
+                        else:
+                            dst[...] = x
+            self._gen = row[GEN]  # our own change: pending decoder tokens stay
+
+    def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The encoder keys and values of ``layer`` ``[n, kv_heads, head_dim]`` (read-only views;
+        int8: dequantized copies); empty when none was set."""
+        layer = self._layer(layer)
+        st = self._store
+        row = self._row
+        a = n = 0
+        for _ in range(_SPIN):
+            g = row[GEN]
+            enc = row[ENC_SLOT]
+            if not g & 1:
+                erow = st._row(enc - 1) if enc else None
+                a = erow[START] if erow is not None else 0
+                n = erow[LENGTH] if erow is not None else 0
+                if row[GEN] == g:
+                    break
+            time.sleep(0)
+        ks = st._KS[layer, a : a + n] if st._KS is not None else None
+        vs = st._VS[layer, a : a + n] if st._VS is not None else None
+        return self._decode(st._K[layer, a : a + n], ks), self._decode(st._V[layer, a : a + n], vs)
+
+    @property
+    def encoder_length(self) -> int:
+        enc = self._row[ENC_SLOT]
+        return int(self._store._row(enc - 1)[LENGTH]) if enc else 0
+
     def _grow(self, needed: int) -> None:
         st = self._store
         keep = self._row[LENGTH] + max(self._pending)
@@ -589,6 +665,7 @@ class Sequence:
             else:
                 self._need_writer("free")
             with st._changing(row):
+                st._drop_encoder(row)
                 row[STATE] = 0
                 row[LENGTH] = 0
                 row[CAPACITY] = 0
@@ -609,6 +686,13 @@ class Sequence:
             child = st.create_sequence(capacity=cap)
             try:
                 st.copy_prefix(self.id, child.id, n)
+                enc = self._row[ENC_SLOT]
+                if enc:  # the child decodes against the same encoder output
+                    erow = st._row(enc - 1)
+                    src, m = erow[START], erow[LENGTH]
+                    with st._changing(child._row):
+                        dst = st._set_encoder(child._row, m)
+                        st._copy_all_layers(src, dst, m)
             except BaseException:
                 child.free()
                 raise

@@ -8,8 +8,9 @@ Format (version 1), a stream of msgpack objects that any msgpack reader walks:
        version    1
        layout     map: layers, kv_heads, head_dim, dtype, layer_types, window,
                   chunk, memory, max_tokens, max_seqs
-       sequences  array of maps: id, length, capacity, tokens (bin, int64 LE),
-                  positions (bin, int64 LE)
+       sequences  array of maps: id, length, capacity, window_offset (oldest token
+                  the sliding/chunked layers hold), encoder_length, tokens (bin,
+                  int64 LE), positions (bin, int64 LE)
        chunk      largest bin in the stream (64 MiB)
        meta_crc   crc32 of the msgpack encoding of the map's first five entries
        checksums  bin: one uint32 LE crc32 per array below, in stream order
@@ -18,7 +19,10 @@ Format (version 1), a stream of msgpack objects that any msgpack reader walks:
    0..L-1, each ``length x kv_heads x head_dim`` values of the storage dtype
    (little-endian, C order; bfloat16 as its uint16 bits, int8 as codes), and for
    int8 stores then the K and V scales of layer 0..L-1 (``length x kv_heads``
-   float32): the stored bytes exactly, never re-quantized; split into ``bin`` values of at most 64 MiB (the
+   float32): the stored bytes exactly, never re-quantized. A sliding or chunked
+   layer's arrays hold its kept tokens only (``length - window_offset``). A
+   sequence with an encoder cache then repeats the same regions for its
+   ``encoder_length`` encoder tokens, every layer; split into ``bin`` values of at most 64 MiB (the
    default streaming unpacker refuses larger); an empty array has no bin.
 
 Saving writes each array straight from shared memory (no packb of arrays).
@@ -47,7 +51,7 @@ import msgpack
 import numpy as np
 
 from . import _dtypes, _header, _lock, _segment
-from ._header import CAPACITY, GEN, ID, LEASE_PID, LENGTH, START, STATE, WIN_OFF, Layout
+from ._header import CAPACITY, ENC_SLOT, GEN, ID, LEASE_PID, LENGTH, START, STATE, WIN_OFF, Layout
 from .errors import (
     CacheFullError,
     InvalidArgumentError,
@@ -79,6 +83,8 @@ class _Seq:
     tokens: np.ndarray | None = None
     positions: np.ndarray | None = None
     window_offset: int = 0  # oldest token the sliding/chunked layers hold
+    encoder_length: int = 0  # tokens in the sequence's encoder cache
+    encoder_start: int = 0
 
 
 def _layout_dict(layout: Layout) -> dict[str, Any]:
@@ -107,11 +113,14 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
             g = row[GEN]
             if not g & 1:
                 sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
+                enc = row[ENC_SLOT]
+                erow = store._row(enc - 1) if enc else None
+                e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
                 toks = store._tokens[start : start + length].copy()
                 poss = store._positions[start : start + length].copy()
                 if row[GEN] == g:
                     if row[STATE] == 1:
-                        out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff))
+                        out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start))
                     elif ids is not None:
                         raise SequenceNotFound(f"store {store.name!r}: sequence {sid} was freed during the save")
                     break
@@ -137,6 +146,11 @@ def _arrays(store: Store, s: _Seq) -> list[np.ndarray]:
            for per_layer in (store._Kl, store._Vl) for layer in range(store.layout.layers)]
     for r in (store._KS, store._VS) if store._KS is not None else ():
         out += [r[layer, a:b] for layer in range(store.layout.layers)]  # type: ignore[index]
+    if s.encoder_length:  # then the encoder cache: K, V (and int8 scales) of every layer
+        e, f = s.encoder_start, s.encoder_start + s.encoder_length
+        for region in (store._K, store._V, store._KS, store._VS):
+            if region is not None:
+                out += [region[layer, e:f] for layer in range(store.layout.layers)]
     return out
 
 
@@ -147,6 +161,7 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
         "layout": _layout_dict(store.layout),
         "sequences": [
             {"id": s.id, "length": s.length, "capacity": s.capacity, "window_offset": s.window_offset,
+             "encoder_length": s.encoder_length,
              "tokens": s.tokens.astype("<i8").tobytes(), "positions": s.positions.astype("<i8").tobytes()}  # type: ignore[union-attr]
             for s in seqs
         ],
@@ -277,12 +292,18 @@ class Snapshot:
         for name, _ in self.regions:
             out += [s.length - s.window_offset if layer in bounded and "scales" not in name else s.length
                     for layer in range(self.layout.layers)]
+        if s.encoder_length:
+            out += [s.encoder_length] * (len(self.regions) * self.layout.layers)
         return out
+
+    def per_token(self, s: _Seq) -> list[int]:
+        """Bytes per token of each array of ``s``, in stream order."""
+        per = [b for _, b in self.regions for _ in range(self.layout.layers)]
+        return per * (2 if s.encoder_length else 1)
 
     @property
     def nbytes(self) -> int:
-        per = [b for _, b in self.regions for _ in range(self.layout.layers)]
-        return sum(c * b for s in self.sequences for c, b in zip(self.counts(s), per, strict=True))
+        return sum(c * b for s in self.sequences for c, b in zip(self.counts(s), self.per_token(s), strict=True))
 
 
 class _Reader:
@@ -452,18 +473,21 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
         sid, length = need(s, "id", int, where), need(s, "length", int, where)
         cap = need(s, "capacity", int, where)
         woff = need(s, "window_offset", int, where)
+        elen = need(s, "encoder_length", int, where)
         toks, poss = need(s, "tokens", bytes, where), need(s, "positions", bytes, where)
         if (sid < 1 or not 0 <= length <= cap or len(toks) != 8 * length or len(poss) != 8 * length
-                or not 0 <= woff <= length or (woff and not layout.bounded)
+                or not 0 <= woff <= length or (woff and not layout.bounded) or not 0 <= elen <= 1 << 32
                 or (layout.bounded and length - woff > layout.window_cells)):
             raise fail(f"{where} (id {sid}) declares inconsistent sizes: length {length}, capacity {cap}, "
                        f"{len(toks)} token bytes, {len(poss)} position bytes, window offset {woff}")
         seqs.append(_Seq(sid, length, cap, tokens=np.frombuffer(toks, "<i8").astype(np.int64),
-                         positions=np.frombuffer(poss, "<i8").astype(np.int64), window_offset=woff))
+                         positions=np.frombuffer(poss, "<i8").astype(np.int64), window_offset=woff,
+                         encoder_length=elen))
     if len({s.id for s in seqs}) != len(seqs):
         raise fail("sequence ids repeat")
     sums = obj["checksums"]
-    n_arrays = (4 if layout.dtype == "int8" else 2) * layout.layers * len(seqs)
+    per_region = (4 if layout.dtype == "int8" else 2) * layout.layers
+    n_arrays = per_region * (len(seqs) + sum(1 for s in seqs if s.encoder_length))
     if not isinstance(sums, bytes) or len(sums) != 4 * n_arrays:
         raise fail(f"checksums hold {len(sums) if isinstance(sums, bytes) else sums!r} bytes, "
                    f"expected {4 * n_arrays}")
@@ -532,7 +556,9 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
     bounded = set(lay.bounded)
     with _lock.held(store._lock_path, store.name, store.lock_timeout):
         t = store._table_np
-        plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1, staged start)
+        plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1 - new slot, staged start)
+        enc_start: dict[int, int] = {}  # staged encoder ranges
+        enc_slot: dict[int, int] = {}
         taken: list[tuple[int, int]] = []
         free_slots = [int(i) for i in np.flatnonzero(t[:, STATE] == 0)]
         for s in snap.sequences:
@@ -560,6 +586,15 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
                 start = store._alloc(cap, taken)
             taken.append((start, cap))
             plan.append((s, slot, start))
+            if s.encoder_length:
+                if not free_slots:
+                    raise CacheFullError(
+                        f"store {store.name!r} has no free slot for the encoder cache of sequence {s.id} "
+                        f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
+                    )
+                enc_slot[s.id] = free_slots.pop(0)
+                enc_start[s.id] = store._alloc(s.encoder_length, taken, all_layers=True)
+                taken.append((enc_start[s.id], s.encoder_length))
         # stream every array; those selected land in their staged (unpublished) ranges
         by_id = {p[0].id: p for p in plan}
         done = 0
@@ -572,19 +607,27 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
             for s in snap.sequences:
                 p = by_id.get(s.id)
                 counts = iter(snap.counts(s))
-                for r, ((kind, per_token), arr) in enumerate(zip(snap.regions, regions, strict=True)):
+                pairs = list(enumerate(zip(snap.regions, regions, strict=True)))
+                sections = [(r, reg, arr, False) for r, (reg, arr) in pairs]
+                if s.encoder_length:
+                    sections += [(r, reg, arr, True) for r, (reg, arr) in pairs]
+                for r, (kind, per_token), arr, is_enc in sections:
                     for layer in range(lay.layers):
                         count = next(counts)
                         nbytes = count * per_token
                         if not (p and nbytes):
                             dest = None
+                        elif is_enc:
+                            e = enc_start[s.id]
+                            dest = memoryview(arr[layer, e : e + count]).cast("B")  # type: ignore[arg-type,index]
                         elif layer in bounded and r < 2:
                             buf = windows[(s.id, r, layer)] = np.empty((count, *arr.shape[2:]), arr.dtype)  # type: ignore[union-attr]
                             dest = memoryview(buf).cast("B")  # type: ignore[arg-type]
                         else:
                             dest = memoryview(arr[layer, p[2] : p[2] + count]).cast("B")  # type: ignore[arg-type,index]
                         fut = reader.array(dest, nbytes, int(snap.checksums[k]),
-                                           f"sequence {s.id} layer {layer} {kind}", pool)
+                                           f"sequence {s.id} layer {layer} {'encoder ' if is_enc else ''}{kind}",
+                                           pool)
                         if fut is not None:
                             checks.append(fut)
                         k += 1
@@ -613,8 +656,12 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
                         (store._Kl if r == 0 else store._Vl)[layer][w : w + buf.shape[0]] = buf
                 row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF] = start, cap, s.length, s.window_offset
                 if existing < 0:
-                    row[ID], row[LEASE_PID] = s.id, 0
+                    row[ID], row[LEASE_PID], row[ENC_SLOT] = s.id, 0, 0
                     row[STATE] = 1
+                if s.encoder_length:
+                    store._set_encoder(row, s.encoder_length, enc_start[s.id], enc_slot[s.id])
+                else:
+                    store._drop_encoder(row)
             next_id = max(next_id, s.id + 1)
         store._hdr[_header.W_NEXT_ID] = next_id
     return [p[0].id for p in plan]

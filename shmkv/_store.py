@@ -39,6 +39,7 @@ from ._header import (
     LENGTH,
     SEQ_WORDS,
     START,
+    ENC_SLOT,
     STATE,
     WIN_OFF,
     Layout,
@@ -97,6 +98,7 @@ class StoreStats:
     clients: int
     generation: int
     window_tokens: int = 0  # tokens the sliding/chunked layers hold, over all sequences (bounded)
+    encoder_tokens: int = 0  # tokens in encoder (cross-attention) caches
 
 
 def _words(mm: Any, offset: int, count: int) -> memoryview:
@@ -317,7 +319,7 @@ class Store:
     def _free_ranges(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
         """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order."""
         t = self._table_np
-        live = [(int(t[i, START]), int(t[i, CAPACITY])) for i in np.flatnonzero(t[:, STATE] == 1)]
+        live = [(int(t[i, START]), int(t[i, CAPACITY])) for i in np.flatnonzero(t[:, STATE] != 0)]
         live += taken or []
         live.sort()
         gaps, pos = [], 0
@@ -329,12 +331,12 @@ class Store:
             gaps.append((pos, self.layout.max_tokens - pos))
         return gaps
 
-    def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None) -> int:
+    def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False) -> int:
         """First-fit a range of ``capacity`` cells (lock held); reserve its pages."""
         gaps = self._free_ranges(taken)
         for start, size in gaps:
             if size >= capacity:
-                self._reserve(start, capacity)
+                self._reserve(start, capacity, all_layers)
                 return start
         raise CacheFullError(
             f"store {self.name!r} has no free range of {capacity} token cells "
@@ -342,11 +344,12 @@ class Store:
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
 
-    def _reserve(self, start: int, count: int) -> None:
+    def _reserve(self, start: int, count: int, all_layers: bool = False) -> None:
         off = self._off
         cb = off.cell_bytes
+        layers = range(self.layout.layers) if all_layers else self._full
         ranges = [(base + layer * off.layer_stride + start * cb, count * cb)
-                  for base in (off.k_off, off.v_off) for layer in self._full]
+                  for base in (off.k_off, off.v_off) for layer in layers]
         ranges += [(off.tokens_off + start * 8, count * 8), (off.positions_off + start * 8, count * 8)]
         sb = self.layout.kv_heads * 4
         ranges += [(base + layer * off.scale_stride + start * sb, count * sb)
@@ -361,6 +364,42 @@ class Store:
         cb = off.cell_bytes
         self._dseg.reserve([(base + j * off.w_stride + slot * wc * cb, wc * cb)
                             for base in (off.wk_off, off.wv_off) for j in range(len(self.layout.bounded))])
+
+    def _set_encoder(self, parent: memoryview, n: int, start: int | None = None, slot: int | None = None) -> int:
+        """Give the sequence on ``parent`` a fresh encoder row of ``n`` cells (lock held, parent
+        changing); the old one is freed. ``start``: a range already reserved for it.
+        Returns the new range's first cell."""
+        self._drop_encoder(parent)
+        free = np.flatnonzero(self._table_np[:, STATE] == 0) if slot is None else np.array([slot])
+        if free.size == 0:
+            raise CacheFullError(
+                f"store {self.name!r}: an encoder cache takes a sequence slot and all max_seqs="
+                f"{self.layout.max_seqs} are used; free sequences or create the store with a larger max_seqs="
+            )
+        if start is None:
+            start = self._alloc(max(n, 1), all_layers=True)
+        slot = int(free[0])
+        row = self._row(slot)
+        with self._changing(row):
+            row[ID], row[START], row[CAPACITY], row[LENGTH] = parent[ID], start, max(n, 1), n
+            row[STATE] = 2
+        parent[ENC_SLOT] = slot + 1
+        return start
+
+    def _drop_encoder(self, parent: memoryview) -> None:
+        if parent[ENC_SLOT]:
+            row = self._row(parent[ENC_SLOT] - 1)
+            with self._changing(row):
+                row[STATE] = 0
+                row[LENGTH] = row[CAPACITY] = row[ID] = 0
+            parent[ENC_SLOT] = 0
+
+    def _copy_all_layers(self, src: int, dst: int, n: int) -> None:
+        """Copy n cells of every layer's main-arena K/V (and scales): encoder ranges."""
+        for arr in (self._K, self._V, self._KS, self._VS):
+            if arr is not None and n:
+                for layer in range(self.layout.layers):
+                    np.copyto(arr[layer, dst : dst + n], arr[layer, src : src + n])
 
     def _copy_window(self, src_slot: int, src_first: int, dst_slot: int, dst_first: int, n: int) -> None:
         """Copy n cells of every bounded layer between window buffers (overlap-safe)."""
@@ -444,6 +483,7 @@ class Store:
                 row[CAPACITY] = capacity
                 row[LENGTH] = 0
                 row[WIN_OFF] = 0
+                row[ENC_SLOT] = 0
                 row[LEASE_START] = _segment.process_start_time(os.getpid())
                 row[LEASE_TOKEN] = token
                 row[LEASE_PID] = os.getpid()
@@ -615,10 +655,14 @@ class Store:
         self._check_open()
         t = self._table_np
         live = t[t[:, STATE] == 1]
+        encoders = t[t[:, STATE] == 2]
         gaps = self._free_ranges()
         bpt = self.bytes_per_token
         tokens = int(live[:, LENGTH].sum())
         reserved = int(live[:, CAPACITY].sum())
+        enc_tokens = int(encoders[:, LENGTH].sum())
+        enc_bpt = 2 * self.layout.layers * self._off.cell_bytes + (
+            2 * self.layout.layers * self.layout.kv_heads * 4 if self._KS is not None else 0)
         kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if self.layout.bounded else 0
         wbytes = 2 * len(self.layout.bounded) * self._off.cell_bytes  # per token a bounded layer keeps
         return StoreStats(
@@ -631,8 +675,10 @@ class Store:
             free_tokens=sum(s for _, s in gaps),
             largest_free_range=max((s for _, s in gaps), default=0),
             bytes_per_token=bpt,
-            bytes_used=tokens * bpt + kept * wbytes,
-            bytes_reserved=reserved * bpt + int(live.shape[0]) * self._wc * wbytes,
+            bytes_used=tokens * bpt + kept * wbytes + enc_tokens * enc_bpt,
+            bytes_reserved=reserved * bpt + int(live.shape[0]) * self._wc * wbytes
+            + int(encoders[:, CAPACITY].sum()) * enc_bpt,
+            encoder_tokens=enc_tokens,
             window_tokens=kept,
             clients=len(self.clients()),
             generation=int(self._hdr[_header.W_GENERATION]),

@@ -302,3 +302,42 @@ def test_batch_bad_input_commits_nothing(make_store):
             batch.put(layer, np.ones((2, H, D)), np.ones((2, H, D)))
         batch.commit()
     assert a.length == 4 and b.length == 1
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int8"])
+def test_encoder_cache(make_store, tmp_path, dtype):
+    rng = np.random.default_rng(21)
+    store = make_store(layers=2, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=256, max_seqs=8)
+    seq = store.create_sequence(capacity=8)
+    assert seq.encoder_length == 0 and seq.encoder_kv(0)[0].shape == (0, H, D)
+    ek, ev = rng.standard_normal((2, 5, H, D)), rng.standard_normal((2, 5, H, D))
+    seq.set_encoder(ek, ev)
+    seq.extend(rng.standard_normal((2, 3, H, D)), rng.standard_normal((2, 3, H, D)))
+    tol = dict(atol=np.abs(ek).max() / 127) if dtype == "int8" else dict(atol=0)
+    for layer in range(2):
+        k, v = seq.encoder_kv(layer)
+        np.testing.assert_allclose(k, ek[layer], **tol)
+        np.testing.assert_allclose(v, ev[layer], **tol)
+        # cross-attention: every decoder query sees every encoder token, no mask
+        q = rng.standard_normal((3, H, D))
+        got = attend(q, k, v, np.zeros((3, 5)))
+        want = attend(q, ek[layer], ev[layer], np.zeros((3, 5)))
+        np.testing.assert_allclose(got, want, atol=0.05 if dtype == "int8" else 1e-12)
+    assert store.stats().encoder_tokens == 5 and len(store.sequences()) == 1
+    child = seq.fork()
+    np.testing.assert_array_equal(child.encoder_kv(1)[0], seq.encoder_kv(1)[0])
+    # a reader in another handle, a snapshot round trip, and freeing
+    path = tmp_path / "enc.shmkv"
+    store.save(path)
+    other = make_store(layers=2, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=256, max_seqs=8)
+    other.restore(path)
+    np.testing.assert_array_equal(other.sequence(seq.id).encoder_kv(0)[1], seq.encoder_kv(0)[1])
+    assert other.stats().encoder_tokens == 10
+    seq.set_encoder(ek[:, :2], ev[:, :2])  # replaced, the old cells go back
+    assert store.sequence(seq.id).encoder_length == 2
+    child.free()
+    seq.free()
+    st = store.stats()
+    assert st.encoder_tokens == 0 and st.free_tokens == st.max_tokens
+    with pytest.raises(shmkv.InvalidArgumentError, match="layers=2"):
+        store.create_sequence().set_encoder(ek[:1], ev[:1])
