@@ -55,17 +55,22 @@ def test_demo_equals_single_process_run(tmp_path):
 def test_demo_command_and_interrupt(tmp_path):
     before = shm_entries()
     env = dict(os.environ)
-    p = subprocess.Popen([sys.executable, "-m", "shmkv", "demo", "--tokens", "400", "--snapshot",
+    p = subprocess.Popen([sys.executable, "-m", "shmkv", "demo", "--tokens", "3000", "--snapshot",
                           str(tmp_path / "i.shmkv")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                          start_new_session=True)
-    time.sleep(2.5)
+    t_end = time.monotonic() + 60
+    while not (shm_entries() - before) and time.monotonic() < t_end:
+        time.sleep(0.05)  # wait until the demo's store exists
+    time.sleep(1.0)  # workers are decoding now (3000 tokens each: far from done)
     os.killpg(p.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
     try:
-        p.communicate(timeout=60)
+        _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    assert p.returncode == 130, err  # it was interrupted, not finished
+    assert b"interrupted" in err
     time.sleep(0.2)
     assert shm_entries() - before == set()
 
