@@ -9,8 +9,9 @@ refused before anything is written.
 bfloat16: the upper 16 bits of the float32, rounded to nearest even; stored as
 uint16. Relative error at most 2^-8 for normal numbers; below the normal range
 (|x| < 2^-126) at most half of bfloat16's subnormal step, 2^-134; beyond the
-largest bfloat16 (~3.39e38) values round to infinity. Reads give float32 copies, or zero-copy ``ml_dtypes.bfloat16`` views
-when ml_dtypes is installed (``pip install shmkv[bf16]``).
+largest bfloat16 (~3.39e38) values round to infinity. Reads give float32
+copies, or zero-copy ``ml_dtypes.bfloat16`` views when ml_dtypes is installed
+(``pip install shmkv[bf16]``).
 """
 
 from __future__ import annotations
