@@ -139,3 +139,41 @@ def save_forever(name: str, path: str, ready_path: str) -> None:
             with open(ready_path, "w") as f:
                 f.write("saved")
             first = False
+
+
+def sliding_writer(name: str, seq_id: int, n: int) -> int:
+    """Append n tokens one at a time; every value of a token is its position."""
+    store = shmkv.attach(name)
+    lay = store.layout
+    seq = store.sequence(seq_id, write=True)
+    for pos in range(n):
+        x = np.full((lay.kv_heads, lay.head_dim), pos, np.float32)
+        for layer in range(lay.layers):
+            seq.append(layer, x, x)
+        seq.commit()
+    store.close()
+    return n
+
+
+def sliding_reader(name: str, seq_id: int, n: int, deadline_s: float) -> int:
+    """Copy the sliding layer while the writer compacts it: always a consistent, recent run."""
+    store = shmkv.attach(name, readonly=True)
+    seq = store.sequence(seq_id)
+    cells = store.layout.window_cells
+    reads = 0
+    t_end = time.monotonic() + deadline_s
+    while True:
+        k, _ = seq.read(1)
+        vals = k[:, 0, 0]
+        if vals.size:
+            if not np.array_equal(vals, np.arange(vals[0], vals[0] + vals.size)) or vals.size > cells:
+                raise AssertionError(f"sliding layer read torn or too long: {vals.tolist()}")
+            if not np.all(k == vals[:, None, None]):
+                raise AssertionError("a token's values disagree")
+        reads += 1
+        if vals.size and vals[-1] == n - 1:
+            break
+        if time.monotonic() > t_end:
+            raise TimeoutError(f"writer too slow: last {vals.tolist()[-3:]}")
+    store.close()
+    return reads

@@ -341,3 +341,23 @@ def test_encoder_cache(make_store, tmp_path, dtype):
     assert st.encoder_tokens == 0 and st.free_tokens == st.max_tokens
     with pytest.raises(shmkv.InvalidArgumentError, match="layers=2"):
         store.create_sequence().set_encoder(ek[:1], ev[:1])
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_sliding_layer_read_by_another_process_while_compacting(make_store, method):
+    from shmkv.testing import start_in_process
+
+    from _children import sliding_reader, sliding_writer
+
+    # big cells and windows: copies long enough that reads and compactions do overlap
+    store = make_store(layers=2, kv_heads=8, head_dim=128, dtype="float32", layer_types=["full", "sliding"],
+                       window=64, memory=32, max_tokens=4096)
+    seq = store.create_sequence(capacity=8)
+    seq.release()
+    n = 3000
+    reader = start_in_process(sliding_reader, store.name, seq.id, n, 120.0, start_method=method, timeout=150)
+    writer = start_in_process(sliding_writer, store.name, seq.id, n, start_method=method, timeout=150)
+    assert writer.result() == n
+    assert reader.result() > 0
+    full = store.sequence(seq.id).keys(0)[:, 0, 0]
+    np.testing.assert_array_equal(full, np.arange(n))
