@@ -2,7 +2,9 @@
 
 int8: each (token, head) row of ``head_dim`` values is stored as int8 with one
 float32 scale, ``scale = absmax / 127`` and ``q = round(x / scale)`` (round half
-to even, numpy's rule), so ``|q * scale - x| <= scale / 2 = absmax / 254``. An
+to even, numpy's rule), so ``|q * scale - x| <= scale / 2 = absmax / 254``, up to
+float32 rounding of the scale (a few ulps), plus a float32 step (2^-149) for rows
+so small that the scale is subnormal. An
 all-zero row has scale 0. NaN and infinity cannot be represented and are
 refused before anything is written.
 
@@ -28,6 +30,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     BF16 = None
 
 
+_TINY = np.float32(2.0**-149)  # the smallest float32 subnormal
+
+
 def check_finite(x: np.ndarray, what: str) -> None:
     if not np.isfinite(x).all():
         bad = np.argwhere(~np.isfinite(x))[0].tolist()
@@ -42,6 +47,16 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(x, np.float32)
     absmax = np.abs(x).max(axis=-1)
     scale = (absmax / np.float32(127)).astype(np.float32)
+    # absmax / 127 can underflow to 0 for subnormal rows (found by hypothesis: 3.8e-44);
+    # the smallest float32 step then represents them exactly (they are multiples of it)
+    scale = np.where(absmax > 0, np.maximum(scale, _TINY), np.float32(0)).astype(np.float32)
+    # a scale rounded far down would push |x / scale| past 127.5 and into the clip (subnormal
+    # scales round coarsely: found by hypothesis, 1.675e-42); step it up until it fits
+    for _ in range(4):
+        low = absmax.astype(np.float64) > 127.5 * scale.astype(np.float64)
+        if not low.any():
+            break
+        scale = np.where(low, np.nextafter(scale, np.float32(np.inf)), scale).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     q = np.rint(x / safe[..., None])
     np.clip(q, -127, 127, out=q)

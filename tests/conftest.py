@@ -3,11 +3,20 @@ runs after every test, and ``shmkv_store`` / ``shmkv_store_factory`` make stores
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 
 import shmkv
 
 pytest_plugins = ["pytester"]
+
+# CI runs the same hypothesis examples every time (a failure there reproduces);
+# locally they vary, and SHMKV_HYPOTHESIS_EXAMPLES asks for more of them.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 START_METHODS = ["fork", "spawn", "forkserver"]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -38,13 +40,15 @@ def test_int8_error_bound(make_store, seed):
             assert got.dtype == np.float32 and got.shape == want.shape
             bound = np.abs(want).max(axis=-1, keepdims=True) / 254
             err = np.abs(got.astype(np.float64) - want)
-            assert np.all(err <= bound * (1 + 1e-6) + 1e-45), float((err - bound).max())
+            assert np.all(err <= bound * (1 + 2.0**-15) + 2.0**-148), float((err - bound).max())
         codes, scales = seq.raw_keys(layer)
         assert codes.dtype == np.int8 and scales.dtype == np.float32 and scales.shape == (n, H)
         assert not codes.flags.writeable and not scales.flags.writeable
         # zero-copy: the raw views are the shared memory itself
         assert np.shares_memory(codes, store._K)
-        np.testing.assert_array_equal(scales, np.abs(k[layer]).max(-1) / np.float32(127))
+        absmax = np.abs(k[layer].astype(np.float32)).max(-1).astype(np.float64)
+        np.testing.assert_allclose(scales, absmax / 127, rtol=2.0**-22)  # absmax / 127, to an ulp
+        assert np.all(scales.astype(np.float64) * 127.5 >= absmax)  # never so low that codes clip
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -111,18 +115,21 @@ _BIG = float(np.float32(3e38))
 _floats = st.floats(min_value=-_BIG, max_value=_BIG, allow_nan=False, allow_infinity=False, width=32)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=int(os.environ.get("SHMKV_HYPOTHESIS_EXAMPLES", "300")), deadline=None)
 @given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=3, max_dims=3, max_side=6), elements=_floats))
 def test_int8_codec_bound_property(x):
     """The codec itself, on arbitrary finite float32 rows (zeros, constants, extremes)."""
     q, scale = _quant.quantize_int8(x)
     got = _quant.dequantize_int8(q, scale).astype(np.float64)
     bound = np.abs(x.astype(np.float64)).max(axis=-1, keepdims=True) / 254
-    assert np.all(np.abs(got - x) <= bound * (1 + 1e-6) + 1e-44)
+    # absmax/254 up to float32 rounding of the scale (a tie such as [60, 30] lands one ulp
+    # beyond), plus float32 steps where the scale is subnormal (found by hypothesis:
+    # x = 3.8e-44 once dequantized to 0 because absmax / 127 underflowed)
+    assert np.all(np.abs(got - x) <= bound * (1 + 2.0**-15) + 2.0**-148)
     assert q.dtype == np.int8 and np.all(np.abs(q.astype(int)) <= 127)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=int(os.environ.get("SHMKV_HYPOTHESIS_EXAMPLES", "300")), deadline=None)
 @given(hnp.arrays(np.float32, hnp.array_shapes(max_dims=2, max_side=8),
                   elements=_floats))
 def test_bfloat16_codec_bound_property(x):
