@@ -53,7 +53,7 @@ class Batch:
                     seq = store.sequence(sid, write=True)
                     self._owned.append(seq)
                 self._seqs[sid] = seq
-                if seq.pending or any(seq._pending):
+                if any(seq._pending):
                     raise InvalidArgumentError(f"forward: sequence {sid} has uncommitted appends; commit them first")
                 p = self.positions[self._rows[sid]]
                 held = seq.positions
@@ -97,13 +97,13 @@ class Batch:
             raise InvalidArgumentError(
                 f"put: k {k.shape} and v {v.shape} must be [batch_tokens={self.n}, kv_heads={H}, head_dim={D}]"
             )
-        for sid, seq in self._seqs.items():  # check everything before writing anything
-            seq._kv_arrays(k[self._rows[sid]], v[self._rows[sid]])
+        parts = {sid: seq._kv_arrays(k[self._rows[sid]], v[self._rows[sid]])  # all checked before any write
+                 for sid, seq in self._seqs.items()}
         keys, values, cols = [], [], []
         try:
             for sid, seq in self._seqs.items():
                 rows = self._rows[sid]
-                kk, vv = seq.append(layer, k[rows], v[rows])
+                kk, vv = seq.append(layer, *parts[sid])
                 keys.append(kk)
                 values.append(vv)
                 held = seq.held_positions(layer)

@@ -200,11 +200,12 @@ def make_layout(
             _positive(what, value, 1 << 30)
         elif value:
             raise InvalidArgumentError(f"{what}={value!r} given but no layer is {kind!r} (layer_types={list(kinds)})")
+    bounded = any(k != "full" for k in kinds)
     if memory:  # None or 0: the default
-        if not ("sliding" in kinds or "chunked" in kinds):
+        if not bounded:
             raise InvalidArgumentError(f"memory={memory!r} given but no layer is 'sliding' or 'chunked'")
         _positive("memory", memory, 1 << 30)
-    if ("sliding" in kinds or "chunked" in kinds) and dtype not in ("float32", "float16", "float64"):
+    if bounded and dtype not in _dtypes.PLAIN:
         from .errors import NotSupportedError
 
         raise NotSupportedError(f"sliding and chunked layers need a float dtype, not dtype={dtype!r}")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _dtypes, _quant, _segment
-from ._header import CAPACITY, ENC_SLOT, GEN, ID, LEASE_PID, LEASE_TOKEN, LENGTH, START, STATE, WIN_OFF
+from ._header import CAPACITY, ENC_SLOT, GEN, ID, LEASE_PID, LEASE_TOKEN, LENGTH, LIVE, START, STATE, WIN_OFF
 from ._store import _count, _live_writers
 from .errors import (
     CacheFullError,
@@ -92,7 +92,7 @@ class Sequence:
         self._isfull = [i not in bounded for i in range(self._L)]
         self._wc = lay.window_cells
         self._wbase = slot * lay.window_cells
-        self._start = self._cap = self._woff = 0
+        self._start = 0
         self._fin: weakref.finalize | None = None
         self._refresh()
         if write:
@@ -126,7 +126,7 @@ class Sequence:
                 state, sid, start, cap, length = row[STATE], row[ID], row[START], row[CAPACITY], row[LENGTH]
                 woff = row[WIN_OFF]
                 if row[GEN] == g:
-                    if state != 1 or sid != self.id:
+                    if state != LIVE or sid != self.id:
                         raise SequenceNotFound(
                             f"sequence {self.id} of store {self._store.name!r} was freed"
                         )
@@ -138,7 +138,7 @@ class Sequence:
 
     def _span_unlocked(self) -> tuple[int, int, int, int]:
         row = self._row
-        if row[STATE] != 1 or row[ID] != self.id:
+        if row[STATE] != LIVE or row[ID] != self.id:
             raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
         return row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
 
@@ -154,7 +154,7 @@ class Sequence:
         Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
         cell ``slot * window_cells + i - woff`` of that layer's window region.
         """
-        self._start, self._cap, self._woff = start, cap, woff
+        self._start = start
         wbase = self._wbase - woff
         self._base = [start if f else wbase for f in self._isfull]  # cell of token 0
         self._lim = [cap if f else woff + self._wc for f in self._isfull]  # token index limit
@@ -324,31 +324,31 @@ class Sequence:
 
     def _encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write k, v (already checked) into cells s.. of layer in the storage encoding."""
-        n = k.shape[0]
+        self._write_rows(self._Kw[layer], None if self._KS is None else self._KS[layer], s, k)
+        self._write_rows(self._Vw[layer], None if self._VS is None else self._VS[layer], s, v)
+
+    def _write_rows(self, codes: np.ndarray, scales: np.ndarray | None, s: int, x: np.ndarray) -> None:
+        """Store ``x`` [n, kv_heads, head_dim] at cells s.. of one layer's array (and int8 scales),
+        in the storage encoding: the one place values are encoded."""
+        n = x.shape[0]
         if self._dtype == "int8":
-            for x, codes, scales in ((k, self._Kw, self._KS), (v, self._Vw, self._VS)):
-                q, sc = _quant.quantize_int8(x)
-                codes[layer][s : s + n] = q
-                scales[layer][s : s + n] = sc  # type: ignore[index]
+            q, sc = _quant.quantize_int8(x)
+            codes[s : s + n] = q
+            scales[s : s + n] = sc  # type: ignore[index]
         elif self._dtype == "bfloat16":
-            self._Kw[layer][s : s + n] = _quant.to_bf16(k)
-            self._Vw[layer][s : s + n] = _quant.to_bf16(v)
+            codes[s : s + n] = _quant.to_bf16(x)
         else:
-            self._Kw[layer][s : s + n] = k
-            self._Vw[layer][s : s + n] = v
+            codes[s : s + n] = x
 
     def _view(self, which: str, layer: int, a: int, b: int) -> np.ndarray:
-        """Cells [a, b) of a layer as the caller sees them: zero-copy for plain dtypes and
-        bfloat16 with ml_dtypes; a dequantized float32 copy otherwise."""
+        """Cells [a, b) of a layer as the caller sees them (see _decode)."""
         raw = (self._Kr if which == "k" else self._Vr)[layer][a:b]
-        if self._plain:
-            return raw
-        if self._dtype == "bfloat16":
-            return _quant.bf16_view(raw)
-        scales = (self._KS if which == "k" else self._VS)[layer][a:b]  # type: ignore[index]
-        return _quant.dequantize_int8(raw, scales)
+        scales = self._KS if which == "k" else self._VS
+        return self._decode(raw, None if scales is None else scales[layer][a:b])
 
     def _decode(self, raw: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+        """Stored cells as the caller sees them: zero-copy for plain dtypes and bfloat16
+        with ml_dtypes; a dequantized float32 copy otherwise."""
         raw = _readonly(raw)
         if self._plain:
             return raw
@@ -385,17 +385,9 @@ class Sequence:
             self._span_unlocked()
             with st._changing(row):
                 start = st._set_encoder(row, n)
-                for layer in range(self._L):
+                for layer in range(self._L):  # the main arena of every layer (st._K, not _Kw)
                     for x, arrs, scales in ((k_all[layer], st._K, st._KS), (v_all[layer], st._V, st._VS)):
-                        dst = arrs[layer, start : start + n]
-                        if self._dtype == "int8":
-                            q, sc = _quant.quantize_int8(x)
-                            dst[...] = q
-                            scales[layer, start : start + n] = sc  # type: ignore[index]
-                        elif self._dtype == "bfloat16":
-                            dst[...] = _quant.to_bf16(x)
-                        else:
-                            dst[...] = x
+                        self._write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
             self._gen = row[GEN]  # our own change: pending decoder tokens stay
 
     def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -625,15 +617,9 @@ class Sequence:
             if moved:
                 st._positions[start + begin : start + begin + moved] += delta
                 for layer, keys in enumerate(new_keys):
-                    lo, hi = self._cells(layer, start, woff, begin, begin + moved)
-                    if self._plain:
-                        self._Kw[layer][lo:hi] = keys
-                    elif self._dtype == "int8":  # re-encode (values and V scales stay as moved)
-                        q, sc = _quant.quantize_int8(keys)
-                        self._Kw[layer][lo:hi] = q
-                        self._KS[layer][lo:hi] = sc  # type: ignore[index]
-                    else:
-                        self._Kw[layer][lo:hi] = _quant.to_bf16(keys)
+                    lo, _ = self._cells(layer, start, woff, begin, begin + moved)
+                    # re-encoded: values (and their scales) stay as moved
+                    self._write_rows(self._Kw[layer], None if self._KS is None else self._KS[layer], lo, keys)
             row[LENGTH] = length - (end - begin)
 
     def release(self) -> None:
@@ -733,7 +719,7 @@ class Sequence:
         """Bytes held by the committed tokens (K and V of the layers that hold them, ids, positions)."""
         _, _, length, woff = self._span()
         st = self._store
-        return length * st.bytes_per_token + (length - woff) * 2 * len(st.layout.bounded) * st._off.cell_bytes
+        return length * st.bytes_per_token + (length - woff) * st._kv_bytes(len(st.layout.bounded))
 
     @property
     def writable(self) -> bool:
@@ -787,12 +773,11 @@ class Sequence:
         """
         layer = self._layer(layer)
         q = self._ints("query_positions", query_positions, np.size(query_positions))
-        lo, hi, first, start = self._held(layer)
-        keys_pos = self._store._positions[start + first : start + first + hi - lo]
+        start, _, length, woff = self._span()
+        keys_pos = self._store._positions[start + self._first(layer, woff) : start + length]
         p = self._pending[layer]
         if p:
-            last = int(self._store._positions[start + first + hi - lo - 1]) if hi > lo else (
-                int(self._store._positions[start - 1 + first]) if first else -1)
+            last = int(self._store._positions[start + length - 1]) if length else -1
             keys_pos = np.concatenate([keys_pos, np.arange(last + 1, last + 1 + p)])
         return attention_mask(self._store.layout, layer, q, keys_pos)
 
@@ -806,19 +791,13 @@ class Sequence:
         pos = _count("pos", pos)
         start, _, length, woff = self._span()
         positions = self._store._positions[start : start + length]
-        before = positions[positions < pos]
-        last = int(positions[-1]) if length else -1
-        if pos > last + 1:
+        if pos > (int(positions[-1]) if length else -1) + 1:
             return False
-        lay = self._store.layout
         for layer in range(self._L):
-            lo_pos = visible_from(lay, layer, pos)  # the oldest position the layer needs
-            need = pos - lo_pos
-            held = before[before >= lo_pos]
-            if not self._isfull[layer]:
-                held_idx = np.flatnonzero((positions >= lo_pos) & (positions < pos))
-                held = positions[held_idx[held_idx >= woff]]
-            if held.size != need or (need and (held[0] != lo_pos or held[-1] != pos - 1)):
+            lo_pos = int(visible_from(self._store.layout, layer, pos))  # the oldest position it needs
+            held = positions[self._first(layer, woff) :]
+            held = held[(held >= lo_pos) & (held < pos)]  # increasing ints: size and ends decide
+            if held.size != pos - lo_pos or (held.size and (held[0] != lo_pos or held[-1] != pos - 1)):
                 return False
         return True
 
@@ -937,27 +916,26 @@ class _nolock:
         return None
 
 
-def visible_from(layout: Any, layer: int, p: int) -> int:
-    """The oldest position a token at position ``p`` sees on ``layer``."""
+def visible_from(layout: Any, layer: int, p: Any) -> Any:
+    """The oldest position a token at position(s) ``p`` sees on ``layer`` (it sees up to ``p``).
+
+    The one statement of the visibility rule: sliding ``p - window < p'``, chunked
+    ``p - p % chunk <= p'``, full everything.
+    """
     kind = layout.layer_types[layer]
     if kind == "sliding":
-        return max(0, p - layout.window + 1)
+        return np.maximum(0, p - layout.window + 1)
     if kind == "chunked":
         return p - p % layout.chunk
-    return 0
+    return np.zeros_like(p)
 
 
 def attention_mask(layout: Any, layer: int, query_positions: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
     """0 / -inf float32 mask ``[q, k]`` of which keys each query sees on ``layer``."""
     qp = np.asarray(query_positions, np.int64)[:, None]
     kp = np.asarray(key_positions, np.int64)[None, :]
-    ok = kp <= qp
-    kind = layout.layer_types[layer]
-    if kind == "sliding":
-        ok &= kp > qp - layout.window
-    elif kind == "chunked":
-        ok &= kp >= qp - qp % layout.chunk
-    return np.where(ok, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+    ok = (kp <= qp) & (kp >= visible_from(layout, layer, qp))
+    return np.where(ok, np.float32(0), np.float32(-np.inf))
 
 
 def _unpickle_sequence(store: Store, seq_id: int) -> Sequence:

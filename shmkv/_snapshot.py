@@ -50,8 +50,8 @@ from typing import IO, TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _dtypes, _header, _lock, _segment
-from ._header import CAPACITY, ENC_SLOT, GEN, ID, LEASE_PID, LENGTH, START, STATE, WIN_OFF, Layout
+from . import _dtypes, _header, _lock
+from ._header import CAPACITY, ENC_SLOT, GEN, ID, LEASE_PID, LENGTH, LIVE, START, STATE, WIN_OFF, Layout
 from .errors import (
     CacheFullError,
     InvalidArgumentError,
@@ -103,7 +103,7 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
     """Each sequence's (start, length, generation) and token ids/positions, seqlock-consistent."""
     t = store._table_np
     if ids is None:
-        slots = [int(i) for i in np.flatnonzero(t[:, STATE] == 1)]
+        slots = [int(i) for i in np.flatnonzero(t[:, STATE] == LIVE)]
     else:
         slots = [store._slot_of(i) for i in ids]
     out = []
@@ -119,7 +119,7 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
                 toks = store._tokens[start : start + length].copy()
                 poss = store._positions[start : start + length].copy()
                 if row[GEN] == g:
-                    if row[STATE] == 1:
+                    if row[STATE] == LIVE:
                         out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start))
                     elif ids is not None:
                         raise SequenceNotFound(f"store {store.name!r}: sequence {sid} was freed during the save")
@@ -516,8 +516,8 @@ def read_header(source: Any) -> Snapshot:
         return reader.header()
 
 
-def restore(store: Store, source: Any, seq_ids: list[int] | None = None, progress: Progress | None = None,
-            _reader: _Reader | None = None, _is_file: bool = False) -> list[int]:
+def restore(store: Store, source: Any, seq_ids: list[int] | None = None,
+            progress: Progress | None = None) -> list[int]:
     """Restore sequences from a snapshot into ``store``, all or nothing; return their ids.
 
     Sequences whose ids exist in the store are replaced (they must not be
@@ -526,15 +526,13 @@ def restore(store: Store, source: Any, seq_ids: list[int] | None = None, progres
     LayoutMismatchError; capacity limits may differ.
     """
     store._check_writable()
-    if _reader is not None:
-        return _restore(store, _reader, _is_file, seq_ids, progress)
     with _open_source(source) as (reader, is_file):
-        return _restore(store, reader, is_file, seq_ids, progress)
+        return _restore(store, reader, reader.header(), is_file, seq_ids=seq_ids, progress=progress)
 
 
-def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | None,
+def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, seq_ids: list[int] | None,
              progress: Progress | None) -> list[int]:
-    snap = reader.header() if not hasattr(reader, "snapshot") else reader.snapshot  # type: ignore[attr-defined]
+    """Restore ``snap`` (its header read already) with the arrays that follow in ``reader``."""
     lay = store.layout
     if snap.layout.geometry != lay.geometry or snap.layout.layer_types != lay.layer_types:
         raise LayoutMismatchError(
@@ -564,7 +562,7 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
         for s in snap.sequences:
             if s.id not in selected:
                 continue
-            hits = np.flatnonzero((t[:, ID] == s.id) & (t[:, STATE] == 1))
+            hits = np.flatnonzero((t[:, ID] == s.id) & (t[:, STATE] == LIVE))
             slot = int(hits[0]) if hits.size else -1
             if slot >= 0:
                 store._check_not_leased_by_other(store._row(slot), s.id, allow_token=_own(store, slot))
@@ -657,7 +655,7 @@ def _restore(store: Store, reader: _Reader, is_file: bool, seq_ids: list[int] | 
                 row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF] = start, cap, s.length, s.window_offset
                 if existing < 0:
                     row[ID], row[LEASE_PID], row[ENC_SLOT] = s.id, 0, 0
-                    row[STATE] = 1
+                    row[STATE] = LIVE
                 if s.encoder_length:
                     store._set_encoder(row, s.encoder_length, enc_start[s.id], enc_slot[s.id])
                 else:
@@ -681,17 +679,18 @@ def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | 
     with _open_source(source) as (reader, is_file):
         snap = reader.header()
         lay = snap.layout
-        need_tokens = sum(max(1, s.length) for s in snap.sequences)
+        # an encoder cache takes a table row and a range of its own
+        encoders = [s for s in snap.sequences if s.encoder_length]
+        need_tokens = sum(max(1, s.length) for s in snap.sequences) + sum(s.encoder_length for s in encoders)
         store = create(
             name, layers=lay.layers, kv_heads=lay.kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
             max_tokens=max_tokens or max(lay.max_tokens, need_tokens),
-            max_seqs=max_seqs or max(lay.max_seqs, len(snap.sequences)),
+            max_seqs=max_seqs or max(lay.max_seqs, len(snap.sequences) + len(encoders)),
             layer_types=list(lay.layer_types), window=lay.window or None, chunk=lay.chunk or None,
             memory=lay.memory or None, persistent=persistent, **create_kw,
         )
         try:
-            reader.snapshot = snap  # type: ignore[attr-defined]
-            _restore(store, reader, is_file, None, progress)
+            _restore(store, reader, snap, is_file, seq_ids=None, progress=progress)
         except BaseException:
             store.unlink()
             raise
@@ -699,4 +698,3 @@ def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | 
 
 
 __all__ = ["Snapshot", "load", "read_header", "restore", "save"]
-_ = (_segment, LEASE_PID)

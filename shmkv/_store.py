@@ -40,6 +40,8 @@ from ._header import (
     SEQ_WORDS,
     START,
     ENC_SLOT,
+    ENCODER,
+    LIVE,
     STATE,
     WIN_OFF,
     Layout,
@@ -163,14 +165,28 @@ class Store:
         self._VS = np.frombuffer(dmm, np.float32, S, off.vs_off).reshape(-1, T, H) if S else None
         self._finalizer: weakref.finalize | None = None
 
+    def _kv_bytes(self, layers: int) -> int:
+        """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
+        scales = self.layout.kv_heads * 4 if self._KS is not None else 0
+        return 2 * layers * (self._off.cell_bytes + scales)
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes in the full layers (K, V, int8 scales), plus its id and position.
 
-        Sliding and chunked layers add ``2 * cell bytes`` per token they keep (see stats()).
+        Sliding and chunked layers add ``_kv_bytes(len(bounded))`` per token they keep (see stats()).
         """
-        scales = 2 * len(self._full) * self.layout.kv_heads * 4 if self._KS is not None else 0
-        return 2 * len(self._full) * self._off.cell_bytes + scales + 16
+        return self._kv_bytes(len(self._full)) + 16
+
+    def _free_slot(self, what: str) -> int:
+        """A free row of the sequence table (lock held), or CacheFullError."""
+        free = np.flatnonzero(self._table_np[:, STATE] == 0)
+        if free.size == 0:
+            raise CacheFullError(
+                f"store {self.name!r} has no free slot for {what}: all max_seqs={self.layout.max_seqs} rows hold "
+                "sequences or encoder caches; free some, or create the store with a larger max_seqs="
+            )
+        return int(free[0])
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -295,7 +311,7 @@ class Store:
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
             raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
         t = self._table_np
-        hits = np.flatnonzero((t[:, ID] == int(seq_id)) & (t[:, STATE] == 1))
+        hits = np.flatnonzero((t[:, ID] == int(seq_id)) & (t[:, STATE] == LIVE))
         if hits.size == 0:
             raise SequenceNotFound(
                 f"store {self.name!r} has no sequence {seq_id!r}: it was freed or never created "
@@ -370,19 +386,14 @@ class Store:
         changing); the old one is freed. ``start``: a range already reserved for it.
         Returns the new range's first cell."""
         self._drop_encoder(parent)
-        free = np.flatnonzero(self._table_np[:, STATE] == 0) if slot is None else np.array([slot])
-        if free.size == 0:
-            raise CacheFullError(
-                f"store {self.name!r}: an encoder cache takes a sequence slot and all max_seqs="
-                f"{self.layout.max_seqs} are used; free sequences or create the store with a larger max_seqs="
-            )
+        if slot is None:
+            slot = self._free_slot("an encoder cache")
         if start is None:
             start = self._alloc(max(n, 1), all_layers=True)
-        slot = int(free[0])
         row = self._row(slot)
         with self._changing(row):
             row[ID], row[START], row[CAPACITY], row[LENGTH] = parent[ID], start, max(n, 1), n
-            row[STATE] = 2
+            row[STATE] = ENCODER
         parent[ENC_SLOT] = slot + 1
         return start
 
@@ -464,14 +475,7 @@ class Store:
             )
         token = _new_token()
         with self._locked():
-            t = self._table_np
-            free = np.flatnonzero(t[:, STATE] == 0)
-            if free.size == 0:
-                raise CacheFullError(
-                    f"store {self.name!r} holds max_seqs={self.layout.max_seqs} sequences already: "
-                    "free some, or create the store with a larger max_seqs="
-                )
-            slot = int(free[0])
+            slot = self._free_slot("a new sequence")
             start = self._alloc(capacity)
             self._reserve_window(slot)
             seq_id = self._hdr[_header.W_NEXT_ID]
@@ -487,7 +491,7 @@ class Store:
                 row[LEASE_START] = _segment.process_start_time(os.getpid())
                 row[LEASE_TOKEN] = token
                 row[LEASE_PID] = os.getpid()
-                row[STATE] = 1
+                row[STATE] = LIVE
         return Sequence(self, seq_id, slot, write=True, token=token)
 
     def sequence(self, seq_id: int, write: bool = False) -> Any:
@@ -541,7 +545,7 @@ class Store:
         """The live sequences, in id order."""
         self._check_open()
         out = []
-        for slot in np.flatnonzero(self._table_np[:, STATE] == 1):
+        for slot in np.flatnonzero(self._table_np[:, STATE] == LIVE):
             r = self._table_np[slot].tolist()
             alive = bool(r[LEASE_PID]) and _segment.pid_alive(r[LEASE_PID], r[LEASE_START])
             out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN]))
@@ -654,17 +658,16 @@ class Store:
         """Occupancy: sequences, tokens, free cells and bytes."""
         self._check_open()
         t = self._table_np
-        live = t[t[:, STATE] == 1]
-        encoders = t[t[:, STATE] == 2]
+        live = t[t[:, STATE] == LIVE]
+        encoders = t[t[:, STATE] == ENCODER]
         gaps = self._free_ranges()
         bpt = self.bytes_per_token
         tokens = int(live[:, LENGTH].sum())
         reserved = int(live[:, CAPACITY].sum())
         enc_tokens = int(encoders[:, LENGTH].sum())
-        enc_bpt = 2 * self.layout.layers * self._off.cell_bytes + (
-            2 * self.layout.layers * self.layout.kv_heads * 4 if self._KS is not None else 0)
+        enc_bpt = self._kv_bytes(self.layout.layers)  # an encoder token has every layer
         kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if self.layout.bounded else 0
-        wbytes = 2 * len(self.layout.bounded) * self._off.cell_bytes  # per token a bounded layer keeps
+        wbytes = self._kv_bytes(len(self.layout.bounded))  # per token the bounded layers keep
         return StoreStats(
             name=self.name,
             sequences=int(live.shape[0]),

@@ -88,10 +88,12 @@ def verify(store: Store) -> list[str]:
     problems = []
     lay = store.layout
     t = store._table_np.copy()
-    live = t[t[:, _header.STATE] == 1]
-    if np.any(t[:, _header.STATE] > 1) or np.any(t[:, _header.STATE] < 0):
+    live = t[t[:, _header.STATE] == _header.LIVE]
+    if not np.isin(t[:, _header.STATE], (0, _header.LIVE, _header.ENCODER)).all():
         problems.append("a sequence slot has an unknown state")
-    ranges = []
+    # encoder caches own ranges of cells too
+    ranges = [(r[_header.START], r[_header.CAPACITY], f"encoder of {r[_header.ID]}")
+              for r in t[t[:, _header.STATE] == _header.ENCODER].tolist()]
     for row in live.tolist():
         sid, start, cap, length, gen = (row[_header.ID], row[_header.START], row[_header.CAPACITY],
                                         row[_header.LENGTH], row[_header.GEN])
@@ -107,14 +109,14 @@ def verify(store: Store) -> list[str]:
             problems.append(f"sequence {sid}: generation {gen} is odd (a structural change is running or died)")
         if sid >= int(store._hdr[_header.W_NEXT_ID]) or sid < 1:
             problems.append(f"sequence {sid}: id not below next id {int(store._hdr[_header.W_NEXT_ID])}")
-        ranges.append((start, cap, sid))
-    ids = [r[2] for r in ranges]
+        ranges.append((start, cap, f"sequence {sid}"))
+    ids = live[:, _header.ID].tolist()
     if len(set(ids)) != len(ids):
         problems.append("sequence ids repeat")
     ranges.sort()
     for (s1, c1, i1), (s2, _, i2) in itertools.pairwise(ranges):
         if s1 + c1 > s2:
-            problems.append(f"sequences {i1} and {i2} overlap at cell {s2}")
+            problems.append(f"{i1} and {i2} overlap at cell {s2}")
     return problems
 
 

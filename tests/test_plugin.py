@@ -69,11 +69,17 @@ def test_clean():
 '''
 
 
+def run_sample(pytester, **files: str):
+    """Run a sample test file in a pytest subprocess; return its result and what it left in /dev/shm."""
+    before = shm_entries()
+    pytester.makepyfile(**files)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    return result, shm_entries() - before
+
+
 @pytest.mark.timeout(240)
 def test_fixtures_and_child_outcomes(pytester):
-    before = shm_entries()
-    pytester.makepyfile(test_sample=SAMPLE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result, left = run_sample(pytester, test_sample=SAMPLE)
     result.assert_outcomes(passed=4, failed=9)
     out = result.stdout.str()
     assert out.count("ValueError: boom in the child 4242") >= 3  # the child's error and traceback
@@ -81,17 +87,15 @@ def test_fixtures_and_child_outcomes(pytester):
     assert out.count("killed by signal 9") >= 3
     assert out.count("did not finish within 2") >= 3
     assert "left shmkv shared memory" not in out
-    assert shm_entries() - before == set()
+    assert left == set()
 
 
 def test_leak_check_names_the_leak(pytester):
-    before = shm_entries()
-    pytester.makepyfile(test_leaky=LEAKY)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result, left = run_sample(pytester, test_leaky=LEAKY)
     result.assert_outcomes(passed=3, errors=1)
     out = result.stdout.str()
     assert "left shmkv shared memory behind" in out and "skv_leakyxyz42.d" in out and "skv_leakyxyz42.h" in out
-    assert shm_entries() - before == set()  # the check removed what it found
+    assert left == set()  # the check removed what it found
 
 
 def test_plugin_can_be_disabled(pytester):
