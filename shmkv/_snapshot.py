@@ -137,20 +137,54 @@ def _unchanged(store: Store, seqs: list[_Seq]) -> bool:
     return all(store._row(s.slot)[GEN] == s.gen and store._row(s.slot)[ID] == s.id for s in seqs)
 
 
+REGION_NAMES = ("keys", "values", "key scales", "value scales")
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One array of the stream: a region (see REGION_NAMES) of one layer."""
+
+    region: int
+    layer: int
+    tokens: int
+    encoder: bool  # of the sequence's encoder cache
+    window: bool  # a sliding/chunked layer's kept tokens, from its window buffer
+
+
+def _parts(layout: Layout, s: _Seq) -> list[_Part]:
+    """The arrays of sequence ``s`` in stream order: the format's one statement of it,
+    used by save, restore and the header check."""
+    regions = range(4 if layout.dtype == "int8" else 2)
+    bounded = set(layout.bounded)
+    out = []
+    for r in regions:
+        for layer in range(layout.layers):
+            win = r < 2 and layer in bounded
+            out.append(_Part(r, layer, s.length - s.window_offset if win else s.length, False, win))
+    if s.encoder_length:  # then the encoder cache: every region of every layer
+        out += [_Part(r, layer, s.encoder_length, True, False) for r in regions for layer in range(layout.layers)]
+    return out
+
+
+def _token_bytes(layout: Layout, region: int) -> int:
+    return layout.cell_items * _dtypes.itemsize(layout.dtype) if region < 2 else 4 * layout.kv_heads
+
+
+def _regions(store: Store) -> tuple[Any, ...]:
+    """The main-arena arrays of each region, ``[layers, max_tokens, ...]``."""
+    return (store._K, store._V, store._KS, store._VS)
+
+
 def _arrays(store: Store, s: _Seq) -> list[np.ndarray]:
-    """The stored arrays of a sequence in stream order; sliding/chunked layers: what they hold."""
-    a, b = s.start, s.start + s.length
+    """The stored arrays of a sequence in stream order, as views of shared memory."""
+    out = []
     w = s.slot * store.layout.window_cells
-    bounded = set(store.layout.bounded)
-    out = [per_layer[layer][w : w + s.length - s.window_offset] if layer in bounded else per_layer[layer][a:b]
-           for per_layer in (store._Kl, store._Vl) for layer in range(store.layout.layers)]
-    for r in (store._KS, store._VS) if store._KS is not None else ():
-        out += [r[layer, a:b] for layer in range(store.layout.layers)]  # type: ignore[index]
-    if s.encoder_length:  # then the encoder cache: K, V (and int8 scales) of every layer
-        e, f = s.encoder_start, s.encoder_start + s.encoder_length
-        for region in (store._K, store._V, store._KS, store._VS):
-            if region is not None:
-                out += [region[layer, e:f] for layer in range(store.layout.layers)]
+    for p in _parts(store.layout, s):
+        if p.window:
+            out.append((store._Kl, store._Vl)[p.region][p.layer][w : w + p.tokens])
+        else:
+            a = s.encoder_start if p.encoder else s.start
+            out.append(_regions(store)[p.region][p.layer, a : a + p.tokens])
     return out
 
 
@@ -277,33 +311,10 @@ class Snapshot:
         return [s.id for s in self.sequences]
 
     @property
-    def regions(self) -> list[tuple[str, int]]:
-        """(name, bytes per token) of each array kind, in stream order."""
-        cell = self.layout.cell_items * _dtypes.itemsize(self.layout.dtype)
-        out = [("keys", cell), ("values", cell)]
-        if self.layout.dtype == "int8":
-            out += [("key scales", 4 * self.layout.kv_heads), ("value scales", 4 * self.layout.kv_heads)]
-        return out
-
-    def counts(self, s: _Seq) -> list[int]:
-        """Tokens in each array of sequence ``s``, in stream order."""
-        bounded = set(self.layout.bounded)
-        out = []
-        for name, _ in self.regions:
-            out += [s.length - s.window_offset if layer in bounded and "scales" not in name else s.length
-                    for layer in range(self.layout.layers)]
-        if s.encoder_length:
-            out += [s.encoder_length] * (len(self.regions) * self.layout.layers)
-        return out
-
-    def per_token(self, s: _Seq) -> list[int]:
-        """Bytes per token of each array of ``s``, in stream order."""
-        per = [b for _, b in self.regions for _ in range(self.layout.layers)]
-        return per * (2 if s.encoder_length else 1)
-
-    @property
     def nbytes(self) -> int:
-        return sum(c * b for s in self.sequences for c, b in zip(self.counts(s), self.per_token(s), strict=True))
+        """Bytes of array data the snapshot holds."""
+        lay = self.layout
+        return sum(p.tokens * _token_bytes(lay, p.region) for s in self.sequences for p in _parts(lay, s))
 
 
 class _Reader:
@@ -486,8 +497,7 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
     if len({s.id for s in seqs}) != len(seqs):
         raise fail("sequence ids repeat")
     sums = obj["checksums"]
-    per_region = (4 if layout.dtype == "int8" else 2) * layout.layers
-    n_arrays = per_region * (len(seqs) + sum(1 for s in seqs if s.encoder_length))
+    n_arrays = sum(len(_parts(layout, s)) for s in seqs)
     if not isinstance(sums, bytes) or len(sums) != 4 * n_arrays:
         raise fail(f"checksums hold {len(sums) if isinstance(sums, bytes) else sums!r} bytes, "
                    f"expected {4 * n_arrays}")
@@ -550,8 +560,6 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
     else:
         selected = set(ids)
     total = snap.nbytes
-    regions = [store._K, store._V] + ([store._KS, store._VS] if store._KS is not None else [])
-    bounded = set(lay.bounded)
     with _lock.held(store._lock_path, store.name, store.lock_timeout):
         t = store._table_np
         plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1 - new slot, staged start)
@@ -604,34 +612,27 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
         with ThreadPoolExecutor(1) as pool:
             for s in snap.sequences:
                 p = by_id.get(s.id)
-                counts = iter(snap.counts(s))
-                pairs = list(enumerate(zip(snap.regions, regions, strict=True)))
-                sections = [(r, reg, arr, False) for r, (reg, arr) in pairs]
-                if s.encoder_length:
-                    sections += [(r, reg, arr, True) for r, (reg, arr) in pairs]
-                for r, (kind, per_token), arr, is_enc in sections:
-                    for layer in range(lay.layers):
-                        count = next(counts)
-                        nbytes = count * per_token
-                        if not (p and nbytes):
-                            dest = None
-                        elif is_enc:
-                            e = enc_start[s.id]
-                            dest = memoryview(arr[layer, e : e + count]).cast("B")  # type: ignore[arg-type,index]
-                        elif layer in bounded and r < 2:
-                            buf = windows[(s.id, r, layer)] = np.empty((count, *arr.shape[2:]), arr.dtype)  # type: ignore[union-attr]
-                            dest = memoryview(buf).cast("B")  # type: ignore[arg-type]
-                        else:
-                            dest = memoryview(arr[layer, p[2] : p[2] + count]).cast("B")  # type: ignore[arg-type,index]
-                        fut = reader.array(dest, nbytes, int(snap.checksums[k]),
-                                           f"sequence {s.id} layer {layer} {'encoder ' if is_enc else ''}{kind}",
-                                           pool)
-                        if fut is not None:
-                            checks.append(fut)
-                        k += 1
-                        done += nbytes
-                        if progress:
-                            progress(done, total)
+                for part in _parts(lay, s):
+                    nbytes = part.tokens * _token_bytes(lay, part.region)
+                    arr = _regions(store)[part.region]
+                    if not (p and nbytes):
+                        dest = None
+                    elif part.window:
+                        buf = windows[(s.id, part.region, part.layer)] = np.empty((part.tokens, *arr.shape[2:]),
+                                                                                   arr.dtype)
+                        dest = memoryview(buf).cast("B")  # type: ignore[arg-type]
+                    else:
+                        a = enc_start[s.id] if part.encoder else p[2]
+                        dest = memoryview(arr[part.layer, a : a + part.tokens]).cast("B")
+                    what = (f"sequence {s.id} layer {part.layer} {'encoder ' if part.encoder else ''}"
+                            f"{REGION_NAMES[part.region]}")
+                    fut = reader.array(dest, nbytes, int(snap.checksums[k]), what, pool)
+                    if fut is not None:
+                        checks.append(fut)
+                    k += 1
+                    done += nbytes
+                    if progress:
+                        progress(done, total)
             for fut in checks:
                 fut.result()  # raises the first mismatch
         if is_file and not reader.at_end():
