@@ -132,6 +132,23 @@ def test_attaching_process_exit_leaves_store_usable(store, how):
     again.close()
 
 
+def test_views_are_zero_copy(store):
+    """The README's claim: append, keys, values and kv hand out the shared memory itself."""
+    seq = store.create_sequence(capacity=8)
+    k, v = seq.append(0, np.ones((2, 4)), np.ones((2, 4)))
+    assert np.shares_memory(k, store._K) and np.shares_memory(v, store._V)
+    seq.append(1, np.ones((2, 4)), np.ones((2, 4)))
+    seq.commit()
+    for view in (seq.keys(0), seq.values(1), *seq.kv(1)):
+        assert view.base is not None and not view.flags.owndata
+        assert np.shares_memory(view, store._K) or np.shares_memory(view, store._V)
+    ro = shmkv.attach(store.name, readonly=True)
+    try:
+        assert np.shares_memory(ro.sequence(seq.id).keys(0), ro._K)  # another mapping, no copy
+    finally:
+        ro.close()
+
+
 def test_readonly_attach(store):
     seq = store.create_sequence(capacity=8)
     seq.extend(np.ones((2, 2, 2, 4)), np.ones((2, 2, 2, 4)))
