@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import statistics
 import tempfile
 import time
@@ -130,7 +131,33 @@ def _child_pipe(conn: Any, out: Any) -> None:
 def _child_memmap(path: str, shape: tuple[int, ...], out: Any) -> None:
     t0 = time.perf_counter()
     a = np.memmap(path, np.float16, "r", shape=shape)
-    out.put((time.perf_counter() - t0, float(a[-1, -1, -1, -1])))
+    out.put((time.perf_counter() - t0, float(a[(-1,) * a.ndim])))
+
+
+def _result(out: Any, *children: Any, timeout: float = 300.0) -> Any:
+    """The next message on ``out`` from ``children``; raise at once, naming the child, when one dies.
+
+    A child that exits with an error code, or all of them exiting without a message, ends the wait
+    (a bare ``out.get(timeout=...)`` would sit out its whole timeout behind a crashed child).
+    """
+    t_end = time.monotonic() + timeout
+    while True:
+        try:
+            return out.get(timeout=0.05)
+        except queue.Empty:
+            pass
+        dead = [c for c in children if c.exitcode not in (None, 0)]
+        if dead or all(c.exitcode is not None for c in children):
+            try:  # a message sent just before the exit may still be in the pipe
+                return out.get(timeout=0.5)
+            except queue.Empty:
+                c = (dead or list(children))[0]
+                raise RuntimeError(f"bench child {c.name} (pid {c.pid}) exited with code {c.exitcode} "
+                                   "before sending its result") from None
+        if time.monotonic() > t_end:
+            for c in children:
+                c.kill()
+            raise RuntimeError(f"bench children {[c.name for c in children]} sent nothing in {timeout:.0f} s")
 
 
 def bench_handoff(quick: bool) -> dict[str, float]:
@@ -150,7 +177,7 @@ def bench_handoff(quick: bool) -> dict[str, float]:
         for _ in range(3):
             p = ctx.Process(target=_child_attach, args=(name, seq.id, out))
             p.start()
-            times.append(out.get(timeout=120)[0])
+            times.append(_result(out, p)[0])
             p.join()
         res["handoff_ms"] = statistics.median(times) * 1e3
         q = ctx.Queue()
@@ -160,7 +187,7 @@ def bench_handoff(quick: bool) -> dict[str, float]:
             p.start()
             t0 = time.perf_counter()
             q.put([k, v])
-            dt = out.get(timeout=300)[0]
+            dt = _result(out, p)[0]
             p.join()
             times.append(max(dt, time.perf_counter() - t0))
         res["queue_handoff_ms"] = statistics.median(times) * 1e3
@@ -172,7 +199,7 @@ def bench_handoff(quick: bool) -> dict[str, float]:
             t0 = time.perf_counter()
             w.send_bytes(k.tobytes())  # what a sender does: one copy, then the pipe
             w.send_bytes(v.tobytes())
-            dt = out.get(timeout=300)[0]
+            dt = _result(out, p)[0]
             p.join()
             times.append(time.perf_counter() - t0)
         res["pipe_handoff_ms"] = statistics.median(times) * 1e3
@@ -187,7 +214,7 @@ def bench_handoff(quick: bool) -> dict[str, float]:
             del mm
             p = ctx.Process(target=_child_memmap, args=(path, (2, *k.shape), out))
             p.start()
-            dt = out.get(timeout=300)[0]
+            dt = _result(out, p)[0]
             p.join()
             res["memmap_handoff_ms"] = (t_write + dt) * 1e3  # K and V written, then mapped
     finally:
@@ -367,12 +394,12 @@ def bench_workers(quick: bool) -> dict[str, float]:
                     procs = [ctx.Process(target=_decode_worker, args=(name, i, n, out)) for i in ids]
                     for p in procs:
                         p.start()
-                    rates = [out.get(timeout=600) for _ in procs]
+                    rates = [_result(out, *procs, timeout=600) for _ in procs]
                     for p in procs:
                         p.join()
                     if snap is not None:
                         stop.set()
-                        res[f"snapshots_during_{workers}w"] = out.get(timeout=600)
+                        res[f"snapshots_during_{workers}w"] = _result(out, snap, timeout=600)
                         snap.join()
                     res[f"tokens_per_s_{workers}w{'_snap' if with_snap else ''}"] = sum(rates)
                 finally:

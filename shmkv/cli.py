@@ -264,7 +264,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 def _cmd_bench(a: argparse.Namespace) -> int:
     from . import _bench
 
-    return _bench.main(a.rest)
+    return _bench.main(a.bench_args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -312,13 +312,19 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep", type=int, default=3)
     sp.add_argument("--count", type=int, help="stop after this many snapshots")
     sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (default 10; 0 keeps it)")
-    sp = add("bench", _cmd_bench, "benchmarks against numpy, np.save and multiprocessing (tools/bench.py)")
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    # The bench parses its own options (--quick, --json, --only, ...): `shmkv bench --help` shows them.
+    sub.add_parser("bench", help="benchmarks against numpy, np.save and multiprocessing (tools/bench.py)",
+                   add_help=False).set_defaults(fn=_cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        args.bench_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.fn(args))
     except ShmkvError as e:
