@@ -6,6 +6,7 @@ The prefix cache (DESIGN §8) indexes committed tokens by the hash of every whol
 
     h[0] = ROOT
     h[i + 1] = blake2b-64(h[i] as 8 little-endian bytes || tokens of block i as int64 little-endian)
+               with the top bit cleared (so a hash fits the int64 words of the index)
 
 The Redis tier (§9) names its chunks with the same values (a chunk of
 ``chunk_tokens`` tokens, a multiple of ``BLOCK``, ending at token ``e`` is
@@ -32,12 +33,13 @@ PrefixHash = NewType("PrefixHash", int)
 HASH_VERSION = 1
 BLOCK = 16  # tokens a block: the granularity of the index (matches may still end anywhere)
 _PERSON = b"shmkv-prefix-v1"  # blake2b personalization: a domain of our own
+_MASK63 = (1 << 63) - 1
 ROOT = PrefixHash(0x5348_4D4B_565F_5246)  # "SHMKV_RF": the hash of the empty prefix
 
 
 def _h(parent: int, block: bytes) -> PrefixHash:
     d = hashlib.blake2b(parent.to_bytes(8, "little") + block, digest_size=8, person=_PERSON).digest()
-    return PrefixHash(int.from_bytes(d, "little") or 1)  # 0 is reserved for "empty"
+    return PrefixHash((int.from_bytes(d, "little") & _MASK63) or 1)  # 0 is reserved for "empty"
 
 
 def as_tokens(tokens: object) -> np.ndarray:
