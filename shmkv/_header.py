@@ -43,6 +43,8 @@ Header segment ``/dev/shm/skv_NAME.h``::
     SEQ_OFF              16 x max_seqs    sequence table, one 128-byte row a sequence
     CLIENT_OFF           4 x max_clients  client table, one 32-byte row a process
     INDEX_OFF            4 x index slots  prefix index, one 32-byte entry a slot (see _prefix)
+    META_OFF             65 x max_seqs    per-sequence metadata (seq.meta), one 520-byte record a row:
+                                          a word with the msgpack length, then up to META_BYTES bytes
 
 Sequence row (int64 words)::
 
@@ -125,6 +127,8 @@ SEQ_WORDS = 16
 C_PID, C_START, C_FLAGS = 0, 1, 2
 CLIENT_WORDS = 4
 INDEX_WORDS = 4  # prefix index entry: hash, sequence id, slot, block
+META_BYTES = 512  # packed seq.meta at most
+META_RECORD = 8 + META_BYTES
 
 
 def index_slots(layout: Layout) -> int:
@@ -264,6 +268,7 @@ class Offsets:
     client_off: int
     index_off: int
     index_slots: int
+    meta_off: int
     header_bytes: int
     k_off: int
     v_off: int
@@ -286,7 +291,8 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     client_off = seq_off + layout.max_seqs * SEQ_WORDS * 8
     index_off = client_off + max_clients * CLIENT_WORDS * 8
     slots = index_slots(layout)
-    header_bytes = index_off + slots * INDEX_WORDS * 8
+    meta_off = index_off + slots * INDEX_WORDS * 8
+    header_bytes = meta_off + layout.max_seqs * META_RECORD
     page = mmap.PAGESIZE
     cell_bytes = layout.cell_items * _dtypes.itemsize(layout.dtype)
     layer_stride = layout.max_tokens * cell_bytes
@@ -303,7 +309,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(
-        seq_off, client_off, index_off, slots, header_bytes, k_off, v_off, tokens_off, positions_off, hashes_off,
+        seq_off, client_off, index_off, slots, meta_off, header_bytes, k_off, v_off, tokens_off, positions_off, hashes_off,
         wk_off, wv_off, w_stride,
         ks_off, vs_off,
         scale_stride, data_bytes, layer_stride, cell_bytes,

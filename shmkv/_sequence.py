@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import numpy as np
 
 from . import _dtypes, _quant, _segment
@@ -25,6 +26,7 @@ from ._header import (
     CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, IDX_BLOCKS, LEASE_PID, LEASE_TOKEN, LENGTH, LIVE, NOINDEX,
     START, STATE, WIN_OFF,
 )
+from ._header import META_BYTES
 from ._prefix_hash import BLOCK
 from .errors import LockTimeout
 from ._store import _count, _live_writers
@@ -721,6 +723,73 @@ class Sequence:
                 raise
             child._refresh()
         return child  # type: ignore[no-any-return]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """Small metadata of the sequence: a msgpack-able dict, at most 512 bytes packed.
+
+        Written by the lease holder (``seq.meta = {"request": "r-17"}``, a whole dict at a
+        time, under the store lock), read by any process (a replacement worker learns which
+        request it serves), kept by snapshots, shown by ``shmkv info``. Each read returns a
+        new dict: change it by assigning one. A new sequence (and a fork) starts with ``{}``.
+        """
+        packed = self._consistent(lambda: self._store._get_meta(self._slot))
+        return msgpack.unpackb(packed) if packed else {}
+
+    @meta.setter
+    def meta(self, value: dict[str, Any]) -> None:
+        self._need_writer("meta")
+        if not isinstance(value, dict):
+            raise InvalidArgumentError(f"meta must be a dict, got {type(value).__name__}")
+        try:
+            packed = msgpack.packb(value)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidArgumentError(
+                f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
+            ) from None
+        if len(packed) > META_BYTES:
+            raise InvalidArgumentError(
+                f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
+                "store an id here and the rest elsewhere"
+            )
+        st = self._store
+        with st._locked():
+            row = self._row
+            self._span_unlocked()
+            with st._changing(row):
+                st._set_meta(self._slot, packed)
+            self._gen = row[GEN]  # our own change: pending tokens stay
+
+    def _consistent(self, read: Callable[[], Any]) -> Any:
+        """``read()`` of this sequence's row state under its seqlock (retried while a structural
+        operation runs; then under the store lock, or, read-only, until ``lock_timeout``)."""
+        self._check()
+        row = self._row
+        t_end = None
+        i = 0
+        while True:
+            g = row[GEN]
+            if not g & 1:
+                value = read()
+                state, sid = row[STATE], row[ID]
+                if row[GEN] == g:
+                    if state != LIVE or sid != self.id:
+                        raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
+                    return value
+            i += 1
+            if i == _SPIN and not self._store.readonly:
+                with self._store._locked():
+                    self._span_unlocked()
+                    return read()
+            if i > 50:
+                if t_end is None:
+                    t_end = time.monotonic() + self._store.lock_timeout
+                elif time.monotonic() > t_end:
+                    raise LockTimeout(
+                        f"sequence {self.id} of store {self._store.name!r} kept changing for "
+                        f"{self._store.lock_timeout} s (lock_timeout=): a structural operation is stuck or long"
+                    )
+                time.sleep(0.0002)
 
     # -- reading -------------------------------------------------------------
 

@@ -91,6 +91,7 @@ class _Seq:
     finished: bool = False  # a cached prefix (seq.finish()): a loaded snapshot is a warm prefix cache
     recency: int = 0  # its last use, for LRU eviction: only the order matters
     clean: int = -1  # tokens [0, clean) may be given as a prefix (-1: all); see _header CLEAN
+    meta: bytes = b""  # seq.meta, packed
 
 
 def _layout_dict(layout: Layout) -> dict[str, Any]:
@@ -120,6 +121,7 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
             if not g & 1:
                 sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
                 flags, recency, clean = row[FLAGS], row[RECENCY], row[CLEAN]
+                meta = store._get_meta(slot)
                 enc = row[ENC_SLOT]
                 erow = store._row(enc - 1) if enc else None
                 e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
@@ -128,7 +130,7 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
                 if row[GEN] == g:
                     if row[STATE] == LIVE:
                         out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
-                                        bool(flags & FINISHED), recency, clean))
+                                        bool(flags & FINISHED), recency, clean, meta))
                     elif ids is not None:
                         raise SequenceNotFound(f"store {store.name!r}: sequence {sid} was freed during the save")
                     break
@@ -204,6 +206,7 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
         "sequences": [
             {"id": s.id, "length": s.length, "capacity": s.capacity, "window_offset": s.window_offset,
              "encoder_length": s.encoder_length, "finished": s.finished, "recency": s.recency, "clean": s.clean,
+             "meta": s.meta,
              "tokens": s.tokens.astype("<i8").tobytes(), "positions": s.positions.astype("<i8").tobytes()}  # type: ignore[union-attr]
             for s in seqs
         ],
@@ -451,6 +454,15 @@ class _Reader:
         return not self.pending and not self.f.read(1)
 
 
+def _is_packed_dict(b: bytes) -> bool:
+    if not b:
+        return True
+    try:
+        return isinstance(msgpack.unpackb(b), dict)
+    except Exception:
+        return False
+
+
 def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         fmt = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
@@ -504,9 +516,13 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
         if not (isinstance(finished, bool) and type(recency) is int and type(clean) is int and clean >= -1):
             raise fail(f"{where} (id {sid}) has bad prefix-cache fields: finished {finished!r}, "
                        f"recency {recency!r}, clean {clean!r}")
+        meta = s.get("meta", b"")
+        if not isinstance(meta, bytes) or len(meta) > _header.META_BYTES or not _is_packed_dict(meta):
+            raise fail(f"{where} (id {sid}) has bad meta: it must be a msgpack map of at most "
+                       f"{_header.META_BYTES} bytes")
         seqs.append(_Seq(sid, length, cap, tokens=np.frombuffer(toks, "<i8").astype(np.int64),
                          positions=np.frombuffer(poss, "<i8").astype(np.int64), window_offset=woff,
-                         encoder_length=elen, finished=finished, recency=recency, clean=clean))
+                         encoder_length=elen, finished=finished, recency=recency, clean=clean, meta=meta))
     if len({s.id for s in seqs}) != len(seqs):
         raise fail("sequence ids repeat")
     sums = obj["checksums"]
@@ -678,7 +694,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
         store._hdr[_header.W_NEXT_ID] = next_id
         # the prefix cache: finished flags, LRU order (oldest use first) and the index
         for s, existing, _ in sorted(plan, key=lambda p: p[0].recency):
-            store._restored(existing if existing >= 0 else -1 - existing, s.finished, s.clean)
+            store._restored(existing if existing >= 0 else -1 - existing, s.finished, s.clean, s.meta)
     return [p[0].id for p in plan]
 
 

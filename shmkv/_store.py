@@ -163,6 +163,8 @@ class Store:
         self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
         self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
         self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
+        self._meta = np.frombuffer(hmm, np.uint8, layout.max_seqs * _header.META_RECORD, off.meta_off).reshape(
+            layout.max_seqs, _header.META_RECORD)
         self._index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
                                   self._tokens, self._positions, self._hashes, layout.keep, bool(layout.bounded))
         # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
@@ -447,6 +449,19 @@ class Store:
             row[ID] = 0
             row[FLAGS] = 0
             row[IDX_BLOCKS] = 0
+            self._meta[slot, :8] = 0
+
+    def _set_meta(self, slot: int, packed: bytes) -> None:
+        """Write a sequence's packed metadata (lock held, row changing)."""
+        rec = self._meta[slot]
+        rec[8 : 8 + len(packed)] = np.frombuffer(packed, np.uint8)
+        rec[:8] = np.frombuffer(len(packed).to_bytes(8, "little"), np.uint8)
+
+    def _get_meta(self, slot: int) -> bytes:
+        """A sequence's packed metadata, as stored (the caller checks the row's seqlock)."""
+        rec = self._meta[slot]
+        n = int.from_bytes(rec[:8].tobytes(), "little")
+        return rec[8 : 8 + min(n, _header.META_BYTES)].tobytes()
 
     def _touch(self, row: memoryview) -> None:
         """Mark a use of a sequence for LRU eviction (lock held)."""
@@ -468,13 +483,15 @@ class Store:
         if row[IDX_BLOCKS] < upto // 16:
             row[FLAGS] |= NOINDEX
 
-    def _restored(self, slot: int, finished: bool, clean: int) -> None:
+    def _restored(self, slot: int, finished: bool, clean: int, meta: bytes) -> None:
         """A sequence a snapshot restore just published (lock held; called oldest use first):
         its prefix-cache state, a fresh recency, and its blocks in the index."""
         row = self._row(slot)
         row[FLAGS] = FINISHED if finished else 0
         row[CLEAN] = clean
         row[IDX_BLOCKS] = 0
+        with self._changing(row):
+            self._set_meta(slot, meta)
         self._touch(row)
         self._index_blocks(slot, row[LENGTH])
 
@@ -625,6 +642,7 @@ class Store:
                 row[FLAGS] = 0
                 row[IDX_BLOCKS] = 0
                 row[CLEAN] = -1
+                self._meta[slot, :8] = 0
                 self._touch(row)
                 row[LEASE_START] = _segment.process_start_time(os.getpid())
                 row[LEASE_TOKEN] = token
