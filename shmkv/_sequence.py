@@ -87,12 +87,10 @@ class Sequence:
         self._L = lay.layers
         self._cell = (lay.kv_heads, lay.head_dim)
         self._Kw, self._Vw = store._Kl, store._Vl  # writable per-layer bases (None read-only)
-        self._Kr = [_readonly(a) for a in store._Kl]
-        self._Vr = [_readonly(a) for a in store._Vl]
+        self._Kr, self._Vr = store._Kr, store._Vr  # read-only per-layer views, shared by handles
         self._dtype = lay.dtype
         self._plain = lay.dtype in _dtypes.PLAIN  # stored as is: zero-copy reads, fast appends
-        self._KS = list(store._KS) if store._KS is not None else None
-        self._VS = list(store._VS) if store._VS is not None else None
+        self._KS, self._VS = store._KSl, store._VSl
         self._pending = [0] * self._L
         self._gen = -1
         bounded = set(lay.bounded)
