@@ -48,7 +48,7 @@ def test_copies_on_a_read_only_attachment(make_store, dtype):
     seq = filled(store)
     ro = shmkv.attach(store.name, readonly=True)
     try:
-        k, v = ro.sequence(seq.id).torch_kv(0)  # no "non-writable array" warning (an error here)
+        k, _ = ro.sequence(seq.id).torch_kv(0)  # no "non-writable array" warning (an error here)
         np.testing.assert_array_equal(k.float().numpy(), np.asarray(seq.keys(0), np.float32))
         assert k.data_ptr() != seq.raw_keys(0)[0].ctypes.data
         k[0] = 99.0  # a private copy
@@ -74,7 +74,7 @@ def test_sliding_layer_and_empty_sequence(make_store):
     np.testing.assert_array_equal(k.numpy(), seq.keys(1))  # the tokens the sliding layer holds
     assert k.data_ptr() == seq.raw_keys(1)[0].ctypes.data
     empty = store.create_sequence(capacity=4)
-    k, v = empty.torch_kv(0)
+    k, _ = empty.torch_kv(0)
     assert tuple(k.shape) == (0, 2, 4)
     with pytest.raises(shmkv.InvalidArgumentError):
         seq.torch_kv(2)
