@@ -3,8 +3,8 @@
 Three workers decode one request each; worker 1 crashes half-way (``os._exit``,
 as a segfault or the OOM killer would end it: no clean-up runs). The monitor,
 a read-only attachment that cannot disturb anyone, waits for each sequence's
-tokens with ``seq.wait(..., timeout=)``: no polling loop of its own. When a
-wait times out it looks at the lease: a sequence whose lease holder is dead and
+tokens with ``seq.wait(..., timeout=)`` (no sleeps of its own: a commit wakes
+it within milliseconds). When a wait times out it looks at the lease: a sequence whose lease holder is dead and
 which is not finished has lost its worker. The parent starts a replacement,
 which takes the lease over and finishes.
 
