@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -976,6 +976,107 @@ class Sequence:
             start, _, length, woff = self._span_unlocked()
             lo, hi = self._cells(layer, start, woff, self._first(layer, woff), length)
             return np.array(self._view("k", layer, lo, hi)), np.array(self._view("v", layer, lo, hi))
+
+    # -- waiting for tokens, torch tensors (issue 18) ---------------------------
+
+    _WAIT_SPIN = 0.0002  # seq.wait: seconds of busy polling, then sleeps
+    _WAIT_FIRST_SLEEP = 50e-6  # ... doubling up to
+    _WAIT_MAX_SLEEP = 0.004
+
+    def _wait_steps(self, length: int | None, timeout: float | None) -> Generator[float, None, int]:
+        """The polling schedule of :meth:`wait`: yields the delay before the next look;
+        its return value (StopIteration.value) is the length reached."""
+        from .errors import WaitTimeout
+        target = None if length is None else _count("length", length)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds >= 0, or None")
+        t0 = time.monotonic()
+        first = self.length
+        deadline = None if timeout is None else t0 + timeout
+        spin_end = t0 + self._WAIT_SPIN
+        delay = self._WAIT_FIRST_SLEEP
+        while True:
+            now_len = self.length  # SequenceNotFound once it is freed
+            if now_len >= target if target is not None else now_len != first:
+                return now_len
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                want = f"length {target}" if target is not None else f"a change from length {first}"
+                raise WaitTimeout(
+                    f"wait: sequence {self.id} of store {self._store.name!r} did not reach {want} within "
+                    f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
+                )
+            if now < spin_end:
+                yield 0.0
+            else:
+                yield delay if deadline is None else min(delay, deadline - now)
+                delay = min(delay * 2, self._WAIT_MAX_SLEEP)
+
+    def wait(self, length: int | None = None, timeout: float | None = None) -> int:
+        """Block until the committed length reaches ``length``; return the length then.
+
+        ``length=None`` waits until the length differs from what it is at the call (a
+        commit, or a truncate). Another process's commit is noticed within a few
+        milliseconds: the length word is polled, busily for the first 0.2 ms, then with
+        sleeps growing from 50 us to 4 ms (no futex: an idle waiter costs ~250 wake-ups
+        a second). Works on read handles and read-only attachments.
+
+        Raises:
+            WaitTimeout: ``timeout`` seconds passed first (the message gives the length).
+            SequenceNotFound: the sequence is freed (before or while waiting).
+            StoreClosedError: the store handle is closed.
+
+        Example:
+            >>> n = seq.wait(len(seq) + 16, timeout=5.0)    # doctest: +SKIP
+        """
+        steps = self._wait_steps(length, timeout)
+        try:
+            while True:
+                d = next(steps)
+                time.sleep(d) if d else None
+        except StopIteration as done:
+            return int(done.value)
+
+    async def wait_async(self, length: int | None = None, timeout: float | None = None) -> int:
+        """:meth:`wait` for asyncio: polls with ``asyncio.sleep``, never blocking the event loop."""
+        import asyncio
+
+        steps = self._wait_steps(length, timeout)
+        try:
+            while True:
+                await asyncio.sleep(next(steps))
+        except StopIteration as done:
+            return int(done.value)
+
+    def torch_kv(self, layer: int) -> tuple[Any, Any]:
+        """Committed keys and values of ``layer`` as torch tensors ``[n, kv_heads, head_dim]``.
+
+        On a read-write attachment, for float32, float16, float64 and bfloat16 (its stored
+        uint16 bits viewed as ``torch.bfloat16``), the tensors are zero-copy: **writing
+        into them writes the shared cache** that every process reads. On a read-only
+        attachment (its mapping cannot be written) and for int8 stores (dequantized to
+        float32) they are copies. The same rules as :meth:`keys` say how long the content
+        holds. torch is imported here: ``import shmkv`` never imports it.
+        """
+        import torch
+
+        layer = self._layer(layer)
+        lo, hi, _, _ = self._held(layer)
+        st = self._store
+        out = []
+        for which, writable in (("k", st._Kl), ("v", st._Vl)):
+            if self._dtype == "int8":
+                a = self._view(which, layer, lo, hi)  # a fresh dequantized array
+                out.append(torch.from_numpy(a if a.flags.writeable else a.copy()))
+                continue
+            raw = writable[layer][lo:hi] if not st.readonly else np.array(
+                (self._Kr if which == "k" else self._Vr)[layer][lo:hi])
+            if self._dtype == "bfloat16":
+                out.append(torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16))
+            else:
+                out.append(torch.from_numpy(raw))
+        return out[0], out[1]
 
 
 class _Structural:

@@ -983,7 +983,8 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
     Args:
         name: 1-24 characters of ``[A-Za-z0-9_-]``.
         layers, kv_heads, head_dim: the geometry of K and V per token.
-        dtype: storage dtype: "float32", "float16" or "float64".
+        dtype: storage dtype: "float32", "float16", "bfloat16" (zero-copy views with ml_dtypes),
+            "float64", or "int8" (one absmax float32 scale per token and head, dequantized on read).
         max_tokens: token cells in the arena, shared by all sequences.
         max_seqs: rows of the sequence table.
         persistent: keep the store after this process closes or exits

@@ -6,6 +6,12 @@ every request with ``copy_prefix``; decode workers take requests, lease their
 sequences and decode greedily on zero-copy views; a snapshotter saves the store
 once while they run. The main process then checks that every generated token
 equals a single-process run without shmkv.
+
+What it prints: first what it starts (store, processes), then progress as the
+processes report, then one line per request (``matches`` the single-process
+reference or ``DIFFERENT``), per-worker throughput, the snapshot, and the
+verdict with the wall time. It leaves nothing behind: the store is removed, and
+the snapshot file too unless ``snapshot=`` (``--snapshot FILE``) asked to keep it.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, wo
         pre = store.create_sequence(capacity=len(prefix))
         model.forward(_model.SeqCache(pre), prefix, np.arange(len(prefix)))
         pre.commit(tokens=prefix)
+        requests.put(("prefilled", len(prefix)))
         for i, text in enumerate(prompts):
             prompt = _model.encode(text)
             seq = store.create_sequence(capacity=len(prefix) + len(prompt) + new_tokens)
@@ -74,6 +81,9 @@ def _worker(name: str, wid: int, new_tokens: int, requests: Any, results: Any) -
         store = attach(name)
         model = _model.Model()
         while (job := requests.get()) is not None:
+            if job[0] == "prefilled":  # the tokenizer's note for the main process
+                results.put(job)
+                continue
             index, seq_id, tok, pos = job
             seq = store.sequence(seq_id, write=True)
             cache = _model.SeqCache(seq)
@@ -106,12 +116,21 @@ def _snapshotter(name: str, path: str, delay: float, results: Any) -> None:
 def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = None,
         snapshot: str | None = None, start_method: str = "spawn", out: Any = print,
         timeout: float = 300.0) -> dict[str, Any]:
-    """Run the demo; return a summary (``ok`` is the equality check)."""
+    """Run the demo; return a summary (``ok`` is the equality check).
+
+    ``snapshot``: where to keep the snapshot file; by default it is written to the
+    temporary directory and removed before returning.
+    """
     prompts = PROMPTS if prompts is None else prompts
     cfg = _model.Config()
     name = f"demo{os.getpid()}"
+    keep_snapshot = snapshot is not None
     snapshot = snapshot or os.path.join(tempfile.gettempdir(), f"shmkv-demo-{os.getpid()}.shmkv")
     ctx: Any = mp.get_context(start_method)
+    out(f"shmkv demo: a tiny numpy transformer ({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim}) "
+        f"continues {len(prompts)} prompts by {new_tokens} tokens each")
+    out(f"starting store {name!r} and {workers + 2} processes ({start_method}): a tokenizer, {workers} decode "
+        f"workers, a snapshotter ...")
     store = create(name, layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype="float32",
                    max_tokens=4096, max_seqs=len(prompts) + 2)
     procs: list[Any] = []
@@ -135,8 +154,13 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
                 continue
             if isinstance(item, Result):
                 got.append(item)
+                out(f"  request {item.index} done by worker {item.worker} "
+                    f"({len(got)}/{len(prompts)})")
+            elif item[0] == "prefilled":
+                out(f"tokenizer: system prefix prefilled once ({item[1]} tokens); requests go to the workers")
             else:
                 snap = item
+                out(f"snapshotter: saved {item[3]} sequences, read-only, beside the workers")
         wall = time.perf_counter() - t0
         for p in procs:
             p.join(30)
@@ -144,24 +168,27 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
         model = _model.Model(cfg)
         prefix = _model.encode(SYSTEM)
         ok = True
-        out(f"shmkv demo: store {name!r}, {workers} decode workers, {len(prompts)} requests, "
-            f"{new_tokens} new tokens each")
         out(f"prefix: {len(prefix)} tokens prefilled once, reused by {len(prompts)} requests via copy_prefix "
             f"({len(prefix) * (len(prompts) - 1)} token prefills saved)")
+        out("each request's new tokens against a single-process numpy run without shmkv "
+            "('matches': the same tokens):")
         for r in sorted(got, key=lambda r: r.index):
             want = _model.reference_generate(model, prefix, _model.encode(prompts[r.index]), new_tokens)
             same = want == r.tokens
             ok &= same
-            out(f"  request {r.index} (seq {r.seq_id}, worker {r.worker}): {'=' if same else 'DIFFERENT'} "
-                f"tokens {r.tokens[:10]}...")
+            out(f"  request {r.index} (seq {r.seq_id}, worker {r.worker}): {'matches' if same else 'DIFFERENT'}, "
+                f"tokens {r.tokens[:10]}{'...' if len(r.tokens) > 10 else ''}")
         for w in range(workers):
             mine = [r for r in got if r.worker == w]
             toks = sum(len(r.tokens) for r in mine)
             secs = sum(r.seconds for r in mine)
             out(f"worker {w}: {len(mine)} requests, {toks} tokens, {toks / secs if secs else 0:.0f} tokens/s")
-        out(f"snapshot: {snap[1]} ({snap[2]} bytes, {snap[3]} sequences, {snap[4] * 1000:.1f} ms)")
-        out(f"equal to a single-process run without shmkv: {'yes' if ok else 'NO'} ({wall:.1f} s)")
-        return {"ok": ok, "tokens": {r.index: r.tokens for r in got}, "snapshot": snap[1], "store": name}
+        where = "" if keep_snapshot else "; removed at the end (--snapshot FILE keeps it)"
+        out(f"snapshot: {snap[1]}: {snap[2]} bytes, {snap[3]} sequences, written in {snap[4] * 1000:.1f} ms{where}")
+        out(f"equal to a single-process run without shmkv: {'yes' if ok else 'NO'} "
+            f"(wall time {wall:.1f} s, process start-up included)")
+        return {"ok": ok, "tokens": {r.index: r.tokens for r in got}, "snapshot": snap[1] if keep_snapshot else None,
+                "store": name}
     finally:
         for p in procs:
             if p.is_alive():
@@ -171,3 +198,18 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
                 p.kill()
                 p.join()
         store.close()  # the creator: removes the store's segments
+        if not keep_snapshot:
+            for leftover in (snapshot, *_partials(snapshot)):
+                try:
+                    os.unlink(leftover)
+                except FileNotFoundError:
+                    pass
+
+
+def _partials(path: str) -> list[str]:
+    """Temporary files an interrupted snapshot may leave beside ``path``."""
+    d, base = os.path.split(path)
+    try:
+        return [os.path.join(d, f) for f in os.listdir(d or ".") if f.startswith(f".{base}.tmp-")]
+    except OSError:
+        return []
