@@ -257,3 +257,27 @@ def test_a_snapshot_keeps_the_prefix_cache_warm(make_store, tmp_path):
     finally:
         loaded.close()
         shmkv.remove(loaded.name) if loaded.name in shmkv.list_stores() else None
+
+
+def test_info_shows_the_prefix_cache(big):
+    import json
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(11)
+    p = prompt(rng, 40)
+    a, _ = serve(big, p)
+    a.meta = {"request": "r-1"}
+    a.finish()
+    b, n = serve(big, np.concatenate([p[:35], [9]]))
+    assert n == 35
+    shmkv_bin = os.path.join(os.path.dirname(sys.executable), "shmkv")
+    r = subprocess.run([shmkv_bin, "info", big.name, "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["stats"]["prefix_hits"] == 1 and d["stats"]["prefix_tokens_reused"] == 35
+    assert [(s["id"], s["finished"], s["meta"]) for s in d["sequences"]] == [(a.id, True, {"request": "r-1"}),
+                                                                              (b.id, False, {})]
+    r = subprocess.run([shmkv_bin, "info", big.name], capture_output=True, text=True, timeout=60)
+    assert "prefix cache: 1 hits, 1 misses, 35 tokens reused; 1 finished" in r.stdout
+    assert 'finished' in r.stdout.splitlines()[-2] and '"request": "r-1"' in r.stdout
