@@ -56,11 +56,14 @@ def _info(store: Store, first: int = 8) -> dict[str, Any]:
     seqs = []
     for info in store.sequences():
         try:
-            toks = store.sequence(info.id).tokens[:first].tolist()
+            handle = store.sequence(info.id)
+            toks = handle.tokens[:first].tolist()
+            meta = handle.meta
         except ShmkvError:
             continue  # freed meanwhile
         seqs.append({"id": info.id, "length": info.length, "capacity": info.capacity, "start": info.start,
-                     "lease_pid": info.lease_pid, "lease_alive": info.lease_alive, "first_tokens": toks})
+                     "lease_pid": info.lease_pid, "lease_alive": info.lease_alive, "finished": info.finished,
+                     "meta": meta, "first_tokens": toks})
     st = store.stats()
     return {
         "name": store.name,
@@ -82,11 +85,16 @@ def _print_info(d: dict[str, Any]) -> None:
     print(f"  {st['sequences']} sequences, {st['tokens']} tokens, {st['free_tokens']} free cells, "
           f"{st['bytes_used'] / 2**20:.2f} MiB used of {st['bytes_reserved'] / 2**20:.2f} MiB capacity, "
           f"{_plural(st['clients'], 'read-write client')}")
+    print(f"  prefix cache: {st['prefix_hits']} hits, {st['prefix_misses']} misses, "
+          f"{st['prefix_tokens_reused']} tokens reused; {st['finished']} finished (cached, evictable), "
+          f"{st['evictions']} evicted")
     if d["sequences"]:
-        print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} first tokens")
+        print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} {'state':<9} first tokens")
         for s in d["sequences"]:
             lease = "-" if not s["lease_pid"] else f"{s['lease_pid']} {'alive' if s['lease_alive'] else 'dead'}"
-            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {s['first_tokens']}")
+            state = "finished" if s["finished"] else "live"
+            meta = f"  meta {json.dumps(s['meta'], default=repr)}" if s["meta"] else ""
+            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {state:<9} {s['first_tokens']}{meta}")
 
 
 def verify(store: Store) -> list[str]:

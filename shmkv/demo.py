@@ -1,10 +1,13 @@
 """``shmkv demo``: a tokenizer, decode workers and a snapshotter sharing one store.
 
 A tiny numpy transformer (shmkv._model) continues a few prompts that share a
-system prefix. The tokenizer process prefills the prefix once and hands it to
-every request with ``copy_prefix``; decode workers take requests, lease their
-sequences and decode greedily on zero-copy views; a snapshotter saves the store
-once while they run. The main process then checks that every generated token
+system prefix. The tokenizer process starts every request with
+``create_sequence(prefix=...)``: the store's prefix cache gives it the longest
+prefix any earlier request computed (the system prompt, and more where prompts
+share their first words), and the tokenizer computes only the rest. Decode
+workers take requests, lease their sequences, decode greedily on zero-copy
+views and ``finish()`` them (cached prefixes for later requests); a snapshotter
+saves the store once while they run. The main process then checks that every generated token
 equals a single-process run without shmkv.
 
 What it prints: first what it starts (store, processes), then progress as the
@@ -47,6 +50,8 @@ class Result:
     worker: int
     tokens: list[int]
     seconds: float
+    reused: int  # prompt tokens the prefix cache gave
+    prompt: int  # prompt tokens in all (system prefix included)
 
 
 def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, workers: int) -> None:
@@ -54,20 +59,23 @@ def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, wo
         store = attach(name)
         model = _model.Model()
         prefix = _model.encode(SYSTEM)
-        pre = store.create_sequence(capacity=len(prefix))
-        model.forward(_model.SeqCache(pre), prefix, np.arange(len(prefix)))
-        pre.commit(tokens=prefix)
-        requests.put(("prefilled", len(prefix)))
         for i, text in enumerate(prompts):
             prompt = _model.encode(text)
-            seq = store.create_sequence(capacity=len(prefix) + len(prompt) + new_tokens)
-            store.copy_prefix(pre.id, seq.id, len(prefix))  # the prefix is computed once, shared by all
-            pos = np.arange(len(prefix), len(prefix) + len(prompt))
-            logits = model.forward(_model.SeqCache(seq), prompt, pos)
-            seq.commit(tokens=prompt, positions=pos)
+            full = np.concatenate([prefix, prompt])
+            # the longest prefix any earlier request computed, copied in; computed here: the rest
+            seq = store.create_sequence(capacity=len(full) + new_tokens, prefix=full)
+            reused = len(seq)
+            cache = _model.SeqCache(seq)
+            if reused < len(prefix):  # the system prompt, as its own step (as the reference does)
+                model.forward(cache, prefix[reused:], np.arange(reused, len(prefix)))
+                seq.commit(tokens=prefix[reused:])
+            start = max(reused, len(prefix))
+            logits = model.forward(cache, full[start:], np.arange(start, len(full)))
+            seq.commit(tokens=full[start:])
             seq.release()  # a decode worker takes the lease
-            requests.put((i, seq.id, int(np.argmax(logits)), len(prefix) + len(prompt)))
-        pre.free()
+            requests.put((i, seq.id, int(np.argmax(logits)), len(full), reused))
+            if i == 0:  # a note for the main process, through a worker
+                requests.put(("prefilled", len(full)))
         store.close()
     except KeyboardInterrupt:
         pass
@@ -84,7 +92,7 @@ def _worker(name: str, wid: int, new_tokens: int, requests: Any, results: Any) -
             if job[0] == "prefilled":  # the tokenizer's note for the main process
                 results.put(job)
                 continue
-            index, seq_id, tok, pos = job
+            index, seq_id, tok, pos, reused = job
             seq = store.sequence(seq_id, write=True)
             cache = _model.SeqCache(seq)
             out = []
@@ -94,8 +102,8 @@ def _worker(name: str, wid: int, new_tokens: int, requests: Any, results: Any) -
                 logits = model.forward(cache, np.array([tok]), np.array([pos]))
                 seq.commit(tokens=[tok], positions=[pos])
                 tok, pos = int(np.argmax(logits)), pos + 1
-            results.put(Result(index, seq_id, wid, out, time.perf_counter() - t0))
-            seq.release()
+            results.put(Result(index, seq_id, wid, out, time.perf_counter() - t0, reused, pos - new_tokens))
+            seq.finish()  # done: kept as a cached prefix for later requests (evicted when room is needed)
         store.close()
     except KeyboardInterrupt:
         pass
@@ -157,7 +165,8 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
                 out(f"  request {item.index} done by worker {item.worker} "
                     f"({len(got)}/{len(prompts)})")
             elif item[0] == "prefilled":
-                out(f"tokenizer: system prefix prefilled once ({item[1]} tokens); requests go to the workers")
+                out(f"tokenizer: request 0 prefilled ({item[1]} tokens, nothing cached yet); later requests "
+                    "start from the prefix cache; requests go to the workers")
             else:
                 snap = item
                 out(f"snapshotter: saved {item[3]} sequences, read-only, beside the workers")
@@ -168,15 +177,19 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
         model = _model.Model(cfg)
         prefix = _model.encode(SYSTEM)
         ok = True
-        out(f"prefix: {len(prefix)} tokens prefilled once, reused by {len(prompts)} requests via copy_prefix "
-            f"({len(prefix) * (len(prompts) - 1)} token prefills saved)")
+        reused = sum(r.reused for r in got)
+        total = sum(r.prompt for r in got)
+        st = store.stats()
+        out(f"prefix cache: {reused} of {total} prompt tokens reused, {total - reused} computed "
+            f"({st.prefix_hits} hits, {st.prefix_misses} misses: create_sequence(prefix=...) found them)")
         out("each request's new tokens against a single-process numpy run without shmkv "
             "('matches': the same tokens):")
         for r in sorted(got, key=lambda r: r.index):
             want = _model.reference_generate(model, prefix, _model.encode(prompts[r.index]), new_tokens)
             same = want == r.tokens
             ok &= same
-            out(f"  request {r.index} (seq {r.seq_id}, worker {r.worker}): {'matches' if same else 'DIFFERENT'}, "
+            out(f"  request {r.index} (seq {r.seq_id}, worker {r.worker}, prompt {r.reused} reused + "
+                f"{r.prompt - r.reused} computed): {'matches' if same else 'DIFFERENT'}, "
                 f"tokens {r.tokens[:10]}{'...' if len(r.tokens) > 10 else ''}")
         for w in range(workers):
             mine = [r for r in got if r.worker == w]
