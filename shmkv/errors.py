@@ -19,6 +19,7 @@ __all__ = [
     "LockTimeout",
     "NotSupportedError",
     "ReadOnlyError",
+    "RemoteError",
     "SequenceNotFound",
     "ShmkvError",
     "SnapshotError",
@@ -86,3 +87,7 @@ class StoreClosedError(ShmkvError, RuntimeError):
 
 class NotSupportedError(ShmkvError, NotImplementedError):
     """The operation is not supported for this store's layout or platform."""
+
+
+class RemoteError(ShmkvError, ConnectionError):
+    """The remote tier (Redis) is down, timed out or refused a command; the message names its URL."""

@@ -1,0 +1,557 @@
+"""Remote tier on Redis: stores on several machines share computed prefixes (DESIGN §9).
+
+A prompt prefilled on one machine is pushed to Redis (or Valkey, its API twin,
+or a Redis Cluster) in chunks of ``chunk_tokens`` tokens; a store on another
+machine pulls the chunks that continue its local prefix match instead of
+recomputing them. There is no server of ours: Redis is the shared engine, as
+LMCache's Redis connector does for vLLM. ``pip install 'shmkv[redis]'``.
+
+Keys. A chunk of tokens ``[s, e)`` is named by the chained prefix hash of
+``tokens[:e]`` (shmkv._prefix_hash; the same on every machine), so it is found
+only after the same whole prefix::
+
+    {namespace}:shmkv:{layout fingerprint}:{HASH_VERSION}:{prefix hash, 16 hex}
+
+The fingerprint (16 hex) covers the format version, the layout (layers,
+kv_heads, head_dim, dtype, layer kinds, window, chunk) and ``chunk_tokens``:
+a store of another layout asks for other keys and never sees these chunks.
+
+Value. Exactly one key per chunk, holding header and bytes together, so an
+eviction by Redis never leaves half a chunk (LMCache keeps metadata and bytes
+under two keys and documents that race):
+
+    ======  ====  ==============================================================
+    offset  size  field
+    ======  ====  ==============================================================
+    0       4     magic ``b"SKVR"``
+    4       2     format version (``FORMAT_VERSION``), little-endian
+    6       2     zero
+    8       4     header length ``h``
+    12      4     crc32 of every byte from offset 16 to the end
+    16      h     msgpack map: ``fp`` (the layout fingerprint as a map), ``start``
+                  (first token index = first position), ``n`` (tokens),
+                  ``tokens`` (their ids, int64 little-endian); then zeros up to
+                  ``p = 16 + h`` rounded up to 16 (the payload is aligned)
+    p       ...   K ``[layers, n, kv_heads, head_dim]`` in the storage encoding
+                  (int8 codes, bfloat16 bits, or the floats), then V the same;
+                  int8 only: K scales ``[layers, n, kv_heads]`` float32, V scales
+    ======  ====  ==============================================================
+
+A chunk is loaded only if magic, version, checksum, fingerprint, start, length
+and token ids (against the prompt's) all agree; otherwise it is a miss, never
+loaded, deleted from Redis, and counted (``stats().damaged`` / ``.foreign``).
+
+Only chunks whose tokens sit at positions 0..n-1 with known ids are pushed (what
+a prefix is, §8), and only for stores whose layers are all full attention:
+sliding and chunked layers hold only their most recent tokens, so the first
+chunks of a long sequence no longer exist there (``push`` raises
+``NotSupportedError``; ``match`` and ``pull`` find nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import threading
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import msgpack
+import numpy as np
+
+from ._prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
+from .errors import InvalidArgumentError, NotSupportedError, RemoteError
+
+__all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats", "add_cli"]
+
+FORMAT_VERSION = 1
+_MAGIC = b"SKVR"
+_FIXED = struct.Struct("<4sHHII")  # magic, version, zero, header length, crc32 of the rest
+_NS = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_BATCH_BYTES = 64 << 20  # bytes of chunks a pipeline carries at once (bounds the memory a pull or push holds)
+_EXISTS_BATCH = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """What this ``RemoteTier`` object did (this process only; Redis keeps no counters of ours)."""
+
+    chunks_pushed: int = 0  # SET NX that wrote
+    bytes_pushed: int = 0
+    chunks_pulled: int = 0  # chunks fetched that were loaded (in whole or part)
+    bytes_pulled: int = 0
+    tokens_pulled: int = 0
+    damaged: int = 0  # failed magic, checksum, length or token ids: a miss, deleted
+    foreign: int = 0  # another layout or format version under our key: a miss, deleted
+    errors: int = 0  # connection errors and timeouts (a pull degraded, a push raised)
+
+
+def _redact(url: str) -> str:
+    """The URL without its password (messages and repr must not print it)."""
+    try:
+        u = urlsplit(url)
+        if u.password is None:
+            return url
+        host = u.hostname or ""
+        if u.port is not None:
+            host = f"{host}:{u.port}"
+        user = f"{u.username}:***@" if u.username else ":***@"
+        return urlunsplit((u.scheme, user + host, u.path, u.query, u.fragment))
+    except ValueError:
+        return "<unparsable url>"
+
+
+def fingerprint(layout: Any, chunk_tokens: int) -> dict[str, Any]:
+    """The layout as stored in every chunk header (and hashed into every key)."""
+    return {
+        "format": FORMAT_VERSION,
+        "hash_version": HASH_VERSION,
+        "layers": int(layout.layers),
+        "kv_heads": int(layout.kv_heads),
+        "head_dim": int(layout.head_dim),
+        "dtype": str(layout.dtype),
+        "layer_types": list(layout.layer_types),
+        "window": int(layout.window),
+        "chunk": int(layout.chunk),
+        "chunk_tokens": int(chunk_tokens),
+    }
+
+
+def _fp_hex(fp: dict[str, Any]) -> str:
+    packed = msgpack.packb(sorted(fp.items()))
+    return hashlib.blake2b(packed, digest_size=8, person=b"shmkv-layout-v1").hexdigest()
+
+
+class _Geometry:
+    """Byte geometry of one chunk for one layout (computed once per layout and tier)."""
+
+    def __init__(self, layout: Any, chunk_tokens: int) -> None:
+        self.layout = layout
+        self.fp = fingerprint(layout, chunk_tokens)
+        self.fp_hex = _fp_hex(self.fp)
+        self.L, self.H, self.D = layout.layers, layout.kv_heads, layout.head_dim
+        self.int8 = layout.dtype == "int8"
+        self.code = np.dtype({"int8": "i1", "bfloat16": "<u2"}.get(layout.dtype, layout.dtype))
+        self.full = not layout.bounded
+
+    def payload_bytes(self, n: int) -> int:
+        b = 2 * self.L * n * self.H * self.D * self.code.itemsize
+        return b + (2 * self.L * n * self.H * 4 if self.int8 else 0)
+
+    def arrays(self, buf: Any, off: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """K, V (and int8 scales) as arrays over ``buf`` from ``off`` (zero-copy)."""
+        shape = (self.L, n, self.H, self.D)
+        cnt = self.L * n * self.H * self.D
+        k = np.frombuffer(buf, self.code, cnt, off).reshape(shape)
+        off += cnt * self.code.itemsize
+        v = np.frombuffer(buf, self.code, cnt, off).reshape(shape)
+        off += cnt * self.code.itemsize
+        if not self.int8:
+            return k, v, None, None
+        scnt = self.L * n * self.H
+        ks = np.frombuffer(buf, "<f4", scnt, off).reshape(shape[:3])
+        vs = np.frombuffer(buf, "<f4", scnt, off + 4 * scnt).reshape(shape[:3])
+        return k, v, ks, vs
+
+
+class RemoteTier:
+    """A Redis tier shared by stores on several machines.
+
+    Args:
+        url: ``redis://[[user]:password@]host:port/db`` (``rediss://`` for TLS). With
+            ``cluster=True``, any node of the Redis Cluster (the db must be 0).
+        namespace: prefix of every key (``[A-Za-z0-9_.-]``, at most 64): one per model,
+            so models never share chunks even if their layouts agree.
+        chunk_tokens: tokens a chunk (a multiple of 16); every store sharing a namespace
+            must use the same value to find each other's chunks.
+        cluster: use redis-py's ``RedisCluster`` client (keys spread over the cluster's
+            servers by hash slot) instead of ``Redis``.
+        timeout: seconds for connecting and for each socket read or write.
+
+    The client connects lazily, on first use, and reconnects after fork. A tier
+    pickles by its settings, so it can be handed to child processes.
+
+    Example:
+        >>> tier = RemoteTier("redis://10.0.0.5:6379/0", namespace="llama-8b")  # doctest: +SKIP
+        >>> tier.push(store, seq.id)                                # doctest: +SKIP
+        >>> tier.match(store.layout, prompt)                       # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, *, namespace: str = "default", chunk_tokens: int = 256,
+                 cluster: bool = False, timeout: float = 2.0) -> None:
+        if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise InvalidArgumentError(
+                f"url={_redact(url) if isinstance(url, str) else url!r} must look like redis://host:port/db "
+                "(rediss:// for TLS, unix:///path.sock)"
+            )
+        if not isinstance(namespace, str) or not _NS.fullmatch(namespace):
+            raise InvalidArgumentError(
+                f"namespace={namespace!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
+            )
+        if (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, (int, np.integer))
+                or chunk_tokens < BLOCK or chunk_tokens % BLOCK):
+            raise InvalidArgumentError(
+                f"chunk_tokens={chunk_tokens!r} must be a positive multiple of {BLOCK} (the prefix hash's block)"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds > 0")
+        self.url = url
+        self.namespace = namespace
+        self.chunk_tokens = int(chunk_tokens)
+        self.cluster = bool(cluster)
+        self.timeout = float(timeout)
+        self._client: Any = None
+        self._geo: dict[Any, _Geometry] = {}
+        self._lock = threading.Lock()
+        self._stats = dict.fromkeys(TierStats.__slots__, 0)
+
+    def __repr__(self) -> str:
+        kind = " cluster" if self.cluster else ""
+        return (f"<shmkv.RemoteTier {_redact(self.url)}{kind} namespace={self.namespace!r} "
+                f"chunk_tokens={self.chunk_tokens}>")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make_tier, (self.url, self.namespace, self.chunk_tokens, self.cluster, self.timeout))
+
+    # -- connection ------------------------------------------------------------
+
+    def _redis(self) -> Any:
+        if self._client is None:
+            try:
+                import redis
+                from redis.backoff import NoBackoff
+                from redis.retry import Retry
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise NotSupportedError(
+                    "the remote tier needs redis-py: pip install 'shmkv[redis]'"
+                ) from e
+            # One immediate retry (a pooled connection gone stale after a server restart),
+            # no backoff: a tier that is down must degrade a pull at once, not in seconds.
+            kw: dict[str, Any] = {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout,
+                                  "retry": Retry(NoBackoff(), 1)}
+            if self.cluster:
+                from redis.cluster import RedisCluster
+
+                # RedisCluster connects in its constructor (to learn the slots): errors are ours to map
+                self._client = self._call(lambda: RedisCluster.from_url(self.url, **kw))
+            else:
+                self._client = redis.Redis.from_url(self.url, **kw)
+        return self._client
+
+    def _call(self, fn: Any) -> Any:
+        """Run ``fn`` mapping every Redis failure to RemoteError naming the URL."""
+        try:
+            return fn()
+        except RemoteError:
+            raise
+        except Exception as e:
+            if not _is_redis_error(e):
+                raise
+            self._stats["errors"] += 1
+            raise RemoteError(
+                f"Redis tier {_redact(self.url)}{' (cluster)' if self.cluster else ''} failed: "
+                f"{type(e).__name__}: {e}; check that the server is up and reachable, or raise "
+                f"RemoteTier(timeout=) (now {self.timeout} s)"
+            ) from e
+
+    def close(self) -> None:
+        """Close the connections (the tier reconnects if used again)."""
+        c, self._client = self._client, None
+        if c is not None:
+            try:
+                c.close()
+            except Exception:  # closing a broken connection must not raise
+                pass
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- names -----------------------------------------------------------------
+
+    def _geometry(self, layout: Any) -> _Geometry:
+        g = self._geo.get(layout)
+        if g is None:
+            g = self._geo[layout] = _Geometry(layout, self.chunk_tokens)
+        return g
+
+    def _keys(self, geo: _Geometry, tokens: np.ndarray, chunks: int) -> list[str]:
+        """Keys of the first ``chunks`` chunks of ``tokens``."""
+        per = self.chunk_tokens // BLOCK
+        hashes = block_hashes(tokens, limit=chunks * per)
+        base = f"{self.namespace}:shmkv:{geo.fp_hex}:{HASH_VERSION}:"
+        return [f"{base}{hashes[(i + 1) * per - 1]:016x}" for i in range(chunks)]
+
+    def key(self, layout: Any, tokens: Any) -> str:
+        """The key of the chunk ending at the end of ``tokens`` (a multiple of chunk_tokens long)."""
+        t = as_tokens(tokens)
+        if not len(t) or len(t) % self.chunk_tokens:
+            raise InvalidArgumentError(
+                f"key: {len(t)} tokens is not a whole number of chunks (chunk_tokens={self.chunk_tokens})"
+            )
+        return self._keys(self._geometry(layout), t, len(t) // self.chunk_tokens)[-1]
+
+    def stats(self) -> TierStats:
+        """Counters of this tier object (this process)."""
+        return TierStats(**self._stats)
+
+    # -- match -------------------------------------------------------------------
+
+    def match(self, layout: Any, tokens: Any) -> int:
+        """Tokens of ``tokens`` the tier can serve: whole chunks from token 0 (no ``len - 1`` cap).
+
+        Checks existence only (pipelined EXISTS): no download, no checksum, so a chunk
+        damaged in Redis still counts here (a pull then stops before it).
+
+        Raises:
+            RemoteError: Redis is down or timed out.
+        """
+        geo = self._geometry(layout)
+        t = as_tokens(tokens)
+        chunks = len(t) // self.chunk_tokens
+        if not geo.full or not chunks:
+            return 0
+        keys = self._keys(geo, t, chunks)
+        r = self._redis()
+        found = 0
+        for b in range(0, chunks, _EXISTS_BATCH):
+            pipe = r.pipeline(transaction=False)
+            for k in keys[b : b + _EXISTS_BATCH]:
+                pipe.exists(k)
+            for e in self._call(pipe.execute):
+                if not e:
+                    return found * self.chunk_tokens
+                found += 1
+        return found * self.chunk_tokens
+
+    # -- push --------------------------------------------------------------------
+
+    def push(self, store: Any, seq_id: int) -> int:
+        """Upload sequence ``seq_id``'s committed tokens, in whole chunks not in Redis yet.
+
+        Only the leading tokens at positions 0..n-1 with known ids (not -1) are a
+        prefix; a trailing partial chunk stays local. Existing chunks are skipped
+        (pipelined EXISTS), new ones written with SET NX (pipelined), so concurrent
+        pushes of the same prefix leave one copy. A read-only attachment can push.
+
+        Returns:
+            The chunks written (0 when all were there already).
+
+        Raises:
+            RemoteError: Redis is down, timed out, or refused the write (e.g. out of memory).
+            NotSupportedError: the store has sliding or chunked layers.
+        """
+        layout = store.layout
+        geo = self._geometry(layout)
+        if not geo.full:
+            raise NotSupportedError(
+                f"push: store {store.name!r} has sliding/chunked layers ({', '.join(set(layout.layer_types))}); "
+                "they keep only recent tokens, so whole prefixes cannot be pushed (remote tier: full layers only)"
+            )
+        seq = store.sequence(seq_id)
+        toks = np.array(seq.tokens)
+        pos = np.array(seq.positions)
+        n = len(toks)
+        bad = np.flatnonzero((pos != np.arange(n)) | (toks < 0))
+        usable = int(bad[0]) if bad.size else n
+        C = self.chunk_tokens
+        chunks = usable // C
+        if not chunks:
+            return 0
+        keys = self._keys(geo, toks, chunks)
+        r = self._redis()
+        missing: list[int] = []
+        for b in range(0, chunks, _EXISTS_BATCH):
+            pipe = r.pipeline(transaction=False)
+            for k in keys[b : b + _EXISTS_BATCH]:
+                pipe.exists(k)
+            missing += [b + i for i, e in enumerate(self._call(pipe.execute)) if not e]
+        if not missing:
+            return 0
+        raw = [(seq.raw_keys(li), seq.raw_values(li)) for li in range(geo.L)]
+        per_batch = max(1, _BATCH_BYTES // (geo.payload_bytes(C) + 4096))
+        written = 0
+        for b in range(0, len(missing), per_batch):
+            batch = missing[b : b + per_batch]
+            blobs = [self._pack(geo, raw, toks, i * C, C) for i in batch]
+            # Committed cells are immutable until a structural change (truncate, remove, ...);
+            # if one ran meanwhile, the tokens or the length changed: upload nothing of this batch.
+            now = seq.tokens
+            end = (batch[-1] + 1) * C
+            if len(now) < end or not all(np.array_equal(now[i * C : (i + 1) * C], toks[i * C : (i + 1) * C])
+                                         for i in batch):
+                break
+            pipe = r.pipeline(transaction=False)
+            for i, blob in zip(batch, blobs, strict=True):
+                pipe.set(keys[i], memoryview(blob), nx=True)
+            for blob, ok in zip(blobs, self._call(pipe.execute), strict=True):
+                if ok:
+                    written += 1
+                    self._stats["chunks_pushed"] += 1
+                    self._stats["bytes_pushed"] += len(blob)
+        return written
+
+    def _pack(self, geo: _Geometry, raw: list[Any], toks: np.ndarray, s: int, n: int) -> bytearray:
+        hdr = msgpack.packb({"fp": geo.fp, "start": s, "n": n, "tokens": toks[s : s + n].astype("<i8").tobytes()})
+        off = _payload_offset(len(hdr))
+        buf = bytearray(off + geo.payload_bytes(n))
+        buf[_FIXED.size : _FIXED.size + len(hdr)] = hdr
+        k, v, ks, vs = geo.arrays(buf, off, n)
+        for li, ((kc, ksc), (vc, vsc)) in enumerate(raw):
+            np.copyto(k[li], kc[s : s + n])
+            np.copyto(v[li], vc[s : s + n])
+            if ks is not None and vs is not None:
+                np.copyto(ks[li], ksc[s : s + n])
+                np.copyto(vs[li], vsc[s : s + n])
+        crc = zlib.crc32(memoryview(buf)[_FIXED.size :])
+        _FIXED.pack_into(buf, 0, _MAGIC, FORMAT_VERSION, 0, len(hdr), crc)
+        return buf
+
+    # -- pull --------------------------------------------------------------------
+
+    def pull(self, seq: Any, tokens: Any, have: int | None = None) -> int:
+        """Append to ``seq`` the chunks of the prompt ``tokens`` that follow its first ``have`` tokens.
+
+        ``seq`` (a write handle) holds the prompt's first ``have`` tokens (default: its
+        length), for instance what the local prefix cache gave it. The whole chunks
+        that continue the prompt are fetched (pipelined GET), each checked (checksum,
+        layout, start, token ids) before it is loaded, and appended with their token
+        ids and positions, up to ``len(tokens) - 1`` tokens in all (the caller runs at
+        least one token); a chunk straddling ``have`` or the cap is loaded in part.
+        The first missing or damaged chunk ends the pull.
+
+        A tier that is down or times out ends the pull with a ``RuntimeWarning``
+        (serving continues with what the sequence holds). This is what
+        ``store.create_sequence(prefix=tokens, tier=tier)`` runs after the local match.
+
+        Returns:
+            Tokens appended (0 on a miss).
+        """
+        t = as_tokens(tokens)
+        length = len(seq)
+        have = length if have is None else int(have)
+        if have != length:
+            raise InvalidArgumentError(f"pull: have={have} but sequence {seq.id} holds {length} tokens")
+        if have and not np.array_equal(seq.tokens[:have], t[:have]):
+            raise InvalidArgumentError(
+                f"pull: the {have} tokens sequence {seq.id} holds are not the prompt's first {have}"
+            )
+        geo = self._geometry(seq._store.layout)  # the sequence's own store (no public accessor)
+        C = self.chunk_tokens
+        cap = len(t) - 1
+        chunks = len(t) // C  # chunks wholly inside the prompt: only those can be named
+        first = have // C
+        if not geo.full or cap <= have or first >= chunks:
+            return 0
+        try:
+            keys = self._keys(geo, t, chunks)
+            return self._pull(geo, seq, t, keys, first=first, have=have, cap=cap)
+        except RemoteError as e:
+            warnings.warn(f"{e}; continuing with the {len(seq)} tokens held locally", RuntimeWarning, stacklevel=2)
+            return len(seq) - have
+
+    def _pull(self, geo: _Geometry, seq: Any, t: np.ndarray, keys: list[str], *, first: int, have: int,
+              cap: int) -> int:
+        C = self.chunk_tokens
+        r = self._redis()
+        per_batch = max(1, _BATCH_BYTES // (geo.payload_bytes(C) + 4096))
+        pos = have
+        i = first
+        while i < len(keys) and pos < cap:
+            pipe = r.pipeline(transaction=False)
+            for k in keys[i : i + per_batch]:
+                pipe.get(k)
+            for blob in self._call(pipe.execute):
+                s = i * C
+                arrays = self._unpack(geo, blob, keys[i], t, s) if blob is not None else None
+                if arrays is None:
+                    return pos - have
+                a, b = pos - s, min(s + C, cap) - s  # the part of the chunk after what we hold
+                k, v, ks, vs = arrays
+                if ks is not None and vs is not None:  # int8: dequantized; extend quantizes to the same codes
+                    k = k[:, a:b].astype(np.float32) * ks[:, a:b, :, None]
+                    v = v[:, a:b].astype(np.float32) * vs[:, a:b, :, None]
+                elif geo.layout.dtype == "bfloat16":
+                    k = (k[:, a:b].astype(np.uint32) << np.uint32(16)).view(np.float32)
+                    v = (v[:, a:b].astype(np.uint32) << np.uint32(16)).view(np.float32)
+                else:
+                    k, v = k[:, a:b], v[:, a:b]
+                seq.extend(k, v, tokens=t[s + a : s + b], positions=np.arange(s + a, s + b))
+                if ks is not None and not self._same_codes(seq, arrays, s + a, a, b):
+                    seq.truncate(s + a)  # never keep a value that differs from the pushed one
+                    return pos - have
+                pos = s + b
+                self._stats["chunks_pulled"] += 1
+                self._stats["bytes_pulled"] += len(blob)
+                self._stats["tokens_pulled"] += b - a
+                i += 1
+                if pos >= cap:
+                    break
+        return pos - have
+
+    @staticmethod
+    def _same_codes(seq: Any, arrays: Any, at: int, a: int, b: int) -> bool:
+        k, v, _, _ = arrays
+        for li in range(k.shape[0]):
+            if not (np.array_equal(seq.raw_keys(li)[0][at : at + b - a], k[li, a:b])
+                    and np.array_equal(seq.raw_values(li)[0][at : at + b - a], v[li, a:b])):
+                return False
+        return True
+
+    def _unpack(self, geo: _Geometry, blob: bytes, key: str, t: np.ndarray, s: int) -> Any:
+        """The chunk's arrays if it is sound and ours; else None (counted, deleted)."""
+        C = self.chunk_tokens
+        what = "damaged"
+        try:
+            magic, version, _, hlen, crc = _FIXED.unpack_from(blob, 0)
+            if magic != _MAGIC:
+                raise ValueError("magic")
+            if version != FORMAT_VERSION:
+                what = "foreign"
+                raise ValueError("version")
+            if zlib.crc32(memoryview(blob)[_FIXED.size :]) != crc:
+                raise ValueError("checksum")
+            hdr = msgpack.unpackb(memoryview(blob)[_FIXED.size : _FIXED.size + hlen])
+            if hdr.get("fp") != geo.fp:
+                what = "foreign"
+                raise ValueError("layout")
+            off = _payload_offset(hlen)
+            if (hdr.get("start") != s or hdr.get("n") != C or len(blob) != off + geo.payload_bytes(C)
+                    or hdr.get("tokens") != t[s : s + C].tobytes()):
+                raise ValueError("start, length or token ids")
+            return geo.arrays(blob, off, C)
+        except (ValueError, TypeError, KeyError, struct.error, msgpack.UnpackException, AttributeError):
+            self._stats[what] += 1
+            # A bad chunk is removed so a later push can replace it (SET NX would keep it forever).
+            # Deleting is best effort: the read-only user of a shared Redis may not be allowed to.
+            try:
+                self._redis().delete(key)
+            except Exception as e:
+                if not _is_redis_error(e):
+                    raise
+            return None
+
+
+def _payload_offset(hlen: int) -> int:
+    return -(-(_FIXED.size + hlen) // 16) * 16
+
+
+def _make_tier(url: str, namespace: str, chunk_tokens: int, cluster: bool, timeout: float) -> RemoteTier:
+    return RemoteTier(url, namespace=namespace, chunk_tokens=chunk_tokens, cluster=cluster, timeout=timeout)
+
+
+def _is_redis_error(e: BaseException) -> bool:
+    try:
+        import redis.exceptions as rx
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, (rx.RedisError, rx.RedisClusterException, OSError))
+
+
+from ._remote_cli import add_cli  # noqa: E402  (the CLI part lives apart; it needs RemoteTier)
