@@ -261,11 +261,16 @@ class RemoteTier:
     def close(self) -> None:
         """Close the connections (the tier reconnects if used again)."""
         c, self._client = self._client, None
-        if c is not None:
-            try:
-                c.close()
-            except Exception:  # closing a broken connection must not raise
-                pass
+        if c is None:
+            return
+        try:
+            if self.cluster:  # RedisCluster.close() can leave node connections open (redis-py 8, after SCAN)
+                for node in c.get_nodes():
+                    if node.redis_connection is not None:
+                        node.redis_connection.connection_pool.disconnect()
+            c.close()
+        except Exception:  # closing a broken connection must not raise
+            pass
 
     def __enter__(self) -> RemoteTier:
         return self
