@@ -27,7 +27,7 @@ under two keys and documents that race):
     4       2     format version (``FORMAT_VERSION``), little-endian
     6       2     zero
     8       4     header length ``h``
-    12      4     crc32 of every byte from offset 16 to the end
+    12      4     zero
     16      h     msgpack map: ``fp`` (the layout fingerprint as a map), ``start``
                   (first token index = first position), ``n`` (tokens),
                   ``tokens`` (their ids, int64 little-endian); then zeros up to
@@ -35,6 +35,8 @@ under two keys and documents that race):
     p       ...   K ``[layers, n, kv_heads, head_dim]`` in the storage encoding
                   (int8 codes, bfloat16 bits, or the floats), then V the same;
                   int8 only: K scales ``[layers, n, kv_heads]`` float32, V scales
+    end-4   4     crc32 of every byte before it (a trailer: push computes it while
+                  the K/V bytes go out straight from shared memory, uncopied)
     ======  ====  ==============================================================
 
 A chunk is loaded only if magic, version, checksum, fingerprint, start, length
@@ -70,9 +72,12 @@ __all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats", "add_cli"]
 
 FORMAT_VERSION = 1
 _MAGIC = b"SKVR"
-_FIXED = struct.Struct("<4sHHII")  # magic, version, zero, header length, crc32 of the rest
+_FIXED = struct.Struct("<4sHHII")  # magic, version, zero, header length, zero
+_CRC = struct.Struct("<I")  # the trailer: crc32 of everything before it
 _NS = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-_BATCH_BYTES = 64 << 20  # bytes of chunks a pipeline carries at once (bounds the memory a pull or push holds)
+_BATCH_BYTES = 64 << 20  # bytes of chunks a pull's pipeline carries at once (bounds the memory it holds)
+_GROUP_BYTES = 64 << 20  # bytes of chunks a push sends in one round trip
+_JOIN_BYTES = 256 << 10  # values up to this size are joined and sent in one write
 _EXISTS_BATCH = 4096
 
 
@@ -380,43 +385,85 @@ class RemoteTier:
         if not missing:
             return 0
         raw = [(seq.raw_keys(li), seq.raw_values(li)) for li in range(geo.L)]
-        per_batch = max(1, _BATCH_BYTES // (geo.payload_bytes(C) + 4096))
+        # Groups of chunks, one round trip each (one chunk a group when chunks are big).
+        per = max(1, _GROUP_BYTES // (geo.payload_bytes(C) + 4096))
         written = 0
-        for b in range(0, len(missing), per_batch):
-            batch = missing[b : b + per_batch]
-            blobs = [self._pack(geo, raw, toks, i * C, C) for i in batch]
+        for g in range(0, len(missing), per):
+            batch = missing[g : g + per]
+            items = [(keys[i], *self._parts(geo, raw, toks, i * C, C)) for i in batch]
             # Committed cells are immutable until a structural change (truncate, remove, ...);
-            # if one ran meanwhile, the tokens or the length changed: upload nothing of this batch.
+            # if one ran meanwhile, the tokens or the length changed: stop, upload nothing more.
+            # (The bytes are read while they are sent: a change during the send is not seen.)
             now = seq.tokens
-            end = (batch[-1] + 1) * C
-            if len(now) < end or not all(np.array_equal(now[i * C : (i + 1) * C], toks[i * C : (i + 1) * C])
-                                         for i in batch):
+            if len(now) < (batch[-1] + 1) * C or not all(
+                    np.array_equal(now[i * C : (i + 1) * C], toks[i * C : (i + 1) * C]) for i in batch):
                 break
-            pipe = r.pipeline(transaction=False)
-            for i, blob in zip(batch, blobs, strict=True):
-                pipe.set(keys[i], memoryview(blob), nx=True)
-            for blob, ok in zip(blobs, self._call(pipe.execute), strict=True):
+            if self.cluster:
+                pipe = r.pipeline(transaction=False)
+                for key, parts, _ in items:
+                    pipe.set(key, _joined(parts), nx=True)
+                oks = self._call(pipe.execute)
+            else:
+                oks = self._call(lambda items=items: self._stream_set(r, items))
+            for (_, _, size), ok in zip(items, oks, strict=True):
                 if ok:
                     written += 1
                     self._stats["chunks_pushed"] += 1
-                    self._stats["bytes_pushed"] += len(blob)
+                    self._stats["bytes_pushed"] += size
         return written
 
-    def _pack(self, geo: _Geometry, raw: list[Any], toks: np.ndarray, s: int, n: int) -> bytearray:
+    @staticmethod
+    def _parts(geo: _Geometry, raw: list[Any], toks: np.ndarray, s: int, n: int) -> tuple[list[Any], int]:
+        """The value of the chunk of tokens [s, s + n) without its crc trailer, as a list of
+        bytes-like parts (the K/V parts are zero-copy views of the store), and the value's size."""
         hdr = msgpack.packb({"fp": geo.fp, "start": s, "n": n, "tokens": toks[s : s + n].astype("<i8").tobytes()})
         off = _payload_offset(len(hdr))
-        buf = bytearray(off + geo.payload_bytes(n))
-        buf[_FIXED.size : _FIXED.size + len(hdr)] = hdr
-        k, v, ks, vs = geo.arrays(buf, off, n)
-        for li, ((kc, ksc), (vc, vsc)) in enumerate(raw):
-            np.copyto(k[li], kc[s : s + n])
-            np.copyto(v[li], vc[s : s + n])
-            if ks is not None and vs is not None:
-                np.copyto(ks[li], ksc[s : s + n])
-                np.copyto(vs[li], vsc[s : s + n])
-        crc = zlib.crc32(memoryview(buf)[_FIXED.size :])
-        _FIXED.pack_into(buf, 0, _MAGIC, FORMAT_VERSION, 0, len(hdr), crc)
-        return buf
+        parts: list[Any] = [_FIXED.pack(_MAGIC, FORMAT_VERSION, 0, len(hdr), 0) + hdr
+                            + bytes(off - _FIXED.size - len(hdr))]
+        kv = [(kc, vc) for (kc, _), (vc, _) in raw]
+        for which in (0, 1):  # K of every layer, then V of every layer: [layers, n, kv_heads, head_dim]
+            parts += [_bytes_view(x[which][s : s + n]) for x in kv]
+        if geo.int8:
+            scales = [(ksc, vsc) for (_, ksc), (_, vsc) in raw]
+            for which in (0, 1):
+                parts += [_bytes_view(x[which][s : s + n]) for x in scales]
+        return parts, off + geo.payload_bytes(n) + _CRC.size
+
+    def _stream_set(self, r: Any, items: list[tuple[str, list[Any], int]]) -> list[bool]:
+        """SET NX of each value straight from its parts (no copy of the K/V bytes), on one
+        connection, all sent before the replies are read (a pipeline). The crc32 trailer is
+        computed while the parts go out."""
+        pool = r.connection_pool
+        for attempt in (0, 1):
+            try:
+                conn = pool.get_connection()
+            except TypeError:  # redis-py < 5.1 wants a command name
+                conn = pool.get_connection("SET")
+            try:
+                for key, parts, size in items:
+                    kb = key.encode()
+                    conn.send_packed_command([b"*4\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(kb), kb, size)],
+                                             check_health=False)
+                    crc = 0
+                    if size <= _JOIN_BYTES:  # small: one write
+                        value = _joined(parts)
+                        conn.send_packed_command([value + b"\r\n$2\r\nNX\r\n"], check_health=False)
+                        continue
+                    for part in parts:
+                        crc = zlib.crc32(part, crc)
+                        conn.send_packed_command([part], check_health=False)
+                    conn.send_packed_command([_CRC.pack(crc) + b"\r\n$2\r\nNX\r\n"], check_health=False)
+                return [conn.read_response() is not None for _ in items]
+            except BaseException as e:
+                conn.disconnect()  # replies may be left unread: this connection is done
+                import redis.exceptions as rx
+
+                # a pooled connection gone stale (server restarted): once more on a new one (SET NX repeats safely)
+                if attempt or not isinstance(e, rx.ConnectionError):
+                    raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
 
     # -- pull --------------------------------------------------------------------
 
@@ -514,20 +561,21 @@ class RemoteTier:
         C = self.chunk_tokens
         what = "damaged"
         try:
-            magic, version, _, hlen, crc = _FIXED.unpack_from(blob, 0)
+            magic, version, _, hlen, _ = _FIXED.unpack_from(blob, 0)
             if magic != _MAGIC:
                 raise ValueError("magic")
             if version != FORMAT_VERSION:
                 what = "foreign"
                 raise ValueError("version")
-            if zlib.crc32(memoryview(blob)[_FIXED.size :]) != crc:
+            if len(blob) < _FIXED.size + _CRC.size or (
+                    zlib.crc32(memoryview(blob)[: -_CRC.size]) != _CRC.unpack_from(blob, len(blob) - _CRC.size)[0]):
                 raise ValueError("checksum")
             hdr = msgpack.unpackb(memoryview(blob)[_FIXED.size : _FIXED.size + hlen])
             if hdr.get("fp") != geo.fp:
                 what = "foreign"
                 raise ValueError("layout")
             off = _payload_offset(hlen)
-            if (hdr.get("start") != s or hdr.get("n") != C or len(blob) != off + geo.payload_bytes(C)
+            if (hdr.get("start") != s or hdr.get("n") != C or len(blob) != off + geo.payload_bytes(C) + _CRC.size
                     or hdr.get("tokens") != t[s : s + C].tobytes()):
                 raise ValueError("start, length or token ids")
             return geo.arrays(blob, off, C)
@@ -541,6 +589,17 @@ class RemoteTier:
                 if not _is_redis_error(e):
                     raise
             return None
+
+
+def _bytes_view(a: np.ndarray) -> memoryview:
+    """A contiguous array's bytes, zero-copy."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+
+
+def _joined(parts: list[Any]) -> bytes:
+    """A value in one piece: its parts and the crc32 trailer."""
+    body = b"".join(parts)
+    return body + _CRC.pack(zlib.crc32(body))
 
 
 def _payload_offset(hlen: int) -> int:
