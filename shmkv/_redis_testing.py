@@ -51,7 +51,8 @@ def _ping(port: int, timeout: float = 0.5) -> bytes:
 class RedisServer:
     """One redis-server child on 127.0.0.1. ``url`` reaches it; ``stop()`` ends it."""
 
-    def __init__(self, *args: str, cluster: bool = False, tmp: str | None = None, timeout: float = 15.0) -> None:
+    def __init__(self, *args: str, cluster: bool = False, tmp: str | None = None, timeout: float = 15.0,
+                 port: int | None = None) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise FileNotFoundError("redis-server is not on PATH (apt-get install -y redis-server)")
@@ -59,16 +60,17 @@ class RedisServer:
         self.dir = tmp or tempfile.mkdtemp(prefix="shmkv-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
         last = ""
-        for _ in range(5):  # a port taken between the check and the bind: try another
-            self.port = free_port(bus=cluster)
+        for _ in range(5 if port is None else 1):  # a port taken between the check and the bind: try another
+            self.port = free_port(bus=cluster) if port is None else port
             cmd = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
                    "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no",
                    "--logfile", os.path.join(self.dir, f"redis-{self.port}.log")]
             if cluster:
                 cmd += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf",
                         "--cluster-node-timeout", "5000"]
-            self.proc = subprocess.Popen([*cmd, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.PIPE, start_new_session=True)
+            with open(os.path.join(self.dir, f"redis-{self.port}.err"), "wb") as err:
+                self.proc = subprocess.Popen([*cmd, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                             stderr=err, start_new_session=True)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -91,17 +93,18 @@ class RedisServer:
         return self.proc.pid
 
     def _log(self) -> str:
-        try:
-            with open(os.path.join(self.dir, f"redis-{self.port}.log")) as f:
-                return f.read()
-        except OSError:
-            return ""
+        out = ""
+        for ext in ("err", "log"):
+            try:
+                with open(os.path.join(self.dir, f"redis-{self.port}.{ext}")) as f:
+                    out += f.read()
+            except OSError:
+                pass
+        return out
 
     def _kill(self) -> None:
         p = self.proc
         if p is None or p.poll() is not None:
-            if p is not None and p.stderr is not None:
-                p.stderr.close()
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, signal.SIGCONT)  # a test may have stopped it
@@ -111,8 +114,6 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5)
-        if p.stderr is not None:
-            p.stderr.close()
 
     def kill(self) -> None:
         """SIGKILL the server (the tier's 'server died' case); ``stop()`` still cleans up."""

@@ -167,6 +167,36 @@ def test_create_sequence_two_stores_share_whole_chunks(make_store, server, tiers
     assert tier_b.stats().chunks_pulled == 6 and tier_b.stats().damaged == 0
 
 
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_create_sequence_big_chunks_stream_from_shared_memory(make_store, server, tiers, dtype):
+    """Chunks over 256 KiB go out part by part from the store (checksum on the way), not joined."""
+    big = dict(layers=4, kv_heads=4, head_dim=64, dtype=dtype, max_tokens=2048, max_seqs=4)
+    a, b = make_store(**big), make_store(**big)
+    toks, k, v = prompt(3 * 256 + 10, layers=4, heads=4, dim=64)
+    sa = prefill(a, toks, k, v)
+    tier = tiers(server.url, chunk_tokens=256)
+    assert tier.push(a, sa.id) == 3
+    assert tier.stats().bytes_pushed > 3 * 256 * 4 * 4 * 64 * 2  # over the 256 KiB a value joined
+    assert_same_prefix(sa, create_with_tier(b, toks, tier, capacity=1024), 768, layers=4)
+
+
+def test_push_and_pull_after_a_server_restart(make_store, tiers):
+    _need_redis()
+    a, b = make_store(**LAYOUT), make_store(**LAYOUT)
+    toks, k, v = prompt(200)
+    sa = prefill(a, toks, k, v)
+    s1 = RedisServer()
+    try:
+        tier = tiers(s1.url)
+        assert tier.push(a, sa.id) == 6  # the tier's pooled connections now point at s1
+        s1.kill()
+        s1 = RedisServer(port=s1.port)  # back, empty, on the same address
+        assert tier.push(a, sa.id) == 6  # a stale connection is replaced, not an error
+        assert_same_prefix(sa, create_with_tier(b, toks, tier), 192)
+    finally:
+        s1.stop()
+
+
 def test_create_sequence_caps_at_len_minus_one_and_follows_the_whole_prefix(make_store, server, tiers):
     a, b = make_store(**LAYOUT), make_store(**LAYOUT)
     toks, k, v = prompt(192)
@@ -313,8 +343,10 @@ def test_two_processes_push_the_same_sequence(make_store, server, client, tiers,
 def test_create_sequence_under_eviction_is_shorter_never_wrong(make_store, tiers):
     _need_redis()
     big = dict(layers=4, kv_heads=4, head_dim=64, dtype="float16", max_tokens=8192, max_seqs=32)
-    # a chunk is 4 layers x 32 tokens x 4 heads x 64 x 2 bytes x (K, V) = 128 KiB; 12 prompts of 8 chunks = 12 MiB
-    with RedisServer("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru") as srv:
+    # A chunk is 4 layers x 32 tokens x 4 heads x 64 x 2 bytes x (K, V) = 128 KiB; 12 prompts of 8 chunks = 12 MiB
+    # into 8 MB. Redis's LRU clock ticks once a second, so within this test eviction is close to random:
+    # about half the chunks survive, and P(every prompt's first chunk evicted) is about (40/96)^12 < 1e-4.
+    with RedisServer("--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru") as srv:
         import redis
 
         client = redis.Redis.from_url(srv.url)
