@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Remote tier benchmark: push and pull against redis-py on the same server, same run (DESIGN §7, §9).
 
-A 2048-token, 16-layer float16 context (kv_heads x head_dim configurable) is
+A 2048-token, 16-layer float16 context (8 KV heads of 128: 128 MiB, as tools/bench.py) is
 pushed to and pulled from a throwaway redis-server on a free loopback port
 (or --url, a server you own: its keys under the namespace are overwritten).
 
@@ -34,7 +34,7 @@ from shmkv.remote import RemoteTier
 from shmkv.testing import unique_name
 
 
-def run(url: str | None = None, *, tokens: int = 2048, layers: int = 16, kv_heads: int = 4, head_dim: int = 128,
+def run(url: str | None = None, *, tokens: int = 2048, layers: int = 16, kv_heads: int = 8, head_dim: int = 128,
         chunk_tokens: int = 256, repeats: int = 5) -> dict[str, Any]:
     import redis
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="an existing Redis you own (default: a throwaway redis-server on loopback)")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
