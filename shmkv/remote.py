@@ -58,6 +58,7 @@ import struct
 import threading
 import warnings
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -75,7 +76,7 @@ _MAGIC = b"SKVR"
 _FIXED = struct.Struct("<4sHHII")  # magic, version, zero, header length, zero
 _CRC = struct.Struct("<I")  # the trailer: crc32 of everything before it
 _NS = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-_BATCH_BYTES = 64 << 20  # bytes of chunks a pull's pipeline carries at once (bounds the memory it holds)
+_BATCH_BYTES = 16 << 20  # bytes of chunks a pull's pipeline carries at once (two in flight bound its memory)
 _GROUP_BYTES = 64 << 20  # bytes of chunks a push sends in one round trip
 _JOIN_BYTES = 256 << 10  # values up to this size are joined and sent in one write
 _EXISTS_BATCH = 4096
@@ -512,39 +513,50 @@ class RemoteTier:
               cap: int) -> int:
         C = self.chunk_tokens
         r = self._redis()
-        per_batch = max(1, _BATCH_BYTES // (geo.payload_bytes(C) + 4096))
-        pos = have
-        i = first
-        while i < len(keys) and pos < cap:
+        per = max(1, _BATCH_BYTES // (geo.payload_bytes(C) + 4096))
+        batches = [range(b, min(b + per, len(keys))) for b in range(first, len(keys), per)]
+
+        def fetch(j: int) -> list[Any]:
             pipe = r.pipeline(transaction=False)
-            for k in keys[i : i + per_batch]:
-                pipe.get(k)
-            for blob in self._call(pipe.execute):
-                s = i * C
-                arrays = self._unpack(geo, blob, keys[i], t, s) if blob is not None else None
-                if arrays is None:
-                    return pos - have
-                a, b = pos - s, min(s + C, cap) - s  # the part of the chunk after what we hold
-                k, v, ks, vs = arrays
-                if ks is not None and vs is not None:  # int8: dequantized; extend quantizes to the same codes
-                    k = k[:, a:b].astype(np.float32) * ks[:, a:b, :, None]
-                    v = v[:, a:b].astype(np.float32) * vs[:, a:b, :, None]
-                elif geo.layout.dtype == "bfloat16":
-                    k = (k[:, a:b].astype(np.uint32) << np.uint32(16)).view(np.float32)
-                    v = (v[:, a:b].astype(np.uint32) << np.uint32(16)).view(np.float32)
-                else:
-                    k, v = k[:, a:b], v[:, a:b]
-                seq.extend(k, v, tokens=t[s + a : s + b], positions=np.arange(s + a, s + b))
-                if ks is not None and not self._same_codes(seq, arrays, s + a, a, b):
-                    seq.truncate(s + a)  # never keep a value that differs from the pushed one
-                    return pos - have
-                pos = s + b
-                self._stats["chunks_pulled"] += 1
-                self._stats["bytes_pulled"] += len(blob)
-                self._stats["tokens_pulled"] += b - a
-                i += 1
-                if pos >= cap:
-                    break
+            for i in batches[j]:
+                pipe.get(keys[i])
+            return list(self._call(pipe.execute))
+
+        pos = have
+        # The next batch is fetched on a helper thread while this one is checked and written into
+        # the store (recv, crc32 and copies release the GIL). A miss may leave one batch fetched
+        # for nothing: reads only.
+        with ThreadPoolExecutor(1) if len(batches) > 1 else _Inline() as ex:
+            nxt = ex.submit(fetch, 0)
+            for j, batch in enumerate(batches):
+                blobs = nxt.result()
+                if j + 1 < len(batches):
+                    nxt = ex.submit(fetch, j + 1)
+                for i, blob in zip(batch, blobs, strict=True):
+                    s = i * C
+                    arrays = self._unpack(geo, blob, keys[i], t, s) if blob is not None else None
+                    if arrays is None:
+                        return pos - have
+                    a, b = pos - s, min(s + C, cap) - s  # the part of the chunk after what we hold
+                    k, v, ks, vs = arrays
+                    if ks is not None and vs is not None:  # int8: dequantized; extend quantizes to the same codes
+                        k = k[:, a:b].astype(np.float32) * ks[:, a:b, :, None]
+                        v = v[:, a:b].astype(np.float32) * vs[:, a:b, :, None]
+                    elif geo.layout.dtype == "bfloat16":
+                        k = (k[:, a:b].astype(np.uint32) << np.uint32(16)).view(np.float32)
+                        v = (v[:, a:b].astype(np.uint32) << np.uint32(16)).view(np.float32)
+                    else:
+                        k, v = k[:, a:b], v[:, a:b]
+                    seq.extend(k, v, tokens=t[s + a : s + b], positions=np.arange(s + a, s + b))
+                    if ks is not None and not self._same_codes(seq, arrays, s + a, a, b):
+                        seq.truncate(s + a)  # never keep a value that differs from the pushed one
+                        return pos - have
+                    pos = s + b
+                    self._stats["chunks_pulled"] += 1
+                    self._stats["bytes_pulled"] += len(blob)
+                    self._stats["tokens_pulled"] += b - a
+                    if pos >= cap:
+                        return pos - have
         return pos - have
 
     @staticmethod
@@ -600,6 +612,24 @@ def _joined(parts: list[Any]) -> bytes:
     """A value in one piece: its parts and the crc32 trailer."""
     body = b"".join(parts)
     return body + _CRC.pack(zlib.crc32(body))
+
+
+class _Inline:
+    """ThreadPoolExecutor's submit and with, run at once in this thread (one batch: no thread)."""
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        f: Future[Any] = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:
+            f.set_exception(e)
+        return f
 
 
 def _payload_offset(hlen: int) -> int:
