@@ -297,6 +297,28 @@ def test_create_sequence_damaged_chunk_ends_the_match(make_store, server, client
     assert_same_prefix(sa, create_with_tier(b, toks, tier), 192)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_create_sequence_in_many_round_trips(make_store, server, client, tiers, monkeypatch, dtype):  # noqa: PLR0917
+    """One chunk a round trip, every value streamed part by part, the next batch fetched on a
+    helper thread while one is loaded: the same bytes, and a damaged chunk still ends the pull."""
+    from shmkv import remote
+
+    monkeypatch.setattr(remote, "_BATCH_BYTES", 1)
+    monkeypatch.setattr(remote, "_GROUP_BYTES", 1)
+    monkeypatch.setattr(remote, "_JOIN_BYTES", 0)
+    a, b = make_store(**{**LAYOUT, "dtype": dtype}), make_store(**{**LAYOUT, "dtype": dtype})
+    toks, k, v = prompt(200)
+    sa = prefill(a, toks, k, v)
+    tier = tiers(server.url)
+    assert tier.push(a, sa.id) == 6
+    assert_same_prefix(sa, create_with_tier(b, toks, tier), 192)
+    key = tier.key(a.layout, toks[: 3 * C])  # chunk 2
+    client.set(key, _damage(client.get(key), "payload"))
+    c = make_store(**{**LAYOUT, "dtype": dtype})
+    assert_same_prefix(sa, create_with_tier(c, np.concatenate([toks[:150], [9, 9]]), tier), 64)
+    assert tier.stats().damaged == 1
+
+
 def test_create_sequence_chunk_of_other_tokens_is_refused(make_store, server, client, tiers):
     """A sound chunk stored under another prefix's key (a hash collision) is never loaded."""
     a, b = make_store(**LAYOUT), make_store(**LAYOUT)
