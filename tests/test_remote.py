@@ -531,6 +531,8 @@ def test_password_never_printed_and_tier_pickles():
     with pytest.raises(shmkv.RemoteError) as ei:
         t.match(shmkv.Layout(2, 2, 4, "float32", 16, 2, ("full", "full")), np.arange(64))
     assert "s3cret" not in str(ei.value) and "127.0.0.1:1" in str(ei.value)
+    e = pickle.loads(pickle.dumps(ei.value))  # crosses process boundaries as itself
+    assert type(e) is shmkv.RemoteError and str(e) == str(ei.value)
     t.close()
 
 
