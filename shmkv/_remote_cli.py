@@ -80,7 +80,12 @@ def _cmd_tier(a: argparse.Namespace) -> int:
         return 0
     print(f"{url}: {summary['chunks']} chunks, {summary['bytes'] / 2**20:.1f} MiB")
     for ns, d in sorted(summary["namespaces"].items()):
-        print(f"  {ns}: {d['chunks']} chunks, {d['bytes'] / 2**20:.1f} MiB, {len(d['layouts'])} layout(s)")
+        print(f"  {ns}: {d['chunks']} chunks, {d['bytes'] / 2**20:.1f} MiB")
+        for fp, lay in sorted(d["layouts"].items()):
+            f = lay["layout"]
+            what = (f"{f['layers']} layers x {f['kv_heads']} x {f['head_dim']} {f['dtype']}, "
+                    f"{f['chunk_tokens']} tokens a chunk" if f else "unreadable header")
+            print(f"    {fp}: {lay['chunks']} chunks, {lay['bytes'] / 2**20:.1f} MiB ({what})")
     if summary["other_versions"]:
         print(f"  ({summary['other_versions']} keys of another hash version)", file=sys.stderr)
     return 0
@@ -104,7 +109,9 @@ def _scan(r: Any, pattern: str) -> dict[str, Any]:
             d = namespaces.setdefault(ns, {"chunks": 0, "bytes": 0, "layouts": {}})
             d["chunks"] += 1
             d["bytes"] += int(n)
-            d["layouts"][fp] = d["layouts"].get(fp, 0) + 1
+            lay = d["layouts"].setdefault(fp, {"chunks": 0, "bytes": 0, "layout": None, "_key": k})
+            lay["chunks"] += 1
+            lay["bytes"] += int(n)
             chunks += 1
             total += int(n)
         batch.clear()
@@ -120,4 +127,25 @@ def _scan(r: Any, pattern: str) -> dict[str, Any]:
         if len(batch) >= 1000:
             flush()
     flush()
+    # What each fingerprint stands for, from the header of one of its chunks (GETRANGE: the header only).
+    for d in namespaces.values():
+        for lay in d["layouts"].values():
+            lay["layout"] = _layout_of(r.getrange(lay.pop("_key"), 0, 65535))
     return {"chunks": chunks, "bytes": total, "namespaces": namespaces, "other_versions": other}
+
+
+def _layout_of(head: bytes) -> dict[str, Any] | None:
+    """The layout fingerprint in a chunk's header, or None if it cannot be read."""
+    import msgpack
+
+    from .remote import _FIXED, _MAGIC
+
+    try:
+        magic, _, _, hlen, _ = _FIXED.unpack_from(head, 0)
+        if magic != _MAGIC:
+            return None
+        hdr = msgpack.unpackb(head[_FIXED.size : _FIXED.size + hlen])
+        fp = hdr["fp"]
+        return fp if isinstance(fp, dict) else None
+    except Exception:  # a damaged or foreign value: shown as unknown
+        return None

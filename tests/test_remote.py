@@ -500,10 +500,14 @@ def test_cli_push_and_tier(make_store, server, capsys):
     assert cli.main(["tier", server.url, "--json"]) == 0
     t = json.loads(capsys.readouterr().out)
     assert t["chunks"] == 5 and t["namespaces"]["cli"]["chunks"] == 5 and t["bytes"] > 5 * 3 * 32 * 2 * 8 * 2 * 2
+    (lay,) = t["namespaces"]["cli"]["layouts"].values()
+    assert lay["chunks"] == 5 and lay["layout"]["head_dim"] == 8 and lay["layout"]["dtype"] == "float16"
+    assert lay["layout"]["chunk_tokens"] == 32
     assert cli.main(["tier", server.url, "--namespace", "nothing", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["chunks"] == 0
     assert cli.main(["tier", server.url]) == 0
-    assert "cli: 5 chunks" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "cli: 5 chunks" in text and "3 layers x 2 x 8 float16, 32 tokens a chunk" in text
     server.kill()
     assert cli.main(["push", a.name, server.url, "--timeout", "0.5", "--chunk-tokens", "32"]) == 1
     assert server.url in capsys.readouterr().err
