@@ -341,6 +341,7 @@ def test_two_processes_push_the_same_sequence(make_store, server, client, tiers,
     toks, k, v = prompt(40 * C + 5)
     sa = prefill(a, toks, k, v)
     tier = tiers(server.url)
+    assert tier.match(a.layout, toks) == 0  # connected here: a forked child must not share the socket
     go = tmp_path / "go"
     kids = [start_in_process(push_when_told, a.name, sa.id, tier, str(go), str(tmp_path / f"ready{i}"),
                              start_method=method, timeout=120) for i in range(2)]
