@@ -189,7 +189,7 @@ def test_push_and_pull_after_a_server_restart(make_store, tiers):
     try:
         tier = tiers(s1.url)
         assert tier.push(a, sa.id) == 6  # the tier's pooled connections now point at s1
-        s1.kill()
+        s1.stop()  # killed (SIGTERM), its directory removed
         s1 = RedisServer(port=s1.port)  # back, empty, on the same address
         assert tier.push(a, sa.id) == 6  # a stale connection is replaced, not an error
         assert_same_prefix(sa, create_with_tier(b, toks, tier), 192)
