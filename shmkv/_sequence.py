@@ -111,6 +111,11 @@ class Sequence:
         except Exception:  # repr of a dead handle
             return f"<shmkv.Sequence id={self.id} {kind} (unavailable)>"
 
+    @property
+    def store(self) -> Store:
+        """The store this sequence lives in (through this handle's attachment)."""
+        return self._store
+
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickles as a *read* handle: a lease never travels; the receiver takes its own.
         return (_unpickle_sequence, (self._store, self.id))

@@ -615,7 +615,7 @@ class Store:
 
     # -- sequences -------------------------------------------------------------
 
-    def create_sequence(self, capacity: int = DEFAULT_CAPACITY, *, prefix: Any = None) -> Any:
+    def create_sequence(self, capacity: int = DEFAULT_CAPACITY, *, prefix: Any = None, tier: Any = None) -> Any:
         """Create a sequence with room for ``capacity`` tokens; return its write handle.
 
         The pages of its range are reserved now, so a full /dev/shm raises
@@ -628,6 +628,10 @@ class Store:
                 of it that any sequence of the store holds from position 0 (copied in, at most
                 ``len(prefix) - 1`` tokens, so at least one token is left to compute):
                 ``len(seq)`` says how many. Counted in ``stats()`` as a hit or a miss.
+            tier: a :class:`shmkv.remote.RemoteTier`: after the local match, whole chunks
+                of the prompt that the tier holds continue it (checked, then appended and
+                committed: from then on they are in this store's prefix cache too). A tier
+                that is down or slow gives a ``RuntimeWarning`` and the local match alone.
 
         Example:
             >>> seq = store.create_sequence(capacity=1024, prefix=prompt)   # doctest: +SKIP
@@ -681,7 +685,12 @@ class Store:
                     hdr[_header.W_PREFIX_REUSED] += n
                 else:
                     hdr[_header.W_PREFIX_MISSES] += 1
-        return Sequence(self, seq_id, slot, write=True, token=token)
+        seq = Sequence(self, seq_id, slot, write=True, token=token)
+        if tier is not None:
+            if toks is None:
+                raise InvalidArgumentError("create_sequence: tier= needs prefix= (the prompt's token ids)")
+            tier.pull(seq, toks, have=n)  # network I/O: outside the store lock
+        return seq
 
     def _new_row(self, capacity: int, protect: int = -1) -> tuple[int, int]:
         """A free table row and a reserved range for a new sequence (lock held), evicting

@@ -394,6 +394,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep", type=int, default=3, help="newest snapshot files kept (older ones are deleted)")
     sp.add_argument("--count", type=int, help="stop after this many snapshots (default: until SIGINT/SIGTERM)")
     sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (0 keeps it)")
+    from ._remote_cli import add_cli  # shmkv push, shmkv tier (the remote tier)
+
+    add_cli(sub)
     # The bench parses its own options (--quick, --json, --only, ...): `shmkv bench --help` shows them.
     sub.add_parser("bench", help="benchmarks against numpy, np.save and multiprocessing (tools/bench.py)",
                    add_help=False).set_defaults(fn=_cmd_bench)

@@ -19,6 +19,7 @@ __all__ = [
     "LockTimeout",
     "NotSupportedError",
     "ReadOnlyError",
+    "RemoteError",
     "SequenceNotFound",
     "ShmkvError",
     "SnapshotError",
@@ -91,3 +92,7 @@ class NotSupportedError(ShmkvError, NotImplementedError):
 
 class WaitTimeout(ShmkvError, TimeoutError):
     """``seq.wait()`` timed out before the sequence reached the length waited for."""
+
+
+class RemoteError(ShmkvError, ConnectionError):
+    """The remote tier (Redis) is down, timed out or refused a command; the message names its URL."""
