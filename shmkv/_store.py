@@ -129,6 +129,7 @@ class Store:
         self._closed = False
         self._hseg, self._dseg = hseg, dseg
         self._lock_path = _segment.lock_path(name)
+        self._lock = _lock.StoreLock(self._lock_path, name, readonly=hseg.readonly)
         off = self._off = _header.offsets(layout, max_clients)
         hmm, dmm = hseg.mm, dseg.mm
         assert hmm is not None and dmm is not None
@@ -233,6 +234,7 @@ class Store:
         if self._finalizer is not None:
             self._finalizer.detach()
         self._hdr = self._table = None  # type: ignore[assignment]
+        self._lock.close()
         self._hseg.close()
         self._dseg.close()
         if remove:
@@ -258,7 +260,7 @@ class Store:
     def _locked(self) -> Iterator[None]:
         """The store lock, for structural operations."""
         self._check_writable()
-        with _lock.held(self._lock_path, self.name, self.lock_timeout):
+        with self._lock.held(self.lock_timeout):
             yield
 
     def transaction(self) -> Any:
