@@ -355,3 +355,14 @@ def test_lifecycle_lock_serializes_and_times_out(tmp_path):
     with _lock.lifecycle(name, timeout=5), _lock.lifecycle(name, timeout=5):  # re-entrant
         pass
     os.unlink(_lock.lifecycle_path(name))
+
+
+def test_gc_orphan_lock_file_is_removed_only_without_a_store(store):
+    lock_file = _segment.lock_path(store.name)
+    _lock.remove_orphan(store.name, lock_file)  # the store exists: kept
+    assert os.path.exists(lock_file)
+    name = unique_name()
+    stray = _segment.lock_path(name)
+    open(stray, "w").close()
+    _lock.remove_orphan(name, stray)
+    assert not os.path.exists(stray) and not os.path.exists(_lock.lifecycle_path(name))
