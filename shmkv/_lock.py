@@ -81,12 +81,15 @@ class _ProcessState:
 
 # (st_dev, st_ino) -> state; an entry lives while an open StoreLock of that file does.
 _states: weakref.WeakValueDictionary[tuple[int, int], _ProcessState] = weakref.WeakValueDictionary()
+_states_guard = threading.Lock()
 _open_locks: weakref.WeakSet[StoreLock] = weakref.WeakSet()
 _by_path: weakref.WeakValueDictionary[str, StoreLock] = weakref.WeakValueDictionary()
 
 
 def _after_fork_in_child() -> None:
     # The child must not share the parent's open file descriptions (see the module docstring).
+    global _states_guard
+    _states_guard = threading.Lock()  # another thread may have held it at the fork
     for lk in list(_open_locks):
         lk._forget_inherited()
     _states.clear()
@@ -155,9 +158,10 @@ class StoreLock:
         fd = _open_lock_file(self.path, self.readonly, _segment_mode(self.path))
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
-        state = _states.get(key)
-        if state is None:
-            state = _states[key] = _ProcessState()
+        with _states_guard:  # two threads attaching at once must share one state, not make two
+            state = _states.get(key)
+            if state is None:
+                state = _states[key] = _ProcessState()
         self._fd, self._pid, self._state = fd, os.getpid(), state
 
     def _forget_inherited(self) -> None:
