@@ -49,11 +49,11 @@ ROWS = [  # (what, shmkv key, baseline text, baseline key or None, ratio key, ho
      "queue_handoff_ms", "handoff_speedup_vs_queue", "Queue time / shmkv time incl. full read"),
     ("hand-off of 128 MiB: full read", "handoff_read_ms", "mmap + read of a /dev/shm file",
      "shm_file_read_ms", "handoff_read_ratio", "time / file read"),
-    ("create_sequence at 4096 sequences", "create_sequence_us_4096", "(flat: at 16 sequences)",
+    ("create_sequence at 4096 sequences", "create_sequence_us_4096", "flat: the same at 16 sequences",
      "create_sequence_us_16", "create_sequence_us_4096", "us"),
-    ("store.sequence(id) at 4096 sequences", "open_sequence_us_4096", "(flat: at 16 sequences)",
+    ("store.sequence(id) at 4096 sequences", "open_sequence_us_4096", "flat: the same at 16 sequences",
      "open_sequence_us_16", "open_sequence_us_4096", "us"),
-    ("store.sequences() per sequence", "sequences_us_per_seq", "(worst of 16/256/4096)", None,
+    ("store.sequences() per sequence", "sequences_us_per_seq", "worst of 16, 256, 4096 sequences", None,
      "sequences_us_per_seq", "us"),
     ("copy_prefix", "copy_prefix_gbps", "np.copyto", "copyto_gbps", "copy_prefix_ratio", "bandwidth / np.copyto"),
     ("snapshot save", "save_gbps", "np.save + fsync + atomic rename", "np_save_gbps", "save_ratio",
@@ -86,8 +86,9 @@ def markdown(r: dict[str, float]) -> str:
         if key not in r or ratio not in r:
             continue
         base_val = f" ({base_key} = {r[base_key]:.3g})" if base_key in r else ""
-        goal = GOALS.get(ratio)
-        goal_s = f"{ratio} {goal[0]} {goal[1]:g}: {'met' if met(r[ratio], goal) else 'missed'}" if goal else ""
+        gk = ratio if ratio in GOALS else key
+        goal = GOALS.get(gk)
+        goal_s = f"{gk} {goal[0]} {goal[1]:g}: {'met' if met(r[gk], goal) else 'missed'}" if goal else ""
         lines.append(f"| {what} | {key} = {r[key]:.3g} | {base}{base_val} | {r[ratio]:.3g} ({how}) | {goal_s} |")
     return "\n".join(lines)
 
