@@ -373,7 +373,7 @@ def bench_copy_prefix(quick: bool) -> Figures:
         a.fill(1)
         b.fill(0)
         t = alternated({"shmkv": lambda: store.copy_prefix(src.id, dst.id, n),
-                        "copyto": lambda: np.copyto(b, a)}, 5)
+                        "copyto": lambda: np.copyto(b, a)}, 5 if quick else 9)
         nbytes = a.nbytes
     finally:
         store.close()
@@ -428,7 +428,7 @@ def bench_snapshot(quick: bool, directory: str | None = None) -> Figures:
             seq.extend(k, v)
             snap, npy = os.path.join(d, "s.shmkv"), os.path.join(d, "s.npy")
             both = np.stack([k, v])
-            reps = 3 if quick else 5
+            reps = 3 if quick else 7
 
             def np_save() -> None:  # the promise store.save keeps: the old file or the new one
                 tmp = npy + ".tmp"
@@ -506,7 +506,7 @@ def bench_prefill(quick: bool) -> Figures:
         b[:] = v
 
     t = alternated({"shmkv": shmkv_prefill, "limit": pwrite_limit, "first_touch": first_touch},
-                   3 if quick else 5)
+                   3 if quick else 7)
     return {"prefill_ms": t["shmkv"] * 1e3, "prefill_reserve_ms": statistics.median(reserve) * 1e3,
             "pwrite_limit_ms": t["limit"] * 1e3, "first_touch_ms": t["first_touch"] * 1e3,
             "prefill_vs_limit": t["limit"] / t["shmkv"]}
@@ -565,7 +565,7 @@ def bench_workers(quick: bool) -> Figures:
     n = 2048 if quick else 3072  # tokens per run (64 KiB each)
     cores = os.cpu_count() or 1
     counts = sorted({max(1, cores - 1), cores})
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 7
     ctx = mp.get_context("spawn")
     name = unique_name("bw")
     store = _store.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16",
