@@ -144,6 +144,7 @@ class Store:
         self._closed = False
         self._hseg, self._dseg = hseg, dseg
         self._lock_path = _segment.lock_path(name)
+        self._lock = _lock.StoreLock(self._lock_path, name, readonly=hseg.readonly)
         off = self._off = _header.offsets(layout, max_clients)
         hmm, dmm = hseg.mm, dseg.mm
         assert hmm is not None and dmm is not None
@@ -265,6 +266,7 @@ class Store:
         if self._finalizer is not None:
             self._finalizer.detach()
         self._hdr = self._table = None  # type: ignore[assignment]
+        self._lock.close()
         self._hseg.close()
         self._dseg.close()
         if remove:
@@ -290,7 +292,7 @@ class Store:
     def _locked(self) -> Iterator[None]:
         """The store lock, for structural operations."""
         self._check_writable()
-        with _lock.held(self._lock_path, self.name, self.lock_timeout):
+        with self._lock.held(self.lock_timeout):
             yield
 
     def transaction(self) -> Any:
@@ -965,6 +967,7 @@ def _count(name: str, value: object, minimum: int = 0) -> int:
 # -- module-level lifecycle ----------------------------------------------------
 
 
+@_lock.lifecycle_op
 def _remove_names(name: str) -> bool:
     found = _segment.unlink(_segment.header_name(name))
     found = _segment.unlink(_segment.data_name(name)) or found
@@ -982,6 +985,7 @@ def _cleanup_at_exit(name: str, pid: int, epoch_ref: list[int]) -> None:
         _remove_names(name)
 
 
+@_lock.lifecycle_op
 def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any = "float16",
            max_tokens: int = 65536, max_seqs: int = 64, layer_types: list[str] | None = None,
            window: int | None = None, chunk: int | None = None, memory: int | None = None,
@@ -1148,27 +1152,25 @@ def gc(*, include_persistent: bool = False, grace: float = 30.0) -> list[str]:
     removed = []
     names = set(list_stores())
     for name in sorted(names):
-        info = _store_owners(name)
-        if info is None:
-            mtime = _segment.segment_mtime(_segment.header_name(name))
-            if mtime is not None and time.time() - mtime > grace:
+        with _lock.lifecycle(name):  # no create or remove of this name between the check and the removal
+            info = _store_owners(name)
+            if info is None:
+                mtime = _segment.segment_mtime(_segment.header_name(name))
+                if mtime is not None and time.time() - mtime > grace:
+                    _remove_names(name)
+                    removed.append(name)
+                continue
+            owners, persistent = info
+            if persistent and not include_persistent:
+                continue
+            if not any(_segment.pid_alive(pid, start) for pid, start in owners):
                 _remove_names(name)
                 removed.append(name)
-            continue
-        owners, persistent = info
-        if persistent and not include_persistent:
-            continue
-        if not any(_segment.pid_alive(pid, start) for pid, start in owners):
-            _remove_names(name)
-            removed.append(name)
     pre = _segment.PREFIX
     for f in _segment.listdir():  # data segments and lock files whose header is gone
-        for suf in (".d", ".lock"):
+        for suf in (".d", ".lock", _lock.LIFECYCLE_SUFFIX):
             if f.startswith(pre) and f.endswith(suf) and f[len(pre) : -len(suf)] not in names:
                 mtime = _segment.segment_mtime(f)
                 if mtime is not None and time.time() - mtime > grace:
-                    try:
-                        os.unlink(os.path.join(_segment.SHM_DIR, f))
-                    except FileNotFoundError:
-                        pass
+                    _lock.remove_orphan(f[len(pre) : -len(suf)], os.path.join(_segment.SHM_DIR, f))
     return removed

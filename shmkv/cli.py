@@ -328,9 +328,18 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    from . import _bench
-
-    return _bench.main(a.bench_args)
+    # The benchmarks are not part of the library: they live in the source checkout's
+    # tools/bench.py, beside the package directory. Replace this process with it (same
+    # arguments, same pid: signals and exit codes pass through unchanged).
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench.py")
+    if not os.path.isfile(script):
+        print(f"shmkv bench: {script} not found: the benchmarks ship with the source checkout, not with "
+              "the installed package; clone the repository, `pip install -e .` there and run "
+              "`shmkv bench` (or `python tools/bench.py`) from it", file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, script, *a.bench_args])
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

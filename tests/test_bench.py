@@ -1,0 +1,153 @@
+"""tools/bench.py, run as `shmkv bench` (the installed console script) and as a script.
+
+Timings are never asserted here: the tests check that every figure is there,
+that the bench reports a dead child at once, and the measurement helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from shmkv import cli
+
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+NEW_KEYS = [  # issue 16: the keys the README table and the goals need
+    "truncate_step_us", "load_vs_limit", "prefill_vs_limit", "sequences_us_per_seq",
+    *(f"{k}_{n}" for k in ("create_sequence_us", "free_us", "open_sequence_us", "sequences_us_per_seq")
+      for n in (16, 256, 4096)),
+    "handoff_ms", "handoff_read_ms", "shm_file_read_ms", "queue_handoff_ms", "pipe_handoff_ms",
+    "save_ratio", "load_ratio", "snapshotter_overhead", "snapshotter_overhead_at_cores",
+    "quantize_ratio", "dequantize_ratio",
+]
+
+
+@pytest.fixture(scope="module")
+def bench_cases():
+    sys.path.insert(0, TOOLS)
+    try:
+        import bench
+        import bench_cases
+
+        yield bench_cases, bench
+    finally:
+        sys.path.remove(TOOLS)
+
+
+def console_script() -> str:
+    """The installed `shmkv` command (the path a user types), beside this interpreter."""
+    path = os.path.join(os.path.dirname(sys.executable), "shmkv")
+    assert os.access(path, os.X_OK), f"the console script is not installed at {path}"
+    return path
+
+
+@pytest.mark.slow
+def test_bench_command_quick_json_prints_every_key(bench_cases):
+    cases, bench = bench_cases
+    r = subprocess.run([console_script(), "bench", "--quick", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    missing = [k for k in (*bench.GOALS, *NEW_KEYS) if k not in res]
+    assert not missing
+    assert all(isinstance(v, (int, float)) and not np.isnan(v) for v in res.values())
+    assert ("wait_wakeup_us" in res) == cases.has_wait()  # only where the library has Sequence.wait
+    for name in cases.SCENARIOS:  # each scenario names its baseline (the README table repeats it)
+        if name == "wait" and not cases.has_wait():
+            assert "[wait] skipped" in r.stdout
+        else:
+            assert f"[{name}]" in r.stdout and f"baseline: {cases.BASELINES[name]}" in r.stdout
+    r = subprocess.run([console_script(), "bench", "--only", "nonsense"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "nonsense" in r.stderr
+
+
+def test_bench_runs_as_a_script():
+    r = subprocess.run([sys.executable, os.path.join(TOOLS, "bench.py"), "--quick", "--json", "--only",
+                        "decode,truncate"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"decode_ratio", "truncate_step_us", "spec_step_us", "append_commit_us"} <= set(res)
+    assert "baseline: the same append-one-token" in r.stdout
+
+
+def test_bench_outside_a_checkout_says_where_it_looked(monkeypatch, tmp_path, capsys):
+    # an installed package (no tools/ beside it): a clear error, not a traceback
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "shmkv" / "cli.py"))
+    assert cli.main(["bench", "--quick"]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "site-packages" / "tools" / "bench.py") in err and "source checkout" in err
+
+
+def test_alternated_rotates_the_order_and_takes_self_timed_results(bench_cases):
+    cases, _ = bench_cases
+    calls: list[str] = []
+    own = iter([0.3, 0.1, 0.2, 0.5, 0.4])
+
+    def a() -> float:
+        calls.append("a")
+        return next(own)
+
+    def b() -> None:
+        calls.append("b")
+
+    t = cases.alternated({"a": a, "b": b}, 5)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert t["a"] == 0.3 and 0 <= t["b"] < 0.1
+
+
+def test_touch_reads_every_byte(bench_cases):
+    cases, _ = bench_cases
+    for n in (0, 7, 8, 4097):  # with and without a tail after the last whole word
+        a = np.zeros(n, np.uint8)
+        assert cases.touch(a) == 0
+        if n:
+            a[-1] = 5  # only the last byte set: found whether it is in a word or the tail
+            assert cases.touch(a) != 0
+    k = np.zeros((3, 4, 8), np.float16)
+    k[2, 3, 7] = 1.0
+    assert cases.touch(k) != 0
+
+
+def _children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_bench_fails_fast_naming_a_killed_child():
+    """Regression: a crashed hand-off child left the bench waiting 5 minutes on its queue."""
+    p = subprocess.Popen([console_script(), "bench", "--quick", "--only", "handoff"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    killed: set[int] = set()
+    try:
+        t_end = time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < t_end:
+            for c in _children_of(p.pid):
+                try:
+                    with open(f"/proc/{c}/cmdline", "rb") as f:
+                        cmd = f.read()
+                except FileNotFoundError:
+                    continue
+                # only the bench's own children: a spawned child runs spawn_main (the resource tracker
+                # does not; nor does a child between fork and exec, whose cmdline is still the bench's)
+                if b"spawn_main" in cmd and c not in killed:
+                    os.kill(c, signal.SIGKILL)
+                    killed.add(c)
+            time.sleep(0.005)
+        # every child is killed as soon as it shows: the first one that had not yet answered ends the bench
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert killed
+    assert p.returncode != 0
+    assert "exited with code -9 before sending its result" in err, err[-2000:]
