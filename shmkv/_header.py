@@ -28,8 +28,13 @@ Header segment ``/dev/shm/skv_NAME.h``::
     128                  1      window (sliding layers; 0 = none)
     136                  1      chunk (chunked layers; 0 = none)
     144                  1      memory (extra tokens kept by sliding layers)
-    152                  1      layout checksum (crc32 of the fixed words 5..14, 16..18, layer kinds)
-    160 .. 511                  reserved (zero)
+    152                  1      layout checksum (crc32 of the fixed words 5..14, 16..18, 20, 21, layer kinds)
+    160                  1      store identity: random, nonzero, drawn at create. A process removes a
+                                store by its close/exit/unlink only while the segment still holds the
+                                identity it saw (the name may be a newer store by then)
+    168                  1      test-session tag: the creator's SHMKV_PYTEST_SESSION (hex), 0 when unset;
+                                the pytest plugin judges only stores carrying its own session's tag
+    176 .. 511                  reserved (zero)
     512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
                                   padded to 8 bytes
     SEQ_OFF              16 x max_seqs    sequence table, one 128-byte row a sequence
@@ -92,6 +97,7 @@ W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
 W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS = 5, 6, 7, 8, 9
 W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_START = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
+W_IDENTITY, W_SESSION = 20, 21
 FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 
@@ -183,6 +189,8 @@ def make_layout(
     head_dim = _positive("head_dim", head_dim, MAX_DIM)
     max_tokens = _positive("max_tokens", max_tokens, 1 << 40)
     max_seqs = _positive("max_seqs", max_seqs, 1 << 20)
+    if dtype is None:  # numpy would read None as float64
+        raise InvalidArgumentError(f"dtype=None: name a storage dtype, one of {sorted(_dtypes._TABLE)}")
     dtype = _dtypes.canonical(dtype)
     if layer_types is None:
         layer_types = ("full",) * layers
@@ -275,7 +283,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
 
 
 _CHECKED_WORDS = [W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS, W_MAX_SEQS, W_MAX_CLIENTS,
-                  W_CREATOR_PID, W_CREATOR_START, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY]
+                  W_CREATOR_PID, W_CREATOR_START, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY, W_IDENTITY, W_SESSION]
 
 
 def _checksum(words: np.ndarray, kinds: bytes) -> int:
@@ -284,7 +292,7 @@ def _checksum(words: np.ndarray, kinds: bytes) -> int:
 
 
 def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, max_clients: int,
-          creator_pid: int, creator_start: int, persistent: bool) -> None:
+          creator_pid: int, creator_start: int, persistent: bool, identity: int, session: int = 0) -> None:
     """Fill a zeroed header; the magic word goes last so attachers never see half of it."""
     words[W_VERSION] = FORMAT_VERSION
     words[W_HEADER_BYTES] = off.header_bytes
@@ -303,6 +311,8 @@ def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, m
     words[W_WINDOW] = layout.window
     words[W_CHUNK] = layout.chunk
     words[W_MEMORY] = layout.memory
+    words[W_IDENTITY] = identity
+    words[W_SESSION] = session
     kinds = bytes(LAYER_KINDS.index(k) for k in layout.layer_types)
     raw[LAYER_KINDS_OFF : LAYER_KINDS_OFF + len(kinds)] = np.frombuffer(kinds, np.uint8)
     words[W_CHECKSUM] = _checksum(words, kinds)

@@ -11,6 +11,7 @@ boundaries (a child's ``LeaseError`` re-raised in its parent stays a
 from __future__ import annotations
 
 __all__ = [
+    "AccessDeniedError",
     "CacheFullError",
     "CorruptStoreError",
     "InvalidArgumentError",
@@ -86,3 +87,7 @@ class StoreClosedError(ShmkvError, RuntimeError):
 
 class NotSupportedError(ShmkvError, NotImplementedError):
     """The operation is not supported for this store's layout or platform."""
+
+
+class AccessDeniedError(ShmkvError, PermissionError):
+    """The store (or its lock file) belongs to another user, or its mode does not let us in."""
