@@ -112,6 +112,7 @@ CLIENT_WORDS = 4
 LAYER_KINDS = ("full", "sliding", "chunked")
 MAX_LAYERS = 4096
 MAX_DIM = 1 << 20
+MAX_STORE_BYTES = 1 << 46  # 64 TiB of data segment: below x86-64's 128 TiB of user address space
 
 
 @dataclass(frozen=True, slots=True)

@@ -555,6 +555,10 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
         raise
     except ShmkvError as e:
         raise fail(f"layout is not usable: {e}") from None
+    need_bytes = _header.offsets(layout, 1).data_bytes
+    if need_bytes > _header.MAX_STORE_BYTES:
+        raise fail(f"layout is not usable: max_tokens={layout.max_tokens} with this geometry needs {need_bytes} "
+                   f"bytes of shared memory, more than shmkv maps ({_header.MAX_STORE_BYTES})")
     seq_list = obj["sequences"]
     if not isinstance(seq_list, list):
         raise fail("sequences is not an array")

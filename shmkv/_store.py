@@ -241,7 +241,9 @@ class Store:
                 if getattr(handle, "_store", None) is self:
                     handle._drop_lease()
             try:
-                self._unregister_client(me)
+                # a store removed meanwhile has no lock file to take (taking it would leave one behind)
+                if read_identity(self.name) == self._identity:
+                    self._unregister_client(me)
             except Exception:  # closing must not fail because the lock is stuck
                 pass
         remove = remove and not inherited
@@ -831,9 +833,6 @@ def _check_timeout(name: str, value: object) -> float:
     return float(value)
 
 
-MAX_STORE_BYTES = 1 << 46  # 64 TiB: below x86-64's 128 TiB of user address space
-
-
 def _prepare_lock_file(name: str, mode: int) -> None:
     """Create the store's lock file with the segments' mode (a group member who may write the
     store may take its lock), or take over a leftover of ours; refuse one that is not ours."""
@@ -921,11 +920,12 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
     mode = _check_mode(mode)
     lock_timeout = _check_timeout("lock_timeout", lock_timeout)
     off = _header.offsets(layout, max_clients)
-    if off.data_bytes > MAX_STORE_BYTES:
+    if off.data_bytes > _header.MAX_STORE_BYTES:
         raise InvalidArgumentError(
             f"store {name!r} would need {off.data_bytes} bytes of shared memory (layers={layout.layers} x "
             f"max_tokens={layout.max_tokens} x kv_heads={layout.kv_heads} x head_dim={layout.head_dim} x "
-            f"{layout.dtype}, K and V), more than shmkv maps ({MAX_STORE_BYTES}): lower max_tokens= or the layout"
+            f"{layout.dtype}, K and V), more than shmkv maps ({_header.MAX_STORE_BYTES}): "
+            "lower max_tokens= or the layout"
         )
     _check_lock_owner(name)
     hseg = Segment.create(_segment.header_name(name), off.header_bytes, mode)
