@@ -17,6 +17,7 @@ Concurrency (DESIGN.md section 3):
 from __future__ import annotations
 
 import atexit
+import errno
 import math
 import os
 import secrets
@@ -117,7 +118,9 @@ class Store:
 
     ``close()`` gives up this process's leases and unmaps (views keep their
     pages mapped until they are collected). The creator's ``close()`` (or exit)
-    also removes a non-persistent store; ``unlink()`` removes it explicitly.
+    also removes a non-persistent store, if its segments are still the ones it
+    created; dropping the handle (garbage collection) only closes its
+    descriptors. ``unlink()`` removes the store explicitly.
     """
 
     def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
@@ -840,6 +843,8 @@ def _prepare_lock_file(name: str, mode: int) -> None:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as e:  # another user's file (EACCES), a symlink (ELOOP), ...
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise _segment.os_error(e, os.path.basename(path)) from None
         raise AccessDeniedError(
             f"store {name!r}: cannot open lock file {path} ({os.strerror(e.errno or 0)}; {_segment._owner(path)}): "
             "remove it (as its owner or root), or choose another store name"
