@@ -353,6 +353,8 @@ def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progres
 
 
 def _save_error(e: OSError, path: str) -> Exception:
+    if isinstance(e, IsADirectoryError):
+        return InvalidArgumentError(f"cannot save to {path!r}: it is a directory; name a file in it")
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return CacheFullError(
             f"cannot save to {path!r}: {os.strerror(e.errno)} on its file system; the previous snapshot "

@@ -506,6 +506,7 @@ BAD_INPUT = {
     "restore seq_ids=[1.7]": ("float32", shmkv.InvalidArgumentError,
                               lambda s, t: s.restore(_snapshot_file(s, t), seq_ids=[1.7])),
     "restore a directory": ("float32", shmkv.SnapshotError, lambda s, t: s.restore(t)),
+    "save to a directory": ("float32", shmkv.InvalidArgumentError, lambda s, t: s.save(t)),
     "restore id 2**63-1": ("float32", shmkv.SnapshotError, _restore_crafted(_set_seq("id", 2**63 - 1))),
     "restore id 0": ("float32", shmkv.SnapshotError, _restore_crafted(_set_seq("id", 0))),
     "restore decreasing positions": ("float32", shmkv.SnapshotError, _restore_crafted(_reversed_positions)),
