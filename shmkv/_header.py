@@ -90,7 +90,7 @@ from . import _dtypes
 from .errors import CorruptStoreError, InvalidArgumentError, LayoutMismatchError
 
 MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: store identity and session tag (words 20, 21) in the checksum
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
