@@ -173,6 +173,7 @@ class Store:
         self._VS = np.frombuffer(dmm, np.float32, S, off.vs_off).reshape(-1, T, H) if S else None
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize | None = weakref.finalize(self, _close_segments, hseg, dseg)
+        self._finalizer.atexit = False  # at exit the process closes them anyway
 
     def _kv_bytes(self, layers: int) -> int:
         """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
@@ -754,8 +755,9 @@ def _remove_names(name: str) -> bool:
     return found
 
 
-def read_identity(name: str) -> int | None:
-    """The store identity in ``name``'s header, None when there is no readable shmkv header."""
+def _magic_words(name: str, *which: int) -> tuple[int, ...] | None:
+    """Words ``which`` of ``name``'s header if it has the shmkv magic, else None (no header,
+    not ours to read, too small, or not a shmkv header)."""
     try:
         hseg = Segment.open(_segment.header_name(name), readonly=True)
     except (StoreNotFound, AccessDeniedError):
@@ -764,11 +766,17 @@ def read_identity(name: str) -> int | None:
         if hseg.size < _header.FIXED_BYTES:
             return None
         words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
-        ident = int(words[_header.W_IDENTITY]) if int(words[_header.W_MAGIC]) == _header.MAGIC else None
+        out = tuple(int(words[w]) for w in which) if int(words[_header.W_MAGIC]) == _header.MAGIC else None
         del words
-        return ident
+        return out
     finally:
         hseg.close()
+
+
+def read_identity(name: str) -> int | None:
+    """The store identity in ``name``'s header, None when there is no readable shmkv header."""
+    words = _magic_words(name, _header.W_IDENTITY, _header.W_VERSION)
+    return words[0] if words is not None and words[1] == _header.FORMAT_VERSION else None
 
 
 def _remove_if_same(name: str, identity: int) -> bool:
@@ -1077,6 +1085,9 @@ def _collect(name: str, include_persistent: bool, grace: float) -> bool:
     """
     if not _ours(_segment.header_name(name)):
         return False
+    version = _magic_words(name, _header.W_VERSION)
+    if version is not None and version[0] != _header.FORMAT_VERSION:
+        return False  # another shmkv version's store: we cannot read its tables, so never judge it
     info = _store_owners(name)
     if info is None:
         mtime = _segment.segment_mtime(_segment.header_name(name))

@@ -19,7 +19,7 @@ import zlib
 import msgpack
 import numpy as np
 import pytest
-from _children import create_and_drop, create_wait_exit
+from _children import create_and_drop, create_and_exit, create_wait_exit
 from conftest import START_METHODS
 
 import shmkv
@@ -166,6 +166,25 @@ def test_dropping_a_handle_in_process_keeps_the_store(make_store):
     with shmkv.attach(name, readonly=True) as ro:
         assert ro.sequence(seq_id).tokens.tolist() == [4, 5]
     assert _store._remove_if_same(name, identity)
+
+
+def test_gc_never_judges_a_store_of_another_format_version():
+    name = unique_name()
+    run_in_process(create_and_exit, name, True, "exit", start_method="spawn", timeout=60)  # creator dead
+    path = _segment.shm_path(_segment.header_name(name))
+    try:
+        with open(path, "r+b") as f:
+            f.seek(8 * _header.W_VERSION)
+            f.write((_header.FORMAT_VERSION + 1).to_bytes(8, "little"))
+        assert not _store._collect(name, True, 0.0)  # unreadable tables: never removed by us
+        assert _exists(name)
+        with open(path, "r+b") as f:
+            f.seek(8 * _header.W_VERSION)
+            f.write(_header.FORMAT_VERSION.to_bytes(8, "little"))
+        assert _store._collect(name, True, 0.0) and not _exists(name)
+    finally:
+        with contextlib.suppress(shmkv.StoreNotFound):
+            shmkv.remove(name)
 
 
 @pytest.mark.parametrize("how", ["creator", "persistent creator", "attached handle"])
