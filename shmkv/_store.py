@@ -775,8 +775,8 @@ def _magic_words(name: str, *which: int) -> tuple[int, ...] | None:
 
 def read_identity(name: str) -> int | None:
     """The store identity in ``name``'s header, None when there is no readable shmkv header."""
-    words = _magic_words(name, _header.W_IDENTITY, _header.W_VERSION)
-    return words[0] if words is not None and words[1] == _header.FORMAT_VERSION else None
+    words = _magic_words(name, _header.W_IDENTITY)  # (a version-1 header holds 0 there: never ours)
+    return words[0] if words is not None else None
 
 
 def _remove_if_same(name: str, identity: int) -> bool:
