@@ -9,6 +9,7 @@ from ._sequence import Sequence
 from ._snapshot import Snapshot, load, read_header
 from ._store import SequenceInfo, Store, StoreStats, attach, create, gc, list_stores, remove
 from .errors import (
+    AccessDeniedError,
     CacheFullError,
     CorruptStoreError,
     InvalidArgumentError,
@@ -30,6 +31,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDeniedError",
     "Batch",
     "CacheFullError",
     "CorruptStoreError",

@@ -52,9 +52,12 @@ class Batch:
                 if seq is None:
                     seq = store.sequence(sid, write=True)
                     self._owned.append(seq)
+                elif any(seq._pending):  # checked before the batch adopts it: close() must not drop them
+                    raise InvalidArgumentError(
+                        f"forward: sequence {sid} has uncommitted appends {seq._pending}; commit() them first "
+                        "(they are kept)"
+                    )
                 self._seqs[sid] = seq
-                if any(seq._pending):
-                    raise InvalidArgumentError(f"forward: sequence {sid} has uncommitted appends; commit them first")
                 p = self.positions[self._rows[sid]]
                 held = seq.positions
                 last = int(held[-1]) if held.size else -1

@@ -28,8 +28,13 @@ Header segment ``/dev/shm/skv_NAME.h``::
     128                  1      window (sliding layers; 0 = none)
     136                  1      chunk (chunked layers; 0 = none)
     144                  1      memory (extra tokens kept by sliding layers)
-    152                  1      layout checksum (crc32 of the fixed words 5..14, 16..18, layer kinds)
-    160 .. 255                  reserved (zero)
+    152                  1      layout checksum (crc32 of the fixed words 5..14, 16..18, 20, 21, layer kinds)
+    160                  1      store identity: random, nonzero, drawn at create. A process removes a
+                                store by its close/exit/unlink only while the segment still holds the
+                                identity it saw (the name may be a newer store by then)
+    168                  1      test-session tag: the creator's SHMKV_PYTEST_SESSION (hex), 0 when unset;
+                                the pytest plugin judges only stores carrying its own session's tag
+    176 .. 255                  reserved (zero)
     256                  1      prefix_hits      (creates with a prefix that reused tokens; all processes)
     264                  1      prefix_misses    (creates with a prefix that reused none)
     272                  1      prefix_tokens_reused
@@ -105,7 +110,7 @@ from . import _dtypes
 from .errors import CorruptStoreError, InvalidArgumentError, LayoutMismatchError
 
 MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
-FORMAT_VERSION = 2  # 2: prefix cache (counters, row flags, index, hashes region)
+FORMAT_VERSION = 2  # 2: store identity and session tag (words 20, 21); prefix cache (counters, row flags, index, hashes region)
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
@@ -114,6 +119,7 @@ W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_START = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
 W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
 W_INDEX_USED = 38
+W_IDENTITY, W_SESSION = 20, 21
 FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 
@@ -139,6 +145,7 @@ def index_slots(layout: Layout) -> int:
 LAYER_KINDS = ("full", "sliding", "chunked")
 MAX_LAYERS = 4096
 MAX_DIM = 1 << 20
+MAX_STORE_BYTES = 1 << 46  # 64 TiB of data segment: below x86-64's 128 TiB of user address space
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +223,8 @@ def make_layout(
     head_dim = _positive("head_dim", head_dim, MAX_DIM)
     max_tokens = _positive("max_tokens", max_tokens, 1 << 40)
     max_seqs = _positive("max_seqs", max_seqs, 1 << 20)
+    if dtype is None:  # numpy would read None as float64
+        raise InvalidArgumentError(f"dtype=None: name a storage dtype, one of {sorted(_dtypes._TABLE)}")
     dtype = _dtypes.canonical(dtype)
     if layer_types is None:
         layer_types = ("full",) * layers
@@ -317,7 +326,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
 
 
 _CHECKED_WORDS = [W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS, W_MAX_SEQS, W_MAX_CLIENTS,
-                  W_CREATOR_PID, W_CREATOR_START, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY]
+                  W_CREATOR_PID, W_CREATOR_START, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY, W_IDENTITY, W_SESSION]
 
 
 def _checksum(words: np.ndarray, kinds: bytes) -> int:
@@ -326,7 +335,7 @@ def _checksum(words: np.ndarray, kinds: bytes) -> int:
 
 
 def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, max_clients: int,
-          creator_pid: int, creator_start: int, persistent: bool) -> None:
+          creator_pid: int, creator_start: int, persistent: bool, identity: int, session: int = 0) -> None:
     """Fill a zeroed header; the magic word goes last so attachers never see half of it."""
     words[W_VERSION] = FORMAT_VERSION
     words[W_HEADER_BYTES] = off.header_bytes
@@ -346,6 +355,8 @@ def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, m
     words[W_CHUNK] = layout.chunk
     words[W_MEMORY] = layout.memory
     words[W_INDEX_SLOTS] = off.index_slots
+    words[W_IDENTITY] = identity
+    words[W_SESSION] = session
     kinds = bytes(LAYER_KINDS.index(k) for k in layout.layer_types)
     raw[LAYER_KINDS_OFF : LAYER_KINDS_OFF + len(kinds)] = np.frombuffer(kinds, np.uint8)
     words[W_CHECKSUM] = _checksum(words, kinds)

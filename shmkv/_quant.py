@@ -5,8 +5,8 @@ float32 scale, ``scale = absmax / 127`` and ``q = round(x / scale)`` (round half
 to even, numpy's rule), so ``|q * scale - x| <= scale / 2 = absmax / 254``, up to
 float32 rounding of the scale (a few ulps), plus a float32 step (2^-149) for rows
 so small that the scale is subnormal. An
-all-zero row has scale 0. NaN and infinity cannot be represented and are
-refused before anything is written.
+all-zero row has scale 0. NaN, infinity and values beyond float32's range
+cannot be represented and are refused before anything is written.
 
 bfloat16: the upper 16 bits of the float32, rounded to nearest even; stored as
 uint16. Relative error at most 2^-8 for normal numbers; below the normal range
@@ -33,12 +33,18 @@ except ImportError:  # pragma: no cover - depends on the environment
 _TINY = np.float32(2.0**-149)  # the smallest float32 subnormal
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def check_finite(x: np.ndarray, what: str) -> None:
-    if not np.isfinite(x).all():
-        bad = np.argwhere(~np.isfinite(x))[0].tolist()
+    """Refuse NaN, infinity and values beyond float32's range (their float32 scale would be
+    infinite and read back as NaN)."""
+    ok = np.abs(x) <= _F32_MAX  # False for NaN too
+    if not ok.all():
+        bad = np.argwhere(~ok)[0].tolist()
         raise InvalidArgumentError(
-            f"{what} holds {x[tuple(bad)]!r} at index {bad}: int8 storage cannot represent NaN or infinity "
-            "(nothing was written)"
+            f"{what} holds {x[tuple(bad)]!r} at index {bad}: int8 storage cannot represent NaN or infinity, "
+            f"nor magnitudes above float32's maximum {_F32_MAX:.4g} (nothing was written)"
         )
 
 

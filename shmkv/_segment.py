@@ -23,7 +23,7 @@ import re
 import stat
 import sys
 
-from .errors import CacheFullError, InvalidArgumentError, StoreExistsError, StoreNotFound
+from .errors import AccessDeniedError, CacheFullError, InvalidArgumentError, StoreExistsError, StoreNotFound
 
 SHM_DIR = "/dev/shm"
 PREFIX = "skv_"
@@ -70,6 +70,40 @@ def shm_path(segment: str) -> str:
     return os.path.join(SHM_DIR, segment)
 
 
+def _owner(path: str) -> str:
+    """'uid U, mode 0oM' of a file, for error messages."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "owner unknown"
+    return f"owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):#o}"
+
+
+def denied(name: str, what: str) -> AccessDeniedError:
+    """The error for a segment or lock file whose owner or mode keeps us out."""
+    return AccessDeniedError(
+        f"{what} {name!r} is not accessible to uid {os.geteuid()} ({_owner(shm_path(name))}): it belongs to "
+        "another user; ask its creator to share it (create(..., mode=0o660) and a common group) or use another name"
+    )
+
+
+def os_error(e: OSError, name: str, size: int | None = None) -> Exception:
+    """A ShmkvError for an OSError from shm_open, ftruncate or mmap, or ``e`` itself if none fits."""
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return CacheFullError(
+            f"cannot open segment {name!r}: {os.strerror(e.errno)} (each store keeps 2 descriptors open): "
+            "close stores you no longer use, or raise the limit (`ulimit -n`)"
+        )
+    if e.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG, errno.EOVERFLOW, errno.EINVAL) and size is not None:
+        return CacheFullError(
+            f"cannot map segment {name!r} of {size} bytes ({os.strerror(e.errno)}): "
+            "lower max_tokens=, max_seqs= or the layout, or enlarge /dev/shm"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return denied(name, "segment")
+    return e
+
+
 class Segment:
     """One mapped POSIX shared-memory segment.
 
@@ -96,13 +130,17 @@ class Segment:
                 f"shared-memory segment {name!r} exists already: attach to it, "
                 "or remove it with shmkv.remove() / `shmkv rm`"
             ) from None
+        except OSError as e:
+            raise os_error(e, name) from None
         try:
             os.fchmod(fd, mode)  # shm_open's mode is filtered by the umask
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
             _unlink_quietly(name)
+            if isinstance(e, OSError):
+                raise os_error(e, name, size) from None
             raise
         return cls(name, size, False, mm, fd)
 
@@ -113,14 +151,18 @@ class Segment:
             fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
         except FileNotFoundError:
             raise StoreNotFound(f"no shared-memory segment {name!r}: is the store created?") from None
+        except OSError as e:
+            raise os_error(e, name) from None
         try:
             size = os.fstat(fd).st_size
             if size == 0:
                 raise StoreNotFound(f"segment {name!r} is empty (being created, or a leftover)")
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
+            if isinstance(e, OSError):
+                raise os_error(e, name, size) from None
             raise
         return cls(name, size, readonly, mm, fd)
 
@@ -212,6 +254,8 @@ def _unlink_quietly(name: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+    except PermissionError:
+        raise denied(name, "segment") from None
 
 
 def unlink(name: str) -> bool:
@@ -261,6 +305,8 @@ def listdir() -> list[str]:
 
 # -- process liveness ---------------------------------------------------------
 
+MAX_PID = 1 << 22  # Linux's largest pid_max
+
 
 def process_start_time(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot (Linux), 0 when unknown.
@@ -283,7 +329,7 @@ def process_start_time(pid: int) -> int:
 
 def pid_alive(pid: int, start_time: int = 0) -> bool:
     """Whether ``pid`` is alive and (when known) is the process started at ``start_time``."""
-    if pid <= 0:
+    if not 0 < pid <= MAX_PID:  # a scribbled word is no process (os.kill would overflow)
         return False
     try:
         os.kill(pid, 0)

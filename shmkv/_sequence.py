@@ -167,7 +167,10 @@ class Sequence:
         self._start = start
         wbase = self._wbase - woff
         self._base = [start if f else wbase for f in self._isfull]  # cell of token 0
-        self._lim = [cap if f else woff + self._wc for f in self._isfull]  # token index limit
+        # token index limit: the range's capacity bounds every layer (token ids and positions
+        # need a cell even where only sliding/chunked layers hold K/V), the buffer bounds those
+        wlim = min(woff + self._wc, cap)
+        self._lim = [cap if f else wlim for f in self._isfull]
         self._vfrom = [start if f else self._wbase for f in self._isfull]  # first kept cell
 
     def _cells(self, layer: int, start: int, woff: int, a: int, b: int) -> tuple[int, int]:
@@ -181,6 +184,7 @@ class Sequence:
         return 0 if self._isfull[layer] else woff
 
     def _need_writer(self, what: str) -> None:
+        self._check()
         if not self._write:
             raise ReadOnlyError(
                 f"{what}: sequence {self.id} handle is read-only; take the lease with "
@@ -293,9 +297,9 @@ class Sequence:
         p = self._pending[layer]
         end = length + p + n
         if end > self._lim[layer]:
-            if self._isfull[layer]:
+            if end > self._row[CAPACITY]:
                 self._grow(end)
-            else:
+            if end > self._lim[layer]:  # a sliding/chunked layer's buffer is full
                 self._compact(layer, end)
         s = self._base[layer] + length + p
         if self._plain:
@@ -404,6 +408,7 @@ class Sequence:
         """The encoder keys and values of ``layer`` ``[n, kv_heads, head_dim]`` (read-only views;
         int8: dequantized copies); empty when none was set."""
         layer = self._layer(layer)
+        self._check()
         st = self._store
         row = self._row
         a = n = 0
@@ -428,13 +433,21 @@ class Sequence:
 
     def _grow(self, needed: int) -> None:
         st = self._store
+        if needed > st.layout.max_tokens:  # refused before anything moves or grows
+            raise CacheFullError(
+                f"sequence {self.id} would hold {needed} tokens, more than store {st.name!r}'s "
+                f"max_tokens={st.layout.max_tokens}: truncate or shift_left it, or create the store with "
+                "a larger max_tokens= (nothing was written)"
+            )
         keep = self._row[LENGTH] + max(self._pending)
         with st._locked():
             row = self._row
-            with st._changing(row):
-                st._relocate(self._slot, row, needed, keep)
-            self._gen = row[GEN]
-            self._cache(row[START], row[CAPACITY], row[WIN_OFF])
+            try:
+                with st._changing(row):
+                    st._relocate(self._slot, row, needed, keep)
+            finally:  # our own change (or none): pending tokens stay valid
+                self._gen = row[GEN]
+                self._cache(row[START], row[CAPACITY], row[WIN_OFF])
 
     def commit(self, tokens: Any = None, positions: Any = None) -> int:
         """Publish the pending tokens of every layer; return the new length.
@@ -549,14 +562,14 @@ class Sequence:
         return _Structural(self)
 
     def truncate(self, n: int) -> None:
-        """Keep the first ``n`` committed tokens (never extends); drop pending ones."""
+        """Keep the first ``n`` committed tokens; drop pending ones.
+
+        ``n`` beyond the length is clamped to it (the committed tokens stay), as
+        Hugging Face's ``crop`` does: truncate never extends.
+        """
         n = _count("n", n)
         with self._structural("truncate") as row:
-            if n > row[LENGTH]:
-                raise InvalidArgumentError(
-                    f"truncate: n={n} exceeds the length {row[LENGTH]} of sequence {self.id} "
-                    "(truncate never extends)"
-                )
+            n = min(n, row[LENGTH])
             self._check_resumable(row, n, "truncate")
             row[LENGTH] = n
             if n == 0:

@@ -38,7 +38,9 @@ owns yet and publishes them only when every checksum matched: all or nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import secrets
 import time
 import zlib
@@ -50,12 +52,13 @@ from typing import IO, TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _dtypes, _header, _lock
+from . import _dtypes, _header, _lock, _segment
 from ._header import (
     CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, LEASE_PID, LENGTH, LIVE, RECENCY, START, STATE, WIN_OFF,
     Layout,
 )
 from .errors import (
+    AccessDeniedError,
     CacheFullError,
     InvalidArgumentError,
     LayoutMismatchError,
@@ -70,7 +73,12 @@ if TYPE_CHECKING:
 FORMAT = "shmkv-snapshot"
 VERSION = 1
 CHUNK = 64 << 20
-MAX_HEADER = 512 << 20
+# The header holds 16 bytes per saved token (ids, positions) and 4 per array: 256 MiB is
+# 16M tokens. Anything larger is refused before it is buffered further.
+MAX_HEADER = 256 << 20
+MAX_ID = (1 << 62) - 1  # sequence ids (the next id, id + 1, must fit an int64 word)
+# what every snapshot starts with: a map whose first entry is format: "shmkv-snapshot"
+_MAGIC = msgpack.packb("format") + msgpack.packb(FORMAT)
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 _SAVE_ATTEMPTS = 4
 
@@ -250,6 +258,47 @@ def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress
     return total
 
 
+def _check_ids(seq_ids: Any, what: str) -> list[int] | None:
+    """``seq_ids`` as a list of ints, or None; anything else (1.7, 'a', True) is refused."""
+    if seq_ids is None:
+        return None
+    if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+        raise InvalidArgumentError(f"{what}: seq_ids={seq_ids!r} must be a list of sequence ids (ints)")
+    ids = list(seq_ids)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise InvalidArgumentError(f"{what}: seq_ids holds {i!r}; sequence ids are ints (Sequence.id)")
+    return [int(i) for i in ids]
+
+
+_TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<pid>\d+)(?:-(?P<start>\d+))?-[0-9a-f]{8}")
+
+
+def remove_stale_temps(directory: str, base: str | None = None) -> list[str]:
+    """Remove the temporary files (``.BASE.tmp-PID-START-XXXX``) of saves whose writer died
+    (killed mid-way); a live writer's file is kept. Only files we own. Returns the removed paths."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for f in names:
+        m = _TEMP_RE.fullmatch(f)
+        if m is None or (base is not None and m["base"] != base):
+            continue
+        if _segment.pid_alive(int(m["pid"]), int(m["start"] or 0)):
+            continue
+        path = os.path.join(directory, f)
+        try:
+            if os.lstat(path).st_uid != os.geteuid():
+                continue
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: Progress | None = None) -> int:
     """Write a snapshot of ``store`` (or of ``seq_ids``) to a path or a binary file object.
 
@@ -257,7 +306,7 @@ def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: 
     and the guarantees.
     """
     store._check_open()
-    ids = None if seq_ids is None else [int(i) for i in seq_ids]
+    ids = _check_ids(seq_ids, "save")
     if isinstance(target, (str, bytes, os.PathLike)):
         return _save_path(store, os.fsdecode(target), ids, progress)
     if not hasattr(target, "write"):
@@ -274,11 +323,18 @@ def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: 
 
 def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progress | None) -> int:
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    base = os.path.basename(path)
+    remove_stale_temps(directory, base)  # left by saves that were killed mid-way
+    pid = os.getpid()
+    tmp = os.path.join(directory, f".{base}.tmp-{pid}-{_segment.process_start_time(pid)}-{secrets.token_hex(4)}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileNotFoundError:
         raise InvalidArgumentError(f"cannot save to {path!r}: directory {directory!r} does not exist") from None
+    except PermissionError:
+        raise AccessDeniedError(f"cannot save to {path!r}: no write permission in {directory!r}") from None
+    except OSError as e:
+        raise _save_error(e, path) from None
     try:
         with open(fd, "wb", buffering=0) as f:
             for attempt in range(_SAVE_ATTEMPTS):
@@ -293,9 +349,11 @@ def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progres
                         break
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, ShmkvError):
+            raise _save_error(e, path) from None
         raise
     dfd = os.open(directory, os.O_RDONLY)
     try:
@@ -303,6 +361,19 @@ def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progres
     finally:
         os.close(dfd)
     return total
+
+
+def _save_error(e: OSError, path: str) -> Exception:
+    if isinstance(e, IsADirectoryError):
+        return InvalidArgumentError(f"cannot save to {path!r}: it is a directory; name a file in it")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return CacheFullError(
+            f"cannot save to {path!r}: {os.strerror(e.errno)} on its file system; the previous snapshot "
+            "(if any) is kept: free space there, or save elsewhere"
+        )
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return CacheFullError(f"cannot save to {path!r}: {os.strerror(e.errno)}: close files or raise `ulimit -n`")
+    return e
 
 
 # -- reading -------------------------------------------------------------------
@@ -342,16 +413,25 @@ class _Reader:
 
     def header(self) -> Snapshot:
         unp = msgpack.Unpacker(raw=False, max_buffer_size=MAX_HEADER, strict_map_key=True)
-        fed: list[bytes] = []
         # read1 returns what a pipe or socket has now; read(n) would wait for n bytes
         read = getattr(self.f, "read1", self.f.read)
-        while True:
+        head = b""
+        while len(head) < 1 + len(_MAGIC):  # refuse a foreign file from its first bytes
             chunk = read(1 << 16)
             if not chunk:
-                if not fed:
-                    raise self._fail("empty file, not a shmkv snapshot")
-                raise self._fail(f"truncated inside the header (after {sum(map(len, fed))} bytes)")
-            fed.append(chunk)
+                break
+            head += chunk
+        if not head:
+            raise self._fail("empty file, not a shmkv snapshot")
+        if head[0] not in (*range(0x80, 0x90), 0xDE, 0xDF) or head[1 : 1 + len(_MAGIC)] != _MAGIC:
+            if len(head) < 1 + len(_MAGIC) and _MAGIC.startswith(head[1:]):
+                raise self._fail(f"truncated inside the header (after {len(head)} bytes)")
+            raise self._fail(f"not a shmkv snapshot: it does not start with a map of format {FORMAT!r} "
+                             f"(first bytes {head[:8].hex()})")
+        fed = 0  # bytes fed; only the last chunk is kept (the tail past the header is in it)
+        chunk = head
+        while True:
+            fed += len(chunk)
             try:
                 unp.feed(chunk)
             except msgpack.BufferFull:
@@ -360,12 +440,14 @@ class _Reader:
                 obj = unp.unpack()
                 break
             except msgpack.OutOfData:
-                continue
+                pass
             except (ValueError, msgpack.UnpackException, TypeError) as e:
-                raise self._fail(f"not a msgpack stream at the start ({e})") from None
-        data = b"".join(fed)
+                raise self._fail(f"damaged header ({e})") from None
+            chunk = read(1 << 16)
+            if not chunk:
+                raise self._fail(f"truncated inside the header (after {fed} bytes)")
         used = unp.tell()
-        self.pending = data[used:]
+        self.pending = chunk[len(chunk) - (fed - used) :] if fed > used else b""
         self.offset = used
         return _parse_header(obj, self._fail)
 
@@ -495,6 +577,10 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
         raise
     except ShmkvError as e:
         raise fail(f"layout is not usable: {e}") from None
+    need_bytes = _header.offsets(layout, 1).data_bytes
+    if need_bytes > _header.MAX_STORE_BYTES:
+        raise fail(f"layout is not usable: max_tokens={layout.max_tokens} with this geometry needs {need_bytes} "
+                   f"bytes of shared memory, more than shmkv maps ({_header.MAX_STORE_BYTES})")
     seq_list = obj["sequences"]
     if not isinstance(seq_list, list):
         raise fail("sequences is not an array")
@@ -506,11 +592,20 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
         woff = need(s, "window_offset", int, where)
         elen = need(s, "encoder_length", int, where)
         toks, poss = need(s, "tokens", bytes, where), need(s, "positions", bytes, where)
-        if (sid < 1 or not 0 <= length <= cap or len(toks) != 8 * length or len(poss) != 8 * length
-                or not 0 <= woff <= length or (woff and not layout.bounded) or not 0 <= elen <= 1 << 32
+        if not 1 <= sid <= MAX_ID:
+            raise fail(f"{where}: sequence id {sid} is outside 1..{MAX_ID}")
+        if (not 0 <= length <= cap <= 1 << 40 or len(toks) != 8 * length or len(poss) != 8 * length
+                or not 0 <= woff <= length or (woff and not layout.bounded)
+                or not 0 <= elen <= layout.max_tokens
                 or (layout.bounded and length - woff > layout.window_cells)):
             raise fail(f"{where} (id {sid}) declares inconsistent sizes: length {length}, capacity {cap}, "
-                       f"{len(toks)} token bytes, {len(poss)} position bytes, window offset {woff}")
+                       f"{len(toks)} token bytes, {len(poss)} position bytes, window offset {woff}, "
+                       f"encoder length {elen} (max_tokens={layout.max_tokens})")
+        positions = np.frombuffer(poss, "<i8").astype(np.int64)
+        if length and (positions[0] < 0 or (length > 1 and not (np.diff(positions) > 0).all())):
+            bad = int(np.flatnonzero(np.diff(positions) <= 0)[0]) + 1 if positions[0] >= 0 else 0
+            raise fail(f"{where} (id {sid}): positions must be >= 0 and increase; position {bad} is "
+                       f"{int(positions[bad])} after {int(positions[bad - 1]) if bad else 'none'}")
         # prefix-cache state: optional (snapshots written before it have none)
         finished, recency, clean = s.get("finished", False), s.get("recency", 0), s.get("clean", -1)
         if not (isinstance(finished, bool) and type(recency) is int and type(clean) is int and clean >= -1):
@@ -521,8 +616,8 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
             raise fail(f"{where} (id {sid}) has bad meta: it must be a msgpack map of at most "
                        f"{_header.META_BYTES} bytes")
         seqs.append(_Seq(sid, length, cap, tokens=np.frombuffer(toks, "<i8").astype(np.int64),
-                         positions=np.frombuffer(poss, "<i8").astype(np.int64), window_offset=woff,
-                         encoder_length=elen, finished=finished, recency=recency, clean=clean, meta=meta))
+                         positions=positions, window_offset=woff, encoder_length=elen,
+                         finished=finished, recency=recency, clean=clean, meta=meta))
     if len({s.id for s in seqs}) != len(seqs):
         raise fail("sequence ids repeat")
     sums = obj["checksums"]
@@ -541,6 +636,12 @@ def _open_source(source: Any) -> Iterator[tuple[_Reader, bool]]:
             f = open(path, "rb")  # noqa: SIM115 - closed by the with below
         except FileNotFoundError:
             raise SnapshotError(f"snapshot file {path!r} does not exist") from None
+        except IsADirectoryError:
+            raise SnapshotError(f"{path!r} is a directory, not a snapshot file") from None
+        except PermissionError:
+            raise AccessDeniedError(f"snapshot file {path!r} is not readable by uid {os.geteuid()}") from None
+        except OSError as e:
+            raise SnapshotError(f"cannot open snapshot file {path!r}: {os.strerror(e.errno or 0)}") from None
         with f:
             yield _Reader(f, path), True
     elif hasattr(source, "read"):
@@ -581,7 +682,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
         )
     ids = snap.seq_ids
     if seq_ids is not None:
-        wanted = [int(i) for i in seq_ids]
+        wanted = _check_ids(seq_ids, "restore") or []
         missing = [i for i in wanted if i not in ids]
         if missing:
             raise SequenceNotFound(f"{reader.where}: sequences {missing} are not in the snapshot (it has {ids})")
@@ -730,4 +831,4 @@ def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | 
     return store
 
 
-__all__ = ["Snapshot", "load", "read_header", "restore", "save"]
+__all__ = ["Snapshot", "load", "read_header", "remove_stale_temps", "restore", "save"]

@@ -16,8 +16,12 @@ Concurrency (DESIGN.md section 3):
 
 from __future__ import annotations
 
+import atexit
+import errno
+import math
 import os
 import secrets
+import stat
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -57,6 +61,7 @@ from ._prefix import PrefixIndex
 from ._prefix_hash import as_tokens
 from ._segment import Segment
 from .errors import (
+    AccessDeniedError,
     CacheFullError,
     CorruptStoreError,
     InvalidArgumentError,
@@ -128,7 +133,9 @@ class Store:
 
     ``close()`` gives up this process's leases and unmaps (views keep their
     pages mapped until they are collected). The creator's ``close()`` (or exit)
-    also removes a non-persistent store; ``unlink()`` removes it explicitly.
+    also removes a non-persistent store, if its segments are still the ones it
+    created; dropping the handle (garbage collection) only closes its
+    descriptors. ``unlink()`` removes the store explicitly.
     """
 
     def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
@@ -145,6 +152,7 @@ class Store:
         self._hseg, self._dseg = hseg, dseg
         self._lock_path = _segment.lock_path(name)
         self._lock = _lock.StoreLock(self._lock_path, name, readonly=hseg.readonly)
+        self._identity = int(np.frombuffer(hseg.mm, np.int64, 1, 8 * _header.W_IDENTITY)[0])  # type: ignore[arg-type]
         off = self._off = _header.offsets(layout, max_clients)
         hmm, dmm = hseg.mm, dseg.mm
         assert hmm is not None and dmm is not None
@@ -190,8 +198,10 @@ class Store:
         self._Vr = [_readonly(a) for a in self._Vl]
         self._KSl = list(self._KS) if self._KS is not None else None
         self._VSl = list(self._VS) if self._VS is not None else None
-        self._finalizer: weakref.finalize | None = None
         self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
+        # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
+        self._finalizer: weakref.finalize | None = weakref.finalize(self, _close_segments, hseg, dseg)
+        self._finalizer.atexit = False  # at exit the process closes them anyway
 
     def _kv_bytes(self, layers: int) -> int:
         """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
@@ -245,10 +255,20 @@ class Store:
 
     @property
     def persistent(self) -> bool:
+        self._check_open()
         return bool(self._hdr[_header.W_PERSISTENT])
 
     def close(self) -> None:
-        """Give up this handle's leases and unmap; the creator also removes a non-persistent store."""
+        """Give up this handle's leases and unmap; the creator also removes a non-persistent store.
+
+        The store is removed only while its segments are still the ones this
+        process created (same store identity): a newer store of the same name
+        is left alone.
+        """
+        if not self._closed:
+            self._close(remove=self._creator and not self.persistent)
+
+    def _close(self, remove: bool) -> None:
         if self._closed:
             return
         inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
@@ -258,10 +278,12 @@ class Store:
                 if getattr(handle, "_store", None) is self:
                     handle._drop_lease()
             try:
-                self._unregister_client(me)
+                # a store removed meanwhile has no lock file to take (taking it would leave one behind)
+                if read_identity(self.name) == self._identity:
+                    self._unregister_client(me)
             except Exception:  # closing must not fail because the lock is stuck
                 pass
-        remove = self._creator and not self.persistent and not inherited
+        remove = remove and not inherited
         self._closed = True
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -269,13 +291,17 @@ class Store:
         self._lock.close()
         self._hseg.close()
         self._dseg.close()
+        if self._creator and not inherited:
+            _exit_removals.pop((self.name, self._identity), None)
         if remove:
-            _remove_names(self.name)
+            _remove_if_same(self.name, self._identity)
 
     def unlink(self) -> None:
-        """Remove the store's segments and lock file now (attached processes keep their mappings)."""
-        _remove_names(self.name)
-        self.close()
+        """Close this handle and remove the store's segments and lock file now, if they are still
+        the store this handle attached to (attached processes keep their mappings)."""
+        if self._closed:
+            raise StoreClosedError(f"store {self.name!r} is closed: shmkv.remove({self.name!r}) removes it by name")
+        self._close(remove=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -308,6 +334,12 @@ class Store:
             free = None
             for i in range(self._max_clients):
                 pid = int(rows[i, 0])
+                if not 0 <= pid <= _segment.MAX_PID or int(rows[i, 1]) < 0:
+                    raise CorruptStoreError(
+                        f"store {self.name!r}: client table row {i} holds pid {pid}, start {int(rows[i, 1])}, "
+                        "which no process has: the header was overwritten by something other than shmkv; "
+                        f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
+                    )
                 if pid and not _segment.pid_alive(pid, int(rows[i, 1])):
                     rows[i] = 0
                     pid = 0
@@ -969,23 +1001,159 @@ def _count(name: str, value: object, minimum: int = 0) -> int:
 
 @_lock.lifecycle_op
 def _remove_names(name: str) -> bool:
+    """Unlink the segments, then the lock file (never the lock while a segment exists)."""
     found = _segment.unlink(_segment.header_name(name))
     found = _segment.unlink(_segment.data_name(name)) or found
     try:
         os.unlink(_segment.lock_path(name))
     except FileNotFoundError:
         pass
+    except PermissionError:
+        raise _segment.denied(os.path.basename(_segment.lock_path(name)), "lock file") from None
     return found
 
 
-def _cleanup_at_exit(name: str, pid: int, epoch_ref: list[int]) -> None:
-    # Runs at interpreter exit (or when the creator's handle is collected), only in
-    # the creating process: a forked child that exits must not remove the store.
-    if os.getpid() == pid and _segment.fork_epoch == epoch_ref[0]:
-        _remove_names(name)
+def _magic_words(name: str, *which: int) -> tuple[int, ...] | None:
+    """Words ``which`` of ``name``'s header if it has the shmkv magic, else None (no header,
+    not ours to read, too small, or not a shmkv header)."""
+    try:
+        hseg = Segment.open(_segment.header_name(name), readonly=True)
+    except (StoreNotFound, AccessDeniedError):
+        return None
+    try:
+        if hseg.size < _header.FIXED_BYTES:
+            return None
+        words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
+        out = tuple(int(words[w]) for w in which) if int(words[_header.W_MAGIC]) == _header.MAGIC else None
+        del words
+        return out
+    finally:
+        hseg.close()
 
 
-@_lock.lifecycle_op
+def read_identity(name: str) -> int | None:
+    """The store identity in ``name``'s header, None when there is no readable shmkv header."""
+    words = _magic_words(name, _header.W_IDENTITY)  # (a version-1 header holds 0 there: never ours)
+    return words[0] if words is not None else None
+
+
+def _remove_if_same(name: str, identity: int) -> bool:
+    """Remove store ``name`` only if its header still holds ``identity`` (it is the store we know)."""
+    if identity and read_identity(name) == identity:
+        return _remove_names(name)
+    return False
+
+
+def _close_segments(hseg: Segment, dseg: Segment) -> None:
+    hseg.close()
+    dseg.close()
+
+
+# (name, identity) -> (pid, fork epoch) of the non-persistent stores this process created
+# and has not closed: removed at interpreter exit, by the creating process only (a forked
+# child that exits must not remove them), and only if their identity is unchanged.
+_exit_removals: dict[tuple[str, int], tuple[int, int]] = {}
+
+
+@atexit.register
+def _remove_at_exit() -> None:
+    for (name, identity), (pid, epoch) in list(_exit_removals.items()):
+        if pid == os.getpid() and epoch == _segment.fork_epoch:
+            try:
+                _remove_if_same(name, identity)
+            except Exception:  # exiting: nothing left to report to
+                pass
+    _exit_removals.clear()
+
+
+_mp_exit_pid = 0
+
+
+def _remove_at_process_exit(name: str, identity: int) -> None:
+    """Register a created store for removal when this process exits.
+
+    atexit covers a normal interpreter exit; multiprocessing's fork and forkserver
+    children end with os._exit and run only multiprocessing's own exit finalizers,
+    so the removal is registered there too (once per process; it runs once).
+    """
+    global _mp_exit_pid
+    _exit_removals[(name, identity)] = (os.getpid(), _segment.fork_epoch)
+    if _mp_exit_pid != os.getpid():
+        from multiprocessing import util
+
+        util.Finalize(None, _remove_at_exit, exitpriority=0)
+        _mp_exit_pid = os.getpid()
+
+
+def _check_mode(mode: object) -> int:
+    if isinstance(mode, bool) or not isinstance(mode, (int, np.integer)) or not 0 <= mode <= 0o777 \
+            or int(mode) & 0o600 != 0o600:
+        raise InvalidArgumentError(
+            f"mode={mode!r} must be permission bits up to 0o777 that let the owner read and write "
+            "(0o600, the default; 0o660 to share with a group)"
+        )
+    return int(mode)
+
+
+def _check_timeout(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or math.isnan(value) or value < 0:
+        raise InvalidArgumentError(f"{name}={value!r} must be a number of seconds >= 0")
+    return float(value)
+
+
+def _prepare_lock_file(name: str, mode: int) -> None:
+    """Create the store's lock file with the segments' mode (a group member who may write the
+    store may take its lock), or take over a leftover of ours; refuse one that is not ours."""
+    path = _segment.lock_path(name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:  # another user's file (EACCES), a symlink (ELOOP), ...
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise _segment.os_error(e, os.path.basename(path)) from None
+        raise AccessDeniedError(
+            f"store {name!r}: cannot open lock file {path} ({os.strerror(e.errno or 0)}; {_segment._owner(path)}): "
+            "remove it (as its owner or root), or choose another store name"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            raise AccessDeniedError(
+                f"store {name!r}: lock file {path} is not ours (uid {st.st_uid}, we are uid {os.geteuid()}): "
+                "whoever owns it could block or fake the store lock; remove it (as its owner or root), "
+                "or choose another store name"
+            )
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _check_lock_owner(name: str) -> None:
+    """Refuse early (before any segment exists) a lock file that another user left at our path."""
+    path = _segment.lock_path(name)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+        raise AccessDeniedError(
+            f"store {name!r}: lock file {path} is not ours (uid {st.st_uid}, we are uid {os.geteuid()}): "
+            "whoever owns it could block or fake the store lock; remove it (as its owner or root), "
+            "or choose another store name"
+        )
+
+
+def _session_tag() -> int:
+    """The pytest plugin's session tag from the environment (0 outside a plugin-run test session)."""
+    tag = os.environ.get("SHMKV_PYTEST_SESSION")
+    if not tag:
+        return 0
+    try:
+        return int(tag, 16) & ((1 << 62) - 1)
+    except ValueError:
+        return 0
+
+
 def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any = "float16",
            max_tokens: int = 65536, max_seqs: int = 64, layer_types: list[str] | None = None,
            window: int | None = None, chunk: int | None = None, memory: int | None = None,
@@ -1002,21 +1170,47 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
         max_seqs: rows of the sequence table.
         persistent: keep the store after this process closes or exits
             (until ``shmkv.remove(name)``); by default the creator removes it.
-        mode: permission bits of the segments (0o600; 0o660 to share with a group).
+        mode: permission bits of the segments and the lock file (0o600; 0o660 to share with a group).
+        lock_timeout: seconds to wait for the store lock (>= 0).
 
     Raises:
         StoreExistsError: a store of that name exists.
         InvalidArgumentError: a bad name or layout value (the message names it).
+        AccessDeniedError: the store's lock file exists and belongs to another user.
+        CacheFullError: the segments cannot be mapped (too large for memory, or out of descriptors).
 
     Example:
         >>> store = shmkv.create("demo", layers=4, kv_heads=2, head_dim=8)  # doctest: +SKIP
     """
+    # the name and mode are checked before they name or make the lifecycle lock file
     _segment.check_name(name)
+    return _create(name, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, max_tokens=max_tokens,
+                   max_seqs=max_seqs, layer_types=layer_types, window=window, chunk=chunk, memory=memory,
+                   persistent=persistent, mode=_check_mode(mode), max_clients=max_clients,
+                   lock_timeout=lock_timeout)
+
+
+@_lock.lifecycle_op
+def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any, max_tokens: int, max_seqs: int,
+            layer_types: list[str] | None, window: int | None, chunk: int | None, memory: int | None,
+            persistent: bool, mode: int, max_clients: int, lock_timeout: float) -> Store:
+    """create() under the name's lifecycle lock (name and mode checked)."""
     layout = _header.make_layout(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                                  max_tokens=max_tokens, max_seqs=max_seqs, layer_types=layer_types,
                                  window=window, chunk=chunk, memory=memory)
     max_clients = _count("max_clients", max_clients, minimum=1)
+    if max_clients > 1 << 20:
+        raise InvalidArgumentError(f"max_clients={max_clients} must be at most {1 << 20}")
+    lock_timeout = _check_timeout("lock_timeout", lock_timeout)
     off = _header.offsets(layout, max_clients)
+    if off.data_bytes > _header.MAX_STORE_BYTES:
+        raise InvalidArgumentError(
+            f"store {name!r} would need {off.data_bytes} bytes of shared memory (layers={layout.layers} x "
+            f"max_tokens={layout.max_tokens} x kv_heads={layout.kv_heads} x head_dim={layout.head_dim} x "
+            f"{layout.dtype}, K and V), more than shmkv maps ({_header.MAX_STORE_BYTES}): "
+            "lower max_tokens= or the layout"
+        )
+    _check_lock_owner(name)
     hseg = Segment.create(_segment.header_name(name), off.header_bytes, mode)
     try:
         try:
@@ -1025,12 +1219,14 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
             hseg.unlink()
             raise
         try:
+            _prepare_lock_file(name, mode)
             hseg.reserve([(0, off.header_bytes)])
             words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
             raw = np.frombuffer(hseg.mm, np.uint8)  # type: ignore[arg-type]
             pid = os.getpid()
             _header.write(words, raw, layout, off, max_clients=max_clients, creator_pid=pid,
-                          creator_start=_segment.process_start_time(pid), persistent=persistent)
+                          creator_start=_segment.process_start_time(pid), persistent=persistent,
+                          identity=secrets.randbits(62) + 1, session=_session_tag())
             del words, raw
             store = Store(name, hseg, dseg, layout, max_clients, creator=True, persistent=persistent,
                           lock_timeout=lock_timeout)
@@ -1044,7 +1240,7 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
         hseg.close()
         raise
     if not persistent:
-        store._finalizer = weakref.finalize(store, _cleanup_at_exit, name, os.getpid(), [_segment.fork_epoch])
+        _remove_at_process_exit(name, store._identity)
     return store
 
 
@@ -1059,8 +1255,10 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
     Raises:
         StoreNotFound: no store of that name (the message says how to list them).
         CorruptStoreError: the segment is not an intact shmkv store.
+        AccessDeniedError: the store belongs to another user and its mode keeps us out.
     """
     _segment.check_name(name)
+    lock_timeout = _check_timeout("lock_timeout", lock_timeout)
     try:
         hseg = Segment.open(_segment.header_name(name), readonly)
     except StoreNotFound:
@@ -1118,11 +1316,19 @@ def remove(name: str) -> None:
         raise StoreNotFound(f"no store named {name!r} to remove (`shmkv ls` lists them)")
 
 
+def _ours(entry: str) -> bool:
+    """Whether /dev/shm entry ``entry`` exists and belongs to our effective uid."""
+    try:
+        return os.lstat(_segment.shm_path(entry)).st_uid == os.geteuid()
+    except OSError:
+        return False
+
+
 def _store_owners(name: str) -> tuple[list[tuple[int, int]], bool] | None:
     """(creator and client (pid, start) pairs, persistent) of a store, None if unreadable."""
     try:
         hseg = Segment.open(_segment.header_name(name), readonly=True)
-    except StoreNotFound:
+    except (StoreNotFound, AccessDeniedError):
         return None
     try:
         words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
@@ -1142,35 +1348,60 @@ def _store_owners(name: str) -> tuple[list[tuple[int, int]], bool] | None:
         hseg.close()
 
 
-def gc(*, include_persistent: bool = False, grace: float = 30.0) -> list[str]:
+def _collect(name: str, include_persistent: bool, grace: float) -> bool:
+    """gc's judgement of one store: remove it if it is ours and dead; True if removed.
+
+    Another user's store is skipped (never read, never removed, never an error).
+    """
+    if not _ours(_segment.header_name(name)):
+        return False
+    version = _magic_words(name, _header.W_VERSION)
+    if version is not None and version[0] != _header.FORMAT_VERSION:
+        return False  # another shmkv version's store: we cannot read its tables, so never judge it
+    info = _store_owners(name)
+    if info is None:
+        mtime = _segment.segment_mtime(_segment.header_name(name))
+        if mtime is not None and time.time() - mtime > grace:
+            _remove_names(name)
+            return True
+        return False
+    owners, persistent = info
+    if persistent and not include_persistent:
+        return False
+    if not any(_segment.pid_alive(pid, start) for pid, start in owners):
+        _remove_names(name)
+        return True
+    return False
+
+
+def gc(*, include_persistent: bool = False, grace: float = 30.0, snapshot_dirs: Any = ()) -> list[str]:
     """Remove stores whose creator and read-write clients are all dead; return their names.
 
     Persistent stores are kept unless ``include_persistent=True``. Segments that
     are not intact stores (a creation that crashed half-way) are removed once
     they are older than ``grace`` seconds, as are lock files with no store.
+    Other users' stores are skipped. ``snapshot_dirs``: directories in which to
+    remove the temporary files of snapshot saves whose writer died.
     """
     removed = []
     names = set(list_stores())
     for name in sorted(names):
         with _lock.lifecycle(name):  # no create or remove of this name between the check and the removal
-            info = _store_owners(name)
-            if info is None:
-                mtime = _segment.segment_mtime(_segment.header_name(name))
-                if mtime is not None and time.time() - mtime > grace:
-                    _remove_names(name)
+            try:
+                if _collect(name, include_persistent, grace):
                     removed.append(name)
-                continue
-            owners, persistent = info
-            if persistent and not include_persistent:
-                continue
-            if not any(_segment.pid_alive(pid, start) for pid, start in owners):
-                _remove_names(name)
-                removed.append(name)
+            except AccessDeniedError:
+                continue  # changed owner meanwhile: not ours to judge
     pre = _segment.PREFIX
     for f in _segment.listdir():  # data segments and lock files whose header is gone
         for suf in (".d", ".lock", _lock.LIFECYCLE_SUFFIX):
-            if f.startswith(pre) and f.endswith(suf) and f[len(pre) : -len(suf)] not in names:
+            if f.startswith(pre) and f.endswith(suf) and f[len(pre) : -len(suf)] not in names and _ours(f):
                 mtime = _segment.segment_mtime(f)
                 if mtime is not None and time.time() - mtime > grace:
                     _lock.remove_orphan(f[len(pre) : -len(suf)], os.path.join(_segment.SHM_DIR, f))
+    if snapshot_dirs:
+        from ._snapshot import remove_stale_temps
+
+        for directory in [snapshot_dirs] if isinstance(snapshot_dirs, (str, os.PathLike)) else snapshot_dirs:
+            remove_stale_temps(os.fspath(directory))
     return removed

@@ -23,7 +23,7 @@ import numpy as np
 from . import __version__, _header, _segment
 from ._snapshot import load as load_snapshot
 from ._store import Store, _store_owners, attach, gc, list_stores, remove
-from .errors import ShmkvError, StoreExistsError, StoreNotFound
+from .errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
 
 
 class _Bar:
@@ -212,8 +212,7 @@ def _cmd_watch(a: argparse.Namespace) -> int:
 
 def _cmd_save(a: argparse.Namespace) -> int:
     with attach(a.name, readonly=True) as s:
-        ids = [int(x) for x in a.seq.split(",")] if a.seq else None
-        n = s.save(a.file, ids, progress=_Bar("save", a.progress or sys.stderr.isatty()))
+        n = s.save(a.file, a.seq, progress=_Bar("save", a.progress or sys.stderr.isatty()))
     print(f"saved {a.name} to {a.file} ({n} bytes)")
     return 0
 
@@ -279,6 +278,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 def snapshot_loop(name: str, directory: str, every: float, keep: int, *, count: int | None = None,
                   stop: threading.Event | None = None, log: Any = print) -> list[str]:
     """Save store ``name`` into ``directory`` every ``every`` seconds, keeping the newest ``keep``."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise InvalidArgumentError(f"keep={keep!r} must be at least 1 (the snapshot just written is kept)")
     stop = stop or threading.Event()
     os.makedirs(directory, exist_ok=True)
     written: list[str] = []
@@ -351,6 +352,35 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _count_arg(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+    return parse
+
+
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0")
+    return value
+
+
+def _ids_arg(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sequence ids") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shmkv", description="Shared-memory KV cache: run the demo, inspect stores.",
                                 epilog="`shmkv demo` runs the main job; `shmkv COMMAND --help` describes a command.")
@@ -377,12 +407,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp = add("watch", _cmd_watch, "refresh `info` until Ctrl-C", True)
     sp.add_argument("name")
-    sp.add_argument("--interval", type=float, default=1.0)
+    sp.add_argument("--interval", type=_seconds_arg, default=1.0)
     sp.add_argument("--count", type=int, help="stop after this many refreshes")
     sp = add("save", _cmd_save, "save a store to a snapshot file")
     sp.add_argument("name")
     sp.add_argument("file")
-    sp.add_argument("--seq", help="comma-separated sequence ids (default: all)")
+    sp.add_argument("--seq", type=_ids_arg, help="comma-separated sequence ids (default: all)")
     sp.add_argument("--progress", action="store_true", help="show progress even when not on a terminal")
     sp = add("load", _cmd_load, "create a persistent store from a snapshot file")
     sp.add_argument("file")
@@ -400,7 +430,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp.add_argument("--dir", required=True, help="directory of the snapshot files NAME-TIMESTAMP.shmkv")
     sp.add_argument("--every", type=float, default=60.0, help="seconds between snapshots")
-    sp.add_argument("--keep", type=int, default=3, help="newest snapshot files kept (older ones are deleted)")
+    sp.add_argument("--keep", type=_count_arg(1), default=3, help="newest snapshot files kept, at least 1 (older ones are deleted)")
     sp.add_argument("--count", type=int, help="stop after this many snapshots (default: until SIGINT/SIGTERM)")
     sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (0 keeps it)")
     from ._remote_cli import add_cli  # shmkv push, shmkv tier (the remote tier)

@@ -11,6 +11,7 @@ boundaries (a child's ``LeaseError`` re-raised in its parent stays a
 from __future__ import annotations
 
 __all__ = [
+    "AccessDeniedError",
     "CacheFullError",
     "CorruptStoreError",
     "InvalidArgumentError",
@@ -96,3 +97,7 @@ class WaitTimeout(ShmkvError, TimeoutError):
 
 class RemoteError(ShmkvError, ConnectionError):
     """The remote tier (Redis) is down, timed out or refused a command; the message names its URL."""
+
+
+class AccessDeniedError(ShmkvError, PermissionError):
+    """The store (or its lock file) belongs to another user, or its mode does not let us in."""

@@ -12,8 +12,15 @@ Fixtures:
   its traceback; ``shmkv_child.start(...)`` returns the running child. Every
   child is reaped (killed if needed) when the test ends.
 
-Leak check: every test must leave no shmkv segment or lock file in /dev/shm;
-one that does fails and names them (they are then removed). Opt out with
+Leak check (opt-in: ``shmkv_leak_check = true`` in the pytest ini options, or
+``@pytest.mark.shmkv_leak_check`` on a test, module or class): a test must
+leave no shmkv store behind; one that does fails and names them (they are then
+removed). It judges only stores created by this test session's own process
+tree (the plugin sets ``SHMKV_PYTEST_SESSION`` in the environment unless it is
+inherited, and every store records its creator's value), and of those only the ones that appeared
+during the test and whose creator is the test process itself or is dead. It
+never touches a store of another process: other programs on the machine, or
+a live worker the test left running. Opt a test out with
 ``@pytest.mark.shmkv_allow_leak``. Disable the whole plugin with ``-p no:shmkv``.
 """
 
@@ -21,41 +28,112 @@ from __future__ import annotations
 
 import gc
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
-from . import _segment
-from ._store import Store, attach, create, remove
-from .errors import StoreNotFound
+from . import _header, _segment
+from ._store import Store, _remove_if_same, attach, create
+from .errors import ShmkvError
 from .testing import ChildProcess, shm_entries, unique_name
 
 DEFAULT_LAYOUT: dict[str, Any] = dict(layers=2, kv_heads=2, head_dim=4, dtype="float32", max_tokens=256, max_seqs=8)
+SESSION_ENV = "SHMKV_PYTEST_SESSION"
+_previous_tag = pytest.StashKey[str | None]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("shmkv_leak_check", type="bool", default=False,
+                  help="shmkv: fail tests that leave shmkv stores behind (only stores this session created)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "shmkv_allow_leak: do not fail this test for shmkv segments left behind")
+    config.addinivalue_line("markers", "shmkv_leak_check: fail this test if it leaves shmkv stores behind")
+    # Every process this session starts inherits the tag (set before any forkserver starts).
+    # A pytest run inside a test keeps the tag it inherits: it is part of that test's process tree.
+    config.stash[_previous_tag] = previous = os.environ.get(SESSION_ENV)
+    if not previous:
+        os.environ[SESSION_ENV] = secrets.token_hex(8)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    previous = config.stash.get(_previous_tag, None)
+    if previous is None:
+        os.environ.pop(SESSION_ENV, None)
+    else:
+        os.environ[SESSION_ENV] = previous
+
+
+def _session() -> int:
+    tag = os.environ.get(SESSION_ENV, "")
+    try:
+        return int(tag, 16) & ((1 << 62) - 1)
+    except ValueError:
+        return 0
+
+
+def _judged(name: str, session: int) -> tuple[int, str] | None:
+    """(identity, why) if store ``name`` is this test's to judge, else None.
+
+    Ours: created with this session's tag, by this very process or by one that is dead.
+    """
+    try:
+        hseg = _segment.Segment.open(_segment.header_name(name), readonly=True)
+    except ShmkvError:
+        return None
+    try:
+        if hseg.size < _header.FIXED_BYTES:
+            return None
+        w = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
+        magic, tag, identity = int(w[_header.W_MAGIC]), int(w[_header.W_SESSION]), int(w[_header.W_IDENTITY])
+        pid, start = int(w[_header.W_CREATOR_PID]), int(w[_header.W_CREATOR_START])
+        del w
+    finally:
+        hseg.close()
+    if magic != _header.MAGIC or not session or tag != session:
+        return None
+    if pid == os.getpid():
+        return identity, "created by the test"
+    if not _segment.pid_alive(pid, start):
+        return identity, f"created by process {pid}, now dead"
+    return None  # a live process of this session (a worker still running): not ours to remove
+
+
+def _leak_check_enabled(request: pytest.FixtureRequest) -> bool:
+    if request.node.get_closest_marker("shmkv_allow_leak") is not None:
+        return False
+    return bool(request.node.get_closest_marker("shmkv_leak_check") is not None
+                or request.config.getini("shmkv_leak_check"))
 
 
 @pytest.fixture(autouse=True)
 def _shmkv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not _leak_check_enabled(request):
+        yield
+        return
     before = shm_entries()
     yield
-    gc.collect()  # handles dropped by the test run their finalizers now
-    leaked = shm_entries() - before
-    if not leaked:
-        return
-    for f in leaked:
-        try:
-            os.unlink(os.path.join(_segment.SHM_DIR, f))
-        except FileNotFoundError:
-            pass
-    if request.node.get_closest_marker("shmkv_allow_leak") is None:
-        pytest.fail(f"test left shmkv shared memory behind: {sorted(leaked)} "
-                    "(close or remove the stores it made; opt out with @pytest.mark.shmkv_allow_leak)",
-                    pytrace=False)
-
+    gc.collect()  # handles dropped by the test close their descriptors now
+    session = _session()
+    pre, suf = _segment.PREFIX, ".h"
+    leaked = []
+    for f in sorted(shm_entries() - before):
+        if f.startswith(pre) and f.endswith(suf):
+            name = f[len(pre) : -len(suf)]
+            judged = _judged(name, session)
+            if judged is not None:
+                leaked.append(name)
+                try:
+                    _remove_if_same(name, judged[0])
+                except ShmkvError:
+                    pass
+    if leaked:
+        pytest.fail(f"test left shmkv stores behind: {leaked} (close or remove the stores it made; "
+                    "opt out with @pytest.mark.shmkv_allow_leak)", pytrace=False)
 
 @pytest.fixture
 def shmkv_store_factory() -> Iterator[Callable[..., Store]]:
@@ -69,13 +147,10 @@ def shmkv_store_factory() -> Iterator[Callable[..., Store]]:
         return store
 
     yield factory
-    for store in made:
-        name = store.name
+    for store in made:  # only the store each handle made: a newer one of that name stays
+        name, identity = store.name, store._identity
         store.close()
-        try:
-            remove(name)
-        except StoreNotFound:
-            pass
+        _remove_if_same(name, identity)
 
 
 @pytest.fixture

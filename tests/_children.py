@@ -177,3 +177,25 @@ def sliding_reader(name: str, seq_id: int, n: int, deadline_s: float) -> int:
             raise TimeoutError(f"writer too slow: last {vals.tolist()[-3:]}")
     store.close()
     return reads
+
+
+def create_wait_exit(name: str, ready: str, go: str) -> None:
+    """Create a non-persistent store, say so, wait for ``go``, then exit without closing it."""
+    shmkv.create(name, layers=1, kv_heads=1, head_dim=2, max_tokens=16, max_seqs=2)
+    with open(ready, "w") as f:
+        f.write("created")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            raise TimeoutError("go never came")
+        time.sleep(0.005)
+
+
+def create_and_drop(name: str) -> bool:
+    """Create a store, drop the only handle, collect it; return whether the store still exists."""
+    import gc
+
+    store = shmkv.create(name, layers=1, kv_heads=1, head_dim=2, max_tokens=16, max_seqs=2)
+    del store
+    gc.collect()
+    return name in shmkv.list_stores()

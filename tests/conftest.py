@@ -1,5 +1,6 @@
 """Our suite uses the shipped pytest plugin (shmkv.pytest_plugin): its leak check
-runs after every test, and ``shmkv_store`` / ``shmkv_store_factory`` make stores."""
+(opt-in for other projects) is on for every test here, and ``shmkv_store`` /
+``shmkv_store_factory`` make stores."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:  # the plugin's leak check, on for our own suite
+        item.add_marker(pytest.mark.shmkv_leak_check)
 
 
 @pytest.fixture

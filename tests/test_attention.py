@@ -178,6 +178,11 @@ def test_sliding_memory_stays_bounded(make_store):
     grown = used[-1].window_tokens - used[0].window_tokens
     assert used[-1].bytes_used - used[0].bytes_used == 2500 * 16 + grown * 2 * 2 * H * D * 4
     assert seq.keys(0).shape[0] <= cap and seq.keys(1).shape[0] <= cap
+    # the capacity still bounds the token ids and positions: the sequence grew for them
+    assert seq.capacity >= 3000 and seq.remaining_capacity >= 0 and seq.positions.tolist() == list(range(3000))
+    from shmkv.cli import verify
+
+    assert verify(store) == []
 
 
 def test_bad_layouts_and_steps(make_store):
