@@ -110,7 +110,8 @@ from . import _dtypes
 from .errors import CorruptStoreError, InvalidArgumentError, LayoutMismatchError
 
 MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
-FORMAT_VERSION = 2  # 2: store identity and session tag (words 20, 21); prefix cache (counters, row flags, index, hashes region)
+# 2: store identity and session tag (words 20, 21); prefix cache (counters, row flags, index, hashes region)
+FORMAT_VERSION = 2
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
@@ -183,6 +184,18 @@ class Layout:
         need = [self.window - 1 if "sliding" in self.layer_types else 0,
                 self.chunk - 1 if "chunked" in self.layer_types else 0]
         return max(need)
+
+    def resume_from(self, n: int) -> int:
+        """The oldest token a new token at position ``n`` needs on the bounded layers: the first
+        of its window (sliding, ``window - 1`` before it) or of its chunk (chunked). A sequence
+        whose bounded layers hold tokens from ``w`` on can resume at ``n`` iff ``w <= resume_from(n)``;
+        ``n`` if no layer is bounded."""
+        first = n
+        if "sliding" in self.layer_types:
+            first = min(first, max(0, n - self.window + 1))
+        if "chunked" in self.layer_types:
+            first = min(first, n - n % self.chunk)
+        return first
 
     @property
     def step(self) -> int:
@@ -318,7 +331,8 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(
-        seq_off, client_off, index_off, slots, meta_off, header_bytes, k_off, v_off, tokens_off, positions_off, hashes_off,
+        seq_off, client_off, index_off, slots, meta_off, header_bytes, k_off, v_off, tokens_off, positions_off,
+        hashes_off,
         wk_off, wv_off, w_stride,
         ks_off, vs_off,
         scale_stride, data_bytes, layer_stride, cell_bytes,

@@ -30,7 +30,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._header import (
-    CLEAN, GEN, ID, IDX_BLOCKS, INDEX_WORDS, LENGTH, LIVE, RECENCY, SEQ_WORDS, START, STATE, WIN_OFF,
+    CLEAN, ENC_SLOT, GEN, ID, IDX_BLOCKS, INDEX_WORDS, LENGTH, LIVE, RECENCY, SEQ_WORDS, START, STATE, WIN_OFF,
+    Layout,
 )
 from ._prefix_hash import BLOCK, ROOT, as_tokens, block_hashes
 
@@ -45,7 +46,7 @@ class PrefixIndex:
     """
 
     def __init__(self, table: memoryview, rows: memoryview, tokens: np.ndarray, positions: np.ndarray,
-                 hashes: np.ndarray, keep: int, bounded: bool) -> None:
+                 hashes: np.ndarray, *, layout: Layout) -> None:
         self._t = table
         self._slots = len(table) // INDEX_WORDS
         self._mask = self._slots - 1
@@ -53,8 +54,8 @@ class PrefixIndex:
         self._tokens = tokens
         self._positions = positions
         self._hashes = hashes
-        self._keep = keep
-        self._bounded = bounded
+        self._layout = layout
+        self._bounded = bool(layout.bounded)
 
     # -- entries -----------------------------------------------------------------
 
@@ -62,10 +63,13 @@ class PrefixIndex:
         t, r = self._t, self._rows
         e = i * INDEX_WORDS
         h, sid, slot, blk = t[e], t[e + 1], t[e + 2], t[e + 3]
-        b = slot * SEQ_WORDS
-        if r[b + STATE] != LIVE or r[b + ID] != sid or blk >= r[b + IDX_BLOCKS]:
+        if not 0 <= slot < len(r) // SEQ_WORDS:  # a torn entry read without the lock
             return False
-        return int(self._hashes[r[b + START] + (blk + 1) * BLOCK - 1]) == h
+        b = slot * SEQ_WORDS
+        if r[b + STATE] != LIVE or r[b + ID] != sid or not 0 <= blk < r[b + IDX_BLOCKS]:
+            return False
+        cell = r[b + START] + (blk + 1) * BLOCK - 1
+        return 0 <= cell < len(self._hashes) and int(self._hashes[cell]) == h
 
     def holders(self, h: int) -> list[tuple[int, int]]:
         """(id, slot) of the valid holders of ``h``."""
@@ -120,14 +124,21 @@ class PrefixIndex:
         return sum(1 for i in range(self._slots) if t[i * INDEX_WORDS])
 
     def rebuild(self) -> int:
-        """Drop invalid entries (lock held); return the entries kept."""
-        keep = [(self._t[i * INDEX_WORDS : (i + 1) * INDEX_WORDS].tolist()) for i in range(self._slots)
-                if self._t[i * INDEX_WORDS] and self._valid(i)]
-        for i in range(self._slots * INDEX_WORDS):
-            self._t[i] = 0
-        for h, sid, slot, blk in keep:
-            self.insert(h, sid, slot, blk)
-        return len(keep)
+        """Drop invalid entries (lock held); return the entries kept. Validity is judged in numpy
+        over the whole table; only the kept entries are re-inserted one by one."""
+        e = np.frombuffer(self._t, np.int64).reshape(-1, INDEX_WORDS).copy()
+        rows = np.frombuffer(self._rows, np.int64).reshape(-1, SEQ_WORDS)
+        h, sid, slot, blk = e.T
+        ok = (h != 0) & (slot >= 0) & (slot < len(rows))
+        r = rows[np.where(ok, slot, 0)]
+        ok &= (r[:, STATE] == LIVE) & (r[:, ID] == sid) & (blk >= 0) & (blk < r[:, IDX_BLOCKS])
+        cell = np.where(ok, r[:, START] + (blk + 1) * BLOCK - 1, 0)
+        ok &= (cell >= 0) & (cell < len(self._hashes))
+        ok &= self._hashes[np.where(ok, cell, 0)] == h
+        np.frombuffer(self._t, np.int64)[:] = 0
+        for hh, ss, sl, bb in e[ok].tolist():
+            self.insert(hh, ss, sl, bb)
+        return int(ok.sum())
 
     def full(self, used: int) -> bool:
         return 4 * used >= 3 * self._slots
@@ -148,7 +159,10 @@ class PrefixIndex:
         if nb <= done:
             return 0
         toks = self._tokens[start + done * BLOCK : start + nb * BLOCK]
-        bad = np.flatnonzero(toks < 0)
+        # a block is indexable while its ids are given (>= 0) and its positions are its indices
+        # (a donor's tokens sit at positions 0..n-1): the first block breaking either stops it
+        pos = self._positions[start + done * BLOCK : start + nb * BLOCK]
+        bad = np.flatnonzero((toks < 0) | (pos != np.arange(done * BLOCK, nb * BLOCK)))
         if bad.size:
             nb = done + int(bad[0]) // BLOCK
             if nb <= done:
@@ -193,12 +207,25 @@ class PrefixIndex:
                 lo, best = mid, hol
             else:
                 hi = mid - 1
-        n_best, id_best, slot_best = 0, 0, -1
-        for sid, slot in best:
-            n = self._verify(t, limit, sid, slot, lo * BLOCK)
-            if n > n_best:
-                n_best, id_best, slot_best = n, sid, slot
-        return n_best, id_best, slot_best
+        # the holders of the longest indexed prefix, most recent first; a holder may fail its
+        # check (stale, or its sliding/chunked layers moved on): then the next, then shorter prefixes
+        tried: set[tuple[int, int]] = set()
+        while lo > 0:
+            n_best, id_best, slot_best = 0, 0, -1
+            for sid, slot in sorted(best, key=lambda x: -self._rows[x[1] * SEQ_WORDS + RECENCY]):
+                if (sid, slot) in tried:
+                    continue
+                tried.add((sid, slot))
+                n = self._verify(t, limit, sid, slot, lo * BLOCK)
+                if n > n_best:
+                    n_best, id_best, slot_best = n, sid, slot
+                    if n >= limit:
+                        break  # nobody can give more
+            if n_best:
+                return n_best, id_best, slot_best
+            lo -= 1
+            best = self.holders(hs[lo - 1]) if lo else []
+        return 0, 0, -1
 
     def _verify(self, t: np.ndarray, limit: int, sid: int, slot: int, floor: int) -> int:
         """Tokens of ``t`` (at most ``limit``) that sequence ``sid`` holds at positions 0..n-1,
@@ -211,17 +238,23 @@ class PrefixIndex:
                 continue
             if r[b + STATE] != LIVE or r[b + ID] != sid:
                 return 0
+            if r[b + ENC_SLOT]:
+                return 0  # its K/V were computed against its own encoder output: no donor for another
             start, length, clean, woff = r[b + START], r[b + LENGTH], r[b + CLEAN], r[b + WIN_OFF]
             end = min(length, limit, clean if clean >= 0 else length)
-            ok = (self._tokens[start : start + end] == t[:end]) & (
-                self._positions[start : start + end] == np.arange(end))
+            if end < floor or start + end > len(self._tokens):
+                return 0
+            # ids everywhere (the hash is a hint, the ids are the proof); positions past the indexed
+            # blocks (indexing checked those)
+            ok = self._tokens[start : start + end] == t[:end]
+            ok[floor:] &= self._positions[start + floor : start + end] == np.arange(floor, end)
             bad = np.flatnonzero(~ok)
             n = int(bad[0]) if bad.size else end
             if r[b + GEN] != g:
                 continue
             if n < floor:
                 return 0
-            if self._bounded and woff and n - woff < self._keep:
+            if self._bounded and woff > self._layout.resume_from(n):
                 return 0  # its sliding/chunked layers no longer hold what a resume at n needs
             return n
         return 0

@@ -724,7 +724,7 @@ class Sequence:
             if n > length:
                 raise InvalidArgumentError(f"fork: n={n} exceeds the length {length} of sequence {self.id}")
             cap = max(n, 1, self.capacity if capacity is None else _count("capacity", capacity, 1))
-            child = st.create_sequence(capacity=cap)
+            child = st.create_sequence(capacity=cap, _protect=self._slot)  # never evict the parent for it
             try:
                 st.copy_prefix(self.id, child.id, n)
                 enc = self._row[ENC_SLOT]
@@ -1134,8 +1134,7 @@ class _Structural:
 def _unindex_from(row: memoryview, n: int) -> None:
     """The sequence keeps only its first n tokens (lock held): blocks past them leave the index
     (their entries become invalid), and a taint past them is gone."""
-    if row[IDX_BLOCKS] > n // BLOCK:
-        row[IDX_BLOCKS] = n // BLOCK
+    row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
     clean = row[CLEAN]
     if clean >= 0 and n <= clean:
         row[CLEAN] = -1
@@ -1147,8 +1146,7 @@ def _taint(row: memoryview, n: int) -> None:
     """Tokens from n on are no faithful prefix computation any more (lock held)."""
     clean = row[CLEAN]
     row[CLEAN] = n if clean < 0 else min(clean, n)
-    if row[IDX_BLOCKS] > n // BLOCK:
-        row[IDX_BLOCKS] = n // BLOCK
+    row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
     row[FLAGS] |= NOINDEX
 
 

@@ -606,9 +606,11 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
             bad = int(np.flatnonzero(np.diff(positions) <= 0)[0]) + 1 if positions[0] >= 0 else 0
             raise fail(f"{where} (id {sid}): positions must be >= 0 and increase; position {bad} is "
                        f"{int(positions[bad])} after {int(positions[bad - 1]) if bad else 'none'}")
-        # prefix-cache state: optional (snapshots written before it have none)
-        finished, recency, clean = s.get("finished", False), s.get("recency", 0), s.get("clean", -1)
-        if not (isinstance(finished, bool) and type(recency) is int and type(clean) is int and clean >= -1):
+        # prefix-cache state: optional. A snapshot written before it has none, and cannot say
+        # whether remove() moved its tokens: its sequences are kept, but are no donors (clean=0)
+        finished, recency, clean = s.get("finished", False), s.get("recency", 0), s.get("clean", 0)
+        if not (isinstance(finished, bool) and type(recency) is int and 0 <= recency < 1 << 62
+                and type(clean) is int and -1 <= clean <= length):
             raise fail(f"{where} (id {sid}) has bad prefix-cache fields: finished {finished!r}, "
                        f"recency {recency!r}, clean {clean!r}")
         meta = s.get("meta", b"")

@@ -175,7 +175,7 @@ class Store:
         self._meta = np.frombuffer(hmm, np.uint8, layout.max_seqs * _header.META_RECORD, off.meta_off).reshape(
             layout.max_seqs, _header.META_RECORD)
         self._index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
-                                  self._tokens, self._positions, self._hashes, layout.keep, bool(layout.bounded))
+                                  self._tokens, self._positions, self._hashes, layout=layout)
         # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
         # layer's view is its window region instead: a buffer of window_cells per slot.
         self._Kl = list(self._K)
@@ -456,7 +456,7 @@ class Store:
         False when evicting every finished sequence would not be enough (DESIGN §8)."""
         t = self._table_np
         cand = [int(i) for i in np.flatnonzero((t[:, STATE] == LIVE) & ((t[:, FLAGS] & FINISHED) != 0))
-                if i != protect]
+                if i != protect and not self._lease_holder(self._row(int(i)))[1]]  # never a live lease
         if not cand:
             return False
         cand.sort(key=lambda i: int(t[i, RECENCY]))
@@ -545,7 +545,9 @@ class Store:
         """A sequence a snapshot restore just published (lock held; called oldest use first):
         its prefix-cache state, a fresh recency, and its blocks in the index."""
         row = self._row(slot)
-        row[FLAGS] = FINISHED if finished else 0
+        # finished (evictable) only while nobody holds its lease: a restore over a sequence this
+        # process writes keeps it the writer's
+        row[FLAGS] = FINISHED if finished and not self._lease_holder(row)[1] else 0
         row[CLEAN] = clean
         row[IDX_BLOCKS] = 0
         with self._changing(row):
@@ -649,7 +651,8 @@ class Store:
 
     # -- sequences -------------------------------------------------------------
 
-    def create_sequence(self, capacity: int = DEFAULT_CAPACITY, *, prefix: Any = None, tier: Any = None) -> Any:
+    def create_sequence(self, capacity: int = DEFAULT_CAPACITY, *, prefix: Any = None, tier: Any = None,
+                        _protect: int = -1) -> Any:
         """Create a sequence with room for ``capacity`` tokens; return its write handle.
 
         The pages of its range are reserved now, so a full /dev/shm raises
@@ -685,12 +688,12 @@ class Store:
         with self._locked():
             n, _, donor = self._index.match(toks) if toks is not None else (0, 0, -1)
             try:
-                slot, start = self._new_row(max(capacity, n), protect=donor)
+                slot, start = self._new_row(max(capacity, n), protect=donor if n else _protect)
             except CacheFullError:
                 if n == 0:
                     raise
                 n, donor = 0, -1  # only the donor's eviction makes room: a miss, which may evict it
-                slot, start = self._new_row(capacity)
+                slot, start = self._new_row(capacity, protect=_protect)
             row = self._row(slot)
             seq_id = self._hdr[_header.W_NEXT_ID]
             self._hdr[_header.W_NEXT_ID] = seq_id + 1
@@ -729,8 +732,14 @@ class Store:
     def _new_row(self, capacity: int, protect: int = -1) -> tuple[int, int]:
         """A free table row and a reserved range for a new sequence (lock held), evicting
         finished sequences other than row ``protect`` when there is no room."""
-        slot = self._free_slot("a new sequence", evict=True, protect=protect)
-        start = self._alloc(capacity, evict=True, protect=protect)
+        t = self._table_np
+        has_row = bool((t[:, STATE] == 0).any())
+        has_cells = any(size >= capacity for _, size in self._free_ranges())
+        if not (has_row and has_cells):
+            # one plan for the row and the cells together: evict only if both then fit
+            self._evict(capacity, 1, protect)
+        slot = self._free_slot("a new sequence")
+        start = self._alloc(capacity)
         self._reserve_window(slot)
         return slot, start
 
@@ -833,15 +842,16 @@ class Store:
         n tokens, and dst's whole blocks join the prefix index."""
         s_row, d_row = self._row(s_slot), self._row(d_slot)
         s_off = s_row[WIN_OFF]
-        lo = max(s_off, n - self.layout.keep, 0)
-        if self.layout.bounded and s_off and (n < s_off or n - s_off < self.layout.keep):
+        need = self.layout.resume_from(n)  # the oldest token a next token needs on bounded layers
+        if self.layout.bounded and s_off > need:
             raise NotSupportedError(
                 f"copy_prefix: the sliding/chunked layers of sequence {s_row[ID]} hold tokens {s_off}.. only; "
-                f"a prefix of n={n} needs tokens from {max(n - self.layout.keep, 0)} on"
+                f"a prefix of n={n} needs tokens from {need} on"
             )
+        lo = max(s_off, n - self.layout.keep, 0)  # what the next tokens need, from what src holds
         with self._changing(d_row):
             if n > d_row[CAPACITY]:
-                self._relocate(d_slot, d_row, n, keep=0)
+                self._relocate(d_slot, d_row, n, keep=0, protect=s_slot)
             self._copy_cells(s_row[START], d_row[START], n)
             self._copy_window(s_slot, lo - s_off, d_slot, 0, n - lo)
             d_row[WIN_OFF] = lo if self.layout.bounded else 0
@@ -853,7 +863,7 @@ class Store:
             d_row[FLAGS] &= ~NOINDEX
             self._index_blocks(d_slot, n, adopt=True)
 
-    def _relocate(self, slot: int, row: memoryview, needed: int, keep: int) -> None:
+    def _relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
         """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).
 
         Tried in order: grow in place into the free cells after the range;
@@ -878,7 +888,7 @@ class Store:
                 return
         for want in dict.fromkeys((new_cap, needed)):
             try:
-                new_start = self._alloc(want, evict=want == needed)
+                new_start = self._alloc(want, evict=want == needed, protect=protect)
             except CacheFullError:
                 continue
             self._copy_cells(start, new_start, keep)

@@ -94,7 +94,8 @@ def _print_info(d: dict[str, Any]) -> None:
             lease = "-" if not s["lease_pid"] else f"{s['lease_pid']} {'alive' if s['lease_alive'] else 'dead'}"
             state = "finished" if s["finished"] else "live"
             meta = f"  meta {json.dumps(s['meta'], default=repr)}" if s["meta"] else ""
-            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {state:<9} {s['first_tokens']}{meta}")
+            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {state:<9} "
+                  f"{s['first_tokens']}{meta}")
 
 
 def verify(store: Store) -> list[str]:
@@ -430,7 +431,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp.add_argument("--dir", required=True, help="directory of the snapshot files NAME-TIMESTAMP.shmkv")
     sp.add_argument("--every", type=float, default=60.0, help="seconds between snapshots")
-    sp.add_argument("--keep", type=_count_arg(1), default=3, help="newest snapshot files kept, at least 1 (older ones are deleted)")
+    sp.add_argument("--keep", type=_count_arg(1), default=3,
+                    help="newest snapshot files kept, at least 1 (older ones are deleted)")
     sp.add_argument("--count", type=int, help="stop after this many snapshots (default: until SIGINT/SIGTERM)")
     sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (0 keeps it)")
     from ._remote_cli import add_cli  # shmkv push, shmkv tier (the remote tier)
