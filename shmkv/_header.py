@@ -42,7 +42,13 @@ Header segment ``/dev/shm/skv_NAME.h``::
     288                  1      recency clock    (bumped under the lock; rows take its value as their recency)
     296                  1      prefix index slots (a power of two; see _prefix)
     304                  1      prefix index slots in use (valid or not; a rebuild recounts)
-    312 .. 511                  reserved (zero)
+    312 .. 319                  reserved (zero)
+    320                  1      undo entries: rows the structural operation in progress changed
+                                (0: none in progress; see "Crash recovery" below)
+    328                  1      pid of the process whose operation it is
+    336                  1      that process's start time
+    344                  1      recoveries: operations of dead processes rolled back, ever
+    352 .. 511                  reserved (zero)
     512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
                                   padded to 8 bytes
     SEQ_OFF              16 x max_seqs    sequence table, one 128-byte row a sequence
@@ -50,6 +56,9 @@ Header segment ``/dev/shm/skv_NAME.h``::
     INDEX_OFF            4 x index slots  prefix index, one 32-byte entry a slot (see _prefix)
     META_OFF             65 x max_seqs    per-sequence metadata (seq.meta), one 520-byte record a row:
                                           a word with the msgpack length, then up to META_BYTES bytes
+    UNDO_OFF             82 x max_seqs    undo log: one entry per row changed by the structural
+                                          operation in progress: slot, its 16 row words and its
+                                          65 meta words as they were before
 
 Sequence row (int64 words)::
 
@@ -75,7 +84,7 @@ Sequence row (int64 words)::
     13 IDX_BLOCKS  whole 16-token blocks of this sequence that are in the prefix index
     14 CLEAN       tokens [0, CLEAN) are a faithful computation from position 0 (a donor may
                    give them); -1 = all of them. remove() lowers it: moved keys were re-rotated
-    15             reserved
+    15 WBUF        which of the slot's two window buffers the bounded layers use (0 or 1)
 
 Client row: pid, start time, flags (1 = read-write), reserved.
 
@@ -87,9 +96,11 @@ Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned)::
     positions  [max_tokens] int64   position per cell
     hashes     [max_tokens] int64   at the last cell of each whole 16-token block of a sequence:
                                     the chained prefix hash of tokens 0..that cell (see _prefix_hash)
-    WK, WV     [bounded layers, max_seqs * window_cells, kv_heads, head_dim]: sliding and
-               chunked layers keep their recent tokens here, in a buffer per sequence slot
-               (slot * window_cells ...); their slices of K and V above stay unused (no pages)
+    WK, WV     [bounded layers, 2 * max_seqs * window_cells, kv_heads, head_dim]: sliding and
+               chunked layers keep their recent tokens here, in one of two buffers per sequence
+               slot ((2 * slot + WBUF) * window_cells ...); a structural change writes the other
+               buffer and switches WBUF (crash recovery). Their slices of K and V above stay
+               unused (no pages)
     K scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
     V scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
 
@@ -120,13 +131,14 @@ W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_START = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
 W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
 W_INDEX_USED = 38
+W_UNDO_COUNT, W_UNDO_PID, W_UNDO_START, W_RECOVERIES = 40, 41, 42, 43
 W_IDENTITY, W_SESSION = 20, 21
 FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 
 # sequence row columns
 STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
-FLAGS, RECENCY, IDX_BLOCKS, CLEAN = 11, 12, 13, 14
+FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF = 11, 12, 13, 14, 15
 FINISHED, NOINDEX = 1, 2  # FLAGS bits
 LIVE, ENCODER = 1, 2  # STATE values (0: free slot)
 SEQ_WORDS = 16
@@ -136,6 +148,7 @@ CLIENT_WORDS = 4
 INDEX_WORDS = 4  # prefix index entry: hash, sequence id, slot, block
 META_BYTES = 512  # packed seq.meta at most
 META_RECORD = 8 + META_BYTES
+UNDO_WORDS = 1 + SEQ_WORDS + META_RECORD // 8  # slot, row words, meta words
 
 
 def index_slots(layout: Layout) -> int:
@@ -291,6 +304,7 @@ class Offsets:
     index_off: int
     index_slots: int
     meta_off: int
+    undo_off: int
     header_bytes: int
     k_off: int
     v_off: int
@@ -314,7 +328,8 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     index_off = client_off + max_clients * CLIENT_WORDS * 8
     slots = index_slots(layout)
     meta_off = index_off + slots * INDEX_WORDS * 8
-    header_bytes = meta_off + layout.max_seqs * META_RECORD
+    undo_off = meta_off + layout.max_seqs * META_RECORD
+    header_bytes = undo_off + layout.max_seqs * UNDO_WORDS * 8
     page = mmap.PAGESIZE
     cell_bytes = layout.cell_items * _dtypes.itemsize(layout.dtype)
     layer_stride = layout.max_tokens * cell_bytes
@@ -323,7 +338,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     tokens_off = _align(v_off + layout.layers * layer_stride, page)
     positions_off = _align(tokens_off + layout.max_tokens * 8, page)
     scale_stride = layout.max_tokens * layout.kv_heads * 4 if layout.dtype == "int8" else 0
-    w_stride = layout.max_seqs * layout.window_cells * cell_bytes
+    w_stride = 2 * layout.max_seqs * layout.window_cells * cell_bytes  # two buffers a slot
     hashes_off = _align(positions_off + layout.max_tokens * 8, page)
     wk_off = _align(hashes_off + layout.max_tokens * 8, page)
     wv_off = _align(wk_off + len(layout.bounded) * w_stride, page)
@@ -331,7 +346,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(
-        seq_off, client_off, index_off, slots, meta_off, header_bytes, k_off, v_off, tokens_off, positions_off,
+        seq_off, client_off, index_off, slots, meta_off, undo_off, header_bytes, k_off, v_off, tokens_off, positions_off,
         hashes_off,
         wk_off, wv_off, w_stride,
         ks_off, vs_off,

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _dtypes, _quant, _segment
+from . import _crash, _dtypes, _quant, _segment
 from ._header import (
     CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, IDX_BLOCKS, LEASE_PID, LEASE_TOKEN, LENGTH, LIVE, NOINDEX,
-    START, STATE, WIN_OFF,
+    START, STATE, WBUF, WIN_OFF,
 )
 from ._header import META_BYTES
 from ._prefix_hash import BLOCK
@@ -96,7 +96,7 @@ class Sequence:
         bounded = set(lay.bounded)
         self._isfull = [i not in bounded for i in range(self._L)]
         self._wc = lay.window_cells
-        self._wbase = slot * lay.window_cells
+        self._wbase = 0  # first cell of its active window buffer: set by every _span
         self._start = 0
         self._fin: weakref.finalize | None = None
         self._refresh()
@@ -134,12 +134,13 @@ class Sequence:
             g = row[GEN]
             if not g & 1:
                 state, sid, start, cap, length = row[STATE], row[ID], row[START], row[CAPACITY], row[LENGTH]
-                woff = row[WIN_OFF]
+                woff, wbuf = row[WIN_OFF], row[WBUF]
                 if row[GEN] == g:
                     if state != LIVE or sid != self.id:
                         raise SequenceNotFound(
                             f"sequence {self.id} of store {self._store.name!r} was freed"
                         )
+                    self._wbase = (2 * self._slot + wbuf) * self._wc
                     return start, cap, length, woff
             if i > 50:
                 time.sleep(0)
@@ -150,6 +151,7 @@ class Sequence:
         row = self._row
         if row[STATE] != LIVE or row[ID] != self.id:
             raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
+        self._wbase = (2 * self._slot + row[WBUF]) * self._wc
         return row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
 
     def _refresh(self) -> None:
@@ -165,6 +167,7 @@ class Sequence:
         cell ``slot * window_cells + i - woff`` of that layer's window region.
         """
         self._start = start
+        self._wbase = (2 * self._slot + self._row[WBUF]) * self._wc  # the writer's own row
         wbase = self._wbase - woff
         self._base = [start if f else wbase for f in self._isfull]  # cell of token 0
         # token index limit: the range's capacity bounds every layer (token ids and positions
@@ -327,11 +330,15 @@ class Sequence:
                     f"or create the store with a larger memory= (now {st.layout.step})"
                 )
             with st._changing(row):
+                # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
+                wb = row[WBUF]
+                a0, b0 = st._wcell(self._slot, wb) + new_off - woff, st._wcell(self._slot, 1 - wb)
                 for lay_i in st.layout.bounded:
                     n = length - new_off + self._pending[lay_i]
-                    a, b = self._wbase + new_off - woff, self._wbase
                     for arr in (self._Kw[lay_i], self._Vw[lay_i]):
-                        np.copyto(arr[b : b + n], arr[a : a + n])
+                        np.copyto(arr[b0 : b0 + n], arr[a0 : a0 + n])
+                _crash.point("compact.copied")
+                row[WBUF] = 1 - wb
                 row[WIN_OFF] = new_off
             self._gen = row[GEN]
             self._cache(row[START], row[CAPACITY], new_off)
@@ -402,6 +409,7 @@ class Sequence:
                 for layer in range(self._L):  # the main arena of every layer (st._K, not _Kw)
                     for x, arrs, scales in ((k_all[layer], st._K, st._KS), (v_all[layer], st._V, st._VS)):
                         self._write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
+                _crash.point("set_encoder.written")
             self._gen = row[GEN]  # our own change: pending decoder tokens stay
 
     def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -572,6 +580,7 @@ class Sequence:
             n = min(n, row[LENGTH])
             self._check_resumable(row, n, "truncate")
             row[LENGTH] = n
+            _crash.point("truncate.row")
             if n == 0:
                 row[WIN_OFF] = 0
             _unindex_from(row, n)
@@ -597,10 +606,14 @@ class Sequence:
             length = row[LENGTH]
             if n > length:
                 raise InvalidArgumentError(f"shift_left: n={n} exceeds the length {length} of sequence {self.id}")
-            start, woff = row[START], row[WIN_OFF]
-            self._store._copy_cells(start + n, start, length - n)
-            drop = max(0, n - woff)  # tokens the window buffers held that go
-            self._store._copy_window(self._slot, drop, self._slot, 0, length - woff - drop)
+            if n == 0:
+                return
+            woff = row[WIN_OFF]
+            keep_from = max(n, woff)  # the oldest token the window buffers keep
+            new_start, wb = self._store._rewrite(self._slot, [(n, 0, length - n)],
+                                                 [(keep_from - woff, 0, length - keep_from)])
+            _crash.point("shift_left.copied")
+            row[START], row[WBUF] = new_start, wb
             row[WIN_OFF] = max(0, woff - n)
             row[LENGTH] = length - n
             if n:  # token 0 no longer sits at position 0: no longer a donor
@@ -654,14 +667,19 @@ class Sequence:
                             f"it must return float keys shaped {src.shape}"
                         )
                     new_keys.append(out)
-            st._copy_cells(start + end, start + begin, moved)
-            st._copy_window(self._slot, end - woff, self._slot, begin - woff, moved)
+            # the result goes where no row points (a fresh range, the other window buffer), then the
+            # row switches to it: a crash at any point leaves the sequence as it was
+            new_start, wb = st._rewrite(self._slot, [(0, 0, begin), (end, begin, moved)],
+                                        [(0, 0, begin - woff), (end - woff, begin - woff, moved)])
+            new_wbase = st._wcell(self._slot, wb)
             if moved:
-                st._positions[start + begin : start + begin + moved] += delta
+                st._positions[new_start + begin : new_start + begin + moved] += delta
                 for layer, keys in enumerate(new_keys):
-                    lo, _ = self._cells(layer, start, woff, begin, begin + moved)
+                    lo = new_start + begin if self._isfull[layer] else new_wbase + begin - woff
                     # re-encoded: values (and their scales) stay as moved
                     self._write_rows(self._Kw[layer], None if self._KS is None else self._KS[layer], lo, keys)
+            _crash.point("remove.copied")
+            row[START], row[WBUF] = new_start, wb
             row[LENGTH] = length - (end - begin)
             # the moved tokens were computed with the removed ones in context: not a prefix to reuse
             _taint(row, begin)
@@ -712,6 +730,7 @@ class Sequence:
             row = self._row
             self._span_unlocked()
             row[FLAGS] |= FINISHED
+            _crash.point("finish.flagged")
             st._touch(row)
             self._drop_lease()
 
@@ -724,19 +743,21 @@ class Sequence:
             if n > length:
                 raise InvalidArgumentError(f"fork: n={n} exceeds the length {length} of sequence {self.id}")
             cap = max(n, 1, self.capacity if capacity is None else _count("capacity", capacity, 1))
-            child = st.create_sequence(capacity=cap, _protect=self._slot)  # never evict the parent for it
-            try:
-                st.copy_prefix(self.id, child.id, n)
-                enc = self._row[ENC_SLOT]
-                if enc:  # the child decodes against the same encoder output
-                    erow = st._row(enc - 1)
-                    src, m = erow[START], erow[LENGTH]
-                    with st._changing(child._row):
-                        dst = st._set_encoder(child._row, m)
-                        st._copy_all_layers(src, dst, m)
-            except BaseException:
-                child.free()
-                raise
+            with st._unit():  # the child and its content: both, or after a crash neither
+                child = st.create_sequence(capacity=cap, _protect=self._slot)  # never evict the parent for it
+                _crash.point("fork.child")
+                try:
+                    st.copy_prefix(self.id, child.id, n)
+                    enc = self._row[ENC_SLOT]
+                    if enc:  # the child decodes against the same encoder output
+                        erow = st._row(enc - 1)
+                        src, m = erow[START], erow[LENGTH]
+                        with st._changing(child._row):
+                            dst = st._set_encoder(child._row, m)
+                            st._copy_all_layers(src, dst, m)
+                except BaseException:
+                    child.free()
+                    raise
             child._refresh()
         return child  # type: ignore[no-any-return]
 

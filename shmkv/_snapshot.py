@@ -52,9 +52,10 @@ from typing import IO, TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _dtypes, _header, _lock, _segment
+from . import _crash, _dtypes, _header, _lock, _segment
 from ._header import (
-    CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, LEASE_PID, LENGTH, LIVE, RECENCY, START, STATE, WIN_OFF,
+    CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, LEASE_PID, LENGTH, LIVE, RECENCY, START, STATE, WBUF,
+    WIN_OFF,
     Layout,
 )
 from .errors import (
@@ -100,6 +101,7 @@ class _Seq:
     recency: int = 0  # its last use, for LRU eviction: only the order matters
     clean: int = -1  # tokens [0, clean) may be given as a prefix (-1: all); see _header CLEAN
     meta: bytes = b""  # seq.meta, packed
+    wbuf: int = 0  # its active window buffer (see _header WBUF)
 
 
 def _layout_dict(layout: Layout) -> dict[str, Any]:
@@ -128,7 +130,7 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
             g = row[GEN]
             if not g & 1:
                 sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
-                flags, recency, clean = row[FLAGS], row[RECENCY], row[CLEAN]
+                flags, recency, clean, wbuf = row[FLAGS], row[RECENCY], row[CLEAN], row[WBUF]
                 meta = store._get_meta(slot)
                 enc = row[ENC_SLOT]
                 erow = store._row(enc - 1) if enc else None
@@ -138,7 +140,7 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
                 if row[GEN] == g:
                     if row[STATE] == LIVE:
                         out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
-                                        bool(flags & FINISHED), recency, clean, meta))
+                                        bool(flags & FINISHED), recency, clean, meta, wbuf))
                     elif ids is not None:
                         raise SequenceNotFound(f"store {store.name!r}: sequence {sid} was freed during the save")
                     break
@@ -196,7 +198,7 @@ def _regions(store: Store) -> tuple[Any, ...]:
 def _arrays(store: Store, s: _Seq) -> list[np.ndarray]:
     """The stored arrays of a sequence in stream order, as views of shared memory."""
     out = []
-    w = s.slot * store.layout.window_cells
+    w = store._wcell(s.slot, s.wbuf)
     for p in _parts(store.layout, s):
         if p.window:
             out.append((store._Kl, store._Vl)[p.region][p.layer][w : w + p.tokens])
@@ -770,34 +772,42 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
         if is_file and not reader.at_end():
             raise reader._fail(f"unexpected data after the last array (byte {reader.offset})")
         # everything checked: publish
-        next_id = store._hdr[_header.W_NEXT_ID]
-        for s, existing, start in plan:
-            cap = next(c for st_, c in taken if st_ == start)
-            assert s.tokens is not None and s.positions is not None
-            store._tokens[start : start + s.length] = s.tokens
-            store._positions[start : start + s.length] = s.positions
-            slot = existing if existing >= 0 else -1 - existing
-            row = store._row(slot)
-            with store._changing(row):
-                if existing < 0:
-                    store._reserve_window(slot)
-                w = slot * lay.window_cells
-                for (sid, r, layer), buf in windows.items():
-                    if sid == s.id:
-                        (store._Kl if r == 0 else store._Vl)[layer][w : w + buf.shape[0]] = buf
-                row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF] = start, cap, s.length, s.window_offset
-                if existing < 0:
-                    row[ID], row[LEASE_PID], row[ENC_SLOT] = s.id, 0, 0
-                    row[STATE] = LIVE
-                if s.encoder_length:
-                    store._set_encoder(row, s.encoder_length, enc_start[s.id], enc_slot[s.id])
-                else:
-                    store._drop_encoder(row)
-            next_id = max(next_id, s.id + 1)
-        store._hdr[_header.W_NEXT_ID] = next_id
-        # the prefix cache: finished flags, LRU order (oldest use first) and the index
-        for s, existing, _ in sorted(plan, key=lambda p: p[0].recency):
-            store._restored(existing if existing >= 0 else -1 - existing, s.finished, s.clean, s.meta)
+        # one atomic unit: after a crash, every sequence as it was (crash recovery in _store)
+        with store._unit():
+            next_id = store._hdr[_header.W_NEXT_ID]
+            for i, (s, existing, start) in enumerate(plan):
+                cap = next(c for st_, c in taken if st_ == start)
+                assert s.tokens is not None and s.positions is not None
+                store._tokens[start : start + s.length] = s.tokens
+                store._positions[start : start + s.length] = s.positions
+                slot = existing if existing >= 0 else -1 - existing
+                row = store._row(slot)
+                with store._changing(row):
+                    if existing < 0:
+                        store._reserve_window(slot)
+                        row[WBUF] = 0
+                    # a live sequence's window goes into its other buffer (its own stays intact)
+                    wb = 1 - row[WBUF] if existing >= 0 else 0
+                    w = store._wcell(slot, wb)
+                    for (sid, r, layer), buf in windows.items():
+                        if sid == s.id:
+                            (store._Kl if r == 0 else store._Vl)[layer][w : w + buf.shape[0]] = buf
+                    row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF] = start, cap, s.length, s.window_offset
+                    row[WBUF] = wb
+                    if existing < 0:
+                        row[ID], row[LEASE_PID], row[ENC_SLOT] = s.id, 0, 0
+                        row[STATE] = LIVE
+                    if s.encoder_length:
+                        store._set_encoder(row, s.encoder_length, enc_start[s.id], enc_slot[s.id])
+                    else:
+                        store._drop_encoder(row)
+                if i == 0:
+                    _crash.point("restore.published")
+                next_id = max(next_id, s.id + 1)
+            # the prefix cache: finished flags, LRU order (oldest use first) and the index
+            for s, existing, _ in sorted(plan, key=lambda p: p[0].recency):
+                store._restored(existing if existing >= 0 else -1 - existing, s.finished, s.clean, s.meta)
+            store._hdr[_header.W_NEXT_ID] = next_id  # inside the unit: rows back after a crash, ids not reused
     return [p[0].id for p in plan]
 
 

@@ -31,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _header, _lock, _segment
+from . import _crash, _dtypes, _header, _lock, _segment
 from ._header import (
+    WBUF,
     CAPACITY,
     CLIENT_WORDS,
     GEN,
@@ -182,7 +183,7 @@ class Store:
         self._Vl = list(self._V)
         self._full = [i for i in range(L) if i not in layout.bounded]
         self._wc = layout.window_cells
-        nb, WT = len(layout.bounded), layout.max_seqs * layout.window_cells
+        nb, WT = len(layout.bounded), 2 * layout.max_seqs * layout.window_cells  # two buffers a slot
         if nb:
             self._WK = np.frombuffer(dmm, dt, nb * WT * H * D, off.wk_off).reshape(nb, WT, H, D)
             self._WV = np.frombuffer(dmm, dt, nb * WT * H * D, off.wv_off).reshape(nb, WT, H, D)
@@ -199,6 +200,15 @@ class Store:
         self._KSl = list(self._KS) if self._KS is not None else None
         self._VSl = list(self._VS) if self._VS is not None else None
         self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
+        self._rows: dict[int, memoryview] = {}  # slot -> its row (see _row)
+        self._row_slot: dict[int, int] = {}  # id(row) -> slot
+        # crash recovery: the undo log (see "crash recovery" below) and this process's unit
+        self._undo_np = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.UNDO_WORDS, off.undo_off).reshape(
+            layout.max_seqs, _header.UNDO_WORDS)
+        self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
+                                     off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
+        self._unit_depth = 0
+        self._logged: set[int] = set()
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize | None = weakref.finalize(self, _close_segments, hseg, dseg)
         self._finalizer.atexit = False  # at exit the process closes them anyway
@@ -316,9 +326,15 @@ class Store:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        """The store lock, for structural operations."""
+        """The store lock, for structural operations. The outermost acquisition first rolls back
+        what a process that died holding it left half done (see "crash recovery")."""
         self._check_writable()
+        outer = not self._lock.is_held
         with self._lock.held(self.lock_timeout):
+            if outer and (self._hdr[_header.W_UNDO_COUNT] or self._unit_depth):
+                self._unit_depth = 0
+                self._logged.clear()
+                self._recover()
             yield
 
     def transaction(self) -> Any:
@@ -398,17 +414,123 @@ class Store:
         return int(hits[0])
 
     def _row(self, slot: int) -> memoryview:
-        return self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
+        """Row ``slot`` of the sequence table (one memoryview a slot, reused: _changing knows it)."""
+        row = self._rows.get(slot)
+        if row is None:
+            row = self._rows[slot] = self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
+            self._row_slot[id(row)] = slot
+        return row
+
+    # -- crash recovery ------------------------------------------------------------
+    #
+    # A process may die at any instruction (SIGKILL, OOM, a segfault), also inside a structural
+    # operation, with the store lock held; the kernel then releases the lock. The protocol that
+    # makes every such death leave the store exactly as before the operation:
+    #
+    # 1. Data is never written over committed cells that a row points to: new content goes into
+    #    cells no row points to (a fresh range; a sequence's other window buffer, see _header
+    #    WBUF; a range freed earlier in the same operation is never reused by it), and the rows
+    #    are switched to it at the end.
+    # 2. Before a row's words change, its old words (and its meta record) are appended to the
+    #    undo log in the header (_log_row), then the log's count is published (one word). All
+    #    the rows one operation changes (an "atomic unit": the outermost _changing bracket, or
+    #    _unit() around several) are logged; the count goes back to 0 when the unit ends.
+    # 3. Whoever next takes the store lock and finds a non-zero count (its writer is dead: it
+    #    held the lock) puts every logged row back (_recover), with an even generation above
+    #    any it had, so readers and writers see a change and reload. By (1), the cells the old
+    #    rows point to are intact. Odd generations left by a dead process are made even.
+    # 4. Frees inside a unit (evictions to make room) are complete on their own: their rows leave
+    #    the log when done, so a recovery never resurrects a row whose cells were then reused.
+    #
+    # Token ids, positions and hashes go with the cells (1). Counters (hits, evictions), the
+    # recency clock and the prefix index are not rolled back: they are statistics or hints
+    # that lookups verify. Named crash points (_crash.point) let the tests kill a process at
+    # every step of every operation.
 
     @contextmanager
-    def _changing(self, row: memoryview) -> Iterator[None]:
-        """Seqlock bracket around a structural change of one sequence (lock held)."""
-        row[GEN] += 1  # odd: readers wait
+    def _unit(self) -> Iterator[None]:
+        """An atomic unit: every row changed inside it is rolled back together after a crash."""
+        self._unit_depth += 1
         try:
             yield
         finally:
-            row[GEN] += 1
-            self._hdr[_header.W_GENERATION] += 1
+            self._unit_depth -= 1
+            if self._unit_depth == 0:
+                self._hdr[_header.W_UNDO_COUNT] = 0  # committed: the old rows are no longer needed
+                self._logged.clear()
+
+    def _log_row(self, slot: int) -> None:
+        """Append row ``slot``'s current words and meta record to the undo log (once per unit)."""
+        if slot in self._logged:
+            return
+        hdr = self._hdr
+        k = hdr[_header.W_UNDO_COUNT]
+        entry = self._undo_np[k]
+        entry[0] = slot
+        entry[1 : 1 + SEQ_WORDS] = self._table_np[slot]
+        entry[1 + SEQ_WORDS :] = self._meta_w[slot]
+        if k == 0:
+            hdr[_header.W_UNDO_PID] = os.getpid()
+            hdr[_header.W_UNDO_START] = _segment.process_start_time(os.getpid())
+        hdr[_header.W_UNDO_COUNT] = k + 1  # published after the entry
+        self._logged.add(slot)
+
+    def _forget(self, *slots: int) -> None:
+        """Drop completed rows from the undo log (a free inside a larger unit, see 4. above)."""
+        hdr = self._hdr
+        for slot in slots:
+            if slot not in self._logged:
+                continue
+            k = hdr[_header.W_UNDO_COUNT]
+            i = next(i for i in range(k) if self._undo_np[i, 0] == slot)
+            if i != k - 1:
+                self._undo_np[i] = self._undo_np[k - 1]  # the last entry moves into the gap first
+            hdr[_header.W_UNDO_COUNT] = k - 1
+            self._logged.discard(slot)
+
+    def _recover(self) -> int:
+        """Roll back the unit a dead process left (lock held); make odd generations even.
+        Returns the rows put back."""
+        hdr = self._hdr
+        k = hdr[_header.W_UNDO_COUNT]
+        t = self._table_np
+        for i in range(k):
+            entry = self._undo_np[i]
+            slot = int(entry[0])
+            if not 0 <= slot < self.layout.max_seqs:
+                continue
+            gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
+            row = self._row(slot)
+            row[GEN] = gen  # odd while it is put back
+            words = entry[1 : 1 + SEQ_WORDS].tolist()
+            for w, v in enumerate(words):
+                if w != GEN:
+                    row[w] = v
+            self._meta_w[slot] = entry[1 + SEQ_WORDS :]
+            row[GEN] = gen + 1
+        odd = np.flatnonzero(t[:, GEN] & 1)  # a bracket a dead process left open
+        for slot in odd.tolist():
+            self._row(slot)[GEN] += 1
+        hdr[_header.W_UNDO_COUNT] = 0
+        if k or odd.size:
+            hdr[_header.W_RECOVERIES] += 1
+            hdr[_header.W_GENERATION] += 1
+        self._slot_hint.clear()
+        return int(k)
+
+    @contextmanager
+    def _changing(self, row: memoryview) -> Iterator[None]:
+        """Seqlock bracket around a structural change of one sequence (lock held); the row is
+        logged for crash recovery and joins the current atomic unit (see above)."""
+        slot = self._row_slot[id(row)]
+        with self._unit():
+            self._log_row(slot)
+            row[GEN] += 1  # odd: readers wait
+            try:
+                yield
+            finally:
+                row[GEN] += 1
+                self._hdr[_header.W_GENERATION] += 1
 
     def _free_ranges(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
         """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order.
@@ -498,8 +620,10 @@ class Store:
         """Free a sequence's row and its encoder row (lock held). Its index entries become
         invalid by themselves (see _prefix)."""
         row = self._row(slot)
+        enc = row[ENC_SLOT] - 1
         with self._changing(row):
             self._drop_encoder(row)
+            _crash.point("free.row")
             row[STATE] = 0
             row[LENGTH] = 0
             row[CAPACITY] = 0
@@ -508,6 +632,8 @@ class Store:
             row[FLAGS] = 0
             row[IDX_BLOCKS] = 0
             self._meta[slot, :8] = 0
+        # complete: out of the undo log, so the unit's later use of its cells stays safe (rule 4)
+        self._forget(slot, *([enc] if enc >= 0 else []))
 
     def _set_meta(self, slot: int, packed: bytes) -> None:
         """Write a sequence's packed metadata (lock held, row changing)."""
@@ -573,18 +699,23 @@ class Store:
         if not wc:
             return
         cb = off.cell_bytes
-        self._dseg.reserve([(base + j * off.w_stride + slot * wc * cb, wc * cb)
+        self._dseg.reserve([(base + j * off.w_stride + 2 * slot * wc * cb, 2 * wc * cb)  # both buffers
                             for base in (off.wk_off, off.wv_off) for j in range(len(self.layout.bounded))])
+
+    def _wcell(self, slot: int, wbuf: int) -> int:
+        """First cell of window buffer ``wbuf`` (0 or 1) of ``slot`` in the bounded layers' arrays."""
+        return (2 * slot + wbuf) * self._wc
 
     def _set_encoder(self, parent: memoryview, n: int, start: int | None = None, slot: int | None = None) -> int:
         """Give the sequence on ``parent`` a fresh encoder row of ``n`` cells (lock held, parent
         changing); the old one is freed. ``start``: a range already reserved for it.
         Returns the new range's first cell."""
-        self._drop_encoder(parent)
+        # the new row and range first, then the old encoder goes: its cells are not reused here
         if slot is None:
             slot = self._free_slot("an encoder cache")
         if start is None:
             start = self._alloc(max(n, 1), all_layers=True)
+        self._drop_encoder(parent)
         row = self._row(slot)
         with self._changing(row):
             row[ID], row[START], row[CAPACITY], row[LENGTH] = parent[ID], start, max(n, 1), n
@@ -607,16 +738,29 @@ class Store:
                 for layer in range(self.layout.layers):
                     np.copyto(arr[layer, dst : dst + n], arr[layer, src : src + n])
 
-    def _copy_window(self, src_slot: int, src_first: int, dst_slot: int, dst_first: int, n: int) -> None:
-        """Copy n cells of every bounded layer between window buffers (overlap-safe)."""
-        if n <= 0:
-            return
-        a, b = src_slot * self._wc + src_first, dst_slot * self._wc + dst_first
-        if a == b:
+    def _copy_window(self, a: int, b: int, n: int) -> None:
+        """Copy n cells from cell a to cell b of every bounded layer's window array."""
+        if n <= 0 or a == b:
             return
         for layer in self.layout.bounded:
             for arr in (self._Kl[layer], self._Vl[layer]):
                 np.copyto(arr[b : b + n], arr[a : a + n])
+
+    def _rewrite(self, slot: int, full: list[tuple[int, int, int]], window: list[tuple[int, int, int]],
+                 capacity: int | None = None, protect: int = -1) -> tuple[int, int]:
+        """New content for a sequence, written where no row points (crash recovery, rule 1):
+        ``full`` parts (src token, dst token, n) into a fresh range of ``capacity`` cells (default:
+        the same), ``window`` parts (src, dst, n) as offsets into the slot's active and other window
+        buffers. Returns (new start, new WBUF) for the caller to switch the row to (lock held)."""
+        row = self._row(slot)
+        start, wb = row[START], row[WBUF]
+        new_start = self._alloc(row[CAPACITY] if capacity is None else capacity, evict=True, protect=protect)
+        for src, dst, n in full:
+            self._copy_cells(start + src, new_start + dst, n)
+        a0, b0 = self._wcell(slot, wb), self._wcell(slot, 1 - wb)
+        for src, dst, n in window:
+            self._copy_window(a0 + src, b0 + dst, n)
+        return new_start, 1 - wb
 
     def _copy_cells(self, src: int, dst: int, n: int) -> None:
         """Copy n cells of every layer, token id and position (lock held; overlap-safe)."""
@@ -696,27 +840,32 @@ class Store:
                 slot, start = self._new_row(capacity, protect=_protect)
             row = self._row(slot)
             seq_id = self._hdr[_header.W_NEXT_ID]
-            self._hdr[_header.W_NEXT_ID] = seq_id + 1
-            with self._changing(row):
-                row[ID] = seq_id
-                row[START] = start
-                row[CAPACITY] = max(capacity, n)
-                row[LENGTH] = 0
-                row[WIN_OFF] = 0
-                row[ENC_SLOT] = 0
-                row[FLAGS] = 0
-                row[IDX_BLOCKS] = 0
-                row[CLEAN] = -1
-                self._meta[slot, :8] = 0
-                self._touch(row)
-                row[LEASE_START] = _segment.process_start_time(os.getpid())
-                row[LEASE_TOKEN] = token
-                row[LEASE_PID] = os.getpid()
-                row[STATE] = LIVE
+            self._hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
+            with self._unit():  # the row and its prefix: both, or after a crash neither
+                with self._changing(row):
+                    row[ID] = seq_id
+                    row[START] = start
+                    row[CAPACITY] = max(capacity, n)
+                    row[LENGTH] = 0
+                    row[WIN_OFF] = 0
+                    row[WBUF] = 0
+                    row[ENC_SLOT] = 0
+                    _crash.point("create.row")
+                    row[FLAGS] = 0
+                    row[IDX_BLOCKS] = 0
+                    row[CLEAN] = -1
+                    self._meta[slot, :8] = 0
+                    self._touch(row)
+                    row[LEASE_START] = _segment.process_start_time(os.getpid())
+                    row[LEASE_TOKEN] = token
+                    row[LEASE_PID] = os.getpid()
+                    row[STATE] = LIVE
+                if n:
+                    self._copy_prefix_rows(donor, slot, n)
+                    _crash.point("create.copied")
             if toks is not None:
                 hdr = self._hdr
                 if n:
-                    self._copy_prefix_rows(donor, slot, n)
                     self._touch(self._row(donor))
                     hdr[_header.W_PREFIX_HITS] += 1
                     hdr[_header.W_PREFIX_REUSED] += n
@@ -778,7 +927,8 @@ class Store:
                 self._touch(row)
             row[LEASE_START] = _segment.process_start_time(os.getpid())
             row[LEASE_TOKEN] = token
-            row[LEASE_PID] = os.getpid()
+            _crash.point("lease.taken")
+            row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands
         return Sequence(self, int(seq_id), slot, write=True, token=token)
 
     def _writer_for(self, seq_id: int) -> Any:
@@ -849,11 +999,20 @@ class Store:
                 f"a prefix of n={n} needs tokens from {need} on"
             )
         lo = max(s_off, n - self.layout.keep, 0)  # what the next tokens need, from what src holds
+        src_win = self._wcell(s_slot, s_row[WBUF]) + lo - s_off
         with self._changing(d_row):
-            if n > d_row[CAPACITY]:
-                self._relocate(d_slot, d_row, n, keep=0, protect=s_slot)
-            self._copy_cells(s_row[START], d_row[START], n)
-            self._copy_window(s_slot, lo - s_off, d_slot, 0, n - lo)
+            if d_row[LENGTH] == 0 and n <= d_row[CAPACITY]:
+                # dst holds nothing committed: its own cells and window buffer are free to write
+                self._copy_cells(s_row[START], d_row[START], n)
+                self._copy_window(src_win, self._wcell(d_slot, d_row[WBUF]), n - lo)
+                _crash.point("copy_prefix.copied")
+            else:  # never over dst's committed cells: a fresh range and dst's other window buffer
+                new_start = self._alloc(max(n, d_row[CAPACITY]), evict=True, protect=s_slot)
+                self._copy_cells(s_row[START], new_start, n)
+                wb = 1 - d_row[WBUF]
+                self._copy_window(src_win, self._wcell(d_slot, wb), n - lo)
+                _crash.point("copy_prefix.copied")
+                d_row[START], d_row[CAPACITY], d_row[WBUF] = new_start, max(n, d_row[CAPACITY]), wb
             d_row[WIN_OFF] = lo if self.layout.bounded else 0
             d_row[LENGTH] = n
             clean = s_row[CLEAN]
@@ -880,8 +1039,9 @@ class Store:
                 self._reserve(start + cap, want - cap)
                 row[CAPACITY] = want
                 return
-            if before[1] + cap + after[1] >= want:
-                new_start = max(before[0], start + cap + after[1] - want)
+            new_start = max(before[0], start + cap + after[1] - want)
+            if before[1] + cap + after[1] >= want and new_start + keep <= start:
+                # slide down into free cells before it, never over its own committed cells
                 self._reserve(new_start, want)
                 self._copy_cells(start, new_start, keep)  # overlapping: numpy buffers it
                 row[START], row[CAPACITY] = new_start, want
@@ -892,7 +1052,10 @@ class Store:
             except CacheFullError:
                 continue
             self._copy_cells(start, new_start, keep)
-            row[START], row[CAPACITY] = new_start, want
+            _crash.point("grow.copied")
+            row[START] = new_start
+            _crash.point("grow.switched")
+            row[CAPACITY] = want
             return
         raise CacheFullError(
             f"store {self.name!r}: sequence {row[ID]} needs {needed} token cells and no free range "
@@ -956,7 +1119,7 @@ class Store:
             largest_free_range=max((s for _, s in gaps), default=0),
             bytes_per_token=bpt,
             bytes_used=tokens * bpt + kept * wbytes + enc_tokens * enc_bpt,
-            bytes_reserved=reserved * bpt + int(live.shape[0]) * self._wc * wbytes
+            bytes_reserved=reserved * bpt + int(live.shape[0]) * 2 * self._wc * wbytes
             + int(encoders[:, CAPACITY].sum()) * enc_bpt,
             encoder_tokens=enc_tokens,
             window_tokens=kept,

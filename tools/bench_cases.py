@@ -361,8 +361,10 @@ def bench_handoff(quick: bool) -> Figures:
 
 def bench_copy_prefix(quick: bool) -> Figures:
     L, H, D, n = 16, 8, 128, (1024 if quick else 2048)
+    # 3 n cells: copy_prefix into a sequence that holds tokens writes a fresh range, then switches
+    # (crash safety: never over committed cells), so it needs n free cells while it runs
     store = _store.create(unique_name("bc"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
-                          max_tokens=2 * n, max_seqs=2)
+                          max_tokens=3 * n, max_seqs=2)
     try:
         rng = np.random.default_rng(2)
         src = store.create_sequence(capacity=n)

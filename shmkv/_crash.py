@@ -1,0 +1,52 @@
+"""Named crash points: where the crash tests kill a process inside a structural operation.
+
+``point(name)`` does nothing unless the environment variable ``SHMKV_CRASH_AT`` named it
+when shmkv was imported (``name`` or ``name:k``, the k-th time the point is reached), and
+then SIGKILLs the process on the spot, as the OOM killer would. Read once at import: the
+hot path pays one call of a no-op function, only inside structural operations.
+
+Every point is listed in ``POINTS``; tests/test_crash.py kills a child at each of them
+and checks the store from another process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = (
+    "create.row",  # create_sequence: the new row half written
+    "create.copied",  # create_sequence(prefix=): the prefix copied in, row not yet switched
+    "free.row",  # free / eviction: the row half cleared
+    "truncate.row",  # truncate: the length changed, the rest not
+    "grow.copied",  # growth by a move: data copied to the new range, the row not switched
+    "grow.switched",  # growth: START switched, CAPACITY not
+    "copy_prefix.copied",  # copy_prefix into a sequence holding tokens: copied, not switched
+    "fork.child",  # fork: the child created, the copy not done
+    "remove.copied",  # remove: the rewritten content in place, the row not switched
+    "shift_left.copied",
+    "compact.copied",  # a sliding window's compaction: the other buffer written
+    "set_encoder.written",  # set_encoder: the new encoder written, the parent not switched
+    "restore.published",  # restore: some rows published, not all, next id not advanced
+    "lease.taken",  # lease take-over: pid written, start time and token not
+    "finish.flagged",
+)
+
+_spec = os.environ.get("SHMKV_CRASH_AT", "")
+_name, _, _count = _spec.partition(":")
+_left = int(_count or 1)
+
+
+def _armed(name: str) -> None:
+    global _left
+    if name == _name:
+        _left -= 1
+        if _left <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _noop(name: str) -> None:
+    return None
+
+
+point = _armed if _name else _noop
