@@ -346,8 +346,8 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(
-        seq_off, client_off, index_off, slots, meta_off, undo_off, header_bytes, k_off, v_off, tokens_off, positions_off,
-        hashes_off,
+        seq_off, client_off, index_off, slots, meta_off, undo_off, header_bytes, k_off, v_off, tokens_off,
+        positions_off, hashes_off,
         wk_off, wv_off, w_stride,
         ks_off, vs_off,
         scale_stride, data_bytes, layer_stride, cell_bytes,

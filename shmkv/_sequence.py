@@ -144,8 +144,16 @@ class Sequence:
                     return start, cap, length, woff
             if i > 50:
                 time.sleep(0)
-        with self._store._locked() if not self._store.readonly else _nolock():
-            return self._span_unlocked()
+        with self._store._reading():
+            return self._span_settled()
+
+    def _span_settled(self) -> tuple[int, int, int, int]:
+        """The row's span under _reading (read-only attachments see a dead operation rolled back)."""
+        r = self._store._settled_row(self._slot)
+        if r[STATE] != LIVE or r[ID] != self.id:
+            raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
+        self._wbase = (2 * self._slot + r[WBUF]) * self._wc
+        return r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF]
 
     def _span_unlocked(self) -> tuple[int, int, int, int]:
         row = self._row
@@ -430,6 +438,12 @@ class Sequence:
                 if row[GEN] == g:
                     break
             time.sleep(0)
+        else:  # a structural change ran all along: wait it out (never a silently empty result)
+            with st._reading():
+                r = st._settled_row(self._slot)
+                enc = r[ENC_SLOT]
+                e = st._settled_row(enc - 1) if enc else None
+                a, n = (e[START], e[LENGTH]) if e is not None else (0, 0)
         ks = st._KS[layer, a : a + n] if st._KS is not None else None
         vs = st._VS[layer, a : a + n] if st._VS is not None else None
         return self._decode(st._K[layer, a : a + n], ks), self._decode(st._V[layer, a : a + n], vs)
@@ -1011,8 +1025,8 @@ class Sequence:
             v = np.array(self._view("v", layer, lo, hi))
             if row[GEN] == g:
                 return k, v
-        with self._store._locked():
-            start, _, length, woff = self._span_unlocked()
+        with self._store._reading():  # read-only attachments too: a shared lock (crash recovery)
+            start, _, length, woff = self._span_settled()
             lo, hi = self._cells(layer, start, woff, self._first(layer, woff), length)
             return np.array(self._view("k", layer, lo, hi)), np.array(self._view("v", layer, lo, hi))
 
@@ -1169,14 +1183,6 @@ def _taint(row: memoryview, n: int) -> None:
     row[CLEAN] = n if clean < 0 else min(clean, n)
     row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
     row[FLAGS] |= NOINDEX
-
-
-class _nolock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def visible_from(layout: Any, layer: int, p: Any) -> Any:

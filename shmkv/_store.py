@@ -337,6 +337,27 @@ class Store:
                 self._recover()
             yield
 
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """What a reader that must wait out a structural change holds: the store lock on a
+        read-write attachment (which also recovers), a shared lock on a read-only one (no write
+        access needed; LockTimeout after lock_timeout). Rows are then read with _settled_row."""
+        self._check_open()
+        if not self.readonly:
+            with self._locked():
+                yield
+            return
+        with self._lock.held(self.lock_timeout, shared=True):
+            yield
+
+    def _settled_row(self, slot: int) -> list[int]:
+        """Row ``slot``'s words once a dead process's operation is rolled back (under _reading):
+        a read-only reader cannot roll back, so it reads the logged old words (crash recovery)."""
+        for i in range(self._hdr[_header.W_UNDO_COUNT]):
+            if self._undo_np[i, 0] == slot:
+                return self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()  # type: ignore[no-any-return]
+        return self._table_np[slot].tolist()  # type: ignore[no-any-return]
+
     def transaction(self) -> Any:
         """Hold the store lock across several structural operations (a context manager)."""
         return self._locked()
