@@ -102,6 +102,11 @@ def verify(store: Store) -> list[str]:
     """Check the header's invariants; return the problems found (empty: all good)."""
     problems = []
     lay = store.layout
+    pending = int(store._hdr[_header.W_UNDO_COUNT])
+    if pending:
+        pid = int(store._hdr[_header.W_UNDO_PID])
+        problems.append(f"a structural operation of pid {pid} left {pending} row(s) to roll back (it died, or is "
+                        "running now): `shmkv verify --repair NAME` (or any structural operation) rolls it back")
     t = store._table_np.copy()
     live = t[t[:, _header.STATE] == _header.LIVE]
     if not np.isin(t[:, _header.STATE], (0, _header.LIVE, _header.ENCODER)).all():
@@ -267,6 +272,9 @@ def _cmd_gc(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
+    if a.repair:  # take the store lock once: the lock holder rolls back what a dead process left
+        with attach(a.name) as s, s.transaction():
+            pass
     with attach(a.name, readonly=True) as s:
         problems = verify(s)
     if a.json:
@@ -426,6 +434,8 @@ def _parser() -> argparse.ArgumentParser:
     sp = add("gc", _cmd_gc, "remove stores whose creator and clients are dead", True)
     sp.add_argument("--all", action="store_true", help="persistent stores too")
     sp = add("verify", _cmd_verify, "check a store's header invariants (exit 1 on a problem)", True)
+    sp.add_argument("--repair", action="store_true",
+                    help="first take the store lock: roll back an operation a dead process left half done")
     sp.add_argument("name")
     sp = add("snapshot", _cmd_snapshot, "save a store periodically, keeping the newest K files")
     sp.add_argument("name")

@@ -150,3 +150,20 @@ def test_reader_on_a_read_only_attachment_through_long_structural_operations(mak
     assert got["reads"] > 0
     if lock_timeout >= 1:
         assert got["timeouts"] == 0  # only LockTimeout may fail a read, and only when the timeout is short
+
+
+def test_verify_reports_a_dead_operation_and_repair_rolls_it_back(make_store, tmp_path):
+    store = make_store(**LAYOUT)
+    ids = base(store)
+    env = {**os.environ, "SHMKV_CRASH_AT": "remove.copied",
+           "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "_crash_children.py"), store.name, "remove.copied",
+                        json.dumps(ids), str(tmp_path / "x")], env=env, capture_output=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    shmkv_bin = os.path.join(os.path.dirname(sys.executable), "shmkv")
+    r = subprocess.run([shmkv_bin, "verify", store.name], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "left 1 row(s) to roll back" in r.stdout and "odd" in r.stdout
+    r = subprocess.run([shmkv_bin, "verify", "--repair", store.name], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert int(store._hdr[_header.W_RECOVERIES]) == 1
+    state(store)
