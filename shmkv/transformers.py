@@ -265,10 +265,11 @@ class ShmkvCache(Cache):
         return cache
 
     @classmethod
-    def attach(cls, name: str, seq_ids: _Seq[int], *, capacity: int | None = None) -> ShmkvCache:
+    def attach(cls, name: str, seq_ids: _Seq[int] | None = None, *, capacity: int | None = None) -> ShmkvCache:
         """Continue sequences ``seq_ids`` of store ``name`` (typically in another process).
 
-        Attaches to the store (this cache's ``close()`` detaches) and takes every lease.
+        Attaches to the store (this cache's ``close()`` detaches) and takes every lease;
+        ``seq_ids=None`` starts new sequences there, as ``ShmkvCache(store)`` does.
         """
         store = attach(name)
         try:
@@ -439,7 +440,8 @@ class ShmkvCache(Cache):
         n = min(self._length, w - 1) if w else self._length
         dtype = self._dtype or torch.float32
         rows = [_to_torch(a[len(a) - n:], dtype) for a in (s.kv(layer)[which] for s in self._seqs)]
-        return torch.stack(rows).permute(0, 2, 1, 3)
+        out = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)  # batch 1: zero-copy
+        return out.permute(0, 2, 1, 3)
 
     # -- what transformers asks of a cache ---------------------------------------------
 
