@@ -380,29 +380,34 @@ class ShmkvCache(Cache):
             )
         seqs = self._seqs
         assert seqs is not None
-        ks = [_to_numpy(key_states[b].transpose(0, 1)) for b in range(len(seqs))]  # [q, kv_heads, head_dim]
-        vs = [_to_numpy(value_states[b].transpose(0, 1)) for b in range(len(seqs))]
+        kn = _to_numpy(key_states.transpose(1, 2))  # [batch, q, kv_heads, head_dim] views
+        vn = _to_numpy(value_states.transpose(1, 2))
         w = self._windows[layer]
         keep = fwd.q + (min(self._length, w - 1) if w else self._length)  # get_mask_sizes' kv_len
-        outs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         dtype = key_states.dtype
         if fwd.deferred:
-            fwd.stash[layer] = (ks, vs)
-            for s, k, v in zip(seqs, ks, vs, strict=True):
-                for out, held, new in zip(outs, s.kv(layer), (k, v), strict=True):
-                    held_t = _to_torch(held[len(held) - (keep - fwd.q):], dtype)
-                    out.append(torch.cat([held_t, _to_torch(new, dtype)]))
-        else:
-            for s, k, v in zip(seqs, ks, vs, strict=True):
-                for out, a in zip(outs, s.append(layer, k, v), strict=True):
-                    out.append(_to_torch(a[len(a) - keep:], dtype))
+            fwd.stash[layer] = (list(kn), list(vn))
+            kl, vl = [], []
+            for s in seqs:
+                held_k, held_v = s.kv(layer)
+                kl.append(held_k[len(held_k) - (keep - fwd.q):])
+                vl.append(held_v[len(held_v) - (keep - fwd.q):])
+            k_out = torch.cat([_to_torch(np.stack(kl), dtype), _to_torch(kn, dtype)], 1)
+            v_out = torch.cat([_to_torch(np.stack(vl), dtype), _to_torch(vn, dtype)], 1)
+        elif len(seqs) == 1:  # zero-copy views of the cells
+            ka, va = seqs[0].append(layer, kn[0], vn[0])
+            k_out = _to_torch(ka[len(ka) - keep:], dtype).unsqueeze(0)
+            v_out = _to_torch(va[len(va) - keep:], dtype).unsqueeze(0)
+        else:  # one gather per layer, as DynamicCache's torch.cat
+            kl, vl = [], []
+            for s, k, v in zip(seqs, kn, vn, strict=True):
+                ka, va = s.append(layer, k, v)
+                kl.append(ka[len(ka) - keep:])
+                vl.append(va[len(va) - keep:])
+            k_out, v_out = _to_torch(np.stack(kl), dtype), _to_torch(np.stack(vl), dtype)
         fwd.next = layer + 1
         if fwd.next == self._layout.layers:
             self._commit(fwd)
-        if len(seqs) == 1:
-            k_out, v_out = outs[0][0].unsqueeze(0), outs[1][0].unsqueeze(0)
-        else:
-            k_out, v_out = torch.stack(outs[0]), torch.stack(outs[1])
         k_out, v_out = k_out.permute(0, 2, 1, 3), v_out.permute(0, 2, 1, 3)
         if key_states.device.type != "cpu":
             k_out, v_out = k_out.to(key_states.device), v_out.to(key_states.device)
@@ -414,12 +419,18 @@ class ShmkvCache(Cache):
         assert seqs is not None
         if fwd.deferred:
             step = self._layout.step
-            for a in range(0, fwd.q, step):
-                for row, s in enumerate(seqs):
-                    for layer, stash in enumerate(fwd.stash):
-                        assert stash is not None
-                        s.append(layer, stash[0][row][a : a + step], stash[1][row][a : a + step])
-                    s.commit()
+            try:
+                for a in range(0, fwd.q, step):
+                    for row, s in enumerate(seqs):
+                        for layer, stash in enumerate(fwd.stash):
+                            assert stash is not None
+                            s.append(layer, stash[0][row][a : a + step], stash[1][row][a : a + step])
+                        s.commit()
+            except BaseException:  # e.g. CacheFullError: every row back to where the forward began
+                self._fwd = None
+                for s in seqs:
+                    s.truncate(min(s.length, self._length))
+                raise
         else:
             for s in seqs:
                 s.commit()
