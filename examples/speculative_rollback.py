@@ -1,5 +1,10 @@
 """Speculative decoding: verify a draft in one pass, keep the accepted prefix, truncate the rest.
 
+A "draft model" proposes 4 tokens (right about 70% of the time); the target
+model runs them in one forward pass, the accepted prefix stays and
+``seq.truncate`` rolls the rejected tokens back. The result is exactly what
+plain greedy decoding gives.
+
 Run: python examples/speculative_rollback.py
 """
 
@@ -8,44 +13,41 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from toymodel import STORE_LAYOUT, Model, SeqCache, encode, reference_generate
 
 import shmkv
-from shmkv._model import Model, SeqCache, encode, reference_generate
+
+NEW_TOKENS = 16
 
 
 def main() -> None:
     model = Model()
-    cfg = model.cfg
     rng = np.random.default_rng(7)
+    prompt = encode("Speculate: ")
+    truth = reference_generate(prompt, NEW_TOKENS + 4, model)  # plain greedy, no shmkv
     name = f"spec{os.getpid()}"
-    with shmkv.create(name, layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                      dtype="float32") as store:
-        seq = store.create_sequence(capacity=256)
-        prompt = encode("Speculate: ")
+    with shmkv.create(name, max_tokens=256, **STORE_LAYOUT) as store:
+        seq = store.create_sequence(capacity=len(prompt) + NEW_TOKENS + 4)
         logits = model.forward(SeqCache(seq), prompt, np.arange(len(prompt)))
         seq.commit(tokens=prompt)
-        truth = reference_generate(model, np.zeros(0, np.int64), prompt, 24)  # plain greedy, no shmkv
         out: list[int] = []
-        while len(out) < 16:
-            # a "draft model" that is right 70% of the time; the first token is the target's own
-            greedy = int(np.argmax(logits))
+        while len(out) < NEW_TOKENS:
+            # the draft: the target's own next token, then 3 guesses that are right ~70% of the time
             guess = truth[len(out) + 1 : len(out) + 4]
-            draft = [greedy] + [t if rng.random() < 0.7 else (t + 1) % 256 for t in guess]
-            pos = np.arange(seq.length, seq.length + len(draft))
-            all_logits = model.forward(SeqCache(seq), np.array(draft), pos, all_logits=True)
+            draft = [int(np.argmax(logits[-1]))] + [t if rng.random() < 0.7 else (t + 1) % 64 for t in guess]
+            pos = np.arange(len(seq), len(seq) + len(draft))
+            all_logits = model.forward(SeqCache(seq), draft, pos)  # the whole draft in one pass
             seq.commit(tokens=draft, positions=pos)
             keep = 1
             while keep < len(draft) and int(np.argmax(all_logits[keep - 1])) == draft[keep]:
                 keep += 1
-            seq.truncate(seq.length - len(draft) + keep)  # roll back the rejected tokens
+            seq.truncate(len(seq) - len(draft) + keep)  # roll the rejected tokens back
             out += draft[:keep]
-            logits = all_logits[keep - 1]  # causal: the kept tokens' logits do not see the rejected ones
-            print(f"drafted {len(draft)}, accepted {keep}, length {seq.length}")
-        out = out[:16]
-        # rollback left exactly what plain greedy decoding produces
-        assert out == truth[:16], (out, truth[:16])
-        assert seq.positions.tolist() == list(range(seq.length))
-        print("tokens equal plain greedy decoding:", out)
+            logits = all_logits[:keep]  # causal: the kept tokens' logits never saw the rejected ones
+            print(f"drafted {len(draft)}, accepted {keep}, length {len(seq)}")
+        assert out[:NEW_TOKENS] == truth[:NEW_TOKENS], (out, truth)
+        assert seq.positions.tolist() == list(range(len(seq)))
+        print("tokens equal plain greedy decoding:", out[:NEW_TOKENS])
 
 
 if __name__ == "__main__":

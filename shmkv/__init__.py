@@ -23,6 +23,7 @@ from .errors import (
     StoreClosedError,
     StoreExistsError,
     StoreNotFound,
+    WaitTimeout,
 )
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
     "StoreExistsError",
     "StoreNotFound",
     "StoreStats",
+    "WaitTimeout",
     "__version__",
     "attach",
     "create",

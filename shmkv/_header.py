@@ -29,11 +29,22 @@ Header segment ``/dev/shm/skv_NAME.h``::
     136                  1      chunk (chunked layers; 0 = none)
     144                  1      memory (extra tokens kept by sliding layers)
     152                  1      layout checksum (crc32 of the fixed words 5..14, 16..18, layer kinds)
-    160 .. 511                  reserved (zero)
+    160 .. 255                  reserved (zero)
+    256                  1      prefix_hits      (creates with a prefix that reused tokens; all processes)
+    264                  1      prefix_misses    (creates with a prefix that reused none)
+    272                  1      prefix_tokens_reused
+    280                  1      evictions        (finished sequences evicted to make room)
+    288                  1      recency clock    (bumped under the lock; rows take its value as their recency)
+    296                  1      prefix index slots (a power of two; see _prefix)
+    304                  1      prefix index slots in use (valid or not; a rebuild recounts)
+    312 .. 511                  reserved (zero)
     512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
                                   padded to 8 bytes
     SEQ_OFF              16 x max_seqs    sequence table, one 128-byte row a sequence
     CLIENT_OFF           4 x max_clients  client table, one 32-byte row a process
+    INDEX_OFF            4 x index slots  prefix index, one 32-byte entry a slot (see _prefix)
+    META_OFF             65 x max_seqs    per-sequence metadata (seq.meta), one 520-byte record a row:
+                                          a word with the msgpack length, then up to META_BYTES bytes
 
 Sequence row (int64 words)::
 
@@ -52,7 +63,14 @@ Sequence row (int64 words)::
     10 ENC_SLOT    1 + the slot of this sequence's encoder (cross-attention) row, 0 = none.
                    An encoder row has STATE 2 and ID = its sequence's id; its range holds
                    position-independent K/V of every layer (LENGTH tokens)
-    11..15         reserved
+    11 FLAGS       bit 0 FINISHED: done, kept as a cached prefix, evictable (seq.finish());
+                   bit 1 NOINDEX: blocks from IDX_BLOCKS on cannot be indexed (a token id -1, or
+                   tokens moved by remove/shift_left) until a truncate below them
+    12 RECENCY     the recency clock's value at the last use (create, reuse as donor, finish)
+    13 IDX_BLOCKS  whole 16-token blocks of this sequence that are in the prefix index
+    14 CLEAN       tokens [0, CLEAN) are a faithful computation from position 0 (a donor may
+                   give them); -1 = all of them. remove() lowers it: moved keys were re-rotated
+    15             reserved
 
 Client row: pid, start time, flags (1 = read-write), reserved.
 
@@ -62,6 +80,8 @@ Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned)::
     V          [layers, max_tokens, kv_heads, head_dim]  (bfloat16: uint16 bits; int8: codes)
     tokens     [max_tokens] int64   token id per cell (-1 = none given)
     positions  [max_tokens] int64   position per cell
+    hashes     [max_tokens] int64   at the last cell of each whole 16-token block of a sequence:
+                                    the chained prefix hash of tokens 0..that cell (see _prefix_hash)
     WK, WV     [bounded layers, max_seqs * window_cells, kv_heads, head_dim]: sliding and
                chunked layers keep their recent tokens here, in a buffer per sequence slot
                (slot * window_cells ...); their slices of K and V above stay unused (no pages)
@@ -85,23 +105,36 @@ from . import _dtypes
 from .errors import CorruptStoreError, InvalidArgumentError, LayoutMismatchError
 
 MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: prefix cache (counters, row flags, index, hashes region)
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
 W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS = 5, 6, 7, 8, 9
 W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_START = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
+W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
+W_INDEX_USED = 38
 FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 
 # sequence row columns
 STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
+FLAGS, RECENCY, IDX_BLOCKS, CLEAN = 11, 12, 13, 14
+FINISHED, NOINDEX = 1, 2  # FLAGS bits
 LIVE, ENCODER = 1, 2  # STATE values (0: free slot)
 SEQ_WORDS = 16
 # client row columns
 C_PID, C_START, C_FLAGS = 0, 1, 2
 CLIENT_WORDS = 4
+INDEX_WORDS = 4  # prefix index entry: hash, sequence id, slot, block
+META_BYTES = 512  # packed seq.meta at most
+META_RECORD = 8 + META_BYTES
+
+
+def index_slots(layout: Layout) -> int:
+    """Entries of the prefix index: a power of two, at least twice the blocks the arena can hold."""
+    need = 2 * (layout.max_tokens // 16 + layout.max_seqs)
+    return max(64, 1 << (need - 1).bit_length())
 
 LAYER_KINDS = ("full", "sliding", "chunked")
 MAX_LAYERS = 4096
@@ -233,11 +266,15 @@ class Offsets:
 
     seq_off: int
     client_off: int
+    index_off: int
+    index_slots: int
+    meta_off: int
     header_bytes: int
     k_off: int
     v_off: int
     tokens_off: int
     positions_off: int
+    hashes_off: int
     wk_off: int  # bounded layers' K buffers: [n_bounded, max_seqs * window_cells, kv_heads, head_dim]
     wv_off: int
     w_stride: int  # bytes between bounded layers inside a window region
@@ -252,7 +289,10 @@ class Offsets:
 def offsets(layout: Layout, max_clients: int) -> Offsets:
     seq_off = LAYER_KINDS_OFF + _align(layout.layers)
     client_off = seq_off + layout.max_seqs * SEQ_WORDS * 8
-    header_bytes = client_off + max_clients * CLIENT_WORDS * 8
+    index_off = client_off + max_clients * CLIENT_WORDS * 8
+    slots = index_slots(layout)
+    meta_off = index_off + slots * INDEX_WORDS * 8
+    header_bytes = meta_off + layout.max_seqs * META_RECORD
     page = mmap.PAGESIZE
     cell_bytes = layout.cell_items * _dtypes.itemsize(layout.dtype)
     layer_stride = layout.max_tokens * cell_bytes
@@ -262,13 +302,15 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     positions_off = _align(tokens_off + layout.max_tokens * 8, page)
     scale_stride = layout.max_tokens * layout.kv_heads * 4 if layout.dtype == "int8" else 0
     w_stride = layout.max_seqs * layout.window_cells * cell_bytes
-    wk_off = _align(positions_off + layout.max_tokens * 8, page)
+    hashes_off = _align(positions_off + layout.max_tokens * 8, page)
+    wk_off = _align(hashes_off + layout.max_tokens * 8, page)
     wv_off = _align(wk_off + len(layout.bounded) * w_stride, page)
     ks_off = _align(wv_off + len(layout.bounded) * w_stride, page)
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(
-        seq_off, client_off, header_bytes, k_off, v_off, tokens_off, positions_off, wk_off, wv_off, w_stride,
+        seq_off, client_off, index_off, slots, meta_off, header_bytes, k_off, v_off, tokens_off, positions_off, hashes_off,
+        wk_off, wv_off, w_stride,
         ks_off, vs_off,
         scale_stride, data_bytes, layer_stride, cell_bytes,
     )
@@ -303,6 +345,7 @@ def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, m
     words[W_WINDOW] = layout.window
     words[W_CHUNK] = layout.chunk
     words[W_MEMORY] = layout.memory
+    words[W_INDEX_SLOTS] = off.index_slots
     kinds = bytes(LAYER_KINDS.index(k) for k in layout.layer_types)
     raw[LAYER_KINDS_OFF : LAYER_KINDS_OFF + len(kinds)] = np.frombuffer(kinds, np.uint8)
     words[W_CHECKSUM] = _checksum(words, kinds)

@@ -15,13 +15,20 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import numpy as np
 
 from . import _dtypes, _quant, _segment
-from ._header import CAPACITY, ENC_SLOT, GEN, ID, LEASE_PID, LEASE_TOKEN, LENGTH, LIVE, START, STATE, WIN_OFF
+from ._header import (
+    CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, IDX_BLOCKS, LEASE_PID, LEASE_TOKEN, LENGTH, LIVE, NOINDEX,
+    START, STATE, WIN_OFF,
+)
+from ._header import META_BYTES
+from ._prefix_hash import BLOCK
+from .errors import LockTimeout
 from ._store import _count, _live_writers
 from .errors import (
     CacheFullError,
@@ -80,12 +87,10 @@ class Sequence:
         self._L = lay.layers
         self._cell = (lay.kv_heads, lay.head_dim)
         self._Kw, self._Vw = store._Kl, store._Vl  # writable per-layer bases (None read-only)
-        self._Kr = [_readonly(a) for a in store._Kl]
-        self._Vr = [_readonly(a) for a in store._Vl]
+        self._Kr, self._Vr = store._Kr, store._Vr  # read-only per-layer views, shared by handles
         self._dtype = lay.dtype
         self._plain = lay.dtype in _dtypes.PLAIN  # stored as is: zero-copy reads, fast appends
-        self._KS = list(store._KS) if store._KS is not None else None
-        self._VS = list(store._VS) if store._VS is not None else None
+        self._KS, self._VS = store._KSl, store._VSl
         self._pending = [0] * self._L
         self._gen = -1
         bounded = set(lay.bounded)
@@ -450,8 +455,11 @@ class Sequence:
             if (tokens is not None and np.size(tokens)) or (positions is not None and np.size(positions)):
                 raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
             return length
+        row = self._row
         if tokens is None:
             st._tokens[s : s + n] = -1
+            if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
+                row[FLAGS] |= NOINDEX
         else:
             st._tokens[s : s + n] = self._ints("tokens", tokens, n)
         if positions is None:
@@ -466,9 +474,22 @@ class Sequence:
                     f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
                 )
             st._positions[s : s + n] = pos
-        self._row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
+        row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
         self._pending = [0] * self._L
+        if (length + n) // BLOCK > row[IDX_BLOCKS] and not row[FLAGS] & NOINDEX:
+            self._index_committed(length + n)
         return length + n
+
+    def _index_committed(self, length: int) -> None:
+        """Put the blocks this commit completed into the prefix index: the store lock once per
+        16 tokens (DESIGN §3). The tokens are committed whatever happens here: a lock timeout
+        only delays the indexing to the next completed block."""
+        st = self._store
+        try:
+            with st._locked():
+                st._index_blocks(self._slot, length)
+        except LockTimeout:
+            pass
 
     @staticmethod
     def _ints(name: str, values: Any, n: int) -> np.ndarray:
@@ -535,6 +556,7 @@ class Sequence:
             row[LENGTH] = n
             if n == 0:
                 row[WIN_OFF] = 0
+            _unindex_from(row, n)
 
     def _check_resumable(self, row: memoryview, new_len: int, what: str) -> None:
         """Refuse a change after which sliding/chunked layers would miss tokens a new one needs."""
@@ -563,6 +585,8 @@ class Sequence:
             self._store._copy_window(self._slot, drop, self._slot, 0, length - woff - drop)
             row[WIN_OFF] = max(0, woff - n)
             row[LENGTH] = length - n
+            if n:  # token 0 no longer sits at position 0: no longer a donor
+                _taint(row, 0)
 
     def remove(self, begin: int, end: int, shift: ShiftFn | None = None) -> None:
         """Remove tokens ``[begin, end)``; later tokens move down and take the freed positions.
@@ -621,6 +645,8 @@ class Sequence:
                     # re-encoded: values (and their scales) stay as moved
                     self._write_rows(self._Kw[layer], None if self._KS is None else self._KS[layer], lo, keys)
             row[LENGTH] = length - (end - begin)
+            # the moved tokens were computed with the removed ones in context: not a prefix to reuse
+            _taint(row, begin)
 
     def release(self) -> None:
         """Give up the write lease (pending tokens are dropped); the handle becomes a read handle."""
@@ -650,14 +676,25 @@ class Sequence:
                 st._check_not_leased_by_other(row, self.id)
             else:
                 self._need_writer("free")
-            with st._changing(row):
-                st._drop_encoder(row)
-                row[STATE] = 0
-                row[LENGTH] = 0
-                row[CAPACITY] = 0
-                row[LEASE_PID] = 0
-                row[ID] = 0
+            st._free_row(self._slot)
         if self._write:
+            self._drop_lease()
+
+    def finish(self) -> None:
+        """The request is done: give up the lease and keep the sequence as a cached prefix.
+
+        Other requests reuse its tokens through ``create_sequence(prefix=...)``; it is
+        evicted, least recently used first, when a create or a growth needs room.
+        ``store.sequence(id, write=True)`` takes it back (a chat's next turn), and it is then
+        no longer evictable. Pending (uncommitted) tokens are dropped.
+        """
+        self._need_writer("finish")
+        st = self._store
+        with st._locked():
+            row = self._row
+            self._span_unlocked()
+            row[FLAGS] |= FINISHED
+            st._touch(row)
             self._drop_lease()
 
     def fork(self, n: int | None = None, capacity: int | None = None) -> Sequence:
@@ -684,6 +721,73 @@ class Sequence:
                 raise
             child._refresh()
         return child  # type: ignore[no-any-return]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """Small metadata of the sequence: a msgpack-able dict, at most 512 bytes packed.
+
+        Written by the lease holder (``seq.meta = {"request": "r-17"}``, a whole dict at a
+        time, under the store lock), read by any process (a replacement worker learns which
+        request it serves), kept by snapshots, shown by ``shmkv info``. Each read returns a
+        new dict: change it by assigning one. A new sequence (and a fork) starts with ``{}``.
+        """
+        packed = self._consistent(lambda: self._store._get_meta(self._slot))
+        return msgpack.unpackb(packed) if packed else {}
+
+    @meta.setter
+    def meta(self, value: dict[str, Any]) -> None:
+        self._need_writer("meta")
+        if not isinstance(value, dict):
+            raise InvalidArgumentError(f"meta must be a dict, got {type(value).__name__}")
+        try:
+            packed = msgpack.packb(value)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidArgumentError(
+                f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
+            ) from None
+        if len(packed) > META_BYTES:
+            raise InvalidArgumentError(
+                f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
+                "store an id here and the rest elsewhere"
+            )
+        st = self._store
+        with st._locked():
+            row = self._row
+            self._span_unlocked()
+            with st._changing(row):
+                st._set_meta(self._slot, packed)
+            self._gen = row[GEN]  # our own change: pending tokens stay
+
+    def _consistent(self, read: Callable[[], Any]) -> Any:
+        """``read()`` of this sequence's row state under its seqlock (retried while a structural
+        operation runs; then under the store lock, or, read-only, until ``lock_timeout``)."""
+        self._check()
+        row = self._row
+        t_end = None
+        i = 0
+        while True:
+            g = row[GEN]
+            if not g & 1:
+                value = read()
+                state, sid = row[STATE], row[ID]
+                if row[GEN] == g:
+                    if state != LIVE or sid != self.id:
+                        raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
+                    return value
+            i += 1
+            if i == _SPIN and not self._store.readonly:
+                with self._store._locked():
+                    self._span_unlocked()
+                    return read()
+            if i > 50:
+                if t_end is None:
+                    t_end = time.monotonic() + self._store.lock_timeout
+                elif time.monotonic() > t_end:
+                    raise LockTimeout(
+                        f"sequence {self.id} of store {self._store.name!r} kept changing for "
+                        f"{self._store.lock_timeout} s (lock_timeout=): a structural operation is stuck or long"
+                    )
+                time.sleep(0.0002)
 
     # -- reading -------------------------------------------------------------
 
@@ -873,6 +977,107 @@ class Sequence:
             lo, hi = self._cells(layer, start, woff, self._first(layer, woff), length)
             return np.array(self._view("k", layer, lo, hi)), np.array(self._view("v", layer, lo, hi))
 
+    # -- waiting for tokens, torch tensors (issue 18) ---------------------------
+
+    _WAIT_SPIN = 0.0002  # seq.wait: seconds of busy polling, then sleeps
+    _WAIT_FIRST_SLEEP = 50e-6  # ... doubling up to
+    _WAIT_MAX_SLEEP = 0.004
+
+    def _wait_steps(self, length: int | None, timeout: float | None) -> Generator[float, None, int]:
+        """The polling schedule of :meth:`wait`: yields the delay before the next look;
+        its return value (StopIteration.value) is the length reached."""
+        from .errors import WaitTimeout
+        target = None if length is None else _count("length", length)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds >= 0, or None")
+        t0 = time.monotonic()
+        first = self.length
+        deadline = None if timeout is None else t0 + timeout
+        spin_end = t0 + self._WAIT_SPIN
+        delay = self._WAIT_FIRST_SLEEP
+        while True:
+            now_len = self.length  # SequenceNotFound once it is freed
+            if now_len >= target if target is not None else now_len != first:
+                return now_len
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                want = f"length {target}" if target is not None else f"a change from length {first}"
+                raise WaitTimeout(
+                    f"wait: sequence {self.id} of store {self._store.name!r} did not reach {want} within "
+                    f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
+                )
+            if now < spin_end:
+                yield 0.0
+            else:
+                yield delay if deadline is None else min(delay, deadline - now)
+                delay = min(delay * 2, self._WAIT_MAX_SLEEP)
+
+    def wait(self, length: int | None = None, timeout: float | None = None) -> int:
+        """Block until the committed length reaches ``length``; return the length then.
+
+        ``length=None`` waits until the length differs from what it is at the call (a
+        commit, or a truncate). Another process's commit is noticed within a few
+        milliseconds: the length word is polled, busily for the first 0.2 ms, then with
+        sleeps growing from 50 us to 4 ms (no futex: an idle waiter costs ~250 wake-ups
+        a second). Works on read handles and read-only attachments.
+
+        Raises:
+            WaitTimeout: ``timeout`` seconds passed first (the message gives the length).
+            SequenceNotFound: the sequence is freed (before or while waiting).
+            StoreClosedError: the store handle is closed.
+
+        Example:
+            >>> n = seq.wait(len(seq) + 16, timeout=5.0)    # doctest: +SKIP
+        """
+        steps = self._wait_steps(length, timeout)
+        try:
+            while True:
+                d = next(steps)
+                time.sleep(d) if d else None
+        except StopIteration as done:
+            return int(done.value)
+
+    async def wait_async(self, length: int | None = None, timeout: float | None = None) -> int:
+        """:meth:`wait` for asyncio: polls with ``asyncio.sleep``, never blocking the event loop."""
+        import asyncio
+
+        steps = self._wait_steps(length, timeout)
+        try:
+            while True:
+                await asyncio.sleep(next(steps))
+        except StopIteration as done:
+            return int(done.value)
+
+    def torch_kv(self, layer: int) -> tuple[Any, Any]:
+        """Committed keys and values of ``layer`` as torch tensors ``[n, kv_heads, head_dim]``.
+
+        On a read-write attachment, for float32, float16, float64 and bfloat16 (its stored
+        uint16 bits viewed as ``torch.bfloat16``), the tensors are zero-copy: **writing
+        into them writes the shared cache** that every process reads. On a read-only
+        attachment (its mapping cannot be written) and for int8 stores (dequantized to
+        float32) they are copies. The same rules as :meth:`keys` say how long the content
+        holds. torch is imported here: ``import shmkv`` never imports it.
+        """
+        import torch
+
+        layer = self._layer(layer)
+        lo, hi, _, _ = self._held(layer)
+        st = self._store
+        out = []
+        for which, writable in (("k", st._Kl), ("v", st._Vl)):
+            if self._dtype == "int8":
+                a = self._view(which, layer, lo, hi)  # a fresh dequantized array
+                out.append(torch.from_numpy(a if a.flags.writeable else a.copy()))
+                continue
+            raw = writable[layer][lo:hi] if not st.readonly else np.array(
+                (self._Kr if which == "k" else self._Vr)[layer][lo:hi])
+            if self._dtype == "bfloat16":
+                out.append(torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16))
+            else:
+                out.append(torch.from_numpy(raw))
+        return out[0], out[1]
+
 
 class _Structural:
     """Context of a structural op on one sequence: store lock + seqlock bracket.
@@ -906,6 +1111,27 @@ class _Structural:
             seq._cache(row[START], row[CAPACITY], row[WIN_OFF])
         finally:
             self._locked.__exit__(*exc)  # type: ignore[arg-type]
+
+
+def _unindex_from(row: memoryview, n: int) -> None:
+    """The sequence keeps only its first n tokens (lock held): blocks past them leave the index
+    (their entries become invalid), and a taint past them is gone."""
+    if row[IDX_BLOCKS] > n // BLOCK:
+        row[IDX_BLOCKS] = n // BLOCK
+    clean = row[CLEAN]
+    if clean >= 0 and n <= clean:
+        row[CLEAN] = -1
+    if row[CLEAN] < 0:
+        row[FLAGS] &= ~NOINDEX  # the next completed block is looked at again
+
+
+def _taint(row: memoryview, n: int) -> None:
+    """Tokens from n on are no faithful prefix computation any more (lock held)."""
+    clean = row[CLEAN]
+    row[CLEAN] = n if clean < 0 else min(clean, n)
+    if row[IDX_BLOCKS] > n // BLOCK:
+        row[IDX_BLOCKS] = n // BLOCK
+    row[FLAGS] |= NOINDEX
 
 
 class _nolock:

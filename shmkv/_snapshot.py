@@ -51,7 +51,10 @@ import msgpack
 import numpy as np
 
 from . import _dtypes, _header, _lock
-from ._header import CAPACITY, ENC_SLOT, GEN, ID, LEASE_PID, LENGTH, LIVE, START, STATE, WIN_OFF, Layout
+from ._header import (
+    CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, LEASE_PID, LENGTH, LIVE, RECENCY, START, STATE, WIN_OFF,
+    Layout,
+)
 from .errors import (
     CacheFullError,
     InvalidArgumentError,
@@ -85,6 +88,10 @@ class _Seq:
     window_offset: int = 0  # oldest token the sliding/chunked layers hold
     encoder_length: int = 0  # tokens in the sequence's encoder cache
     encoder_start: int = 0
+    finished: bool = False  # a cached prefix (seq.finish()): a loaded snapshot is a warm prefix cache
+    recency: int = 0  # its last use, for LRU eviction: only the order matters
+    clean: int = -1  # tokens [0, clean) may be given as a prefix (-1: all); see _header CLEAN
+    meta: bytes = b""  # seq.meta, packed
 
 
 def _layout_dict(layout: Layout) -> dict[str, Any]:
@@ -113,6 +120,8 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
             g = row[GEN]
             if not g & 1:
                 sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
+                flags, recency, clean = row[FLAGS], row[RECENCY], row[CLEAN]
+                meta = store._get_meta(slot)
                 enc = row[ENC_SLOT]
                 erow = store._row(enc - 1) if enc else None
                 e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
@@ -120,7 +129,8 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
                 poss = store._positions[start : start + length].copy()
                 if row[GEN] == g:
                     if row[STATE] == LIVE:
-                        out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start))
+                        out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
+                                        bool(flags & FINISHED), recency, clean, meta))
                     elif ids is not None:
                         raise SequenceNotFound(f"store {store.name!r}: sequence {sid} was freed during the save")
                     break
@@ -195,7 +205,8 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
         "layout": _layout_dict(store.layout),
         "sequences": [
             {"id": s.id, "length": s.length, "capacity": s.capacity, "window_offset": s.window_offset,
-             "encoder_length": s.encoder_length,
+             "encoder_length": s.encoder_length, "finished": s.finished, "recency": s.recency, "clean": s.clean,
+             "meta": s.meta,
              "tokens": s.tokens.astype("<i8").tobytes(), "positions": s.positions.astype("<i8").tobytes()}  # type: ignore[union-attr]
             for s in seqs
         ],
@@ -443,6 +454,15 @@ class _Reader:
         return not self.pending and not self.f.read(1)
 
 
+def _is_packed_dict(b: bytes) -> bool:
+    if not b:
+        return True
+    try:
+        return isinstance(msgpack.unpackb(b), dict)
+    except Exception:
+        return False
+
+
 def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         fmt = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
@@ -491,9 +511,18 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
                 or (layout.bounded and length - woff > layout.window_cells)):
             raise fail(f"{where} (id {sid}) declares inconsistent sizes: length {length}, capacity {cap}, "
                        f"{len(toks)} token bytes, {len(poss)} position bytes, window offset {woff}")
+        # prefix-cache state: optional (snapshots written before it have none)
+        finished, recency, clean = s.get("finished", False), s.get("recency", 0), s.get("clean", -1)
+        if not (isinstance(finished, bool) and type(recency) is int and type(clean) is int and clean >= -1):
+            raise fail(f"{where} (id {sid}) has bad prefix-cache fields: finished {finished!r}, "
+                       f"recency {recency!r}, clean {clean!r}")
+        meta = s.get("meta", b"")
+        if not isinstance(meta, bytes) or len(meta) > _header.META_BYTES or not _is_packed_dict(meta):
+            raise fail(f"{where} (id {sid}) has bad meta: it must be a msgpack map of at most "
+                       f"{_header.META_BYTES} bytes")
         seqs.append(_Seq(sid, length, cap, tokens=np.frombuffer(toks, "<i8").astype(np.int64),
                          positions=np.frombuffer(poss, "<i8").astype(np.int64), window_offset=woff,
-                         encoder_length=elen))
+                         encoder_length=elen, finished=finished, recency=recency, clean=clean, meta=meta))
     if len({s.id for s in seqs}) != len(seqs):
         raise fail("sequence ids repeat")
     sums = obj["checksums"]
@@ -663,6 +692,9 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                     store._drop_encoder(row)
             next_id = max(next_id, s.id + 1)
         store._hdr[_header.W_NEXT_ID] = next_id
+        # the prefix cache: finished flags, LRU order (oldest use first) and the index
+        for s, existing, _ in sorted(plan, key=lambda p: p[0].recency):
+            store._restored(existing if existing >= 0 else -1 - existing, s.finished, s.clean, s.meta)
     return [p[0].id for p in plan]
 
 

@@ -44,8 +44,17 @@ from ._header import (
     LIVE,
     STATE,
     WIN_OFF,
+    CLEAN,
+    FINISHED,
+    FLAGS,
+    IDX_BLOCKS,
+    INDEX_WORDS,
+    NOINDEX,
+    RECENCY,
     Layout,
 )
+from ._prefix import PrefixIndex
+from ._prefix_hash import as_tokens
 from ._segment import Segment
 from .errors import (
     CacheFullError,
@@ -80,6 +89,7 @@ class SequenceInfo:
     lease_pid: int
     lease_alive: bool
     generation: int
+    finished: bool = False  # seq.finish(): a cached prefix, evictable
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +111,11 @@ class StoreStats:
     generation: int
     window_tokens: int = 0  # tokens the sliding/chunked layers hold, over all sequences (bounded)
     encoder_tokens: int = 0  # tokens in encoder (cross-attention) caches
+    finished: int = 0  # finished sequences: cached prefixes, evictable
+    prefix_hits: int = 0  # create_sequence(prefix=) calls that reused tokens, by every process
+    prefix_misses: int = 0  # ... that reused none
+    prefix_tokens_reused: int = 0
+    evictions: int = 0  # finished sequences evicted to make room
 
 
 def _words(mm: Any, offset: int, count: int) -> memoryview:
@@ -147,6 +162,11 @@ class Store:
         self._V = np.frombuffer(dmm, dt, L * T * H * D, off.v_off).reshape(L, T, H, D)
         self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
         self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
+        self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
+        self._meta = np.frombuffer(hmm, np.uint8, layout.max_seqs * _header.META_RECORD, off.meta_off).reshape(
+            layout.max_seqs, _header.META_RECORD)
+        self._index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
+                                  self._tokens, self._positions, self._hashes, layout.keep, bool(layout.bounded))
         # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
         # layer's view is its window region instead: a buffer of window_cells per slot.
         self._Kl = list(self._K)
@@ -163,7 +183,14 @@ class Store:
         S = L * T * H if layout.dtype == "int8" else 0
         self._KS = np.frombuffer(dmm, np.float32, S, off.ks_off).reshape(-1, T, H) if S else None
         self._VS = np.frombuffer(dmm, np.float32, S, off.vs_off).reshape(-1, T, H) if S else None
+        # what every Sequence handle reads through: built once here, not per handle (a handle
+        # is made per request; fewer objects keep store.sequence(id) cheap)
+        self._Kr = [_readonly(a) for a in self._Kl]
+        self._Vr = [_readonly(a) for a in self._Vl]
+        self._KSl = list(self._KS) if self._KS is not None else None
+        self._VSl = list(self._VS) if self._VS is not None else None
         self._finalizer: weakref.finalize | None = None
+        self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
 
     def _kv_bytes(self, layers: int) -> int:
         """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
@@ -178,9 +205,14 @@ class Store:
         """
         return self._kv_bytes(len(self._full)) + 16
 
-    def _free_slot(self, what: str) -> int:
-        """A free row of the sequence table (lock held), or CacheFullError."""
+    def _free_slot(self, what: str, evict: bool = False, protect: int = -1) -> int:
+        """A free row of the sequence table (lock held), or CacheFullError.
+
+        ``evict``: evict finished sequences (least recently used first, never row ``protect``)
+        when no row is free."""
         free = np.flatnonzero(self._table_np[:, STATE] == 0)
+        if free.size == 0 and evict and self._evict(0, 1, protect):
+            free = np.flatnonzero(self._table_np[:, STATE] == 0)
         if free.size == 0:
             raise CacheFullError(
                 f"store {self.name!r} has no free slot for {what}: all max_seqs={self.layout.max_seqs} rows hold "
@@ -310,8 +342,20 @@ class Store:
     def _slot_of(self, seq_id: object) -> int:
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
             raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
+        seq_id = int(seq_id)
+        # Ids are never reused, so a remembered slot is right exactly when its row still
+        # holds that id, live: O(1) for every id this process has seen, flat in max_seqs.
+        slot = self._slot_hint.get(seq_id)
+        if slot is not None:
+            b = slot * SEQ_WORDS
+            if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
+                return slot
         t = self._table_np
-        hits = np.flatnonzero((t[:, ID] == int(seq_id)) & (t[:, STATE] == LIVE))
+        hits = np.flatnonzero((t[:, ID] == seq_id) & (t[:, STATE] == LIVE))
+        if hits.size:
+            if len(self._slot_hint) > 4 * self.layout.max_seqs:
+                self._slot_hint.clear()
+            self._slot_hint[seq_id] = int(hits[0])
         if hits.size == 0:
             raise SequenceNotFound(
                 f"store {self.name!r} has no sequence {seq_id!r}: it was freed or never created "
@@ -333,32 +377,147 @@ class Store:
             self._hdr[_header.W_GENERATION] += 1
 
     def _free_ranges(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
-        """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order."""
-        t = self._table_np
-        live = [(int(t[i, START]), int(t[i, CAPACITY])) for i in np.flatnonzero(t[:, STATE] != 0)]
-        live += taken or []
-        live.sort()
-        gaps, pos = [], 0
-        for start, cap in live:
-            if start > pos:
-                gaps.append((pos, start - pos))
-            pos = max(pos, start + cap)
-        if pos < self.layout.max_tokens:
-            gaps.append((pos, self.layout.max_tokens - pos))
-        return gaps
+        """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order.
 
-    def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False) -> int:
-        """First-fit a range of ``capacity`` cells (lock held); reserve its pages."""
+        Derived from the table each time (never stored, so never out of step with it), in numpy:
+        a sort of the live rows' starts, tens of microseconds at 4096 sequences."""
+        t = self._table_np
+        used = t[:, STATE] != 0
+        starts, caps = t[used, START], t[used, CAPACITY]
+        if taken:
+            extra = np.asarray(taken, np.int64).reshape(-1, 2)
+            starts, caps = np.concatenate([starts, extra[:, 0]]), np.concatenate([caps, extra[:, 1]])
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], (starts + caps)[order]
+        # end of everything before each range (ranges never overlap, but stay safe if they did)
+        before = np.maximum.accumulate(np.concatenate([[0], ends]))
+        gap_starts = np.concatenate([before[:-1], before[-1:]])
+        gap_ends = np.concatenate([starts, [self.layout.max_tokens]])
+        keep = gap_ends > gap_starts
+        return list(zip(gap_starts[keep].tolist(), (gap_ends - gap_starts)[keep].tolist(), strict=True))
+
+    def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
+               evict: bool = False, protect: int = -1) -> int:
+        """First-fit a range of ``capacity`` cells (lock held); reserve its pages.
+
+        ``evict``: evict finished sequences (least recently used first, never row ``protect``)
+        when no free range is large enough."""
         gaps = self._free_ranges(taken)
-        for start, size in gaps:
-            if size >= capacity:
-                self._reserve(start, capacity, all_layers)
-                return start
+        fit = next((start for start, size in gaps if size >= capacity), None)
+        if fit is None and evict and self._evict(capacity, 0, protect):
+            gaps = self._free_ranges(taken)
+            fit = next((start for start, size in gaps if size >= capacity), None)
+        if fit is not None:
+            self._reserve(fit, capacity, all_layers)
+            return fit
         raise CacheFullError(
             f"store {self.name!r} has no free range of {capacity} token cells "
             f"({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free, fragmented or used): "
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
+
+    def _evict(self, cells: int, rows: int, protect: int = -1) -> bool:
+        """Evict the fewest least-recently-used finished sequences after which a free range of
+        ``cells`` cells and ``rows`` free table rows exist (lock held). Evicts nothing and returns
+        False when evicting every finished sequence would not be enough (DESIGN §8)."""
+        t = self._table_np
+        cand = [int(i) for i in np.flatnonzero((t[:, STATE] == LIVE) & ((t[:, FLAGS] & FINISHED) != 0))
+                if i != protect]
+        if not cand:
+            return False
+        cand.sort(key=lambda i: int(t[i, RECENCY]))
+        enc = {i: int(t[i, ENC_SLOT]) - 1 for i in cand}  # an evicted sequence frees its encoder row too
+        used = [int(i) for i in np.flatnonzero(t[:, STATE] != 0)]
+        free_rows = self.layout.max_seqs - len(used)
+
+        def fits(gone: set[int]) -> bool:
+            if free_rows + len(gone) < rows:
+                return False
+            if not cells:
+                return True
+            live = sorted((int(t[i, START]), int(t[i, CAPACITY])) for i in used if i not in gone)
+            pos = 0
+            for start, cap in live:
+                if start - pos >= cells:
+                    return True
+                pos = max(pos, start + cap)
+            return self.layout.max_tokens - pos >= cells
+
+        every = set(cand) | {e for e in enc.values() if e >= 0}
+        if not fits(every):
+            return False
+        gone: set[int] = set()
+        chosen = []
+        for i in cand:
+            chosen.append(i)
+            gone.add(i)
+            if enc[i] >= 0:
+                gone.add(enc[i])
+            if fits(gone):
+                break
+        for i in chosen:
+            self._free_row(i)
+            self._hdr[_header.W_EVICTIONS] += 1
+        return True
+
+    def _free_row(self, slot: int) -> None:
+        """Free a sequence's row and its encoder row (lock held). Its index entries become
+        invalid by themselves (see _prefix)."""
+        row = self._row(slot)
+        with self._changing(row):
+            self._drop_encoder(row)
+            row[STATE] = 0
+            row[LENGTH] = 0
+            row[CAPACITY] = 0
+            row[LEASE_PID] = 0
+            row[ID] = 0
+            row[FLAGS] = 0
+            row[IDX_BLOCKS] = 0
+            self._meta[slot, :8] = 0
+
+    def _set_meta(self, slot: int, packed: bytes) -> None:
+        """Write a sequence's packed metadata (lock held, row changing)."""
+        rec = self._meta[slot]
+        rec[8 : 8 + len(packed)] = np.frombuffer(packed, np.uint8)
+        rec[:8] = np.frombuffer(len(packed).to_bytes(8, "little"), np.uint8)
+
+    def _get_meta(self, slot: int) -> bytes:
+        """A sequence's packed metadata, as stored (the caller checks the row's seqlock)."""
+        rec = self._meta[slot]
+        n = int.from_bytes(rec[:8].tobytes(), "little")
+        return rec[8 : 8 + min(n, _header.META_BYTES)].tobytes()
+
+    def _touch(self, row: memoryview) -> None:
+        """Mark a use of a sequence for LRU eviction (lock held)."""
+        clock = self._hdr[_header.W_CLOCK] + 1
+        self._hdr[_header.W_CLOCK] = clock
+        row[RECENCY] = clock
+
+    def _index_blocks(self, slot: int, upto: int, adopt: bool = False) -> None:
+        """Index the sequence's whole blocks up to token ``upto`` (lock held); set NOINDEX when a
+        block cannot be (a token id -1, tokens moved by remove or shift_left). ``adopt``: also
+        add entries for its blocks [0, IDX_BLOCKS), whose hashes came with copied cells."""
+        row = self._row(slot)
+        hdr = self._hdr
+        if self._index.full(hdr[_header.W_INDEX_USED] + upto // 16):
+            hdr[_header.W_INDEX_USED] = self._index.rebuild()
+        if adopt:
+            hdr[_header.W_INDEX_USED] += self._index.adopt(slot)
+        hdr[_header.W_INDEX_USED] += self._index.index_blocks(slot, upto)
+        if row[IDX_BLOCKS] < upto // 16:
+            row[FLAGS] |= NOINDEX
+
+    def _restored(self, slot: int, finished: bool, clean: int, meta: bytes) -> None:
+        """A sequence a snapshot restore just published (lock held; called oldest use first):
+        its prefix-cache state, a fresh recency, and its blocks in the index."""
+        row = self._row(slot)
+        row[FLAGS] = FINISHED if finished else 0
+        row[CLEAN] = clean
+        row[IDX_BLOCKS] = 0
+        with self._changing(row):
+            self._set_meta(slot, meta)
+        self._touch(row)
+        self._index_blocks(slot, row[LENGTH])
 
     def _reserve(self, start: int, count: int, all_layers: bool = False) -> None:
         off = self._off
@@ -434,6 +593,7 @@ class Store:
                 np.copyto(layer[dst : dst + n], layer[src : src + n])
         self._tokens[dst : dst + n] = self._tokens[src : src + n]
         self._positions[dst : dst + n] = self._positions[src : src + n]
+        self._hashes[dst : dst + n] = self._hashes[src : src + n]
 
     def _lease_holder(self, row: memoryview) -> tuple[int, bool]:
         """(pid, alive) of the lease on ``row``; alive means it may not be taken."""
@@ -455,15 +615,24 @@ class Store:
 
     # -- sequences -------------------------------------------------------------
 
-    def create_sequence(self, capacity: int = DEFAULT_CAPACITY) -> Any:
-        """Create an empty sequence with room for ``capacity`` tokens; return its write handle.
+    def create_sequence(self, capacity: int = DEFAULT_CAPACITY, *, prefix: Any = None) -> Any:
+        """Create a sequence with room for ``capacity`` tokens; return its write handle.
 
         The pages of its range are reserved now, so a full /dev/shm raises
-        CacheFullError here rather than SIGBUS later.
+        CacheFullError here rather than SIGBUS later. When the store is full,
+        finished sequences (``seq.finish()``) are evicted, least recently used first.
+
+        Args:
+            capacity: token cells to reserve (the sequence grows past them when it must).
+            prefix: the prompt's token ids. The new sequence starts with the longest prefix
+                of it that any sequence of the store holds from position 0 (copied in, at most
+                ``len(prefix) - 1`` tokens, so at least one token is left to compute):
+                ``len(seq)`` says how many. Counted in ``stats()`` as a hit or a miss.
 
         Example:
-            >>> seq = store.create_sequence(capacity=1024)   # doctest: +SKIP
-            >>> seq.extend(k_all, v_all, tokens=[1, 2, 3])   # doctest: +SKIP
+            >>> seq = store.create_sequence(capacity=1024, prefix=prompt)   # doctest: +SKIP
+            >>> n = len(seq)                                              # doctest: +SKIP
+            >>> seq.extend(k_all[:, n:], v_all[:, n:], tokens=prompt[n:])  # doctest: +SKIP
         """
         from ._sequence import Sequence
 
@@ -473,26 +642,66 @@ class Store:
                 f"capacity={capacity} exceeds the store's max_tokens={self.layout.max_tokens}: "
                 "ask for less, or create the store with a larger max_tokens="
             )
+        toks = None if prefix is None else _prompt(prefix)
         token = _new_token()
         with self._locked():
-            slot = self._free_slot("a new sequence")
-            start = self._alloc(capacity)
-            self._reserve_window(slot)
+            n, _, donor = self._index.match(toks) if toks is not None else (0, 0, -1)
+            try:
+                slot, start = self._new_row(max(capacity, n), protect=donor)
+            except CacheFullError:
+                if n == 0:
+                    raise
+                n, donor = 0, -1  # only the donor's eviction makes room: a miss, which may evict it
+                slot, start = self._new_row(capacity)
+            row = self._row(slot)
             seq_id = self._hdr[_header.W_NEXT_ID]
             self._hdr[_header.W_NEXT_ID] = seq_id + 1
-            row = self._row(slot)
             with self._changing(row):
                 row[ID] = seq_id
                 row[START] = start
-                row[CAPACITY] = capacity
+                row[CAPACITY] = max(capacity, n)
                 row[LENGTH] = 0
                 row[WIN_OFF] = 0
                 row[ENC_SLOT] = 0
+                row[FLAGS] = 0
+                row[IDX_BLOCKS] = 0
+                row[CLEAN] = -1
+                self._meta[slot, :8] = 0
+                self._touch(row)
                 row[LEASE_START] = _segment.process_start_time(os.getpid())
                 row[LEASE_TOKEN] = token
                 row[LEASE_PID] = os.getpid()
                 row[STATE] = LIVE
+            if toks is not None:
+                hdr = self._hdr
+                if n:
+                    self._copy_prefix_rows(donor, slot, n)
+                    self._touch(self._row(donor))
+                    hdr[_header.W_PREFIX_HITS] += 1
+                    hdr[_header.W_PREFIX_REUSED] += n
+                else:
+                    hdr[_header.W_PREFIX_MISSES] += 1
         return Sequence(self, seq_id, slot, write=True, token=token)
+
+    def _new_row(self, capacity: int, protect: int = -1) -> tuple[int, int]:
+        """A free table row and a reserved range for a new sequence (lock held), evicting
+        finished sequences other than row ``protect`` when there is no room."""
+        slot = self._free_slot("a new sequence", evict=True, protect=protect)
+        start = self._alloc(capacity, evict=True, protect=protect)
+        self._reserve_window(slot)
+        return slot, start
+
+    def match_prefix(self, tokens: Any) -> int:
+        """Tokens of ``tokens`` that ``create_sequence(prefix=tokens)`` would reuse now.
+
+        No side effect: no counter, no recency, no lock; works on a read-only attachment.
+
+        Example:
+            >>> store.match_prefix(prompt)   # doctest: +SKIP
+            299
+        """
+        self._check_open()
+        return self._index.match(_prompt(tokens))[0]
 
     def sequence(self, seq_id: int, write: bool = False) -> Any:
         """A handle on sequence ``seq_id``; ``write=True`` takes its write lease.
@@ -512,6 +721,9 @@ class Store:
             slot = self._slot_of(seq_id)
             row = self._row(slot)
             self._check_not_leased_by_other(row, int(seq_id))
+            if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
+                row[FLAGS] &= ~FINISHED
+                self._touch(row)
             row[LEASE_START] = _segment.process_start_time(os.getpid())
             row[LEASE_TOKEN] = token
             row[LEASE_PID] = os.getpid()
@@ -548,7 +760,8 @@ class Store:
         for slot in np.flatnonzero(self._table_np[:, STATE] == LIVE):
             r = self._table_np[slot].tolist()
             alive = bool(r[LEASE_PID]) and _segment.pid_alive(r[LEASE_PID], r[LEASE_START])
-            out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN]))
+            out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN],
+                                    bool(r[FLAGS] & FINISHED)))
         return sorted(out, key=lambda s: s.id)
 
     def copy_prefix(self, src_id: int, dst_id: int, n: int) -> None:
@@ -570,21 +783,32 @@ class Store:
                     f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
                 )
             self._check_not_leased_by_other(d_row, int(dst_id), allow_token=_own_token(d_row))
-            s_off = s_row[WIN_OFF]
-            lo = max(s_off, n - self.layout.keep, 0)
-            if self.layout.bounded and s_off and (n < s_off or n - s_off < self.layout.keep):
-                raise NotSupportedError(
-                    f"copy_prefix: the sliding/chunked layers of sequence {src_id} hold tokens {s_off}.. only; "
-                    f"a prefix of n={n} needs tokens from {max(n - self.layout.keep, 0)} on"
-                )
-            with self._changing(d_row):
-                if n > d_row[CAPACITY]:
-                    self._relocate(d_slot, d_row, n, keep=0)
-                s, d = s_row[START], d_row[START]
-                self._copy_cells(s, d, n)
-                self._copy_window(self._slot_of(src_id), lo - s_off, d_slot, 0, n - lo)
-                d_row[WIN_OFF] = lo if self.layout.bounded else 0
-                d_row[LENGTH] = n
+            self._copy_prefix_rows(self._slot_of(src_id), d_slot, n)
+
+    def _copy_prefix_rows(self, s_slot: int, d_slot: int, n: int) -> None:
+        """copy_prefix between rows (lock held, ids checked): dst's content becomes src's first
+        n tokens, and dst's whole blocks join the prefix index."""
+        s_row, d_row = self._row(s_slot), self._row(d_slot)
+        s_off = s_row[WIN_OFF]
+        lo = max(s_off, n - self.layout.keep, 0)
+        if self.layout.bounded and s_off and (n < s_off or n - s_off < self.layout.keep):
+            raise NotSupportedError(
+                f"copy_prefix: the sliding/chunked layers of sequence {s_row[ID]} hold tokens {s_off}.. only; "
+                f"a prefix of n={n} needs tokens from {max(n - self.layout.keep, 0)} on"
+            )
+        with self._changing(d_row):
+            if n > d_row[CAPACITY]:
+                self._relocate(d_slot, d_row, n, keep=0)
+            self._copy_cells(s_row[START], d_row[START], n)
+            self._copy_window(s_slot, lo - s_off, d_slot, 0, n - lo)
+            d_row[WIN_OFF] = lo if self.layout.bounded else 0
+            d_row[LENGTH] = n
+            clean = s_row[CLEAN]
+            d_row[CLEAN] = -1 if clean < 0 or clean >= n else clean
+            # the copied hashes are valid for src's indexed blocks: dst's entries start from them
+            d_row[IDX_BLOCKS] = min(s_row[IDX_BLOCKS], n // 16)
+            d_row[FLAGS] &= ~NOINDEX
+            self._index_blocks(d_slot, n, adopt=True)
 
     def _relocate(self, slot: int, row: memoryview, needed: int, keep: int) -> None:
         """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).
@@ -611,7 +835,7 @@ class Store:
                 return
         for want in dict.fromkeys((new_cap, needed)):
             try:
-                new_start = self._alloc(want)
+                new_start = self._alloc(want, evict=want == needed)
             except CacheFullError:
                 continue
             self._copy_cells(start, new_start, keep)
@@ -685,7 +909,18 @@ class Store:
             window_tokens=kept,
             clients=len(self.clients()),
             generation=int(self._hdr[_header.W_GENERATION]),
+            finished=int(((live[:, FLAGS] & FINISHED) != 0).sum()),
+            prefix_hits=int(self._hdr[_header.W_PREFIX_HITS]),
+            prefix_misses=int(self._hdr[_header.W_PREFIX_MISSES]),
+            prefix_tokens_reused=int(self._hdr[_header.W_PREFIX_REUSED]),
+            evictions=int(self._hdr[_header.W_EVICTIONS]),
         )
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _own_token(row: memoryview) -> int:
@@ -693,6 +928,17 @@ def _own_token(row: memoryview) -> int:
     if row[LEASE_PID] == os.getpid() and row[LEASE_TOKEN] in _live_writers:
         return int(row[LEASE_TOKEN])
     return 0
+
+
+def _prompt(tokens: Any) -> np.ndarray:
+    """A prompt's token ids as int64, checked: ids are >= 0 (-1 marks "no id" in the store)."""
+    try:
+        t = as_tokens(tokens)
+    except ValueError as e:
+        raise InvalidArgumentError(f"prefix: {e}; pass the prompt's token ids as a 1-d int sequence") from None
+    if t.size and int(t.min()) < 0:
+        raise InvalidArgumentError(f"prefix: token ids must be >= 0, got {int(t.min())}")
+    return t
 
 
 def _new_token() -> int:
@@ -737,7 +983,8 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
     Args:
         name: 1-24 characters of ``[A-Za-z0-9_-]``.
         layers, kv_heads, head_dim: the geometry of K and V per token.
-        dtype: storage dtype: "float32", "float16" or "float64".
+        dtype: storage dtype: "float32", "float16", "bfloat16" (zero-copy views with ml_dtypes),
+            "float64", or "int8" (one absmax float32 scale per token and head, dequantized on read).
         max_tokens: token cells in the arena, shared by all sequences.
         max_seqs: rows of the sequence table.
         persistent: keep the store after this process closes or exits

@@ -1,6 +1,8 @@
 """The ``shmkv`` command line. Inspection commands attach read-only.
 
-Exit codes: 0 success, 1 a problem found (missing store, failed check), 2 bad usage.
+Exit codes: 0 success, 1 a problem found (missing store, failed check, ``rm`` of a
+store that live processes still write), 2 bad usage (bare ``shmkv`` prints the help
+and exits 2).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _header
+from . import __version__, _header, _segment
 from ._snapshot import load as load_snapshot
-from ._store import Store, attach, gc, list_stores, remove
-from .errors import ShmkvError
+from ._store import Store, _store_owners, attach, gc, list_stores, remove
+from .errors import ShmkvError, StoreExistsError, StoreNotFound
 
 
 class _Bar:
@@ -45,16 +47,23 @@ class _Bar:
         sys.stderr.flush()
 
 
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def _info(store: Store, first: int = 8) -> dict[str, Any]:
     lay = store.layout
     seqs = []
     for info in store.sequences():
         try:
-            toks = store.sequence(info.id).tokens[:first].tolist()
+            handle = store.sequence(info.id)
+            toks = handle.tokens[:first].tolist()
+            meta = handle.meta
         except ShmkvError:
             continue  # freed meanwhile
         seqs.append({"id": info.id, "length": info.length, "capacity": info.capacity, "start": info.start,
-                     "lease_pid": info.lease_pid, "lease_alive": info.lease_alive, "first_tokens": toks})
+                     "lease_pid": info.lease_pid, "lease_alive": info.lease_alive, "finished": info.finished,
+                     "meta": meta, "first_tokens": toks})
     st = store.stats()
     return {
         "name": store.name,
@@ -74,13 +83,18 @@ def _print_info(d: dict[str, Any]) -> None:
           f"dtype={lay['dtype']} max_tokens={lay['max_tokens']} max_seqs={lay['max_seqs']}"
           f"{' persistent' if d['persistent'] else ''}")
     print(f"  {st['sequences']} sequences, {st['tokens']} tokens, {st['free_tokens']} free cells, "
-          f"{st['bytes_used'] / 2**20:.2f} MiB used of {st['bytes_reserved'] / 2**20:.2f} MiB reserved, "
-          f"{st['clients']} read-write clients")
+          f"{st['bytes_used'] / 2**20:.2f} MiB used of {st['bytes_reserved'] / 2**20:.2f} MiB capacity, "
+          f"{_plural(st['clients'], 'read-write client')}")
+    print(f"  prefix cache: {st['prefix_hits']} hits, {st['prefix_misses']} misses, "
+          f"{st['prefix_tokens_reused']} tokens reused; {st['finished']} finished (cached, evictable), "
+          f"{st['evictions']} evicted")
     if d["sequences"]:
-        print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} first tokens")
+        print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} {'state':<9} first tokens")
         for s in d["sequences"]:
             lease = "-" if not s["lease_pid"] else f"{s['lease_pid']} {'alive' if s['lease_alive'] else 'dead'}"
-            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {s['first_tokens']}")
+            state = "finished" if s["finished"] else "live"
+            meta = f"  meta {json.dumps(s['meta'], default=repr)}" if s["meta"] else ""
+            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {state:<9} {s['first_tokens']}{meta}")
 
 
 def verify(store: Store) -> list[str]:
@@ -120,6 +134,21 @@ def verify(store: Store) -> list[str]:
     return problems
 
 
+def _liveness(name: str) -> dict[str, Any]:
+    """Who keeps store ``name`` alive: its creator and live read-write clients, and whether
+    ``shmkv gc`` would remove it (the same rule gc applies)."""
+    owners = _store_owners(name)
+    if owners is None:
+        return {}
+    pairs, persistent = owners
+    (cpid, cstart), clients = pairs[0], pairs[1:]
+    live = sorted({pid for pid, start in clients if _segment.pid_alive(pid, start)})
+    creator_alive = _segment.pid_alive(cpid, cstart)
+    return {"creator_pid": cpid, "creator_alive": creator_alive, "live_clients": live,
+            "gc_removes": not creator_alive and not live and not persistent,
+            "gc_all_removes": not creator_alive and not live}
+
+
 def _cmd_ls(a: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for name in list_stores():
@@ -127,18 +156,28 @@ def _cmd_ls(a: argparse.Namespace) -> int:
             with attach(name, readonly=True, timeout=0.2) as s:
                 st = s.stats()
                 rows.append({"name": name, "sequences": st.sequences, "tokens": st.tokens,
-                             "dtype": s.layout.dtype, "bytes_used": st.bytes_used, "persistent": s.persistent})
-        except ShmkvError as e:
+                             "dtype": s.layout.dtype, "bytes_used": st.bytes_used, "persistent": s.persistent,
+                             **_liveness(name)})
+        except (ShmkvError, OSError) as e:  # another user's store, one being created or removed
             rows.append({"name": name, "error": str(e)})
     if a.json:
         print(json.dumps(rows))
-    else:
-        for r in rows:
-            if "error" in r:
-                print(f"{r['name']}: {r['error']}")
-            else:
-                print(f"{r['name']}: {r['sequences']} sequences, {r['tokens']} tokens, {r['dtype']}, "
-                      f"{r['bytes_used'] / 2**20:.2f} MiB{' persistent' if r['persistent'] else ''}")
+        return 0
+    if not rows:
+        print(f"no stores in {_segment.SHM_DIR}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']}: {r['error']}")
+            continue
+        owners = f"creator {r['creator_pid']} {'alive' if r['creator_alive'] else 'dead'}"
+        live = r["live_clients"]
+        owners += f", live clients: {', '.join(map(str, live))}" if live else ", no live clients"
+        if r["gc_removes"]:
+            owners += " (`shmkv gc` would remove it)"
+        elif r["gc_all_removes"]:
+            owners += " (persistent: `shmkv gc --all` would remove it)"
+        print(f"{r['name']}: {r['sequences']} sequences, {r['tokens']} tokens, {r['dtype']}, "
+              f"{r['bytes_used'] / 2**20:.2f} MiB{', persistent' if r['persistent'] else ''}; {owners}")
     return 0
 
 
@@ -180,7 +219,14 @@ def _cmd_save(a: argparse.Namespace) -> int:
 
 
 def _cmd_load(a: argparse.Namespace) -> int:
-    s = load_snapshot(a.file, a.name, persistent=True, progress=_Bar("load", a.progress or sys.stderr.isatty()))
+    try:
+        s = load_snapshot(a.file, a.name, persistent=True,
+                          progress=_Bar("load", a.progress or sys.stderr.isatty()))
+    except StoreExistsError:
+        raise StoreExistsError(
+            f"a store named {a.name!r} exists already: choose another --name, or remove it first "
+            f"(`shmkv rm {a.name}`)"
+        ) from None
     n = len(s.sequences())
     s.close()
     print(f"loaded {a.file} into persistent store {a.name} ({n} sequences); remove it with `shmkv rm {a.name}`")
@@ -188,10 +234,30 @@ def _cmd_load(a: argparse.Namespace) -> int:
 
 
 def _cmd_rm(a: argparse.Namespace) -> int:
+    status = 0
     for name in a.names:
-        remove(name)
+        if not a.force:
+            try:
+                with attach(name, readonly=True, timeout=0.2) as s:
+                    live = s.clients()
+            except StoreNotFound:
+                live = []  # remove() says so below
+            except (ShmkvError, OSError):
+                live = _liveness(name).get("live_clients", [])  # a damaged store: the raw client table
+            if live:
+                print(f"shmkv rm: store {name!r} has live read-write clients (pid {', '.join(map(str, live))}): "
+                      "they would keep writing into memory no new process can attach to; stop them first, "
+                      "or pass --force", file=sys.stderr)
+                status = 1
+                continue
+        try:
+            remove(name)
+        except (ShmkvError, OSError) as e:
+            print(f"shmkv rm: {e}", file=sys.stderr)
+            status = 1
+            continue
         print(f"removed {name}")
-    return 0
+    return status
 
 
 def _cmd_gc(a: argparse.Namespace) -> int:
@@ -254,7 +320,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
     try:
         summary = demo.run(workers=a.workers, new_tokens=a.tokens, snapshot=a.snapshot,
-                           start_method=a.start_method)
+                           start_method=a.start_method, out=lambda m: print(m, flush=True))
     except KeyboardInterrupt:
         print("interrupted; the demo's store was removed", file=sys.stderr)
         return 130
@@ -267,22 +333,36 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     return _bench.main(a.bench_args)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except the empty ones (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shmkv", description="Shared-memory KV cache: run the demo, inspect stores.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="shmkv", description="Shared-memory KV cache: run the demo, inspect stores.",
+                                epilog="`shmkv demo` runs the main job; `shmkv COMMAND --help` describes a command.")
+    p.add_argument("--version", action="version", version=f"shmkv {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     def add(name: str, fn: Any, help: str, json_flag: bool = False) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
+        sp = sub.add_parser(name, help=help, description=help,
+                            formatter_class=_HelpFormatter)
         sp.set_defaults(fn=fn)
         if json_flag:
             sp.add_argument("--json", action="store_true", help="print JSON for scripts")
         return sp
 
     d = add("demo", _cmd_demo, "tokenizer + decode workers + snapshotter on one store, checked against numpy")
-    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--workers", type=int, default=2, help="decode worker processes")
     d.add_argument("--tokens", type=int, default=24, help="new tokens per request")
-    d.add_argument("--snapshot", help="snapshot file (default: in the temp directory)")
-    d.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"])
+    d.add_argument("--snapshot", help="keep the snapshot in this file (by default it is written to the temp "
+                   "directory and removed at the end)")
+    d.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
+                   help="how the demo starts its processes")
     add("ls", _cmd_ls, "list stores", True)
     sp = add("info", _cmd_info, "layout and sequence table of a store", True)
     sp.add_argument("name")
@@ -299,19 +379,21 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("file")
     sp.add_argument("--name", required=True)
     sp.add_argument("--progress", action="store_true")
-    sp = add("rm", _cmd_rm, "remove stores")
-    sp.add_argument("names", nargs="+")
+    sp = add("rm", _cmd_rm, "remove stores (refused while live processes write them, unless --force)")
+    sp.add_argument("names", nargs="+", metavar="NAME")
+    sp.add_argument("--force", action="store_true",
+                    help="remove even if live read-write clients are attached (they keep their mappings)")
     sp = add("gc", _cmd_gc, "remove stores whose creator and clients are dead", True)
     sp.add_argument("--all", action="store_true", help="persistent stores too")
     sp = add("verify", _cmd_verify, "check a store's header invariants (exit 1 on a problem)", True)
     sp.add_argument("name")
     sp = add("snapshot", _cmd_snapshot, "save a store periodically, keeping the newest K files")
     sp.add_argument("name")
-    sp.add_argument("--dir", required=True)
+    sp.add_argument("--dir", required=True, help="directory of the snapshot files NAME-TIMESTAMP.shmkv")
     sp.add_argument("--every", type=float, default=60.0, help="seconds between snapshots")
-    sp.add_argument("--keep", type=int, default=3)
-    sp.add_argument("--count", type=int, help="stop after this many snapshots")
-    sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (default 10; 0 keeps it)")
+    sp.add_argument("--keep", type=int, default=3, help="newest snapshot files kept (older ones are deleted)")
+    sp.add_argument("--count", type=int, help="stop after this many snapshots (default: until SIGINT/SIGTERM)")
+    sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (0 keeps it)")
     # The bench parses its own options (--quick, --json, --only, ...): `shmkv bench --help` shows them.
     sub.add_parser("bench", help="benchmarks against numpy, np.save and multiprocessing (tools/bench.py)",
                    add_help=False).set_defaults(fn=_cmd_bench)
@@ -321,6 +403,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    if args.cmd is None:  # bare `shmkv`: the help, as a usage error
+        parser.print_help()
+        return 2
     if args.cmd == "bench":
         args.bench_args = extra
     elif extra:

@@ -1,11 +1,20 @@
 """``shmkv demo``: a tokenizer, decode workers and a snapshotter sharing one store.
 
 A tiny numpy transformer (shmkv._model) continues a few prompts that share a
-system prefix. The tokenizer process prefills the prefix once and hands it to
-every request with ``copy_prefix``; decode workers take requests, lease their
-sequences and decode greedily on zero-copy views; a snapshotter saves the store
-once while they run. The main process then checks that every generated token
+system prefix. The tokenizer process starts every request with
+``create_sequence(prefix=...)``: the store's prefix cache gives it the longest
+prefix any earlier request computed (the system prompt, and more where prompts
+share their first words), and the tokenizer computes only the rest. Decode
+workers take requests, lease their sequences, decode greedily on zero-copy
+views and ``finish()`` them (cached prefixes for later requests); a snapshotter
+saves the store once while they run. The main process then checks that every generated token
 equals a single-process run without shmkv.
+
+What it prints: first what it starts (store, processes), then progress as the
+processes report, then one line per request (``matches`` the single-process
+reference or ``DIFFERENT``), per-worker throughput, the snapshot, and the
+verdict with the wall time. It leaves nothing behind: the store is removed, and
+the snapshot file too unless ``snapshot=`` (``--snapshot FILE``) asked to keep it.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ class Result:
     worker: int
     tokens: list[int]
     seconds: float
+    reused: int  # prompt tokens the prefix cache gave
+    prompt: int  # prompt tokens in all (system prefix included)
 
 
 def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, workers: int) -> None:
@@ -48,19 +59,23 @@ def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, wo
         store = attach(name)
         model = _model.Model()
         prefix = _model.encode(SYSTEM)
-        pre = store.create_sequence(capacity=len(prefix))
-        model.forward(_model.SeqCache(pre), prefix, np.arange(len(prefix)))
-        pre.commit(tokens=prefix)
         for i, text in enumerate(prompts):
             prompt = _model.encode(text)
-            seq = store.create_sequence(capacity=len(prefix) + len(prompt) + new_tokens)
-            store.copy_prefix(pre.id, seq.id, len(prefix))  # the prefix is computed once, shared by all
-            pos = np.arange(len(prefix), len(prefix) + len(prompt))
-            logits = model.forward(_model.SeqCache(seq), prompt, pos)
-            seq.commit(tokens=prompt, positions=pos)
+            full = np.concatenate([prefix, prompt])
+            # the longest prefix any earlier request computed, copied in; computed here: the rest
+            seq = store.create_sequence(capacity=len(full) + new_tokens, prefix=full)
+            reused = len(seq)
+            cache = _model.SeqCache(seq)
+            if reused < len(prefix):  # the system prompt, as its own step (as the reference does)
+                model.forward(cache, prefix[reused:], np.arange(reused, len(prefix)))
+                seq.commit(tokens=prefix[reused:])
+            start = max(reused, len(prefix))
+            logits = model.forward(cache, full[start:], np.arange(start, len(full)))
+            seq.commit(tokens=full[start:])
             seq.release()  # a decode worker takes the lease
-            requests.put((i, seq.id, int(np.argmax(logits)), len(prefix) + len(prompt)))
-        pre.free()
+            requests.put((i, seq.id, int(np.argmax(logits)), len(full), reused))
+            if i == 0:  # a note for the main process, through a worker
+                requests.put(("prefilled", len(full)))
         store.close()
     except KeyboardInterrupt:
         pass
@@ -74,7 +89,10 @@ def _worker(name: str, wid: int, new_tokens: int, requests: Any, results: Any) -
         store = attach(name)
         model = _model.Model()
         while (job := requests.get()) is not None:
-            index, seq_id, tok, pos = job
+            if job[0] == "prefilled":  # the tokenizer's note for the main process
+                results.put(job)
+                continue
+            index, seq_id, tok, pos, reused = job
             seq = store.sequence(seq_id, write=True)
             cache = _model.SeqCache(seq)
             out = []
@@ -84,8 +102,8 @@ def _worker(name: str, wid: int, new_tokens: int, requests: Any, results: Any) -
                 logits = model.forward(cache, np.array([tok]), np.array([pos]))
                 seq.commit(tokens=[tok], positions=[pos])
                 tok, pos = int(np.argmax(logits)), pos + 1
-            results.put(Result(index, seq_id, wid, out, time.perf_counter() - t0))
-            seq.release()
+            results.put(Result(index, seq_id, wid, out, time.perf_counter() - t0, reused, pos - new_tokens))
+            seq.finish()  # done: kept as a cached prefix for later requests (evicted when room is needed)
         store.close()
     except KeyboardInterrupt:
         pass
@@ -106,12 +124,21 @@ def _snapshotter(name: str, path: str, delay: float, results: Any) -> None:
 def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = None,
         snapshot: str | None = None, start_method: str = "spawn", out: Any = print,
         timeout: float = 300.0) -> dict[str, Any]:
-    """Run the demo; return a summary (``ok`` is the equality check)."""
+    """Run the demo; return a summary (``ok`` is the equality check).
+
+    ``snapshot``: where to keep the snapshot file; by default it is written to the
+    temporary directory and removed before returning.
+    """
     prompts = PROMPTS if prompts is None else prompts
     cfg = _model.Config()
     name = f"demo{os.getpid()}"
+    keep_snapshot = snapshot is not None
     snapshot = snapshot or os.path.join(tempfile.gettempdir(), f"shmkv-demo-{os.getpid()}.shmkv")
     ctx: Any = mp.get_context(start_method)
+    out(f"shmkv demo: a tiny numpy transformer ({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim}) "
+        f"continues {len(prompts)} prompts by {new_tokens} tokens each")
+    out(f"starting store {name!r} and {workers + 2} processes ({start_method}): a tokenizer, {workers} decode "
+        f"workers, a snapshotter ...")
     store = create(name, layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype="float32",
                    max_tokens=4096, max_seqs=len(prompts) + 2)
     procs: list[Any] = []
@@ -135,8 +162,14 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
                 continue
             if isinstance(item, Result):
                 got.append(item)
+                out(f"  request {item.index} done by worker {item.worker} "
+                    f"({len(got)}/{len(prompts)})")
+            elif item[0] == "prefilled":
+                out(f"tokenizer: request 0 prefilled ({item[1]} tokens, nothing cached yet); later requests "
+                    "start from the prefix cache; requests go to the workers")
             else:
                 snap = item
+                out(f"snapshotter: saved {item[3]} sequences, read-only, beside the workers")
         wall = time.perf_counter() - t0
         for p in procs:
             p.join(30)
@@ -144,24 +177,31 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
         model = _model.Model(cfg)
         prefix = _model.encode(SYSTEM)
         ok = True
-        out(f"shmkv demo: store {name!r}, {workers} decode workers, {len(prompts)} requests, "
-            f"{new_tokens} new tokens each")
-        out(f"prefix: {len(prefix)} tokens prefilled once, reused by {len(prompts)} requests via copy_prefix "
-            f"({len(prefix) * (len(prompts) - 1)} token prefills saved)")
+        reused = sum(r.reused for r in got)
+        total = sum(r.prompt for r in got)
+        st = store.stats()
+        out(f"prefix cache: {reused} of {total} prompt tokens reused, {total - reused} computed "
+            f"({st.prefix_hits} hits, {st.prefix_misses} misses: create_sequence(prefix=...) found them)")
+        out("each request's new tokens against a single-process numpy run without shmkv "
+            "('matches': the same tokens):")
         for r in sorted(got, key=lambda r: r.index):
             want = _model.reference_generate(model, prefix, _model.encode(prompts[r.index]), new_tokens)
             same = want == r.tokens
             ok &= same
-            out(f"  request {r.index} (seq {r.seq_id}, worker {r.worker}): {'=' if same else 'DIFFERENT'} "
-                f"tokens {r.tokens[:10]}...")
+            out(f"  request {r.index} (seq {r.seq_id}, worker {r.worker}, prompt {r.reused} reused + "
+                f"{r.prompt - r.reused} computed): {'matches' if same else 'DIFFERENT'}, "
+                f"tokens {r.tokens[:10]}{'...' if len(r.tokens) > 10 else ''}")
         for w in range(workers):
             mine = [r for r in got if r.worker == w]
             toks = sum(len(r.tokens) for r in mine)
             secs = sum(r.seconds for r in mine)
             out(f"worker {w}: {len(mine)} requests, {toks} tokens, {toks / secs if secs else 0:.0f} tokens/s")
-        out(f"snapshot: {snap[1]} ({snap[2]} bytes, {snap[3]} sequences, {snap[4] * 1000:.1f} ms)")
-        out(f"equal to a single-process run without shmkv: {'yes' if ok else 'NO'} ({wall:.1f} s)")
-        return {"ok": ok, "tokens": {r.index: r.tokens for r in got}, "snapshot": snap[1], "store": name}
+        where = "" if keep_snapshot else "; removed at the end (--snapshot FILE keeps it)"
+        out(f"snapshot: {snap[1]}: {snap[2]} bytes, {snap[3]} sequences, written in {snap[4] * 1000:.1f} ms{where}")
+        out(f"equal to a single-process run without shmkv: {'yes' if ok else 'NO'} "
+            f"(wall time {wall:.1f} s, process start-up included)")
+        return {"ok": ok, "tokens": {r.index: r.tokens for r in got}, "snapshot": snap[1] if keep_snapshot else None,
+                "store": name}
     finally:
         for p in procs:
             if p.is_alive():
@@ -171,3 +211,18 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
                 p.kill()
                 p.join()
         store.close()  # the creator: removes the store's segments
+        if not keep_snapshot:
+            for leftover in (snapshot, *_partials(snapshot)):
+                try:
+                    os.unlink(leftover)
+                except FileNotFoundError:
+                    pass
+
+
+def _partials(path: str) -> list[str]:
+    """Temporary files an interrupted snapshot may leave beside ``path``."""
+    d, base = os.path.split(path)
+    try:
+        return [os.path.join(d, f) for f in os.listdir(d or ".") if f.startswith(f".{base}.tmp-")]
+    except OSError:
+        return []

@@ -25,6 +25,7 @@ __all__ = [
     "StoreClosedError",
     "StoreExistsError",
     "StoreNotFound",
+    "WaitTimeout",
 ]
 
 
@@ -86,3 +87,7 @@ class StoreClosedError(ShmkvError, RuntimeError):
 
 class NotSupportedError(ShmkvError, NotImplementedError):
     """The operation is not supported for this store's layout or platform."""
+
+
+class WaitTimeout(ShmkvError, TimeoutError):
+    """``seq.wait()`` timed out before the sequence reached the length waited for."""

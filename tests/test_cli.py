@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,26 +19,40 @@ from shmkv import cli, demo
 from shmkv.testing import shm_entries, start_in_process, unique_name
 
 
+SHMKV = os.path.join(os.path.dirname(sys.executable), "shmkv")  # the installed console script a user types
+
+
 def shmkv_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shmkv", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([SHMKV, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def wait_until(cond, what: str, alive=lambda: True, timeout: float = 120.0) -> None:
+    """Poll ``cond`` (a file, a line); fail at once if ``alive()`` says the producer died."""
+    t_end = time.monotonic() + timeout
+    while not cond():
+        assert alive() or cond(), f"died before {what}"
+        assert time.monotonic() < t_end, f"no {what} within {timeout} s"
+        time.sleep(0.01)
 
 
 @pytest.fixture
-def live_store(tmp_path):
-    """A store owned and written by another process."""
+def live_owner(tmp_path):
+    """(name, child): a store created, owned and written by another process."""
     name = unique_name()
     ready = tmp_path / "ready"
-    child = start_in_process(own_store, name, str(ready), 30.0, start_method="spawn", timeout=90)
-    t_end = time.monotonic() + 30
-    while not ready.exists():
-        assert time.monotonic() < t_end
-        time.sleep(0.01)
-    yield name
+    child = start_in_process(own_store, name, str(ready), 120.0, start_method="spawn", timeout=180)
+    wait_until(ready.exists, "the store is ready", child.process.is_alive)
+    yield name, child
     child.kill(signal.SIGTERM)
     try:
         shmkv.remove(name)
     except shmkv.StoreNotFound:
         pass
+
+
+@pytest.fixture
+def live_store(live_owner):
+    return live_owner[0]
 
 
 def test_demo_equals_single_process_run(tmp_path):
@@ -46,33 +61,59 @@ def test_demo_equals_single_process_run(tmp_path):
                        out=lines.append)
     assert summary["ok"] is True
     assert any("equal to a single-process run without shmkv: yes" in x for x in lines)
-    assert (tmp_path / "d.shmkv").exists()
+    assert (tmp_path / "d.shmkv").exists()  # asked for: kept
     head = shmkv.read_header(tmp_path / "d.shmkv")
     assert head.layout.layers == 4
     assert summary["store"] not in shmkv.list_stores()
 
 
+def test_demo_command_says_what_it_does_and_leaves_nothing(tmp_path):
+    """Through the console script: what starts comes first, '=' is gone for a word that is
+    explained, the timing is labelled, and no snapshot file is left in the temp directory."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    r = subprocess.run([SHMKV, "demo", "--tokens", "4"], capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("shmkv demo: a tiny numpy transformer") and "starting store" in lines[1]
+    assert any("'matches': the same tokens" in x for x in lines)
+    requests = [x for x in lines if x.startswith("  request") and "(seq" in x]
+    assert len(requests) == len(demo.PROMPTS) and all(": matches, tokens" in x for x in requests)
+    assert "removed at the end" in r.stdout
+    assert lines[-1].startswith("equal to a single-process run without shmkv: yes (wall time ")
+    assert list(tmp.iterdir()) == []  # the default snapshot file was removed
+    assert not store_entries(lines[1])
+
+
+def store_entries(starting_line: str | bytes) -> list[str]:
+    """What is left in /dev/shm of the store the demo named in its 'starting store ...' line
+    (other programs' stores come and go meanwhile on a shared machine)."""
+    text = starting_line.decode() if isinstance(starting_line, bytes) else starting_line
+    name = re.search(r"starting store '([^']+)'", text).group(1)  # type: ignore[union-attr]
+    return [f for f in shm_entries() if f.startswith(f"skv_{name}.")]
+
+
 def test_demo_command_and_interrupt(tmp_path):
-    before = shm_entries()
-    env = dict(os.environ)
-    p = subprocess.Popen([sys.executable, "-m", "shmkv", "demo", "--tokens", "3000", "--snapshot",
-                          str(tmp_path / "i.shmkv")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                         start_new_session=True)
-    t_end = time.monotonic() + 60
-    while not (shm_entries() - before) and time.monotonic() < t_end:
-        time.sleep(0.05)  # wait until the demo's store exists
-    time.sleep(1.0)  # workers are decoding now (3000 tokens each: far from done)
-    os.killpg(p.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
+    p = subprocess.Popen([SHMKV, "demo", "--tokens", "3000", "--snapshot", str(tmp_path / "i.shmkv")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
+        assert p.stdout is not None
+        seen = []
+        for line in p.stdout:  # the demo reports as it goes: wait until requests reach the workers
+            seen.append(line)
+            if b"requests go to the workers" in line:
+                break
+        assert seen and b"requests go to the workers" in seen[-1], seen
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    assert p.returncode == 130, err  # it was interrupted, not finished
+    assert p.returncode == 130, err  # it was interrupted, not finished (3000 tokens each: far from done)
     assert b"interrupted" in err
-    time.sleep(0.2)
-    assert shm_entries() - before == set()
+    assert not store_entries(seen[1])
 
 
 def test_inspection_commands_on_a_live_store(live_store, tmp_path):
@@ -121,11 +162,8 @@ def test_snapshotter_stops_on_sigterm(live_store, tmp_path):
     out = tmp_path / "snaps"
     p = subprocess.Popen([sys.executable, "-m", "shmkv", "snapshot", live_store, "--dir", str(out),
                           "--every", "0.2", "--keep", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    t_end = time.monotonic() + 30
-    while not (out.exists() and os.listdir(out)):
-        assert time.monotonic() < t_end
-        time.sleep(0.05)
-    time.sleep(0.5)
+    # a snapshot is written, and the snapshotter is on to the next one
+    wait_until(lambda: out.exists() and len(os.listdir(out)) >= 2, "two snapshots", lambda: p.poll() is None)
     p.send_signal(signal.SIGTERM)
     _, stderr = p.communicate(timeout=30)
     assert p.returncode == 0, stderr
@@ -143,6 +181,78 @@ def test_errors_and_usage():
     assert shmkv_cmd("info").returncode == 2
     assert shmkv_cmd("frobnicate").returncode == 2
     assert shmkv_cmd("rm", missing).returncode == 1
+
+
+def test_rm_refuses_a_store_with_live_writers_unless_forced(live_owner):
+    name, child = live_owner
+    r = shmkv_cmd("rm", name)
+    assert r.returncode == 1, r.stdout
+    assert str(child.pid) in r.stderr and "--force" in r.stderr and "removed" not in r.stdout
+    assert name in shmkv.list_stores()
+    r = shmkv_cmd("rm", "--force", name)
+    assert r.returncode == 0 and f"removed {name}" in r.stdout
+    assert name not in shmkv.list_stores()
+
+
+def test_ls_says_who_keeps_a_store_alive(live_owner):
+    name, child = live_owner
+    r = shmkv_cmd("ls")
+    line = next(x for x in r.stdout.splitlines() if x.startswith(f"{name}:"))
+    assert f"creator {child.pid} alive" in line and "would remove" not in line
+    row = next(x for x in json.loads(shmkv_cmd("ls", "--json").stdout) if x["name"] == name)
+    assert row["creator_alive"] is True and row["live_clients"] == [child.pid] and row["gc_removes"] is False
+    child.kill()  # SIGKILL: the creator cannot remove its store; gc would
+    r = shmkv_cmd("ls")
+    line = next(x for x in r.stdout.splitlines() if x.startswith(f"{name}:"))
+    assert f"creator {child.pid} dead, no live clients (`shmkv gc` would remove it)" in line
+    row = next(x for x in json.loads(shmkv_cmd("ls", "--json").stdout) if x["name"] == name)
+    assert row["creator_alive"] is False and row["live_clients"] == [] and row["gc_removes"] is True
+    assert shmkv_cmd("rm", name).returncode == 0  # nobody alive writes it: no --force needed
+
+
+def test_ls_prints_a_line_when_there_are_no_stores(tmp_path):
+    # The machine's /dev/shm may hold other programs' stores: run the installed script's own
+    # code with an empty directory in its place.
+    code = ("import runpy, sys, shmkv._segment as s; s.SHM_DIR = sys.argv[1]; sys.argv = [sys.argv[2], 'ls']; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), SHMKV], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"no stores in {tmp_path}\n"
+
+
+def test_version_and_bare_command_prints_help():
+    r = shmkv_cmd("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"shmkv {shmkv.__version__}"
+    r = shmkv_cmd()
+    assert r.returncode == 2 and "required" not in r.stderr
+    assert r.stdout.startswith("usage: shmkv") and "demo" in r.stdout and "COMMAND --help" in r.stdout
+
+
+def test_help_shows_defaults():
+    r = shmkv_cmd("snapshot", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())  # argparse wraps lines
+    assert "seconds between snapshots (default: 60.0)" in text and "(default: 3)" in text
+    assert "(default: None)" not in text
+    assert "(default: 24)" in " ".join(shmkv_cmd("demo", "--help").stdout.split())
+
+
+def test_load_onto_an_existing_name_names_the_store(make_store, tmp_path):
+    store = make_store()
+    store.create_sequence(capacity=4).extend(np.ones((2, 2, 2, 4)), np.ones((2, 2, 2, 4)))
+    store.save(tmp_path / "s.shmkv")
+    r = shmkv_cmd("load", str(tmp_path / "s.shmkv"), "--name", store.name)
+    assert r.returncode == 1
+    assert f"a store named {store.name!r} exists already" in r.stderr and "skv_" not in r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+def test_info_wording(live_store):
+    r = shmkv_cmd("info", live_store)
+    assert r.returncode == 0, r.stderr
+    assert "1 read-write client\n" in r.stdout or "1 read-write client," in r.stdout
+    assert "MiB capacity" in r.stdout and "reserved" not in r.stdout
 
 
 def test_verify_finds_problems(make_store):
@@ -211,7 +321,9 @@ def test_bench_fails_fast_naming_a_killed_child():
                         cmd = f.read()
                 except FileNotFoundError:
                     continue
-                if b"resource_tracker" not in cmd and c not in killed:
+                # a spawned bench child once it runs its own code; not the resource tracker, and not a
+                # child between fork and exec (its command line is still the parent's)
+                if b"spawn_main" in cmd and b"resource_tracker" not in cmd and c not in killed:
                     os.kill(c, signal.SIGKILL)
                     killed.add(c)
             time.sleep(0.005)

@@ -1,0 +1,227 @@
+"""The prefix index: which sequences hold the prefix a chained block hash names (DESIGN §8).
+
+Layout: an open-addressing table in the header segment, ``INDEX_WORDS`` int64 words an entry::
+
+    word  field
+    0     hash    chained hash of tokens [0, (block + 1) * 16) (see _prefix_hash); 0 = empty slot
+    1     id      sequence id of the holder
+    2     slot    the holder's row in the sequence table
+    3     block   which block of the holder (the hash names its first block + 1 blocks)
+
+Linear probing from ``hash & (slots - 1)``. Entries are never deleted one by one: an entry is
+*valid* while its holder row is live with that id, has the block indexed (``block <
+IDX_BLOCKS``) and the hashes region holds the same hash at the block's last cell. So free,
+eviction, truncate and moves cost the index nothing; an insert reuses an invalid entry along its
+probe, and a rebuild (under the lock) drops every invalid one when the table fills to 3/4.
+
+At most ``DUP`` holders a hash: a new holder replaces the least recently used one, so the index
+keeps the most recent holders of a shared prefix (a system prompt held by hundreds of finished
+requests costs ``DUP`` entries a block), and those are the last that LRU eviction takes.
+
+Concurrency: entries change only under the store lock. Readers (``match_prefix`` on any
+attachment, read-only too) take no lock: they may see a torn or stale entry, so every hit is
+verified against the holder's stored token ids and positions, under the holder row's seqlock,
+before it counts. A lookup costs one hash a block of the prompt plus a binary search over blocks:
+the same with ten or ten thousand cached sequences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._header import (
+    CLEAN, GEN, ID, IDX_BLOCKS, INDEX_WORDS, LENGTH, LIVE, RECENCY, SEQ_WORDS, START, STATE, WIN_OFF,
+)
+from ._prefix_hash import BLOCK, ROOT, as_tokens, block_hashes
+
+DUP = 4  # holders kept a hash
+
+
+class PrefixIndex:
+    """Typed access to the index table, the sequence rows it points into and the hashes region.
+
+    ``table`` and ``rows`` are int64 memoryviews (item reads give Python ints, fast); ``tokens``,
+    ``positions`` and ``hashes`` numpy views of the data segment.
+    """
+
+    def __init__(self, table: memoryview, rows: memoryview, tokens: np.ndarray, positions: np.ndarray,
+                 hashes: np.ndarray, keep: int, bounded: bool) -> None:
+        self._t = table
+        self._slots = len(table) // INDEX_WORDS
+        self._mask = self._slots - 1
+        self._rows = rows
+        self._tokens = tokens
+        self._positions = positions
+        self._hashes = hashes
+        self._keep = keep
+        self._bounded = bounded
+
+    # -- entries -----------------------------------------------------------------
+
+    def _valid(self, i: int) -> bool:
+        t, r = self._t, self._rows
+        e = i * INDEX_WORDS
+        h, sid, slot, blk = t[e], t[e + 1], t[e + 2], t[e + 3]
+        b = slot * SEQ_WORDS
+        if r[b + STATE] != LIVE or r[b + ID] != sid or blk >= r[b + IDX_BLOCKS]:
+            return False
+        return int(self._hashes[r[b + START] + (blk + 1) * BLOCK - 1]) == h
+
+    def holders(self, h: int) -> list[tuple[int, int]]:
+        """(id, slot) of the valid holders of ``h``."""
+        t, mask = self._t, self._mask
+        i = h & mask
+        out = []
+        for _ in range(self._slots):
+            eh = t[i * INDEX_WORDS]
+            if eh == 0:
+                break
+            if eh == h and self._valid(i):
+                out.append((t[i * INDEX_WORDS + 1], t[i * INDEX_WORDS + 2]))
+            i = (i + 1) & mask
+        return out
+
+    def insert(self, h: int, seq_id: int, slot: int, block: int) -> int:
+        """Record that sequence ``seq_id`` (row ``slot``) holds ``h`` as its block ``block`` (lock held).
+
+        Returns 1 if an empty slot was taken (the caller counts occupancy), else 0.
+        """
+        t, mask, r = self._t, self._mask, self._rows
+        i = h & mask
+        reuse = -1  # first invalid entry on the probe
+        same: list[int] = []
+        for _ in range(self._slots):
+            eh = t[i * INDEX_WORDS]
+            if eh == 0:
+                break
+            if eh == h and t[i * INDEX_WORDS + 1] == seq_id and t[i * INDEX_WORDS + 3] == block:
+                return 0  # already there
+            if not self._valid(i):
+                if reuse < 0:
+                    reuse = i
+            elif eh == h:
+                same.append(i)
+            i = (i + 1) & mask
+        else:
+            raise RuntimeError("prefix index full: rebuild() was not run")  # cannot happen below 3/4 load
+        taken = 0
+        if len(same) >= DUP:  # replace the least recently used holder
+            reuse = min(same, key=lambda j: r[t[j * INDEX_WORDS + 2] * SEQ_WORDS + RECENCY])
+        elif reuse < 0:
+            reuse, taken = i, 1
+        e = reuse * INDEX_WORDS
+        t[e] = 0  # a reader passing by sees an empty-hash entry, never a mixed one
+        t[e + 1], t[e + 2], t[e + 3] = seq_id, slot, block
+        t[e] = h
+        return taken
+
+    def used(self) -> int:
+        t = self._t
+        return sum(1 for i in range(self._slots) if t[i * INDEX_WORDS])
+
+    def rebuild(self) -> int:
+        """Drop invalid entries (lock held); return the entries kept."""
+        keep = [(self._t[i * INDEX_WORDS : (i + 1) * INDEX_WORDS].tolist()) for i in range(self._slots)
+                if self._t[i * INDEX_WORDS] and self._valid(i)]
+        for i in range(self._slots * INDEX_WORDS):
+            self._t[i] = 0
+        for h, sid, slot, blk in keep:
+            self.insert(h, sid, slot, blk)
+        return len(keep)
+
+    def full(self, used: int) -> bool:
+        return 4 * used >= 3 * self._slots
+
+    # -- sequences ---------------------------------------------------------------
+
+    def index_blocks(self, slot: int, upto: int) -> int:
+        """Hash and index the whole blocks of the sequence in ``slot`` from IDX_BLOCKS up to
+        token ``upto`` (lock held), stopping at a block with a token id -1; returns slots taken.
+        Sets IDX_BLOCKS; the caller sets NOINDEX when it stopped early."""
+        r = self._rows
+        b = slot * SEQ_WORDS
+        start, done, sid = r[b + START], r[b + IDX_BLOCKS], r[b + ID]
+        clean = r[b + CLEAN]
+        if clean >= 0:
+            upto = min(upto, clean)
+        nb = upto // BLOCK
+        if nb <= done:
+            return 0
+        toks = self._tokens[start + done * BLOCK : start + nb * BLOCK]
+        bad = np.flatnonzero(toks < 0)
+        if bad.size:
+            nb = done + int(bad[0]) // BLOCK
+            if nb <= done:
+                return 0
+            toks = toks[: (nb - done) * BLOCK]
+        parent = int(self._hashes[start + done * BLOCK - 1]) if done else ROOT
+        hs = block_hashes(toks, parent=parent)
+        taken = 0
+        for j, h in enumerate(hs):
+            blk = done + j
+            self._hashes[start + (blk + 1) * BLOCK - 1] = h
+            r[b + IDX_BLOCKS] = blk + 1  # before insert: the entry must validate
+            taken += self.insert(h, sid, slot, blk)
+        return taken
+
+    def adopt(self, slot: int) -> int:
+        """Index entries for the blocks [0, IDX_BLOCKS) of ``slot`` whose hashes were copied in
+        with its cells (copy_prefix; lock held); returns slots taken."""
+        r = self._rows
+        b = slot * SEQ_WORDS
+        start, sid = r[b + START], r[b + ID]
+        return sum(self.insert(int(self._hashes[start + (blk + 1) * BLOCK - 1]), sid, slot, blk)
+                   for blk in range(r[b + IDX_BLOCKS]))
+
+    def match(self, tokens: object, limit: int | None = None) -> tuple[int, int, int]:
+        """The longest verified prefix of ``tokens`` some sequence holds from position 0.
+
+        Returns (n, donor id, donor slot); n = 0 (and id 0, slot -1) on a miss. At most
+        ``limit`` tokens (default len - 1). Lock-free: safe on read-only attachments.
+        """
+        t = as_tokens(tokens)
+        limit = len(t) - 1 if limit is None else min(limit, len(t))
+        nb = max(limit, 0) // BLOCK
+        if nb == 0:
+            return 0, 0, -1
+        hs = block_hashes(t, limit=nb)
+        lo, hi, best = 0, nb, []  # largest block count with a valid holder: binary search
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            hol = self.holders(hs[mid - 1])
+            if hol:
+                lo, best = mid, hol
+            else:
+                hi = mid - 1
+        n_best, id_best, slot_best = 0, 0, -1
+        for sid, slot in best:
+            n = self._verify(t, limit, sid, slot, lo * BLOCK)
+            if n > n_best:
+                n_best, id_best, slot_best = n, sid, slot
+        return n_best, id_best, slot_best
+
+    def _verify(self, t: np.ndarray, limit: int, sid: int, slot: int, floor: int) -> int:
+        """Tokens of ``t`` (at most ``limit``) that sequence ``sid`` holds at positions 0..n-1,
+        read under its seqlock; 0 if fewer than ``floor`` (a stale or colliding entry)."""
+        r = self._rows
+        b = slot * SEQ_WORDS
+        for _ in range(100):
+            g = r[b + GEN]
+            if g & 1:
+                continue
+            if r[b + STATE] != LIVE or r[b + ID] != sid:
+                return 0
+            start, length, clean, woff = r[b + START], r[b + LENGTH], r[b + CLEAN], r[b + WIN_OFF]
+            end = min(length, limit, clean if clean >= 0 else length)
+            ok = (self._tokens[start : start + end] == t[:end]) & (
+                self._positions[start : start + end] == np.arange(end))
+            bad = np.flatnonzero(~ok)
+            n = int(bad[0]) if bad.size else end
+            if r[b + GEN] != g:
+                continue
+            if n < floor:
+                return 0
+            if self._bounded and woff and n - woff < self._keep:
+                return 0  # its sliding/chunked layers no longer hold what a resume at n needs
+            return n
+        return 0

@@ -1,0 +1,70 @@
+"""Chained hashes of token blocks: the names of prefixes.
+
+The prefix cache (DESIGN §8) indexes committed tokens by the hash of every whole
+``BLOCK``-token block chained to the hash of everything before it, so one
+64-bit value names a whole prefix, not just its last block:
+
+    h[0] = ROOT
+    h[i + 1] = blake2b-64(h[i] as 8 little-endian bytes || tokens of block i as int64 little-endian)
+               with the top bit cleared (so a hash fits the int64 words of the index)
+
+The Redis tier (§9) names its chunks with the same values (a chunk of
+``chunk_tokens`` tokens, a multiple of ``BLOCK``, ending at token ``e`` is
+named by ``h[e // BLOCK]``), so a chunk is found only after the same whole
+prefix, on every machine.
+
+The hash must be the same in every process and on every machine, for as long as
+stores and Redis keys made with it live: never Python's ``hash()`` (randomized
+per process for bytes). ``HASH_VERSION`` goes into every name built from it
+(index layout, Redis key); change it with any change to the function.
+Zero is never a hash value (index tables use it for an empty slot).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NewType
+
+import numpy as np
+
+# A chained prefix hash, kept apart from token ids and cell numbers (both plain ints too).
+PrefixHash = NewType("PrefixHash", int)
+
+HASH_VERSION = 1
+BLOCK = 16  # tokens a block: the granularity of the index (matches may still end anywhere)
+_PERSON = b"shmkv-prefix-v1"  # blake2b personalization: a domain of our own
+_MASK63 = (1 << 63) - 1
+ROOT = PrefixHash(0x5348_4D4B_565F_5246)  # "SHMKV_RF": the hash of the empty prefix
+
+
+def _h(parent: int, block: bytes) -> PrefixHash:
+    d = hashlib.blake2b(parent.to_bytes(8, "little") + block, digest_size=8, person=_PERSON).digest()
+    return PrefixHash((int.from_bytes(d, "little") & _MASK63) or 1)  # 0 is reserved for "empty"
+
+
+def as_tokens(tokens: object) -> np.ndarray:
+    """Token ids as a 1-d little-endian int64 array (no copy when they already are)."""
+    a = np.asarray(tokens)
+    if a.ndim != 1:
+        raise ValueError(f"token ids must be 1-d, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype="<i8")
+
+
+def block_hashes(tokens: object, parent: int = ROOT, limit: int | None = None) -> list[PrefixHash]:
+    """Hashes after each whole block of ``tokens``: element i names tokens[: (i + 1) * BLOCK].
+
+    ``parent`` is the hash of whatever precedes ``tokens`` (ROOT for a prefix starting at token 0);
+    ``limit`` stops after that many blocks. A trailing partial block has no hash.
+    """
+    t = as_tokens(tokens)
+    n = len(t) // BLOCK if limit is None else min(limit, len(t) // BLOCK)
+    raw = t[: n * BLOCK].tobytes()
+    out: list[PrefixHash] = []
+    h = parent
+    step = BLOCK * 8
+    for i in range(n):
+        h = _h(h, raw[i * step : (i + 1) * step])
+        out.append(h)
+    return out

@@ -1,0 +1,23 @@
+"""Children of tests/test_wait.py (module level, so spawn and forkserver can import them)."""
+
+from __future__ import annotations
+
+import time
+
+import shmkv
+
+
+def wait_for_commit(name: str, seq_id: int, ready_path: str) -> tuple[int, int]:
+    """Attach read-only, say so through ``ready_path``, wait for the first commit.
+
+    Returns (length returned by wait, time.monotonic_ns() when it returned).
+    """
+    store = shmkv.attach(name, readonly=True)
+    try:
+        seq = store.sequence(seq_id)
+        with open(ready_path, "w") as f:
+            f.write("ready")
+        n = seq.wait(1, timeout=120)
+        return n, time.monotonic_ns()
+    finally:
+        store.close()
