@@ -3,14 +3,13 @@
 A tiny random-weight Llama (built from a config: nothing is downloaded) serves
 six requests that share a system prompt:
 
-* the prefill process computes the system prompt once, then for each request
-  forks that sequence (the shared prefix is copied, not recomputed), runs the
-  request's own tokens through the model into it, and hands the sequence id to
-  the decode workers;
-* two decode worker processes each continue sequences with
-  ``ShmkvCache(store, [seq_id])`` and ``model.generate(...)``; the cache holds
-  every token but the prompt's last, so generate computes only that one and the
-  new tokens;
+* the prefill process computes the system prompt once, ``finish``es it (a
+  cached prefix now, for every process), and queues the requests;
+* two decode worker processes take requests: ``ShmkvCache.for_prompt(store,
+  prompt)`` starts each one from the longest cached prefix (the system prompt,
+  copied from the prefill process's cells, not recomputed), ``model.generate``
+  computes only the rest, and ``cache.finish(output)`` caches the whole request
+  for a later turn;
 * the main process checks every answer against ``generate`` with transformers'
   own ``DynamicCache`` in one process.
 
@@ -25,7 +24,7 @@ import sys
 import tempfile
 
 NEW_TOKENS = 16
-SYSTEM = [1, 17, 42, 7, 99, 23, 5, 64, 31, 8, 77, 12]  # the shared system prompt's token ids
+SYSTEM = [1] + [(7 * i) % 120 + 3 for i in range(39)]  # the shared system prompt's 40 token ids
 USERS = [[50, 51, 52], [60, 61], [70, 71, 72, 73], [80], [90, 91], [100, 101, 102]]
 
 
@@ -40,7 +39,7 @@ def _model(model_dir):
 
 
 def prefill(store_name, model_dir, jobs, n_workers):
-    """Compute the system prompt once; per request: fork it, add the user tokens but the last."""
+    """Compute the shared system prompt once and cache it; then queue the requests."""
     import torch
 
     import shmkv
@@ -49,18 +48,11 @@ def prefill(store_name, model_dir, jobs, n_workers):
     model = _model(model_dir)
     store = shmkv.attach(store_name)
     with torch.no_grad():
-        system = ShmkvCache(store)
-        model(torch.tensor([SYSTEM]), past_key_values=system)  # the shared prefix, computed once
-        for rid, user in enumerate(USERS):
-            prompt = SYSTEM + user
-            seq = store.sequence(system.sequence_ids[0]).fork()  # a copy of the prefix's cells
-            seq.release()
-            cache = ShmkvCache(store, [seq.id])
-            if len(prompt) - 1 > len(SYSTEM):  # the request's tokens but its last
-                model(torch.tensor([prompt[len(SYSTEM) : -1]]), past_key_values=cache)
-            cache.release()
-            jobs.put((rid, seq.id, prompt))
-    system.free()
+        cache = ShmkvCache.for_prompt(store, [SYSTEM])
+        model(torch.tensor([SYSTEM]), past_key_values=cache)
+        cache.finish([SYSTEM])  # a cached prefix for every process from now on
+    for rid, user in enumerate(USERS):
+        jobs.put((rid, SYSTEM + user))
     for _ in range(n_workers):
         jobs.put(None)
     store.close()
@@ -75,13 +67,14 @@ def decode_worker(store_name, model_dir, jobs, results):
     model = _model(model_dir)
     store = shmkv.attach(store_name)
     while (job := jobs.get(timeout=120)) is not None:
-        rid, seq_id, prompt = job
-        cache = ShmkvCache(store, [seq_id])  # takes the lease the prefill process gave up
+        rid, prompt = job
+        cache = ShmkvCache.for_prompt(store, [prompt])  # starts from the cached system prompt
+        reused = cache.get_seq_length()
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=NEW_TOKENS,
                                  do_sample=False)
-        results.put((rid, os.getpid(), out[0, len(prompt):].tolist()))
-        cache.free()
+        cache.finish(out)  # the whole request: a prefix for its next turn
+        results.put((rid, os.getpid(), reused, out[0, len(prompt):].tolist()))
     store.close()
 
 
@@ -135,16 +128,18 @@ def main() -> int:
                     p.kill()
                     p.join()
         ok = True
-        for rid, pid, tokens in sorted(answers):
+        for rid, pid, reused, tokens in sorted(answers):
             with torch.no_grad():
                 ref = model.generate(torch.tensor([SYSTEM + USERS[rid]]), past_key_values=DynamicCache(),
                                      max_new_tokens=NEW_TOKENS, do_sample=False)[0, -NEW_TOKENS:].tolist()
             same = tokens == ref
             ok &= same
-            print(f"request {rid} (worker {pid}): {tokens[:8]}...  same as DynamicCache: {same}")
+            print(f"request {rid} (worker {pid}): reused {reused} of {len(SYSTEM + USERS[rid])} prompt tokens, "
+                  f"generated {tokens[:6]}...  same as DynamicCache: {same}")
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        left = [s.id for s in owner.store.sequences()]
-        print(f"sequences left in the store: {left}")
+        st = owner.store.stats()
+        print(f"prefix cache: {st.prefix_hits} hits, {st.prefix_misses} misses, "
+              f"{st.prefix_tokens_reused} tokens reused; {len(owner.store.sequences())} finished sequences kept")
     if not ok:
         print("MISMATCH against DynamicCache")
         return 1

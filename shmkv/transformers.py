@@ -280,6 +280,88 @@ class ShmkvCache(Cache):
         cache._owns_store = True
         return cache
 
+    @classmethod
+    def for_prompt(cls, store: Store, input_ids: Any, *, capacity: int | None = None) -> ShmkvCache:
+        """A cache whose rows start from the longest prefix of their prompt cached in ``store``
+        (DESIGN §8), by any process: ``generate(input_ids, past_key_values=cache)`` then
+        computes only the rest.
+
+        Every row reuses the same number of tokens (transformers keeps one past length for
+        the batch): the shortest match among the rows, at most ``len - 1`` (so generate
+        still computes a token and gets its logits).
+
+        Args:
+            store: an open read-write store laid out for the model.
+            input_ids: ``[batch, n]`` token ids (tensor, array or nested lists) — the same
+                ones given to ``generate``.
+
+        Example:
+            >>> cache = ShmkvCache.for_prompt(store, input_ids)              # doctest: +SKIP
+            >>> out = model.generate(input_ids, past_key_values=cache)       # doctest: +SKIP
+            >>> cache.finish(out)          # now a cached prefix for every process  # doctest: +SKIP
+        """
+        rows = _token_rows(input_ids, "input_ids")
+        k = min(store.match_prefix(r) for r in rows)
+        cap = max(capacity or DEFAULT_CAPACITY, *(len(r) for r in rows))
+        seqs: list[Sequence] = []
+        try:
+            for r in rows:
+                seqs.append(store.create_sequence(capacity=cap, prefix=r[: k + 1]))
+            n = min(len(s) for s in seqs)  # a donor evicted since match_prefix: fewer on that row
+            for s in seqs:
+                if len(s) > n:
+                    s.truncate(n)
+        except BaseException:
+            for s in seqs:
+                s.free()
+            raise
+        cache = cls(store, capacity=capacity)
+        cache._seqs, cache._length = seqs, n
+        return cache
+
+    def finish(self, output_ids: Any, attention_mask: Any = None) -> None:
+        """The requests are done: record every row's token ids from ``generate``'s output and
+        keep the sequences as cached prefixes (``Sequence.finish``) for any process's
+        :meth:`for_prompt`; the cache is empty afterwards.
+
+        Args:
+            output_ids: ``[batch, >= length]`` token ids, row order as the cache's (generate's
+                output: the prompt and the new tokens; the cache holds all but the last).
+            attention_mask: the mask given to generate, if any: rows with padding are freed
+                instead (their cells were computed with the padding masked out, which a
+                match by token ids cannot tell).
+
+        Raises:
+            InvalidArgumentError: ``output_ids`` too short, or disagreeing with ids the cells
+                already hold (a prefix they were copied from): nothing is recorded then.
+        """
+        if self._seqs is None:
+            return
+        if self._fwd is not None:
+            self._drop_pending()
+        rows = _token_rows(output_ids, "output_ids")
+        n = self._length
+        if len(rows) != len(self._seqs) or any(len(r) < n for r in rows):
+            raise InvalidArgumentError(
+                f"finish: output_ids {[len(r) for r in rows]} must be {len(self._seqs)} rows of at least "
+                f"{n} token ids (the cache's length)"
+            )
+        padded = [False] * len(rows)
+        if attention_mask is not None:
+            mask = _token_rows(attention_mask, "attention_mask")
+            padded = [bool((m[:n] == 0).any()) for m in mask]
+        for s, r, pad in zip(self._seqs, rows, padded, strict=True):
+            if not pad:
+                _check_tokens(s, r[:n])
+        seqs, self._seqs = self._seqs, None
+        self._length = 0
+        for s, r, pad in zip(seqs, rows, padded, strict=True):
+            if pad:
+                s.free()
+            else:
+                _set_tokens(s, r[:n])
+                s.finish()
+
     # -- what the caller sees ----------------------------------------------------------
 
     @property
@@ -615,6 +697,44 @@ def _writable(a: np.ndarray) -> np.ndarray:
     except ValueError:  # really read-only memory (read-only attachment): copy
         return a.copy()
     return v
+
+
+def _token_rows(ids: Any, what: str) -> list[np.ndarray]:
+    if isinstance(getattr(ids, "sequences", None), torch.Tensor):  # generate's GenerateOutput
+        ids = ids.sequences
+    a = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    if a.ndim != 2 or (a.size and a.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"{what} must be [batch, n] token ids, got shape {a.shape} dtype {a.dtype}")
+    return [row.astype(np.int64) for row in a]
+
+
+def _check_tokens(seq: Sequence, tokens: np.ndarray) -> None:
+    """The ids the cells already hold (a reused prefix) must be the ones given."""
+    held = seq.tokens[: len(tokens)]
+    known = held >= 0
+    if (held[known] != tokens[known]).any():
+        i = int(np.flatnonzero(known & (held != tokens))[0])
+        raise InvalidArgumentError(
+            f"finish: output_ids give token {int(tokens[i])} at index {i} of sequence {seq.id}, whose cell "
+            f"holds token {int(held[i])}: pass generate's output for the same input_ids"
+        )
+
+
+def _set_tokens(seq: Sequence, tokens: np.ndarray) -> None:
+    """Stand-in for ``seq.set_tokens(tokens, begin=0)``: record the ids of committed cells
+    that were committed without them (the model's forward sees states, not ids), and index
+    their blocks for the prefix cache (what ``commit(tokens=...)`` does at once)."""
+    from ._header import FLAGS, LENGTH, NOINDEX, START
+
+    st = seq._store
+    with st._locked():
+        row = seq._row
+        start = row[START]
+        n = min(len(tokens), row[LENGTH])
+        with st._changing(row):
+            st._tokens[start : start + n] = tokens[:n]
+        row[FLAGS] &= ~NOINDEX  # blocks from IDX_BLOCKS on may be indexed now
+        st._index_blocks(seq._slot, row[LENGTH])
 
 
 def _drop_pending(seq: Sequence, length: int) -> None:

@@ -212,6 +212,69 @@ def test_prefill_in_one_process_continue_in_another(llama, cache_of, tmp_path):
     assert length == ids.shape[1] + NEW - 1
 
 
+# -- 5. prefix reuse across processes: for_prompt and finish --------------------------------------------
+
+SYSTEM = list(range(3, 23))  # a 20-token system prompt (a whole 16-token block and 4 more)
+
+
+def _child_for_prompt(model_dir, name, ids):
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    store = shmkv.attach(name)
+    try:
+        cache = ShmkvCache.for_prompt(store, ids)
+        reused = cache.get_seq_length()
+        out = generate(model, torch.tensor(ids), cache)
+        cache.finish(out.sequences)
+        return reused, out.sequences.tolist()
+    finally:
+        store.close()
+
+
+def test_for_prompt_reuses_across_processes_and_finish_caches(llama, cache_of, tmp_path):
+    llama.save_pretrained(tmp_path)
+    store = cache_of(llama, dtype="float32").store
+    system = torch.tensor([SYSTEM])
+    first = ShmkvCache.for_prompt(store, system)  # nothing cached yet
+    assert first.get_seq_length() == 0
+    first.finish(generate(llama, system, first, max_new_tokens=1).sequences)  # caches the system prompt
+    assert store.match_prefix([*SYSTEM, 99]) == len(SYSTEM)
+
+    prompt = torch.tensor([[*SYSTEM, 40, 41, 42, 43, 44]])
+    reused, tokens = run_in_process(_child_for_prompt, str(tmp_path), store.name, prompt.tolist(), timeout=120)
+    assert reused == len(SYSTEM)  # the other process computed only the user's 5 tokens
+    assert tokens == generate(llama, prompt, DynamicCache()).sequences.tolist()  # as a fresh run
+
+    again = ShmkvCache.for_prompt(store, prompt)  # the child's finish cached its whole request
+    assert again.get_seq_length() == prompt.shape[1] - 1
+    assert generate(llama, prompt, again).sequences.tolist() == tokens
+    again.free()
+    stats = store.stats()
+    assert stats.prefix_hits >= 2 and stats.prefix_tokens_reused >= len(SYSTEM) + prompt.shape[1] - 1
+
+
+def test_for_prompt_batch_reuses_the_shortest_match(llama, cache_of):
+    store = cache_of(llama, dtype="float32").store
+    system = torch.tensor([SYSTEM])
+    c = ShmkvCache.for_prompt(store, system)
+    c.finish(generate(llama, system, c, max_new_tokens=1))  # a GenerateOutput works too
+    ids = torch.tensor([[*SYSTEM, 50, 51], [*SYSTEM[:17], 60, 61, 62, 63, 64]])
+    cache = ShmkvCache.for_prompt(store, ids)
+    assert cache.get_seq_length() == 17  # row 1 matches 17 tokens: both rows start there
+    out = generate(llama, ids, cache)
+    assert torch.equal(out.sequences, generate(llama, ids, DynamicCache()).sequences)
+    bad = out.sequences.clone()
+    bad[0, 3] += 1  # disagrees with the reused cells' ids: refused, nothing recorded
+    with pytest.raises(shmkv.InvalidArgumentError, match="holds token"):
+        cache.finish(bad)
+    mask = torch.ones_like(out.sequences)
+    mask[1, 0] = 0  # as if row 1 were padded: freed, not cached
+    ids_before = cache.sequence_ids
+    cache.finish(out.sequences, attention_mask=mask)
+    live = {i.id for i in store.sequences()}
+    assert ids_before[0] in live and ids_before[1] not in live
+    assert store.match_prefix(out.sequences[0].tolist()) == out.sequences.shape[1] - 1
+
+
 # -- 3. crop (assisted and prompt-lookup decoding), beam search, batch ops ----------------------------
 
 
