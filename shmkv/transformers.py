@@ -469,13 +469,12 @@ class ShmkvCache(Cache):
         dtype = key_states.dtype
         if fwd.deferred:
             fwd.stash[layer] = (list(kn), list(vn))
-            kl, vl = [], []
-            for s in seqs:
-                held_k, held_v = s.kv(layer)
-                kl.append(held_k[len(held_k) - (keep - fwd.q):])
-                vl.append(held_v[len(held_v) - (keep - fwd.q):])
-            k_out = torch.cat([_to_torch(np.stack(kl), dtype), _to_torch(kn, dtype)], 1)
-            v_out = torch.cat([_to_torch(np.stack(vl), dtype), _to_torch(vn, dtype)], 1)
+            n_held = keep - fwd.q
+            held = [s.torch_kv(layer) for s in seqs]
+            k_held = torch.stack([k[len(k) - n_held:] for k, _ in held]).to(dtype)
+            v_held = torch.stack([v[len(v) - n_held:] for _, v in held]).to(dtype)
+            k_out = torch.cat([k_held, key_states.detach().cpu().transpose(1, 2)], 1)
+            v_out = torch.cat([v_held, value_states.detach().cpu().transpose(1, 2)], 1)
         elif len(seqs) == 1:  # zero-copy views of the cells
             ka, va = seqs[0].append(layer, kn[0], vn[0])
             k_out = _to_torch(ka[len(ka) - keep:], dtype).unsqueeze(0)
@@ -532,7 +531,7 @@ class ShmkvCache(Cache):
         w = self._windows[layer]
         n = min(self._length, w - 1) if w else self._length
         dtype = self._dtype or torch.float32
-        rows = [_to_torch(a[len(a) - n:], dtype) for a in (s.kv(layer)[which] for s in self._seqs)]
+        rows = [t[len(t) - n:].to(dtype) for t in (s.torch_kv(layer)[which] for s in self._seqs)]
         out = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)  # batch 1: zero-copy
         return out.permute(0, 2, 1, 3)
 
