@@ -111,9 +111,10 @@ def main() -> int:
                          eos_token_id=None, pad_token_id=0)
     model = LlamaForCausalLM._from_config(config, dtype=torch.float32).eval()
     ctx = mp.get_context("spawn")  # torch's thread pools do not survive fork
-    with tempfile.TemporaryDirectory() as model_dir, ShmkvCache.from_config(config, dtype="float32") as owner:
+    name = f"hfworkers{os.getpid()}"
+    with tempfile.TemporaryDirectory() as model_dir, ShmkvCache.from_config(config, name, dtype="float32") as owner:
         model.save_pretrained(model_dir)  # the workers load the same weights
-        name = owner.store.name  # this process owns the store: closing removes it
+        # this process owns the store: closing removes it
         jobs, results = ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=prefill, args=(name, model_dir, jobs, 2))]
         procs += [ctx.Process(target=decode_worker, args=(name, model_dir, jobs, results)) for _ in range(2)]
