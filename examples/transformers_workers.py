@@ -95,6 +95,14 @@ def _result(results, procs, timeout=180.0):
 
 
 def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        # torch writes its compile cache under $TMPDIR unless told where: here, removed at the end
+        # (the spawned processes inherit it)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "torchinductor"))
+        return run(os.path.join(tmp, "model"))
+
+
+def run(model_dir: str) -> int:
     try:
         import torch
         from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -112,7 +120,7 @@ def main() -> int:
     model = LlamaForCausalLM._from_config(config, dtype=torch.float32).eval()
     ctx = mp.get_context("spawn")  # torch's thread pools do not survive fork
     name = f"hfworkers{os.getpid()}"
-    with tempfile.TemporaryDirectory() as model_dir, ShmkvCache.from_config(config, name, dtype="float32") as owner:
+    with ShmkvCache.from_config(config, name, dtype="float32") as owner:
         model.save_pretrained(model_dir)  # the workers load the same weights
         # this process owns the store: closing removes it
         jobs, results = ctx.Queue(), ctx.Queue()
