@@ -594,11 +594,12 @@ class ShmkvCache(Cache):
             return
         if self._fwd is not None:
             self._drop_pending()
-        if isinstance(index, torch.Tensor):
-            if index.dtype == torch.bool:
-                index = index.nonzero().flatten()
-            index = index.tolist()
-        idx = [int(i) for i in index]
+        a = index.detach().cpu().numpy() if isinstance(index, torch.Tensor) else np.asarray(index)
+        if a.dtype == np.bool_:  # a mask over the rows, as tensor indexing takes it
+            a = np.flatnonzero(a)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise InvalidArgumentError(f"{what}={index!r} must be a 1-D sequence of row indices (or a bool mask)")
+        idx = a.tolist()
         b = len(self._seqs)
         bad = [i for i in idx if not -b <= i < b]
         if bad:

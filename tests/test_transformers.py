@@ -336,6 +336,7 @@ def _step(model, ids, cache):
     ("reorder_cache", [1, 2, 0]),
     ("batch_select_indices", [2, 0]),
     ("batch_select_indices", [True, False, True]),
+    ("batch_select_indices", "python bools"),
     ("batch_repeat_interleave", 2),
 ])
 def test_batch_ops(llama, cache_of, op, arg):
@@ -344,8 +345,13 @@ def test_batch_ops(llama, cache_of, op, arg):
     torch.testing.assert_close(_step(llama, ids, cache), _step(llama, ids, ref), rtol=0, atol=1e-5)
     before = list(cache.sequence_ids)
     a = torch.tensor(arg) if isinstance(arg, list) else arg
-    getattr(ref, op)(a)
-    getattr(cache, op)(a)
+    if arg == "python bools":  # a plain list of bools is a mask too, as for a tensor
+        a = torch.tensor([False, True, True])
+        getattr(ref, op)(a)
+        getattr(cache, op)([False, True, True])
+    else:
+        getattr(ref, op)(a)
+        getattr(cache, op)(a)
     rows = ref.layers[0].keys.shape[0]
     assert cache.batch_size == rows
     for layer in range(2):
@@ -444,6 +450,11 @@ def test_layout_from_config(llama):
     assert spec == {"layers": 2, "kv_heads": 2, "head_dim": 16, "layer_types": ["full", "full"]}
     spec = layout_from_config(sliding_config())
     assert spec["layer_types"] == ["full", "sliding", "sliding", "full"] and spec["window"] == 8
+    chunked = transformers.PretrainedConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                            num_key_value_heads=2, attention_chunk_size=32,
+                                            layer_types=["chunked_attention", "full_attention"])
+    assert layout_from_config(chunked) == {"layers": 2, "kv_heads": 2, "head_dim": 16,
+                                           "layer_types": ["chunked", "full"], "chunk": 32}
 
 
 @pytest.mark.parametrize("kw, field", [
