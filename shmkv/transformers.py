@@ -206,7 +206,6 @@ class ShmkvCache(Cache):
         self._length = 0
         self._fwd: _Forward | None = None
         self._dtype: torch.dtype | None = None
-        self._device: torch.device | None = None
         if seq_ids is not None:
             self._seqs = _take_leases(store, seq_ids)
             lengths = {s.length for s in self._seqs}
@@ -444,7 +443,7 @@ class ShmkvCache(Cache):
                 f"batch of {b} rows, but the cache holds {len(self._seqs)} sequences {self.sequence_ids}; "
                 "use one cache per batch (or reset() an empty one)"
             )
-        self._dtype, self._device = key_states.dtype, key_states.device
+        self._dtype = key_states.dtype
         # a sliding/chunked layer takes at most `step` (memory=) new tokens between commits;
         # longer forwards keep every layer's states aside and write them in steps at the end
         self._fwd = _Forward(q, self._bounded and q > lay.step, lay.layers)
