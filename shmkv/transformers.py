@@ -60,6 +60,9 @@ _TORCH_TO_STORE = {
     torch.float64: "float64",
 }
 
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)  # Tensor.numpy() shares these
+_PLAIN = ("float32", "float16", "float64")  # stored as is: append returns views of the cells
+
 DEFAULT_CAPACITY = 256  # first range of a sequence the cache creates; it doubles as it grows
 
 
@@ -151,12 +154,13 @@ class _ShmkvLayer(CacheLayerMixin):
 class _Forward:
     """State of one forward in progress (between its first and its last layer)."""
 
-    __slots__ = ("deferred", "next", "q", "stash")
+    __slots__ = ("deferred", "fast", "next", "q", "stash")
 
-    def __init__(self, q: int, deferred: bool, layers: int) -> None:
+    def __init__(self, q: int, deferred: bool, layers: int, fast: bool) -> None:
         self.q = q
         self.next = 0  # the layer update() expects next
         self.deferred = deferred
+        self.fast = fast  # batch 1 on CPU, a dtype numpy shares with torch, plain storage
         # deferred forwards keep each layer's new states here and write them at the end
         self.stash: list[tuple[list[np.ndarray], list[np.ndarray]] | None] = [None] * layers
 
@@ -199,6 +203,8 @@ class ShmkvCache(Cache):
         self._layout = lay
         self._windows = windows
         self._bounded = bool(lay.bounded)
+        self._step = lay.step  # most new tokens a sliding/chunked layer takes between commits
+        self._cell = (lay.kv_heads, lay.head_dim)
         self._capacity = capacity
         self._seqs: list[Sequence] | None = None
         self._owned_seqs = seq_ids is None  # created here: reset() frees them
@@ -421,7 +427,8 @@ class ShmkvCache(Cache):
         if self._fwd is not None:  # the previous forward failed between its layers: drop its tokens
             self._drop_pending()
         lay = self._layout
-        if key_states.ndim != 4 or tuple(key_states.shape[1::2]) != (lay.kv_heads, lay.head_dim):
+        shape = key_states.shape
+        if len(shape) != 4 or (shape[1], shape[3]) != self._cell:
             raise InvalidArgumentError(
                 f"key_states shape {tuple(key_states.shape)} must be [batch, kv_heads={lay.kv_heads}, q, "
                 f"head_dim={lay.head_dim}] (the store's layout): build the store with ShmkvCache.from_config"
@@ -446,7 +453,10 @@ class ShmkvCache(Cache):
         self._dtype = key_states.dtype
         # a sliding/chunked layer takes at most `step` (memory=) new tokens between commits;
         # longer forwards keep every layer's states aside and write them in steps at the end
-        self._fwd = _Forward(q, self._bounded and q > lay.step, lay.layers)
+        deferred = self._bounded and q > self._step
+        fast = (b == 1 and not deferred and key_states.device.type == "cpu"
+                and key_states.dtype in _NUMPY_DTYPES and self._store.layout.dtype in _PLAIN)
+        self._fwd = _Forward(q, deferred, lay.layers, fast)
         return self._fwd
 
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -461,6 +471,21 @@ class ShmkvCache(Cache):
             )
         seqs = self._seqs
         assert seqs is not None
+        if fwd.fast:  # the decode hot path: numpy views both ways, no copy but the append's
+            if key_states.requires_grad:
+                key_states, value_states = key_states.detach(), value_states.detach()
+            ka, va = seqs[0].append(layer, key_states.numpy()[0].swapaxes(0, 1),
+                                    value_states.numpy()[0].swapaxes(0, 1))
+            w = self._windows[layer]
+            lo = len(ka) - fwd.q - (min(self._length, w - 1) if w else self._length)
+            k_out = torch.from_numpy(_writable(ka[lo:]).swapaxes(0, 1)[None])
+            v_out = torch.from_numpy(_writable(va[lo:]).swapaxes(0, 1)[None])
+            if k_out.dtype != key_states.dtype:
+                k_out, v_out = k_out.to(key_states.dtype), v_out.to(key_states.dtype)
+            fwd.next = layer + 1
+            if fwd.next == self._layout.layers:
+                self._commit(fwd)
+            return k_out, v_out
         kn = _to_numpy(key_states.transpose(1, 2))  # [batch, q, kv_heads, head_dim] views
         vn = _to_numpy(value_states.transpose(1, 2))
         w = self._windows[layer]
