@@ -709,7 +709,8 @@ def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _writable(a: np.ndarray) -> np.ndarray:
-    """Stand-in for ``Sequence.torch_kv`` (DESIGN §5): a writable view of cells that
+    """Stand-in for a torch form of ``Sequence.append`` (``seq.torch_kv`` covers committed
+    cells only; append's views hold the pending ones too): a writable view of cells that
     ``Sequence`` hands out read-only, so ``torch.from_numpy`` neither copies nor warns
     (it warns once per process about read-only arrays). The store's arrays are
     writable on a read-write attachment; only the view's flag is read-only."""
@@ -790,7 +791,9 @@ def _regather(store: Store, seqs: list[Sequence], idx: list[int], length: int) -
 
     Without fork + free per row: a row's first use keeps its sequence (relabelled),
     repeats are copied (copy_prefix) into sequences no row uses any more, then into
-    forks; sequences left unused are freed.
+    forks; sequences left unused are freed. On an error (CacheFullError from a fork) the
+    forks made are freed and the cache keeps its old rows, of which the ones the new order
+    dropped may already hold a copy of another row.
     """
     used: set[int] = set()
     new: list[Sequence | None] = [None] * len(idx)
