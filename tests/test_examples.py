@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import importorskip_unless_ci
 
 from shmkv.testing import shm_entries
 
@@ -30,7 +31,10 @@ EXPECT: dict[str, list[tuple[str, int]]] = {
     "snapshot_restore.py": [("int8 codes identical", 1), ("loaded into a new store: [(1, 40)]", 1)],
     "inspect_live.py": [("(alive: True)", 5), ("first tokens: [0, 1, 2, 3, 4, 5, 6, 7] last key: 199.0", 1)],
     "multi_worker.py": [("32 tokens, last key", 3)],
+    "transformers_workers.py": [("reused 40 of", 6), ("same as DynamicCache: True", 6),
+                                ("every request matches a single-process DynamicCache run", 1)],
 }
+NEEDS = {"transformers_workers.py": ("torch", "transformers")}  # optional extras (shmkv[transformers])
 
 
 def test_every_example_is_checked():
@@ -52,6 +56,8 @@ def test_examples_use_only_the_public_api(path):
 
 @pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: p.name)
 def test_example_runs(path, tmp_path):
+    for module in NEEDS.get(path.name, ()):
+        importorskip_unless_ci(module)
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
     p = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
