@@ -189,7 +189,9 @@ class Segment:
         # before ENOSPC. So refuse up front what cannot fit. See
         # tests/test_capacity.py::test_store_larger_than_dev_shm_fails_cleanly_when_written.
         room = _room_bytes()
-        if room is not None:
+        # the exact count of pages still missing (a SEEK_HOLE walk, slow over long allocated
+        # stretches) only matters when the spans could exceed the room
+        if room is not None and sum(e - b for b, e in spans) > room:
             missing = sum(self._unallocated(b, e) for b, e in spans)
             if missing > room:
                 raise CacheFullError(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import errno
 import math
+import bisect
 import os
 import secrets
 import stat
@@ -209,6 +210,8 @@ class Store:
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._unit_depth = 0
         self._logged: set[int] = set()
+        # cell intervals this process reserved (see _reserve): [full layers, all layers]
+        self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize | None = weakref.finalize(self, _close_segments, hseg, dseg)
         self._finalizer.atexit = False  # at exit the process closes them anyway
@@ -703,16 +706,26 @@ class Store:
         self._index_blocks(slot, row[LENGTH])
 
     def _reserve(self, start: int, count: int, all_layers: bool = False) -> None:
+        """Reserve the pages of cells [start, start + count) (all layers' for an encoder range).
+
+        Pages, once allocated, stay (shmkv never punches holes), so cells this process has
+        reserved before are skipped: a fresh range written by copy_prefix or a move (crash
+        recovery never writes over committed cells) is often one reserved by an earlier move."""
+        done = self._reserved[all_layers]
+        i = bisect.bisect_right(done, (start, 1 << 62)) - 1
+        if i >= 0 and done[i][0] <= start and start + count <= done[i][1]:
+            return
         off = self._off
         cb = off.cell_bytes
         layers = range(self.layout.layers) if all_layers else self._full
         ranges = [(base + layer * off.layer_stride + start * cb, count * cb)
                   for base in (off.k_off, off.v_off) for layer in layers]
-        ranges += [(off.tokens_off + start * 8, count * 8), (off.positions_off + start * 8, count * 8)]
+        ranges += [(base + start * 8, count * 8) for base in (off.tokens_off, off.positions_off, off.hashes_off)]
         sb = self.layout.kv_heads * 4
         ranges += [(base + layer * off.scale_stride + start * sb, count * sb)
                    for base in (off.ks_off, off.vs_off) for layer in range(self.layout.layers) if off.scale_stride]
         self._dseg.reserve(ranges)
+        _add_interval(done, start, start + count)
 
     def _reserve_window(self, slot: int) -> None:
         """Reserve a slot's buffer in every bounded layer (its size never changes)."""
@@ -1152,6 +1165,19 @@ class Store:
             prefix_tokens_reused=int(self._hdr[_header.W_PREFIX_REUSED]),
             evictions=int(self._hdr[_header.W_EVICTIONS]),
         )
+
+
+def _add_interval(spans: list[tuple[int, int]], a: int, b: int) -> None:
+    """Add [a, b) to a sorted list of disjoint intervals, merging what touches it."""
+    i = bisect.bisect_left(spans, (a, a))
+    if i and spans[i - 1][1] >= a:
+        i -= 1
+        a = spans[i][0]
+    j = i
+    while j < len(spans) and spans[j][0] <= b:
+        b = max(b, spans[j][1])
+        j += 1
+    spans[i:j] = [(a, b)]
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

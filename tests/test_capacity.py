@@ -66,3 +66,15 @@ def test_store_larger_than_dev_shm_fails_cleanly_when_written(make_store):
         store.create_sequence(capacity=max_tokens - 100)
     assert seq.length == 16 and seq.capacity == 16
     np.testing.assert_array_equal(seq.keys(0), np.ones((16, 8, 128)))
+
+
+def test_reserved_intervals_merge():
+    """The per-process record of reserved cells (Store._reserve skips what it covers)."""
+    from shmkv._store import _add_interval
+
+    spans: list[tuple[int, int]] = []
+    for a, b in [(10, 20), (30, 40), (20, 30), (0, 5), (5, 8), (50, 60), (45, 55), (100, 110)]:
+        _add_interval(spans, a, b)
+    assert spans == [(0, 8), (10, 40), (45, 60), (100, 110)]
+    _add_interval(spans, 0, 200)
+    assert spans == [(0, 200)]
