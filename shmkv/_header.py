@@ -57,8 +57,9 @@ Header segment ``/dev/shm/skv_NAME.h``::
     META_OFF             65 x max_seqs    per-sequence metadata (seq.meta), one 520-byte record a row:
                                           a word with the msgpack length, then up to META_BYTES bytes
     UNDO_OFF             82 x max_seqs    undo log: one entry per row changed by the structural
-                                          operation in progress: slot, its 16 row words and its
-                                          65 meta words as they were before
+                                          operation in progress: slot (bit 32 set: the meta words
+                                          are logged too), its 16 row words and its 65 meta words
+                                          as they were before
 
 Sequence row (int64 words)::
 

@@ -208,6 +208,8 @@ class Store:
             layout.max_seqs, _header.UNDO_WORDS)
         self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
+        self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)
+        self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._unit_depth = 0
         self._logged: set[int] = set()
         # cell intervals this process reserved (see _reserve): [full layers, all layers]
@@ -357,7 +359,7 @@ class Store:
         """Row ``slot``'s words once a dead process's operation is rolled back (under _reading):
         a read-only reader cannot roll back, so it reads the logged old words (crash recovery)."""
         for i in range(self._hdr[_header.W_UNDO_COUNT]):
-            if self._undo_np[i, 0] == slot:
+            if self._undo_np[i, 0] & _SLOT_MASK == slot:
                 return self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()  # type: ignore[no-any-return]
         return self._table_np[slot].tolist()  # type: ignore[no-any-return]
 
@@ -489,13 +491,12 @@ class Store:
             return
         hdr = self._hdr
         k = hdr[_header.W_UNDO_COUNT]
-        entry = self._undo_np[k]
+        entry = self._undo[k]  # memoryview copies: a few hundred ns, on the speculative-decoding path
         entry[0] = slot
-        entry[1 : 1 + SEQ_WORDS] = self._table_np[slot]
-        entry[1 + SEQ_WORDS :] = self._meta_w[slot]
-        if k == 0:
+        entry[1 : 1 + SEQ_WORDS] = self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
+        # the meta record is logged only by what changes it (_log_meta): most operations do not
+        if k == 0:  # who: for `shmkv verify`'s report (recovery itself needs no pid: it holds the lock)
             hdr[_header.W_UNDO_PID] = os.getpid()
-            hdr[_header.W_UNDO_START] = _segment.process_start_time(os.getpid())
         hdr[_header.W_UNDO_COUNT] = k + 1  # published after the entry
         self._logged.add(slot)
 
@@ -506,7 +507,7 @@ class Store:
             if slot not in self._logged:
                 continue
             k = hdr[_header.W_UNDO_COUNT]
-            i = next(i for i in range(k) if self._undo_np[i, 0] == slot)
+            i = next(i for i in range(k) if self._undo_np[i, 0] & _SLOT_MASK == slot)
             if i != k - 1:
                 self._undo_np[i] = self._undo_np[k - 1]  # the last entry moves into the gap first
             hdr[_header.W_UNDO_COUNT] = k - 1
@@ -520,7 +521,7 @@ class Store:
         t = self._table_np
         for i in range(k):
             entry = self._undo_np[i]
-            slot = int(entry[0])
+            slot, has_meta = int(entry[0]) & _SLOT_MASK, bool(int(entry[0]) & _META_LOGGED)
             if not 0 <= slot < self.layout.max_seqs:
                 continue
             gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
@@ -530,7 +531,8 @@ class Store:
             for w, v in enumerate(words):
                 if w != GEN:
                     row[w] = v
-            self._meta_w[slot] = entry[1 + SEQ_WORDS :]
+            if has_meta:
+                self._meta_w[slot] = entry[1 + SEQ_WORDS :]
             row[GEN] = gen + 1
         odd = np.flatnonzero(t[:, GEN] & 1)  # a bracket a dead process left open
         for slot in odd.tolist():
@@ -547,7 +549,8 @@ class Store:
         """Seqlock bracket around a structural change of one sequence (lock held); the row is
         logged for crash recovery and joins the current atomic unit (see above)."""
         slot = self._row_slot[id(row)]
-        with self._unit():
+        self._unit_depth += 1  # what _unit() does, inlined: this is on the speculative-decoding path
+        try:
             self._log_row(slot)
             row[GEN] += 1  # odd: readers wait
             try:
@@ -555,6 +558,11 @@ class Store:
             finally:
                 row[GEN] += 1
                 self._hdr[_header.W_GENERATION] += 1
+        finally:
+            self._unit_depth -= 1
+            if self._unit_depth == 0:
+                self._hdr[_header.W_UNDO_COUNT] = 0
+                self._logged.clear()
 
     def _free_ranges(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
         """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order.
@@ -655,12 +663,24 @@ class Store:
             row[ID] = 0
             row[FLAGS] = 0
             row[IDX_BLOCKS] = 0
+            self._log_meta(slot)
             self._meta[slot, :8] = 0
         # complete: out of the undo log, so the unit's later use of its cells stays safe (rule 4)
         self._forget(slot, *([enc] if enc >= 0 else []))
 
+    def _log_meta(self, slot: int) -> None:
+        """Add the meta record of ``slot`` (logged by _changing) to its undo entry, once."""
+        for i in range(self._hdr[_header.W_UNDO_COUNT]):
+            e = self._undo[i]
+            if e[0] & _SLOT_MASK == slot:
+                if not e[0] & _META_LOGGED:
+                    e[1 + SEQ_WORDS :] = self._meta_mv[slot]
+                    e[0] = slot | _META_LOGGED
+                return
+
     def _set_meta(self, slot: int, packed: bytes) -> None:
         """Write a sequence's packed metadata (lock held, row changing)."""
+        self._log_meta(slot)
         rec = self._meta[slot]
         rec[8 : 8 + len(packed)] = np.frombuffer(packed, np.uint8)
         rec[:8] = np.frombuffer(len(packed).to_bytes(8, "little"), np.uint8)
@@ -888,6 +908,7 @@ class Store:
                     row[FLAGS] = 0
                     row[IDX_BLOCKS] = 0
                     row[CLEAN] = -1
+                    self._log_meta(slot)
                     self._meta[slot, :8] = 0
                     self._touch(row)
                     row[LEASE_START] = _segment.process_start_time(os.getpid())
@@ -1165,6 +1186,24 @@ class Store:
             prefix_tokens_reused=int(self._hdr[_header.W_PREFIX_REUSED]),
             evictions=int(self._hdr[_header.W_EVICTIONS]),
         )
+
+
+_SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
+_META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
+
+
+class _RowViews:
+    """Lazily made int64 memoryviews of fixed-size records ``i`` of a region (undo log, meta)."""
+
+    def __init__(self, mm: Any, offset: int, words: int) -> None:
+        self._mm, self._offset, self._words = mm, offset, words
+        self._views: dict[int, memoryview] = {}
+
+    def __getitem__(self, i: int) -> memoryview:
+        v = self._views.get(i)
+        if v is None:
+            v = self._views[i] = _words(self._mm, self._offset + i * self._words * 8, self._words)
+        return v
 
 
 def _add_interval(spans: list[tuple[int, int]], a: int, b: int) -> None:
