@@ -41,6 +41,8 @@ GOALS: dict[str, tuple[str, float]] = {
     "prefix_lookup_us_1000": ("<=", 50.0 + 300 / 16),  # ... however many sequences are cached
     "remote_pull_ratio": (">=", 0.7),  # vs redis-py GET of the same bytes
     "remote_push_ratio": (">=", 0.7),  # vs redis-py pipelined SET of the same bytes
+    "hf_generate_ratio": ("<=", 1.1),  # model.generate() vs DynamicCache, batch 1
+    "hf_generate_ratio_b4": ("<=", 1.3),  # ... batch 4
 }
 
 
@@ -82,6 +84,10 @@ ROWS = [  # (what, shmkv key, baseline text, baseline key or None, ratio key, ho
      "noprefix_ttft_ms", "prefix_ttft_ratio", "time / without reuse"),
     ("remote tier pull, 128 MiB", "remote_pull_ms", "redis-py pipelined GET", "remote_get_ms", "remote_pull_ratio",
      "redis-py time / shmkv time"),
+    ("generate(), 256 tokens, batch 1", "hf_shmkv_ms", "DynamicCache", "hf_dynamic_ms", "hf_generate_ratio",
+     "time / DynamicCache"),
+    ("generate(), 256 tokens, batch 4", "hf_shmkv_ms_b4", "DynamicCache", "hf_dynamic_ms_b4", "hf_generate_ratio_b4",
+     "time / DynamicCache"),
     ("remote tier push, 128 MiB", "remote_push_ms", "redis-py pipelined SET", "remote_set_ms", "remote_push_ratio",
      "redis-py time / shmkv time"),
 ]

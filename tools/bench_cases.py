@@ -11,11 +11,13 @@ in every process on Linux).
 
 from __future__ import annotations
 
+import json
 import mmap
 import multiprocessing as mp
 import os
 import queue
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,6 +31,8 @@ from shmkv.testing import unique_name
 Figures = dict[str, float]
 
 BASELINES = {
+    "hf": "transformers' DynamicCache in model.generate() of the same tiny random-weight Llama, 256 new tokens, "
+          "interleaved, batch 1 and batch 4 (the same tokens checked first)",
     "prefix": "match_prefix of a 300-token prompt with 16 and with 1000 finished sequences cached (flat goal); "
               "time to first token of the demo's model with the 250-token system prompt cached vs computed",
     "remote": "redis-py GET / pipelined SET of the same chunk bytes on the same throwaway redis-server",
@@ -811,6 +815,23 @@ def bench_remote(quick: bool) -> Figures:
     return {k: float(v) for k, v in res.items() if isinstance(v, (int, float))}
 
 
+def bench_hf(quick: bool) -> Figures:
+    """model.generate() with ShmkvCache vs DynamicCache (tools/bench_hf.py, in its own process: torch
+    threads and imports stay out of the other scenarios). Needs shmkv[transformers]."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        print("  (skipped: needs torch and transformers: pip install torch==2.13.0 'shmkv[transformers]')")
+        return {}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_hf.py")
+    r = subprocess.run([sys.executable, script, "--json", *(["--quick"] if quick else [])],
+                       capture_output=True, text=True, timeout=1800)
+    if r.returncode:
+        raise RuntimeError(f"tools/bench_hf.py failed ({r.returncode}): {r.stderr[-2000:]}")
+    return {k: float(v) for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+
+
 SCENARIOS: dict[str, Callable[[bool], Figures]] = {
     "decode": bench_decode,
     "truncate": bench_truncate,
@@ -824,4 +845,5 @@ SCENARIOS: dict[str, Callable[[bool], Figures]] = {
     "wait": bench_wait,
     "prefix": bench_prefix,
     "remote": bench_remote,
+    "hf": bench_hf,
 }
