@@ -27,9 +27,10 @@ from ._header import (
     START, STATE, WBUF, WIN_OFF,
 )
 from ._header import META_BYTES
+from ._checks import count
+from ._lease import live_writers, release_row
 from ._prefix_hash import BLOCK
 from .errors import LockTimeout
-from ._store import _count, _live_writers
 from .errors import (
     CacheFullError,
     NotSupportedError,
@@ -45,16 +46,6 @@ if TYPE_CHECKING:
 
 ShiftFn = Callable[[int, np.ndarray, int], np.ndarray]
 _SPIN = 2000  # seqlock retries before falling back to the store lock
-
-
-def _release_row(row: memoryview, token: int, pid: int, epoch: int) -> None:
-    """Finalizer of a write handle: give the lease back if we still hold it."""
-    if os.getpid() == pid and _segment.fork_epoch == epoch:
-        try:
-            if row[LEASE_TOKEN] == token and row[LEASE_PID] == pid:
-                row[LEASE_PID] = 0
-        except (ValueError, TypeError):  # released memoryview
-            pass
 
 
 def _real(dt: np.dtype) -> bool:
@@ -101,8 +92,8 @@ class Sequence:
         self._fin: weakref.finalize | None = None
         self._refresh()
         if write:
-            _live_writers[token] = self
-            self._fin = weakref.finalize(self, _release_row, self._row, token, os.getpid(), self._epoch)
+            live_writers[token] = self
+            self._fin = weakref.finalize(self, release_row, self._row, token, os.getpid(), self._epoch)
 
     def __repr__(self) -> str:
         kind = "write" if self._write else "read"
@@ -589,7 +580,7 @@ class Sequence:
         ``n`` beyond the length is clamped to it (the committed tokens stay), as
         Hugging Face's ``crop`` does: truncate never extends.
         """
-        n = _count("n", n)
+        n = count("n", n)
         with self._structural("truncate") as row:
             n = min(n, row[LENGTH])
             self._check_resumable(row, n, "truncate")
@@ -615,7 +606,7 @@ class Sequence:
 
     def shift_left(self, n: int) -> None:
         """Drop the oldest ``n`` tokens (sliding window); the rest keep their positions."""
-        n = _count("n", n)
+        n = count("n", n)
         with self._structural("shift_left") as row:
             length = row[LENGTH]
             if n > length:
@@ -641,8 +632,8 @@ class Sequence:
         given, re-rotates their keys (RoPE shift) for each layer; it runs before
         anything changes, so an exception in it leaves the sequence as it was.
         """
-        begin = _count("begin", begin)
-        end = _count("end", end)
+        begin = count("begin", begin)
+        end = count("end", end)
         with self._structural("remove") as row:
             length, start = row[LENGTH], row[START]
             if not begin <= end <= length:
@@ -712,7 +703,7 @@ class Sequence:
             pass
         self._write = False
         self._pending = [0] * self._L
-        _live_writers.pop(self._token, None)
+        live_writers.pop(self._token, None)
         if self._fin is not None:
             self._fin.detach()
 
@@ -753,10 +744,10 @@ class Sequence:
         st = self._store
         with st._locked():
             length = self._span()[2]
-            n = length if n is None else _count("n", n)
+            n = length if n is None else count("n", n)
             if n > length:
                 raise InvalidArgumentError(f"fork: n={n} exceeds the length {length} of sequence {self.id}")
-            cap = max(n, 1, self.capacity if capacity is None else _count("capacity", capacity, 1))
+            cap = max(n, 1, self.capacity if capacity is None else count("capacity", capacity, 1))
             with st._unit():  # the child and its content: both, or after a crash neither
                 child = st.create_sequence(capacity=cap, _protect=self._slot)  # never evict the parent for it
                 _crash.point("fork.child")
@@ -945,7 +936,7 @@ class Sequence:
         must hold them all (positions 0..pos-1 with none missing), and ``pos`` must not
         skip past the last committed position + 1.
         """
-        pos = _count("pos", pos)
+        pos = count("pos", pos)
         start, _, length, woff = self._span()
         positions = self._store._positions[start : start + length]
         if pos > (int(positions[-1]) if length else -1) + 1:
@@ -1040,7 +1031,7 @@ class Sequence:
         """The polling schedule of :meth:`wait`: yields the delay before the next look;
         its return value (StopIteration.value) is the length reached."""
         from .errors import WaitTimeout
-        target = None if length is None else _count("length", length)
+        target = None if length is None else count("length", length)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout >= 0):
             raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds >= 0, or None")

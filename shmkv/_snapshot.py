@@ -53,6 +53,7 @@ import msgpack
 import numpy as np
 
 from . import _crash, _dtypes, _header, _lock, _segment
+from ._lease import own_token
 from ._header import (
     CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, LEASE_PID, LENGTH, LIVE, RECENCY, START, STATE, WBUF,
     WIN_OFF,
@@ -812,16 +813,12 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
 
 
 def _own(store: Store, slot: int) -> int:
-    from ._store import _own_token
-
-    return _own_token(store._row(slot))
+    return own_token(store._row(slot))
 
 
-def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | None = None,
-         max_seqs: int | None = None, progress: Progress | None = None, **create_kw: Any) -> Store:
-    """Create store ``name`` with a snapshot's layout and restore the whole snapshot into it."""
-    from ._store import create
-
+def load_with(create: Callable[..., Store], source: Any, name: str, *, persistent: bool, max_tokens: int | None,
+              max_seqs: int | None, progress: Progress | None, **create_kw: Any) -> Store:
+    """``shmkv.load``: ``create`` (``shmkv.create``) store ``name`` with a snapshot's layout, restore it all."""
     with _open_source(source) as (reader, is_file):
         snap = reader.header()
         lay = snap.layout
@@ -843,4 +840,4 @@ def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | 
     return store
 
 
-__all__ = ["Snapshot", "load", "read_header", "remove_stale_temps", "restore", "save"]
+__all__ = ["Snapshot", "load_with", "read_header", "remove_stale_temps", "restore", "save"]

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _crash, _dtypes, _header, _lock, _segment
+from . import _crash, _dtypes, _header, _lock, _segment, _snapshot
 from ._header import (
     WBUF,
     CAPACITY,
@@ -58,9 +58,13 @@ from ._header import (
     RECENCY,
     Layout,
 )
+from ._batch import Batch
+from ._checks import count
+from ._lease import live_writers, new_token, own_token
 from ._prefix import PrefixIndex
 from ._prefix_hash import as_tokens
 from ._segment import Segment
+from ._sequence import Sequence
 from .errors import (
     AccessDeniedError,
     CacheFullError,
@@ -77,12 +81,6 @@ from .errors import (
 DEFAULT_MAX_CLIENTS = 128
 DEFAULT_CAPACITY = 256
 SeqId = int  # sequence ids are plain ints in the API; kept as a name for the docs
-
-# token -> live write handle, for every Sequence handle holding a lease in this
-# process. A lease row whose pid is ours but whose token is not here belongs to
-# a handle that was dropped without release() and may be taken again.
-_live_writers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-
 
 @dataclass(frozen=True, slots=True)
 class SequenceInfo:
@@ -284,7 +282,7 @@ class Store:
         inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
         if not inherited and not self.readonly:
             me = os.getpid()
-            for handle in list(_live_writers.values()):
+            for handle in list(live_writers.values()):
                 if getattr(handle, "_store", None) is self:
                     handle._drop_lease()
             try:
@@ -802,7 +800,7 @@ class Store:
         if pid == 0:
             return 0, False
         if pid == os.getpid() and self._fork_epoch == _segment.fork_epoch:
-            return pid, row[LEASE_TOKEN] in _live_writers
+            return pid, row[LEASE_TOKEN] in live_writers
         return pid, _segment.pid_alive(pid, row[LEASE_START])
 
     def _check_not_leased_by_other(self, row: memoryview, seq_id: int, allow_token: int = 0) -> None:
@@ -840,16 +838,14 @@ class Store:
             >>> n = len(seq)                                              # doctest: +SKIP
             >>> seq.extend(k_all[:, n:], v_all[:, n:], tokens=prompt[n:])  # doctest: +SKIP
         """
-        from ._sequence import Sequence
-
-        capacity = _count("capacity", capacity, minimum=1)
+        capacity = count("capacity", capacity, minimum=1)
         if capacity > self.layout.max_tokens:
             raise CacheFullError(
                 f"capacity={capacity} exceeds the store's max_tokens={self.layout.max_tokens}: "
                 "ask for less, or create the store with a larger max_tokens="
             )
         toks = None if prefix is None else _prompt(prefix)
-        token = _new_token()
+        token = new_token()
         with self._locked():
             n, _, donor = self._index.match(toks) if toks is not None else (0, 0, -1)
             try:
@@ -932,13 +928,11 @@ class Store:
             SequenceNotFound: no live sequence has that id.
             LeaseError: ``write=True`` and a live process (or another handle here) holds the lease.
         """
-        from ._sequence import Sequence
-
         self._check_open()
         slot = self._slot_of(seq_id)
         if not write:
             return Sequence(self, int(seq_id), slot, write=False, token=0)
-        token = _new_token()
+        token = new_token()
         with self._locked():
             slot = self._slot_of(seq_id)
             row = self._row(slot)
@@ -954,7 +948,7 @@ class Store:
 
     def _writer_for(self, seq_id: int) -> Any:
         """This process's live write handle on ``seq_id`` through this store, if any."""
-        for handle in list(_live_writers.values()):
+        for handle in list(live_writers.values()):
             if handle._store is self and handle.id == seq_id and handle._write:
                 return handle
         return None
@@ -971,8 +965,6 @@ class Store:
             ...         K, V, mask = batch.put(layer, k[layer], v[layer])
             ...     batch.commit()
         """
-        from ._batch import Batch
-
         self._check_writable()
         return Batch(self, seq_ids, positions, tokens)
 
@@ -994,7 +986,7 @@ class Store:
         another live process; a write handle of this process on dst sees the new
         content (its uncommitted tokens are dropped).
         """
-        n = _count("n", n)
+        n = count("n", n)
         if int(src_id) == int(dst_id):
             raise InvalidArgumentError(f"copy_prefix: src_id and dst_id are both {src_id}; use truncate() instead")
         with self._locked():
@@ -1005,7 +997,7 @@ class Store:
                 raise InvalidArgumentError(
                     f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
                 )
-            self._check_not_leased_by_other(d_row, int(dst_id), allow_token=_own_token(d_row))
+            self._check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
             self._copy_prefix_rows(self._slot_of(src_id), d_slot, n)
 
     def _copy_prefix_rows(self, s_slot: int, d_slot: int, n: int) -> None:
@@ -1096,8 +1088,6 @@ class Store:
         Example:
             >>> store.save("/tmp/cache.shmkv")       # doctest: +SKIP
         """
-        from . import _snapshot
-
         return _snapshot.save(self, path, seq_ids, progress)
 
     def restore(self, path: Any, seq_ids: list[int] | None = None, *,
@@ -1109,8 +1099,6 @@ class Store:
             LayoutMismatchError: the snapshot's geometry differs from the store's.
             CacheFullError: the store has no room (the store is unchanged).
         """
-        from . import _snapshot
-
         return _snapshot.restore(self, path, seq_ids, progress)
 
     # -- reading ---------------------------------------------------------------
@@ -1160,13 +1148,6 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return v
 
 
-def _own_token(row: memoryview) -> int:
-    """The lease token on ``row`` if a live handle of this process holds it, else 0."""
-    if row[LEASE_PID] == os.getpid() and row[LEASE_TOKEN] in _live_writers:
-        return int(row[LEASE_TOKEN])
-    return 0
-
-
 def _prompt(tokens: Any) -> np.ndarray:
     """A prompt's token ids as int64, checked: ids are >= 0 (-1 marks "no id" in the store)."""
     try:
@@ -1176,18 +1157,6 @@ def _prompt(tokens: Any) -> np.ndarray:
     if t.size and int(t.min()) < 0:
         raise InvalidArgumentError(f"prefix: token ids must be >= 0, got {int(t.min())}")
     return t
-
-
-def _new_token() -> int:
-    return secrets.randbits(62) + 1
-
-
-def _count(name: str, value: object, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentError(f"{name}={value!r} must be an int >= {minimum}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name}={value} must be >= {minimum}")
-    return int(value)
 
 
 # -- module-level lifecycle ----------------------------------------------------
@@ -1392,7 +1361,7 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
     layout = _header.make_layout(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                                  max_tokens=max_tokens, max_seqs=max_seqs, layer_types=layer_types,
                                  window=window, chunk=chunk, memory=memory)
-    max_clients = _count("max_clients", max_clients, minimum=1)
+    max_clients = count("max_clients", max_clients, minimum=1)
     if max_clients > 1 << 20:
         raise InvalidArgumentError(f"max_clients={max_clients} must be at most {1 << 20}")
     lock_timeout = _check_timeout("lock_timeout", lock_timeout)
@@ -1594,8 +1563,13 @@ def gc(*, include_persistent: bool = False, grace: float = 30.0, snapshot_dirs: 
                 if mtime is not None and time.time() - mtime > grace:
                     _lock.remove_orphan(f[len(pre) : -len(suf)], os.path.join(_segment.SHM_DIR, f))
     if snapshot_dirs:
-        from ._snapshot import remove_stale_temps
-
         for directory in [snapshot_dirs] if isinstance(snapshot_dirs, (str, os.PathLike)) else snapshot_dirs:
-            remove_stale_temps(os.fspath(directory))
+            _snapshot.remove_stale_temps(os.fspath(directory))
     return removed
+
+
+def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | None = None,
+         max_seqs: int | None = None, progress: Callable[[int, int], None] | None = None, **create_kw: Any) -> Store:
+    """Create store ``name`` with a snapshot's layout and restore the whole snapshot into it."""
+    return _snapshot.load_with(create, source, name, persistent=persistent, max_tokens=max_tokens,
+                               max_seqs=max_seqs, progress=progress, **create_kw)

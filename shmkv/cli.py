@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from . import __version__, _header, _segment
-from ._snapshot import load as load_snapshot
 from ._store import Store, _store_owners, attach, gc, list_stores, remove
+from ._store import load as load_snapshot
 from .errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
 
 

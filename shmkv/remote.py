@@ -69,7 +69,7 @@ import numpy as np
 from ._prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
 from .errors import InvalidArgumentError, NotSupportedError, RemoteError
 
-__all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats", "add_cli"]
+__all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats"]
 
 FORMAT_VERSION = 1
 _MAGIC = b"SKVR"
@@ -647,5 +647,3 @@ def _is_redis_error(e: BaseException) -> bool:
         return False
     return isinstance(e, (rx.RedisError, rx.RedisClusterException, OSError))
 
-
-from ._remote_cli import add_cli  # noqa: E402  (the CLI part lives apart; it needs RemoteTier)

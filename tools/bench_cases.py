@@ -419,7 +419,7 @@ def _sendfile_into_fresh_shm(src: str) -> float:
 
 
 def bench_snapshot(quick: bool, directory: str | None = None) -> Figures:
-    from shmkv._snapshot import load
+    from shmkv._store import load
 
     L, H, D, n = 16, 8, 128, (1024 if quick else 2048)
     name = unique_name("bs")
