@@ -7,7 +7,8 @@ from ._batch import Batch
 from ._header import Layout
 from ._sequence import Sequence
 from ._snapshot import Snapshot, read_header
-from ._store import SequenceInfo, Store, StoreStats, attach, create, gc, list_stores, load, remove
+from ._lifecycle import create, gc, list_stores, load, remove
+from ._store import SequenceInfo, Store, StoreStats, attach
 from .errors import (
     AccessDeniedError,
     CacheFullError,

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from . import __version__, _header, _segment
-from ._store import Store, _store_owners, attach, gc, list_stores, remove
-from ._store import load as load_snapshot
+from ._lifecycle import _store_owners, gc, list_stores, remove
+from ._lifecycle import load as load_snapshot
+from ._store import Store, attach
 from .errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
 
 

@@ -36,7 +36,8 @@ import numpy as np
 import pytest
 
 from . import _header, _segment
-from ._store import Store, _remove_if_same, attach, create
+from ._lifecycle import create
+from ._store import Store, _remove_if_same, attach
 from .errors import ShmkvError
 from .testing import ChildProcess, shm_entries, unique_name
 
