@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _header, _lock, _segment, _snapshot
 from ._checks import count
+from ._core import identity, register_client
 from ._header import CLIENT_WORDS
 from ._segment import Segment
 from ._store import (
@@ -28,8 +29,6 @@ from ._store import (
     _magic_words,
     _remove_at_process_exit,
     _remove_names,
-    identity,
-    register_client,
 )
 from .errors import (
     AccessDeniedError,

@@ -67,8 +67,6 @@ KNOWN_LARGE: set[str] = {
     "_sequence",
     "_sequence.Sequence",
     "_snapshot",
-    "_store",
-    "_store.Store",
     "transformers",
     "transformers.ShmkvCache",
 }
