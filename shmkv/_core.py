@@ -403,3 +403,13 @@ def register_client(store: Core) -> None:
 def identity(store: Core) -> int:
     """The identity word ``store``'s header held when it was opened."""
     return store._identity
+
+
+def header_words(store: Core) -> memoryview:
+    """``store``'s fixed header as int64 words (``_header.W_*`` index it): for shmkv verify."""
+    return store._hdr
+
+
+def table_rows(store: Core) -> np.ndarray:
+    """``store``'s sequence table, one int64 row of SEQ_WORDS per slot (a live view): for shmkv verify."""
+    return store._table_np

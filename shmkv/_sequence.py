@@ -1198,5 +1198,10 @@ def attention_mask(layout: Any, layer: int, query_positions: np.ndarray, key_pos
     return np.where(ok, np.float32(0), np.float32(-np.inf))
 
 
+def drop_lease(handle: Sequence) -> None:
+    """Give up ``handle``'s lease now (its store is closing), whatever its fork epoch."""
+    handle._drop_lease()
+
+
 def _unpickle_sequence(store: Store, seq_id: int) -> Sequence:
     return store.sequence(seq_id)  # type: ignore[no-any-return]

@@ -41,7 +41,7 @@ from ._checks import count
 from ._lease import live_writers, new_token, own_token
 from ._prefix_hash import as_tokens
 from ._segment import Segment
-from ._sequence import Sequence
+from ._sequence import Sequence, drop_lease
 from .errors import (
     AccessDeniedError,
     CacheFullError,
@@ -158,7 +158,7 @@ class Store(Arena):
             me = os.getpid()
             for handle in list(live_writers.values()):
                 if getattr(handle, "_store", None) is self:
-                    handle._drop_lease()
+                    drop_lease(handle)
             try:
                 # a store removed meanwhile has no lock file to take (taking it would leave one behind)
                 if read_identity(self.name) == self._identity:
@@ -321,7 +321,7 @@ class Store(Arena):
     def _writer_for(self, seq_id: int) -> Any:
         """This process's live write handle on ``seq_id`` through this store, if any."""
         for handle in list(live_writers.values()):
-            if handle._store is self and handle.id == seq_id and handle._write:
+            if handle.store is self and handle.id == seq_id and handle.writable:
                 return handle
         return None
 

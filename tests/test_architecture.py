@@ -31,8 +31,7 @@ KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 # (accessing module, attribute) pairs: code in the accessing module reads or
 # writes an underscore attribute that a class of another module defines.
 # Today: _sequence/_snapshot reach into Store's arrays and helpers, _batch and
-# transformers into Sequence, Store back into Sequence (_drop_lease, _write),
-# cli into Store's header and table, _remote_cli into RemoteTier.
+# transformers into Sequence, _remote_cli into RemoteTier.
 KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
     ("_batch", "_L"), ("_batch", "_cell"), ("_batch", "_ints"), ("_batch", "_kv_arrays"),
     ("_batch", "_layer"), ("_batch", "_pending"), ("_batch", "_writer_for"),
@@ -53,9 +52,6 @@ KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
     ("_snapshot", "_reserve_window"), ("_snapshot", "_restored"), ("_snapshot", "_row"),
     ("_snapshot", "_set_encoder"), ("_snapshot", "_slot_of"), ("_snapshot", "_table_np"),
     ("_snapshot", "_tokens"), ("_snapshot", "_unit"), ("_snapshot", "_wcell"),
-    ("_store", "_drop_lease"), ("_store", "_store"), ("_store", "_write"),
-    ("cli", "_hdr"), ("cli", "_table_np"),
-    ("pytest_plugin", "_identity"),
     ("transformers", "_changing"), ("transformers", "_index_blocks"), ("transformers", "_locked"),
     ("transformers", "_pending"), ("transformers", "_row"), ("transformers", "_slot"),
     ("transformers", "_tokens"),
