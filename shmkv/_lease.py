@@ -11,13 +11,16 @@ from __future__ import annotations
 import os
 import secrets
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 from . import _segment
 from ._header import LEASE_PID, LEASE_TOKEN
 
+if TYPE_CHECKING:
+    from ._sequence import Sequence
+
 # token -> live write handle, for every Sequence handle holding a lease in this process.
-live_writers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+live_writers: weakref.WeakValueDictionary[int, Sequence] = weakref.WeakValueDictionary()
 
 
 def new_token() -> int:

@@ -764,7 +764,7 @@ class Sequence:
                     child.free()
                     raise
             child._refresh()
-        return child  # type: ignore[no-any-return]
+        return child
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -1204,4 +1204,4 @@ def drop_lease(handle: Sequence) -> None:
 
 
 def _unpickle_sequence(store: Store, seq_id: int) -> Sequence:
-    return store.sequence(seq_id)  # type: ignore[no-any-return]
+    return store.sequence(seq_id)

@@ -8,6 +8,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,7 +186,7 @@ class Store(Arena):
             raise StoreClosedError(f"store {self.name!r} is closed: shmkv.remove({self.name!r}) removes it by name")
         self._close(remove=True)
 
-    def transaction(self) -> Any:
+    def transaction(self) -> AbstractContextManager[None]:
         """Hold the store lock across several structural operations (a context manager)."""
         return self._locked()
 
@@ -201,7 +202,7 @@ class Store(Arena):
     # -- sequences -------------------------------------------------------------
 
     def create_sequence(self, capacity: int = DEFAULT_CAPACITY, *, prefix: Any = None, tier: Any = None,
-                        _protect: int = -1) -> Any:
+                        _protect: int = -1) -> Sequence:
         """Create a sequence with room for ``capacity`` tokens; return its write handle.
 
         The pages of its range are reserved now, so a full /dev/shm raises
@@ -293,7 +294,7 @@ class Store(Arena):
         self._check_open()
         return self._index.match(_prompt(tokens))[0]
 
-    def sequence(self, seq_id: int, write: bool = False) -> Any:
+    def sequence(self, seq_id: int, write: bool = False) -> Sequence:
         """A handle on sequence ``seq_id``; ``write=True`` takes its write lease.
 
         Raises:
@@ -318,14 +319,14 @@ class Store(Arena):
             row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands
         return Sequence(self, int(seq_id), slot, write=True, token=token)
 
-    def _writer_for(self, seq_id: int) -> Any:
+    def _writer_for(self, seq_id: int) -> Sequence | None:
         """This process's live write handle on ``seq_id`` through this store, if any."""
         for handle in list(live_writers.values()):
             if handle.store is self and handle.id == seq_id and handle.writable:
                 return handle
         return None
 
-    def forward(self, seq_ids: Any, positions: Any, tokens: Any = None) -> Any:
+    def forward(self, seq_ids: Any, positions: Any, tokens: Any = None) -> Batch:
         """Start a batch forward: one entry of ``seq_ids``/``positions`` per new token.
 
         Uses this process's write handles on those sequences, or takes their leases
