@@ -62,7 +62,6 @@ KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
 KNOWN_LARGE: set[str] = {
     "_sequence",
     "_sequence.Sequence",
-    "_snapshot",
     "transformers",
     "transformers.ShmkvCache",
 }

@@ -24,7 +24,7 @@ from conftest import START_METHODS
 
 import shmkv
 import shmkv.cli
-from shmkv import _header, _lifecycle, _segment, _snapshot, _store
+from shmkv import _header, _lifecycle, _segment, _snapshot, _snapshot_format, _store
 from shmkv.cli import verify
 from shmkv.testing import run_in_process, start_in_process, unique_name
 
@@ -402,7 +402,7 @@ def test_header_larger_than_the_cap_is_refused(make_store, tmp_path, monkeypatch
     seq = store.create_sequence(capacity=64)
     seq.extend(*_kv(2, 60))
     store.save(tmp_path / "big.shmkv")
-    monkeypatch.setattr(_snapshot, "MAX_HEADER", 512)
+    monkeypatch.setattr(_snapshot_format, "MAX_HEADER", 512)
     with pytest.raises(shmkv.SnapshotError, match="header larger than 512 bytes"):
         shmkv.read_header(tmp_path / "big.shmkv")
 
