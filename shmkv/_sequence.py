@@ -27,9 +27,10 @@ from ._header import (
     START, STATE, WBUF, WIN_OFF,
 )
 from ._header import META_BYTES
-from ._checks import count
+from ._checks import count, ints
 from ._lease import live_writers, release_row
 from ._prefix_hash import BLOCK
+from ._visibility import attention_mask, visible_from
 from .errors import LockTimeout
 from .errors import (
     CacheFullError,
@@ -216,11 +217,11 @@ class Sequence:
             if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
                 raise InvalidArgumentError(f"layer={layer!r} must be an int in [0, {self._L})")
             layer = int(layer)
-        if not 0 <= layer < self._L:  # type: ignore[operator]
+        if not 0 <= layer < self._L:
             raise InvalidArgumentError(
                 f"layer={layer} is out of range: the store has layers=0..{self._L - 1}"
             )
-        return layer  # type: ignore[return-value]
+        return layer
 
     def _kv_arrays(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
         k = np.asarray(k)
@@ -492,14 +493,14 @@ class Sequence:
             if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
                 row[FLAGS] |= NOINDEX
         else:
-            st._tokens[s : s + n] = self._ints("tokens", tokens, n)
+            st._tokens[s : s + n] = ints("tokens", tokens, n)
         if positions is None:
             if n == 1:
                 st._positions[s] = last + 1
             else:
                 st._positions[s : s + n] = np.arange(last + 1, last + 1 + n)
         else:
-            pos = self._ints("positions", positions, n)
+            pos = ints("positions", positions, n)
             if pos[0] <= last or (n > 1 and np.any(np.diff(pos) <= 0)):
                 raise InvalidArgumentError(
                     f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
@@ -521,17 +522,6 @@ class Sequence:
                 st._index_blocks(self._slot, length)
         except LockTimeout:
             pass
-
-    @staticmethod
-    def _ints(name: str, values: Any, n: int) -> np.ndarray:
-        a = np.asarray(values)
-        if a.ndim == 0:
-            a = a.reshape(1)
-        if a.shape != (n,) or (a.size and a.dtype.kind not in "iu"):
-            raise InvalidArgumentError(
-                f"{name} must be {n} ints (one per pending token), got shape {a.shape} dtype {a.dtype}"
-            )
-        return a.astype(np.int64, copy=False)
 
     def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None) -> int:
         """Write ``n`` tokens of every layer and commit them; return the new length.
@@ -557,9 +547,9 @@ class Sequence:
             _quant.check_finite(k_all, "k_all")
             _quant.check_finite(v_all, "v_all")
         if tokens is not None:
-            self._ints("tokens", tokens, n)
+            ints("tokens", tokens, n)
         if positions is not None:
-            self._ints("positions", positions, n)
+            ints("positions", positions, n)
         try:
             for layer in range(self._L):
                 self.append(layer, k_all[layer], v_all[layer])
@@ -920,7 +910,7 @@ class Sequence:
         ``p - p % chunk <= p' <= p``.
         """
         layer = self._layer(layer)
-        q = self._ints("query_positions", query_positions, np.size(query_positions))
+        q = ints("query_positions", query_positions, np.size(query_positions))
         start, _, length, woff = self._span()
         keys_pos = self._store._positions[start + self._first(layer, woff) : start + length]
         p = self._pending[layer]
@@ -1147,7 +1137,7 @@ class _Structural:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self._changing.__exit__(*exc)  # type: ignore[arg-type]
+            self._changing.__exit__(*exc)
             seq = self.seq
             seq._pending = [0] * seq._L
             row = seq._row
@@ -1174,28 +1164,6 @@ def _taint(row: memoryview, n: int) -> None:
     row[CLEAN] = n if clean < 0 else min(clean, n)
     row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
     row[FLAGS] |= NOINDEX
-
-
-def visible_from(layout: Any, layer: int, p: Any) -> Any:
-    """The oldest position a token at position(s) ``p`` sees on ``layer`` (it sees up to ``p``).
-
-    The one statement of the visibility rule: sliding ``p - window < p'``, chunked
-    ``p - p % chunk <= p'``, full everything.
-    """
-    kind = layout.layer_types[layer]
-    if kind == "sliding":
-        return np.maximum(0, p - layout.window + 1)
-    if kind == "chunked":
-        return p - p % layout.chunk
-    return np.zeros_like(p)
-
-
-def attention_mask(layout: Any, layer: int, query_positions: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
-    """0 / -inf float32 mask ``[q, k]`` of which keys each query sees on ``layer``."""
-    qp = np.asarray(query_positions, np.int64)[:, None]
-    kp = np.asarray(key_positions, np.int64)[None, :]
-    ok = (kp <= qp) & (kp >= visible_from(layout, layer, qp))
-    return np.where(ok, np.float32(0), np.float32(-np.inf))
 
 
 def drop_lease(handle: Sequence) -> None:
