@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._checks import ints
-from ._sequence import Sequence
+from ._sequence import Sequence, writer_for
 from ._visibility import attention_mask
 from .errors import InvalidArgumentError
 
@@ -50,7 +50,7 @@ class Batch:
         self._committed = False
         try:
             for sid in self._order:
-                seq = store._writer_for(sid)
+                seq = writer_for(store, sid)
                 if seq is None:
                     seq = store.sequence(sid, write=True)
                     self._owned.append(seq)

@@ -1166,6 +1166,14 @@ def _taint(row: memoryview, n: int) -> None:
     row[FLAGS] |= NOINDEX
 
 
+def writer_for(store: Store, seq_id: int) -> Sequence | None:
+    """This process's live write handle on ``seq_id`` through ``store``, if any."""
+    for handle in list(live_writers.values()):
+        if handle.store is store and handle.id == seq_id and handle.writable:
+            return handle
+    return None
+
+
 def drop_lease(handle: Sequence) -> None:
     """Give up ``handle``'s lease now (its store is closing), whatever its fork epoch."""
     handle._drop_lease()

@@ -319,13 +319,6 @@ class Store(Arena):
             row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands
         return Sequence(self, int(seq_id), slot, write=True, token=token)
 
-    def _writer_for(self, seq_id: int) -> Sequence | None:
-        """This process's live write handle on ``seq_id`` through this store, if any."""
-        for handle in list(live_writers.values()):
-            if handle.store is self and handle.id == seq_id and handle.writable:
-                return handle
-        return None
-
     def forward(self, seq_ids: Any, positions: Any, tokens: Any = None) -> Batch:
         """Start a batch forward: one entry of ``seq_ids``/``positions`` per new token.
 

@@ -34,7 +34,7 @@ KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 # transformers into Sequence, _remote_cli into RemoteTier.
 KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
     ("_batch", "_L"), ("_batch", "_cell"), ("_batch", "_kv_arrays"),
-    ("_batch", "_layer"), ("_batch", "_pending"), ("_batch", "_writer_for"),
+    ("_batch", "_layer"), ("_batch", "_pending"),
     ("_remote_cli", "_call"), ("_remote_cli", "_redis"),
     ("_sequence", "_K"), ("_sequence", "_KSl"), ("_sequence", "_Kl"), ("_sequence", "_V"),
     ("_sequence", "_VSl"), ("_sequence", "_Vl"), ("_sequence", "_check_not_leased_by_other"),
