@@ -58,6 +58,7 @@ import struct
 import threading
 import warnings
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -647,3 +648,8 @@ def _is_redis_error(e: BaseException) -> bool:
         return False
     return isinstance(e, (rx.RedisError, rx.RedisClusterException, OSError))
 
+
+def _with_client(tier: RemoteTier, fn: Callable[[Any], Any]) -> Any:
+    """``fn(client)`` on the tier's Redis client, failures mapped as every tier call maps them
+    (for ``shmkv tier``, which SCANs what the tier holds)."""
+    return tier._call(lambda: fn(tier._redis()))

@@ -31,11 +31,10 @@ KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 # (accessing module, attribute) pairs: code in the accessing module reads or
 # writes an underscore attribute that a class of another module defines.
 # Today: _sequence/_snapshot reach into Store's arrays and helpers, _batch and
-# transformers into Sequence, _remote_cli into RemoteTier.
+# transformers into Sequence.
 KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
     ("_batch", "_L"), ("_batch", "_cell"), ("_batch", "_kv_arrays"),
     ("_batch", "_layer"), ("_batch", "_pending"),
-    ("_remote_cli", "_call"), ("_remote_cli", "_redis"),
     ("_sequence", "_K"), ("_sequence", "_KSl"), ("_sequence", "_Kl"), ("_sequence", "_V"),
     ("_sequence", "_VSl"), ("_sequence", "_Vl"), ("_sequence", "_check_not_leased_by_other"),
     ("_sequence", "_closed"), ("_sequence", "_copy_all_layers"), ("_sequence", "_free_row"),
