@@ -6,8 +6,9 @@ See README.md for a tour and ../shared/DESIGN.md for the contract.
 from ._batch import Batch
 from ._header import Layout
 from ._sequence import Sequence
-from ._snapshot import Snapshot, load, read_header
-from ._store import SequenceInfo, Store, StoreStats, attach, create, gc, list_stores, remove
+from ._snapshot_format import Snapshot, read_header
+from ._lifecycle import create, gc, list_stores, load, remove
+from ._store import SequenceInfo, Store, StoreStats, attach
 from .errors import (
     AccessDeniedError,
     CacheFullError,

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._sequence import Sequence, attention_mask
+from ._checks import ints
+from ._sequence import Sequence, writer_for
+from ._visibility import attention_mask
 from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ class Batch:
         self._store = store
         self.n = int(ids.size)
         self.positions = pos.astype(np.int64)
-        self.tokens = None if tokens is None else Sequence._ints("tokens", tokens, self.n)
+        self.tokens = None if tokens is None else ints("tokens", tokens, self.n)
         self._order: list[int] = list(dict.fromkeys(int(i) for i in ids))
         self._rows = {sid: np.flatnonzero(ids == sid) for sid in self._order}
         self._seqs: dict[int, Sequence] = {}
@@ -48,7 +50,7 @@ class Batch:
         self._committed = False
         try:
             for sid in self._order:
-                seq = store._writer_for(sid)
+                seq = writer_for(store, sid)
                 if seq is None:
                     seq = store.sequence(sid, write=True)
                     self._owned.append(seq)

@@ -66,12 +66,12 @@ def _cmd_push(a: argparse.Namespace) -> int:
 
 
 def _cmd_tier(a: argparse.Namespace) -> int:
-    from .remote import RemoteTier, _redact
+    from .remote import RemoteTier, _redact, _with_client
 
     tier = RemoteTier(a.url, namespace=a.namespace or "default", cluster=a.cluster, timeout=a.timeout)
     pattern = f"{a.namespace}:shmkv:*" if a.namespace else "*:shmkv:*"
     try:
-        summary = tier._call(lambda: _scan(tier._redis(), pattern))
+        summary = _with_client(tier, lambda r: _scan(r, pattern))
     finally:
         tier.close()
     url = _redact(a.url) + (" (cluster)" if a.cluster else "")

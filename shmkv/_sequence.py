@@ -27,9 +27,11 @@ from ._header import (
     START, STATE, WBUF, WIN_OFF,
 )
 from ._header import META_BYTES
+from ._checks import count, ints
+from ._lease import live_writers, release_row
 from ._prefix_hash import BLOCK
+from ._visibility import attention_mask, visible_from
 from .errors import LockTimeout
-from ._store import _count, _live_writers
 from .errors import (
     CacheFullError,
     NotSupportedError,
@@ -45,16 +47,6 @@ if TYPE_CHECKING:
 
 ShiftFn = Callable[[int, np.ndarray, int], np.ndarray]
 _SPIN = 2000  # seqlock retries before falling back to the store lock
-
-
-def _release_row(row: memoryview, token: int, pid: int, epoch: int) -> None:
-    """Finalizer of a write handle: give the lease back if we still hold it."""
-    if os.getpid() == pid and _segment.fork_epoch == epoch:
-        try:
-            if row[LEASE_TOKEN] == token and row[LEASE_PID] == pid:
-                row[LEASE_PID] = 0
-        except (ValueError, TypeError):  # released memoryview
-            pass
 
 
 def _real(dt: np.dtype) -> bool:
@@ -101,8 +93,8 @@ class Sequence:
         self._fin: weakref.finalize | None = None
         self._refresh()
         if write:
-            _live_writers[token] = self
-            self._fin = weakref.finalize(self, _release_row, self._row, token, os.getpid(), self._epoch)
+            live_writers[token] = self
+            self._fin = weakref.finalize(self, release_row, self._row, token, os.getpid(), self._epoch)
 
     def __repr__(self) -> str:
         kind = "write" if self._write else "read"
@@ -225,11 +217,11 @@ class Sequence:
             if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
                 raise InvalidArgumentError(f"layer={layer!r} must be an int in [0, {self._L})")
             layer = int(layer)
-        if not 0 <= layer < self._L:  # type: ignore[operator]
+        if not 0 <= layer < self._L:
             raise InvalidArgumentError(
                 f"layer={layer} is out of range: the store has layers=0..{self._L - 1}"
             )
-        return layer  # type: ignore[return-value]
+        return layer
 
     def _kv_arrays(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
         k = np.asarray(k)
@@ -501,14 +493,14 @@ class Sequence:
             if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
                 row[FLAGS] |= NOINDEX
         else:
-            st._tokens[s : s + n] = self._ints("tokens", tokens, n)
+            st._tokens[s : s + n] = ints("tokens", tokens, n)
         if positions is None:
             if n == 1:
                 st._positions[s] = last + 1
             else:
                 st._positions[s : s + n] = np.arange(last + 1, last + 1 + n)
         else:
-            pos = self._ints("positions", positions, n)
+            pos = ints("positions", positions, n)
             if pos[0] <= last or (n > 1 and np.any(np.diff(pos) <= 0)):
                 raise InvalidArgumentError(
                     f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
@@ -530,17 +522,6 @@ class Sequence:
                 st._index_blocks(self._slot, length)
         except LockTimeout:
             pass
-
-    @staticmethod
-    def _ints(name: str, values: Any, n: int) -> np.ndarray:
-        a = np.asarray(values)
-        if a.ndim == 0:
-            a = a.reshape(1)
-        if a.shape != (n,) or (a.size and a.dtype.kind not in "iu"):
-            raise InvalidArgumentError(
-                f"{name} must be {n} ints (one per pending token), got shape {a.shape} dtype {a.dtype}"
-            )
-        return a.astype(np.int64, copy=False)
 
     def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None) -> int:
         """Write ``n`` tokens of every layer and commit them; return the new length.
@@ -566,9 +547,9 @@ class Sequence:
             _quant.check_finite(k_all, "k_all")
             _quant.check_finite(v_all, "v_all")
         if tokens is not None:
-            self._ints("tokens", tokens, n)
+            ints("tokens", tokens, n)
         if positions is not None:
-            self._ints("positions", positions, n)
+            ints("positions", positions, n)
         try:
             for layer in range(self._L):
                 self.append(layer, k_all[layer], v_all[layer])
@@ -589,7 +570,7 @@ class Sequence:
         ``n`` beyond the length is clamped to it (the committed tokens stay), as
         Hugging Face's ``crop`` does: truncate never extends.
         """
-        n = _count("n", n)
+        n = count("n", n)
         with self._structural("truncate") as row:
             n = min(n, row[LENGTH])
             self._check_resumable(row, n, "truncate")
@@ -615,7 +596,7 @@ class Sequence:
 
     def shift_left(self, n: int) -> None:
         """Drop the oldest ``n`` tokens (sliding window); the rest keep their positions."""
-        n = _count("n", n)
+        n = count("n", n)
         with self._structural("shift_left") as row:
             length = row[LENGTH]
             if n > length:
@@ -641,8 +622,8 @@ class Sequence:
         given, re-rotates their keys (RoPE shift) for each layer; it runs before
         anything changes, so an exception in it leaves the sequence as it was.
         """
-        begin = _count("begin", begin)
-        end = _count("end", end)
+        begin = count("begin", begin)
+        end = count("end", end)
         with self._structural("remove") as row:
             length, start = row[LENGTH], row[START]
             if not begin <= end <= length:
@@ -712,7 +693,7 @@ class Sequence:
             pass
         self._write = False
         self._pending = [0] * self._L
-        _live_writers.pop(self._token, None)
+        live_writers.pop(self._token, None)
         if self._fin is not None:
             self._fin.detach()
 
@@ -753,10 +734,10 @@ class Sequence:
         st = self._store
         with st._locked():
             length = self._span()[2]
-            n = length if n is None else _count("n", n)
+            n = length if n is None else count("n", n)
             if n > length:
                 raise InvalidArgumentError(f"fork: n={n} exceeds the length {length} of sequence {self.id}")
-            cap = max(n, 1, self.capacity if capacity is None else _count("capacity", capacity, 1))
+            cap = max(n, 1, self.capacity if capacity is None else count("capacity", capacity, 1))
             with st._unit():  # the child and its content: both, or after a crash neither
                 child = st.create_sequence(capacity=cap, _protect=self._slot)  # never evict the parent for it
                 _crash.point("fork.child")
@@ -773,7 +754,7 @@ class Sequence:
                     child.free()
                     raise
             child._refresh()
-        return child  # type: ignore[no-any-return]
+        return child
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -929,7 +910,7 @@ class Sequence:
         ``p - p % chunk <= p' <= p``.
         """
         layer = self._layer(layer)
-        q = self._ints("query_positions", query_positions, np.size(query_positions))
+        q = ints("query_positions", query_positions, np.size(query_positions))
         start, _, length, woff = self._span()
         keys_pos = self._store._positions[start + self._first(layer, woff) : start + length]
         p = self._pending[layer]
@@ -945,7 +926,7 @@ class Sequence:
         must hold them all (positions 0..pos-1 with none missing), and ``pos`` must not
         skip past the last committed position + 1.
         """
-        pos = _count("pos", pos)
+        pos = count("pos", pos)
         start, _, length, woff = self._span()
         positions = self._store._positions[start : start + length]
         if pos > (int(positions[-1]) if length else -1) + 1:
@@ -1040,7 +1021,7 @@ class Sequence:
         """The polling schedule of :meth:`wait`: yields the delay before the next look;
         its return value (StopIteration.value) is the length reached."""
         from .errors import WaitTimeout
-        target = None if length is None else _count("length", length)
+        target = None if length is None else count("length", length)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout >= 0):
             raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds >= 0, or None")
@@ -1156,7 +1137,7 @@ class _Structural:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self._changing.__exit__(*exc)  # type: ignore[arg-type]
+            self._changing.__exit__(*exc)
             seq = self.seq
             seq._pending = [0] * seq._L
             row = seq._row
@@ -1185,27 +1166,18 @@ def _taint(row: memoryview, n: int) -> None:
     row[FLAGS] |= NOINDEX
 
 
-def visible_from(layout: Any, layer: int, p: Any) -> Any:
-    """The oldest position a token at position(s) ``p`` sees on ``layer`` (it sees up to ``p``).
-
-    The one statement of the visibility rule: sliding ``p - window < p'``, chunked
-    ``p - p % chunk <= p'``, full everything.
-    """
-    kind = layout.layer_types[layer]
-    if kind == "sliding":
-        return np.maximum(0, p - layout.window + 1)
-    if kind == "chunked":
-        return p - p % layout.chunk
-    return np.zeros_like(p)
+def writer_for(store: Store, seq_id: int) -> Sequence | None:
+    """This process's live write handle on ``seq_id`` through ``store``, if any."""
+    for handle in list(live_writers.values()):
+        if handle.store is store and handle.id == seq_id and handle.writable:
+            return handle
+    return None
 
 
-def attention_mask(layout: Any, layer: int, query_positions: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
-    """0 / -inf float32 mask ``[q, k]`` of which keys each query sees on ``layer``."""
-    qp = np.asarray(query_positions, np.int64)[:, None]
-    kp = np.asarray(key_positions, np.int64)[None, :]
-    ok = (kp <= qp) & (kp >= visible_from(layout, layer, qp))
-    return np.where(ok, np.float32(0), np.float32(-np.inf))
+def drop_lease(handle: Sequence) -> None:
+    """Give up ``handle``'s lease now (its store is closing), whatever its fork epoch."""
+    handle._drop_lease()
 
 
 def _unpickle_sequence(store: Store, seq_id: int) -> Sequence:
-    return store.sequence(seq_id)  # type: ignore[no-any-return]
+    return store.sequence(seq_id)

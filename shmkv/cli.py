@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__, _header, _segment
-from ._snapshot import load as load_snapshot
-from ._store import Store, _store_owners, attach, gc, list_stores, remove
+from . import __version__, _core, _header, _segment
+from ._lifecycle import _store_owners, gc, list_stores, remove
+from ._lifecycle import load as load_snapshot
+from ._store import Store, attach
 from .errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
 
 
@@ -102,12 +103,13 @@ def verify(store: Store) -> list[str]:
     """Check the header's invariants; return the problems found (empty: all good)."""
     problems = []
     lay = store.layout
-    pending = int(store._hdr[_header.W_UNDO_COUNT])
+    hdr = _core.header_words(store)
+    pending = int(hdr[_header.W_UNDO_COUNT])
     if pending:
-        pid = int(store._hdr[_header.W_UNDO_PID])
+        pid = int(hdr[_header.W_UNDO_PID])
         problems.append(f"a structural operation of pid {pid} left {pending} row(s) to roll back (it died, or is "
                         "running now): `shmkv verify --repair NAME` (or any structural operation) rolls it back")
-    t = store._table_np.copy()
+    t = _core.table_rows(store).copy()
     live = t[t[:, _header.STATE] == _header.LIVE]
     if not np.isin(t[:, _header.STATE], (0, _header.LIVE, _header.ENCODER)).all():
         problems.append("a sequence slot has an unknown state")
@@ -127,8 +129,8 @@ def verify(store: Store) -> list[str]:
                             f"more than their {lay.window_cells} cells or out of order")
         if gen & 1:
             problems.append(f"sequence {sid}: generation {gen} is odd (a structural change is running or died)")
-        if sid >= int(store._hdr[_header.W_NEXT_ID]) or sid < 1:
-            problems.append(f"sequence {sid}: id not below next id {int(store._hdr[_header.W_NEXT_ID])}")
+        if sid >= int(hdr[_header.W_NEXT_ID]) or sid < 1:
+            problems.append(f"sequence {sid}: id not below next id {int(hdr[_header.W_NEXT_ID])}")
         ranges.append((start, cap, f"sequence {sid}"))
     ids = live[:, _header.ID].tolist()
     if len(set(ids)) != len(ids):

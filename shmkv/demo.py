@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from . import _model
-from ._store import attach, create
+from ._lifecycle import create
+from ._store import attach
 
 SYSTEM = "You are a helpful assistant. Answer briefly and cite the cache. "
 PROMPTS = [

@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from . import _header, _segment
-from ._store import Store, _remove_if_same, attach, create
+from . import _core, _header, _segment
+from ._lifecycle import create
+from ._store import Store, _remove_if_same, attach
 from .errors import ShmkvError
 from .testing import ChildProcess, shm_entries, unique_name
 
@@ -148,7 +149,7 @@ def shmkv_store_factory() -> Iterator[Callable[..., Store]]:
 
     yield factory
     for store in made:  # only the store each handle made: a newer one of that name stays
-        name, identity = store.name, store._identity
+        name, identity = store.name, _core.identity(store)
         store.close()
         _remove_if_same(name, identity)
 

@@ -58,6 +58,7 @@ import struct
 import threading
 import warnings
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +70,7 @@ import numpy as np
 from ._prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
 from .errors import InvalidArgumentError, NotSupportedError, RemoteError
 
-__all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats", "add_cli"]
+__all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats"]
 
 FORMAT_VERSION = 1
 _MAGIC = b"SKVR"
@@ -648,4 +649,7 @@ def _is_redis_error(e: BaseException) -> bool:
     return isinstance(e, (rx.RedisError, rx.RedisClusterException, OSError))
 
 
-from ._remote_cli import add_cli  # noqa: E402  (the CLI part lives apart; it needs RemoteTier)
+def _with_client(tier: RemoteTier, fn: Callable[[Any], Any]) -> Any:
+    """``fn(client)`` on the tier's Redis client, failures mapped as every tier call maps them
+    (for ``shmkv tier``, which SCANs what the tier holds)."""
+    return tier._call(lambda: fn(tier._redis()))

@@ -42,7 +42,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from . import _quant
 from ._sequence import Sequence
-from ._store import Store, attach, create
+from ._lifecycle import create
+from ._store import Store, attach
 from .errors import InvalidArgumentError, NotSupportedError
 
 __all__ = ["ShmkvCache"]

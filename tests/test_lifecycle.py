@@ -11,13 +11,13 @@ from _children import create_and_exit
 from conftest import START_METHODS
 
 import shmkv
-from shmkv import _segment, _store
+from shmkv import _lifecycle, _segment
 from shmkv.testing import ChildFailed, run_in_process, unique_name
 
 
 def _gc_one(name: str) -> bool:
     """gc's judgement of one store (a test never runs a global gc: other programs' stores are not ours)."""
-    return _store._collect(name, include_persistent=False, grace=30.0)
+    return _lifecycle._collect(name, include_persistent=False, grace=30.0)
 
 
 def _exists(name: str) -> bool:

@@ -24,7 +24,7 @@ from conftest import START_METHODS
 
 import shmkv
 import shmkv.cli
-from shmkv import _header, _segment, _snapshot, _store
+from shmkv import _header, _lifecycle, _segment, _snapshot, _snapshot_format, _store
 from shmkv.cli import verify
 from shmkv.testing import run_in_process, start_in_process, unique_name
 
@@ -176,12 +176,12 @@ def test_gc_never_judges_a_store_of_another_format_version():
         with open(path, "r+b") as f:
             f.seek(8 * _header.W_VERSION)
             f.write((_header.FORMAT_VERSION + 1).to_bytes(8, "little"))
-        assert not _store._collect(name, True, 0.0)  # unreadable tables: never removed by us
+        assert not _lifecycle._collect(name, True, 0.0)  # unreadable tables: never removed by us
         assert _exists(name)
         with open(path, "r+b") as f:
             f.seek(8 * _header.W_VERSION)
             f.write(_header.FORMAT_VERSION.to_bytes(8, "little"))
-        assert _store._collect(name, True, 0.0) and not _exists(name)
+        assert _lifecycle._collect(name, True, 0.0) and not _exists(name)
     finally:
         with contextlib.suppress(shmkv.StoreNotFound):
             shmkv.remove(name)
@@ -286,7 +286,7 @@ def test_another_users_store_is_reported_never_a_crash(make_store):
     status, (code, out, err) = _as_user(_cli, "info", store.name)
     assert status == "ok" and code == 1 and "not accessible" in err and "Traceback" not in err
     # gc's judgement of that store: skipped, not read, not removed, no error
-    assert _as_user(_store._collect, store.name, True, 0.0) == ("ok", False)
+    assert _as_user(_lifecycle._collect, store.name, True, 0.0) == ("ok", False)
     assert _exists(store.name) and store.sequences()
 
 
@@ -402,7 +402,7 @@ def test_header_larger_than_the_cap_is_refused(make_store, tmp_path, monkeypatch
     seq = store.create_sequence(capacity=64)
     seq.extend(*_kv(2, 60))
     store.save(tmp_path / "big.shmkv")
-    monkeypatch.setattr(_snapshot, "MAX_HEADER", 512)
+    monkeypatch.setattr(_snapshot_format, "MAX_HEADER", 512)
     with pytest.raises(shmkv.SnapshotError, match="header larger than 512 bytes"):
         shmkv.read_header(tmp_path / "big.shmkv")
 

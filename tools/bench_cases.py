@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from shmkv import _store
+from shmkv import _lifecycle, _store
 from shmkv.testing import unique_name
 
 Figures = dict[str, float]
@@ -137,7 +137,7 @@ def bench_decode(quick: bool) -> Figures:
     rng = np.random.default_rng(0)
     ks = rng.standard_normal((n, H, D)).astype(np.float16)
     vs = rng.standard_normal((n, H, D)).astype(np.float16)
-    store = _store.create(unique_name("bd"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+    store = _lifecycle.create(unique_name("bd"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
                           max_tokens=n + 8, max_seqs=2)
     try:
         seq = store.create_sequence(capacity=n)  # reserved once (prefill measures the reservation)
@@ -191,7 +191,7 @@ def bench_truncate(quick: bool) -> Figures:
     """
     L, H, D, base, B = 32, 8, 128, 64, 4
     pairs = 300 if quick else 1500
-    store = _store.create(unique_name("bt"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+    store = _lifecycle.create(unique_name("bt"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
                           max_tokens=base + B + 8, max_seqs=2)
     try:
         seq = store.create_sequence(capacity=base + B + 8)
@@ -289,7 +289,7 @@ def bench_handoff(quick: bool) -> Figures:
     k = rng.standard_normal((L, n, H, D)).astype(np.float16)
     v = rng.standard_normal((L, n, H, D)).astype(np.float16)
     name = unique_name("bh")
-    store = _store.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=n, max_seqs=2)
+    store = _lifecycle.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=n, max_seqs=2)
     path = _shm_scratch("handoff")
     res: Figures = {"handoff_mib": 2 * k.nbytes / 2**20}
     procs: list[Any] = []
@@ -367,7 +367,7 @@ def bench_copy_prefix(quick: bool) -> Figures:
     L, H, D, n = 16, 8, 128, (1024 if quick else 2048)
     # 3 n cells: copy_prefix into a sequence that holds tokens writes a fresh range, then switches
     # (crash safety: never over committed cells), so it needs n free cells while it runs
-    store = _store.create(unique_name("bc"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+    store = _lifecycle.create(unique_name("bc"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
                           max_tokens=3 * n, max_seqs=2)
     try:
         rng = np.random.default_rng(2)
@@ -423,11 +423,11 @@ def _sendfile_into_fresh_shm(src: str) -> float:
 
 
 def bench_snapshot(quick: bool, directory: str | None = None) -> Figures:
-    from shmkv._snapshot import load
+    from shmkv._lifecycle import load
 
     L, H, D, n = 16, 8, 128, (1024 if quick else 2048)
     name = unique_name("bs")
-    store = _store.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2 * n, max_seqs=4)
+    store = _lifecycle.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2 * n, max_seqs=4)
     rng = np.random.default_rng(3)
     k = rng.standard_normal((L, n, H, D)).astype(np.float16)
     v = rng.standard_normal((L, n, H, D)).astype(np.float16)
@@ -480,7 +480,7 @@ def bench_prefill(quick: bool) -> Figures:
     reserve: list[float] = []
 
     def shmkv_prefill() -> float:
-        store = _store.create(unique_name("bp"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+        store = _lifecycle.create(unique_name("bp"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
                               max_tokens=n, max_seqs=2)  # a new store: fresh memory (untimed)
         try:
             t0 = time.perf_counter()
@@ -577,7 +577,7 @@ def bench_workers(quick: bool) -> Figures:
     rounds = 3 if quick else 7
     ctx = mp.get_context("spawn")
     name = unique_name("bw")
-    store = _store.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16",
+    store = _lifecycle.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16",
                           max_tokens=cores * (base + n), max_seqs=cores + 1)
     procs: list[Any] = []
     ctrls: list[Any] = []
@@ -657,7 +657,7 @@ def bench_quant(quick: bool) -> Figures:
     L, H, D, n = 8, 8, 128, (512 if quick else 2048)
     rng = np.random.default_rng(6)
     x = rng.standard_normal((L, n, H, D)).astype(np.float16)  # what a float16 model produces
-    stores = {dt: _store.create(unique_name("bq"), layers=L, kv_heads=H, head_dim=D, dtype=dt, max_tokens=n,
+    stores = {dt: _lifecycle.create(unique_name("bq"), layers=L, kv_heads=H, head_dim=D, dtype=dt, max_tokens=n,
                                 max_seqs=2) for dt in ("float16", "int8")}
     try:
         seqs = {dt: st.create_sequence(capacity=n) for dt, st in stores.items()}
@@ -701,7 +701,7 @@ TABLE_SIZES = (16, 256, 4096)
 
 def bench_table(quick: bool) -> Figures:
     top = TABLE_SIZES[-1]
-    store = _store.create(unique_name("bT"), layers=2, kv_heads=1, head_dim=8, dtype="float16",
+    store = _lifecycle.create(unique_name("bT"), layers=2, kv_heads=1, head_dim=8, dtype="float16",
                           max_tokens=16 * (top + 4), max_seqs=top + 4)
     res: Figures = {}
     reps = 20 if quick else 60
@@ -765,7 +765,7 @@ def bench_wait(quick: bool) -> Figures:
     rounds = 10 if quick else 40
     ctx = mp.get_context("spawn")
     name = unique_name("bW")
-    store = _store.create(name, layers=2, kv_heads=2, head_dim=8, dtype="float16", max_tokens=rounds + 8,
+    store = _lifecycle.create(name, layers=2, kv_heads=2, head_dim=8, dtype="float16", max_tokens=rounds + 8,
                           max_seqs=2)
     procs: list[Any] = []
     try:

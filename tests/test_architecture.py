@@ -1,0 +1,280 @@
+"""The package's architecture, checked from the source with ``ast`` (issue 13).
+
+Three rules, each with an explicit allow-list of today's violations that may
+only shrink: the test fails on a violation that is not listed, and on a listed
+one that no longer exists (then delete its line).
+
+1. Imports among ``shmkv`` modules run one way: no circle, counting imports
+   inside functions. Only imports under ``if TYPE_CHECKING:`` are exempt.
+2. Outside the module that defines a class, no code touches that class's
+   underscore attributes (``store._x`` from ``_sequence``): the narrow core
+   is the way in.
+3. No module over 700 lines, no class over 450.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+PACKAGE = Path(__file__).resolve().parent.parent / "shmkv"
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 450
+
+# Edges ("importer", "imported") that lie on an import circle. Empty: issue 13
+# broke the last ones (_store with _sequence, _snapshot and _batch; remote with
+# _remote_cli); keep it so.
+KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
+
+# (accessing module, attribute) pairs: code in the accessing module reads or
+# writes an underscore attribute that a class of another module defines.
+# Today: _sequence/_snapshot reach into Store's arrays and helpers, _batch and
+# transformers into Sequence.
+KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
+    ("_batch", "_L"), ("_batch", "_cell"), ("_batch", "_kv_arrays"),
+    ("_batch", "_layer"), ("_batch", "_pending"),
+    ("_sequence", "_K"), ("_sequence", "_KSl"), ("_sequence", "_Kl"), ("_sequence", "_V"),
+    ("_sequence", "_VSl"), ("_sequence", "_Vl"), ("_sequence", "_check_not_leased_by_other"),
+    ("_sequence", "_closed"), ("_sequence", "_copy_all_layers"), ("_sequence", "_free_row"),
+    ("_sequence", "_get_meta"), ("_sequence", "_index_blocks"), ("_sequence", "_kv_bytes"),
+    ("_sequence", "_positions"), ("_sequence", "_reading"), ("_sequence", "_relocate"),
+    ("_sequence", "_rewrite"), ("_sequence", "_set_encoder"), ("_sequence", "_set_meta"),
+    ("_sequence", "_settled_row"), ("_sequence", "_tokens"), ("_sequence", "_touch"),
+    ("_sequence", "_unit"), ("_sequence", "_wcell"),
+    ("_snapshot", "_K"), ("_snapshot", "_KS"), ("_snapshot", "_Kl"), ("_snapshot", "_V"),
+    ("_snapshot", "_VS"), ("_snapshot", "_Vl"), ("_snapshot", "_alloc"), ("_snapshot", "_changing"),
+    ("_snapshot", "_check_not_leased_by_other"), ("_snapshot", "_check_open"),
+    ("_snapshot", "_check_writable"), ("_snapshot", "_drop_encoder"), ("_snapshot", "_get_meta"),
+    ("_snapshot", "_hdr"), ("_snapshot", "_lock_path"), ("_snapshot", "_positions"),
+    ("_snapshot", "_reserve_window"), ("_snapshot", "_restored"), ("_snapshot", "_row"),
+    ("_snapshot", "_set_encoder"), ("_snapshot", "_slot_of"), ("_snapshot", "_table_np"),
+    ("_snapshot", "_tokens"), ("_snapshot", "_unit"), ("_snapshot", "_wcell"),
+    ("transformers", "_changing"), ("transformers", "_index_blocks"), ("transformers", "_locked"),
+    ("transformers", "_pending"), ("transformers", "_row"), ("transformers", "_slot"),
+    ("transformers", "_tokens"),
+}
+
+# Modules over MAX_MODULE_LINES and classes ("module.Class") over
+# MAX_CLASS_LINES today.
+KNOWN_LARGE: set[str] = {
+    "_sequence",
+    "_sequence.Sequence",
+    "transformers",
+    "transformers.ShmkvCache",
+}
+
+
+def _modules() -> dict[str, ast.Module]:
+    """Every ``shmkv/*.py`` parsed, by module name (``__init__`` for the package)."""
+    return {
+        path.stem: ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for path in sorted(PACKAGE.glob("*.py"))
+    }
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement at any depth, except those under ``if TYPE_CHECKING:``."""
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _imported(node: ast.Import | ast.ImportFrom, names: set[str]) -> set[str]:
+    """The ``shmkv`` modules an import statement loads (``__init__`` for the package)."""
+    found: set[str] = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            parts = alias.name.split(".")
+            if parts[0] == "shmkv":
+                found.add(parts[1] if len(parts) > 1 and parts[1] in names else "__init__")
+        return found
+    if node.level == 0:
+        if node.module is None or node.module.split(".")[0] != "shmkv":
+            return found
+        rest = node.module.split(".")[1:]
+    elif node.level == 1:
+        rest = node.module.split(".") if node.module else []
+    else:  # pragma: no cover - shmkv has no subpackages
+        return found
+    if rest:
+        found.add(rest[0] if rest[0] in names else "__init__")
+    else:  # from . import x, y: each a submodule, or a name of the package
+        for alias in node.names:
+            found.add(alias.name if alias.name in names else "__init__")
+    return found
+
+
+def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
+    names = set(modules)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, tree in modules.items():
+        for node in _imports(tree):
+            graph[name] |= _imported(node, names) - {name}
+    return graph
+
+
+def _components(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components (Tarjan), iterative."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    result: list[set[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component: set[str] = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                result.append(component)
+    return result
+
+
+def circle_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Import edges that lie on a circle (both ends in one strongly connected component)."""
+    edges: set[tuple[str, str]] = set()
+    for component in _components(graph):
+        if len(component) > 1:
+            edges |= {(a, b) for a in component for b in graph[a] if b in component}
+    return edges
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _class_privates(tree: ast.Module) -> set[str]:
+    """Underscore attributes the module's classes define: ``self._x = ...``
+    (or ``cls._x``), methods ``def _x``, and class-level ``_x = ...``."""
+    found: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for stmt in cls.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_private(stmt.name):
+                found.add(stmt.name)
+            targets: list[ast.expr] = []
+            if isinstance(stmt, ast.Assign):
+                targets = stmt.targets
+            elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
+                targets = [stmt.target]
+            found |= {t.id for t in targets if isinstance(t, ast.Name) and _is_private(t.id)}
+        for node in ast.walk(cls):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+                and _is_private(node.attr)
+            ):
+                found.add(node.attr)
+    return found
+
+
+def private_accesses(modules: dict[str, ast.Module]) -> set[tuple[str, str]]:
+    """(module, attribute) for each ``obj._attr`` with ``obj`` not ``self``/``cls``,
+    where ``_attr`` belongs to a class of another module and to none of this one."""
+    privates = {name: _class_privates(tree) for name, tree in modules.items()}
+    found: set[tuple[str, str]] = set()
+    for name, tree in modules.items():
+        others = set().union(*(attrs for other, attrs in privates.items() if other != name))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not _is_private(node.attr):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in others and node.attr not in privates[name]:
+                found.add((name, node.attr))
+    return found
+
+
+def large(modules: dict[str, ast.Module]) -> set[str]:
+    found: set[str] = set()
+    for name in modules:
+        lines = len((PACKAGE / f"{name}.py").read_text(encoding="utf-8").splitlines())
+        if lines > MAX_MODULE_LINES:
+            found.add(name)
+    for name, tree in modules.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            assert cls.end_lineno is not None
+            if cls.end_lineno - cls.lineno + 1 > MAX_CLASS_LINES:
+                found.add(f"{name}.{cls.name}")
+    return found
+
+
+def _check(kind: str, found: set[Any], known: set[Any]) -> None:
+    new = sorted(found - known)
+    gone = sorted(known - found)
+    assert not new, f"new {kind} (fix it; the allow-list only shrinks): {new}"
+    assert not gone, f"{kind} fixed: delete from the allow-list: {gone}"
+
+
+def test_no_import_circles() -> None:
+    _check("import-circle edges", circle_edges(import_graph(_modules())), KNOWN_CIRCLE_EDGES)
+
+
+def test_no_private_access_across_modules() -> None:
+    _check("cross-module private accesses", private_accesses(_modules()), KNOWN_PRIVATE_ACCESS)
+
+
+def test_sizes() -> None:
+    _check("modules/classes over the size limits", large(_modules()), KNOWN_LARGE)
+
+
+def test_the_checks_catch_what_they_should() -> None:
+    """The passes above on small sources whose answer is known."""
+    modules = {
+        "a": ast.parse(
+            "from typing import TYPE_CHECKING\n"
+            "from . import b\n"
+            "if TYPE_CHECKING:\n    from .c import C\n"
+            "class A:\n    def __init__(self):\n        self._x = 1\n"
+            "    def _m(self):\n        return self._x\n"
+        ),
+        "b": ast.parse("def f():\n    from .a import A\n    return A()._x, A()._m\n"),
+        "c": ast.parse("from .a import A\nclass C:\n    _y = 0\n"),
+        "d": ast.parse("from shmkv import c\nimport shmkv.b\nclass D:\n    def f(self, o):\n        o._x = 2\n"),
+    }
+    graph = import_graph(modules)
+    assert graph == {"a": {"b"}, "b": {"a"}, "c": {"a"}, "d": {"b", "c"}}
+    assert circle_edges(graph) == {("a", "b"), ("b", "a")}
+    assert private_accesses(modules) == {("b", "_x"), ("b", "_m"), ("d", "_x")}
