@@ -159,6 +159,10 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
                 item = results.get(timeout=0.5)
             except queue.Empty:
                 if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
+                    # a Ctrl-C to the process group stops the children, and reaches this process
+                    # too, sometimes a moment later: give it that moment to arrive (as
+                    # KeyboardInterrupt, exit 130) before calling the early stop an error
+                    time.sleep(0.5)
                     raise RuntimeError("demo processes stopped before finishing") from None
                 continue
             if isinstance(item, Result):
