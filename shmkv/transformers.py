@@ -262,13 +262,7 @@ class ShmkvCache(Cache):
         name = name if name is not None else "hf-" + secrets.token_hex(8)
         store = create(name, dtype=dtype, max_tokens=max_tokens, max_seqs=max_seqs, persistent=persistent,
                        memory=memory, mode=mode, **spec)
-        try:
-            cache = cls(store, capacity=capacity)
-        except BaseException:
-            store.close()
-            raise
-        cache._owns_store = True
-        return cache
+        return cls._owning(store, None, capacity)
 
     @classmethod
     def attach(cls, name: str, seq_ids: _Seq[int] | None = None, *, capacity: int | None = None) -> ShmkvCache:
@@ -277,7 +271,11 @@ class ShmkvCache(Cache):
         Attaches to the store (this cache's ``close()`` detaches) and takes every lease;
         ``seq_ids=None`` starts new sequences there, as ``ShmkvCache(store)`` does.
         """
-        store = attach(name)
+        return cls._owning(attach(name), seq_ids, capacity)
+
+    @classmethod
+    def _owning(cls, store: Store, seq_ids: _Seq[int] | None, capacity: int | None) -> ShmkvCache:
+        """A cache that owns ``store`` (its close() closes it); the store is closed if that fails."""
         try:
             cache = cls(store, seq_ids, capacity=capacity)
         except BaseException:
