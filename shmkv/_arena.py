@@ -315,16 +315,19 @@ class Arena(Core):
     def _new_row(self, capacity: int, protect: int = -1) -> tuple[int, int]:
         """A free table row and a reserved range for a new sequence (lock held), evicting
         finished sequences other than row ``protect`` when there is no room."""
-        t = self._table_np
-        has_row = bool((t[:, STATE] == 0).any())
-        has_cells = any(size >= capacity for _, size in self._free_ranges())
-        if not (has_row and has_cells):
+        has_row = bool((self._table_np[:, STATE] == 0).any())
+        fit = next((start for start, size in self._free_ranges() if size >= capacity), None)
+        if not has_row or fit is None:
             # one plan for the row and the cells together: evict only if both then fit
             self._evict(capacity, 1, protect)
+            fit = None  # the ranges changed: _alloc looks again (and names the shortfall)
         slot = self._free_slot("a new sequence")
-        start = self._alloc(capacity)
+        if fit is None:
+            fit = self._alloc(capacity)
+        else:  # the free ranges were just scanned: no second scan on the create path
+            self._reserve(fit, capacity)
         self._reserve_window(slot)
-        return slot, start
+        return slot, fit
 
     def _copy_prefix_rows(self, s_slot: int, d_slot: int, n: int) -> None:
         """copy_prefix between rows (lock held, ids checked): dst's content becomes src's first

@@ -119,10 +119,6 @@ class PrefixIndex:
         t[e] = h
         return taken
 
-    def used(self) -> int:
-        t = self._t
-        return sum(1 for i in range(self._slots) if t[i * INDEX_WORDS])
-
     def rebuild(self) -> int:
         """Drop invalid entries (lock held); return the entries kept. Validity is judged in numpy
         over the whole table; only the kept entries are re-inserted one by one."""

@@ -419,7 +419,7 @@ def _parser() -> argparse.ArgumentParser:
     sp = add("watch", _cmd_watch, "refresh `info` until Ctrl-C", True)
     sp.add_argument("name")
     sp.add_argument("--interval", type=_seconds_arg, default=1.0)
-    sp.add_argument("--count", type=int, help="stop after this many refreshes")
+    sp.add_argument("--count", type=_count_arg(1), help="stop after this many refreshes")
     sp = add("save", _cmd_save, "save a store to a snapshot file")
     sp.add_argument("name")
     sp.add_argument("file")
@@ -442,10 +442,11 @@ def _parser() -> argparse.ArgumentParser:
     sp = add("snapshot", _cmd_snapshot, "save a store periodically, keeping the newest K files")
     sp.add_argument("name")
     sp.add_argument("--dir", required=True, help="directory of the snapshot files NAME-TIMESTAMP.shmkv")
-    sp.add_argument("--every", type=float, default=60.0, help="seconds between snapshots")
+    sp.add_argument("--every", type=_seconds_arg, default=60.0, help="seconds between snapshots")
     sp.add_argument("--keep", type=_count_arg(1), default=3,
                     help="newest snapshot files kept, at least 1 (older ones are deleted)")
-    sp.add_argument("--count", type=int, help="stop after this many snapshots (default: until SIGINT/SIGTERM)")
+    sp.add_argument("--count", type=_count_arg(1),
+                    help="stop after this many snapshots (default: until SIGINT/SIGTERM)")
     sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (0 keeps it)")
     from ._remote_cli import add_cli  # shmkv push, shmkv tier (the remote tier)
 

@@ -36,7 +36,8 @@ under two keys and documents that race):
                   (int8 codes, bfloat16 bits, or the floats), then V the same;
                   int8 only: K scales ``[layers, n, kv_heads]`` float32, V scales
     end-4   4     crc32 of every byte before it (a trailer: push computes it while
-                  the K/V bytes go out straight from shared memory, uncopied)
+                  the K/V bytes go out straight from shared memory, uncopied; values
+                  up to 256 KiB, and every value on a Redis Cluster, are joined first)
     ======  ====  ==============================================================
 
 A chunk is loaded only if magic, version, checksum, fingerprint, start, length
@@ -67,6 +68,7 @@ from urllib.parse import urlsplit, urlunsplit
 import msgpack
 import numpy as np
 
+from . import _quant
 from ._prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
 from .errors import InvalidArgumentError, NotSupportedError, RemoteError
 
@@ -446,11 +448,11 @@ class RemoteTier:
                     kb = key.encode()
                     conn.send_packed_command([b"*4\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(kb), kb, size)],
                                              check_health=False)
-                    crc = 0
-                    if size <= _JOIN_BYTES:  # small: one write
+                    if size <= _JOIN_BYTES:  # small: one write (a joined copy: cheaper than many sends)
                         value = _joined(parts)
                         conn.send_packed_command([value + b"\r\n$2\r\nNX\r\n"], check_health=False)
                         continue
+                    crc = 0
                     for part in parts:
                         crc = zlib.crc32(part, crc)
                         conn.send_packed_command([part], check_health=False)
@@ -541,11 +543,10 @@ class RemoteTier:
                     a, b = pos - s, min(s + C, cap) - s  # the part of the chunk after what we hold
                     k, v, ks, vs = arrays
                     if ks is not None and vs is not None:  # int8: dequantized; extend quantizes to the same codes
-                        k = k[:, a:b].astype(np.float32) * ks[:, a:b, :, None]
-                        v = v[:, a:b].astype(np.float32) * vs[:, a:b, :, None]
+                        k = _quant.dequantize_int8(k[:, a:b], ks[:, a:b])
+                        v = _quant.dequantize_int8(v[:, a:b], vs[:, a:b])
                     elif geo.layout.dtype == "bfloat16":
-                        k = (k[:, a:b].astype(np.uint32) << np.uint32(16)).view(np.float32)
-                        v = (v[:, a:b].astype(np.uint32) << np.uint32(16)).view(np.float32)
+                        k, v = _quant.from_bf16(k[:, a:b]), _quant.from_bf16(v[:, a:b])
                     else:
                         k, v = k[:, a:b], v[:, a:b]
                     seq.extend(k, v, tokens=t[s + a : s + b], positions=np.arange(s + a, s + b))

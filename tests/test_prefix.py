@@ -16,6 +16,16 @@ def prompt(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, 30_000, n).astype(np.int64)
 
 
+def finished_requests(store: shmkv.Store, prompts: list[np.ndarray], capacity: int) -> list[int]:
+    """Serve and finish one request per prompt, in order; their ids (oldest use first)."""
+    ids = []
+    for p in prompts:
+        s, _ = serve(store, p, capacity=capacity)
+        s.finish()
+        ids.append(s.id)
+    return ids
+
+
 @pytest.fixture
 def big(make_store):
     return make_store(layers=3, kv_heads=2, head_dim=4, max_tokens=8192, max_seqs=32)
@@ -89,11 +99,7 @@ def test_eviction_is_lru_and_spares_the_donor(make_store):
     store = make_store(layers=2, kv_heads=2, head_dim=4, max_tokens=640, max_seqs=16)
     rng = np.random.default_rng(4)
     prompts = [prompt(rng, 60) for _ in range(10)]
-    ids = []
-    for p in prompts:
-        s, _ = serve(store, p, capacity=64)
-        s.finish()
-        ids.append(s.id)
+    ids = finished_requests(store, prompts, capacity=64)
     # use request 0 as a donor (a use): request 1 is now the least recently used
     d, n = serve(store, np.concatenate([prompts[0][:40], prompt(rng, 10)]), capacity=40)
     assert n == 40
@@ -127,11 +133,7 @@ def test_eviction_is_lru_and_spares_the_donor(make_store):
 def test_eviction_order_exact(make_store):
     store = make_store(layers=2, kv_heads=2, head_dim=4, max_tokens=320, max_seqs=16)
     rng = np.random.default_rng(5)
-    ids = []
-    for _ in range(10):
-        s, _ = serve(store, prompt(rng, 30), capacity=32)
-        s.finish()
-        ids.append(s.id)
+    ids = finished_requests(store, [prompt(rng, 30) for _ in range(10)], capacity=32)
     order = [5, 2, 8, 0]  # take some back and finish them again: they become the most recent
     for i in order:
         store.sequence(ids[i], write=True).finish()
@@ -227,11 +229,7 @@ def test_a_snapshot_keeps_the_prefix_cache_warm(make_store, tmp_path):
     store = make_store(layers=2, kv_heads=2, head_dim=4, max_tokens=320, max_seqs=16)
     rng = np.random.default_rng(10)
     prompts = [prompt(rng, 30) for _ in range(10)]
-    ids = []
-    for p in prompts:
-        s, _ = serve(store, p, capacity=32)
-        s.finish()
-        ids.append(s.id)
+    ids = finished_requests(store, prompts, capacity=32)
     store.sequence(ids[0], write=True).finish()  # 0 is now the most recent
     live, _ = serve(store, prompt(rng, 20), capacity=1)  # a leased, unfinished one (not evictable); evicts 1
     live.release()

@@ -148,8 +148,14 @@ def test_create_sequence_two_stores_share_whole_chunks(make_store, server, tiers
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
-def test_create_sequence_big_chunks_stream_from_shared_memory(make_store, server, tiers, dtype):
+def test_create_sequence_big_chunks_stream_from_shared_memory(make_store, server, tiers, dtype, monkeypatch):
     """Chunks over 256 KiB go out part by part from the store (checksum on the way), not joined."""
+    from shmkv import remote
+
+    def joined(parts):  # pragma: no cover - the test fails if a big value is joined
+        raise AssertionError("a chunk over 256 KiB was joined into one bytes object")
+
+    monkeypatch.setattr(remote, "_joined", joined)
     big = dict(layers=4, kv_heads=4, head_dim=64, dtype=dtype, max_tokens=2048, max_seqs=4)
     a, b = make_store(**big), make_store(**big)
     toks, k, v = prompt(3 * 256 + 10, layers=4, heads=4, dim=64)

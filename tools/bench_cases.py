@@ -111,9 +111,14 @@ def _result(out: Any, *children: Any, timeout: float = 300.0) -> Any:
             raise RuntimeError(f"bench children {[c.name for c in children]} sent nothing in {timeout:.0f} s")
 
 
-def _reap(procs: list[Any]) -> None:
+def _kill(procs: list[Any]) -> None:
+    """An error path's cleanup: children still running are killed at once and reaped."""
+    _reap(procs, grace=0)
+
+
+def _reap(procs: list[Any], grace: float = 10.0) -> None:
     for p in procs:
-        p.join(10)
+        p.join(grace)
         if p.is_alive():
             p.kill()
             p.join()
@@ -348,10 +353,7 @@ def bench_handoff(quick: bool) -> Figures:
         inputs["shmfile"].send(None)
         _reap(procs)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _kill(procs)
         store.close()
         try:
             os.unlink(path)
@@ -634,10 +636,7 @@ def bench_workers(quick: bool) -> Figures:
             snap_ctrl.send(None)
             _reap(procs)
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            _kill(procs)
             store.close()
     for w in counts:
         alone, beside = statistics.median(rates[(w, False)]), statistics.median(rates[(w, True)])
@@ -788,10 +787,7 @@ def bench_wait(quick: bool) -> Figures:
             lat.append(t1 - t0)
         _reap(procs)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _kill(procs)
         store.close()
     return {"wait_wakeup_us": statistics.median(lat) * 1e6}
 
