@@ -112,6 +112,7 @@ table (a crash half-way through an allocation cannot leak cells).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import zlib
 from dataclasses import dataclass
@@ -163,6 +164,18 @@ MAX_DIM = 1 << 20
 MAX_STORE_BYTES = 1 << 46  # 64 TiB of data segment: below x86-64's 128 TiB of user address space
 
 
+@functools.cache
+def _bounded(layer_types: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(i for i, k in enumerate(layer_types) if k != "full")
+
+
+@functools.cache
+def _keep(layer_types: tuple[str, ...], window: int, chunk: int) -> int:
+    return max(window - 1 if "sliding" in layer_types else 0, chunk - 1 if "chunked" in layer_types else 0)
+
+
+# (a frozen slots dataclass has no room for cached properties: the two above are asked on
+# structural paths, truncate among them, so they are computed once per distinct layout)
 @dataclass(frozen=True, slots=True)
 class Layout:
     """The geometry and limits of a store; identical in every attached process."""
@@ -190,14 +203,12 @@ class Layout:
     @property
     def bounded(self) -> tuple[int, ...]:
         """Indices of the sliding and chunked layers: they keep a bounded number of tokens."""
-        return tuple(i for i, k in enumerate(self.layer_types) if k != "full")
+        return _bounded(self.layer_types)
 
     @property
     def keep(self) -> int:
         """Tokens before a new one that bounded layers must still hold to resume there."""
-        need = [self.window - 1 if "sliding" in self.layer_types else 0,
-                self.chunk - 1 if "chunked" in self.layer_types else 0]
-        return max(need)
+        return _keep(self.layer_types, self.window, self.chunk)
 
     def resume_from(self, n: int) -> int:
         """The oldest token a new token at position ``n`` needs on the bounded layers: the first
