@@ -7,12 +7,14 @@ what a handle needs to close and remove its store (``read_identity``,
 
 from __future__ import annotations
 
+import enum
 import errno
 import os
 import secrets
 import stat
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,7 +28,6 @@ from ._store import (
     DEFAULT_MAX_CLIENTS,
     Store,
     _check_timeout,
-    _magic_words,
     _remove_at_process_exit,
     _remove_names,
 )
@@ -62,13 +63,7 @@ def _prepare_lock_file(name: str, mode: int) -> None:
             "remove it (as its owner or root), or choose another store name"
         ) from None
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
-            raise AccessDeniedError(
-                f"store {name!r}: lock file {path} is not ours (uid {st.st_uid}, we are uid {os.geteuid()}): "
-                "whoever owns it could block or fake the store lock; remove it (as its owner or root), "
-                "or choose another store name"
-            )
+        _refuse_foreign_lock(name, path, os.fstat(fd))
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
@@ -78,9 +73,12 @@ def _check_lock_owner(name: str) -> None:
     """Refuse early (before any segment exists) a lock file that another user left at our path."""
     path = _segment.lock_path(name)
     try:
-        st = os.lstat(path)
+        _refuse_foreign_lock(name, path, os.lstat(path))
     except FileNotFoundError:
         return
+
+
+def _refuse_foreign_lock(name: str, path: str, st: os.stat_result) -> None:
     if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
         raise AccessDeniedError(
             f"store {name!r}: lock file {path} is not ours (uid {st.st_uid}, we are uid {os.geteuid()}): "
@@ -89,9 +87,13 @@ def _check_lock_owner(name: str) -> None:
         )
 
 
-def _session_tag() -> int:
-    """The pytest plugin's session tag from the environment (0 outside a plugin-run test session)."""
-    tag = os.environ.get("SHMKV_PYTEST_SESSION")
+SESSION_ENV = "SHMKV_PYTEST_SESSION"  # set by the pytest plugin for the processes of a test session
+
+
+def session_tag() -> int:
+    """The pytest plugin's session tag from the environment (0 outside a plugin-run test session);
+    stored in the header of every store created, so the plugin's leak check judges only its own."""
+    tag = os.environ.get(SESSION_ENV)
     if not tag:
         return 0
     try:
@@ -172,7 +174,7 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             pid = os.getpid()
             _header.write(words, raw, layout, off, max_clients=max_clients, creator_pid=pid,
                           creator_start=_segment.process_start_time(pid), persistent=persistent,
-                          identity=secrets.randbits(62) + 1, session=_session_tag())
+                          identity=secrets.randbits(62) + 1, session=session_tag())
             del words, raw
             store = Store(name, hseg, dseg, layout, max_clients, creator=True, persistent=persistent,
                           lock_timeout=lock_timeout)
@@ -215,28 +217,60 @@ def _ours(entry: str) -> bool:
         return False
 
 
-def _store_owners(name: str) -> tuple[list[tuple[int, int]], bool] | None:
-    """(creator and client (pid, start) pairs, persistent) of a store, None if unreadable."""
+@dataclass(frozen=True)
+class Owners:
+    """Who keeps a store alive: its creator and its read-write clients, as (pid, start time)."""
+
+    creator: tuple[int, int]
+    clients: list[tuple[int, int]]
+    persistent: bool
+
+    def creator_alive(self) -> bool:
+        return _segment.pid_alive(*self.creator)
+
+    def live_clients(self) -> list[int]:
+        return sorted({pid for pid, start in self.clients if _segment.pid_alive(pid, start)})
+
+    def collectable(self, include_persistent: bool) -> bool:
+        """gc's rule: nobody alive keeps it, and it is not persistent (unless asked)."""
+        if self.persistent and not include_persistent:
+            return False
+        return not self.creator_alive() and not self.live_clients()
+
+
+class Unjudged(enum.Enum):
+    """Why a store's owners could not be read."""
+
+    UNREADABLE = "no readable, intact shmkv header"  # a creation that crashed half-way, or not a store
+    OTHER_VERSION = "another shmkv version's store"  # its tables are not ours to read: never judged
+
+
+def store_owners(name: str) -> Owners | Unjudged:
+    """The owners of store ``name``, from one read of its header."""
     try:
         hseg = Segment.open(_segment.header_name(name), readonly=True)
     except (StoreNotFound, AccessDeniedError):
-        return None
+        return Unjudged.UNREADABLE
     try:
-        words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
-        raw = np.frombuffer(hseg.mm, np.uint8)  # type: ignore[arg-type]
-        try:
-            layout, max_clients = _header.read(words, raw, hseg.size, name)
-        except CorruptStoreError:
-            return None
-        off = _header.offsets(layout, max_clients)
-        clients = np.frombuffer(hseg.mm, np.int64, max_clients * CLIENT_WORDS, off.client_off)  # type: ignore[arg-type]
-        owners = [(int(words[_header.W_CREATOR_PID]), int(words[_header.W_CREATOR_START]))]
-        owners += [(int(p), int(s)) for p, s in clients.reshape(-1, CLIENT_WORDS)[:, :2] if p]
-        persistent = bool(words[_header.W_PERSISTENT])
-        del words, raw, clients
-        return owners, persistent
+        return _owners_in(hseg, name) if hseg.size >= _header.FIXED_BYTES else Unjudged.UNREADABLE
     finally:
         hseg.close()
+
+
+def _owners_in(hseg: Segment, name: str) -> Owners | Unjudged:
+    words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
+    if int(words[_header.W_MAGIC]) == _header.MAGIC and int(words[_header.W_VERSION]) != _header.FORMAT_VERSION:
+        return Unjudged.OTHER_VERSION
+    try:
+        layout, max_clients = _header.read(words, np.frombuffer(hseg.mm, np.uint8), hseg.size, name)  # type: ignore[arg-type]
+    except CorruptStoreError:
+        return Unjudged.UNREADABLE
+    off = _header.offsets(layout, max_clients)
+    clients = np.frombuffer(hseg.mm, np.int64, max_clients * CLIENT_WORDS, off.client_off)  # type: ignore[arg-type]
+    return Owners(creator=(int(words[_header.W_CREATOR_PID]), int(words[_header.W_CREATOR_START])),
+                  clients=[(int(p), int(s)) for p, s in clients.reshape(-1, CLIENT_WORDS)[:, :2] if p],
+                  persistent=bool(words[_header.W_PERSISTENT]))
+    # (the arrays over the mapping die with this frame, before the caller closes it)
 
 
 def _collect(name: str, include_persistent: bool, grace: float) -> bool:
@@ -246,20 +280,14 @@ def _collect(name: str, include_persistent: bool, grace: float) -> bool:
     """
     if not _ours(_segment.header_name(name)):
         return False
-    version = _magic_words(name, _header.W_VERSION)
-    if version is not None and version[0] != _header.FORMAT_VERSION:
-        return False  # another shmkv version's store: we cannot read its tables, so never judge it
-    info = _store_owners(name)
-    if info is None:
+    owners = store_owners(name)
+    if owners is Unjudged.UNREADABLE:
         mtime = _segment.segment_mtime(_segment.header_name(name))
         if mtime is not None and time.time() - mtime > grace:
             _remove_names(name)
             return True
         return False
-    owners, persistent = info
-    if persistent and not include_persistent:
-        return False
-    if not any(_segment.pid_alive(pid, start) for pid, start in owners):
+    if isinstance(owners, Owners) and owners.collectable(include_persistent):
         _remove_names(name)
         return True
     return False

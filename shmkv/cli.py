@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__, _core, _header, _segment
-from ._lifecycle import _store_owners, gc, list_stores, remove
+from ._lifecycle import Owners, gc, list_stores, remove, store_owners
 from ._lifecycle import load as load_snapshot
 from ._store import Store, attach
 from .errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
@@ -144,17 +144,13 @@ def verify(store: Store) -> list[str]:
 
 def _liveness(name: str) -> dict[str, Any]:
     """Who keeps store ``name`` alive: its creator and live read-write clients, and whether
-    ``shmkv gc`` would remove it (the same rule gc applies)."""
-    owners = _store_owners(name)
-    if owners is None:
+    ``shmkv gc`` would remove it (gc's own rule, Owners.collectable)."""
+    owners = store_owners(name)
+    if not isinstance(owners, Owners):
         return {}
-    pairs, persistent = owners
-    (cpid, cstart), clients = pairs[0], pairs[1:]
-    live = sorted({pid for pid, start in clients if _segment.pid_alive(pid, start)})
-    creator_alive = _segment.pid_alive(cpid, cstart)
-    return {"creator_pid": cpid, "creator_alive": creator_alive, "live_clients": live,
-            "gc_removes": not creator_alive and not live and not persistent,
-            "gc_all_removes": not creator_alive and not live}
+    return {"creator_pid": owners.creator[0], "creator_alive": owners.creator_alive(),
+            "live_clients": owners.live_clients(), "gc_removes": owners.collectable(False),
+            "gc_all_removes": owners.collectable(True)}
 
 
 def _cmd_ls(a: argparse.Namespace) -> int:

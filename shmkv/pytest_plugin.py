@@ -32,17 +32,15 @@ import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 from . import _core, _header, _segment
-from ._lifecycle import create
-from ._store import Store, _remove_if_same, attach
+from ._lifecycle import SESSION_ENV, create, session_tag
+from ._store import Store, _magic_words, _remove_if_same, attach
 from .errors import ShmkvError
 from .testing import ChildProcess, shm_entries, unique_name
 
 DEFAULT_LAYOUT: dict[str, Any] = dict(layers=2, kv_heads=2, head_dim=4, dtype="float32", max_tokens=256, max_seqs=8)
-SESSION_ENV = "SHMKV_PYTEST_SESSION"
 _previous_tag = pytest.StashKey[str | None]()
 
 
@@ -69,33 +67,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ[SESSION_ENV] = previous
 
 
-def _session() -> int:
-    tag = os.environ.get(SESSION_ENV, "")
-    try:
-        return int(tag, 16) & ((1 << 62) - 1)
-    except ValueError:
-        return 0
-
-
 def _judged(name: str, session: int) -> tuple[int, str] | None:
     """(identity, why) if store ``name`` is this test's to judge, else None.
 
     Ours: created with this session's tag, by this very process or by one that is dead.
     """
-    try:
-        hseg = _segment.Segment.open(_segment.header_name(name), readonly=True)
-    except ShmkvError:
+    words = _magic_words(name, _header.W_SESSION, _header.W_IDENTITY, _header.W_CREATOR_PID,
+                         _header.W_CREATOR_START)
+    if words is None:
         return None
-    try:
-        if hseg.size < _header.FIXED_BYTES:
-            return None
-        w = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
-        magic, tag, identity = int(w[_header.W_MAGIC]), int(w[_header.W_SESSION]), int(w[_header.W_IDENTITY])
-        pid, start = int(w[_header.W_CREATOR_PID]), int(w[_header.W_CREATOR_START])
-        del w
-    finally:
-        hseg.close()
-    if magic != _header.MAGIC or not session or tag != session:
+    tag, identity, pid, start = words
+    if not session or tag != session:
         return None
     if pid == os.getpid():
         return identity, "created by the test"
@@ -119,7 +101,7 @@ def _shmkv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     before = shm_entries()
     yield
     gc.collect()  # handles dropped by the test close their descriptors now
-    session = _session()
+    session = session_tag()
     pre, suf = _segment.PREFIX, ".h"
     leaked = []
     for f in sorted(shm_entries() - before):
