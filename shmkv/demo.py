@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _model
+from . import _model, _snapshot
 from ._lifecycle import create
 from ._store import attach
 
@@ -217,17 +217,9 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
                 p.join()
         store.close()  # the creator: removes the store's segments
         if not keep_snapshot:
-            for leftover in (snapshot, *_partials(snapshot)):
-                try:
-                    os.unlink(leftover)
-                except FileNotFoundError:
-                    pass
-
-
-def _partials(path: str) -> list[str]:
-    """Temporary files an interrupted snapshot may leave beside ``path``."""
-    d, base = os.path.split(path)
-    try:
-        return [os.path.join(d, f) for f in os.listdir(d or ".") if f.startswith(f".{base}.tmp-")]
-    except OSError:
-        return []
+            try:
+                os.unlink(snapshot)
+            except FileNotFoundError:
+                pass
+            # an interrupted save's temporary file (its writer is dead: joined above)
+            _snapshot.remove_stale_temps(os.path.dirname(snapshot) or ".", os.path.basename(snapshot))
