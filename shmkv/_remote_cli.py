@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Any
 
+from ._cliargs import count_arg, ids_arg, seconds_arg
 from ._prefix_hash import HASH_VERSION
 
 
@@ -24,9 +25,9 @@ def add_cli(sub: Any) -> None:
     sp.set_defaults(fn=_cmd_push)
     sp.add_argument("name", help="store name")
     sp.add_argument("url", help="redis://host:port/db (any node of a cluster with --cluster)")
-    sp.add_argument("--seq", help="comma-separated sequence ids (default: all)")
+    sp.add_argument("--seq", type=ids_arg, help="comma-separated sequence ids (default: all)")
     _common(sp)
-    sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens a chunk (default 256)")
+    sp.add_argument("--chunk-tokens", type=count_arg(1), default=256, help="tokens a chunk (default 256)")
     sp = sub.add_parser("tier", help="what a Redis tier holds: chunks, bytes, namespaces",
                         description="what a Redis tier holds: chunks, bytes, namespaces (SCAN, never KEYS)")
     sp.set_defaults(fn=_cmd_tier)
@@ -37,7 +38,7 @@ def add_cli(sub: Any) -> None:
 def _common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--namespace", help="key namespace (push: default 'default'; tier: default all)")
     sp.add_argument("--cluster", action="store_true", help="the URL is a node of a Redis Cluster")
-    sp.add_argument("--timeout", type=float, default=2.0, help="seconds per socket operation (default 2)")
+    sp.add_argument("--timeout", type=seconds_arg, default=2.0, help="seconds per socket operation (default 2)")
     sp.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 
@@ -49,7 +50,7 @@ def _cmd_push(a: argparse.Namespace) -> int:
                       cluster=a.cluster, timeout=a.timeout)
     store = attach(a.name, readonly=True)
     try:
-        ids = [int(x) for x in a.seq.split(",")] if a.seq else [i.id for i in store.sequences()]
+        ids = a.seq if a.seq else [i.id for i in store.sequences()]
         out = {str(i): tier.push(store, i) for i in ids}
     finally:
         store.close()

@@ -24,6 +24,7 @@ from . import __version__, _core, _header, _segment
 from ._lifecycle import Owners, gc, list_stores, remove, store_owners
 from ._lifecycle import load as load_snapshot
 from ._store import Store, attach
+from ._cliargs import count_arg, ids_arg, seconds_arg
 from .errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
 
 
@@ -359,35 +360,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _count_arg(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
-        return value
-    return parse
-
-
-def _seconds_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0")
-    return value
-
-
-def _ids_arg(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sequence ids") from None
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shmkv", description="Shared-memory KV cache: run the demo, inspect stores.",
                                 epilog="`shmkv demo` runs the main job; `shmkv COMMAND --help` describes a command.")
@@ -414,12 +386,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp = add("watch", _cmd_watch, "refresh `info` until Ctrl-C", True)
     sp.add_argument("name")
-    sp.add_argument("--interval", type=_seconds_arg, default=1.0)
-    sp.add_argument("--count", type=_count_arg(1), help="stop after this many refreshes")
+    sp.add_argument("--interval", type=seconds_arg, default=1.0)
+    sp.add_argument("--count", type=count_arg(1), help="stop after this many refreshes")
     sp = add("save", _cmd_save, "save a store to a snapshot file")
     sp.add_argument("name")
     sp.add_argument("file")
-    sp.add_argument("--seq", type=_ids_arg, help="comma-separated sequence ids (default: all)")
+    sp.add_argument("--seq", type=ids_arg, help="comma-separated sequence ids (default: all)")
     sp.add_argument("--progress", action="store_true", help="show progress even when not on a terminal")
     sp = add("load", _cmd_load, "create a persistent store from a snapshot file")
     sp.add_argument("file")
@@ -438,10 +410,10 @@ def _parser() -> argparse.ArgumentParser:
     sp = add("snapshot", _cmd_snapshot, "save a store periodically, keeping the newest K files")
     sp.add_argument("name")
     sp.add_argument("--dir", required=True, help="directory of the snapshot files NAME-TIMESTAMP.shmkv")
-    sp.add_argument("--every", type=_seconds_arg, default=60.0, help="seconds between snapshots")
-    sp.add_argument("--keep", type=_count_arg(1), default=3,
+    sp.add_argument("--every", type=seconds_arg, default=60.0, help="seconds between snapshots")
+    sp.add_argument("--keep", type=count_arg(1), default=3,
                     help="newest snapshot files kept, at least 1 (older ones are deleted)")
-    sp.add_argument("--count", type=_count_arg(1),
+    sp.add_argument("--count", type=count_arg(1),
                     help="stop after this many snapshots (default: until SIGINT/SIGTERM)")
     sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (0 keeps it)")
     from ._remote_cli import add_cli  # shmkv push, shmkv tier (the remote tier)

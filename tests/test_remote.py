@@ -500,6 +500,16 @@ def test_cli_push_and_tier(make_store, server, capsys):
     assert server.url in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--seq", "1,a"), ("--chunk-tokens", "0"), ("--timeout", "soon")])
+def test_cli_push_arguments_are_checked(capsys, flag, value):
+    """A bad value is argparse's usage error naming it (exit 2), before any store or server is touched."""
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["push", "no-such-store", "redis://127.0.0.1:1/0", flag, value])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert value in err and flag in err
+
+
 def test_settings_are_checked():
     with pytest.raises(shmkv.InvalidArgumentError, match="chunk_tokens=100"):
         RemoteTier("redis://127.0.0.1:1/0", chunk_tokens=100)
