@@ -59,7 +59,7 @@ import struct
 import threading
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +68,7 @@ from urllib.parse import urlsplit, urlunsplit
 import msgpack
 import numpy as np
 
-from . import _quant
+from . import _dtypes, _quant
 from ._prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
 from .errors import InvalidArgumentError, NotSupportedError, RemoteError
 
@@ -144,7 +144,7 @@ class _Geometry:
         self.fp_hex = _fp_hex(self.fp)
         self.L, self.H, self.D = layout.layers, layout.kv_heads, layout.head_dim
         self.int8 = layout.dtype == "int8"
-        self.code = np.dtype({"int8": "i1", "bfloat16": "<u2"}.get(layout.dtype, layout.dtype))
+        self.code = _dtypes.storage(layout.dtype).newbyteorder("<")  # the wire is little-endian
         self.full = not layout.bounded
 
     def payload_bytes(self, n: int) -> int:
@@ -332,17 +332,18 @@ class RemoteTier:
         if not geo.full or not chunks:
             return 0
         keys = self._keys(geo, t, chunks)
+        found = next((i for i, there in enumerate(self._existing(keys)) if not there), chunks)
+        return found * self.chunk_tokens
+
+    def _existing(self, keys: list[str]) -> Iterator[bool]:
+        """Whether each key is in Redis: pipelined EXISTS, ``_EXISTS_BATCH`` keys a round trip,
+        lazily (a caller that stops at the first missing chunk sends no further batch)."""
         r = self._redis()
-        found = 0
-        for b in range(0, chunks, _EXISTS_BATCH):
+        for b in range(0, len(keys), _EXISTS_BATCH):
             pipe = r.pipeline(transaction=False)
             for k in keys[b : b + _EXISTS_BATCH]:
                 pipe.exists(k)
-            for e in self._call(pipe.execute):
-                if not e:
-                    return found * self.chunk_tokens
-                found += 1
-        return found * self.chunk_tokens
+            yield from (bool(e) for e in self._call(pipe.execute))
 
     # -- push --------------------------------------------------------------------
 
@@ -379,15 +380,10 @@ class RemoteTier:
         if not chunks:
             return 0
         keys = self._keys(geo, toks, chunks)
-        r = self._redis()
-        missing: list[int] = []
-        for b in range(0, chunks, _EXISTS_BATCH):
-            pipe = r.pipeline(transaction=False)
-            for k in keys[b : b + _EXISTS_BATCH]:
-                pipe.exists(k)
-            missing += [b + i for i, e in enumerate(self._call(pipe.execute)) if not e]
+        missing = [i for i, there in enumerate(self._existing(keys)) if not there]
         if not missing:
             return 0
+        r = self._redis()
         raw = [(seq.raw_keys(li), seq.raw_values(li)) for li in range(geo.L)]
         # Groups of chunks, one round trip each (one chunk a group when chunks are big).
         per = max(1, _GROUP_BYTES // (geo.payload_bytes(C) + 4096))
