@@ -76,7 +76,8 @@ class Model:
         d, hd = cfg.d_model, cfg.head_dim
 
         def w(*shape: int) -> np.ndarray:
-            return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+            out: np.ndarray = (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+            return out
 
         self.embed = w(cfg.vocab, d) * np.float32(4.0)
         self.wq = [w(d, cfg.n_heads * hd) for _ in range(cfg.layers)]
@@ -89,7 +90,8 @@ class Model:
 
     @staticmethod
     def _norm(x: np.ndarray) -> np.ndarray:
-        return (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(np.float32)
+        out: np.ndarray = (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(np.float32)
+        return out
 
     def forward(self, cache: KVCache, tokens: np.ndarray, positions: np.ndarray,
                 all_logits: bool = False) -> np.ndarray:
@@ -117,9 +119,8 @@ class Model:
             x = x + att @ self.wo[layer]
             hid = self._norm(x) @ self.w1[layer]
             x = (x + (hid / (1 + np.exp(-hid))) @ self.w2[layer]).astype(np.float32)
-        if all_logits:
-            return self._norm(x) @ self.out
-        return (self._norm(x[-1:]) @ self.out)[0]
+        logits: np.ndarray = self._norm(x if all_logits else x[-1:]) @ self.out
+        return logits if all_logits else logits[0]
 
 
 def encode(text: str) -> np.ndarray:

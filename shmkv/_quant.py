@@ -70,7 +70,8 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    return q.astype(np.float32) * scale[..., None]
+    out: np.ndarray = q.astype(np.float32) * scale[..., None]
+    return out
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:

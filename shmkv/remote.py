@@ -69,6 +69,7 @@ import msgpack
 import numpy as np
 
 from . import _dtypes, _quant
+from ._header import Layout
 from ._prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
 from .errors import InvalidArgumentError, NotSupportedError, RemoteError
 
@@ -138,7 +139,7 @@ def _fp_hex(fp: dict[str, Any]) -> str:
 class _Geometry:
     """Byte geometry of one chunk for one layout (computed once per layout and tier)."""
 
-    def __init__(self, layout: Any, chunk_tokens: int) -> None:
+    def __init__(self, layout: Layout, chunk_tokens: int) -> None:
         self.layout = layout
         self.fp = fingerprint(layout, chunk_tokens)
         self.fp_hex = _fp_hex(self.fp)

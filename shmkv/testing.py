@@ -73,8 +73,9 @@ class ChildProcess:
 
     @property
     def pid(self) -> int:
-        assert self.process.pid is not None
-        return self.process.pid
+        pid = self.process.pid
+        assert pid is not None
+        return int(pid)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the child and reap it (SIGKILL if it outlives ``sig`` by 10 s)."""
