@@ -25,11 +25,34 @@ from ._visibility import attention_mask, visible_from
 from .errors import InvalidArgumentError, LockTimeout, SequenceNotFound, StoreClosedError
 
 if TYPE_CHECKING:
+    from ._header import Layout
     from ._store import Store
 
 _SPIN = 2000  # seqlock retries before falling back to the store lock
 
 Arrays = list[np.ndarray]
+
+
+_Geometry = tuple[int, tuple[int, int], str, bool, list[bool], int]
+_geometries: dict[int, tuple[Layout, _Geometry]] = {}
+
+
+def _geometry(lay: Layout) -> _Geometry:
+    """What a handle needs of its store's layout: layers, (kv_heads, head_dim), dtype, whether
+    stored as is (zero-copy reads, fast appends), which layers are full, window cells.
+
+    Worked out once per layout, not per handle (Layout's properties compute each time, and a
+    handle is made per request: this keeps ``store.sequence(id)`` cheap)."""
+    hit = _geometries.get(id(lay))
+    if hit is not None and hit[0] is lay:
+        return hit[1]
+    bounded = set(lay.bounded)
+    geo = (lay.layers, (lay.kv_heads, lay.head_dim), lay.dtype, lay.dtype in _dtypes.PLAIN,
+           [i not in bounded for i in range(lay.layers)], lay.window_cells)
+    if len(_geometries) > 64:  # stores come and go: keep only recent layouts
+        _geometries.clear()
+    _geometries[id(lay)] = (lay, geo)
+    return geo
 
 
 class SeqReader:
@@ -52,14 +75,7 @@ class SeqReader:
         self.id = seq_id
         self.slot = slot
         self.row = row
-        lay = store.layout
-        self.L = lay.layers
-        self.cell = (lay.kv_heads, lay.head_dim)
-        self.dtype = lay.dtype
-        self.plain = lay.dtype in _dtypes.PLAIN  # stored as is: zero-copy reads, fast appends
-        bounded = set(lay.bounded)
-        self.isfull = [i not in bounded for i in range(self.L)]
-        self.wc = lay.window_cells
+        self.L, self.cell, self.dtype, self.plain, self.isfull, self.wc = _geometry(store.layout)
         self.wbase = 0  # first cell of its active window buffer: set by every span
         self.Kr, self.Vr = Kr, Vr  # read-only per-layer views, shared by handles
         self.KS, self.VS = KS, VS  # int8 scales per layer, else None
@@ -254,6 +270,18 @@ class SeqReader:
         for i in range(n):
             yield toks[i], poss[i], k[i], v[i]
 
+    def head(self, kv: tuple[np.ndarray, np.ndarray], head: int, begin: int, end: int | None,
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence.head: one KV head of ``kv`` (the layer's keys and values) over [begin, end)."""
+        k, v = kv
+        H = self.cell[0]
+        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < H:
+            raise InvalidArgumentError(f"head={head!r} is out of range: kv_heads=0..{H - 1}")
+        end = k.shape[0] if end is None else end
+        if not 0 <= begin <= end <= k.shape[0]:
+            raise InvalidArgumentError(f"head: need 0 <= begin <= end <= length, got {begin}, {end}, {k.shape[0]}")
+        return k[begin:end, head], v[begin:end, head]
+
     def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the committed keys and values of ``layer`` under the seqlock."""
         layer = self.layer(layer)
@@ -361,3 +389,24 @@ class SeqReader:
             else:
                 yield delay if deadline is None else min(delay, deadline - now)
                 delay = min(delay * 2, self.WAIT_MAX_SLEEP)
+
+    def wait(self, length: int | None, timeout: float | None) -> int:
+        """Sequence.wait: the schedule of wait_steps, slept through."""
+        steps = self.wait_steps(length, timeout)
+        try:
+            while True:
+                d = next(steps)
+                time.sleep(d) if d else None
+        except StopIteration as done:
+            return int(done.value)
+
+    async def wait_async(self, length: int | None, timeout: float | None) -> int:
+        """Sequence.wait_async: the schedule of wait_steps, with asyncio.sleep."""
+        import asyncio
+
+        steps = self.wait_steps(length, timeout)
+        try:
+            while True:
+                await asyncio.sleep(next(steps))
+        except StopIteration as done:
+            return int(done.value)

@@ -13,11 +13,14 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from . import _crash, _quant, _segment
 from ._checks import ints
-from ._header import CAPACITY, FLAGS, GEN, IDX_BLOCKS, LEASE_PID, LEASE_TOKEN, LENGTH, NOINDEX, START, WBUF, WIN_OFF
+from ._header import (
+    CAPACITY, FLAGS, GEN, IDX_BLOCKS, LEASE_PID, LEASE_TOKEN, LENGTH, META_BYTES, NOINDEX, START, WBUF, WIN_OFF,
+)
 from ._prefix_hash import BLOCK
 from ._seq_reader import Arrays, SeqReader
 from .errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
@@ -25,6 +28,24 @@ from .errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeou
 
 def _real(dt: np.dtype) -> bool:
     return dt.kind in "fiu" or dt == _quant.BF16
+
+
+def pack_meta(value: Any) -> bytes:
+    """``seq.meta = value``'s record: ``value`` checked (a dict) and packed (at most META_BYTES)."""
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"meta must be a dict, got {type(value).__name__}")
+    try:
+        packed = msgpack.packb(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidArgumentError(
+            f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
+        ) from None
+    if len(packed) > META_BYTES:
+        raise InvalidArgumentError(
+            f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
+            "store an id here and the rest elsewhere"
+        )
+    return bytes(packed)
 
 
 class SeqWriter:
@@ -94,7 +115,10 @@ class SeqWriter:
         self.pending = [0] * self.L
 
     def need_writer(self, what: str) -> None:
-        self.r.check()
+        """Refuse ``what`` unless this handle holds the lease, here and now; reload the range
+        after a structural change made by someone else (then pending tokens are dropped)."""
+        if self.store.closed:
+            self.r.check()  # raises
         if not self.write:
             raise ReadOnlyError(
                 f"{what}: sequence {self.id} handle is read-only; take the lease with "
@@ -105,7 +129,6 @@ class SeqWriter:
                 f"{what}: this write handle of sequence {self.id} was inherited across fork; "
                 f"take the lease in this process with store.sequence({self.id}, write=True)"
             )
-        self.r.check()
         row = self.row
         if row[LEASE_TOKEN] != self.token:  # random per handle: no pid check (a syscall) needed
             self.write = False

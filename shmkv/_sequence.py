@@ -19,7 +19,6 @@ The store's arrays and helpers reach the parts as constructor arguments, here.
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -29,11 +28,11 @@ import numpy as np
 
 from . import _crash, _segment, _seq_structural
 from ._checks import count
-from ._header import ENC_SLOT, FINISHED, FLAGS, GEN, LEASE_PID, LEASE_TOKEN, LENGTH, META_BYTES, START
+from ._header import ENC_SLOT, FINISHED, FLAGS, GEN, LEASE_PID, LEASE_TOKEN, LENGTH, START
 from ._lease import live_writers, release_row
 from ._seq_reader import SeqReader
 from ._seq_structural import ShiftFn
-from ._seq_writer import SeqWriter
+from ._seq_writer import SeqWriter, pack_meta
 from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -274,19 +273,7 @@ class Sequence:
     @meta.setter
     def meta(self, value: dict[str, Any]) -> None:
         self._w.need_writer("meta")
-        if not isinstance(value, dict):
-            raise InvalidArgumentError(f"meta must be a dict, got {type(value).__name__}")
-        try:
-            packed = msgpack.packb(value)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise InvalidArgumentError(
-                f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
-            ) from None
-        if len(packed) > META_BYTES:
-            raise InvalidArgumentError(
-                f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
-                "store an id here and the rest elsewhere"
-            )
+        packed = pack_meta(value)
         st = self._store
         with st._locked():
             row = self._row
@@ -410,14 +397,7 @@ class Sequence:
 
     def head(self, layer: int, head: int, begin: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of one KV head over tokens ``[begin, end)``: views ``[n, head_dim]``."""
-        k, v = self.kv(layer)
-        H = self._r.cell[0]
-        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < H:
-            raise InvalidArgumentError(f"head={head!r} is out of range: kv_heads=0..{H - 1}")
-        end = k.shape[0] if end is None else end
-        if not 0 <= begin <= end <= k.shape[0]:
-            raise InvalidArgumentError(f"head: need 0 <= begin <= end <= length, got {begin}, {end}, {k.shape[0]}")
-        return k[begin:end, head], v[begin:end, head]
+        return self._r.head(self.kv(layer), head, begin, end)
 
     def iter_tokens(self, layer: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """Yield ``(token_id, position, k, v)`` for each committed token of ``layer``."""
@@ -447,24 +427,11 @@ class Sequence:
         Example:
             >>> n = seq.wait(len(seq) + 16, timeout=5.0)    # doctest: +SKIP
         """
-        steps = self._r.wait_steps(length, timeout)
-        try:
-            while True:
-                d = next(steps)
-                time.sleep(d) if d else None
-        except StopIteration as done:
-            return int(done.value)
+        return self._r.wait(length, timeout)
 
     async def wait_async(self, length: int | None = None, timeout: float | None = None) -> int:
         """:meth:`wait` for asyncio: polls with ``asyncio.sleep``, never blocking the event loop."""
-        import asyncio
-
-        steps = self._r.wait_steps(length, timeout)
-        try:
-            while True:
-                await asyncio.sleep(next(steps))
-        except StopIteration as done:
-            return int(done.value)
+        return await self._r.wait_async(length, timeout)
 
     def torch_kv(self, layer: int) -> tuple[Any, Any]:
         """Committed keys and values of ``layer`` as torch tensors ``[n, kv_heads, head_dim]``.
