@@ -88,9 +88,12 @@ def taint(row: memoryview, n: int) -> None:
 
 def check_resumable(w: SeqWriter, row: memoryview, new_len: int, what: str) -> None:
     """Refuse a change after which sliding/chunked layers would miss tokens a new one needs."""
+    woff = row[WIN_OFF]
+    if not woff:
+        return  # (the layers hold every token: nothing to check, and this is on truncate's path)
     lay = w.store.layout
-    woff, keep = row[WIN_OFF], lay.keep
-    if lay.bounded and woff and new_len and new_len - woff < keep:
+    keep = lay.keep
+    if lay.bounded and new_len and new_len - woff < keep:
         raise NotSupportedError(
             f"{what}: sliding/chunked layers of sequence {w.id} hold tokens from {woff} on; "
             f"a length of {new_len} would leave them {max(new_len - woff, 0)} of the {keep} a new "

@@ -85,6 +85,7 @@ class SeqWriter:
         self.base: list[int] = []  # per layer: cell of token 0
         self.lim: list[int] = []  # per layer: token index limit
         self.vfrom: list[int] = []  # per layer: first kept cell
+        self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
 
     # -- addressing --------------------------------------------------------------------
 
@@ -102,6 +103,10 @@ class SeqWriter:
         """
         self.start = start
         wbase = self.r.wbase = (2 * self.slot + self.row[WBUF]) * self.wc  # the writer's own row
+        key = (start, cap, woff, wbase)
+        if key == self.cached:
+            return  # (a truncate within the range, the speculative-decoding step, changes none of them)
+        self.cached = key
         base = wbase - woff
         self.base = [start if f else base for f in self.isfull]  # cell of token 0
         # token index limit: the range's capacity bounds every layer (token ids and positions
