@@ -380,12 +380,14 @@ class Arena(Core):
             if cap + after[1] >= want:
                 self._reserve(start + cap, want - cap)
                 row[CAPACITY] = want
+                _crash.point("grow.extended")
                 return
             new_start = max(before[0], start + cap + after[1] - want)
             if before[1] + cap + after[1] >= want and new_start + keep <= start:
                 # slide down into free cells before it, never over its own committed cells
                 self._reserve(new_start, want)
-                self._copy_cells(start, new_start, keep)  # overlapping: numpy buffers it
+                self._copy_cells(start, new_start, keep)  # (no overlap: the condition above)
+                _crash.point("grow.slid")
                 row[START], row[CAPACITY] = new_start, want
                 return
         for want in dict.fromkeys((new_cap, needed)):

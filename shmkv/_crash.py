@@ -19,6 +19,8 @@ POINTS = (
     "create.copied",  # create_sequence(prefix=): the prefix copied in, row not yet switched
     "free.row",  # free / eviction: the row half cleared
     "truncate.row",  # truncate: the length changed, the rest not
+    "grow.extended",  # growth in place: CAPACITY switched, the unit not finished
+    "grow.slid",  # growth by a slide down into free cells before it: copied, the row not switched
     "grow.copied",  # growth by a move: data copied to the new range, the row not switched
     "grow.switched",  # growth: START switched, CAPACITY not
     "copy_prefix.copied",  # copy_prefix into a sequence holding tokens: copied, not switched

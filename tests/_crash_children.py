@@ -49,6 +49,15 @@ def base(store: shmkv.Store) -> dict[str, int]:
     return ids
 
 
+def prepare(store: shmkv.Store, point: str, ids: dict[str, int]) -> None:
+    """What some points' operation starts from, set up on base() (in the test, for both stores)."""
+    if point == "grow.slid":  # C gets a neighbour after it and 64 free cells before it: it slides
+        d = store.create_sequence(capacity=32)  # (created first: it takes the cells right after C)
+        fill(d, np.arange(800, 805))
+        d.release()
+        store.sequence(ids["b"], write=True).free()
+
+
 def op(store: shmkv.Store, point: str, ids: dict[str, int], snap: str) -> None:
     """The operation that passes through ``point``."""
     a, b, c = ids["a"], ids["b"], ids["c"]
@@ -61,6 +70,9 @@ def op(store: shmkv.Store, point: str, ids: dict[str, int], snap: str) -> None:
         s = store.sequence(b, write=True)
         s.truncate(10)
         fill(s, np.arange(500, 505))
+    elif point in ("grow.extended", "grow.slid"):  # C outgrows its 32 cells in one extend: free cells
+        t = np.arange(420, 440)  # after it (in place), or before it (slide)
+        store.sequence(c, write=True).extend(*kv(t), tokens=t)
     elif kind == "grow":
         s = store.sequence(ids["n"], write=True)  # N: B right after it, A right before
         fill(s, np.arange(310, 330))  # 30 > capacity 16: it moves

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import pytest
-from _crash_children import BOUNDED, LAYOUT, base, fill, op, state, stress
+from _crash_children import BOUNDED, LAYOUT, base, fill, op, prepare, state, stress
 
 import shmkv
 from shmkv import _crash, _header, cli
@@ -56,17 +56,25 @@ def test_killed_at_every_crash_point(make_store, tmp_path, point):
     # the state after the operation: the same operation, here, without a crash
     ref = _store_for(make_store, point)
     ids = base(ref)
+    prepare(ref, point, ids)
     ref.save(snap) if point.startswith("restore") else None
     if point.startswith("restore"):  # restore brings back what the snapshot had: change things first
         ref.sequence(ids["b"], write=True).truncate(3)
         ref.sequence(ids["c"], write=True).free()
     before_ref = state(ref)
+    start = {i.id: i.start for i in ref.sequences()} if point.startswith("grow") else {}
     op(ref, point, ids, snap)
     after = state(ref)
+    if point.startswith("grow"):  # the growth took the path the point names
+        moved = {i.id: i.start for i in ref.sequences()}
+        grown = ids["c"] if point in ("grow.extended", "grow.slid") else ids["n"]
+        assert {"grow.extended": moved[grown] == start[grown], "grow.slid": moved[grown] < start[grown]}.get(
+            point, moved[grown] > start[grown]), (point, start[grown], moved[grown])
     assert after != before_ref or point.startswith("lease")  # a lease changes no content
 
     store = _store_for(make_store, point)
     assert base(store) == ids
+    prepare(store, point, ids)
     if point.startswith("restore"):
         store.sequence(ids["b"], write=True).truncate(3)
         store.sequence(ids["c"], write=True).free()
