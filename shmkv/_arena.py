@@ -146,6 +146,7 @@ class Arena(Core):
         invalid by themselves (see _prefix)."""
         row = self._row(slot)
         enc = row[ENC_SLOT] - 1
+        lost = self._index.displaced_by(slot)
         with self._changing(row):
             self._drop_encoder(row)
             _crash.point("free.row")
@@ -160,6 +161,8 @@ class Arena(Core):
             self._meta[slot, :8] = 0
         # complete: out of the undo log, so the unit's later use of its cells stays safe (rule 4)
         self._forget(slot, *([enc] if enc >= 0 else []))
+        if lost:  # holders this one displaced from the index get their entries back if need be
+            self._hdr[_header.W_INDEX_USED] += self._index.rehome(lost)
 
     def _set_meta(self, slot: int, packed: bytes) -> None:
         """Write a sequence's packed metadata (lock held, row changing)."""

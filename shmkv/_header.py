@@ -80,7 +80,8 @@ Sequence row (int64 words)::
                    position-independent K/V of every layer (LENGTH tokens)
     11 FLAGS       bit 0 FINISHED: done, kept as a cached prefix, evictable (seq.finish());
                    bit 1 NOINDEX: blocks from IDX_BLOCKS on cannot be indexed (a token id -1, or
-                   tokens moved by remove/shift_left) until a truncate below them
+                   tokens moved by remove/shift_left) until a truncate below them;
+                   bit 2 DISPLACER: an index entry of this row replaced an older holder (see _prefix)
     12 RECENCY     the recency clock's value at the last use (create, reuse as donor, finish)
     13 IDX_BLOCKS  whole 16-token blocks of this sequence that are in the prefix index
     14 CLEAN       tokens [0, CLEAN) are a faithful computation from position 0 (a donor may
@@ -141,7 +142,7 @@ LAYER_KINDS_OFF = 512
 # sequence row columns
 STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
 FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF = 11, 12, 13, 14, 15
-FINISHED, NOINDEX = 1, 2  # FLAGS bits
+FINISHED, NOINDEX, DISPLACER = 1, 2, 4  # FLAGS bits
 LIVE, ENCODER = 1, 2  # STATE values (0: free slot)
 SEQ_WORDS = 16
 # client row columns

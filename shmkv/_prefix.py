@@ -6,7 +6,8 @@ Layout: an open-addressing table in the header segment, ``INDEX_WORDS`` int64 wo
     0     hash    chained hash of tokens [0, (block + 1) * 16) (see _prefix_hash); 0 = empty slot
     1     id      sequence id of the holder
     2     slot    the holder's row in the sequence table
-    3     block   which block of the holder (the hash names its first block + 1 blocks)
+    3     block   which block of the holder (the hash names its first block + 1 blocks);
+                  bit 62 (DISPLACED): this entry took the place of an older holder of its hash
 
 Linear probing from ``hash & (slots - 1)``. Entries are never deleted one by one: an entry is
 *valid* while its holder row is live with that id, has the block indexed (``block <
@@ -17,6 +18,12 @@ probe, and a rebuild (under the lock) drops every invalid one when the table fil
 At most ``DUP`` holders a hash: a new holder replaces the least recently used one, so the index
 keeps the most recent holders of a shared prefix (a system prompt held by hundreds of finished
 requests costs ``DUP`` entries a block), and those are the last that LRU eviction takes.
+The holder replaced keeps its entries for its other blocks, so once every entry of that hash is
+gone, its later blocks would be out of reach of the lookup (which needs the shorter prefixes
+held to go on to longer ones). So the entry that replaced it is marked DISPLACED (and its row
+DISPLACER), and freeing a row with such entries passes the mark on: to the hash's other valid
+entries if there are any, else to a live holder found in the sequence table, which gets the
+entry back (``displaced_by`` / ``rehome``).
 
 Concurrency: entries change only under the store lock. Readers (``match_prefix`` on any
 attachment, read-only too) take no lock: they may see a torn or stale entry, so every hit is
@@ -30,12 +37,13 @@ from __future__ import annotations
 import numpy as np
 
 from ._header import (
-    CLEAN, ENC_SLOT, GEN, ID, IDX_BLOCKS, INDEX_WORDS, LENGTH, LIVE, RECENCY, SEQ_WORDS, START, STATE, WIN_OFF,
-    Layout,
+    CLEAN, DISPLACER, ENC_SLOT, FLAGS, GEN, ID, IDX_BLOCKS, INDEX_WORDS, LENGTH, LIVE, RECENCY, SEQ_WORDS, START,
+    STATE, WIN_OFF, Layout,
 )
 from ._prefix_hash import BLOCK, ROOT, as_tokens, block_hashes
 
 DUP = 4  # holders kept a hash
+DISPLACED = 1 << 62  # in an entry's block word: it replaced an older holder of its hash
 
 
 class PrefixIndex:
@@ -62,7 +70,7 @@ class PrefixIndex:
     def _valid(self, i: int) -> bool:
         t, r = self._t, self._rows
         e = i * INDEX_WORDS
-        h, sid, slot, blk = t[e], t[e + 1], t[e + 2], t[e + 3]
+        h, sid, slot, blk = t[e], t[e + 1], t[e + 2], t[e + 3] & ~DISPLACED
         if not 0 <= slot < len(r) // SEQ_WORDS:  # a torn entry read without the lock
             return False
         b = slot * SEQ_WORDS
@@ -73,20 +81,12 @@ class PrefixIndex:
 
     def holders(self, h: int) -> list[tuple[int, int]]:
         """(id, slot) of the valid holders of ``h``."""
-        t, mask = self._t, self._mask
-        i = h & mask
-        out = []
-        for _ in range(self._slots):
-            eh = t[i * INDEX_WORDS]
-            if eh == 0:
-                break
-            if eh == h and self._valid(i):
-                out.append((t[i * INDEX_WORDS + 1], t[i * INDEX_WORDS + 2]))
-            i = (i + 1) & mask
-        return out
+        t = self._t
+        return [(t[i * INDEX_WORDS + 1], t[i * INDEX_WORDS + 2]) for i in self._valid_entries(h)]
 
-    def insert(self, h: int, seq_id: int, slot: int, block: int) -> int:
+    def insert(self, h: int, seq_id: int, slot: int, block: int, displaced: bool = False) -> int:
         """Record that sequence ``seq_id`` (row ``slot``) holds ``h`` as its block ``block`` (lock held).
+        ``displaced``: mark the entry DISPLACED (rebuild and rehome carry a mark over).
 
         Returns 1 if an empty slot was taken (the caller counts occupancy), else 0.
         """
@@ -98,7 +98,7 @@ class PrefixIndex:
             eh = t[i * INDEX_WORDS]
             if eh == 0:
                 break
-            if eh == h and t[i * INDEX_WORDS + 1] == seq_id and t[i * INDEX_WORDS + 3] == block:
+            if eh == h and t[i * INDEX_WORDS + 1] == seq_id and t[i * INDEX_WORDS + 3] & ~DISPLACED == block:
                 return 0  # already there
             if not self._valid(i):
                 if reuse < 0:
@@ -111,20 +111,88 @@ class PrefixIndex:
         taken = 0
         if len(same) >= DUP:  # replace the least recently used holder
             reuse = min(same, key=lambda j: r[t[j * INDEX_WORDS + 2] * SEQ_WORDS + RECENCY])
+            displaced = True
         elif reuse < 0:
             reuse, taken = i, 1
         e = reuse * INDEX_WORDS
         t[e] = 0  # a reader passing by sees an empty-hash entry, never a mixed one
-        t[e + 1], t[e + 2], t[e + 3] = seq_id, slot, block
+        t[e + 1], t[e + 2], t[e + 3] = seq_id, slot, block | (DISPLACED if displaced else 0)
         t[e] = h
+        if displaced:
+            r[slot * SEQ_WORDS + FLAGS] |= DISPLACER
         return taken
+
+    def _entry(self, h: int, seq_id: int, block: int) -> int:
+        """The index of the entry naming ``seq_id``'s block ``block`` under ``h``, or -1."""
+        t, mask = self._t, self._mask
+        i = h & mask
+        for _ in range(self._slots):
+            e = i * INDEX_WORDS
+            if t[e] == 0:
+                return -1
+            if t[e] == h and t[e + 1] == seq_id and t[e + 3] & ~DISPLACED == block:
+                return i
+            i = (i + 1) & mask
+        return -1
+
+    def displaced_by(self, slot: int) -> list[tuple[int, int]]:
+        """(hash, block) of the entries of the sequence in ``slot`` that replaced an older holder
+        (lock held; asked before the row is freed). Nothing to look up for a row never DISPLACER."""
+        r = self._rows
+        b = slot * SEQ_WORDS
+        if not r[b + FLAGS] & DISPLACER:
+            return []
+        start, sid, out = r[b + START], r[b + ID], []
+        for blk in range(r[b + IDX_BLOCKS]):
+            h = int(self._hashes[start + (blk + 1) * BLOCK - 1])
+            i = self._entry(h, sid, blk)
+            if i >= 0 and self._t[i * INDEX_WORDS + 3] & DISPLACED:
+                out.append((h, blk))
+        return out
+
+    def rehome(self, lost: list[tuple[int, int]]) -> int:
+        """After the row that held ``lost`` (from displaced_by) is freed (lock held): each hash's
+        mark goes to its other valid entries, or, when none is left, a live holder without an entry
+        (found in the sequence table; the most recent) gets one, marked. Returns slots taken."""
+        t, r, taken = self._t, self._rows, 0
+        rows = np.frombuffer(r, np.int64).reshape(-1, SEQ_WORDS)
+        for h, blk in lost:
+            kept = self._valid_entries(h)
+            for i in kept:
+                t[i * INDEX_WORDS + 3] |= DISPLACED
+                r[t[i * INDEX_WORDS + 2] * SEQ_WORDS + FLAGS] |= DISPLACER
+            if kept:
+                continue
+            live = np.flatnonzero((rows[:, STATE] == LIVE) & (rows[:, IDX_BLOCKS] > blk))
+            cells = rows[live, START] + (blk + 1) * BLOCK - 1
+            ok = (cells >= 0) & (cells < len(self._hashes))
+            live, cells = live[ok], cells[ok]
+            live = live[self._hashes[cells] == h]
+            if live.size:
+                slot = int(live[np.argmax(rows[live, RECENCY])])
+                taken += self.insert(h, int(rows[slot, ID]), slot, blk, displaced=live.size > 1)
+        return taken
+
+    def _valid_entries(self, h: int) -> list[int]:
+        """Indices of the valid entries of ``h``."""
+        t, mask = self._t, self._mask
+        i, out = h & mask, []
+        for _ in range(self._slots):
+            eh = t[i * INDEX_WORDS]
+            if eh == 0:
+                break
+            if eh == h and self._valid(i):
+                out.append(i)
+            i = (i + 1) & mask
+        return out
 
     def rebuild(self) -> int:
         """Drop invalid entries (lock held); return the entries kept. Validity is judged in numpy
         over the whole table; only the kept entries are re-inserted one by one."""
         e = np.frombuffer(self._t, np.int64).reshape(-1, INDEX_WORDS).copy()
         rows = np.frombuffer(self._rows, np.int64).reshape(-1, SEQ_WORDS)
-        h, sid, slot, blk = e.T
+        h, sid, slot, marked = e.T
+        blk = marked & ~DISPLACED
         ok = (h != 0) & (slot >= 0) & (slot < len(rows))
         r = rows[np.where(ok, slot, 0)]
         ok &= (r[:, STATE] == LIVE) & (r[:, ID] == sid) & (blk >= 0) & (blk < r[:, IDX_BLOCKS])
@@ -133,7 +201,7 @@ class PrefixIndex:
         ok &= self._hashes[np.where(ok, cell, 0)] == h
         np.frombuffer(self._t, np.int64)[:] = 0
         for hh, ss, sl, bb in e[ok].tolist():
-            self.insert(hh, ss, sl, bb)
+            self.insert(hh, ss, sl, bb & ~DISPLACED, displaced=bool(bb & DISPLACED))
         return int(ok.sum())
 
     def full(self, used: int) -> bool:

@@ -1,8 +1,8 @@
 """Regression tests from an attack on the prefix cache (issue 14): one test per bug found, each
 failing before its fix, plus attacks that held (they pin the behaviour).
 
-BUG 8 stays a strict xfail: a known limitation (an old holder of a shared prefix whose index
-entries were replaced by four newer holders becomes unfindable once those are all freed).
+BUG 8 (an old holder of a shared prefix whose index entries were replaced by four newer holders
+became unfindable once those were all freed) is fixed: the entries are re-homed on free.
 """
 
 from __future__ import annotations
@@ -175,20 +175,31 @@ def test_snapshot_id_out_of_range_is_a_snapshot_error(make_store, tmp_path):
 # -- missed reuse (match_prefix/create below what the store holds) -------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="BUG 8: DUP=4 replacement drops an old holder's entries; it becomes unfindable")
-def test_old_holder_of_a_shared_prefix_stays_findable(make_store):
-    st = make_store(max_tokens=1024, max_seqs=16)
+@pytest.mark.parametrize("order", ["oldest first", "newest first", "interleaved"])
+@pytest.mark.parametrize("newer", [4, 9])
+def test_old_holder_of_a_shared_prefix_stays_findable(make_store, order, newer):
+    """BUG 8: the DUP=4 limit replaces an old holder's entries for the shared blocks; once every
+    newer holder is freed (in any order), the old one must be found again, and so must the newer
+    ones still live on the way."""
+    st = make_store(max_tokens=2048, max_seqs=16)
     S = P(0, 32)
     A = np.concatenate([S, P(100, 20)])
     plain(st, A).finish()
     others = []
-    for i in range(4):
-        s = plain(st, np.concatenate([S, P(101 + i, 20)]))
+    for i in range(newer):
+        p = np.concatenate([S, P(101 + i, 20)])
+        s = plain(st, p)
         s.finish()
-        others.append(s.id)
-    for sid in others:  # freed here; evicted by LRU in the same way once A was reused (touched)
+        others.append((s.id, p))
+    if order == "newest first":
+        others.reverse()
+    elif order == "interleaved":
+        others = others[1::2] + others[::2]
+    for j, (sid, _) in enumerate(others):  # freed here; evicted by LRU in the same way
         st.sequence(sid, write=True).free()
-    assert st.match_prefix(np.concatenate([A, [1]])) == len(A)
+        assert st.match_prefix(np.concatenate([A, [1]])) == len(A), f"after {j + 1} frees"
+        for _, p in others[j + 1 :]:
+            assert st.match_prefix(np.concatenate([p, [1]])) == len(p)
 
 
 
