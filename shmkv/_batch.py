@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._checks import ints
-from ._sequence import Sequence, writer_for
+from ._sequence import Sequence, writer_for, writer_part
 from ._visibility import attention_mask
 from .errors import InvalidArgumentError
 
@@ -54,9 +54,9 @@ class Batch:
                 if seq is None:
                     seq = store.sequence(sid, write=True)
                     self._owned.append(seq)
-                elif any(seq._pending):  # checked before the batch adopts it: close() must not drop them
-                    raise InvalidArgumentError(
-                        f"forward: sequence {sid} has uncommitted appends {seq._pending}; commit() them first "
+                elif any(pending := writer_part(seq).pending):  # checked before the batch adopts it: close()
+                    raise InvalidArgumentError(                        # must not drop them
+                        f"forward: sequence {sid} has uncommitted appends {pending}; commit() them first "
                         "(they are kept)"
                     )
                 self._seqs[sid] = seq
@@ -92,17 +92,18 @@ class Batch:
         first = next(iter(self._seqs.values()), None)
         if first is None:
             raise InvalidArgumentError("put: the batch has no tokens")
-        layer = first._layer(layer)
+        w = writer_part(first)
+        layer = w.r.layer(layer)
         if layer in self._done:
             raise InvalidArgumentError(f"put: layer {layer} was put already in this batch")
         k = np.asarray(k)
         v = np.asarray(v)
-        H, D = first._cell
+        H, D = w.cell
         if k.shape != (self.n, H, D) or v.shape != k.shape:
             raise InvalidArgumentError(
                 f"put: k {k.shape} and v {v.shape} must be [batch_tokens={self.n}, kv_heads={H}, head_dim={D}]"
             )
-        parts = {sid: seq._kv_arrays(k[self._rows[sid]], v[self._rows[sid]])  # all checked before any write
+        parts = {sid: writer_part(seq).kv_arrays(k[self._rows[sid]], v[self._rows[sid]])  # all checked first
                  for sid, seq in self._seqs.items()}
         keys, values, cols = [], [], []
         try:
@@ -143,7 +144,7 @@ class Batch:
         """Drop uncommitted tokens and give back the leases the batch took."""
         for seq in self._seqs.values():
             if not self._committed:
-                seq._pending = [0] * seq._L
+                writer_part(seq).drop_pending()
         for seq in self._owned:
             seq.release()
         self._owned = []

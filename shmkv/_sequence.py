@@ -8,55 +8,37 @@ sequence: ``truncate``, ``remove``, ``shift_left``, ``copy_prefix`` into it,
 a move when it outgrows its range, ``free``. Take ``.copy()`` to keep data
 across those, or use ``read(layer)``, which copies under the seqlock.
 Views are read-only: committed cells are immutable.
+
+``Sequence`` is the public face; the work is done by its parts, each in its own module:
+``_seq_reader.SeqReader`` (seqlocked reads, cell addressing, views, masks, waiting),
+``_seq_writer.SeqWriter`` (the lease holder's pending tokens, append, commit, extend,
+growth, compaction, encoding) and ``_seq_structural`` (truncate, shift_left, remove).
+The store's arrays and helpers reach the parts as constructor arguments, here.
 """
 
 from __future__ import annotations
 
 import os
-import time
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 
-from . import _crash, _dtypes, _quant, _segment
-from ._header import (
-    CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, IDX_BLOCKS, LEASE_PID, LEASE_TOKEN, LENGTH, LIVE, NOINDEX,
-    START, STATE, WBUF, WIN_OFF,
-)
-from ._header import META_BYTES
-from ._checks import count, ints
+from . import _crash, _segment, _seq_structural
+from ._checks import count
+from ._header import ENC_SLOT, FINISHED, FLAGS, GEN, LEASE_PID, LEASE_TOKEN, LENGTH, START
 from ._lease import live_writers, release_row
-from ._prefix_hash import BLOCK
-from ._visibility import attention_mask, visible_from
-from .errors import LockTimeout
-from .errors import (
-    CacheFullError,
-    NotSupportedError,
-    InvalidArgumentError,
-    LeaseError,
-    ReadOnlyError,
-    SequenceNotFound,
-    StoreClosedError,
-)
+from ._seq_reader import SeqReader
+from ._seq_structural import ShiftFn
+from ._seq_writer import SeqWriter, pack_meta
+from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from ._store import Store
 
-ShiftFn = Callable[[int, np.ndarray, int], np.ndarray]
-_SPIN = 2000  # seqlock retries before falling back to the store lock
-
-
-def _real(dt: np.dtype) -> bool:
-    return dt.kind in "fiu" or dt == _quant.BF16
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    v = a.view()
-    v.flags.writeable = False
-    return v
+__all__ = ["Sequence", "ShiftFn", "drop_lease", "writer_for", "writer_part"]
 
 
 class Sequence:
@@ -71,33 +53,29 @@ class Sequence:
         self._store = store
         self.id = int(seq_id)
         self._slot = slot
-        self._row = store._row(slot)
+        self._row = row = store._row(slot)
         self._token = token
-        self._write = write
         self._epoch = _segment.fork_epoch
-        lay = store.layout
-        self._L = lay.layers
-        self._cell = (lay.kv_heads, lay.head_dim)
-        self._Kw, self._Vw = store._Kl, store._Vl  # writable per-layer bases (None read-only)
-        self._Kr, self._Vr = store._Kr, store._Vr  # read-only per-layer views, shared by handles
-        self._dtype = lay.dtype
-        self._plain = lay.dtype in _dtypes.PLAIN  # stored as is: zero-copy reads, fast appends
-        self._KS, self._VS = store._KSl, store._VSl
-        self._pending = [0] * self._L
-        self._gen = -1
-        bounded = set(lay.bounded)
-        self._isfull = [i not in bounded for i in range(self._L)]
-        self._wc = lay.window_cells
-        self._wbase = 0  # first cell of its active window buffer: set by every _span
-        self._start = 0
+        self._r = r = SeqReader(
+            store, self.id, slot, row, Kr=store._Kr, Vr=store._Vr, KS=store._KSl, VS=store._VSl,
+            arena=(store._K, store._V, store._KS, store._VS), tokens=store._tokens, positions=store._positions,
+            reading=store._reading, locked=store._locked, settled_row=store._settled_row, table_row=store._row)
+        self._w = w = SeqWriter(
+            r, write=write, token=token, epoch=self._epoch, Kw=store._Kl, Vw=store._Vl, locked=store._locked,
+            changing=store._changing, relocate=store._relocate, index_blocks=store._index_blocks,
+            set_encoder=store._set_encoder, wcell=store._wcell, rewrite=store._rewrite)
+        # The per-token hot path: the writer's own methods, with no call layer in between
+        # (the class's append/commit below say what they do, for help() and the docs).
+        self.append = w.append  # type: ignore[method-assign]
+        self.commit = w.commit  # type: ignore[method-assign]
         self._fin: weakref.finalize | None = None
-        self._refresh()
+        w.refresh()
         if write:
             live_writers[token] = self
-            self._fin = weakref.finalize(self, release_row, self._row, token, os.getpid(), self._epoch)
+            self._fin = weakref.finalize(self, release_row, row, token, os.getpid(), self._epoch)
 
     def __repr__(self) -> str:
-        kind = "write" if self._write else "read"
+        kind = "write" if self._w.write else "read"
         try:
             return f"<shmkv.Sequence id={self.id} length={self.length} capacity={self.capacity} {kind}>"
         except Exception:  # repr of a dead handle
@@ -112,137 +90,10 @@ class Sequence:
         # Pickles as a *read* handle: a lease never travels; the receiver takes its own.
         return (_unpickle_sequence, (self._store, self.id))
 
-    # -- row access ----------------------------------------------------------
-
-    def _check(self) -> None:
-        if self._store._closed:
-            raise StoreClosedError(f"store {self._store.name!r} is closed; sequence {self.id} is unusable")
-
-    def _span(self) -> tuple[int, int, int, int]:
-        """A consistent (start, capacity, length, window offset) of the row (seqlock read)."""
-        self._check()
-        row = self._row
-        for i in range(_SPIN):
-            g = row[GEN]
-            if not g & 1:
-                state, sid, start, cap, length = row[STATE], row[ID], row[START], row[CAPACITY], row[LENGTH]
-                woff, wbuf = row[WIN_OFF], row[WBUF]
-                if row[GEN] == g:
-                    if state != LIVE or sid != self.id:
-                        raise SequenceNotFound(
-                            f"sequence {self.id} of store {self._store.name!r} was freed"
-                        )
-                    self._wbase = (2 * self._slot + wbuf) * self._wc
-                    return start, cap, length, woff
-            if i > 50:
-                time.sleep(0)
-        with self._store._reading():
-            return self._span_settled()
-
-    def _span_settled(self) -> tuple[int, int, int, int]:
-        """The row's span under _reading (read-only attachments see a dead operation rolled back)."""
-        r = self._store._settled_row(self._slot)
-        if r[STATE] != LIVE or r[ID] != self.id:
-            raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
-        self._wbase = (2 * self._slot + r[WBUF]) * self._wc
-        return r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF]
-
-    def _span_unlocked(self) -> tuple[int, int, int, int]:
-        row = self._row
-        if row[STATE] != LIVE or row[ID] != self.id:
-            raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
-        self._wbase = (2 * self._slot + row[WBUF]) * self._wc
-        return row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
-
-    def _refresh(self) -> None:
-        g = self._row[GEN]
-        start, cap, _, woff = self._span()
-        self._gen = g if not g & 1 else -1
-        self._cache(start, cap, woff)
-
-    def _cache(self, start: int, cap: int, woff: int) -> None:
-        """Per-layer addressing for the writer's hot path.
-
-        Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
-        cell ``slot * window_cells + i - woff`` of that layer's window region.
-        """
-        self._start = start
-        self._wbase = (2 * self._slot + self._row[WBUF]) * self._wc  # the writer's own row
-        wbase = self._wbase - woff
-        self._base = [start if f else wbase for f in self._isfull]  # cell of token 0
-        # token index limit: the range's capacity bounds every layer (token ids and positions
-        # need a cell even where only sliding/chunked layers hold K/V), the buffer bounds those
-        wlim = min(woff + self._wc, cap)
-        self._lim = [cap if f else wlim for f in self._isfull]
-        self._vfrom = [start if f else self._wbase for f in self._isfull]  # first kept cell
-
-    def _cells(self, layer: int, start: int, woff: int, a: int, b: int) -> tuple[int, int]:
-        """Cells of tokens [a, b) of ``layer`` (a >= woff on sliding/chunked layers)."""
-        if self._isfull[layer]:
-            return start + a, start + b
-        return self._wbase + a - woff, self._wbase + b - woff
-
-    def _first(self, layer: int, woff: int) -> int:
-        """Index of the oldest token ``layer`` holds."""
-        return 0 if self._isfull[layer] else woff
-
-    def _need_writer(self, what: str) -> None:
-        self._check()
-        if not self._write:
-            raise ReadOnlyError(
-                f"{what}: sequence {self.id} handle is read-only; take the lease with "
-                f"store.sequence({self.id}, write=True)"
-            )
-        if self._epoch != _segment.fork_epoch:
-            raise LeaseError(
-                f"{what}: this write handle of sequence {self.id} was inherited across fork; "
-                f"take the lease in this process with store.sequence({self.id}, write=True)"
-            )
-        self._check()
-        row = self._row
-        if row[LEASE_TOKEN] != self._token:  # random per handle: no pid check (a syscall) needed
-            self._write = False
-            raise LeaseError(
-                f"{what}: the lease on sequence {self.id} was taken over (pid {row[LEASE_PID]}); "
-                "this handle is now read-only"
-            )
-        if row[GEN] != self._gen:
-            # a structural change we did not make through this handle (e.g. copy_prefix
-            # into it): drop uncommitted tokens, reload the range
-            self._pending = [0] * self._L
-            self._refresh()
-
-    def _layer(self, layer: object) -> int:
-        if type(layer) is not int:
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                raise InvalidArgumentError(f"layer={layer!r} must be an int in [0, {self._L})")
-            layer = int(layer)
-        if not 0 <= layer < self._L:
-            raise InvalidArgumentError(
-                f"layer={layer} is out of range: the store has layers=0..{self._L - 1}"
-            )
-        return layer
-
-    def _kv_arrays(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
-        k = np.asarray(k)
-        v = np.asarray(v)
-        if k.shape[-2:] != self._cell or k.shape != v.shape or k.ndim not in (2, 3):
-            H, D = self._cell
-            raise InvalidArgumentError(
-                f"k shape {k.shape} and v shape {v.shape} must both be [n, kv_heads={H}, head_dim={D}] "
-                f"(or [{H}, {D}] for one token)"
-            )
-        if not (_real(k.dtype) and _real(v.dtype)):
-            raise InvalidArgumentError(
-                f"k dtype {k.dtype} / v dtype {v.dtype}: keys and values must be real numbers (float or int)"
-            )
-        if k.ndim == 2:
-            k = k[None]
-            v = v[None]
-        if self._dtype == "int8":
-            _quant.check_finite(k, "k")
-            _quant.check_finite(v, "v")
-        return k, v
+    @property
+    def _pending(self) -> list[int]:
+        """This handle's uncommitted tokens per layer (the writer part's)."""
+        return self._w.pending
 
     # -- writing -------------------------------------------------------------
 
@@ -261,121 +112,7 @@ class Sequence:
         The tokens become visible to other processes at ``commit()``, once every
         layer has the same number of pending tokens.
         """
-        # Fast path (the per-token hot loop; see tools/bench.py decode): every check
-        # below is what _need_writer/_layer/_kv_arrays do, inlined for the common case.
-        row = self._row
-        if (self._plain and self._write and row[LEASE_TOKEN] == self._token and row[GEN] == self._gen
-                and self._epoch == _segment.fork_epoch and type(layer) is int and 0 <= layer < self._L
-                and type(k) is np.ndarray and type(v) is np.ndarray and k.dtype.kind == "f"
-                and v.dtype.kind == "f"):
-            ks = k.shape
-            if ks == self._cell and v.shape == ks:
-                n = 1
-            elif len(ks) == 3 and ks[1:] == self._cell and v.shape == ks:
-                n = ks[0]
-            else:
-                return self._append_checked(layer, k, v)
-            length = row[LENGTH]
-            p = self._pending[layer]
-            if length + p + n > self._lim[layer]:
-                return self._append_checked(layer, k, v)
-            s = self._base[layer] + length + p
-            if n == 1 and len(ks) == 2:
-                self._Kw[layer][s] = k
-                self._Vw[layer][s] = v
-            else:
-                self._Kw[layer][s : s + n] = k
-                self._Vw[layer][s : s + n] = v
-            self._pending[layer] = p + n
-            first = self._vfrom[layer]
-            return self._Kr[layer][first : s + n], self._Vr[layer][first : s + n]
-        return self._append_checked(layer, k, v)
-
-    def _append_checked(self, layer: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
-        self._need_writer("append")
-        layer = self._layer(layer)
-        k, v = self._kv_arrays(k, v)
-        n = k.shape[0]
-        length = self._row[LENGTH]
-        p = self._pending[layer]
-        end = length + p + n
-        if end > self._lim[layer]:
-            if end > self._row[CAPACITY]:
-                self._grow(end)
-            if end > self._lim[layer]:  # a sliding/chunked layer's buffer is full
-                self._compact(layer, end)
-        s = self._base[layer] + length + p
-        if self._plain:
-            self._Kw[layer][s : s + n] = k
-            self._Vw[layer][s : s + n] = v
-        else:
-            self._encode(layer, s, k, v)
-        self._pending[layer] = p + n
-        first = self._vfrom[layer]
-        return self._view("k", layer, first, s + n), self._view("v", layer, first, s + n)
-
-    def _compact(self, layer: int, end: int) -> None:
-        """Make room in the window buffers: keep the last ``keep`` committed tokens (and
-        every layer's pending ones) at the buffer's start. A structural change."""
-        st = self._store
-        keep_n = st.layout.keep
-        with st._locked():
-            row = self._row
-            length, woff = row[LENGTH], row[WIN_OFF]
-            new_off = max(woff, length - keep_n)
-            if end - new_off > self._wc:
-                raise CacheFullError(
-                    f"append: {end - length} new tokens on sliding/chunked layer {layer} exceed the "
-                    f"{self._wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
-                    f"or create the store with a larger memory= (now {st.layout.step})"
-                )
-            with st._changing(row):
-                # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
-                wb = row[WBUF]
-                a0, b0 = st._wcell(self._slot, wb) + new_off - woff, st._wcell(self._slot, 1 - wb)
-                for lay_i in st.layout.bounded:
-                    n = length - new_off + self._pending[lay_i]
-                    for arr in (self._Kw[lay_i], self._Vw[lay_i]):
-                        np.copyto(arr[b0 : b0 + n], arr[a0 : a0 + n])
-                _crash.point("compact.copied")
-                row[WBUF] = 1 - wb
-                row[WIN_OFF] = new_off
-            self._gen = row[GEN]
-            self._cache(row[START], row[CAPACITY], new_off)
-
-    def _encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Write k, v (already checked) into cells s.. of layer in the storage encoding."""
-        self._write_rows(self._Kw[layer], None if self._KS is None else self._KS[layer], s, k)
-        self._write_rows(self._Vw[layer], None if self._VS is None else self._VS[layer], s, v)
-
-    def _write_rows(self, codes: np.ndarray, scales: np.ndarray | None, s: int, x: np.ndarray) -> None:
-        """Store ``x`` [n, kv_heads, head_dim] at cells s.. of one layer's array (and int8 scales),
-        in the storage encoding: the one place values are encoded."""
-        n = x.shape[0]
-        if self._dtype == "int8":
-            q, sc = _quant.quantize_int8(x)
-            codes[s : s + n] = q
-            scales[s : s + n] = sc  # type: ignore[index]
-        elif self._dtype == "bfloat16":
-            codes[s : s + n] = _quant.to_bf16(x)
-        else:
-            codes[s : s + n] = x
-
-    def _view(self, which: str, layer: int, a: int, b: int) -> np.ndarray:
-        """Cells [a, b) of a layer as the caller sees them (see _decode)."""
-        raw = (self._Kr if which == "k" else self._Vr)[layer][a:b]
-        scales = self._KS if which == "k" else self._VS
-        return self._decode(raw, None if scales is None else scales[layer][a:b])
-
-    def _decode(self, raw: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
-        """Stored cells as the caller sees them: zero-copy for plain dtypes and bfloat16
-        with ml_dtypes; a dequantized float32 copy otherwise."""
-        raw = _readonly(raw)
-        if self._plain:
-            return raw
-        if self._dtype == "bfloat16":
-            return _quant.bf16_view(raw)
-        return _quant.dequantize_int8(raw, scales)  # type: ignore[arg-type]
+        return self._w.append(layer, k, v)  # not reached: __init__ binds the writer's append
 
     # -- encoder (cross-attention) cache -------------------------------------------
 
@@ -386,82 +123,16 @@ class Sequence:
         decode step reads them with :meth:`encoder_kv`, with no mask. Kept until the
         sequence is freed, carried by ``fork`` and by snapshots.
         """
-        self._need_writer("set_encoder")
-        k_all, v_all = np.asarray(k_all), np.asarray(v_all)
-        H, D = self._cell
-        if k_all.ndim != 4 or k_all.shape[0] != self._L or k_all.shape[2:] != (H, D) or v_all.shape != k_all.shape:
-            raise InvalidArgumentError(
-                f"set_encoder: k_all {k_all.shape} and v_all {v_all.shape} must both be "
-                f"[layers={self._L}, n, kv_heads={H}, head_dim={D}]"
-            )
-        if not (_real(k_all.dtype) and _real(v_all.dtype)):
-            raise InvalidArgumentError(f"set_encoder: dtypes {k_all.dtype}/{v_all.dtype} are not real numbers")
-        if self._dtype == "int8":
-            _quant.check_finite(k_all, "k_all")
-            _quant.check_finite(v_all, "v_all")
-        n = k_all.shape[1]
-        st = self._store
-        with st._locked():
-            row = self._row
-            self._span_unlocked()
-            with st._changing(row):
-                start = st._set_encoder(row, n)
-                for layer in range(self._L):  # the main arena of every layer (st._K, not _Kw)
-                    for x, arrs, scales in ((k_all[layer], st._K, st._KS), (v_all[layer], st._V, st._VS)):
-                        self._write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
-                _crash.point("set_encoder.written")
-            self._gen = row[GEN]  # our own change: pending decoder tokens stay
+        self._w.set_encoder(k_all, v_all)
 
     def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The encoder keys and values of ``layer`` ``[n, kv_heads, head_dim]`` (read-only views;
         int8: dequantized copies); empty when none was set."""
-        layer = self._layer(layer)
-        self._check()
-        st = self._store
-        row = self._row
-        a = n = 0
-        for _ in range(_SPIN):
-            g = row[GEN]
-            enc = row[ENC_SLOT]
-            if not g & 1:
-                erow = st._row(enc - 1) if enc else None
-                a = erow[START] if erow is not None else 0
-                n = erow[LENGTH] if erow is not None else 0
-                if row[GEN] == g:
-                    break
-            time.sleep(0)
-        else:  # a structural change ran all along: wait it out (never a silently empty result)
-            with st._reading():
-                r = st._settled_row(self._slot)
-                enc = r[ENC_SLOT]
-                e = st._settled_row(enc - 1) if enc else None
-                a, n = (e[START], e[LENGTH]) if e is not None else (0, 0)
-        ks = st._KS[layer, a : a + n] if st._KS is not None else None
-        vs = st._VS[layer, a : a + n] if st._VS is not None else None
-        return self._decode(st._K[layer, a : a + n], ks), self._decode(st._V[layer, a : a + n], vs)
+        return self._r.encoder_kv(layer)
 
     @property
     def encoder_length(self) -> int:
-        enc = self._row[ENC_SLOT]
-        return int(self._store._row(enc - 1)[LENGTH]) if enc else 0
-
-    def _grow(self, needed: int) -> None:
-        st = self._store
-        if needed > st.layout.max_tokens:  # refused before anything moves or grows
-            raise CacheFullError(
-                f"sequence {self.id} would hold {needed} tokens, more than store {st.name!r}'s "
-                f"max_tokens={st.layout.max_tokens}: truncate or shift_left it, or create the store with "
-                "a larger max_tokens= (nothing was written)"
-            )
-        keep = self._row[LENGTH] + max(self._pending)
-        with st._locked():
-            row = self._row
-            try:
-                with st._changing(row):
-                    st._relocate(self._slot, row, needed, keep)
-            finally:  # our own change (or none): pending tokens stay valid
-                self._gen = row[GEN]
-                self._cache(row[START], row[CAPACITY], row[WIN_OFF])
+        return self._r.encoder_length()
 
     def commit(self, tokens: Any = None, positions: Any = None) -> int:
         """Publish the pending tokens of every layer; return the new length.
@@ -471,57 +142,7 @@ class Sequence:
             positions: their positions (``[n]`` ints, increasing, after the last
                 committed position); default: the last position + 1 onwards.
         """
-        self._need_writer("commit")
-        pend = self._pending
-        n = pend[0]
-        if pend.count(n) != self._L:
-            raise InvalidArgumentError(
-                f"commit: layers have different pending token counts {pend}; append the same "
-                "number of tokens to every layer before commit()"
-            )
-        length = self._row[LENGTH]
-        st = self._store
-        s = self._start + length
-        last = int(st._positions[s - 1]) if length else -1
-        if n == 0:
-            if (tokens is not None and np.size(tokens)) or (positions is not None and np.size(positions)):
-                raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
-            return length
-        row = self._row
-        if tokens is None:
-            st._tokens[s : s + n] = -1
-            if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
-                row[FLAGS] |= NOINDEX
-        else:
-            st._tokens[s : s + n] = ints("tokens", tokens, n)
-        if positions is None:
-            if n == 1:
-                st._positions[s] = last + 1
-            else:
-                st._positions[s : s + n] = np.arange(last + 1, last + 1 + n)
-        else:
-            pos = ints("positions", positions, n)
-            if pos[0] <= last or (n > 1 and np.any(np.diff(pos) <= 0)):
-                raise InvalidArgumentError(
-                    f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
-                )
-            st._positions[s : s + n] = pos
-        row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
-        self._pending = [0] * self._L
-        if (length + n) // BLOCK > row[IDX_BLOCKS] and not row[FLAGS] & NOINDEX:
-            self._index_committed(length + n)
-        return length + n
-
-    def _index_committed(self, length: int) -> None:
-        """Put the blocks this commit completed into the prefix index: the store lock once per
-        16 tokens (DESIGN §3). The tokens are committed whatever happens here: a lock timeout
-        only delays the indexing to the next completed block."""
-        st = self._store
-        try:
-            with st._locked():
-                st._index_blocks(self._slot, length)
-        except LockTimeout:
-            pass
+        return self._w.commit(tokens, positions)  # not reached: __init__ binds the writer's commit
 
     def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None) -> int:
         """Write ``n`` tokens of every layer and commit them; return the new length.
@@ -529,40 +150,9 @@ class Sequence:
         Args:
             k_all, v_all: ``[layers, n, kv_heads, head_dim]``.
         """
-        self._need_writer("extend")
-        if any(self._pending):
-            raise InvalidArgumentError(
-                f"extend: sequence {self.id} has uncommitted appends {self._pending}; commit() them first"
-            )
-        k_all = np.asarray(k_all)
-        v_all = np.asarray(v_all)
-        H, D = self._cell
-        if k_all.ndim != 4 or k_all.shape[0] != self._L or k_all.shape[2:] != (H, D) or v_all.shape != k_all.shape:
-            raise InvalidArgumentError(
-                f"extend: k_all {k_all.shape} and v_all {v_all.shape} must both be "
-                f"[layers={self._L}, n, kv_heads={H}, head_dim={D}]"
-            )
-        n = k_all.shape[1]
-        if self._dtype == "int8":
-            _quant.check_finite(k_all, "k_all")
-            _quant.check_finite(v_all, "v_all")
-        if tokens is not None:
-            ints("tokens", tokens, n)
-        if positions is not None:
-            ints("positions", positions, n)
-        try:
-            for layer in range(self._L):
-                self.append(layer, k_all[layer], v_all[layer])
-            return self.commit(tokens, positions)
-        except BaseException:
-            self._pending = [0] * self._L
-            raise
+        return self._w.extend(k_all, v_all, tokens, positions)
 
     # -- structural operations ---------------------------------------------------
-
-    def _structural(self, what: str) -> Any:
-        self._need_writer(what)
-        return _Structural(self)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` committed tokens; drop pending ones.
@@ -570,25 +160,7 @@ class Sequence:
         ``n`` beyond the length is clamped to it (the committed tokens stay), as
         Hugging Face's ``crop`` does: truncate never extends.
         """
-        n = count("n", n)
-        with self._structural("truncate") as row:
-            n = min(n, row[LENGTH])
-            self._check_resumable(row, n, "truncate")
-            row[LENGTH] = n
-            _crash.point("truncate.row")
-            if n == 0:
-                row[WIN_OFF] = 0
-            _unindex_from(row, n)
-
-    def _check_resumable(self, row: memoryview, new_len: int, what: str) -> None:
-        """Refuse a change after which sliding/chunked layers would miss tokens a new one needs."""
-        woff, keep = row[WIN_OFF], self._store.layout.keep
-        if self._store.layout.bounded and woff and new_len and new_len - woff < keep:
-            raise NotSupportedError(
-                f"{what}: sliding/chunked layers of sequence {self.id} hold tokens from {woff} on; "
-                f"a length of {new_len} would leave them {max(new_len - woff, 0)} of the {keep} a new "
-                "token needs (keep at least that many, or clear())"
-            )
+        _seq_structural.truncate(self._w, n)
 
     def clear(self) -> None:
         """Drop every token (the range stays reserved)."""
@@ -596,23 +168,7 @@ class Sequence:
 
     def shift_left(self, n: int) -> None:
         """Drop the oldest ``n`` tokens (sliding window); the rest keep their positions."""
-        n = count("n", n)
-        with self._structural("shift_left") as row:
-            length = row[LENGTH]
-            if n > length:
-                raise InvalidArgumentError(f"shift_left: n={n} exceeds the length {length} of sequence {self.id}")
-            if n == 0:
-                return
-            woff = row[WIN_OFF]
-            keep_from = max(n, woff)  # the oldest token the window buffers keep
-            new_start, wb = self._store._rewrite(self._slot, [(n, 0, length - n)],
-                                                 [(keep_from - woff, 0, length - keep_from)])
-            _crash.point("shift_left.copied")
-            row[START], row[WBUF] = new_start, wb
-            row[WIN_OFF] = max(0, woff - n)
-            row[LENGTH] = length - n
-            if n:  # token 0 no longer sits at position 0: no longer a donor
-                _taint(row, 0)
+        _seq_structural.shift_left(self._w, n)
 
     def remove(self, begin: int, end: int, shift: ShiftFn | None = None) -> None:
         """Remove tokens ``[begin, end)``; later tokens move down and take the freed positions.
@@ -622,66 +178,11 @@ class Sequence:
         given, re-rotates their keys (RoPE shift) for each layer; it runs before
         anything changes, so an exception in it leaves the sequence as it was.
         """
-        begin = count("begin", begin)
-        end = count("end", end)
-        with self._structural("remove") as row:
-            length, start = row[LENGTH], row[START]
-            if not begin <= end <= length:
-                raise InvalidArgumentError(
-                    f"remove: need 0 <= begin <= end <= length, got begin={begin} end={end} length={length}"
-                )
-            if begin == end:
-                return
-            st = self._store
-            moved = length - end
-            woff = row[WIN_OFF]
-            if st.layout.bounded:
-                if begin < woff:
-                    raise NotSupportedError(
-                        f"remove: sliding/chunked layers of sequence {self.id} no longer hold tokens "
-                        f"before {woff}; remove from begin >= {woff}"
-                    )
-                if moved and shift is None:
-                    raise NotSupportedError(
-                        "remove: moved tokens take new positions, which sliding/chunked layers attend by; "
-                        "pass shift=(layer, keys, delta) -> keys to re-rotate their keys"
-                    )
-                self._check_resumable(row, length - (end - begin), "remove")
-            delta = int(st._positions[start + begin] - st._positions[start + end]) if moved else 0
-            new_keys = []
-            if shift is not None and moved:
-                for layer in range(self._L):
-                    lo, hi = self._cells(layer, start, woff, end, length)
-                    src = np.array(self._view("k", layer, lo, hi), dtype=np.float32
-                                   if not self._plain else None)
-                    out = np.asarray(shift(layer, src, delta))
-                    if out.shape != src.shape or out.dtype.kind != "f" or (
-                            self._dtype == "int8" and not np.isfinite(out).all()):
-                        raise InvalidArgumentError(
-                            f"remove: shift() returned {out.shape} {out.dtype} for layer {layer}; "
-                            f"it must return float keys shaped {src.shape}"
-                        )
-                    new_keys.append(out)
-            # the result goes where no row points (a fresh range, the other window buffer), then the
-            # row switches to it: a crash at any point leaves the sequence as it was
-            new_start, wb = st._rewrite(self._slot, [(0, 0, begin), (end, begin, moved)],
-                                        [(0, 0, begin - woff), (end - woff, begin - woff, moved)])
-            new_wbase = st._wcell(self._slot, wb)
-            if moved:
-                st._positions[new_start + begin : new_start + begin + moved] += delta
-                for layer, keys in enumerate(new_keys):
-                    lo = new_start + begin if self._isfull[layer] else new_wbase + begin - woff
-                    # re-encoded: values (and their scales) stay as moved
-                    self._write_rows(self._Kw[layer], None if self._KS is None else self._KS[layer], lo, keys)
-            _crash.point("remove.copied")
-            row[START], row[WBUF] = new_start, wb
-            row[LENGTH] = length - (end - begin)
-            # the moved tokens were computed with the removed ones in context: not a prefix to reuse
-            _taint(row, begin)
+        _seq_structural.remove(self._w, begin, end, shift)
 
     def release(self) -> None:
         """Give up the write lease (pending tokens are dropped); the handle becomes a read handle."""
-        if self._write and self._epoch == _segment.fork_epoch:
+        if self._w.write and self._epoch == _segment.fork_epoch:
             self._drop_lease()
 
     def _drop_lease(self) -> None:
@@ -691,8 +192,8 @@ class Sequence:
                 row[LEASE_PID] = 0
         except (ValueError, TypeError):
             pass
-        self._write = False
-        self._pending = [0] * self._L
+        self._w.write = False
+        self._w.drop_pending()
         live_writers.pop(self._token, None)
         if self._fin is not None:
             self._fin.detach()
@@ -700,15 +201,16 @@ class Sequence:
     def free(self) -> None:
         """Delete the sequence: its cells return to the store. Needs the lease, or no live holder."""
         st = self._store
+        w = self._w
         with st._locked():
             row = self._row
-            self._span_unlocked()
-            if not self._write:
+            self._r.span_unlocked()
+            if not w.write:
                 st._check_not_leased_by_other(row, self.id)
             else:
-                self._need_writer("free")
+                w.need_writer("free")
             st._free_row(self._slot)
-        if self._write:
+        if w.write:
             self._drop_lease()
 
     def finish(self) -> None:
@@ -719,11 +221,11 @@ class Sequence:
         ``store.sequence(id, write=True)`` takes it back (a chat's next turn), and it is then
         no longer evictable. Pending (uncommitted) tokens are dropped.
         """
-        self._need_writer("finish")
+        self._w.need_writer("finish")
         st = self._store
         with st._locked():
             row = self._row
-            self._span_unlocked()
+            self._r.span_unlocked()
             row[FLAGS] |= FINISHED
             _crash.point("finish.flagged")
             st._touch(row)
@@ -733,7 +235,7 @@ class Sequence:
         """A new sequence holding this one's first ``n`` tokens (default: all); returns its write handle."""
         st = self._store
         with st._locked():
-            length = self._span()[2]
+            length = self._r.span()[2]
             n = length if n is None else count("n", n)
             if n > length:
                 raise InvalidArgumentError(f"fork: n={n} exceeds the length {length} of sequence {self.id}")
@@ -753,7 +255,7 @@ class Sequence:
                 except BaseException:
                     child.free()
                     raise
-            child._refresh()
+            child._w.refresh()
         return child
 
     @property
@@ -765,88 +267,45 @@ class Sequence:
         request it serves), kept by snapshots, shown by ``shmkv info``. Each read returns a
         new dict: change it by assigning one. A new sequence (and a fork) starts with ``{}``.
         """
-        packed = self._consistent(lambda: self._store._get_meta(self._slot))
+        packed = self._r.consistent(lambda: self._store._get_meta(self._slot))
         return msgpack.unpackb(packed) if packed else {}
 
     @meta.setter
     def meta(self, value: dict[str, Any]) -> None:
-        self._need_writer("meta")
-        if not isinstance(value, dict):
-            raise InvalidArgumentError(f"meta must be a dict, got {type(value).__name__}")
-        try:
-            packed = msgpack.packb(value)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise InvalidArgumentError(
-                f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
-            ) from None
-        if len(packed) > META_BYTES:
-            raise InvalidArgumentError(
-                f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
-                "store an id here and the rest elsewhere"
-            )
+        self._w.need_writer("meta")
+        packed = pack_meta(value)
         st = self._store
         with st._locked():
             row = self._row
-            self._span_unlocked()
+            self._r.span_unlocked()
             with st._changing(row):
                 st._set_meta(self._slot, packed)
-            self._gen = row[GEN]  # our own change: pending tokens stay
-
-    def _consistent(self, read: Callable[[], Any]) -> Any:
-        """``read()`` of this sequence's row state under its seqlock (retried while a structural
-        operation runs; then under the store lock, or, read-only, until ``lock_timeout``)."""
-        self._check()
-        row = self._row
-        t_end = None
-        i = 0
-        while True:
-            g = row[GEN]
-            if not g & 1:
-                value = read()
-                state, sid = row[STATE], row[ID]
-                if row[GEN] == g:
-                    if state != LIVE or sid != self.id:
-                        raise SequenceNotFound(f"sequence {self.id} of store {self._store.name!r} was freed")
-                    return value
-            i += 1
-            if i == _SPIN and not self._store.readonly:
-                with self._store._locked():
-                    self._span_unlocked()
-                    return read()
-            if i > 50:
-                if t_end is None:
-                    t_end = time.monotonic() + self._store.lock_timeout
-                elif time.monotonic() > t_end:
-                    raise LockTimeout(
-                        f"sequence {self.id} of store {self._store.name!r} kept changing for "
-                        f"{self._store.lock_timeout} s (lock_timeout=): a structural operation is stuck or long"
-                    )
-                time.sleep(0.0002)
+            self._w.gen = row[GEN]  # our own change: pending tokens stay
 
     # -- reading -------------------------------------------------------------
 
     @property
     def length(self) -> int:
         """Committed tokens (what every process sees)."""
-        return int(self._span()[2])
+        return int(self._r.span()[2])
 
     def __len__(self) -> int:
         return self.length
 
     @property
     def capacity(self) -> int:
-        return int(self._span()[1])
+        return int(self._r.span()[1])
 
     @property
     def pending(self) -> int:
         """Tokens appended to every layer by this handle and not yet committed."""
-        return min(self._pending)
+        return min(self._w.pending)
 
     @property
     def remaining_capacity(self) -> int:
         """Tokens that fit before the sequence must grow (moving if needed)."""
-        _, cap, length, _ = self._span()
-        return int(cap - length - max(self._pending))
+        _, cap, length, _ = self._r.span()
+        return int(cap - length - max(self._w.pending))
 
     @property
     def is_full(self) -> bool:
@@ -855,25 +314,18 @@ class Sequence:
     @property
     def nbytes(self) -> int:
         """Bytes held by the committed tokens (K and V of the layers that hold them, ids, positions)."""
-        _, _, length, woff = self._span()
+        _, _, length, woff = self._r.span()
         st = self._store
         return length * st.bytes_per_token + (length - woff) * st._kv_bytes(len(st.layout.bounded))
 
     @property
     def writable(self) -> bool:
         """Whether this handle holds the write lease."""
-        return self._write
+        return self._w.write
 
     @property
     def lease_pid(self) -> int:
         return int(self._row[LEASE_PID])
-
-    def _held(self, layer: int) -> tuple[int, int, int, int]:
-        """(first cell, end cell, first token index, main-arena start) of what ``layer`` holds."""
-        start, _, length, woff = self._span()
-        first = self._first(layer, woff)
-        lo, hi = self._cells(layer, start, woff, first, length)
-        return lo, hi, first, start
 
     def keys(self, layer: int) -> np.ndarray:
         """Committed keys ``layer`` holds, ``[n, kv_heads, head_dim]``: a read-only zero-copy
@@ -882,23 +334,23 @@ class Sequence:
         ``n`` is the length on full layers; sliding and chunked layers hold only the most
         recent tokens (``held_positions(layer)`` gives their positions).
         """
-        lo, hi, _, _ = self._held(self._layer(layer))
-        return self._view("k", layer, lo, hi)
+        r = self._r
+        lo, hi, _, _ = r.held(r.layer(layer))
+        return r.view("k", layer, lo, hi)
 
     def values(self, layer: int) -> np.ndarray:
         """Committed values of ``layer``; see :meth:`keys`."""
-        lo, hi, _, _ = self._held(self._layer(layer))
-        return self._view("v", layer, lo, hi)
+        r = self._r
+        lo, hi, _, _ = r.held(r.layer(layer))
+        return r.view("v", layer, lo, hi)
 
     def kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """``(keys(layer), values(layer))`` taken at the same length."""
-        lo, hi, _, _ = self._held(self._layer(layer))
-        return self._view("k", layer, lo, hi), self._view("v", layer, lo, hi)
+        return self._r.kv(self._r.layer(layer))
 
     def held_positions(self, layer: int) -> np.ndarray:
         """Positions of the committed tokens ``layer`` holds (rows of ``keys(layer)``)."""
-        lo, hi, first, start = self._held(self._layer(layer))
-        return _readonly(self._store._positions[start + first : start + first + hi - lo])
+        return self._r.held_positions(self._r.layer(layer))
 
     def mask(self, layer: int, query_positions: Any) -> np.ndarray:
         """Additive float32 attention mask ``[q, n]`` for new tokens at ``query_positions``.
@@ -909,15 +361,8 @@ class Sequence:
         full ``p' <= p``; sliding ``p - window < p' <= p``; chunked
         ``p - p % chunk <= p' <= p``.
         """
-        layer = self._layer(layer)
-        q = ints("query_positions", query_positions, np.size(query_positions))
-        start, _, length, woff = self._span()
-        keys_pos = self._store._positions[start + self._first(layer, woff) : start + length]
-        p = self._pending[layer]
-        if p:
-            last = int(self._store._positions[start + length - 1]) if length else -1
-            keys_pos = np.concatenate([keys_pos, np.arange(last + 1, last + 1 + p)])
-        return attention_mask(self._store.layout, layer, q, keys_pos)
+        r = self._r
+        return r.mask(layer, query_positions, self._w.pending[r.layer(layer)])
 
     def can_resume(self, pos: int) -> bool:
         """Whether a new token at position ``pos`` finds every token it needs in every layer.
@@ -926,18 +371,7 @@ class Sequence:
         must hold them all (positions 0..pos-1 with none missing), and ``pos`` must not
         skip past the last committed position + 1.
         """
-        pos = count("pos", pos)
-        start, _, length, woff = self._span()
-        positions = self._store._positions[start : start + length]
-        if pos > (int(positions[-1]) if length else -1) + 1:
-            return False
-        for layer in range(self._L):
-            lo_pos = int(visible_from(self._store.layout, layer, pos))  # the oldest position it needs
-            held = positions[self._first(layer, woff) :]
-            held = held[(held >= lo_pos) & (held < pos)]  # increasing ints: size and ends decide
-            if held.size != pos - lo_pos or (held.size and (held[0] != lo_pos or held[-1] != pos - 1)):
-                return False
-        return True
+        return self._r.can_resume(pos)
 
     def raw_keys(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Stored keys of ``layer`` without any decoding: ``(codes, scales)`` zero-copy views.
@@ -945,107 +379,36 @@ class Sequence:
         ``codes`` is the storage array (int8 codes, bfloat16 bits as uint16, or the
         floats); ``scales`` the int8 float32 scales ``[length, kv_heads]``, else None.
         """
-        return self._raw("k", layer)
+        return self._r.raw("k", layer)
 
     def raw_values(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Stored values of ``layer``; see :meth:`raw_keys`."""
-        return self._raw("v", layer)
-
-    def _raw(self, which: str, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
-        lo, hi, _, _ = self._held(self._layer(layer))
-        codes = (self._Kr if which == "k" else self._Vr)[layer][lo:hi]
-        scales = self._KS if which == "k" else self._VS
-        return codes, None if scales is None else _readonly(scales[layer][lo:hi])
+        return self._r.raw("v", layer)
 
     @property
     def tokens(self) -> np.ndarray:
         """Token ids of the committed tokens (read-only view; -1 where none was given)."""
-        start, _, length, _ = self._span()
-        return _readonly(self._store._tokens[start : start + length])
+        return self._r.committed(ids=True)
 
     @property
     def positions(self) -> np.ndarray:
         """Positions of the committed tokens (read-only view)."""
-        start, _, length, _ = self._span()
-        return _readonly(self._store._positions[start : start + length])
+        return self._r.committed(ids=False)
 
     def head(self, layer: int, head: int, begin: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of one KV head over tokens ``[begin, end)``: views ``[n, head_dim]``."""
-        k, v = self.kv(layer)
-        H = self._cell[0]
-        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < H:
-            raise InvalidArgumentError(f"head={head!r} is out of range: kv_heads=0..{H - 1}")
-        end = k.shape[0] if end is None else end
-        if not 0 <= begin <= end <= k.shape[0]:
-            raise InvalidArgumentError(f"head: need 0 <= begin <= end <= length, got {begin}, {end}, {k.shape[0]}")
-        return k[begin:end, head], v[begin:end, head]
+        return self._r.head(self.kv(layer), head, begin, end)
 
     def iter_tokens(self, layer: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """Yield ``(token_id, position, k, v)`` for each committed token of ``layer``."""
-        layer = self._layer(layer)
-        lo, hi, first, start = self._held(layer)
-        k, v = self._view("k", layer, lo, hi), self._view("v", layer, lo, hi)
-        n = hi - lo
-        toks = self._store._tokens[start + first : start + first + n].tolist()
-        poss = self._store._positions[start + first : start + first + n].tolist()
-        for i in range(n):
-            yield toks[i], poss[i], k[i], v[i]
+        return self._r.iter_tokens(layer)
 
     def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the committed keys and values of ``layer``, consistent even while
         structural operations run (seqlock: retried, then taken under the lock)."""
-        layer = self._layer(layer)
-        row = self._row
-        for _ in range(_SPIN):
-            g = row[GEN]
-            if g & 1:
-                time.sleep(0)
-                continue
-            lo, hi, _, _ = self._held(layer)
-            k = np.array(self._view("k", layer, lo, hi))
-            v = np.array(self._view("v", layer, lo, hi))
-            if row[GEN] == g:
-                return k, v
-        with self._store._reading():  # read-only attachments too: a shared lock (crash recovery)
-            start, _, length, woff = self._span_settled()
-            lo, hi = self._cells(layer, start, woff, self._first(layer, woff), length)
-            return np.array(self._view("k", layer, lo, hi)), np.array(self._view("v", layer, lo, hi))
+        return self._r.read(layer)
 
     # -- waiting for tokens, torch tensors (issue 18) ---------------------------
-
-    _WAIT_SPIN = 0.0002  # seq.wait: seconds of busy polling, then sleeps
-    _WAIT_FIRST_SLEEP = 50e-6  # ... doubling up to
-    _WAIT_MAX_SLEEP = 0.004
-
-    def _wait_steps(self, length: int | None, timeout: float | None) -> Generator[float, None, int]:
-        """The polling schedule of :meth:`wait`: yields the delay before the next look;
-        its return value (StopIteration.value) is the length reached."""
-        from .errors import WaitTimeout
-        target = None if length is None else count("length", length)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout >= 0):
-            raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds >= 0, or None")
-        t0 = time.monotonic()
-        first = self.length
-        deadline = None if timeout is None else t0 + timeout
-        spin_end = t0 + self._WAIT_SPIN
-        delay = self._WAIT_FIRST_SLEEP
-        while True:
-            now_len = self.length  # SequenceNotFound once it is freed
-            if now_len >= target if target is not None else now_len != first:
-                return now_len
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                want = f"length {target}" if target is not None else f"a change from length {first}"
-                raise WaitTimeout(
-                    f"wait: sequence {self.id} of store {self._store.name!r} did not reach {want} within "
-                    f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
-                )
-            if now < spin_end:
-                yield 0.0
-            else:
-                yield delay if deadline is None else min(delay, deadline - now)
-                delay = min(delay * 2, self._WAIT_MAX_SLEEP)
 
     def wait(self, length: int | None = None, timeout: float | None = None) -> int:
         """Block until the committed length reaches ``length``; return the length then.
@@ -1064,24 +427,11 @@ class Sequence:
         Example:
             >>> n = seq.wait(len(seq) + 16, timeout=5.0)    # doctest: +SKIP
         """
-        steps = self._wait_steps(length, timeout)
-        try:
-            while True:
-                d = next(steps)
-                time.sleep(d) if d else None
-        except StopIteration as done:
-            return int(done.value)
+        return self._r.wait(length, timeout)
 
     async def wait_async(self, length: int | None = None, timeout: float | None = None) -> int:
         """:meth:`wait` for asyncio: polls with ``asyncio.sleep``, never blocking the event loop."""
-        import asyncio
-
-        steps = self._wait_steps(length, timeout)
-        try:
-            while True:
-                await asyncio.sleep(next(steps))
-        except StopIteration as done:
-            return int(done.value)
+        return await self._r.wait_async(length, timeout)
 
     def torch_kv(self, layer: int) -> tuple[Any, Any]:
         """Committed keys and values of ``layer`` as torch tensors ``[n, kv_heads, head_dim]``.
@@ -1093,77 +443,7 @@ class Sequence:
         float32) they are copies. The same rules as :meth:`keys` say how long the content
         holds. torch is imported here: ``import shmkv`` never imports it.
         """
-        import torch
-
-        layer = self._layer(layer)
-        lo, hi, _, _ = self._held(layer)
-        st = self._store
-        out = []
-        for which, writable in (("k", st._Kl), ("v", st._Vl)):
-            if self._dtype == "int8":
-                a = self._view(which, layer, lo, hi)  # a fresh dequantized array
-                out.append(torch.from_numpy(a if a.flags.writeable else a.copy()))
-                continue
-            raw = writable[layer][lo:hi] if not st.readonly else np.array(
-                (self._Kr if which == "k" else self._Vr)[layer][lo:hi])
-            if self._dtype == "bfloat16":
-                out.append(torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16))
-            else:
-                out.append(torch.from_numpy(raw))
-        return out[0], out[1]
-
-
-class _Structural:
-    """Context of a structural op on one sequence: store lock + seqlock bracket.
-
-    The handle's cached range and pending counts are refreshed afterwards.
-    """
-
-    def __init__(self, seq: Sequence) -> None:
-        self.seq = seq
-        self._locked = seq._store._locked()
-        self._changing: Any = None
-
-    def __enter__(self) -> memoryview:
-        self._locked.__enter__()
-        try:
-            self.seq._span_unlocked()
-            self._changing = self.seq._store._changing(self.seq._row)
-            self._changing.__enter__()
-        except BaseException:
-            self._locked.__exit__(None, None, None)
-            raise
-        return self.seq._row
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._changing.__exit__(*exc)
-            seq = self.seq
-            seq._pending = [0] * seq._L
-            row = seq._row
-            seq._gen = row[GEN]
-            seq._cache(row[START], row[CAPACITY], row[WIN_OFF])
-        finally:
-            self._locked.__exit__(*exc)  # type: ignore[arg-type]
-
-
-def _unindex_from(row: memoryview, n: int) -> None:
-    """The sequence keeps only its first n tokens (lock held): blocks past them leave the index
-    (their entries become invalid), and a taint past them is gone."""
-    row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
-    clean = row[CLEAN]
-    if clean >= 0 and n <= clean:
-        row[CLEAN] = -1
-    if row[CLEAN] < 0:
-        row[FLAGS] &= ~NOINDEX  # the next completed block is looked at again
-
-
-def _taint(row: memoryview, n: int) -> None:
-    """Tokens from n on are no faithful prefix computation any more (lock held)."""
-    clean = row[CLEAN]
-    row[CLEAN] = n if clean < 0 else min(clean, n)
-    row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
-    row[FLAGS] |= NOINDEX
+        return self._r.torch_kv(layer, (self._w.Kw, self._w.Vw))
 
 
 def writer_for(store: Store, seq_id: int) -> Sequence | None:
@@ -1172,6 +452,11 @@ def writer_for(store: Store, seq_id: int) -> Sequence | None:
         if handle.store is store and handle.id == seq_id and handle.writable:
             return handle
     return None
+
+
+def writer_part(handle: Sequence) -> SeqWriter:
+    """The writer part of ``handle``: what ``Batch`` appends through (pending counts, checks)."""
+    return handle._w
 
 
 def drop_lease(handle: Sequence) -> None:

@@ -61,7 +61,7 @@ def test_store_larger_than_dev_shm_fails_cleanly_when_written(make_store):
         # the growth an append triggers, asked for more cells than /dev/shm holds
         # (an append of that many tokens would need the memory in this process first):
         # ENOSPC from posix_fallocate, no SIGBUS
-        seq._grow(max_tokens - 1)
+        seq._w.grow(max_tokens - 1)
     with pytest.raises(shmkv.CacheFullError, match="/dev/shm"):
         store.create_sequence(capacity=max_tokens - 100)
     assert seq.length == 16 and seq.capacity == 16

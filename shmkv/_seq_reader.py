@@ -1,0 +1,412 @@
+"""The reading side of a ``Sequence`` handle: its row read under the seqlock, where each
+layer's tokens sit, views and copies of them, masks, ``can_resume`` and waiting.
+
+A ``SeqReader`` serves any handle (read or write) and holds no lease. Readers read the
+row's generation, the row, the generation again, and retry while it moved (a structural
+operation in progress: DESIGN.md section 3); after ``_SPIN`` tries they wait it out
+under the store's reading lock. ``Sequence`` delegates to it; the writer part and the
+structural operations use its addressing (``span``, ``cells``, ``view``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _dtypes, _quant
+from ._checks import count, ints
+from ._core import _readonly
+from ._header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, WBUF, WIN_OFF
+from ._visibility import attention_mask, visible_from
+from .errors import InvalidArgumentError, LockTimeout, SequenceNotFound, StoreClosedError
+
+if TYPE_CHECKING:
+    from ._header import Layout
+    from ._store import Store
+
+_SPIN = 2000  # seqlock retries before falling back to the store lock
+
+Arrays = list[np.ndarray]
+
+
+_Geometry = tuple[int, tuple[int, int], str, bool, list[bool], int]
+_geometries: dict[int, tuple[Layout, _Geometry]] = {}
+
+
+def _geometry(lay: Layout) -> _Geometry:
+    """What a handle needs of its store's layout: layers, (kv_heads, head_dim), dtype, whether
+    stored as is (zero-copy reads, fast appends), which layers are full, window cells.
+
+    Worked out once per layout, not per handle (Layout's properties compute each time, and a
+    handle is made per request: this keeps ``store.sequence(id)`` cheap)."""
+    hit = _geometries.get(id(lay))
+    if hit is not None and hit[0] is lay:
+        return hit[1]
+    bounded = set(lay.bounded)
+    geo = (lay.layers, (lay.kv_heads, lay.head_dim), lay.dtype, lay.dtype in _dtypes.PLAIN,
+           [i not in bounded for i in range(lay.layers)], lay.window_cells)
+    if len(_geometries) > 64:  # stores come and go: keep only recent layouts
+        _geometries.clear()
+    _geometries[id(lay)] = (lay, geo)
+    return geo
+
+
+class SeqReader:
+    """Seqlocked reads of one sequence row, and the cell-addressing of its layers.
+
+    Built by ``Sequence`` from its store's arrays and row helpers (given as arguments:
+    this part never reaches into the store). ``wbase`` is the first cell of the row's
+    active window buffer as the latest ``span`` saw it.
+    """
+
+    def __init__(self, store: Store, seq_id: int, slot: int, row: memoryview, *,
+                 Kr: Arrays, Vr: Arrays, KS: Arrays | None, VS: Arrays | None,
+                 arena: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None],
+                 tokens: np.ndarray, positions: np.ndarray,
+                 reading: Callable[[], AbstractContextManager[None]],
+                 locked: Callable[[], AbstractContextManager[None]],
+                 settled_row: Callable[[int], list[int]],
+                 table_row: Callable[[int], memoryview]) -> None:
+        self.store = store
+        self.id = seq_id
+        self.slot = slot
+        self.row = row
+        self.L, self.cell, self.dtype, self.plain, self.isfull, self.wc = _geometry(store.layout)
+        self.wbase = 0  # first cell of its active window buffer: set by every span
+        self.Kr, self.Vr = Kr, Vr  # read-only per-layer views, shared by handles
+        self.KS, self.VS = KS, VS  # int8 scales per layer, else None
+        self.arena = arena  # main-arena K, V (and scales) of every layer: encoder ranges
+        self.tokens, self.positions = tokens, positions
+        self.reading, self.locked = reading, locked
+        self.settled_row, self.table_row = settled_row, table_row
+
+    # -- the row ---------------------------------------------------------------------
+
+    def check(self) -> None:
+        if self.store.closed:
+            raise StoreClosedError(f"store {self.store.name!r} is closed; sequence {self.id} is unusable")
+
+    def _freed(self) -> SequenceNotFound:
+        return SequenceNotFound(f"sequence {self.id} of store {self.store.name!r} was freed")
+
+    def span(self) -> tuple[int, int, int, int]:
+        """A consistent (start, capacity, length, window offset) of the row (seqlock read)."""
+        self.check()
+        row = self.row
+        for i in range(_SPIN):
+            g = row[GEN]
+            if not g & 1:
+                state, sid, start, cap, length = row[STATE], row[ID], row[START], row[CAPACITY], row[LENGTH]
+                woff, wbuf = row[WIN_OFF], row[WBUF]
+                if row[GEN] == g:
+                    if state != LIVE or sid != self.id:
+                        raise self._freed()
+                    self.wbase = (2 * self.slot + wbuf) * self.wc
+                    return start, cap, length, woff
+            if i > 50:
+                time.sleep(0)
+        with self.reading():
+            return self.span_settled()
+
+    def span_settled(self) -> tuple[int, int, int, int]:
+        """The row's span under ``reading`` (read-only attachments see a dead operation rolled back)."""
+        r = self.settled_row(self.slot)
+        if r[STATE] != LIVE or r[ID] != self.id:
+            raise self._freed()
+        self.wbase = (2 * self.slot + r[WBUF]) * self.wc
+        return r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF]
+
+    def span_unlocked(self) -> tuple[int, int, int, int]:
+        """The row's span with the store lock held (nothing changes it meanwhile)."""
+        row = self.row
+        if row[STATE] != LIVE or row[ID] != self.id:
+            raise self._freed()
+        self.wbase = (2 * self.slot + row[WBUF]) * self.wc
+        return row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
+
+    def consistent(self, read: Callable[[], Any]) -> Any:
+        """``read()`` of this sequence's row state under its seqlock (retried while a structural
+        operation runs; then under the store lock, or, read-only, until ``lock_timeout``)."""
+        self.check()
+        row = self.row
+        st = self.store
+        t_end = None
+        i = 0
+        while True:
+            g = row[GEN]
+            if not g & 1:
+                value = read()
+                state, sid = row[STATE], row[ID]
+                if row[GEN] == g:
+                    if state != LIVE or sid != self.id:
+                        raise self._freed()
+                    return value
+            i += 1
+            if i == _SPIN and not st.readonly:
+                with self.locked():
+                    self.span_unlocked()
+                    return read()
+            if i > 50:
+                if t_end is None:
+                    t_end = time.monotonic() + st.lock_timeout
+                elif time.monotonic() > t_end:
+                    raise LockTimeout(
+                        f"sequence {self.id} of store {st.name!r} kept changing for "
+                        f"{st.lock_timeout} s (lock_timeout=): a structural operation is stuck or long"
+                    )
+                time.sleep(0.0002)
+
+    # -- where tokens sit ----------------------------------------------------------------
+
+    def layer(self, layer: object) -> int:
+        """``layer`` checked: an int in [0, layers)."""
+        if type(layer) is not int:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise InvalidArgumentError(f"layer={layer!r} must be an int in [0, {self.L})")
+            layer = int(layer)
+        if not 0 <= layer < self.L:
+            raise InvalidArgumentError(
+                f"layer={layer} is out of range: the store has layers=0..{self.L - 1}"
+            )
+        return layer
+
+    def cells(self, layer: int, start: int, woff: int, a: int, b: int) -> tuple[int, int]:
+        """Cells of tokens [a, b) of ``layer`` (a >= woff on sliding/chunked layers).
+
+        Token i of a full layer is cell ``start + i``; of a sliding/chunked layer, cell
+        ``wbase + i - woff`` of that layer's window region (``wbase``: the latest span's).
+        """
+        if self.isfull[layer]:
+            return start + a, start + b
+        return self.wbase + a - woff, self.wbase + b - woff
+
+    def first(self, layer: int, woff: int) -> int:
+        """Index of the oldest token ``layer`` holds."""
+        return 0 if self.isfull[layer] else woff
+
+    def held(self, layer: int) -> tuple[int, int, int, int]:
+        """(first cell, end cell, first token index, main-arena start) of what ``layer`` holds."""
+        start, _, length, woff = self.span()
+        first = self.first(layer, woff)
+        lo, hi = self.cells(layer, start, woff, first, length)
+        return lo, hi, first, start
+
+    # -- decoding --------------------------------------------------------------------------
+
+    def view(self, which: str, layer: int, a: int, b: int) -> np.ndarray:
+        """Cells [a, b) of a layer as the caller sees them (see decode)."""
+        raw = (self.Kr if which == "k" else self.Vr)[layer][a:b]
+        scales = self.KS if which == "k" else self.VS
+        return self.decode(raw, None if scales is None else scales[layer][a:b])
+
+    def decode(self, raw: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+        """Stored cells as the caller sees them: zero-copy for plain dtypes and bfloat16
+        with ml_dtypes; a dequantized float32 copy otherwise."""
+        raw = _readonly(raw)
+        if self.plain:
+            return raw
+        if self.dtype == "bfloat16":
+            return _quant.bf16_view(raw)
+        assert scales is not None  # int8: every layer has its scales
+        return _quant.dequantize_int8(raw, scales)
+
+    # -- what Sequence's read methods return ------------------------------------------------
+
+    def kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi, _, _ = self.held(layer)
+        return self.view("k", layer, lo, hi), self.view("v", layer, lo, hi)
+
+    def held_positions(self, layer: int) -> np.ndarray:
+        lo, hi, first, start = self.held(layer)
+        return _readonly(self.positions[start + first : start + first + hi - lo])
+
+    def mask(self, layer: int, query_positions: Any, pending: int) -> np.ndarray:
+        """Sequence.mask, with ``pending`` tokens of this handle after the committed ones."""
+        layer = self.layer(layer)
+        q = ints("query_positions", query_positions, np.size(query_positions))
+        start, _, length, woff = self.span()
+        keys_pos = self.positions[start + self.first(layer, woff) : start + length]
+        if pending:
+            last = int(self.positions[start + length - 1]) if length else -1
+            keys_pos = np.concatenate([keys_pos, np.arange(last + 1, last + 1 + pending)])
+        return attention_mask(self.store.layout, layer, q, keys_pos)
+
+    def can_resume(self, pos: int) -> bool:
+        pos = count("pos", pos)
+        start, _, length, woff = self.span()
+        positions = self.positions[start : start + length]
+        if pos > (int(positions[-1]) if length else -1) + 1:
+            return False
+        for layer in range(self.L):
+            lo_pos = int(visible_from(self.store.layout, layer, pos))  # the oldest position it needs
+            held = positions[self.first(layer, woff) :]
+            held = held[(held >= lo_pos) & (held < pos)]  # increasing ints: size and ends decide
+            if held.size != pos - lo_pos or (held.size and (held[0] != lo_pos or held[-1] != pos - 1)):
+                return False
+        return True
+
+    def raw(self, which: str, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        lo, hi, _, _ = self.held(self.layer(layer))
+        codes = (self.Kr if which == "k" else self.Vr)[layer][lo:hi]
+        scales = self.KS if which == "k" else self.VS
+        return codes, None if scales is None else _readonly(scales[layer][lo:hi])
+
+    def committed(self, ids: bool) -> np.ndarray:
+        """Token ids (``ids``) or positions of the committed tokens, a read-only view."""
+        start, _, length, _ = self.span()
+        return _readonly((self.tokens if ids else self.positions)[start : start + length])
+
+    def iter_tokens(self, layer: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+        layer = self.layer(layer)
+        lo, hi, first, start = self.held(layer)
+        k, v = self.view("k", layer, lo, hi), self.view("v", layer, lo, hi)
+        n = hi - lo
+        toks = self.tokens[start + first : start + first + n].tolist()
+        poss = self.positions[start + first : start + first + n].tolist()
+        for i in range(n):
+            yield toks[i], poss[i], k[i], v[i]
+
+    def head(self, kv: tuple[np.ndarray, np.ndarray], head: int, begin: int, end: int | None,
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence.head: one KV head of ``kv`` (the layer's keys and values) over [begin, end)."""
+        k, v = kv
+        H = self.cell[0]
+        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < H:
+            raise InvalidArgumentError(f"head={head!r} is out of range: kv_heads=0..{H - 1}")
+        end = k.shape[0] if end is None else end
+        if not 0 <= begin <= end <= k.shape[0]:
+            raise InvalidArgumentError(f"head: need 0 <= begin <= end <= length, got {begin}, {end}, {k.shape[0]}")
+        return k[begin:end, head], v[begin:end, head]
+
+    def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the committed keys and values of ``layer`` under the seqlock."""
+        layer = self.layer(layer)
+        row = self.row
+        for _ in range(_SPIN):
+            g = row[GEN]
+            if g & 1:
+                time.sleep(0)
+                continue
+            lo, hi, _, _ = self.held(layer)
+            k = np.array(self.view("k", layer, lo, hi))
+            v = np.array(self.view("v", layer, lo, hi))
+            if row[GEN] == g:
+                return k, v
+        with self.reading():  # read-only attachments too: a shared lock (crash recovery)
+            start, _, length, woff = self.span_settled()
+            lo, hi = self.cells(layer, start, woff, self.first(layer, woff), length)
+            return np.array(self.view("k", layer, lo, hi)), np.array(self.view("v", layer, lo, hi))
+
+    def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        layer = self.layer(layer)
+        self.check()
+        row = self.row
+        a = n = 0
+        for _ in range(_SPIN):
+            g = row[GEN]
+            enc = row[ENC_SLOT]
+            if not g & 1:
+                erow = self.table_row(enc - 1) if enc else None
+                a = erow[START] if erow is not None else 0
+                n = erow[LENGTH] if erow is not None else 0
+                if row[GEN] == g:
+                    break
+            time.sleep(0)
+        else:  # a structural change ran all along: wait it out (never a silently empty result)
+            with self.reading():
+                r = self.settled_row(self.slot)
+                enc = r[ENC_SLOT]
+                e = self.settled_row(enc - 1) if enc else None
+                a, n = (e[START], e[LENGTH]) if e is not None else (0, 0)
+        K, V, KS, VS = self.arena
+        ks = KS[layer, a : a + n] if KS is not None else None
+        vs = VS[layer, a : a + n] if VS is not None else None
+        return self.decode(K[layer, a : a + n], ks), self.decode(V[layer, a : a + n], vs)
+
+    def encoder_length(self) -> int:
+        enc = self.row[ENC_SLOT]
+        return int(self.table_row(enc - 1)[LENGTH]) if enc else 0
+
+    def torch_kv(self, layer: int, writable: tuple[Arrays, Arrays]) -> tuple[Any, Any]:
+        """Sequence.torch_kv; ``writable``: the per-layer K and V bases of this attachment."""
+        import torch
+
+        layer = self.layer(layer)
+        lo, hi, _, _ = self.held(layer)
+        out = []
+        for which, arrays in (("k", writable[0]), ("v", writable[1])):
+            if self.dtype == "int8":
+                a = self.view(which, layer, lo, hi)  # a fresh dequantized array
+                out.append(torch.from_numpy(a if a.flags.writeable else a.copy()))
+                continue
+            raw = arrays[layer][lo:hi] if not self.store.readonly else np.array(
+                (self.Kr if which == "k" else self.Vr)[layer][lo:hi])
+            if self.dtype == "bfloat16":
+                out.append(torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16))
+            else:
+                out.append(torch.from_numpy(raw))
+        return out[0], out[1]
+
+    # -- waiting -------------------------------------------------------------------------
+
+    WAIT_SPIN = 0.0002  # seq.wait: seconds of busy polling, then sleeps
+    WAIT_FIRST_SLEEP = 50e-6  # ... doubling up to
+    WAIT_MAX_SLEEP = 0.004
+
+    def length(self) -> int:
+        return int(self.span()[2])
+
+    def wait_steps(self, length: int | None, timeout: float | None) -> Generator[float, None, int]:
+        """The polling schedule of Sequence.wait: yields the delay before the next look;
+        its return value (StopIteration.value) is the length reached."""
+        from .errors import WaitTimeout
+        target = None if length is None else count("length", length)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds >= 0, or None")
+        t0 = time.monotonic()
+        first = self.length()
+        deadline = None if timeout is None else t0 + timeout
+        spin_end = t0 + self.WAIT_SPIN
+        delay = self.WAIT_FIRST_SLEEP
+        while True:
+            now_len = self.length()  # SequenceNotFound once it is freed
+            if now_len >= target if target is not None else now_len != first:
+                return now_len
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                want = f"length {target}" if target is not None else f"a change from length {first}"
+                raise WaitTimeout(
+                    f"wait: sequence {self.id} of store {self.store.name!r} did not reach {want} within "
+                    f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
+                )
+            if now < spin_end:
+                yield 0.0
+            else:
+                yield delay if deadline is None else min(delay, deadline - now)
+                delay = min(delay * 2, self.WAIT_MAX_SLEEP)
+
+    def wait(self, length: int | None, timeout: float | None) -> int:
+        """Sequence.wait: the schedule of wait_steps, slept through."""
+        steps = self.wait_steps(length, timeout)
+        try:
+            while True:
+                d = next(steps)
+                time.sleep(d) if d else None
+        except StopIteration as done:
+            return int(done.value)
+
+    async def wait_async(self, length: int | None, timeout: float | None) -> int:
+        """Sequence.wait_async: the schedule of wait_steps, with asyncio.sleep."""
+        import asyncio
+
+        steps = self.wait_steps(length, timeout)
+        try:
+            while True:
+                await asyncio.sleep(next(steps))
+        except StopIteration as done:
+            return int(done.value)

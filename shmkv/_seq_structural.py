@@ -1,0 +1,188 @@
+"""Structural operations on one sequence through its write handle: ``truncate``,
+``shift_left``, ``remove``, and the bracket they run in (``Structural``: the store lock,
+the row's seqlock generation odd while it changes, the handle's addressing refreshed after).
+
+Each writes its result where no row points (a fresh range, the other window buffer) and
+switches the row to it at the end, so a crash at any point leaves the sequence as it was
+(crash recovery: see ``_core``). They also keep the prefix-index words of the row right
+(``unindex_from``, ``taint``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+
+from . import _crash
+from ._checks import count
+from ._header import CAPACITY, CLEAN, FLAGS, GEN, IDX_BLOCKS, LENGTH, NOINDEX, START, WBUF, WIN_OFF
+from ._prefix_hash import BLOCK
+from ._seq_writer import SeqWriter
+from .errors import InvalidArgumentError, NotSupportedError
+
+ShiftFn = Callable[[int, np.ndarray, int], np.ndarray]
+
+
+class Structural:
+    """Context of a structural op on one sequence: store lock + seqlock bracket.
+
+    The handle's cached range and pending counts are refreshed afterwards.
+    """
+
+    def __init__(self, w: SeqWriter) -> None:
+        self.w = w
+        self._locked = w.locked()
+        self._changing: AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> memoryview:
+        self._locked.__enter__()
+        try:
+            self.w.r.span_unlocked()
+            self._changing = self.w.changing(self.w.row)
+            self._changing.__enter__()
+        except BaseException:
+            self._locked.__exit__(None, None, None)
+            raise
+        return self.w.row
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            assert self._changing is not None
+            self._changing.__exit__(*exc)
+            w = self.w
+            w.pending = [0] * w.L
+            row = w.row
+            w.gen = row[GEN]
+            w.cache(row[START], row[CAPACITY], row[WIN_OFF])
+        finally:
+            self._locked.__exit__(*exc)
+
+
+def structural(w: SeqWriter, what: str) -> Structural:
+    """The bracket of structural operation ``what`` (the lease checked first)."""
+    w.need_writer(what)
+    return Structural(w)
+
+
+def unindex_from(row: memoryview, n: int) -> None:
+    """The sequence keeps only its first n tokens (lock held): blocks past them leave the index
+    (their entries become invalid), and a taint past them is gone."""
+    row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
+    clean = row[CLEAN]
+    if clean >= 0 and n <= clean:
+        row[CLEAN] = -1
+    if row[CLEAN] < 0:
+        row[FLAGS] &= ~NOINDEX  # the next completed block is looked at again
+
+
+def taint(row: memoryview, n: int) -> None:
+    """Tokens from n on are no faithful prefix computation any more (lock held)."""
+    clean = row[CLEAN]
+    row[CLEAN] = n if clean < 0 else min(clean, n)
+    row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
+    row[FLAGS] |= NOINDEX
+
+
+def check_resumable(w: SeqWriter, row: memoryview, new_len: int, what: str) -> None:
+    """Refuse a change after which sliding/chunked layers would miss tokens a new one needs."""
+    lay = w.store.layout
+    woff, keep = row[WIN_OFF], lay.keep
+    if lay.bounded and woff and new_len and new_len - woff < keep:
+        raise NotSupportedError(
+            f"{what}: sliding/chunked layers of sequence {w.id} hold tokens from {woff} on; "
+            f"a length of {new_len} would leave them {max(new_len - woff, 0)} of the {keep} a new "
+            "token needs (keep at least that many, or clear())"
+        )
+
+
+def truncate(w: SeqWriter, n: int) -> None:
+    n = count("n", n)
+    with structural(w, "truncate") as row:
+        n = min(n, row[LENGTH])
+        check_resumable(w, row, n, "truncate")
+        row[LENGTH] = n
+        _crash.point("truncate.row")
+        if n == 0:
+            row[WIN_OFF] = 0
+        unindex_from(row, n)
+
+
+def shift_left(w: SeqWriter, n: int) -> None:
+    n = count("n", n)
+    with structural(w, "shift_left") as row:
+        length = row[LENGTH]
+        if n > length:
+            raise InvalidArgumentError(f"shift_left: n={n} exceeds the length {length} of sequence {w.id}")
+        if n == 0:
+            return
+        woff = row[WIN_OFF]
+        keep_from = max(n, woff)  # the oldest token the window buffers keep
+        new_start, wb = w.rewrite(w.slot, [(n, 0, length - n)], [(keep_from - woff, 0, length - keep_from)])
+        _crash.point("shift_left.copied")
+        row[START], row[WBUF] = new_start, wb
+        row[WIN_OFF] = max(0, woff - n)
+        row[LENGTH] = length - n
+        if n:  # token 0 no longer sits at position 0: no longer a donor
+            taint(row, 0)
+
+
+def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
+    begin = count("begin", begin)
+    end = count("end", end)
+    with structural(w, "remove") as row:
+        length, start = row[LENGTH], row[START]
+        if not begin <= end <= length:
+            raise InvalidArgumentError(
+                f"remove: need 0 <= begin <= end <= length, got begin={begin} end={end} length={length}"
+            )
+        if begin == end:
+            return
+        lay = w.store.layout
+        P = w.positions
+        moved = length - end
+        woff = row[WIN_OFF]
+        if lay.bounded:
+            if begin < woff:
+                raise NotSupportedError(
+                    f"remove: sliding/chunked layers of sequence {w.id} no longer hold tokens "
+                    f"before {woff}; remove from begin >= {woff}"
+                )
+            if moved and shift is None:
+                raise NotSupportedError(
+                    "remove: moved tokens take new positions, which sliding/chunked layers attend by; "
+                    "pass shift=(layer, keys, delta) -> keys to re-rotate their keys"
+                )
+            check_resumable(w, row, length - (end - begin), "remove")
+        delta = int(P[start + begin] - P[start + end]) if moved else 0
+        new_keys = []
+        if shift is not None and moved:
+            for layer in range(w.L):
+                lo, hi = w.r.cells(layer, start, woff, end, length)
+                src = np.array(w.r.view("k", layer, lo, hi), dtype=np.float32 if not w.plain else None)
+                out = np.asarray(shift(layer, src, delta))
+                if out.shape != src.shape or out.dtype.kind != "f" or (
+                        w.dtype == "int8" and not np.isfinite(out).all()):
+                    raise InvalidArgumentError(
+                        f"remove: shift() returned {out.shape} {out.dtype} for layer {layer}; "
+                        f"it must return float keys shaped {src.shape}"
+                    )
+                new_keys.append(out)
+        # the result goes where no row points (a fresh range, the other window buffer), then the
+        # row switches to it: a crash at any point leaves the sequence as it was
+        new_start, wb = w.rewrite(w.slot, [(0, 0, begin), (end, begin, moved)],
+                                  [(0, 0, begin - woff), (end - woff, begin - woff, moved)])
+        new_wbase = w.wcell(w.slot, wb)
+        if moved:
+            P[new_start + begin : new_start + begin + moved] += delta
+            for layer, keys in enumerate(new_keys):
+                lo = new_start + begin if w.isfull[layer] else new_wbase + begin - woff
+                # re-encoded: values (and their scales) stay as moved
+                w.write_rows(w.Kw[layer], None if w.KS is None else w.KS[layer], lo, keys)
+        _crash.point("remove.copied")
+        row[START], row[WBUF] = new_start, wb
+        row[LENGTH] = length - (end - begin)
+        # the moved tokens were computed with the removed ones in context: not a prefix to reuse
+        taint(row, begin)
