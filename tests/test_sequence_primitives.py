@@ -201,3 +201,146 @@ def test_extend_in_steps_without_bounded_layers_is_one_commit(store):
     seq = store.create_sequence(capacity=8)
     assert seq.extend(k, v, in_steps=True) == 20
     assert_holds(seq, k, v)
+
+
+# -- store.lease(seq_ids) --------------------------------------------------------------------------
+
+
+def test_lease_takes_every_lease_or_none(store):
+    seqs = [store.create_sequence(capacity=8) for _ in range(3)]
+    ids = [s.id for s in seqs]
+    for s in seqs:
+        s.release()
+    held = store.sequence(ids[2], write=True)  # another writer holds the last one
+    with pytest.raises(shmkv.LeaseError):
+        store.lease(ids)
+    assert [i.lease_pid for i in store.sequences()] == [0, 0, held.lease_pid]  # nothing kept
+    with pytest.raises(shmkv.SequenceNotFound):
+        store.lease([ids[0], 12345])
+    got = store.lease(ids[1::-1])
+    assert [s.id for s in got] == [ids[1], ids[0]] and all(s.writable for s in got)
+    held.release()
+    with pytest.raises(shmkv.InvalidArgumentError, match=rf"seq_ids=\[{ids[2]}, {ids[2]}\]"):
+        store.lease([ids[2], ids[2]])
+    with pytest.raises(shmkv.InvalidArgumentError, match="seq_ids="):
+        store.lease([1.5])
+    assert store.lease([]) == []
+
+
+def test_lease_on_a_readonly_attachment(store):
+    seq = store.create_sequence(capacity=8)
+    seq.release()
+    ro = shmkv.attach(store.name, readonly=True)
+    try:
+        with pytest.raises(shmkv.ReadOnlyError):
+            ro.lease([seq.id])
+    finally:
+        ro.close()
+
+
+# -- store.regather(seqs, rows) ----------------------------------------------------------------------
+
+
+def filled(store: shmkv.Store, rng: np.random.Generator, rows: int, n: int, layers: int = 2):
+    """``rows`` sequences of n tokens each; their reference K, V and ids."""
+    seqs, refs = [], []
+    for r in range(rows):
+        k, v = kv(rng, layers, n)
+        ids = rng.integers(0, 1000, n)
+        s = store.create_sequence(capacity=32)
+        s.extend(k, v, tokens=ids)
+        s.meta = {"row": r}
+        seqs.append(s)
+        refs.append((k, v, ids))
+    return seqs, refs
+
+
+@pytest.mark.parametrize("rows", [[2, 0, 0], [1, 2, 0], [2, 0], [0, 0, 0, 1, 1, 1], [1], [0, 1, 2]])
+def test_regather(make_store, rows):
+    store = make_store(max_tokens=1024, max_seqs=16)
+    rng = np.random.default_rng(9)
+    seqs, refs = filled(store, rng, 3, 10)
+    old = {s.id for s in seqs}
+    out = store.regather(seqs, rows)
+    assert len(out) == len(rows)
+    for s, r in zip(out, rows, strict=True):
+        k, v, ids = refs[r]
+        assert s.writable
+        assert_holds(s, k, v)
+        assert s.tokens.tolist() == ids.tolist()
+    firsts = {r: i for i, r in reversed(list(enumerate(rows)))}
+    for r, i in firsts.items():
+        assert out[i] is seqs[r]  # a row's first use keeps its sequence (and its meta)
+        assert out[i].meta == {"row": r}
+    assert all(s.meta == {} for i, s in enumerate(out) if i not in firsts.values())  # repeats: as a fork
+    live = sorted(i.id for i in store.sequences())
+    assert live == sorted(s.id for s in out)  # the rest were freed
+    # sequences no row keeps are reused for the repeats before any new one is made
+    assert len({s.id for s in out} - old) == max(0, len(rows) - 3)
+
+
+def test_regather_sliding_layers(make_store):
+    store = make_store(layer_types=["full", "sliding"], window=4, memory=4, max_tokens=1024)
+    rng = np.random.default_rng(10)
+    seqs, refs = [], []
+    for _ in range(2):
+        k, v = kv(rng, 2, 14)
+        s = store.create_sequence(capacity=16)
+        s.extend(k, v, in_steps=True)
+        seqs.append(s)
+        refs.append((k, v))
+    out = store.regather(seqs, [1, 1, 0])
+    for s, r in zip(out, [1, 1, 0], strict=True):
+        assert_holds(s, *refs[r])
+        assert s.can_resume(14)
+
+
+def test_regather_carries_the_encoder(store):
+    rng = np.random.default_rng(11)
+    seqs, refs = filled(store, rng, 2, 4)
+    ek, ev = kv(rng, 2, 3)
+    seqs[0].set_encoder(ek, ev)
+    out = store.regather(seqs, [0, 0])
+    for s in out:
+        assert_holds(s, *refs[0][:2])
+        for layer in range(2):
+            k, v = s.encoder_kv(layer)
+            np.testing.assert_array_equal(k, ek[layer])
+            np.testing.assert_array_equal(v, ev[layer])
+    assert sorted(i.id for i in store.sequences()) == sorted(s.id for s in out)
+
+
+def test_regather_refuses_and_changes_nothing(make_store):
+    store = make_store(max_tokens=64, max_seqs=8)
+    rng = np.random.default_rng(12)
+    seqs, refs = filled(store, rng, 2, 20)
+
+    def unchanged():
+        assert sorted(i.id for i in store.sequences()) == sorted(s.id for s in seqs)
+        for s, (k, v, ids) in zip(seqs, refs, strict=True):
+            assert_holds(s, k, v)
+            assert s.tokens.tolist() == ids.tolist()
+
+    with pytest.raises(shmkv.InvalidArgumentError, match=r"rows=\[0, 2\].*2 sequences"):
+        store.regather(seqs, [0, 2])
+    with pytest.raises(shmkv.InvalidArgumentError, match="rows="):
+        store.regather(seqs, [0, -1])
+    with pytest.raises(shmkv.InvalidArgumentError, match="twice"):
+        store.regather([seqs[0], seqs[0]], [0])
+    seqs[1].append(0, refs[1][0][0, :1], refs[1][1][0, :1])
+    with pytest.raises(shmkv.InvalidArgumentError, match=r"uncommitted.*discard\(\)"):
+        store.regather(seqs, [1, 0])
+    seqs[1].discard()
+    reader = store.sequence(seqs[0].id)
+    with pytest.raises(shmkv.ReadOnlyError, match=rf"store.sequence\({seqs[0].id}, write=True\)"):
+        store.regather([reader, seqs[1]], [0])
+    other = shmkv.attach(store.name)
+    try:
+        with pytest.raises(shmkv.InvalidArgumentError, match="another"):
+            other.regather(seqs, [0])
+    finally:
+        other.close()
+    # 64 cells hold the two rows (32 each at capacity) and no copy: the fork fails, nothing changes
+    with pytest.raises(shmkv.CacheFullError):
+        store.regather(seqs, [0, 0, 0])
+    unchanged()
