@@ -77,7 +77,7 @@ def record_finish(checked: list[tuple[Sequence, np.ndarray | None]]) -> None:
         if ids is None:
             s.free()
         else:
-            _set_tokens(s, ids)
+            s.set_tokens(ids)  # the forward saw states, not ids: the prefix cache needs them
             s.finish()
 
 
@@ -91,20 +91,3 @@ def _check_tokens(seq: Sequence, tokens: np.ndarray) -> None:
             f"finish: output_ids give token {int(tokens[i])} at index {i} of sequence {seq.id}, whose cell "
             f"holds token {int(held[i])}: pass generate's output for the same input_ids"
         )
-
-
-def _set_tokens(seq: Sequence, tokens: np.ndarray) -> None:
-    """Stand-in for ``seq.set_tokens(tokens, begin=0)``: record the ids of committed cells
-    that were committed without them (the model's forward sees states, not ids), and index
-    their blocks for the prefix cache (what ``commit(tokens=...)`` does at once)."""
-    from ._header import FLAGS, LENGTH, NOINDEX, START
-
-    st = seq._store
-    with st._locked():
-        row = seq._row
-        start = row[START]
-        n = min(len(tokens), row[LENGTH])
-        with st._changing(row):
-            st._tokens[start : start + n] = tokens[:n]
-        row[FLAGS] &= ~NOINDEX  # blocks from IDX_BLOCKS on may be indexed now
-        st._index_blocks(seq._slot, row[LENGTH])

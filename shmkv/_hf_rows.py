@@ -18,7 +18,11 @@ keeps for the whole batch, and the forward in progress. Facts from transformers
   the sequence outgrows its range) changes what they show, exactly as for
   ``Sequence.append``'s views.
 
-Imports torch; ``import shmkv`` never imports this module.
+Only shmkv's public API is used: ``append`` then ``torch_kv(layer, pending=True)``
+(the cells, zero-copy), ``commit``, ``discard`` (a forward that failed between
+layers), ``extend(..., in_steps=True)`` (a prompt longer than a window buffer
+takes between commits), ``store.lease`` and ``store.regather`` (beam search and
+the batch operations). Imports torch; ``import shmkv`` never imports this module.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class Rows:
 
     def take(self, seq_ids: _Seq[int]) -> None:
         """Take the leases of ``seq_ids`` (all or none) as the rows; they must be equally long."""
-        seqs = _take_leases(self.store, seq_ids)
+        seqs = self.store.lease([int(i) for i in seq_ids])
         lengths = {s.length for s in seqs}
         if len(lengths) > 1:
             for s in seqs:
@@ -107,11 +111,11 @@ class Rows:
         if fwd.fast:  # the decode hot path: numpy views both ways, no copy but the append's
             if key_states.requires_grad:
                 key_states, value_states = key_states.detach(), value_states.detach()
-            ka, va = seqs[0].append(layer, key_states.numpy()[0].swapaxes(0, 1),
-                                    value_states.numpy()[0].swapaxes(0, 1))
-            lo = len(ka) - fwd.q - self.kept(layer)
-            k_out = torch.from_numpy(_writable(ka[lo:]).swapaxes(0, 1)[None])
-            v_out = torch.from_numpy(_writable(va[lo:]).swapaxes(0, 1)[None])
+            s = seqs[0]
+            s.append(layer, key_states.numpy()[0].swapaxes(0, 1), value_states.numpy()[0].swapaxes(0, 1))
+            kt, vt = s.torch_kv(layer, pending=True)  # zero-copy: the cells, pending ones included
+            lo = len(kt) - fwd.q - self.kept(layer)
+            k_out, v_out = kt[lo:].transpose(0, 1)[None], vt[lo:].transpose(0, 1)[None]
             if k_out.dtype != key_states.dtype:
                 k_out, v_out = k_out.to(key_states.dtype), v_out.to(key_states.dtype)
             fwd.next = layer + 1
@@ -130,10 +134,10 @@ class Rows:
             v_held = torch.stack([v[len(v) - n_held:] for _, v in held]).to(dtype)
             k_out = torch.cat([k_held, key_states.detach().cpu().transpose(1, 2)], 1)
             v_out = torch.cat([v_held, value_states.detach().cpu().transpose(1, 2)], 1)
-        elif len(seqs) == 1:  # zero-copy views of the cells
-            ka, va = seqs[0].append(layer, kn[0], vn[0])
-            k_out = _to_torch(ka[len(ka) - keep:], dtype).unsqueeze(0)
-            v_out = _to_torch(va[len(va) - keep:], dtype).unsqueeze(0)
+        elif len(seqs) == 1:  # zero-copy views of the cells when the dtypes match
+            seqs[0].append(layer, kn[0], vn[0])
+            kt, vt = seqs[0].torch_kv(layer, pending=True)
+            k_out, v_out = kt[len(kt) - keep:].to(dtype)[None], vt[len(vt) - keep:].to(dtype)[None]
         else:  # one gather per layer, as DynamicCache's torch.cat
             kl, vl = [], []
             for s, k, v in zip(seqs, kn, vn, strict=True):
@@ -189,15 +193,13 @@ class Rows:
         """After the last layer: publish the forward's tokens in every row."""
         seqs = self.seqs
         assert seqs is not None
-        if fwd.deferred:
-            step = self.layout.step
+        if fwd.deferred:  # each row's tokens of every layer, committed in steps a window takes
+            stash = fwd.stash
             try:
-                for a in range(0, fwd.q, step):
-                    for row, s in enumerate(seqs):
-                        for layer, stash in enumerate(fwd.stash):
-                            assert stash is not None
-                            s.append(layer, stash[0][row][a : a + step], stash[1][row][a : a + step])
-                        s.commit()
+                for row, s in enumerate(seqs):
+                    k_all = np.stack([st[0][row] for st in stash if st is not None])
+                    v_all = np.stack([st[1][row] for st in stash if st is not None])
+                    s.extend(k_all, v_all, in_steps=True)
             except BaseException:  # e.g. CacheFullError: every row back to where the forward began
                 self._fwd = None
                 for s in seqs:
@@ -216,7 +218,7 @@ class Rows:
             return
         self._fwd = None
         for s in self.seqs or ():
-            _drop_pending(s, self.length)
+            s.discard()
 
     def release(self) -> None:
         """Give up every row's lease (pending tokens go with it); the rows stay."""
@@ -254,7 +256,7 @@ class Rows:
         """New row i holds old row ``idx[i]`` (indices checked by the caller)."""
         assert self.seqs is not None
         self.drop_pending()
-        self.seqs = _regather(self.store, self.seqs, idx, self.length)
+        self.seqs = self.store.regather(self.seqs, idx)
 
 
 # -- tensors <-> shared cells ------------------------------------------------------------
@@ -273,94 +275,9 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """``a`` as a torch tensor of ``dtype``: zero-copy when the dtypes match."""
+    """``a`` (a fresh, writable array) as a torch tensor of ``dtype``: zero-copy when the dtypes match."""
     if _quant.BF16 is not None and a.dtype == _quant.BF16:
-        t = torch.from_numpy(_writable(a.view(np.int16))).view(torch.bfloat16)
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     else:
-        t = torch.from_numpy(_writable(a))
+        t = torch.from_numpy(a)
     return t if t.dtype == dtype else t.to(dtype)
-
-
-# -- core primitives -----------------------------------------------------------------------
-# What shmkv's public API does not offer and this adapter needs. Each helper is
-# small and stands in for the named core primitive.
-
-
-def _writable(a: np.ndarray) -> np.ndarray:
-    """Stand-in for a torch form of ``Sequence.append`` (``seq.torch_kv`` covers committed
-    cells only; append's views hold the pending ones too): a writable view of cells that
-    ``Sequence`` hands out read-only, so ``torch.from_numpy`` neither copies nor warns
-    (it warns once per process about read-only arrays). The store's arrays are
-    writable on a read-write attachment; only the view's flag is read-only."""
-    if a.flags.writeable:
-        return a
-    v = a.view()
-    try:
-        v.flags.writeable = True
-    except ValueError:  # really read-only memory (read-only attachment): copy
-        return a.copy()
-    return v
-
-
-def _drop_pending(seq: Sequence, length: int) -> None:
-    """Stand-in for ``Sequence.discard()``: drop this handle's uncommitted tokens of every
-    layer (after a forward failed between layers). Today only a structural truncate does
-    it, under the store lock."""
-    if seq.writable and any(seq._pending):
-        seq.truncate(length)
-
-
-def _take_leases(store: Store, seq_ids: _Seq[int]) -> list[Sequence]:
-    """Stand-in for ``store.sequences_for_write(ids)``: every lease or none."""
-    ids = [int(i) for i in seq_ids]
-    if len(set(ids)) != len(ids):
-        raise InvalidArgumentError(f"seq_ids={ids} repeats a sequence: one row per sequence")
-    taken: list[Sequence] = []
-    try:
-        for i in ids:
-            taken.append(store.sequence(i, write=True))
-    except BaseException:
-        for s in taken:
-            s.release()
-        raise
-    return taken
-
-
-def _regather(store: Store, seqs: list[Sequence], idx: list[int], length: int) -> list[Sequence]:
-    """Stand-in for ``store.regather(seq_ids, rows)``: new row i holds old row ``idx[i]``.
-
-    Without fork + free per row: a row's first use keeps its sequence (relabelled),
-    repeats are copied (copy_prefix) into sequences no row uses any more, then into
-    forks; sequences left unused are freed. On an error (CacheFullError from a fork) the
-    forks made are freed and the cache keeps its old rows, of which the ones the new order
-    dropped may already hold a copy of another row.
-    """
-    used: set[int] = set()
-    new: list[Sequence | None] = [None] * len(idx)
-    repeats: list[tuple[int, int]] = []
-    for i, j in enumerate(idx):
-        if j in used:
-            repeats.append((i, j))
-        else:
-            used.add(j)
-            new[i] = seqs[j]
-    spare = [s for j, s in enumerate(seqs) if j not in used]
-    try:
-        for i, j in repeats:
-            if spare:
-                s = spare.pop()
-                if length:
-                    store.copy_prefix(seqs[j].id, s.id, length)
-                else:
-                    s.clear()
-            else:
-                s = seqs[j].fork()
-            new[i] = s
-    except BaseException:
-        for got in new:
-            if got is not None and got not in seqs:
-                got.free()
-        raise
-    for s in spare:
-        s.free()
-    return [s for s in new if s is not None]

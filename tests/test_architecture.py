@@ -52,10 +52,6 @@ KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
     ("_snapshot", "_reserve_window"), ("_snapshot", "_restored"), ("_snapshot", "_row"),
     ("_snapshot", "_set_encoder"), ("_snapshot", "_slot_of"), ("_snapshot", "_table_np"),
     ("_snapshot", "_tokens"), ("_snapshot", "_unit"), ("_snapshot", "_wcell"),
-    # the transformers adapter's stand-ins for core primitives (issue 15 moves them into Sequence)
-    ("_hf_prefix", "_changing"), ("_hf_prefix", "_index_blocks"), ("_hf_prefix", "_locked"),
-    ("_hf_prefix", "_row"), ("_hf_prefix", "_slot"), ("_hf_prefix", "_store"), ("_hf_prefix", "_tokens"),
-    ("_hf_rows", "_pending"),
 }
 
 # Modules over MAX_MODULE_LINES and classes ("module.Class") over
