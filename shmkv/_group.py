@@ -23,12 +23,11 @@ if TYPE_CHECKING:
 
 
 def _id_list(name: str, values: Iterable[Any]) -> list[int]:
-    out = []
+    values = list(values)
     for x in values:
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise InvalidArgumentError(f"{name}={list(values)!r} must be ints")
-        out.append(int(x))
-    return out
+            raise InvalidArgumentError(f"{name}={values!r} must be ints")
+    return [int(x) for x in values]
 
 
 def lease(store: Store, seq_ids: Iterable[int]) -> list[Sequence]:
