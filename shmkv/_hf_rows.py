@@ -115,7 +115,9 @@ class Rows:
             s.append(layer, key_states.numpy()[0].swapaxes(0, 1), value_states.numpy()[0].swapaxes(0, 1))
             kt, vt = s.torch_kv(layer, pending=True)  # zero-copy: the cells, pending ones included
             lo = len(kt) - fwd.q - self.kept(layer)
-            k_out, v_out = kt[lo:].transpose(0, 1)[None], vt[lo:].transpose(0, 1)[None]
+            # shaped on the numpy side (a torch view op costs ~1 us each, numpy's a fraction)
+            k_out = torch.from_numpy(kt.numpy()[lo:].swapaxes(0, 1)[None])
+            v_out = torch.from_numpy(vt.numpy()[lo:].swapaxes(0, 1)[None])
             if k_out.dtype != key_states.dtype:
                 k_out, v_out = k_out.to(key_states.dtype), v_out.to(key_states.dtype)
             fwd.next = layer + 1
