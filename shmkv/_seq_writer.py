@@ -423,7 +423,7 @@ class SeqWriter:
         except BaseException:
             self.pending = [0] * self.L
             raise
-        return length + n
+        return int(length + n)
 
     def set_encoder(self, k_all: Any, v_all: Any) -> None:
         self.need_writer("set_encoder")

@@ -268,7 +268,7 @@ class ShmkvCache(Cache):
         return [s.id for s in seqs] if seqs is not None else []
 
     @property
-    def batch_size(self) -> int:  # type: ignore[override]
+    def batch_size(self) -> int:
         """Rows of the cache; -1 before the first update (as ``Cache.batch_size``)."""
         seqs = self._rows.seqs
         return len(seqs) if seqs is not None else -1
