@@ -331,12 +331,18 @@ class SeqReader:
         enc = self.row[ENC_SLOT]
         return int(self.table_row(enc - 1)[LENGTH]) if enc else 0
 
-    def torch_kv(self, layer: int, writable: tuple[Arrays, Arrays]) -> tuple[Any, Any]:
-        """Sequence.torch_kv; ``writable``: the per-layer K and V bases of this attachment."""
+    def torch_kv(self, layer: int, writable: tuple[Arrays, Arrays],
+                 cells: tuple[int, int] | None = None) -> tuple[Any, Any]:
+        """Sequence.torch_kv; ``writable``: the per-layer K and V bases of this attachment;
+        ``cells``: the cells to show (the writer's, pending ones included), else what is held."""
         import torch
 
         layer = self.layer(layer)
-        lo, hi, _, _ = self.held(layer)
+        if cells is None:
+            lo, hi, _, _ = self.held(layer)
+        else:
+            self.check()
+            lo, hi = cells
         out = []
         for which, arrays in (("k", writable[0]), ("v", writable[1])):
             if self.dtype == "int8":

@@ -1,5 +1,5 @@
 """Structural operations on one sequence through its write handle: ``truncate``,
-``shift_left``, ``remove``, and the bracket they run in (``Structural``: the store lock,
+``shift_left``, ``remove``, ``set_tokens``, and the bracket they run in (``Structural``: the store lock,
 the row's seqlock generation odd while it changes, the handle's addressing refreshed after).
 
 Each writes its result where no row points (a fresh range, the other window buffer) and
@@ -189,3 +189,44 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
         row[LENGTH] = length - (end - begin)
         # the moved tokens were computed with the removed ones in context: not a prefix to reuse
         taint(row, begin)
+
+
+def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
+    """Sequence.set_tokens: ids for committed tokens [begin, begin + n) that have none, then their
+    completed blocks into the prefix index. Everything is checked before anything is written."""
+    w.need_writer("set_tokens")
+    begin = count("begin", begin)
+    a = np.asarray(tokens)
+    a = a.reshape(1) if a.ndim == 0 else a
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"set_tokens: tokens must be a 1-D sequence of ints, got shape {a.shape} "
+                                   f"dtype {a.dtype}")
+    a = a.astype(np.int64, copy=False)
+    neg = np.flatnonzero(a < 0)
+    if neg.size:
+        raise InvalidArgumentError(f"set_tokens: token ids must be >= 0, got {int(a[neg[0]])} at "
+                                   f"tokens[{int(neg[0])}] (-1 is what commit() records without tokens=)")
+    n = a.size
+    with w.locked():
+        row = w.row
+        start, _, length, _ = w.r.span_unlocked()
+        if begin + n > length:
+            raise InvalidArgumentError(
+                f"set_tokens: tokens for indexes {begin}..{begin + n - 1} reach past the committed length "
+                f"{length} of sequence {w.id}: give ids of committed tokens (commit(tokens=) takes new ones)"
+            )
+        cells = w.tokens[start + begin : start + begin + n]
+        differ = np.flatnonzero((cells >= 0) & (cells != a))
+        if differ.size:
+            i = int(differ[0])
+            raise InvalidArgumentError(
+                f"set_tokens: tokens[{i}]={int(a[i])} for index {begin + i} of sequence {w.id}, whose cell "
+                f"holds token {int(cells[i])}: recorded ids are fixed (the prefix cache indexes them)"
+            )
+        if not n:
+            return
+        with w.changing(row):
+            cells[:] = a
+            row[FLAGS] &= ~NOINDEX  # blocks from IDX_BLOCKS on may be indexable now
+        w.gen = row[GEN]  # our own change: pending tokens stay
+        w.index_blocks(w.slot, length)

@@ -119,6 +119,22 @@ class SeqWriter:
         """Forget this handle's uncommitted tokens (their cells are simply written again)."""
         self.pending = [0] * self.L
 
+    def discard(self) -> int:
+        """Sequence.discard: drop the pending tokens; returns the most any layer had."""
+        n = max(self.pending)
+        if n:
+            self.pending = [0] * self.L
+        return n
+
+    def pending_cells(self, layer: int) -> tuple[int, int] | None:
+        """Cells [first held, end of pending) of ``layer`` when this handle has tokens pending there
+        (its addressing current); None when it has none (the committed cells are all there is)."""
+        p = self.pending[layer]
+        row = self.row
+        if not p or not self.write or row[GEN] != self.gen:
+            return None
+        return self.vfrom[layer], self.base[layer] + row[LENGTH] + p
+
     def need_writer(self, what: str) -> None:
         """Refuse ``what`` unless this handle holds the lease, here and now; reload the range
         after a structural change made by someone else (then pending tokens are dropped)."""
@@ -357,7 +373,10 @@ class SeqWriter:
         except LockTimeout:
             pass
 
-    def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None) -> int:
+    def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None,
+               in_steps: bool = False) -> int:
+        if not isinstance(in_steps, bool):
+            raise InvalidArgumentError(f"extend: in_steps={in_steps!r} must be True or False")
         self.need_writer("extend")
         if any(self.pending):
             raise InvalidArgumentError(
@@ -374,6 +393,9 @@ class SeqWriter:
             ints("tokens", tokens, n)
         if positions is not None:
             ints("positions", positions, n)
+        lay = self.store.layout
+        if in_steps and lay.bounded and n > lay.step:
+            return self.extend_in_steps(k_all, v_all, tokens, positions, lay.step)
         try:
             for layer in range(self.L):
                 self.append(layer, k_all[layer], v_all[layer])
@@ -381,6 +403,32 @@ class SeqWriter:
         except BaseException:
             self.pending = [0] * self.L
             raise
+
+    def extend_in_steps(self, k_all: np.ndarray, v_all: np.ndarray, tokens: Any, positions: Any, step: int) -> int:
+        """extend(in_steps=True) of more tokens than a window buffer takes between commits: room
+        for all of them first (a CacheFullError changes nothing), then a commit every ``step``."""
+        n = k_all.shape[1]
+        tok = None if tokens is None else ints("tokens", tokens, n)
+        pos = None if positions is None else ints("positions", positions, n)
+        row = self.row
+        length = row[LENGTH]
+        if pos is not None:
+            last = int(self.positions[self.start + length - 1]) if length else -1
+            if pos[0] <= last or np.any(np.diff(pos) <= 0):
+                raise InvalidArgumentError(
+                    f"extend: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
+                )
+        if length + n > row[CAPACITY]:
+            self.grow(length + n)
+        try:
+            for a in range(0, n, step):
+                for layer in range(self.L):
+                    self.append(layer, k_all[layer, a : a + step], v_all[layer, a : a + step])
+                self.commit(None if tok is None else tok[a : a + step], None if pos is None else pos[a : a + step])
+        except BaseException:
+            self.pending = [0] * self.L
+            raise
+        return int(length + n)
 
     def set_encoder(self, k_all: Any, v_all: Any) -> None:
         self.need_writer("set_encoder")

@@ -144,13 +144,38 @@ class Sequence:
         """
         return self._w.commit(tokens, positions)  # not reached: __init__ binds the writer's commit
 
-    def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None) -> int:
+    def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None, *,
+               in_steps: bool = False) -> int:
         """Write ``n`` tokens of every layer and commit them; return the new length.
 
         Args:
             k_all, v_all: ``[layers, n, kv_heads, head_dim]``.
+            in_steps: on stores with sliding/chunked layers, take any ``n``: room for all is made
+                first (``CacheFullError`` changes nothing), then they are committed
+                ``layout.step`` at a time (other processes may see the first steps meanwhile).
         """
-        return self._w.extend(k_all, v_all, tokens, positions)
+        return self._w.extend(k_all, v_all, tokens, positions, in_steps)
+
+    def discard(self) -> int:
+        """Drop this handle's pending (uncommitted) tokens on every layer, e.g. after a forward
+        failed between layers; returns the most any layer had. No lock: no other process saw
+        them. A read handle (or a released one) has none: 0."""
+        return self._w.discard()
+
+    def pending_on(self, layer: int) -> int:
+        """Tokens this handle appended to ``layer`` and has not committed (0 on a read handle)."""
+        return self._w.pending[self._r.layer(layer)]
+
+    def set_tokens(self, tokens: Any, begin: int = 0) -> None:
+        """Record the ids of committed tokens ``[begin, begin + len(tokens))`` committed without
+        them (a model's forward sees states, not ids); their whole blocks join the prefix cache.
+
+        Raises:
+            InvalidArgumentError: an id < 0, tokens past the length, or an id that differs
+                from one a cell holds (recorded ids are fixed); nothing is written then.
+            ReadOnlyError, LeaseError: this handle does not hold the lease.
+        """
+        _seq_structural.set_tokens(self._w, tokens, begin)
 
     # -- structural operations ---------------------------------------------------
 
@@ -433,8 +458,9 @@ class Sequence:
         """:meth:`wait` for asyncio: polls with ``asyncio.sleep``, never blocking the event loop."""
         return await self._r.wait_async(length, timeout)
 
-    def torch_kv(self, layer: int) -> tuple[Any, Any]:
-        """Committed keys and values of ``layer`` as torch tensors ``[n, kv_heads, head_dim]``.
+    def torch_kv(self, layer: int, pending: bool = False) -> tuple[Any, Any]:
+        """Committed keys and values of ``layer`` as torch tensors ``[n, kv_heads, head_dim]``;
+        ``pending=True``: this handle's pending tokens too (the cells ``append`` returned).
 
         On a read-write attachment, for float32, float16, float64 and bfloat16 (its stored
         uint16 bits viewed as ``torch.bfloat16``), the tensors are zero-copy: **writing
@@ -443,7 +469,8 @@ class Sequence:
         float32) they are copies. The same rules as :meth:`keys` say how long the content
         holds. torch is imported here: ``import shmkv`` never imports it.
         """
-        return self._r.torch_kv(layer, (self._w.Kw, self._w.Vw))
+        cells = self._w.pending_cells(self._r.layer(layer)) if pending else None
+        return self._r.torch_kv(layer, (self._w.Kw, self._w.Vw), cells)
 
 
 def writer_for(store: Store, seq_id: int) -> Sequence | None:

@@ -7,14 +7,14 @@ import atexit
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import _crash, _header, _lock, _segment, _snapshot
+from . import _crash, _group, _header, _lock, _segment, _snapshot
 from ._header import (
     WBUF,
     CAPACITY,
@@ -366,6 +366,22 @@ class Store(Arena):
                 )
             self._check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
             self._copy_prefix_rows(self._slot_of(src_id), d_slot, n)
+
+    def lease(self, seq_ids: Iterable[int]) -> list[Sequence]:
+        """Write handles on every sequence of ``seq_ids``, in that order: all leases, or none
+        (the first failure's ``LeaseError`` / ``SequenceNotFound``; the leases taken are given back)."""
+        return _group.lease(self, seq_ids)
+
+    def regather(self, seqs: list[Sequence], rows: Iterable[int]) -> list[Sequence]:
+        """Reorder, repeat and drop the rows of a batch: returns write handles whose row ``i`` holds
+        what ``seqs[rows[i]]`` holds (committed K/V of every layer, token ids, positions, encoder).
+
+        A row's first use keeps its handle (and meta); repeats are copied into sequences no row
+        keeps (no allocation), or forked when there are none (a repeat's meta is ``{}``, as a
+        fork's); sequences no row keeps are freed. ``seqs``: this store object's write handles,
+        each once, nothing pending. A ``CacheFullError`` (no room for a fork) changes nothing.
+        """
+        return _group.regather(self, seqs, rows)
 
     # -- snapshots ---------------------------------------------------------------
 

@@ -32,7 +32,7 @@ KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 # writes an underscore attribute that a class of another module defines.
 # Today: _sequence/_snapshot reach into Store's arrays and helpers (_sequence hands
 # them to its parts, _seq_reader/_seq_writer/_seq_structural, as constructor
-# arguments: the parts touch no store underscore), transformers into Sequence.
+# arguments: the parts touch no store underscore).
 KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
     ("_sequence", "_K"), ("_sequence", "_KS"), ("_sequence", "_KSl"), ("_sequence", "_Kl"),
     ("_sequence", "_Kr"), ("_sequence", "_V"), ("_sequence", "_VS"), ("_sequence", "_VSl"),
@@ -52,17 +52,11 @@ KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
     ("_snapshot", "_reserve_window"), ("_snapshot", "_restored"), ("_snapshot", "_row"),
     ("_snapshot", "_set_encoder"), ("_snapshot", "_slot_of"), ("_snapshot", "_table_np"),
     ("_snapshot", "_tokens"), ("_snapshot", "_unit"), ("_snapshot", "_wcell"),
-    ("transformers", "_changing"), ("transformers", "_index_blocks"), ("transformers", "_locked"),
-    ("transformers", "_pending"), ("transformers", "_row"), ("transformers", "_slot"),
-    ("transformers", "_tokens"),
 }
 
 # Modules over MAX_MODULE_LINES and classes ("module.Class") over
 # MAX_CLASS_LINES today.
-KNOWN_LARGE: set[str] = {
-    "transformers",
-    "transformers.ShmkvCache",
-}
+KNOWN_LARGE: set[str] = set()
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -558,3 +558,34 @@ def test_sliding_mask_sizes_and_max_length(qwen_sliding, cache_of):
     assert cache.is_sliding == ref.is_sliding == [False, True, True, False]
     assert cache.get_max_length() == ref.get_max_length() == 8
 
+
+
+# -- the core primitive under the zero-copy path: seq.torch_kv(layer, pending=True) ---------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_torch_kv_pending_includes_this_handles_pending_tokens(make_store, dtype):
+    store = make_store(dtype=dtype)
+    g = np.random.default_rng(0)
+    k = g.standard_normal((2, 5, 2, 4)).astype(np.float32)
+    v = g.standard_normal((2, 5, 2, 4)).astype(np.float32)
+    seq = store.create_sequence(capacity=8)
+    seq.extend(k[:, :3], v[:, :3])
+    keys, _ = seq.append(0, k[0, 3:], v[0, 3:])  # two pending tokens on layer 0 only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns about read-only arrays: none are handed to it
+        kt, vt = seq.torch_kv(0, pending=True)
+        k1, _ = seq.torch_kv(1, pending=True)
+    assert kt.shape == (5, 2, 4) and k1.shape == (3, 2, 4)
+    rel = {"float32": 0.0, "bfloat16": 2.0**-8, "int8": 1 / 127}[dtype]  # storage error bounds (_quant)
+    np.testing.assert_allclose(kt.float().numpy(), k[0], rtol=0, atol=rel * np.abs(k).max())
+    np.testing.assert_allclose(vt.float().numpy(), v[0], rtol=0, atol=rel * np.abs(v).max())
+    if dtype != "int8":  # the cells themselves: writing the tensor writes the cache
+        assert kt.data_ptr() == keys.__array_interface__["data"][0]
+        expect = kt[4].clone() + 1
+        kt[4] += 1
+        assert torch.equal(seq.torch_kv(0, pending=True)[0][4], expect)
+    assert len(seq.torch_kv(0)[0]) == 3  # pending=False: committed only
+    assert len(store.sequence(seq.id).torch_kv(0, pending=True)[0]) == 3  # a read handle has none
+    seq.discard()
+    assert len(seq.torch_kv(0, pending=True)[0]) == 3
