@@ -63,6 +63,9 @@ class SeqReader:
     active window buffer as the latest ``span`` saw it.
     """
 
+    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "isfull", "locked", "plain", "positions",
+                 "reading", "row", "settled_row", "slot", "store", "table_row", "tokens", "wbase", "wc")
+
     def __init__(self, store: Store, seq_id: int, slot: int, row: memoryview, *,
                  Kr: Arrays, Vr: Arrays, KS: Arrays | None, VS: Arrays | None,
                  arena: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None],
