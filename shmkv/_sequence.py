@@ -68,7 +68,7 @@ class Sequence:
         # (the class's append/commit below say what they do, for help() and the docs).
         self.append = w.append  # type: ignore[method-assign]
         self.commit = w.commit  # type: ignore[method-assign]
-        self._fin: weakref.finalize | None = None
+        self._fin: weakref.finalize[[memoryview, int, int, int], Sequence] | None = None
         w.refresh()
         if write:
             live_writers[token] = self
