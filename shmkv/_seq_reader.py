@@ -156,7 +156,11 @@ class SeqReader:
 
     def span_unlocked(self) -> tuple[int, int, int, int]:
         """The row's span with the store lock held (nothing changes it meanwhile)."""
-        return self.live(self.words())
+        row = self.row  # live(words()) inlined: every structural op (a truncate per speculative step)
+        if row[STATE] != LIVE or row[ID] != self.id:
+            raise self._freed()
+        self.wbase = (2 * self.slot + row[WBUF]) * self.wc
+        return row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
 
     def consistent(self, read: Callable[[], T]) -> T:
         """``read()`` of this sequence's row state (its meta record) under its seqlock."""
