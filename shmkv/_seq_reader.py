@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -31,6 +31,35 @@ if TYPE_CHECKING:
 _SPIN = 2000  # seqlock retries before falling back to the store lock
 
 Arrays = list[np.ndarray]
+Words = tuple[int, int, int, int, int, int, int]  # state, id, start, capacity, length, window offset, buffer
+T = TypeVar("T")
+
+
+def seqlocked(row: memoryview, read: Callable[[], T], reading: Callable[[], AbstractContextManager[None]],
+              settled: Callable[[], T]) -> T:
+    """The one seqlock read of a sequence row (DESIGN.md section 3): one retry policy, one fallback.
+
+    Structural operations make the row's generation odd while they change it (``_core``'s
+    ``_changing``). ``read()`` runs between two reads of the generation, and its value is
+    returned once the generation was even and the same after it. Up to ``_SPIN`` tries, the
+    CPU given up (``sleep(0)``) between tries after the first 50; then ``settled()`` under
+    ``reading()``: the store lock on a read-write attachment (taking it rolls back what a dead
+    process left half done), a shared lock on a read-only one (which only waits out a live
+    writer: ``settled`` reads the rows as a rollback would leave them).
+
+    ``read`` may see a torn row (it runs while a writer may start): it must not raise on one,
+    and its caller validates what it returns (e.g. that the sequence is live) afterwards.
+    """
+    for i in range(_SPIN):
+        g = row[GEN]
+        if not g & 1:
+            value = read()
+            if row[GEN] == g:
+                return value
+        if i > 50:
+            time.sleep(0)
+    with reading():
+        return settled()
 
 
 _Geometry = tuple[int, tuple[int, int], str, bool, list[bool], int]
@@ -63,6 +92,9 @@ class SeqReader:
     active window buffer as the latest ``span`` saw it.
     """
 
+    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "isfull", "locked", "plain", "positions",
+                 "reading", "row", "settled_row", "slot", "store", "table_row", "tokens", "wbase", "wc")
+
     def __init__(self, store: Store, seq_id: int, slot: int, row: memoryview, *,
                  Kr: Arrays, Vr: Arrays, KS: Arrays | None, VS: Arrays | None,
                  arena: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None],
@@ -93,72 +125,61 @@ class SeqReader:
     def _freed(self) -> SequenceNotFound:
         return SequenceNotFound(f"sequence {self.id} of store {self.store.name!r} was freed")
 
+    def words(self) -> Words:
+        """The row's words a reader needs, as they are now (torn while a structural op runs)."""
+        row = self.row
+        return row[STATE], row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF], row[WBUF]
+
+    def settled_words(self) -> Words:
+        """The row's words under ``reading`` (read-only attachments see a dead operation rolled back)."""
+        r = self.settled_row(self.slot)
+        return r[STATE], r[ID], r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF], r[WBUF]
+
+    def live(self, words: Words) -> tuple[int, int, int, int]:
+        """(start, capacity, length, window offset) of consistent ``words``; SequenceNotFound if
+        the sequence was freed. Sets ``wbase``."""
+        state, sid, start, cap, length, woff, wbuf = words
+        if state != LIVE or sid != self.id:
+            raise self._freed()
+        self.wbase = (2 * self.slot + wbuf) * self.wc
+        return start, cap, length, woff
+
     def span(self) -> tuple[int, int, int, int]:
         """A consistent (start, capacity, length, window offset) of the row (seqlock read)."""
-        self.check()
-        row = self.row
-        for i in range(_SPIN):
-            g = row[GEN]
-            if not g & 1:
-                state, sid, start, cap, length = row[STATE], row[ID], row[START], row[CAPACITY], row[LENGTH]
-                woff, wbuf = row[WIN_OFF], row[WBUF]
-                if row[GEN] == g:
-                    if state != LIVE or sid != self.id:
-                        raise self._freed()
-                    self.wbase = (2 * self.slot + wbuf) * self.wc
-                    return start, cap, length, woff
-            if i > 50:
-                time.sleep(0)
-        with self.reading():
-            return self.span_settled()
-
-    def span_settled(self) -> tuple[int, int, int, int]:
-        """The row's span under ``reading`` (read-only attachments see a dead operation rolled back)."""
-        r = self.settled_row(self.slot)
-        if r[STATE] != LIVE or r[ID] != self.id:
+        if self.store.closed:  # check() and live() inlined: seq.length, keys() and views come here
+            self.check()
+        state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, self.words, self.reading, self.settled_words)
+        if state != LIVE or sid != self.id:
             raise self._freed()
-        self.wbase = (2 * self.slot + r[WBUF]) * self.wc
-        return r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF]
+        self.wbase = (2 * self.slot + wbuf) * self.wc
+        return start, cap, length, woff
 
     def span_unlocked(self) -> tuple[int, int, int, int]:
         """The row's span with the store lock held (nothing changes it meanwhile)."""
-        row = self.row
+        row = self.row  # live(words()) inlined: every structural op (a truncate per speculative step)
         if row[STATE] != LIVE or row[ID] != self.id:
             raise self._freed()
         self.wbase = (2 * self.slot + row[WBUF]) * self.wc
         return row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
 
-    def consistent(self, read: Callable[[], Any]) -> Any:
-        """``read()`` of this sequence's row state under its seqlock (retried while a structural
-        operation runs; then under the store lock, or, read-only, until ``lock_timeout``)."""
+    def consistent(self, read: Callable[[], T]) -> T:
+        """``read()`` of this sequence's row state (its meta record) under its seqlock."""
         self.check()
-        row = self.row
-        st = self.store
-        t_end = None
-        i = 0
-        while True:
-            g = row[GEN]
-            if not g & 1:
-                value = read()
-                state, sid = row[STATE], row[ID]
-                if row[GEN] == g:
-                    if state != LIVE or sid != self.id:
-                        raise self._freed()
-                    return value
-            i += 1
-            if i == _SPIN and not st.readonly:
-                with self.locked():
-                    self.span_unlocked()
-                    return read()
-            if i > 50:
-                if t_end is None:
-                    t_end = time.monotonic() + st.lock_timeout
-                elif time.monotonic() > t_end:
-                    raise LockTimeout(
-                        f"sequence {self.id} of store {st.name!r} kept changing for "
-                        f"{st.lock_timeout} s (lock_timeout=): a structural operation is stuck or long"
-                    )
-                time.sleep(0.0002)
+
+        def settled() -> tuple[Words, T]:
+            if self.store.readonly and self.row[GEN] & 1:
+                # under the shared lock no live process is changing the row: a dead one left it
+                # half done, and only a read-write attachment can roll that back
+                raise LockTimeout(
+                    f"sequence {self.id} of store {self.store.name!r} was being changed by a process that "
+                    "died: a read-only attachment cannot roll that back; attach read-write (any process "
+                    "taking the store lock recovers it)"
+                )
+            return self.settled_words(), read()
+
+        words, value = seqlocked(self.row, lambda: (self.words(), read()), self.reading, settled)
+        self.live(words)
+        return value
 
     # -- where tokens sit ----------------------------------------------------------------
 
@@ -285,43 +306,34 @@ class SeqReader:
     def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the committed keys and values of ``layer`` under the seqlock."""
         layer = self.layer(layer)
-        row = self.row
-        for _ in range(_SPIN):
-            g = row[GEN]
-            if g & 1:
-                time.sleep(0)
-                continue
-            lo, hi, _, _ = self.held(layer)
-            k = np.array(self.view("k", layer, lo, hi))
-            v = np.array(self.view("v", layer, lo, hi))
-            if row[GEN] == g:
-                return k, v
-        with self.reading():  # read-only attachments too: a shared lock (crash recovery)
-            start, _, length, woff = self.span_settled()
+        self.check()
+
+        def copy(words: Words) -> tuple[Words, np.ndarray, np.ndarray]:
+            _, _, start, _, length, woff, wbuf = words
+            self.wbase = (2 * self.slot + wbuf) * self.wc
             lo, hi = self.cells(layer, start, woff, self.first(layer, woff), length)
-            return np.array(self.view("k", layer, lo, hi)), np.array(self.view("v", layer, lo, hi))
+            return words, np.array(self.view("k", layer, lo, hi)), np.array(self.view("v", layer, lo, hi))
+
+        words, k, v = seqlocked(self.row, lambda: copy(self.words()), self.reading,
+                                lambda: copy(self.settled_words()))
+        self.live(words)
+        return k, v
 
     def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         layer = self.layer(layer)
         self.check()
-        row = self.row
-        a = n = 0
-        for _ in range(_SPIN):
-            g = row[GEN]
-            enc = row[ENC_SLOT]
-            if not g & 1:
-                erow = self.table_row(enc - 1) if enc else None
-                a = erow[START] if erow is not None else 0
-                n = erow[LENGTH] if erow is not None else 0
-                if row[GEN] == g:
-                    break
-            time.sleep(0)
-        else:  # a structural change ran all along: wait it out (never a silently empty result)
-            with self.reading():
-                r = self.settled_row(self.slot)
-                enc = r[ENC_SLOT]
-                e = self.settled_row(enc - 1) if enc else None
-                a, n = (e[START], e[LENGTH]) if e is not None else (0, 0)
+
+        def encoder(rows: Callable[[int], Any]) -> tuple[int, int]:
+            """(first cell, length) of the encoder range, from the rows ``rows`` gives."""
+            enc = rows(self.slot)[ENC_SLOT]
+            if not enc:
+                return 0, 0
+            e = rows(enc - 1)
+            return e[START], e[LENGTH]
+
+        # a structural change running all along is waited out: never a silently empty result
+        a, n = seqlocked(self.row, lambda: encoder(self.table_row), self.reading,
+                         lambda: encoder(self.settled_row))
         K, V, KS, VS = self.arena
         ks = KS[layer, a : a + n] if KS is not None else None
         vs = VS[layer, a : a + n] if VS is not None else None

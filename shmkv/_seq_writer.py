@@ -57,6 +57,13 @@ class SeqWriter:
     are this part's bound methods (no extra call on the hot path).
     """
 
+    # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
+    # cost CPython's shared-key instance dicts)
+    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
+                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "pending", "plain", "positions", "r",
+                 "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store", "token", "tokens", "vfrom",
+                 "wc", "wcell", "write")
+
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int, Kw: Arrays, Vw: Arrays,
                  locked: Callable[[], AbstractContextManager[None]],
                  changing: Callable[[memoryview], AbstractContextManager[None]],

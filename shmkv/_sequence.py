@@ -68,7 +68,7 @@ class Sequence:
         # (the class's append/commit below say what they do, for help() and the docs).
         self.append = w.append  # type: ignore[method-assign]
         self.commit = w.commit  # type: ignore[method-assign]
-        self._fin: weakref.finalize | None = None
+        self._fin: weakref.finalize[[memoryview, int, int, int], Sequence] | None = None
         w.refresh()
         if write:
             live_writers[token] = self
@@ -112,7 +112,7 @@ class Sequence:
         The tokens become visible to other processes at ``commit()``, once every
         layer has the same number of pending tokens.
         """
-        return self._w.append(layer, k, v)  # not reached: __init__ binds the writer's append
+        return self._w.append(layer, k, v)  # handles call the writer's append directly (see __init__)
 
     # -- encoder (cross-attention) cache -------------------------------------------
 
@@ -142,7 +142,7 @@ class Sequence:
             positions: their positions (``[n]`` ints, increasing, after the last
                 committed position); default: the last position + 1 onwards.
         """
-        return self._w.commit(tokens, positions)  # not reached: __init__ binds the writer's commit
+        return self._w.commit(tokens, positions)  # handles call the writer's commit directly (see __init__)
 
     def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None, *,
                in_steps: bool = False) -> int:
