@@ -1,9 +1,9 @@
 """Where the cells of a store go: free ranges, allocation, eviction, relocation, the window
-buffers of sliding/chunked layers, encoder ranges, and cell copies (all under the store lock)."""
+buffers of sliding/chunked layers, encoder ranges, and cell copies (all under the store lock).
+Their pages (reservation, writes through the descriptor): ``_pages``."""
 
 from __future__ import annotations
 
-import bisect
 
 import numpy as np
 
@@ -31,10 +31,10 @@ from .errors import (
     CacheFullError,
     NotSupportedError,
 )
-from ._core import Core
+from ._pages import Pages, add_interval, take_interval  # noqa: F401  (add_interval: tests import it here)
 
 
-class Arena(Core):
+class Arena(Pages):
     """The cell-placing half of a store handle (the table and the lock are ``Core``'s)."""
 
     def _kv_bytes(self, layers: int) -> int:
@@ -78,18 +78,21 @@ class Arena(Core):
         return list(zip(gap_starts[keep].tolist(), (gap_ends - gap_starts)[keep].tolist(), strict=True))
 
     def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
-               evict: bool = False, protect: int = -1) -> int:
+               evict: bool = False, protect: int = -1, *, populate: bool = True, stage: bool = False) -> int:
         """First-fit a range of ``capacity`` cells (lock held); reserve its pages.
 
         ``evict``: evict finished sequences (least recently used first, never row ``protect``)
-        when no free range is large enough."""
+        when no free range is large enough. ``populate``: see _reserve; ``stage``: see _stage."""
         gaps = self._free_ranges(taken)
         fit = next((start for start, size in gaps if size >= capacity), None)
         if fit is None and evict and self._evict(capacity, 0, protect):
             gaps = self._free_ranges(taken)
             fit = next((start for start, size in gaps if size >= capacity), None)
         if fit is not None:
-            self._reserve(fit, capacity, all_layers)
+            if stage:
+                self._stage(fit, capacity)
+            else:
+                self._reserve(fit, capacity, all_layers, populate)
             return fit
         raise CacheFullError(
             f"store {self.name!r} has no free range of {capacity} token cells "
@@ -208,37 +211,6 @@ class Arena(Core):
         self._touch(row)
         self._index_blocks(slot, row[LENGTH])
 
-    def _reserve(self, start: int, count: int, all_layers: bool = False) -> None:
-        """Reserve the pages of cells [start, start + count) (all layers' for an encoder range).
-
-        Pages, once allocated, stay (shmkv never punches holes), so cells this process has
-        reserved before are skipped: a fresh range written by copy_prefix or a move (crash
-        recovery never writes over committed cells) is often one reserved by an earlier move."""
-        done = self._reserved[all_layers]
-        i = bisect.bisect_right(done, (start, 1 << 62)) - 1
-        if i >= 0 and done[i][0] <= start and start + count <= done[i][1]:
-            return
-        off = self._off
-        cb = off.cell_bytes
-        layers = range(self.layout.layers) if all_layers else self._full
-        ranges = [(base + layer * off.layer_stride + start * cb, count * cb)
-                  for base in (off.k_off, off.v_off) for layer in layers]
-        ranges += [(base + start * 8, count * 8) for base in (off.tokens_off, off.positions_off, off.hashes_off)]
-        sb = self.layout.kv_heads * 4
-        ranges += [(base + layer * off.scale_stride + start * sb, count * sb)
-                   for base in (off.ks_off, off.vs_off) for layer in range(self.layout.layers) if off.scale_stride]
-        self._dseg.reserve(ranges)
-        add_interval(done, start, start + count)
-
-    def _reserve_window(self, slot: int) -> None:
-        """Reserve a slot's buffer in every bounded layer (its size never changes)."""
-        off, wc = self._off, self._wc
-        if not wc:
-            return
-        cb = off.cell_bytes
-        self._dseg.reserve([(base + j * off.w_stride + 2 * slot * wc * cb, 2 * wc * cb)  # both buffers
-                            for base in (off.wk_off, off.wv_off) for j in range(len(self.layout.bounded))])
-
     def _wcell(self, slot: int, wbuf: int) -> int:
         """First cell of window buffer ``wbuf`` (0 or 1) of ``slot`` in the bounded layers' arrays."""
         return (2 * slot + wbuf) * self._wc
@@ -291,9 +263,11 @@ class Arena(Core):
         buffers. Returns (new start, new WBUF) for the caller to switch the row to (lock held)."""
         row = self._row(slot)
         start, wb = row[START], row[WBUF]
-        new_start = self._alloc(row[CAPACITY] if capacity is None else capacity, evict=True, protect=protect)
+        cap = row[CAPACITY] if capacity is None else capacity
+        new_start = self._alloc(cap, evict=True, protect=protect, populate=False)
         for src, dst, n in full:
             self._copy_cells(start + src, new_start + dst, n)
+        self._fill(new_start, cap)
         a0, b0 = self._wcell(slot, wb), self._wcell(slot, 1 - wb)
         for src, dst, n in window:
             self._copy_window(a0 + src, b0 + dst, n)
@@ -303,11 +277,18 @@ class Arena(Core):
         """Copy n cells of every layer, token id and position (lock held; overlap-safe)."""
         if n <= 0 or src == dst:
             return
+        # into fresh cells (a new range): through the descriptor, which skips zeroing them
+        fresh = self._fresh(dst, n) and (src + n <= dst or dst + n <= src)
         # one layer at a time: a 4-D slice over all layers spans overlapping address
         # extents, and numpy would then copy through a temporary (half the bandwidth)
         for arrs in ([self._Kl[i] for i in self._full], [self._Vl[i] for i in self._full], self._KS, self._VS):
             for layer in arrs if arrs is not None else ():
-                np.copyto(layer[dst : dst + n], layer[src : src + n])
+                if fresh:
+                    self._put(layer[dst : dst + n], layer[src : src + n])
+                else:
+                    np.copyto(layer[dst : dst + n], layer[src : src + n])
+        if fresh:
+            take_interval(self._owed, dst, dst + n)
         self._tokens[dst : dst + n] = self._tokens[src : src + n]
         self._positions[dst : dst + n] = self._positions[src : src + n]
         self._hashes[dst : dst + n] = self._hashes[src : src + n]
@@ -322,10 +303,12 @@ class Arena(Core):
             self._evict(capacity, 1, protect)
             fit = None  # the ranges changed: _alloc looks again (and names the shortfall)
         slot = self._free_slot("a new sequence")
+        # allocated, not pre-faulted: a prefill (extend) writes it through the descriptor and
+        # pre-faults the rest then (_write_new); appends alone fault its pages in as they go
         if fit is None:
-            fit = self._alloc(capacity)
+            fit = self._alloc(capacity, populate=False)
         else:  # the free ranges were just scanned: no second scan on the create path
-            self._reserve(fit, capacity)
+            self._reserve(fit, capacity, populate=False)
         self._reserve_window(slot)
         return slot, fit
 
@@ -349,8 +332,9 @@ class Arena(Core):
                 self._copy_window(src_win, self._wcell(d_slot, d_row[WBUF]), n - lo)
                 _crash.point("copy_prefix.copied")
             else:  # never over dst's committed cells: a fresh range and dst's other window buffer
-                new_start = self._alloc(max(n, d_row[CAPACITY]), evict=True, protect=s_slot)
+                new_start = self._alloc(max(n, d_row[CAPACITY]), evict=True, protect=s_slot, populate=False)
                 self._copy_cells(s_row[START], new_start, n)
+                self._fill(new_start, max(n, d_row[CAPACITY]))
                 wb = 1 - d_row[WBUF]
                 self._copy_window(src_win, self._wcell(d_slot, wb), n - lo)
                 _crash.point("copy_prefix.copied")
@@ -390,10 +374,11 @@ class Arena(Core):
                 return
         for want in dict.fromkeys((new_cap, needed)):
             try:
-                new_start = self._alloc(want, evict=want == needed, protect=protect)
+                new_start = self._alloc(want, evict=want == needed, protect=protect, populate=False)
             except CacheFullError:
                 continue
             self._copy_cells(start, new_start, keep)
+            self._fill(new_start, want)  # the appends that made it grow go on there
             _crash.point("grow.copied")
             row[START] = new_start
             _crash.point("grow.switched")
@@ -404,16 +389,3 @@ class Arena(Core):
             f"is that large ({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free): "
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
-
-
-def add_interval(spans: list[tuple[int, int]], a: int, b: int) -> None:
-    """Add [a, b) to a sorted list of disjoint intervals, merging what touches it."""
-    i = bisect.bisect_left(spans, (a, a))
-    if i and spans[i - 1][1] >= a:
-        i -= 1
-        a = spans[i][0]
-    j = i
-    while j < len(spans) and spans[j][0] <= b:
-        b = max(b, spans[j][1])
-        j += 1
-    spans[i:j] = [(a, b)]

@@ -149,6 +149,9 @@ class Core:
         self._logged: set[int] = set()
         # cell intervals this process reserved (see Arena._reserve): [full layers, all layers]
         self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+        # ... of which these (full layers) are allocated but never touched here (Arena._reserve)
+        self._owed: list[tuple[int, int]] = []
+        self._dbase = self._tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize | None = weakref.finalize(self, _close_segments, hseg, dseg)
         self._finalizer.atexit = False  # at exit the process closes them anyway

@@ -28,7 +28,7 @@ from typing import IO, TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _crash, _header, _lock, _segment
+from . import _crash, _pages, _header, _lock, _segment
 from ._lease import own_token
 from ._snapshot_format import (
     CHUNK,
@@ -357,11 +357,11 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
             if s.length > lay.max_tokens:
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
                                      f"store {store.name!r}'s max_tokens={lay.max_tokens}")
-            try:
-                start = store._alloc(cap, taken)
+            try:  # allocated, not pre-faulted: the arrays arrive through the descriptor
+                start = store._alloc(cap, taken, stage=True)
             except CacheFullError:
                 cap = max(1, s.length)
-                start = store._alloc(cap, taken)
+                start = store._alloc(cap, taken, stage=True)
             taken.append((start, cap))
             plan.append((s, slot, start))
             if s.encoder_length:
@@ -395,10 +395,14 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                         dest = memoryview(buf).cast("B")  # type: ignore[arg-type]
                     else:
                         a = enc_start[s.id] if part.encoder else p[2]
-                        dest = memoryview(arr[part.layer, a : a + part.tokens]).cast("B")
+                        view = arr[part.layer, a : a + part.tokens]
+                        dest = memoryview(view).cast("B")
                     what = (f"sequence {s.id} layer {part.layer} {'encoder ' if part.encoder else ''}"
                             f"{REGION_NAMES[part.region]}")
-                    fut = reader.array(dest, nbytes, int(snap.checksums[k]), what, pool)
+                    # from a file into the main arena: the kernel copies (no zeroing, no user-space copy)
+                    copy_in = (_pages.file_copier(store, view)
+                               if dest is not None and is_file and not part.window else None)
+                    fut = reader.array(dest, nbytes, int(snap.checksums[k]), what, pool, copy_in=copy_in)
                     if fut is not None:
                         checks.append(fut)
                     k += 1
@@ -409,6 +413,8 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                 fut.result()  # raises the first mismatch
         if is_file and not reader.at_end():
             raise reader.fail(f"unexpected data after the last array (byte {reader.offset})")
+        for s, _, start in plan:  # written: now the rest of each range
+            _pages.settle(store, start, s.length, next(c for st_, c in taken if st_ == start))
         # everything checked: publish
         # one atomic unit: after a crash, every sequence as it was (crash recovery in _store)
         with store._unit():

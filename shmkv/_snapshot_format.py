@@ -231,11 +231,14 @@ class _Reader:
         return got
 
     def array(self, dest: memoryview | None, nbytes: int, crc: int, what: str,
-              pool: ThreadPoolExecutor | None = None) -> Future[None] | None:
+              pool: ThreadPoolExecutor | None = None, *,
+              copy_in: Callable[[int, int, int, int], None] | None = None) -> Future[None] | None:
         """Read one array of ``nbytes`` into ``dest`` (or a scratch buffer) and check its crc.
 
         With a ``pool`` and a ``dest``, the crc is checked on the pool (overlapping
         the next read) and the returned future raises SnapshotError on a mismatch.
+        ``copy_in(pos, fd, offset, n)``, for a file source: copies the file's bytes at
+        ``offset`` to ``dest[pos:]`` itself (in the kernel, see _arena.file_copier).
         """
         deferred = pool is not None and dest is not None
         c = 0
@@ -256,6 +259,12 @@ class _Reader:
             n = int.from_bytes(lb, "big")
             if n == 0 or n > nbytes - pos or n > CHUNK:
                 raise self.fail(f"byte {at}: a bin of {n} bytes does not fit {what} ({nbytes - pos} left)")
+            if dest is not None and copy_in is not None and pool is not None:
+                got = self._copy_into(copy_in, dest, pos, n)
+                if got < n:
+                    raise self.fail(f"truncated at byte {self.offset}: {what} has {pos + got} of {nbytes} bytes")
+                pos += n
+                continue
             if dest is not None:
                 target = dest[pos : pos + n]
             else:
@@ -274,6 +283,24 @@ class _Reader:
         if c != crc:
             raise self.fail(f"checksum mismatch in {what} (data damaged)")
         return None
+
+    def _copy_into(self, copy_in: Callable[[int, int, int, int], None], dest: memoryview, pos: int, n: int) -> int:
+        """``_readinto(dest[pos : pos + n])`` with the file's bytes copied by ``copy_in``."""
+        got = 0
+        if self.pending:
+            got = min(len(self.pending), n)
+            dest[pos : pos + got] = self.pending[:got]
+            self.pending = self.pending[got:]
+            self.offset += got
+        if got < n:  # the buffered file's position is self.offset now (nothing pending)
+            fd = self.f.fileno()
+            k = max(0, min(n - got, os.fstat(fd).st_size - self.offset))
+            if k:
+                copy_in(pos + got, fd, self.offset, k)
+                self.offset += k
+                got += k
+            self.f.seek(self.offset)
+        return got
 
     def _check_crc(self, data: memoryview, crc: int, what: str) -> None:
         if zlib.crc32(data) != crc:
