@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _crash, _dtypes, _quant, _segment
+from . import _crash, _dtypes, _pages, _quant, _segment
 from ._header import (
     CAPACITY, CLEAN, ENC_SLOT, FINISHED, FLAGS, GEN, ID, IDX_BLOCKS, LEASE_PID, LEASE_TOKEN, LENGTH, LIVE, NOINDEX,
     START, STATE, WBUF, WIN_OFF,
@@ -551,8 +551,12 @@ class Sequence:
         if positions is not None:
             ints("positions", positions, n)
         try:
-            for layer in range(self._L):
-                self.append(layer, k_all[layer], v_all[layer])
+            # fresh cells (a prefill): written through the segment's descriptor (no page zeroing)
+            if _pages.write_new(self._store, self._start, self._row[LENGTH], self._row[CAPACITY], (k_all, v_all)):
+                self._pending = [n] * self._L
+            else:
+                for layer in range(self._L):
+                    self.append(layer, k_all[layer], v_all[layer])
             return self.commit(tokens, positions)
         except BaseException:
             self._pending = [0] * self._L

@@ -43,6 +43,67 @@ def _stored(seq: shmkv.Sequence) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([seq.keys(i) for i in layers]), np.stack([seq.values(i) for i in layers])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("given", [np.float64, np.float32, np.int32])
+def test_prefill_through_the_descriptor_equals_numpy(make_store, monkeypatch, dtype, given):
+    store = make_store(layers=3, kv_heads=2, head_dim=8, dtype=dtype, max_tokens=4096, max_seqs=4)
+    rng = np.random.default_rng(7)
+    k, v = _kv(rng, 3, 1500, given)
+    if given is np.int32:
+        k, v = (rng.integers(-100, 100, k.shape).astype(np.int32) for _ in range(2))
+    seq = store.create_sequence(capacity=2000)
+    writes = _Calls(monkeypatch, "pwrite")
+    assert seq.extend(k, v, tokens=np.arange(1500)) == 1500
+    assert writes.calls >= 6  # K and V of 3 layers went through the descriptor
+    # then appends into the rest of the range (pre-faulted by the prefill), through the mapping
+    k2, v2 = _kv(rng, 3, 10)
+    before = writes.calls
+    for t in range(10):
+        for layer in range(3):
+            seq.append(layer, k2[layer, t], v2[layer, t])
+        seq.commit(tokens=[1500 + t])
+    assert writes.calls == before
+    dt = np.dtype(dtype)
+    want_k = np.concatenate([k.astype(dt), k2.astype(dt)], axis=1)
+    want_v = np.concatenate([v.astype(dt), v2.astype(dt)], axis=1)
+    got_k, got_v = _stored(store.sequence(seq.id))
+    np.testing.assert_array_equal(got_k, want_k)
+    np.testing.assert_array_equal(got_v, want_v)
+    assert seq.tokens.tolist() == list(range(1510))
+    assert seq.positions.tolist() == list(range(1510))
+    # a second extend writes cells the prefill pre-faulted: through the mapping, the same result
+    k3, v3 = _kv(rng, 3, 5)
+    seq.extend(k3, v3)
+    np.testing.assert_array_equal(_stored(seq)[0][:, 1510:], k3.astype(dt))
+
+
+def test_full_dev_shm_during_a_prefill_is_cache_full(make_store, monkeypatch):
+    store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=2048, max_seqs=4)
+    rng = np.random.default_rng(8)
+    other = store.create_sequence(capacity=10)
+    ko, vo = _kv(rng, 2, 10)
+    other.extend(ko, vo)
+    seq = store.create_sequence(capacity=1000)
+    k, v = _kv(rng, 2, 900)
+    writes = _Calls(monkeypatch, "pwrite", fail_at=3)  # K of both layers written, then /dev/shm is full
+    with pytest.raises(shmkv.CacheFullError, match="/dev/shm") as info:
+        seq.extend(k, v)
+    assert isinstance(info.value, MemoryError)
+    assert writes.calls == 3
+    # nothing published, nothing pending; the other sequence untouched
+    assert seq.length == 0 and seq.pending == 0 and len(store.sequence(seq.id)) == 0
+    np.testing.assert_array_equal(_stored(other)[0], ko.astype(np.float32))
+    # room again: the same handle writes, and the store goes on
+    writes.fail_at = 0
+    seq.extend(k, v)
+    got_k, got_v = _stored(seq)
+    np.testing.assert_array_equal(got_k, k.astype(np.float32))
+    np.testing.assert_array_equal(got_v, v.astype(np.float32))
+    third = store.create_sequence(capacity=16)
+    third.extend(*_kv(rng, 2, 16))
+    assert len(third) == 16
+
+
 def test_a_move_into_a_new_range_writes_through_the_descriptor(make_store, monkeypatch):
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float16", max_tokens=4096, max_seqs=4)
     rng = np.random.default_rng(9)
