@@ -19,6 +19,7 @@ import errno
 import os
 import re
 import secrets
+import stat
 import time
 import zlib
 from collections.abc import Callable
@@ -155,9 +156,46 @@ def _crcs(arrays: list[np.ndarray]) -> list[int]:
 
 
 def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress | None) -> int:
+    """Write the snapshot of ``seqs`` to ``f`` (at its position); return the bytes written.
+
+    The checksums sit in the header, before the arrays. A file that can be written at an
+    offset (a path target) gets a header with zero checksums first, then the arrays, their
+    crc32 computed meanwhile on a second thread (zlib releases the GIL) over the same bytes,
+    then the checksums written into their place: one pass over the data. A stream gets
+    the checksums first (a reading pass), then everything in order."""
     arrays = [a for s in seqs for a in _arrays(store, s)]
-    crcs = _crcs(arrays)
-    head = _header_bytes(store, seqs, crcs)
+    fd = _seekable_fd(f)
+    if fd is None:
+        return _write_parts(f, _header_bytes(store, seqs, _crcs(arrays)), arrays, progress)
+    head = _header_bytes(store, seqs, [0] * len(arrays))
+    at = f.tell() + len(head) - 4 * len(arrays)  # the checksums: the header's last bytes (a fixed-size bin)
+    if head[len(head) - 4 * len(arrays) :] != bytes(4 * len(arrays)):
+        raise AssertionError("the snapshot header does not end with its checksums")
+    with ThreadPoolExecutor(1) as pool:
+        sums = [pool.submit(zlib.crc32, a) for a in arrays]  # in stream order, beside the writes
+        try:
+            total = _write_parts(f, head, arrays, progress)
+        finally:
+            crcs = [s.result() for s in sums]
+    if arrays:
+        f.flush()  # a buffered file: the header must be in the file before its checksums go in
+        os.pwrite(fd, np.asarray(crcs, "<u4").tobytes(), at)
+    return total
+
+
+def _seekable_fd(f: IO[bytes]) -> int | None:
+    """``f``'s descriptor when it is a file that os.pwrite can write at an offset."""
+    try:
+        if not f.seekable():
+            return None
+        fd = f.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def _write_parts(f: IO[bytes], head: bytes, arrays: list[np.ndarray], progress: Progress | None) -> int:
+    """The header, then each array as msgpack bins of at most CHUNK bytes."""
     total = len(head) + sum(a.nbytes + 5 * -(-a.nbytes // CHUNK) for a in arrays)
     done = len(head)
     f.write(head)

@@ -124,6 +124,29 @@ def test_streams_and_layout_mismatch(make_store):
         assert other.sequences() == []
 
 
+def test_save_to_a_file_object_at_an_offset(make_store, tmp_path):
+    """The checksums go into the header after the arrays (written meanwhile, issue 16): also
+    into a buffered file that already holds other bytes, and the result reads back."""
+    store = make_store(max_tokens=512)
+    _fill(store, np.random.default_rng(5), n_seqs=2)  # small: it all stays in the file's buffer
+    path = tmp_path / "inside.bin"
+    prefix = b"not a snapshot: a header of someone else's"
+    with open(path, "wb") as f:  # buffered, seekable: the checksums are patched in place
+        f.write(prefix)
+        n = store.save(f)
+        f.write(b"tail")
+    data = path.read_bytes()
+    assert len(data) == len(prefix) + n + 4
+    streamed = io.BytesIO()  # no descriptor: the checksums first, as before
+    store.save(streamed)
+    assert data[len(prefix) : len(prefix) + n] == streamed.getvalue()
+    loaded = shmkv.load(io.BytesIO(streamed.getvalue()), name=unique_name())
+    try:
+        assert _content(loaded) == _content(store)
+    finally:
+        loaded.close()
+
+
 def _damaged_variants(data: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
     out = [("empty", b""), ("random", bytes(rng.getrandbits(8) for _ in range(5000))),
            ("foreign msgpack", msgpack.packb({"hello": [1, 2, 3]})),
