@@ -34,6 +34,7 @@ from ._lease import own_token
 from ._snapshot_format import (
     CHUNK,
     FORMAT,
+    crc32,
     REGION_NAMES,
     VERSION,
     Snapshot,
@@ -150,9 +151,9 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
 def _crcs(arrays: list[np.ndarray]) -> list[int]:
     """crc32 of each array; on two threads when it is worth it (zlib releases the GIL)."""
     if sum(a.nbytes for a in arrays) < (8 << 20):
-        return [zlib.crc32(a) for a in arrays]  # type: ignore[arg-type]  # ndarray is a Buffer
+        return [crc32(a) for a in arrays]  # type: ignore[arg-type]  # ndarray is a Buffer
     with ThreadPoolExecutor(2) as ex:
-        return list(ex.map(zlib.crc32, arrays))
+        return list(ex.map(crc32, arrays))
 
 
 def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress | None) -> int:
@@ -172,7 +173,7 @@ def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress
     if head[len(head) - 4 * len(arrays) :] != bytes(4 * len(arrays)):
         raise AssertionError("the snapshot header does not end with its checksums")
     with ThreadPoolExecutor(1) as pool:
-        sums = [pool.submit(zlib.crc32, a) for a in arrays]  # in stream order, beside the writes
+        sums = [pool.submit(crc32, a) for a in arrays]  # in stream order, beside the writes
         try:
             total = _write_parts(f, head, arrays, progress)
         finally:
