@@ -244,8 +244,13 @@ class Core:
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
             raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
         seq_id = int(seq_id)
-        # Ids are never reused, so a remembered slot is right exactly when its row still
-        # holds that id, live: O(1) for every id this process has seen, flat in max_seqs.
+        # A created sequence lives in row id % max_seqs (Store.create_sequence picks its id so);
+        # one a restore placed elsewhere is found once by a scan, then by a hint: ids are never
+        # reused, so a remembered slot is right exactly when its row still holds that id, live.
+        slot = seq_id % self.layout.max_seqs
+        b = slot * SEQ_WORDS
+        if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
+            return slot
         slot = self._slot_hint.get(seq_id)
         if slot is not None:
             b = slot * SEQ_WORDS

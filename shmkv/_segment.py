@@ -411,6 +411,18 @@ def process_start_time(pid: int) -> int:
         return 0
 
 
+_own_start: tuple[int, int] = (0, 0)  # (pid, its start time): this process's, read once
+
+
+def own_start_time() -> int:
+    """:func:`process_start_time` of this process (read once per process: a lease takes it)."""
+    global _own_start
+    pid = os.getpid()
+    if _own_start[0] != pid:
+        _own_start = (pid, process_start_time(pid))
+    return _own_start[1]
+
+
 def pid_alive(pid: int, start_time: int = 0) -> bool:
     """Whether ``pid`` is alive and (when known) is the process started at ``start_time``."""
     if not 0 < pid <= MAX_PID:  # a scribbled word is no process (os.kill would overflow)

@@ -378,6 +378,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
         enc_slot: dict[int, int] = {}
         taken: list[tuple[int, int]] = []
         free_slots = [int(i) for i in np.flatnonzero(t[:, STATE] == 0)]
+        free_set = set(free_slots)
         for s in snap.sequences:
             if s.id not in selected:
                 continue
@@ -390,8 +391,10 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                     f"store {store.name!r} has no free sequence slot for sequence {s.id} of {reader.where} "
                     f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
                 )
-            else:
-                slot = -1 - free_slots.pop(0)  # a new sequence: -1 - the slot it will take
+            else:  # a new sequence: -1 - the slot it will take, its id's own (see Core._slot_of) if free
+                own = s.id % lay.max_seqs
+                slot = -1 - (free_slots.pop(free_slots.index(own)) if own in free_set else free_slots.pop(0))
+                free_set.discard(-1 - slot)
             cap = max(1, min(max(s.capacity, s.length), lay.max_tokens))
             if s.length > lay.max_tokens:
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
@@ -409,7 +412,8 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                         f"store {store.name!r} has no free slot for the encoder cache of sequence {s.id} "
                         f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
                     )
-                enc_slot[s.id] = free_slots.pop(0)
+                enc_slot[s.id] = free_slots.pop()  # from the end: rows of ids to come stay free
+                free_set.discard(enc_slot[s.id])
                 enc_start[s.id] = store._alloc(s.encoder_length, taken, all_layers=True)
                 taken.append((enc_start[s.id], s.encoder_length))
         # stream every array; those selected land in their staged (unpublished) ranges
