@@ -100,6 +100,12 @@ class Pages(Core):
         for a, b in take_interval(self._owed, start, start + count):
             self._dseg.populate(self._cell_ranges(a, b - a))
 
+    def _owes(self, start: int, count: int) -> bool:
+        """Whether any cell of [start, start + count) is owed (see _reserve)."""
+        spans = self._owed
+        i = bisect.bisect_left(spans, (start + count, -1))
+        return i > 0 and spans[i - 1][1] > start
+
     def _fresh(self, start: int, count: int) -> bool:
         """Whether cells [start, start + count) are all owed: allocated, never touched here."""
         return covers(self._owed, start, start + count)
@@ -129,11 +135,11 @@ class Pages(Core):
         not apply: cells touched before, sliding/chunked layers, a quantized dtype, growth."""
         lay = self.layout
         n = k_all.shape[1]
-        if (lay.bounded or self._KS is not None or lay.dtype == "bfloat16" or not n or length + n > cap
-                or k_all.dtype.kind not in "fiu" or v_all.dtype.kind not in "fiu"):
-            return False
         a = start + length
-        if not self._fresh(a, n):
+        if (lay.bounded or self._KS is not None or lay.dtype == "bfloat16" or not n or length + n > cap
+                or k_all.dtype.kind not in "fiu" or v_all.dtype.kind not in "fiu" or not self._fresh(a, n)):
+            if self._owes(start, cap):
+                self._fill(start, cap)  # the appends that write instead go through the mapping
             return False
         for arrs, src in ((self._Kl, k_all), (self._Vl, v_all)):
             for layer in range(lay.layers):
@@ -162,6 +168,12 @@ def file_copier(store: Pages, dst: np.ndarray) -> Callable[[int, int, int, int],
     ``copy(pos, fd, offset, n)`` copies n bytes of file ``fd`` at ``offset`` to byte ``pos``
     of dst in the kernel (Segment.copy_in)."""
     return store._file_copier(dst)
+
+
+def before_appends(store: Pages, start: int, count: int) -> None:
+    """A write handle's first write other than extend: pre-fault what is owed of its range."""
+    if store._owes(start, count):
+        store._fill(start, count)
 
 
 def settle(store: Pages, start: int, length: int, count: int) -> None:

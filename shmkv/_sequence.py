@@ -211,6 +211,8 @@ class Sequence:
             # into it): drop uncommitted tokens, reload the range
             self._pending = [0] * self._L
             self._refresh()
+            if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
+                _pages.before_appends(self._store, self._start, row[CAPACITY])
 
     def _layer(self, layer: object) -> int:
         if type(layer) is not int:

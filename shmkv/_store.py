@@ -278,7 +278,12 @@ class Store(Arena):
                     hdr[_header.W_PREFIX_REUSED] += n
                 else:
                     hdr[_header.W_PREFIX_MISSES] += 1
-        seq = Sequence(self, seq_id, slot, write=True, token=token)
+            seq = Sequence(self, seq_id, slot, write=True, token=token)
+            if self._owes(start, row[CAPACITY]):
+                # its range is allocated, not pre-faulted (_new_row): a step of the row's seqlock
+                # sends the handle's first write down its checked path, where a prefill (extend)
+                # writes through the descriptor and appends pre-fault the range first
+                row[GEN] += 2
         if tier is not None:
             if toks is None:
                 raise InvalidArgumentError("create_sequence: tier= needs prefix= (the prompt's token ids)")
