@@ -247,10 +247,10 @@ class Core:
         # A created sequence lives in row id % max_seqs (Store.create_sequence picks its id so);
         # one a restore placed elsewhere is found once by a scan, then by a hint: ids are never
         # reused, so a remembered slot is right exactly when its row still holds that id, live.
-        slot = seq_id % self.layout.max_seqs
-        b = slot * SEQ_WORDS
+        own = seq_id % self.layout.max_seqs
+        b = own * SEQ_WORDS
         if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
-            return slot
+            return own
         slot = self._slot_hint.get(seq_id)
         if slot is not None:
             b = slot * SEQ_WORDS
