@@ -399,11 +399,11 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
             if s.length > lay.max_tokens:
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
                                      f"store {store.name!r}'s max_tokens={lay.max_tokens}")
-            try:  # allocated, not pre-faulted: the arrays arrive through the descriptor
-                start = store._alloc(cap, taken, stage=True)
+            try:  # from a file the arrays arrive through the descriptor, which allocates (_stage)
+                start = store._alloc(cap, taken, stage=is_file)
             except CacheFullError:
                 cap = max(1, s.length)
-                start = store._alloc(cap, taken, stage=True)
+                start = store._alloc(cap, taken, stage=is_file)
             taken.append((start, cap))
             plan.append((s, slot, start))
             if s.encoder_length:

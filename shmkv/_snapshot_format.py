@@ -266,7 +266,7 @@ class _Reader:
             if n == 0 or n > nbytes - pos or n > CHUNK:
                 raise self.fail(f"byte {at}: a bin of {n} bytes does not fit {what} ({nbytes - pos} left)")
             if dest is not None and copy_in is not None and pool is not None:
-                got = self._copy_into(copy_in, dest, pos, n)
+                got = self._copy_into(copy_in, pos, n)
                 if got < n:
                     raise self.fail(f"truncated at byte {self.offset}: {what} has {pos + got} of {nbytes} bytes")
                 pos += n
@@ -290,23 +290,18 @@ class _Reader:
             raise self.fail(f"checksum mismatch in {what} (data damaged)")
         return None
 
-    def _copy_into(self, copy_in: Callable[[int, int, int, int], None], dest: memoryview, pos: int, n: int) -> int:
-        """``_readinto(dest[pos : pos + n])`` with the file's bytes copied by ``copy_in``."""
-        got = 0
-        if self.pending:
-            got = min(len(self.pending), n)
-            dest[pos : pos + got] = self.pending[:got]
-            self.pending = self.pending[got:]
-            self.offset += got
-        if got < n:  # the buffered file's position is self.offset now (nothing pending)
-            fd = self.f.fileno()
-            k = max(0, min(n - got, os.fstat(fd).st_size - self.offset))
-            if k:
-                copy_in(pos + got, fd, self.offset, k)
-                self.offset += k
-                got += k
-            self.f.seek(self.offset)
-        return got
+    def _copy_into(self, copy_in: Callable[[int, int, int, int], None], pos: int, n: int) -> int:
+        """``_readinto(dest[pos : pos + n])`` with the file's bytes copied by ``copy_in``, all
+        of them: what was read ahead (``pending``) is in the file too, and the destination is
+        written through the descriptor only (its pages may not be allocated yet)."""
+        fd = self.f.fileno()
+        k = max(0, min(n, os.fstat(fd).st_size - self.offset))
+        self.pending = b""  # bytes [offset, offset + len(pending)) of the file
+        if k:
+            copy_in(pos, fd, self.offset, k)
+        self.offset += k
+        self.f.seek(self.offset)
+        return k
 
     def _check_crc(self, data: memoryview, crc: int, what: str) -> None:
         if crc32(data) != crc:
