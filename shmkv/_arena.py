@@ -4,7 +4,6 @@ Their pages (reservation, writes through the descriptor): ``_pages``."""
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from . import _crash, _header
@@ -313,7 +312,7 @@ class Arena(Pages):
             fit = None  # the ranges changed: _alloc looks again (and names the shortfall)
         slot = self._free_slot("a new sequence", near=near)
         # allocated, not pre-faulted: a prefill (extend) writes it through the descriptor and
-        # pre-faults the rest then (_write_new); appends alone fault its pages in as they go
+        # pre-faults the rest then (_write_new); a first append pre-faults it all (before_appends)
         if fit is None:
             fit = self._alloc(capacity, populate=False)
         else:  # the free ranges were just scanned: no second scan on the create path

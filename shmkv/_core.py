@@ -147,9 +147,9 @@ class Core:
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._unit_depth = 0
         self._logged: set[int] = set()
-        # cell intervals this process reserved (see Arena._reserve): [full layers, all layers]
+        # cell intervals this process reserved (see Pages._reserve): [full layers, all layers]
         self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
-        # ... of which these (full layers) are allocated but never touched here (Arena._reserve)
+        # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
         self._owed: list[tuple[int, int]] = []
         self._dbase = self._tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).

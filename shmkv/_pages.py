@@ -159,7 +159,7 @@ class Pages(Core):
 
 
 def write_new(store: Pages, start: int, length: int, cap: int, kv: tuple[np.ndarray, np.ndarray]) -> bool:
-    """``Sequence.extend``'s way into fresh cells (see Arena._write_new)."""
+    """``Sequence.extend``'s way into fresh cells (see Pages._write_new)."""
     return store._write_new(start, length, cap, *kv)
 
 
