@@ -371,6 +371,8 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
     else:
         selected = set(ids)
     total = snap.nbytes
+    # a regular file's arrays are copied by the kernel (sendfile) into ranges only staged for them
+    direct = is_file and _seekable_fd(reader.f) is not None
     with _lock.held(store._lock_path, store.name, store.lock_timeout):
         t = store._table_np
         plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1 - new slot, staged start)
@@ -400,10 +402,10 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
                                      f"store {store.name!r}'s max_tokens={lay.max_tokens}")
             try:  # from a file the arrays arrive through the descriptor, which allocates (_stage)
-                start = store._alloc(cap, taken, stage=is_file)
+                start = store._alloc(cap, taken, stage=direct)
             except CacheFullError:
                 cap = max(1, s.length)
-                start = store._alloc(cap, taken, stage=is_file)
+                start = store._alloc(cap, taken, stage=direct)
             taken.append((start, cap))
             plan.append((s, slot, start))
             if s.encoder_length:
@@ -444,7 +446,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                             f"{REGION_NAMES[part.region]}")
                     # from a file into the main arena: the kernel copies (no zeroing, no user-space copy)
                     copy_in = (_pages.file_copier(store, view)
-                               if dest is not None and is_file and not part.window else None)
+                               if dest is not None and direct and not part.window else None)
                     fut = reader.array(dest, nbytes, int(snap.checksums[k]), what, pool, copy_in=copy_in)
                     if fut is not None:
                         checks.append(fut)

@@ -208,3 +208,26 @@ def test_full_dev_shm_during_a_load_is_cache_full(make_store, tmp_path, monkeypa
     writes.fail_at = 0
     assert store.restore(path) == sorted(before)
     assert _content(store) == before
+
+
+def test_load_from_a_path_that_is_a_pipe(make_store, tmp_path):
+    """A named pipe is a path but not a regular file: its arrays are read, not copied by the kernel."""
+    import threading
+
+    store = make_store(layers=2, kv_heads=4, head_dim=512, dtype="float16", max_tokens=512, max_seqs=8)
+    _fill(store, np.random.default_rng(14))
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+
+    def save() -> None:
+        with open(path, "wb") as f:
+            store.save(f)
+
+    t = threading.Thread(target=save)
+    t.start()
+    loaded = shmkv.load(path, name=unique_name())
+    t.join(timeout=60)
+    try:
+        assert _content(loaded) == _content(store)
+    finally:
+        loaded.close()
