@@ -1,9 +1,8 @@
 """Where the cells of a store go: free ranges, allocation, eviction, relocation, the window
-buffers of sliding/chunked layers, encoder ranges, and cell copies (all under the store lock)."""
+buffers of sliding/chunked layers, encoder ranges, and cell copies (all under the store lock).
+Their pages (reservation, writes through the descriptor): ``_pages``."""
 
 from __future__ import annotations
-
-import bisect
 
 import numpy as np
 
@@ -31,10 +30,10 @@ from .errors import (
     CacheFullError,
     NotSupportedError,
 )
-from ._core import Core
+from ._pages import Pages, add_interval, take_interval  # noqa: F401  (add_interval: tests import it here)
 
 
-class Arena(Core):
+class Arena(Pages):
     """The cell-placing half of a store handle (the table and the lock are ``Core``'s)."""
 
     def _kv_bytes(self, layers: int) -> int:
@@ -42,8 +41,9 @@ class Arena(Core):
         scales = self.layout.kv_heads * 4 if self._KS is not None else 0
         return 2 * layers * (self._off.cell_bytes + scales)
 
-    def _free_slot(self, what: str, evict: bool = False, protect: int = -1) -> int:
-        """A free row of the sequence table (lock held), or CacheFullError.
+    def _free_slot(self, what: str, evict: bool = False, protect: int = -1, near: int = 0) -> int:
+        """A free row of the sequence table (lock held), or CacheFullError: the first at or
+        after row ``near`` (wrapping around).
 
         ``evict``: evict finished sequences (least recently used first, never row ``protect``)
         when no row is free."""
@@ -55,41 +55,51 @@ class Arena(Core):
                 f"store {self.name!r} has no free slot for {what}: all max_seqs={self.layout.max_seqs} rows hold "
                 "sequences or encoder caches; free some, or create the store with a larger max_seqs="
             )
-        return int(free[0])
+        i = int(np.searchsorted(free, near)) if near else 0
+        return int(free[i if i < free.size else 0])
 
     def _free_ranges(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
         """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order.
 
         Derived from the table each time (never stored, so never out of step with it), in numpy:
-        a sort of the live rows' starts, tens of microseconds at 4096 sequences."""
+        a sort of the live rows' starts (nearly sorted already: cheap), ~30 us at 4096 sequences."""
         t = self._table_np
         used = t[:, STATE] != 0
-        starts, caps = t[used, START], t[used, CAPACITY]
+        starts, caps = t[:, START][used], t[:, CAPACITY][used]  # a column first: a cheaper gather
         if taken:
             extra = np.asarray(taken, np.int64).reshape(-1, 2)
             starts, caps = np.concatenate([starts, extra[:, 0]]), np.concatenate([caps, extra[:, 1]])
         order = np.argsort(starts, kind="stable")
-        starts, ends = starts[order], (starts + caps)[order]
-        # end of everything before each range (ranges never overlap, but stay safe if they did)
-        before = np.maximum.accumulate(np.concatenate([[0], ends]))
-        gap_starts = np.concatenate([before[:-1], before[-1:]])
-        gap_ends = np.concatenate([starts, [self.layout.max_tokens]])
-        keep = gap_ends > gap_starts
-        return list(zip(gap_starts[keep].tolist(), (gap_ends - gap_starts)[keep].tolist(), strict=True))
+        starts = starts[order]
+        # gap i lies between the end of range i - 1 (0 for the first) and the start of range i
+        gap_starts = np.empty(starts.size + 1, np.int64)
+        gap_starts[0] = 0
+        np.add(starts, caps[order], out=gap_starts[1:])
+        if starts.size > 1 and not (starts[1:] >= gap_starts[1:-1]).all():
+            np.maximum.accumulate(gap_starts, out=gap_starts)  # ranges never overlap: stay safe if they did
+        gap_ends = np.empty_like(gap_starts)
+        gap_ends[:-1] = starts
+        gap_ends[-1] = self.layout.max_tokens
+        sizes = gap_ends - gap_starts
+        keep = np.flatnonzero(sizes > 0)
+        return list(zip(gap_starts[keep].tolist(), sizes[keep].tolist(), strict=True))
 
     def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
-               evict: bool = False, protect: int = -1) -> int:
+               evict: bool = False, protect: int = -1, *, populate: bool = True, stage: bool = False) -> int:
         """First-fit a range of ``capacity`` cells (lock held); reserve its pages.
 
         ``evict``: evict finished sequences (least recently used first, never row ``protect``)
-        when no free range is large enough."""
+        when no free range is large enough. ``populate``: see _reserve; ``stage``: see _stage."""
         gaps = self._free_ranges(taken)
         fit = next((start for start, size in gaps if size >= capacity), None)
         if fit is None and evict and self._evict(capacity, 0, protect):
             gaps = self._free_ranges(taken)
             fit = next((start for start, size in gaps if size >= capacity), None)
         if fit is not None:
-            self._reserve(fit, capacity, all_layers)
+            if stage:
+                self._stage(fit, capacity)
+            else:
+                self._reserve(fit, capacity, all_layers, populate)
             return fit
         raise CacheFullError(
             f"store {self.name!r} has no free range of {capacity} token cells "
@@ -211,37 +221,6 @@ class Arena(Core):
         self._touch(row)
         self._index_blocks(slot, row[LENGTH])
 
-    def _reserve(self, start: int, count: int, all_layers: bool = False) -> None:
-        """Reserve the pages of cells [start, start + count) (all layers' for an encoder range).
-
-        Pages, once allocated, stay (shmkv never punches holes), so cells this process has
-        reserved before are skipped: a fresh range written by copy_prefix or a move (crash
-        recovery never writes over committed cells) is often one reserved by an earlier move."""
-        done = self._reserved[all_layers]
-        i = bisect.bisect_right(done, (start, 1 << 62)) - 1
-        if i >= 0 and done[i][0] <= start and start + count <= done[i][1]:
-            return
-        off = self._off
-        cb = off.cell_bytes
-        layers = range(self.layout.layers) if all_layers else self._full
-        ranges = [(base + layer * off.layer_stride + start * cb, count * cb)
-                  for base in (off.k_off, off.v_off) for layer in layers]
-        ranges += [(base + start * 8, count * 8) for base in (off.tokens_off, off.positions_off, off.hashes_off)]
-        sb = self.layout.kv_heads * 4
-        ranges += [(base + layer * off.scale_stride + start * sb, count * sb)
-                   for base in (off.ks_off, off.vs_off) for layer in range(self.layout.layers) if off.scale_stride]
-        self._dseg.reserve(ranges)
-        add_interval(done, start, start + count)
-
-    def _reserve_window(self, slot: int) -> None:
-        """Reserve a slot's buffer in every bounded layer (its size never changes)."""
-        off, wc = self._off, self._wc
-        if not wc:
-            return
-        cb = off.cell_bytes
-        self._dseg.reserve([(base + j * off.w_stride + 2 * slot * wc * cb, 2 * wc * cb)  # both buffers
-                            for base in (off.wk_off, off.wv_off) for j in range(len(self.layout.bounded))])
-
     def _wcell(self, slot: int, wbuf: int) -> int:
         """First cell of window buffer ``wbuf`` (0 or 1) of ``slot`` in the bounded layers' arrays."""
         return (2 * slot + wbuf) * self._wc
@@ -294,9 +273,11 @@ class Arena(Core):
         buffers. Returns (new start, new WBUF) for the caller to switch the row to (lock held)."""
         row = self._row(slot)
         start, wb = row[START], row[WBUF]
-        new_start = self._alloc(row[CAPACITY] if capacity is None else capacity, evict=True, protect=protect)
+        cap = row[CAPACITY] if capacity is None else capacity
+        new_start = self._alloc(cap, evict=True, protect=protect, populate=False)
         for src, dst, n in full:
             self._copy_cells(start + src, new_start + dst, n)
+        self._fill(new_start, cap)
         a0, b0 = self._wcell(slot, wb), self._wcell(slot, 1 - wb)
         for src, dst, n in window:
             self._copy_window(a0 + src, b0 + dst, n)
@@ -306,29 +287,39 @@ class Arena(Core):
         """Copy n cells of every layer, token id and position (lock held; overlap-safe)."""
         if n <= 0 or src == dst:
             return
+        # into fresh cells (a new range): through the descriptor, which skips zeroing them
+        fresh = self._fresh(dst, n) and (src + n <= dst or dst + n <= src)
         # one layer at a time: a 4-D slice over all layers spans overlapping address
         # extents, and numpy would then copy through a temporary (half the bandwidth)
         for arrs in ([self._Kl[i] for i in self._full], [self._Vl[i] for i in self._full], self._KS, self._VS):
             for layer in arrs if arrs is not None else ():
-                np.copyto(layer[dst : dst + n], layer[src : src + n])
+                if fresh:
+                    self._put(layer[dst : dst + n], layer[src : src + n])
+                else:
+                    np.copyto(layer[dst : dst + n], layer[src : src + n])
+        if fresh:
+            take_interval(self._owed, dst, dst + n)
         self._tokens[dst : dst + n] = self._tokens[src : src + n]
         self._positions[dst : dst + n] = self._positions[src : src + n]
         self._hashes[dst : dst + n] = self._hashes[src : src + n]
 
-    def _new_row(self, capacity: int, protect: int = -1) -> tuple[int, int]:
-        """A free table row and a reserved range for a new sequence (lock held), evicting
-        finished sequences other than row ``protect`` when there is no room."""
+    def _new_row(self, capacity: int, protect: int = -1, near: int = 0) -> tuple[int, int]:
+        """A free table row (the first at or after row ``near``) and a reserved range for a new
+        sequence (lock held), evicting finished sequences other than row ``protect`` when there
+        is no room."""
         has_row = bool((self._table_np[:, STATE] == 0).any())
         fit = next((start for start, size in self._free_ranges() if size >= capacity), None)
         if not has_row or fit is None:
             # one plan for the row and the cells together: evict only if both then fit
             self._evict(capacity, 1, protect)
             fit = None  # the ranges changed: _alloc looks again (and names the shortfall)
-        slot = self._free_slot("a new sequence")
+        slot = self._free_slot("a new sequence", near=near)
+        # allocated, not pre-faulted: a prefill (extend) writes it through the descriptor and
+        # pre-faults the rest then (_write_new); a first append pre-faults it all (before_appends)
         if fit is None:
-            fit = self._alloc(capacity)
+            fit = self._alloc(capacity, populate=False)
         else:  # the free ranges were just scanned: no second scan on the create path
-            self._reserve(fit, capacity)
+            self._reserve(fit, capacity, populate=False)
         self._reserve_window(slot)
         return slot, fit
 
@@ -352,8 +343,9 @@ class Arena(Core):
                 self._copy_window(src_win, self._wcell(d_slot, d_row[WBUF]), n - lo)
                 _crash.point("copy_prefix.copied")
             else:  # never over dst's committed cells: a fresh range and dst's other window buffer
-                new_start = self._alloc(max(n, d_row[CAPACITY]), evict=True, protect=s_slot)
+                new_start = self._alloc(max(n, d_row[CAPACITY]), evict=True, protect=s_slot, populate=False)
                 self._copy_cells(s_row[START], new_start, n)
+                self._fill(new_start, max(n, d_row[CAPACITY]))
                 wb = 1 - d_row[WBUF]
                 self._copy_window(src_win, self._wcell(d_slot, wb), n - lo)
                 _crash.point("copy_prefix.copied")
@@ -395,10 +387,11 @@ class Arena(Core):
                 return
         for want in dict.fromkeys((new_cap, needed)):
             try:
-                new_start = self._alloc(want, evict=want == needed, protect=protect)
+                new_start = self._alloc(want, evict=want == needed, protect=protect, populate=False)
             except CacheFullError:
                 continue
             self._copy_cells(start, new_start, keep)
+            self._fill(new_start, want)  # the appends that made it grow go on there
             _crash.point("grow.copied")
             row[START] = new_start
             _crash.point("grow.switched")
@@ -409,16 +402,3 @@ class Arena(Core):
             f"is that large ({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free): "
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
-
-
-def add_interval(spans: list[tuple[int, int]], a: int, b: int) -> None:
-    """Add [a, b) to a sorted list of disjoint intervals, merging what touches it."""
-    i = bisect.bisect_left(spans, (a, a))
-    if i and spans[i - 1][1] >= a:
-        i -= 1
-        a = spans[i][0]
-    j = i
-    while j < len(spans) and spans[j][0] <= b:
-        b = max(b, spans[j][1])
-        j += 1
-    spans[i:j] = [(a, b)]

@@ -147,8 +147,11 @@ class Core:
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._unit_depth = 0
         self._logged: set[int] = set()
-        # cell intervals this process reserved (see Arena._reserve): [full layers, all layers]
+        # cell intervals this process reserved (see Pages._reserve): [full layers, all layers]
         self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+        # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
+        self._owed: list[tuple[int, int]] = []
+        self._dbase = self._tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize | None = weakref.finalize(self, _close_segments, hseg, dseg)
         self._finalizer.atexit = False  # at exit the process closes them anyway
@@ -241,8 +244,13 @@ class Core:
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
             raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
         seq_id = int(seq_id)
-        # Ids are never reused, so a remembered slot is right exactly when its row still
-        # holds that id, live: O(1) for every id this process has seen, flat in max_seqs.
+        # A created sequence lives in row id % max_seqs (Store.create_sequence picks its id so);
+        # one a restore placed elsewhere is found once by a scan, then by a hint: ids are never
+        # reused, so a remembered slot is right exactly when its row still holds that id, live.
+        own = seq_id % self.layout.max_seqs
+        b = own * SEQ_WORDS
+        if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
+            return own
         slot = self._slot_hint.get(seq_id)
         if slot is not None:
             b = slot * SEQ_WORDS

@@ -28,6 +28,8 @@ from .errors import AccessDeniedError, CacheFullError, InvalidArgumentError, Sto
 SHM_DIR = "/dev/shm"
 PREFIX = "skv_"
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,24}")
+# errors of a write or an allocation that mean "/dev/shm (or memory) is full"
+_FULL = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
 # Linux only; the value of MADV_POPULATE_WRITE (5.14+), absent from Python 3.11's mmap.
 _MADV_POPULATE_WRITE = 23
 
@@ -166,25 +168,38 @@ class Segment:
             raise
         return cls(name, size, readonly, mm, fd)
 
-    def reserve(self, ranges: list[tuple[int, int]]) -> None:
+    def reserve(self, ranges: list[tuple[int, int]], populate: bool = True) -> None:
         """Allocate the pages of every ``(offset, length)`` range now, or raise CacheFullError.
 
         tmpfs allocates pages on first touch; a touch when /dev/shm is full is a
         SIGBUS that kills the process. posix_fallocate turns that into ENOSPC
-        here, and the following populate pre-faults the pages into our page
-        table, so the first real write runs at full speed.
+        here. ``populate`` then pre-faults the pages into our page table (zeroing
+        them), so the first write through the mapping runs at full speed; without
+        it the pages stay allocated but unzeroed, which is what a range about to be
+        filled through the descriptor (:meth:`write`, :meth:`copy_in`) wants.
         """
         if self.readonly:
             return
-        page = mmap.PAGESIZE
-        spans = []
-        for offset, length in ranges:
-            if length > 0:
-                begin = offset - offset % page
-                spans.append((begin, min(self.size, -(-(offset + length) // page) * page)))
+        spans = self.check_room(ranges)
+        for begin, end in spans:
+            try:
+                os.posix_fallocate(self._fd, begin, end - begin)
+            except OSError as e:
+                if e.errno in _FULL:
+                    raise self._full(end - begin, e) from None
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+        if populate:
+            self._populate(spans)
+
+    def check_room(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """CacheFullError unless /dev/shm and memory have room for the missing pages of the
+        ranges; returns their page-aligned spans. (What :meth:`reserve` checks first, and a
+        range filled straight through :meth:`write` or :meth:`copy_in` checks instead.)"""
+        spans = self._spans(ranges)
         if not spans:
-            return
-        # tmpfs fallocate takes pages one by one until memory runs out: on a
+            return spans
+        # tmpfs fallocate (or a write) takes pages one by one until memory runs out: on a
         # machine whose /dev/shm is as large as RAM that summons the OOM killer
         # before ENOSPC. So refuse up front what cannot fit. See
         # tests/test_capacity.py::test_store_larger_than_dev_shm_fails_cleanly_when_written.
@@ -198,22 +213,89 @@ class Segment:
                     f"/dev/shm or memory has room for {room} more bytes, segment {self.name!r} needs "
                     f"{missing}: free sequences, lower the capacity, or enlarge /dev/shm"
                 )
-        for begin, end in spans:
-            try:
-                os.posix_fallocate(self._fd, begin, end - begin)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    raise CacheFullError(
-                        f"/dev/shm cannot hold {end - begin} more bytes for segment {self.name!r} "
-                        f"({os.strerror(e.errno)}): free sequences, lower the capacity, or enlarge /dev/shm"
-                    ) from None
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
-            if sys.platform.startswith("linux") and self.mm is not None:
+        return spans
+
+    def populate(self, ranges: list[tuple[int, int]]) -> None:
+        """Pre-fault the (already reserved) pages of every ``(offset, length)`` range into our
+        page table, for writes through the mapping."""
+        if not self.readonly:
+            self._populate(self._spans(ranges))
+
+    def _spans(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The page-aligned ``(begin, end)`` spans of the non-empty ranges."""
+        page = mmap.PAGESIZE
+        return [(offset - offset % page, min(self.size, -(-(offset + length) // page) * page))
+                for offset, length in ranges if length > 0]
+
+    def _populate(self, spans: list[tuple[int, int]]) -> None:
+        if sys.platform.startswith("linux") and self.mm is not None:
+            for begin, end in spans:
                 try:
                     self.mm.madvise(_MADV_POPULATE_WRITE, begin, end - begin)
                 except OSError:
-                    pass  # older kernel: first touch stays lazy, the fallocate still guards SIGBUS
+                    return  # older kernel: first touch stays lazy, the fallocate still guards SIGBUS
+
+    def _full(self, nbytes: int, e: OSError) -> CacheFullError:
+        return CacheFullError(
+            f"/dev/shm cannot hold {nbytes} more bytes for segment {self.name!r} "
+            f"({os.strerror(e.errno or 0)}): free sequences, lower the capacity, or enlarge /dev/shm"
+        )
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """Write ``data`` (bytes-like, C-contiguous) at ``offset`` through the descriptor.
+
+        Into pages that are new to the range (holes, or fallocated and never touched) tmpfs
+        copies without zeroing first and without faulting them into our page table: a fresh
+        range filled this way costs about one copy (what ``os.pwrite`` into a new /dev/shm file
+        costs), where zeroing, mapping and a memcpy cost twice that. A full /dev/shm is
+        CacheFullError, never a SIGBUS; what was written of ``data`` stays (in cells no row
+        points to: the caller publishes nothing)."""
+        mv = memoryview(data).cast("B")
+        done, n = 0, len(mv)
+        try:
+            while done < n:
+                done += os.pwrite(self._fd, mv[done:], offset + done)
+        except OSError as e:
+            if e.errno in _FULL:
+                raise self._full(n - done, e) from None
+            raise
+
+    def copy_in(self, src_fd: int, src_offset: int, offset: int, n: int) -> None:
+        """Copy ``n`` bytes of file ``src_fd`` at ``src_offset`` to ``offset`` in the kernel
+        (``os.sendfile``: no copy through user space, no zeroing of new pages; CacheFullError
+        when full, as :meth:`write`). sendfile writes at a descriptor's file position, so it
+        writes through a description of its own (``/proc/self/fd``), no other thread's."""
+        try:
+            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY)
+        except OSError:
+            self._copy_in_slowly(src_fd, src_offset, offset, n)
+            return
+        done = 0
+        try:
+            os.lseek(fd, offset, os.SEEK_SET)
+            while done < n:
+                sent = os.sendfile(fd, src_fd, src_offset + done, n - done)
+                if sent == 0:
+                    raise OSError(errno.EIO, f"end of the source file {n - done} bytes early")
+                done += sent
+        except OSError as e:
+            if e.errno in _FULL:
+                raise self._full(n - done, e) from None
+            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            self._copy_in_slowly(src_fd, src_offset + done, offset + done, n - done)  # no sendfile here
+        finally:
+            os.close(fd)
+
+    def _copy_in_slowly(self, src_fd: int, src_offset: int, offset: int, n: int) -> None:
+        buf = bytearray(min(n, 8 << 20))
+        done = 0
+        while done < n:
+            got = os.preadv(src_fd, [memoryview(buf)[: n - done]], src_offset + done)
+            if got == 0:
+                raise OSError(errno.EIO, f"end of the source file {n - done} bytes early")
+            self.write(offset + done, memoryview(buf)[:got])
+            done += got
 
     def _unallocated(self, begin: int, end: int) -> int:
         """Bytes of ``[begin, end)`` that have no page yet (SEEK_HOLE/SEEK_DATA walk)."""
@@ -327,6 +409,18 @@ def process_start_time(pid: int) -> int:
         return int(data[data.rindex(b")") + 2 :].split()[19])
     except (ValueError, IndexError):
         return 0
+
+
+_own_start: tuple[int, int] = (0, 0)  # (pid, its start time): this process's, read once
+
+
+def own_start_time() -> int:
+    """:func:`process_start_time` of this process (read once per process: a lease takes it)."""
+    global _own_start
+    pid = os.getpid()
+    if _own_start[0] != pid:
+        _own_start = (pid, process_start_time(pid))
+    return _own_start[1]
 
 
 def pid_alive(pid: int, start_time: int = 0) -> bool:

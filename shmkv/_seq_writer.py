@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from . import _crash, _quant, _segment
+from . import _crash, _pages, _quant, _segment
 from ._checks import ints
 from ._header import (
     CAPACITY, FLAGS, GEN, IDX_BLOCKS, LEASE_PID, LEASE_TOKEN, LENGTH, META_BYTES, NOINDEX, START, WBUF, WIN_OFF,
@@ -169,6 +169,8 @@ class SeqWriter:
             # into it): drop uncommitted tokens, reload the range
             self.pending = [0] * self.L
             self.refresh()
+            if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
+                _pages.before_appends(self.store, self.start, row[CAPACITY])
 
     def kv_arrays(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
         """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts)."""
@@ -404,8 +406,12 @@ class SeqWriter:
         if in_steps and lay.bounded and n > lay.step:
             return self.extend_in_steps(k_all, v_all, tokens, positions, lay.step)
         try:
-            for layer in range(self.L):
-                self.append(layer, k_all[layer], v_all[layer])
+            # fresh cells (a prefill): written through the segment's descriptor (no page zeroing)
+            if _pages.write_new(self.store, self.start, self.row[LENGTH], self.row[CAPACITY], (k_all, v_all)):
+                self.pending = [n] * self.L
+            else:
+                for layer in range(self.L):
+                    self.append(layer, k_all[layer], v_all[layer])
             return self.commit(tokens, positions)
         except BaseException:
             self.pending = [0] * self.L

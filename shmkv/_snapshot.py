@@ -19,6 +19,7 @@ import errno
 import os
 import re
 import secrets
+import stat
 import time
 import zlib
 from collections.abc import Callable
@@ -28,11 +29,12 @@ from typing import IO, TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _crash, _header, _lock, _segment
+from . import _crash, _pages, _header, _lock, _segment
 from ._lease import own_token
 from ._snapshot_format import (
     CHUNK,
     FORMAT,
+    crc32,
     REGION_NAMES,
     VERSION,
     Snapshot,
@@ -149,15 +151,52 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
 def _crcs(arrays: list[np.ndarray]) -> list[int]:
     """crc32 of each array; on two threads when it is worth it (zlib releases the GIL)."""
     if sum(a.nbytes for a in arrays) < (8 << 20):
-        return [zlib.crc32(a) for a in arrays]  # type: ignore[arg-type]  # ndarray is a Buffer
+        return [crc32(a) for a in arrays]  # type: ignore[arg-type]  # ndarray is a Buffer
     with ThreadPoolExecutor(2) as ex:
-        return list(ex.map(zlib.crc32, arrays))
+        return list(ex.map(crc32, arrays))
 
 
 def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress | None) -> int:
+    """Write the snapshot of ``seqs`` to ``f`` (at its position); return the bytes written.
+
+    The checksums sit in the header, before the arrays. A file that can be written at an
+    offset (a path target) gets a header with zero checksums first, then the arrays, their
+    crc32 computed meanwhile on a second thread (zlib releases the GIL) over the same bytes,
+    then the checksums written into their place: one pass over the data. A stream gets
+    the checksums first (a reading pass), then everything in order."""
     arrays = [a for s in seqs for a in _arrays(store, s)]
-    crcs = _crcs(arrays)
-    head = _header_bytes(store, seqs, crcs)
+    fd = _seekable_fd(f)
+    if fd is None:
+        return _write_parts(f, _header_bytes(store, seqs, _crcs(arrays)), arrays, progress)
+    head = _header_bytes(store, seqs, [0] * len(arrays))
+    at = f.tell() + len(head) - 4 * len(arrays)  # the checksums: the header's last bytes (a fixed-size bin)
+    if head[len(head) - 4 * len(arrays) :] != bytes(4 * len(arrays)):
+        raise AssertionError("the snapshot header does not end with its checksums")
+    with ThreadPoolExecutor(1) as pool:
+        sums = [pool.submit(crc32, a) for a in arrays]  # in stream order, beside the writes
+        try:
+            total = _write_parts(f, head, arrays, progress)
+        finally:
+            crcs = [s.result() for s in sums]
+    if arrays:
+        f.flush()  # a buffered file: the header must be in the file before its checksums go in
+        os.pwrite(fd, np.asarray(crcs, "<u4").tobytes(), at)
+    return total
+
+
+def _seekable_fd(f: IO[bytes]) -> int | None:
+    """``f``'s descriptor when it is a file that os.pwrite can write at an offset."""
+    try:
+        if not f.seekable():
+            return None
+        fd = f.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def _write_parts(f: IO[bytes], head: bytes, arrays: list[np.ndarray], progress: Progress | None) -> int:
+    """The header, then each array as msgpack bins of at most CHUNK bytes."""
     total = len(head) + sum(a.nbytes + 5 * -(-a.nbytes // CHUNK) for a in arrays)
     done = len(head)
     f.write(head)
@@ -332,6 +371,8 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
     else:
         selected = set(ids)
     total = snap.nbytes
+    # a regular file's arrays are copied by the kernel (sendfile) into ranges only staged for them
+    direct = is_file and _seekable_fd(reader.f) is not None
     with _lock.held(store._lock_path, store.name, store.lock_timeout):
         t = store._table_np
         plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1 - new slot, staged start)
@@ -339,6 +380,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
         enc_slot: dict[int, int] = {}
         taken: list[tuple[int, int]] = []
         free_slots = [int(i) for i in np.flatnonzero(t[:, STATE] == 0)]
+        free_set = set(free_slots)
         for s in snap.sequences:
             if s.id not in selected:
                 continue
@@ -351,17 +393,19 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                     f"store {store.name!r} has no free sequence slot for sequence {s.id} of {reader.where} "
                     f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
                 )
-            else:
-                slot = -1 - free_slots.pop(0)  # a new sequence: -1 - the slot it will take
+            else:  # a new sequence: -1 - the slot it will take, its id's own (see Core._slot_of) if free
+                own = s.id % lay.max_seqs
+                slot = -1 - (free_slots.pop(free_slots.index(own)) if own in free_set else free_slots.pop(0))
+                free_set.discard(-1 - slot)
             cap = max(1, min(max(s.capacity, s.length), lay.max_tokens))
             if s.length > lay.max_tokens:
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
                                      f"store {store.name!r}'s max_tokens={lay.max_tokens}")
-            try:
-                start = store._alloc(cap, taken)
+            try:  # from a file the arrays arrive through the descriptor, which allocates (_stage)
+                start = store._alloc(cap, taken, stage=direct)
             except CacheFullError:
                 cap = max(1, s.length)
-                start = store._alloc(cap, taken)
+                start = store._alloc(cap, taken, stage=direct)
             taken.append((start, cap))
             plan.append((s, slot, start))
             if s.encoder_length:
@@ -370,7 +414,8 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                         f"store {store.name!r} has no free slot for the encoder cache of sequence {s.id} "
                         f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
                     )
-                enc_slot[s.id] = free_slots.pop(0)
+                enc_slot[s.id] = free_slots.pop()  # from the end: rows of ids to come stay free
+                free_set.discard(enc_slot[s.id])
                 enc_start[s.id] = store._alloc(s.encoder_length, taken, all_layers=True)
                 taken.append((enc_start[s.id], s.encoder_length))
         # stream every array; those selected land in their staged (unpublished) ranges
@@ -395,10 +440,14 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                         dest = memoryview(buf).cast("B")  # type: ignore[arg-type]
                     else:
                         a = enc_start[s.id] if part.encoder else p[2]
-                        dest = memoryview(arr[part.layer, a : a + part.tokens]).cast("B")
+                        view = arr[part.layer, a : a + part.tokens]
+                        dest = memoryview(view).cast("B")
                     what = (f"sequence {s.id} layer {part.layer} {'encoder ' if part.encoder else ''}"
                             f"{REGION_NAMES[part.region]}")
-                    fut = reader.array(dest, nbytes, int(snap.checksums[k]), what, pool)
+                    # from a file into the main arena: the kernel copies (no zeroing, no user-space copy)
+                    copy_in = (_pages.file_copier(store, view)
+                               if dest is not None and direct and not part.window else None)
+                    fut = reader.array(dest, nbytes, int(snap.checksums[k]), what, pool, copy_in=copy_in)
                     if fut is not None:
                         checks.append(fut)
                     k += 1
@@ -409,6 +458,8 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                 fut.result()  # raises the first mismatch
         if is_file and not reader.at_end():
             raise reader.fail(f"unexpected data after the last array (byte {reader.offset})")
+        for s, _, start in plan:  # written: now the rest of each range
+            _pages.settle(store, start, s.length, next(c for st_, c in taken if st_ == start))
         # everything checked: publish
         # one atomic unit: after a crash, every sequence as it was (crash recovery in _store)
         with store._unit():

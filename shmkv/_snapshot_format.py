@@ -60,6 +60,12 @@ CHUNK = 64 << 20
 # 16M tokens. Anything larger is refused before it is buffered further.
 MAX_HEADER = 256 << 20
 MAX_ID = (1 << 62) - 1  # sequence ids (the next id, id + 1, must fit an int64 word)
+
+try:  # ISA-L's CRC-32 (extra "fast": pip install 'shmkv[fast]'): zlib's very values, about 5x faster
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - without the extra
+    from zlib import crc32
+CRC32 = crc32.__module__  # which one (tools/bench.py prints it)
 # what every snapshot starts with: a map whose first entry is format: "shmkv-snapshot"
 _MAGIC = msgpack.packb("format") + msgpack.packb(FORMAT)
 
@@ -231,11 +237,14 @@ class _Reader:
         return got
 
     def array(self, dest: memoryview | None, nbytes: int, crc: int, what: str,
-              pool: ThreadPoolExecutor | None = None) -> Future[None] | None:
+              pool: ThreadPoolExecutor | None = None, *,
+              copy_in: Callable[[int, int, int, int], None] | None = None) -> Future[None] | None:
         """Read one array of ``nbytes`` into ``dest`` (or a scratch buffer) and check its crc.
 
         With a ``pool`` and a ``dest``, the crc is checked on the pool (overlapping
         the next read) and the returned future raises SnapshotError on a mismatch.
+        ``copy_in(pos, fd, offset, n)``, for a file source: copies the file's bytes at
+        ``offset`` to ``dest[pos:]`` itself (in the kernel, see _arena.file_copier).
         """
         deferred = pool is not None and dest is not None
         c = 0
@@ -256,6 +265,12 @@ class _Reader:
             n = int.from_bytes(lb, "big")
             if n == 0 or n > nbytes - pos or n > CHUNK:
                 raise self.fail(f"byte {at}: a bin of {n} bytes does not fit {what} ({nbytes - pos} left)")
+            if dest is not None and copy_in is not None and pool is not None:
+                got = self._copy_into(copy_in, pos, n)
+                if got < n:
+                    raise self.fail(f"truncated at byte {self.offset}: {what} has {pos + got} of {nbytes} bytes")
+                pos += n
+                continue
             if dest is not None:
                 target = dest[pos : pos + n]
             else:
@@ -266,7 +281,7 @@ class _Reader:
             if got < n:
                 raise self.fail(f"truncated at byte {self.offset}: {what} has {pos + got} of {nbytes} bytes")
             if not deferred:
-                c = zlib.crc32(target, c)
+                c = crc32(target, c)
             pos += n
         if deferred:
             assert pool is not None and dest is not None
@@ -275,8 +290,21 @@ class _Reader:
             raise self.fail(f"checksum mismatch in {what} (data damaged)")
         return None
 
+    def _copy_into(self, copy_in: Callable[[int, int, int, int], None], pos: int, n: int) -> int:
+        """``_readinto(dest[pos : pos + n])`` with the file's bytes copied by ``copy_in``, all
+        of them: what was read ahead (``pending``) is in the file too, and the destination is
+        written through the descriptor only (its pages may not be allocated yet)."""
+        fd = self.f.fileno()
+        k = max(0, min(n, os.fstat(fd).st_size - self.offset))
+        self.pending = b""  # bytes [offset, offset + len(pending)) of the file
+        if k:
+            copy_in(pos, fd, self.offset, k)
+        self.offset += k
+        self.f.seek(self.offset)
+        return k
+
     def _check_crc(self, data: memoryview, crc: int, what: str) -> None:
-        if zlib.crc32(data) != crc:
+        if crc32(data) != crc:
             raise self.fail(f"checksum mismatch in {what} (data damaged)")
 
     def at_end(self) -> bool:

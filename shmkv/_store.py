@@ -235,15 +235,17 @@ class Store(Arena):
         token = new_token()
         with self._locked():
             n, _, donor = self._index.match(toks) if toks is not None else (0, 0, -1)
+            # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
+            next_id, rows = self._hdr[_header.W_NEXT_ID], self.layout.max_seqs
             try:
-                slot, start = self._new_row(max(capacity, n), protect=donor if n else _protect)
+                slot, start = self._new_row(max(capacity, n), protect=donor if n else _protect, near=next_id % rows)
             except CacheFullError:
                 if n == 0:
                     raise
                 n, donor = 0, -1  # only the donor's eviction makes room: a miss, which may evict it
-                slot, start = self._new_row(capacity, protect=_protect)
+                slot, start = self._new_row(capacity, protect=_protect, near=next_id % rows)
             row = self._row(slot)
-            seq_id = self._hdr[_header.W_NEXT_ID]
+            seq_id = next_id + (slot - next_id) % rows  # the next id of that row: ids skip the rows in use
             self._hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
             with self._unit():  # the row and its prefix: both, or after a crash neither
                 with self._changing(row):
@@ -261,7 +263,7 @@ class Store(Arena):
                     self._log_meta(slot)
                     self._meta[slot, :8] = 0
                     self._touch(row)
-                    row[LEASE_START] = _segment.process_start_time(os.getpid())
+                    row[LEASE_START] = _segment.own_start_time()
                     row[LEASE_TOKEN] = token
                     row[LEASE_PID] = os.getpid()
                     row[STATE] = LIVE
@@ -276,7 +278,12 @@ class Store(Arena):
                     hdr[_header.W_PREFIX_REUSED] += n
                 else:
                     hdr[_header.W_PREFIX_MISSES] += 1
-        seq = Sequence(self, seq_id, slot, write=True, token=token)
+            seq = Sequence(self, seq_id, slot, write=True, token=token)
+            if self._owes(start, row[CAPACITY]):
+                # its range is allocated, not pre-faulted (_new_row): a step of the row's seqlock
+                # sends the handle's first write down its checked path, where a prefill (extend)
+                # writes through the descriptor and appends pre-fault the range first
+                row[GEN] += 2
         if tier is not None:
             if toks is None:
                 raise InvalidArgumentError("create_sequence: tier= needs prefix= (the prompt's token ids)")
@@ -314,7 +321,7 @@ class Store(Arena):
             if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
                 row[FLAGS] &= ~FINISHED
                 self._touch(row)
-            row[LEASE_START] = _segment.process_start_time(os.getpid())
+            row[LEASE_START] = _segment.own_start_time()
             row[LEASE_TOKEN] = token
             _crash.point("lease.taken")
             row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands

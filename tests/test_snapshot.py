@@ -124,6 +124,57 @@ def test_streams_and_layout_mismatch(make_store):
         assert other.sequences() == []
 
 
+def test_save_to_a_file_object_at_an_offset(make_store, tmp_path):
+    """The checksums go into the header after the arrays (written meanwhile, issue 16): also
+    into a buffered file that already holds other bytes, and the result reads back."""
+    store = make_store(max_tokens=512)
+    _fill(store, np.random.default_rng(5), n_seqs=2)  # small: it all stays in the file's buffer
+    path = tmp_path / "inside.bin"
+    prefix = b"not a snapshot: a header of someone else's"
+    with open(path, "wb") as f:  # buffered, seekable: the checksums are patched in place
+        f.write(prefix)
+        n = store.save(f)
+        f.write(b"tail")
+    data = path.read_bytes()
+    assert len(data) == len(prefix) + n + 4
+    streamed = io.BytesIO()  # no descriptor: the checksums first, as before
+    store.save(streamed)
+    assert data[len(prefix) : len(prefix) + n] == streamed.getvalue()
+    loaded = shmkv.load(io.BytesIO(streamed.getvalue()), name=unique_name())
+    try:
+        assert _content(loaded) == _content(store)
+    finally:
+        loaded.close()
+
+
+def test_the_checksum_is_zlibs_crc32_whichever_computes_it(make_store, tmp_path, monkeypatch):
+    """With the "fast" extra, ISA-L computes the checksums: the same CRC-32 as zlib's, so
+    a snapshot written with one loads with the other (issue 16)."""
+    import zlib
+
+    from shmkv import _snapshot, _snapshot_format
+
+    rng = np.random.default_rng(6)
+    for n in (0, 1, 7, 4096, 1 << 20):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert _snapshot_format.crc32(data) == zlib.crc32(data)
+        assert _snapshot_format.crc32(data, 12345) == zlib.crc32(data, 12345)
+    store = make_store(max_tokens=512)
+    _fill(store, rng)
+    before = _content(store)
+    fast, plain = tmp_path / "fast.shmkv", tmp_path / "plain.shmkv"
+    store.save(fast)
+    for module in (_snapshot, _snapshot_format):
+        monkeypatch.setattr(module, "crc32", zlib.crc32)
+    store.save(plain)
+    assert fast.read_bytes() == plain.read_bytes()
+    loaded = shmkv.load(fast, name=unique_name())
+    try:
+        assert _content(loaded) == before
+    finally:
+        loaded.close()
+
+
 def _damaged_variants(data: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
     out = [("empty", b""), ("random", bytes(rng.getrandbits(8) for _ in range(5000))),
            ("foreign msgpack", msgpack.packb({"hello": [1, 2, 3]})),

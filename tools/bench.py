@@ -145,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
     results: dict[str, float] = {}
+    from shmkv._snapshot_format import CRC32
+
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"numpy {np.__version__}{', quick' if a.quick else ''}", flush=True)
+          f"numpy {np.__version__}, snapshot crc32 from {CRC32}{', quick' if a.quick else ''}", flush=True)
     t_all = time.perf_counter()
     for name in names:
         if name == "wait" and not has_wait():
