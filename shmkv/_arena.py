@@ -185,7 +185,7 @@ class Arena(Pages):
         """A sequence's packed metadata, as stored (the caller checks the row's seqlock)."""
         rec = self._meta[slot]
         n = int.from_bytes(rec[:8].tobytes(), "little")
-        return rec[8 : 8 + min(n, _header.META_BYTES)].tobytes()
+        return bytes(rec[8 : 8 + min(n, _header.META_BYTES)].tobytes())
 
     def _touch(self, row: memoryview) -> None:
         """Mark a use of a sequence for LRU eviction (lock held)."""

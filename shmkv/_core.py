@@ -153,7 +153,8 @@ class Core:
         self._owed: list[tuple[int, int]] = []
         self._dbase = self._tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
-        self._finalizer: weakref.finalize | None = weakref.finalize(self, _close_segments, hseg, dseg)
+        self._finalizer: weakref.finalize[[Segment, Segment], Core] | None = weakref.finalize(
+            self, _close_segments, hseg, dseg)
         self._finalizer.atexit = False  # at exit the process closes them anyway
 
     def _check_open(self) -> None:

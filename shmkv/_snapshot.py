@@ -151,7 +151,7 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
 def _crcs(arrays: list[np.ndarray]) -> list[int]:
     """crc32 of each array; on two threads when it is worth it (zlib releases the GIL)."""
     if sum(a.nbytes for a in arrays) < (8 << 20):
-        return [crc32(a) for a in arrays]  # type: ignore[arg-type]  # ndarray is a Buffer
+        return [crc32(a) for a in arrays]
     with ThreadPoolExecutor(2) as ex:
         return list(ex.map(crc32, arrays))
 

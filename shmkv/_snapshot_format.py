@@ -62,9 +62,10 @@ MAX_HEADER = 256 << 20
 MAX_ID = (1 << 62) - 1  # sequence ids (the next id, id + 1, must fit an int64 word)
 
 try:  # ISA-L's CRC-32 (extra "fast": pip install 'shmkv[fast]'): zlib's very values, about 5x faster
-    from isal.isal_zlib import crc32
+    from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - without the extra
-    from zlib import crc32
+    from zlib import crc32 as _crc32
+crc32 = _crc32  # the checksum of every array (this module's name for it)
 CRC32 = crc32.__module__  # which one (tools/bench.py prints it)
 # what every snapshot starts with: a map whose first entry is format: "shmkv-snapshot"
 _MAGIC = msgpack.packb("format") + msgpack.packb(FORMAT)
