@@ -89,7 +89,7 @@ class Core:
         self._hseg, self._dseg = hseg, dseg
         self._lock_path = _segment.lock_path(name)
         self._lock = _lock.StoreLock(self._lock_path, name, readonly=hseg.readonly)
-        self._identity = int(np.frombuffer(hseg.mm, np.int64, 1, 8 * _header.W_IDENTITY)[0])  # type: ignore[arg-type]
+        self._identity = int(hseg.array(np.int64, 1, 8 * _header.W_IDENTITY)[0])
         off = self._off = _header.offsets(layout, max_clients)
         hmm, dmm = hseg.mm, dseg.mm
         assert hmm is not None and dmm is not None

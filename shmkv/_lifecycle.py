@@ -169,8 +169,8 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
         try:
             _prepare_lock_file(name, mode)
             hseg.reserve([(0, off.header_bytes)])
-            words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
-            raw = np.frombuffer(hseg.mm, np.uint8)  # type: ignore[arg-type]
+            words = hseg.array(np.int64, _header.FIXED_BYTES // 8)
+            raw = hseg.array(np.uint8)
             pid = os.getpid()
             _header.write(words, raw, layout, off, max_clients=max_clients, creator_pid=pid,
                           creator_start=_segment.process_start_time(pid), persistent=persistent,
@@ -258,15 +258,15 @@ def store_owners(name: str) -> Owners | Unjudged:
 
 
 def _owners_in(hseg: Segment, name: str) -> Owners | Unjudged:
-    words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
+    words = hseg.array(np.int64, _header.FIXED_BYTES // 8)
     if int(words[_header.W_MAGIC]) == _header.MAGIC and int(words[_header.W_VERSION]) != _header.FORMAT_VERSION:
         return Unjudged.OTHER_VERSION
     try:
-        layout, max_clients = _header.read(words, np.frombuffer(hseg.mm, np.uint8), hseg.size, name)  # type: ignore[arg-type]
+        layout, max_clients = _header.read(words, hseg.array(np.uint8), hseg.size, name)
     except CorruptStoreError:
         return Unjudged.UNREADABLE
     off = _header.offsets(layout, max_clients)
-    clients = np.frombuffer(hseg.mm, np.int64, max_clients * CLIENT_WORDS, off.client_off)  # type: ignore[arg-type]
+    clients = hseg.array(np.int64, max_clients * CLIENT_WORDS, off.client_off)
     return Owners(creator=(int(words[_header.W_CREATOR_PID]), int(words[_header.W_CREATOR_START])),
                   clients=[(int(p), int(s)) for p, s in clients.reshape(-1, CLIENT_WORDS)[:, :2] if p],
                   persistent=bool(words[_header.W_PERSISTENT]))

@@ -23,7 +23,12 @@ import re
 import stat
 import sys
 
-from .errors import AccessDeniedError, CacheFullError, InvalidArgumentError, StoreExistsError, StoreNotFound
+import numpy as np
+from numpy.typing import DTypeLike
+
+from .errors import (
+    AccessDeniedError, CacheFullError, InvalidArgumentError, StoreClosedError, StoreExistsError, StoreNotFound,
+)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "skv_"
@@ -316,6 +321,13 @@ class Segment:
         except OSError:
             return end - begin
         return missing
+
+    def array(self, dtype: DTypeLike, count: int = -1, offset: int = 0) -> np.ndarray:
+        """A numpy view of ``count`` items at byte ``offset`` of the mapping (the caller drops it
+        before close: a view must not outlive its mapping)."""
+        if self.mm is None:
+            raise StoreClosedError(f"segment {self.name!r} is closed")
+        return np.frombuffer(self.mm, dtype, count, offset)
 
     def close(self) -> None:
         mm, self.mm = self.mm, None

@@ -494,7 +494,7 @@ def _magic_words(name: str, *which: int) -> tuple[int, ...] | None:
     try:
         if hseg.size < _header.FIXED_BYTES:
             return None
-        words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8)  # type: ignore[arg-type]
+        words = hseg.array(np.int64, _header.FIXED_BYTES // 8)
         out = tuple(int(words[w]) for w in which) if int(words[_header.W_MAGIC]) == _header.MAGIC else None
         del words
         return out
@@ -578,14 +578,14 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
     except StoreNotFound:
         raise StoreNotFound(f"no store named {name!r} (shmkv.list_stores() or `shmkv ls` lists them)") from None
     try:
-        words = np.frombuffer(hseg.mm, np.int64, _header.FIXED_BYTES // 8) if hseg.size >= 512 else None  # type: ignore[arg-type]
+        words = hseg.array(np.int64, _header.FIXED_BYTES // 8) if hseg.size >= 512 else None
         deadline = time.monotonic() + timeout
         while words is not None and int(words[_header.W_MAGIC]) == 0 and time.monotonic() < deadline:
             time.sleep(0.001)  # the creator writes the magic last
-        raw = np.frombuffer(hseg.mm, np.uint8)  # type: ignore[arg-type]
+        raw = hseg.array(np.uint8)
         layout, max_clients = _header.read(words if words is not None else np.zeros(64, np.int64), raw,
                                            hseg.size, name)
-        persistent = bool(words[_header.W_PERSISTENT])  # type: ignore[index]
+        persistent = words is not None and bool(words[_header.W_PERSISTENT])  # (read() refused a short one)
         del words, raw
         dseg = Segment.open(_segment.data_name(name), readonly)
         off = _header.offsets(layout, max_clients)
