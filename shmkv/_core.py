@@ -199,8 +199,10 @@ class Core:
         a read-only reader cannot roll back, so it reads the logged old words (crash recovery)."""
         for i in range(self._hdr[_header.W_UNDO_COUNT]):
             if self._undo_np[i, 0] & _SLOT_MASK == slot:
-                return self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()  # type: ignore[no-any-return]
-        return self._table_np[slot].tolist()  # type: ignore[no-any-return]
+                logged: list[int] = self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()
+                return logged
+        words: list[int] = self._table_np[slot].tolist()
+        return words
 
     # -- clients ---------------------------------------------------------------
 

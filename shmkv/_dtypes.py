@@ -27,7 +27,7 @@ def canonical(dtype: object) -> str:
         name = "bfloat16"  # ml_dtypes.bfloat16
     if name is None:
         try:
-            name = np.dtype(dtype).name  # type: ignore[call-overload]
+            name = np.dtype(dtype).name  # type: ignore[call-overload]  # any object: a TypeError is caught
         except TypeError:
             raise InvalidArgumentError(f"dtype={dtype!r} is not a dtype: use one of {sorted(_TABLE)}") from None
     if name in _PLANNED:

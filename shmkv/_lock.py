@@ -236,7 +236,7 @@ class StoreLock:
             raise RuntimeError(f"the lock of store {self.name!r} is not held")
         if state.depth == 1:
             # Check ownership before changing anything: RLock.release raises for a foreign thread.
-            if not state.rlock._is_owned():  # type: ignore[attr-defined]
+            if not state.rlock._is_owned():  # type: ignore[attr-defined]  # RLock's owner check, not public
                 raise RuntimeError(f"the lock of store {self.name!r} is held by another thread")
             try:
                 fcntl.flock(state.fd, fcntl.LOCK_UN)
@@ -391,7 +391,7 @@ def lifecycle_op(fn: F) -> F:
             finally:
                 _drop_lifecycle_file_if_no_store(name)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature; mypy cannot see it
 
 
 def _drop_lifecycle_file_if_no_store(name: str) -> None:

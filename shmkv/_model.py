@@ -56,7 +56,7 @@ class SeqCache:
         self.seq = seq
 
     def put(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.seq.append(layer, k, v)  # type: ignore[attr-defined,no-any-return]
+        return self.seq.append(layer, k, v)  # type: ignore[attr-defined,no-any-return]  # a shmkv.Sequence
 
 
 def rope(x: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -117,7 +117,7 @@ class Pages(Core):
         if src.shape != dst.shape or not dst.flags.c_contiguous:
             raise ValueError(f"_put: {src.shape} into {dst.shape}")
         if src.nbytes:
-            self._dseg.write(dst.ctypes.data - self._dbase, memoryview(src).cast("B"))  # type: ignore[arg-type]
+            self._dseg.write(dst.ctypes.data - self._dbase, memoryview(src).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
 
     def _file_copier(self, dst: np.ndarray) -> Callable[[int, int, int, int], None]:
         base, seg = dst.ctypes.data - self._dbase, self._dseg

@@ -136,7 +136,7 @@ def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
             {"id": s.id, "length": s.length, "capacity": s.capacity, "window_offset": s.window_offset,
              "encoder_length": s.encoder_length, "finished": s.finished, "recency": s.recency, "clean": s.clean,
              "meta": s.meta,
-             "tokens": s.tokens.astype("<i8").tobytes(), "positions": s.positions.astype("<i8").tobytes()}  # type: ignore[union-attr]
+             "tokens": s.tokens.astype("<i8").tobytes(), "positions": s.positions.astype("<i8").tobytes()}  # type: ignore[union-attr]  # captured: never None
             for s in seqs
         ],
         "chunk": CHUNK,
@@ -437,7 +437,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                     elif part.window:
                         buf = windows[(s.id, part.region, part.layer)] = np.empty((part.tokens, *arr.shape[2:]),
                                                                                    arr.dtype)
-                        dest = memoryview(buf).cast("B")  # type: ignore[arg-type]
+                        dest = memoryview(buf).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
                     else:
                         a = enc_start[s.id] if part.encoder else p[2]
                         view = arr[part.layer, a : a + part.tokens]

@@ -170,7 +170,7 @@ class Store(Arena):
         self._closed = True
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._hdr = self._table = None  # type: ignore[assignment]
+        self._hdr = self._table = None  # type: ignore[assignment]  # closed: no use reaches them any more
         self._lock.close()
         self._hseg.close()
         self._dseg.close()
