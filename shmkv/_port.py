@@ -9,7 +9,10 @@ public ``shmkv.Store``.
 
 Its fields are the store's own arrays and bound methods, not wrappers: a part copies what
 its hot path uses into its own slots once, and append/commit/truncate call the store's
-methods with no layer in between. What each one does is said where it is defined
+methods with no layer in between. The store holds its port weakly (``_arena.port``): the
+handles keep it, and it is made again when none is left. Not frozen: its ``__init__`` is on
+``store.sequence(id)``'s path then, and a frozen one costs twice as much (its fields are
+never assigned after it). What each one does is said where it is defined
 (``_core.Core``, ``_arena.Arena``); the lock a method needs is said there too.
 
 This module holds the type only (no import of ``_core`` or ``_arena``: no circle).
@@ -29,7 +32,7 @@ Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Arena._rewrite
 __all__ = ["Arrays", "Port"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)
+@dataclass(slots=True, kw_only=True, weakref_slot=True)
 class Port:
     """What the sequence layer may use of one store handle (see the module docstring).
 
