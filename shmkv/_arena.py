@@ -58,7 +58,10 @@ class Arena(Pages):
                  relocate=self._relocate, rewrite=self._rewrite, set_encoder=self._set_encoder,
                  copy_all_layers=self._copy_all_layers, wcell=self._wcell, kv_bytes=self._kv_bytes,
                  free_row=self._free_row, get_meta=self._get_meta, set_meta=self._set_meta,
-                 index_blocks=self._index_blocks, touch=self._touch)
+                 index_blocks=self._index_blocks, touch=self._touch,
+                 hdr=self._hdr, table_np=self._table_np, lock_path=self._lock_path, check_open=self._check_open,
+                 check_writable=self._check_writable, slot_of=self._slot_of, alloc=self._alloc,
+                 reserve_window=self._reserve_window, drop_encoder=self._drop_encoder, restored=self._restored)
         self._port = weakref.ref(p)
         return p
 

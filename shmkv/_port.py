@@ -16,6 +16,11 @@ never assigned after it). What each one does is said where it is defined
 (``_core.Core``, ``_arena.Arena``); the lock a method needs is said there too.
 
 This module holds the type only (no import of ``_core`` or ``_arena``: no circle).
+
+The last group of fields is prepared for ``_snapshot`` (save / restore), which still reaches
+into the store today (its entries in tests/test_architecture.py's KNOWN_PRIVATE_ACCESS):
+with them, and the arrays, locks and rows above, it can switch to ``_arena.port(store)`` and
+those 25 entries go. Nothing in the sequence layer uses them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -32,9 +38,22 @@ Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Arena._rewrite
 __all__ = ["Arrays", "Port"]
 
 
+class SetEncoder(Protocol):
+    """``Arena._set_encoder``: a restore passes the range and row it staged."""
+
+    def __call__(self, parent: memoryview, n: int, start: int | None = ..., slot: int | None = ...) -> int: ...
+
+
+class CheckLease(Protocol):
+    """``Core._check_not_leased_by_other``: a restore allows its own lease token."""
+
+    def __call__(self, row: memoryview, seq_id: int, allow_token: int = ...) -> None: ...
+
+
 @dataclass(slots=True, kw_only=True, weakref_slot=True)
 class Port:
-    """What the sequence layer may use of one store handle (see the module docstring).
+    """What the sequence layer (and, next, ``_snapshot``) may use of one store handle (see the
+    module docstring).
 
     Arrays (the data segment; views, never copies):
         K, V: main-arena keys and values ``[layers, max_tokens, kv_heads, head_dim]``
@@ -65,6 +84,17 @@ class Port:
         get_meta, set_meta: a sequence's packed metadata.
         index_blocks: put completed 16-token blocks into the prefix index.
         touch: mark a use (LRU eviction of finished sequences).
+
+    For ``_snapshot`` (unused until it switches over):
+        hdr: the fixed header as int64 words (``_header.W_*``: next id, undo count, ...).
+        table_np: the sequence table as an int64 array ``[max_seqs, SEQ_WORDS]`` (a live view).
+        lock_path: the store lock's file (a save takes it shared, a restore exclusively).
+        check_open, check_writable: StoreClosedError / ReadOnlyError, as the API raises them.
+        slot_of: the table row of a live sequence id (SequenceNotFound).
+        alloc: first-fit a range of cells and reserve its pages (``Arena._alloc``'s keywords).
+        reserve_window: reserve a slot's window buffers.
+        drop_encoder: free a sequence's encoder row.
+        restored: a restored row's prefix-cache state, recency and index entries.
     """
 
     # arrays
@@ -87,11 +117,11 @@ class Port:
     reading: Callable[[], AbstractContextManager[None]]
     changing: Callable[[memoryview], AbstractContextManager[None]]
     unit: Callable[[], AbstractContextManager[None]]
-    check_not_leased_by_other: Callable[[memoryview, int], None]
+    check_not_leased_by_other: CheckLease
     # cells and rows
     relocate: Callable[[int, memoryview, int, int], None]
     rewrite: Callable[[int, Parts, Parts], tuple[int, int]]
-    set_encoder: Callable[[memoryview, int], int]
+    set_encoder: SetEncoder
     copy_all_layers: Callable[[int, int, int], None]
     wcell: Callable[[int, int], int]
     kv_bytes: Callable[[int], int]
@@ -100,3 +130,14 @@ class Port:
     set_meta: Callable[[int, bytes], None]
     index_blocks: Callable[[int, int], None]
     touch: Callable[[memoryview], None]
+    # for _snapshot (see the module docstring): what it needs beyond the fields above
+    hdr: memoryview
+    table_np: np.ndarray
+    lock_path: str
+    check_open: Callable[[], None]
+    check_writable: Callable[[], None]
+    slot_of: Callable[[object], int]
+    alloc: Callable[..., int]  # (capacity, taken=None, *, all_layers=False, ...): keywords grow (issue 16)
+    reserve_window: Callable[[int], None]
+    drop_encoder: Callable[[memoryview], None]
+    restored: Callable[[int, bool, int, bytes], None]

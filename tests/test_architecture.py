@@ -30,9 +30,10 @@ KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 
 # (accessing module, attribute) pairs: code in the accessing module reads or
 # writes an underscore attribute that a class of another module defines.
-# Today: _snapshot reaches into Store's arrays and helpers. (_sequence and its parts,
-# _seq_reader/_seq_writer/_seq_structural, go through the store's narrow core,
-# _port.Port from _arena.port(store), and touch no store underscore.)
+# Today: _snapshot reaches into Store's arrays and helpers; _port.Port already has a field
+# for each of its 25 entries (hdr, table_np, alloc, ...): switching it to _arena.port(store)
+# removes them. (_sequence and its parts, _seq_reader/_seq_writer/_seq_structural, go
+# through that narrow core and touch no store underscore.)
 KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = {
     ("_snapshot", "_K"), ("_snapshot", "_KS"), ("_snapshot", "_Kl"), ("_snapshot", "_V"),
     ("_snapshot", "_VS"), ("_snapshot", "_Vl"), ("_snapshot", "_alloc"), ("_snapshot", "_changing"),
