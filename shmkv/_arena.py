@@ -4,9 +4,12 @@ Their pages (reservation, writes through the descriptor): ``_pages``."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from . import _crash, _header
+from ._port import Port
 from ._header import (
     WBUF,
     CAPACITY,
@@ -33,8 +36,34 @@ from .errors import (
 from ._pages import Pages, add_interval, take_interval  # noqa: F401  (add_interval: tests import it here)
 
 
+def port(store: Arena) -> Port:
+    """``store``'s narrow core: what ``Sequence`` and its parts work through (see ``_port``)."""
+    ref = store._port
+    p = ref() if ref is not None else None
+    return p if p is not None else store._open_port()
+
+
 class Arena(Pages):
     """The cell-placing half of a store handle (the table and the lock are ``Core``'s)."""
+
+    # Its Port, made once and kept while a handle holds it: the store holds it weakly, as the
+    # port holds the store's bound methods (a cycle would leave a dropped store to the cyclic GC).
+    _port: weakref.ref[Port] | None = None
+
+    def _open_port(self) -> Port:
+        p = Port(K=self._K, V=self._V, KS=self._KS, VS=self._VS, Kl=self._Kl, Vl=self._Vl, Kr=self._Kr, Vr=self._Vr,
+                 KSl=self._KSl, VSl=self._VSl, tokens=self._tokens, positions=self._positions,
+                 row=self._row, settled_row=self._settled_row, locked=self._locked, reading=self._reading,
+                 changing=self._changing, unit=self._unit, check_not_leased_by_other=self._check_not_leased_by_other,
+                 relocate=self._relocate, rewrite=self._rewrite, set_encoder=self._set_encoder,
+                 copy_all_layers=self._copy_all_layers, wcell=self._wcell, kv_bytes=self._kv_bytes,
+                 free_row=self._free_row, get_meta=self._get_meta, set_meta=self._set_meta,
+                 index_blocks=self._index_blocks, touch=self._touch,
+                 hdr=self._hdr, table_np=self._table_np, lock_path=self._lock_path, check_open=self._check_open,
+                 check_writable=self._check_writable, slot_of=self._slot_of, alloc=self._alloc,
+                 reserve_window=self._reserve_window, drop_encoder=self._drop_encoder, restored=self._restored)
+        self._port = weakref.ref(p)
+        return p
 
     def _kv_bytes(self, layers: int) -> int:
         """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""

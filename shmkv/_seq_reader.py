@@ -26,6 +26,7 @@ from .errors import InvalidArgumentError, LockTimeout, SequenceNotFound, StoreCl
 
 if TYPE_CHECKING:
     from ._header import Layout
+    from ._port import Port
     from ._store import Store
 
 _SPIN = 2000  # seqlock retries before falling back to the store lock
@@ -87,34 +88,28 @@ def _geometry(lay: Layout) -> _Geometry:
 class SeqReader:
     """Seqlocked reads of one sequence row, and the cell-addressing of its layers.
 
-    Built by ``Sequence`` from its store's arrays and row helpers (given as arguments:
-    this part never reaches into the store). ``wbase`` is the first cell of the row's
-    active window buffer as the latest ``span`` saw it.
+    Built by ``Sequence`` from its store's narrow core (``port``, see ``_port``; this part
+    never reaches into the store): what it reads often is copied into its own slots. ``wbase``
+    is the first cell of the row's active window buffer as the latest ``span`` saw it.
     """
 
-    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "isfull", "locked", "plain", "positions",
-                 "reading", "row", "settled_row", "slot", "store", "table_row", "tokens", "wbase", "wc")
+    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "isfull", "locked", "plain", "port",
+                 "positions", "reading", "row", "settled_row", "slot", "store", "table_row", "tokens", "wbase", "wc")
 
-    def __init__(self, store: Store, seq_id: int, slot: int, row: memoryview, *,
-                 Kr: Arrays, Vr: Arrays, KS: Arrays | None, VS: Arrays | None,
-                 arena: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None],
-                 tokens: np.ndarray, positions: np.ndarray,
-                 reading: Callable[[], AbstractContextManager[None]],
-                 locked: Callable[[], AbstractContextManager[None]],
-                 settled_row: Callable[[int], list[int]],
-                 table_row: Callable[[int], memoryview]) -> None:
+    def __init__(self, store: Store, port: Port, seq_id: int, slot: int, row: memoryview) -> None:
         self.store = store
+        self.port = port
         self.id = seq_id
         self.slot = slot
         self.row = row
         self.L, self.cell, self.dtype, self.plain, self.isfull, self.wc = _geometry(store.layout)
         self.wbase = 0  # first cell of its active window buffer: set by every span
-        self.Kr, self.Vr = Kr, Vr  # read-only per-layer views, shared by handles
-        self.KS, self.VS = KS, VS  # int8 scales per layer, else None
-        self.arena = arena  # main-arena K, V (and scales) of every layer: encoder ranges
-        self.tokens, self.positions = tokens, positions
-        self.reading, self.locked = reading, locked
-        self.settled_row, self.table_row = settled_row, table_row
+        self.Kr, self.Vr = port.Kr, port.Vr  # read-only per-layer views, shared by handles
+        self.KS, self.VS = port.KSl, port.VSl  # int8 scales per layer, else None
+        self.arena = (port.K, port.V, port.KS, port.VS)  # main-arena K, V (and scales) of every layer: encoders
+        self.tokens, self.positions = port.tokens, port.positions
+        self.reading, self.locked = port.reading, port.locked
+        self.settled_row, self.table_row = port.settled_row, port.row
 
     # -- the row ---------------------------------------------------------------------
 

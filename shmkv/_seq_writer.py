@@ -9,8 +9,6 @@ structural (the store lock and the row's seqlock bracket).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import msgpack
@@ -22,7 +20,7 @@ from ._header import (
     CAPACITY, FLAGS, GEN, IDX_BLOCKS, LEASE_PID, LEASE_TOKEN, LENGTH, META_BYTES, NOINDEX, START, WBUF, WIN_OFF,
 )
 from ._prefix_hash import BLOCK
-from ._seq_reader import Arrays, SeqReader
+from ._seq_reader import SeqReader
 from .errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
 
@@ -52,9 +50,10 @@ class SeqWriter:
     """A handle's writing state: the lease flag and token, the pending counts of each layer,
     and the per-layer addressing the hot path uses (refreshed after structural changes).
 
-    The store's structural helpers come in as arguments (``locked``, ``changing``, ...):
-    this part never reaches into the store. ``Sequence.append`` and ``Sequence.commit``
-    are this part's bound methods (no extra call on the hot path).
+    The store's structural helpers (``locked``, ``changing``, ...) come from its narrow core,
+    the reader's ``port``, copied into slots here: this part never reaches into the store.
+    ``Sequence.append`` and ``Sequence.commit`` are this part's bound methods (no extra call
+    on the hot path).
     """
 
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
@@ -64,16 +63,9 @@ class SeqWriter:
                  "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store", "token", "tokens", "vfrom",
                  "wc", "wcell", "write")
 
-    def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int, Kw: Arrays, Vw: Arrays,
-                 locked: Callable[[], AbstractContextManager[None]],
-                 changing: Callable[[memoryview], AbstractContextManager[None]],
-                 relocate: Callable[[int, memoryview, int, int], None],
-                 index_blocks: Callable[[int, int], None],
-                 set_encoder: Callable[[memoryview, int], int],
-                 wcell: Callable[[int, int], int],
-                 rewrite: Callable[[int, list[tuple[int, int, int]], list[tuple[int, int, int]]], tuple[int, int]],
-                 ) -> None:
+    def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
+        p = r.port
         self.store = r.store
         self.id, self.slot, self.row = r.id, r.slot, r.row
         self.L, self.cell, self.dtype, self.plain = r.L, r.cell, r.dtype, r.plain
@@ -81,11 +73,12 @@ class SeqWriter:
         self.write = write
         self.token = token
         self.epoch = epoch
-        self.Kw, self.Vw = Kw, Vw  # writable per-layer bases
+        self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
         self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
         self.tokens, self.positions = r.tokens, r.positions
-        self.locked, self.changing, self.relocate = locked, changing, relocate
-        self.index_blocks, self.set_encoder_row, self.wcell, self.rewrite = index_blocks, set_encoder, wcell, rewrite
+        self.locked, self.changing, self.relocate = p.locked, p.changing, p.relocate
+        self.index_blocks, self.set_encoder_row = p.index_blocks, p.set_encoder
+        self.wcell, self.rewrite = p.wcell, p.rewrite
         self.pending = [0] * self.L
         self.gen = -1
         self.start = 0

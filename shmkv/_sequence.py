@@ -13,7 +13,8 @@ Views are read-only: committed cells are immutable.
 ``_seq_reader.SeqReader`` (seqlocked reads, cell addressing, views, masks, waiting),
 ``_seq_writer.SeqWriter`` (the lease holder's pending tokens, append, commit, extend,
 growth, compaction, encoding) and ``_seq_structural`` (truncate, shift_left, remove).
-The store's arrays and helpers reach the parts as constructor arguments, here.
+They reach the store through its narrow core only, ``_port.Port`` (``_arena.port(store)``):
+this module and the parts touch no underscore attribute of the store.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _crash, _segment, _seq_structural
+from . import _arena, _crash, _segment, _seq_structural
 from ._checks import count
 from ._header import ENC_SLOT, FINISHED, FLAGS, GEN, LEASE_PID, LEASE_TOKEN, LENGTH, START
 from ._lease import live_writers, release_row
@@ -53,17 +54,12 @@ class Sequence:
         self._store = store
         self.id = int(seq_id)
         self._slot = slot
-        self._row = row = store._row(slot)
+        self._p = p = _arena.port(store)
+        self._row = row = p.row(slot)
         self._token = token
         self._epoch = _segment.fork_epoch
-        self._r = r = SeqReader(
-            store, self.id, slot, row, Kr=store._Kr, Vr=store._Vr, KS=store._KSl, VS=store._VSl,
-            arena=(store._K, store._V, store._KS, store._VS), tokens=store._tokens, positions=store._positions,
-            reading=store._reading, locked=store._locked, settled_row=store._settled_row, table_row=store._row)
-        self._w = w = SeqWriter(
-            r, write=write, token=token, epoch=self._epoch, Kw=store._Kl, Vw=store._Vl, locked=store._locked,
-            changing=store._changing, relocate=store._relocate, index_blocks=store._index_blocks,
-            set_encoder=store._set_encoder, wcell=store._wcell, rewrite=store._rewrite)
+        self._r = r = SeqReader(store, p, self.id, slot, row)
+        self._w = w = SeqWriter(r, write=write, token=token, epoch=self._epoch)
         # The per-token hot path: the writer's own methods, with no call layer in between
         # (the class's append/commit below say what they do, for help() and the docs).
         self.append = w.append  # type: ignore[method-assign]
@@ -225,16 +221,16 @@ class Sequence:
 
     def free(self) -> None:
         """Delete the sequence: its cells return to the store. Needs the lease, or no live holder."""
-        st = self._store
+        p = self._p
         w = self._w
-        with st._locked():
+        with p.locked():
             row = self._row
             self._r.span_unlocked()
             if not w.write:
-                st._check_not_leased_by_other(row, self.id)
+                p.check_not_leased_by_other(row, self.id)
             else:
                 w.need_writer("free")
-            st._free_row(self._slot)
+            p.free_row(self._slot)
         if w.write:
             self._drop_lease()
 
@@ -247,36 +243,36 @@ class Sequence:
         no longer evictable. Pending (uncommitted) tokens are dropped.
         """
         self._w.need_writer("finish")
-        st = self._store
-        with st._locked():
+        p = self._p
+        with p.locked():
             row = self._row
             self._r.span_unlocked()
             row[FLAGS] |= FINISHED
             _crash.point("finish.flagged")
-            st._touch(row)
+            p.touch(row)
             self._drop_lease()
 
     def fork(self, n: int | None = None, capacity: int | None = None) -> Sequence:
         """A new sequence holding this one's first ``n`` tokens (default: all); returns its write handle."""
-        st = self._store
-        with st._locked():
+        st, p = self._store, self._p
+        with p.locked():
             length = self._r.span()[2]
             n = length if n is None else count("n", n)
             if n > length:
                 raise InvalidArgumentError(f"fork: n={n} exceeds the length {length} of sequence {self.id}")
             cap = max(n, 1, self.capacity if capacity is None else count("capacity", capacity, 1))
-            with st._unit():  # the child and its content: both, or after a crash neither
+            with p.unit():  # the child and its content: both, or after a crash neither
                 child = st.create_sequence(capacity=cap, _protect=self._slot)  # never evict the parent for it
                 _crash.point("fork.child")
                 try:
                     st.copy_prefix(self.id, child.id, n)
                     enc = self._row[ENC_SLOT]
                     if enc:  # the child decodes against the same encoder output
-                        erow = st._row(enc - 1)
+                        erow = p.row(enc - 1)
                         src, m = erow[START], erow[LENGTH]
-                        with st._changing(child._row):
-                            dst = st._set_encoder(child._row, m)
-                            st._copy_all_layers(src, dst, m)
+                        with p.changing(child._row):
+                            dst = p.set_encoder(child._row, m)
+                            p.copy_all_layers(src, dst, m)
                 except BaseException:
                     child.free()
                     raise
@@ -292,19 +288,19 @@ class Sequence:
         request it serves), kept by snapshots, shown by ``shmkv info``. Each read returns a
         new dict: change it by assigning one. A new sequence (and a fork) starts with ``{}``.
         """
-        packed = self._r.consistent(lambda: self._store._get_meta(self._slot))
+        packed = self._r.consistent(lambda: self._p.get_meta(self._slot))
         return msgpack.unpackb(packed) if packed else {}
 
     @meta.setter
     def meta(self, value: dict[str, Any]) -> None:
         self._w.need_writer("meta")
         packed = pack_meta(value)
-        st = self._store
-        with st._locked():
+        p = self._p
+        with p.locked():
             row = self._row
             self._r.span_unlocked()
-            with st._changing(row):
-                st._set_meta(self._slot, packed)
+            with p.changing(row):
+                p.set_meta(self._slot, packed)
             self._w.gen = row[GEN]  # our own change: pending tokens stay
 
     # -- reading -------------------------------------------------------------
@@ -341,7 +337,7 @@ class Sequence:
         """Bytes held by the committed tokens (K and V of the layers that hold them, ids, positions)."""
         _, _, length, woff = self._r.span()
         st = self._store
-        return length * st.bytes_per_token + (length - woff) * st._kv_bytes(len(st.layout.bounded))
+        return length * st.bytes_per_token + (length - woff) * self._p.kv_bytes(len(st.layout.bounded))
 
     @property
     def writable(self) -> bool:
