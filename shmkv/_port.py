@@ -1,11 +1,11 @@
-"""``Port``: the narrow core of a store, the one way the sequence layer reaches it.
+"""``Port``: the narrow core of a store, the one way the sequence layer and snapshots reach it.
 
-``Sequence`` and its parts (``_seq_reader``, ``_seq_writer``, ``_seq_structural``) work on the
-shared-memory state of a store (its arrays, table rows, locks and cell placing) through a
-``Port`` and nothing else: they touch no underscore attribute of ``Store``, ``Arena`` or
-``Core`` (tests/test_architecture.py checks it). ``_arena.port(store)`` gives a store's port;
-the store builds it itself (``Arena._open_port``), so a name added here never shows on the
-public ``shmkv.Store``.
+``Sequence`` and its parts (``_seq_reader``, ``_seq_writer``, ``_seq_structural``) and
+``_snapshot`` (save / restore) work on the shared-memory state of a store (its arrays, table
+rows, locks and cell placing) through a ``Port`` and nothing else: they touch no underscore
+attribute of ``Store``, ``Arena`` or ``Core`` (tests/test_architecture.py checks it).
+``_arena.port(store)`` gives a store's port; the store builds it itself (``Arena._open_port``),
+so a name added here never shows on the public ``shmkv.Store``.
 
 Its fields are the store's own arrays and bound methods, not wrappers: a part copies what
 its hot path uses into its own slots once, and append/commit/truncate call the store's
@@ -17,10 +17,8 @@ never assigned after it). What each one does is said where it is defined
 
 This module holds the type only (no import of ``_core`` or ``_arena``: no circle).
 
-The last group of fields is prepared for ``_snapshot`` (save / restore), which still reaches
-into the store today (its entries in tests/test_architecture.py's KNOWN_PRIVATE_ACCESS):
-with them, and the arrays, locks and rows above, it can switch to ``_arena.port(store)`` and
-those 25 entries go. Nothing in the sequence layer uses them.
+The last group of fields is what ``_snapshot`` needs beyond the others; the sequence layer
+does not use them.
 """
 
 from __future__ import annotations
@@ -52,8 +50,8 @@ class CheckLease(Protocol):
 
 @dataclass(slots=True, kw_only=True, weakref_slot=True)
 class Port:
-    """What the sequence layer (and, next, ``_snapshot``) may use of one store handle (see the
-    module docstring).
+    """What the sequence layer and ``_snapshot`` may use of one store handle (see the module
+    docstring).
 
     Arrays (the data segment; views, never copies):
         K, V: main-arena keys and values ``[layers, max_tokens, kv_heads, head_dim]``
@@ -85,7 +83,7 @@ class Port:
         index_blocks: put completed 16-token blocks into the prefix index.
         touch: mark a use (LRU eviction of finished sequences).
 
-    For ``_snapshot`` (unused until it switches over):
+    For ``_snapshot``:
         hdr: the fixed header as int64 words (``_header.W_*``: next id, undo count, ...).
         table_np: the sequence table as an int64 array ``[max_seqs, SEQ_WORDS]`` (a live view).
         lock_path: the store lock's file (a save takes it shared, a restore exclusively).

@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _crash, _pages, _header, _lock, _segment
+from . import _arena, _crash, _pages, _header, _lock, _segment
 from ._lease import own_token
 from ._snapshot_format import (
     CHUNK,
@@ -70,25 +70,26 @@ _SAVE_ATTEMPTS = 4
 
 def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
     """Each sequence's (start, length, generation) and token ids/positions, seqlock-consistent."""
-    t = store._table_np
+    core = _arena.port(store)
+    t = core.table_np
     if ids is None:
         slots = [int(i) for i in np.flatnonzero(t[:, STATE] == LIVE)]
     else:
-        slots = [store._slot_of(i) for i in ids]
+        slots = [core.slot_of(i) for i in ids]
     out = []
     for slot in slots:
-        row = store._row(slot)
+        row = core.row(slot)
         for i in range(2000):
             g = row[GEN]
             if not g & 1:
                 sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
                 flags, recency, clean, wbuf = row[FLAGS], row[RECENCY], row[CLEAN], row[WBUF]
-                meta = store._get_meta(slot)
+                meta = core.get_meta(slot)
                 enc = row[ENC_SLOT]
-                erow = store._row(enc - 1) if enc else None
+                erow = core.row(enc - 1) if enc else None
                 e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
-                toks = store._tokens[start : start + length].copy()
-                poss = store._positions[start : start + length].copy()
+                toks = core.tokens[start : start + length].copy()
+                poss = core.positions[start : start + length].copy()
                 if row[GEN] == g:
                     if row[STATE] == LIVE:
                         out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
@@ -106,21 +107,24 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
 
 
 def _unchanged(store: Store, seqs: list[_Seq]) -> bool:
-    return all(store._row(s.slot)[GEN] == s.gen and store._row(s.slot)[ID] == s.id for s in seqs)
+    core = _arena.port(store)
+    return all(core.row(s.slot)[GEN] == s.gen and core.row(s.slot)[ID] == s.id for s in seqs)
 
 
 def _regions(store: Store) -> tuple[Any, ...]:
     """The main-arena arrays of each region, ``[layers, max_tokens, ...]``."""
-    return (store._K, store._V, store._KS, store._VS)
+    core = _arena.port(store)
+    return (core.K, core.V, core.KS, core.VS)
 
 
 def _arrays(store: Store, s: _Seq) -> list[np.ndarray]:
     """The stored arrays of a sequence in stream order, as views of shared memory."""
+    core = _arena.port(store)
     out = []
-    w = store._wcell(s.slot, s.wbuf)
+    w = core.wcell(s.slot, s.wbuf)
     for p in _parts(store.layout, s):
         if p.window:
-            out.append((store._Kl, store._Vl)[p.region][p.layer][w : w + p.tokens])
+            out.append((core.Kl, core.Vl)[p.region][p.layer][w : w + p.tokens])
         else:
             a = s.encoder_start if p.encoder else s.start
             out.append(_regions(store)[p.region][p.layer, a : a + p.tokens])
@@ -263,14 +267,15 @@ def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: 
     Returns the number of bytes written. See the module docstring for the format
     and the guarantees.
     """
-    store._check_open()
+    core = _arena.port(store)
+    core.check_open()
     ids = _check_ids(seq_ids, "save")
     if isinstance(target, (str, bytes, os.PathLike)):
         return _save_path(store, os.fsdecode(target), ids, progress)
     if not hasattr(target, "write"):
         raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file")
     # a stream cannot be rewound: hold the store lock so no structural change can race
-    with _lock.held(store._lock_path, store.name, store.lock_timeout):
+    with _lock.held(core.lock_path, store.name, store.lock_timeout):
         seqs = _capture(store, ids)
         total = _write_once(store, target, seqs, progress)
     flush = getattr(target, "flush", None)
@@ -280,6 +285,7 @@ def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: 
 
 
 def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progress | None) -> int:
+    core = _arena.port(store)
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     remove_stale_temps(directory, base)  # left by saves that were killed mid-way
@@ -297,7 +303,7 @@ def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progres
         with open(fd, "wb", buffering=0) as f:
             for attempt in range(_SAVE_ATTEMPTS):
                 last = attempt == _SAVE_ATTEMPTS - 1
-                with (_lock.held(store._lock_path, store.name, store.lock_timeout) if last
+                with (_lock.held(core.lock_path, store.name, store.lock_timeout) if last
                       else contextlib.nullcontext()):
                     f.seek(0)
                     f.truncate()
@@ -346,7 +352,8 @@ def restore(store: Store, source: Any, seq_ids: list[int] | None = None,
     A store of another geometry (layers, kv_heads, head_dim, dtype) raises
     LayoutMismatchError; capacity limits may differ.
     """
-    store._check_writable()
+    core = _arena.port(store)
+    core.check_writable()
     with _open_source(source) as (reader, is_file):
         return _restore(store, reader, reader.header(), is_file, seq_ids=seq_ids, progress=progress)
 
@@ -354,6 +361,7 @@ def restore(store: Store, source: Any, seq_ids: list[int] | None = None,
 def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, seq_ids: list[int] | None,
              progress: Progress | None) -> list[int]:
     """Restore ``snap`` (its header read already) with the arrays that follow in ``reader``."""
+    core = _arena.port(store)
     lay = store.layout
     if snap.layout.geometry != lay.geometry or snap.layout.layer_types != lay.layer_types:
         raise LayoutMismatchError(
@@ -373,8 +381,8 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
     total = snap.nbytes
     # a regular file's arrays are copied by the kernel (sendfile) into ranges only staged for them
     direct = is_file and _seekable_fd(reader.f) is not None
-    with _lock.held(store._lock_path, store.name, store.lock_timeout):
-        t = store._table_np
+    with _lock.held(core.lock_path, store.name, store.lock_timeout):
+        t = core.table_np
         plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1 - new slot, staged start)
         enc_start: dict[int, int] = {}  # staged encoder ranges
         enc_slot: dict[int, int] = {}
@@ -387,7 +395,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
             hits = np.flatnonzero((t[:, ID] == s.id) & (t[:, STATE] == LIVE))
             slot = int(hits[0]) if hits.size else -1
             if slot >= 0:
-                store._check_not_leased_by_other(store._row(slot), s.id, allow_token=_own(store, slot))
+                core.check_not_leased_by_other(core.row(slot), s.id, allow_token=_own(store, slot))
             elif not free_slots:
                 raise CacheFullError(
                     f"store {store.name!r} has no free sequence slot for sequence {s.id} of {reader.where} "
@@ -402,10 +410,10 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
                                      f"store {store.name!r}'s max_tokens={lay.max_tokens}")
             try:  # from a file the arrays arrive through the descriptor, which allocates (_stage)
-                start = store._alloc(cap, taken, stage=direct)
+                start = core.alloc(cap, taken, stage=direct)
             except CacheFullError:
                 cap = max(1, s.length)
-                start = store._alloc(cap, taken, stage=direct)
+                start = core.alloc(cap, taken, stage=direct)
             taken.append((start, cap))
             plan.append((s, slot, start))
             if s.encoder_length:
@@ -416,7 +424,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                     )
                 enc_slot[s.id] = free_slots.pop()  # from the end: rows of ids to come stay free
                 free_set.discard(enc_slot[s.id])
-                enc_start[s.id] = store._alloc(s.encoder_length, taken, all_layers=True)
+                enc_start[s.id] = core.alloc(s.encoder_length, taken, all_layers=True)
                 taken.append((enc_start[s.id], s.encoder_length))
         # stream every array; those selected land in their staged (unpublished) ranges
         by_id = {p[0].id: p for p in plan}
@@ -462,46 +470,47 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
             _pages.settle(store, start, s.length, next(c for st_, c in taken if st_ == start))
         # everything checked: publish
         # one atomic unit: after a crash, every sequence as it was (crash recovery in _store)
-        with store._unit():
-            next_id = store._hdr[_header.W_NEXT_ID]
+        with core.unit():
+            next_id = core.hdr[_header.W_NEXT_ID]
             for i, (s, existing, start) in enumerate(plan):
                 cap = next(c for st_, c in taken if st_ == start)
                 assert s.tokens is not None and s.positions is not None
-                store._tokens[start : start + s.length] = s.tokens
-                store._positions[start : start + s.length] = s.positions
+                core.tokens[start : start + s.length] = s.tokens
+                core.positions[start : start + s.length] = s.positions
                 slot = existing if existing >= 0 else -1 - existing
-                row = store._row(slot)
-                with store._changing(row):
+                row = core.row(slot)
+                with core.changing(row):
                     if existing < 0:
-                        store._reserve_window(slot)
+                        core.reserve_window(slot)
                         row[WBUF] = 0
                     # a live sequence's window goes into its other buffer (its own stays intact)
                     wb = 1 - row[WBUF] if existing >= 0 else 0
-                    w = store._wcell(slot, wb)
+                    w = core.wcell(slot, wb)
                     for (sid, r, layer), buf in windows.items():
                         if sid == s.id:
-                            (store._Kl if r == 0 else store._Vl)[layer][w : w + buf.shape[0]] = buf
+                            (core.Kl if r == 0 else core.Vl)[layer][w : w + buf.shape[0]] = buf
                     row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF] = start, cap, s.length, s.window_offset
                     row[WBUF] = wb
                     if existing < 0:
                         row[ID], row[LEASE_PID], row[ENC_SLOT] = s.id, 0, 0
                         row[STATE] = LIVE
                     if s.encoder_length:
-                        store._set_encoder(row, s.encoder_length, enc_start[s.id], enc_slot[s.id])
+                        core.set_encoder(row, s.encoder_length, enc_start[s.id], enc_slot[s.id])
                     else:
-                        store._drop_encoder(row)
+                        core.drop_encoder(row)
                 if i == 0:
                     _crash.point("restore.published")
                 next_id = max(next_id, s.id + 1)
             # the prefix cache: finished flags, LRU order (oldest use first) and the index
             for s, existing, _ in sorted(plan, key=lambda p: p[0].recency):
-                store._restored(existing if existing >= 0 else -1 - existing, s.finished, s.clean, s.meta)
-            store._hdr[_header.W_NEXT_ID] = next_id  # inside the unit: rows back after a crash, ids not reused
+                core.restored(existing if existing >= 0 else -1 - existing, s.finished, s.clean, s.meta)
+            core.hdr[_header.W_NEXT_ID] = next_id  # inside the unit: rows back after a crash, ids not reused
     return [p[0].id for p in plan]
 
 
 def _own(store: Store, slot: int) -> int:
-    return own_token(store._row(slot))
+    core = _arena.port(store)
+    return own_token(core.row(slot))
 
 
 def load_with(create: Callable[..., Store], source: Any, name: str, *, persistent: bool, max_tokens: int | None,
