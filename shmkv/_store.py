@@ -387,9 +387,10 @@ class Store(Arena):
                          prefix: Iterable[Any] | None = None) -> list[Sequence]:
         """``n`` new sequences (write handles) of ``capacity`` each: every one, or none (on any
         error the ones made are freed and the error propagates). ``prefix``: one prompt per
-        sequence, as ``create_sequence(prefix=)`` takes it. Made under one hold of the store lock,
-        first fit: when the first free range that fits ``capacity`` holds all ``n`` (no eviction
-        needed), their ranges are adjacent and equally spaced, which ``batch_kv`` reads zero-copy."""
+        sequence, as ``create_sequence(prefix=)`` takes it (a reused prefix longer than ``capacity``
+        enlarges its range). Made under one hold of the store lock, first fit: when the first free
+        range that fits ``capacity`` holds all ``n`` (no eviction needed), their ranges are adjacent
+        and equally spaced, which ``batch_kv`` reads zero-copy."""
         return _group.create_sequences(self, n, capacity, prefix)
 
     def batch_kv(self, seqs: Iterable[Sequence], layer: int, *, pending: bool = False,
