@@ -190,9 +190,9 @@ def batch_kv(store: Store, seqs: Iterable[Sequence], layer: int, pending: bool,
     if as_is and n and (b == 1 or d > 0) and all(c[0] == lo0 + i * d for i, c in enumerate(cells)):
         out = []
         for a in ((w0.Kw, w0.Vw) if writable else (w0.Kr, w0.Vr)):
-            base = a[layer][lo0:]
-            v = np.lib.stride_tricks.as_strided(base, (b, n, *base.shape[1:]), (d * base.strides[0], *base.strides),
-                                                writeable=writable)
+            arr = a[layer]  # the layer's cells (a read-only one exports a read-only buffer); numpy
+            st = arr.strides  # checks the view fits inside it (as_strided costs 3x this)
+            v = np.ndarray((b, n, *arr.shape[1:]), arr.dtype, arr, lo0 * st[0], (d * st[0], *st))
             out.append(v if bf16 is None else v.view(bf16))
         return out[0], out[1]
     got = []
