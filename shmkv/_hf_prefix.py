@@ -35,10 +35,8 @@ def prompt_sequences(store: Store, input_ids: Any, capacity: int | None) -> tupl
     rows = token_rows(input_ids, "input_ids")
     k = min(store.match_prefix(r) for r in rows)
     cap = max(capacity or DEFAULT_CAPACITY, *(len(r) for r in rows))
-    seqs: list[Sequence] = []
+    seqs = store.create_sequences(len(rows), cap, prefix=[r[: k + 1] for r in rows])
     try:
-        for r in rows:
-            seqs.append(store.create_sequence(capacity=cap, prefix=r[: k + 1]))
         n = min(len(s) for s in seqs)  # a donor evicted since match_prefix: fewer on that row
         for s in seqs:
             if len(s) > n:

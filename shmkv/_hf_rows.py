@@ -13,16 +13,21 @@ keeps for the whole batch, and the forward in progress. Facts from transformers
   ``window - 1`` kept ones plus the new ones on sliding and chunked layers
   (``DynamicSlidingWindowLayer.get_mask_sizes``);
 * at batch 1 on CPU, when the store's dtype is the model's, the returned tensors
-  are zero-copy views of the shared cells (bfloat16 through its int16 bits).
+  are zero-copy views of the shared cells (bfloat16 through its int16 bits); at
+  batch > 1 too while the rows' cells sit equally spaced (``store.create_sequences``
+  makes them so; a row that outgrows its range moves, and from then on each layer
+  is gathered into one copy, as DynamicCache's ``torch.cat`` copies).
   They stay valid while the forward runs; a structural change (crop, a move when
   the sequence outgrows its range) changes what they show, exactly as for
   ``Sequence.append``'s views.
 
 Only shmkv's public API is used: ``append`` then ``torch_kv(layer, pending=True)``
-(the cells, zero-copy), ``commit``, ``discard`` (a forward that failed between
-layers), ``extend(..., in_steps=True)`` (a prompt longer than a window buffer
-takes between commits), ``store.lease`` and ``store.regather`` (beam search and
-the batch operations). Imports torch; ``import shmkv`` never imports this module.
+(batch 1) or ``store.batch_kv(seqs, layer, pending=True, writable=True)`` (the
+cells, zero-copy when they can be), ``commit``, ``discard`` (a forward that failed
+between layers), ``extend(..., in_steps=True)`` (a prompt longer than a window
+buffer takes between commits), ``store.create_sequences`` (every row or none),
+``store.lease`` and ``store.regather`` (beam search and the batch operations).
+Imports torch; ``import shmkv`` never imports this module.
 """
 
 from __future__ import annotations
@@ -131,22 +136,21 @@ class Rows:
         if fwd.deferred:
             fwd.stash[layer] = (list(kn), list(vn))
             n_held = keep - fwd.q
-            held = [s.torch_kv(layer) for s in seqs]
-            k_held = torch.stack([k[len(k) - n_held:] for k, _ in held]).to(dtype)
-            v_held = torch.stack([v[len(v) - n_held:] for _, v in held]).to(dtype)
+            kb, vb = self.store.batch_kv(seqs, layer, writable=True)  # torch warns on read-only arrays
+            k_held = _to_torch(kb[:, kb.shape[1] - n_held:], dtype)
+            v_held = _to_torch(vb[:, vb.shape[1] - n_held:], dtype)
             k_out = torch.cat([k_held, key_states.detach().cpu().transpose(1, 2)], 1)
             v_out = torch.cat([v_held, value_states.detach().cpu().transpose(1, 2)], 1)
         elif len(seqs) == 1:  # zero-copy views of the cells when the dtypes match
             seqs[0].append(layer, kn[0], vn[0])
             kt, vt = seqs[0].torch_kv(layer, pending=True)
             k_out, v_out = kt[len(kt) - keep:].to(dtype)[None], vt[len(vt) - keep:].to(dtype)[None]
-        else:  # one gather per layer, as DynamicCache's torch.cat
-            kl, vl = [], []
+        else:  # rows made together sit equally spaced: one strided view, else one gather per layer
             for s, k, v in zip(seqs, kn, vn, strict=True):
-                ka, va = s.append(layer, k, v)
-                kl.append(ka[len(ka) - keep:])
-                vl.append(va[len(va) - keep:])
-            k_out, v_out = _to_torch(np.stack(kl), dtype), _to_torch(np.stack(vl), dtype)
+                s.append(layer, k, v)
+            kb, vb = self.store.batch_kv(seqs, layer, pending=True, writable=True)
+            k_out = _to_torch(kb[:, kb.shape[1] - keep:], dtype)
+            v_out = _to_torch(vb[:, vb.shape[1] - keep:], dtype)
         fwd.next = layer + 1
         if fwd.next == self.layout.layers:
             self._commit(fwd)
@@ -168,15 +172,7 @@ class Rows:
         b, q = key_states.shape[0], key_states.shape[2]
         if self.seqs is None:
             cap = max(self.capacity or DEFAULT_CAPACITY, q)
-            seqs: list[Sequence] = []
-            try:
-                for _ in range(b):
-                    seqs.append(self.store.create_sequence(capacity=cap))
-            except BaseException:
-                for s in seqs:
-                    s.free()
-                raise
-            self.seqs, self.length = seqs, 0
+            self.seqs, self.length = self.store.create_sequences(b, cap), 0  # adjacent: batch_kv's views
         elif len(self.seqs) != b:
             raise InvalidArgumentError(
                 f"batch of {b} rows, but the cache holds {len(self.seqs)} sequences "
@@ -240,10 +236,12 @@ class Rows:
         if self.seqs is None:
             return None
         n = self.kept(layer)
-        dtype = self._dtype or torch.float32
-        rows = [t[len(t) - n:].to(dtype) for t in (s.torch_kv(layer)[which] for s in self.seqs)]
-        out = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)  # batch 1: zero-copy
-        return out.permute(0, 2, 1, 3)
+        writable = all(s.writable for s in self.seqs)
+        a = self.store.batch_kv(self.seqs, layer, writable=writable)[which]  # zero-copy when equally spaced
+        a = a[:, a.shape[1] - n:]
+        if not a.flags.writeable:  # read handles (released rows): torch warns on read-only arrays
+            a = a.copy()
+        return _to_torch(a, self._dtype or torch.float32).permute(0, 2, 1, 3)
 
     # -- batch operations --------------------------------------------------------
 
@@ -277,7 +275,8 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """``a`` (a fresh, writable array) as a torch tensor of ``dtype``: zero-copy when the dtypes match."""
+    """``a`` (a writable array: a fresh one, or ``batch_kv``'s writable view of the cells) as a
+    torch tensor of ``dtype``: zero-copy when the dtypes match."""
     if _quant.BF16 is not None and a.dtype == _quant.BF16:
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     else:

@@ -390,6 +390,27 @@ class Store(Arena):
         """
         return _group.regather(self, seqs, rows)
 
+    def create_sequences(self, n: int, capacity: int = DEFAULT_CAPACITY, *,
+                         prefix: Iterable[Any] | None = None) -> list[Sequence]:
+        """``n`` new sequences (write handles) of ``capacity`` each: every one, or none (on any
+        error the ones made are freed and the error propagates). ``prefix``: one prompt per
+        sequence, as ``create_sequence(prefix=)`` takes it (a reused prefix longer than ``capacity``
+        enlarges its range). Made under one hold of the store lock, first fit: when the first free
+        range that fits ``capacity`` holds all ``n`` (no eviction needed), their ranges are adjacent
+        and equally spaced, which ``batch_kv`` reads zero-copy."""
+        return _group.create_sequences(self, n, capacity, prefix)
+
+    def batch_kv(self, seqs: Iterable[Sequence], layer: int, *, pending: bool = False,
+                 writable: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of ``layer`` for several sequences of equal length, ``[B, T, kv_heads,
+        head_dim]``. Zero-copy, one strided view of the shared cells, when the rows' cells are
+        equally spaced in the order given (checked each call; e.g. ``create_sequences``' rows on
+        full layers) and stored as read (plain floats; bfloat16 as ml_dtypes views); otherwise,
+        and for int8, a gathered copy. ``pending``: this process's handles' pending tokens too
+        (what ``append`` returned). Views are read-only unless ``writable`` (write handles only):
+        writing into them writes the shared cache. Content holds as for ``seq.keys``."""
+        return _group.batch_kv(self, seqs, layer, pending, writable)
+
     # -- snapshots ---------------------------------------------------------------
 
     def save(self, path: Any, seq_ids: list[int] | None = None, *,

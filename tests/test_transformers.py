@@ -436,6 +436,51 @@ def test_zero_copy_views_and_no_warning(llama, cache_of):
         assert k.data_ptr() == seq.keys(1).__array_interface__["data"][0]
 
 
+def _ptr(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_batch_views_zero_copy_until_a_row_moves(llama, cache_of):
+    """At batch > 1 the rows are made together (store.create_sequences: equally spaced), so
+    update returns one strided view of the shared cells (store.batch_kv); once a row outgrows
+    its range and moves, each layer is gathered into a copy, with the same values."""
+    store = cache_of(llama, dtype="float32").store
+    cache = ShmkvCache(store, capacity=12)
+    lay = store.layout
+    g = torch.Generator().manual_seed(0)
+
+    def step(q):
+        states = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for layer in range(lay.layers):
+                shape = (2, lay.kv_heads, q, lay.head_dim)
+                k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+                states.append((k, v, *cache.update(k, v, layer)))
+        return states
+
+    first = step(5)
+    seqs = [store.sequence(i) for i in cache.sequence_ids]
+    for layer, (k, v, k_out, v_out) in enumerate(first):
+        assert torch.equal(k_out, k) and torch.equal(v_out, v)
+        for row, s in enumerate(seqs):  # each row of the returned tensor is that sequence's cells
+            assert k_out[row].data_ptr() == _ptr(s.keys(layer))
+            assert v_out[row].data_ptr() == _ptr(s.values(layer))
+        assert cache.layers[layer].keys[1].data_ptr() == _ptr(seqs[1].keys(layer))  # held(): a view too
+    second = step(8)  # 13 tokens > capacity 12: the rows move, one after another
+    for layer, ((k0, v0, _, _), (k, v, k_out, v_out)) in enumerate(zip(first, second, strict=True)):
+        assert torch.equal(k_out, torch.cat([k0, k], 2)) and torch.equal(v_out, torch.cat([v0, v], 2))
+        assert all(k_out[row].data_ptr() != _ptr(s.keys(layer)) for row, s in enumerate(seqs))
+        torch.testing.assert_close(cache.layers[layer].keys, k_out, rtol=0, atol=0)
+    cache.free()
+    # generate across the moves: still DynamicCache's tokens and logits
+    ids = prompt(2, 9)
+    ref = generate(llama, ids, DynamicCache())
+    out = generate(llama, ids, ShmkvCache(store, capacity=12))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_logit_diff(out, ref) <= 1e-5
+
+
 # -- the rest of the contract ----------------------------------------------------------------------
 
 
