@@ -35,7 +35,7 @@ from .errors import InvalidArgumentError, NotSupportedError
 __all__ = ["ShmkvCache", "layout_from_config"]
 
 
-class _ShmkvLayer(CacheLayerMixin):
+class _ShmkvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transformers' __init_subclass__ is untyped
     """One layer of a :class:`ShmkvCache`: the per-layer answers transformers asks for.
 
     Storage and every batch operation live in the cache (a sequence spans all
