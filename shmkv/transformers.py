@@ -59,7 +59,7 @@ class _ShmkvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transfor
         return f"_ShmkvLayer({self.idx}, {kind})"
 
     @property
-    def is_initialized(self) -> bool:  # type: ignore[override]
+    def is_initialized(self) -> bool:  # type: ignore[override]  # an attribute in transformers: a property here
         return self._rows.seqs is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -86,12 +86,12 @@ class _ShmkvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transfor
         return self.window if self.window else -1
 
     @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]  # (as is_initialized)
         """Committed keys ``[batch, kv_heads, kv_len, head_dim]`` (what a DynamicLayer holds)."""
         return self._rows.held(self.idx, 0)
 
     @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]  # (as is_initialized)
         return self._rows.held(self.idx, 1)
 
     # whole-cache operations: a sequence spans every layer, so the cache does them once
