@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import secrets
@@ -189,12 +190,15 @@ def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress
 
 
 def _seekable_fd(f: IO[bytes]) -> int | None:
-    """``f``'s descriptor when it is a file that os.pwrite can write at an offset."""
+    """``f``'s descriptor when it is a file that os.pwrite can write at an offset (not one opened
+    for appending: there Linux's pwrite ignores the offset and appends)."""
     try:
         if not f.seekable():
             return None
         fd = f.fileno()
     except (AttributeError, OSError, ValueError):
+        return None
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
         return None
     return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
 

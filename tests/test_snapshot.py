@@ -147,6 +147,28 @@ def test_save_to_a_file_object_at_an_offset(make_store, tmp_path):
         loaded.close()
 
 
+@pytest.mark.parametrize("buffering", [0, -1])
+def test_save_to_a_file_opened_for_appending(make_store, tmp_path, buffering):
+    """An append-mode file is seekable, but Linux's pwrite appends there whatever the offset:
+    the checksums must not be patched in place (they would land after the end), and the
+    snapshot must restore."""
+    store = make_store(max_tokens=512)
+    _fill(store, np.random.default_rng(6), n_seqs=2)
+    path = tmp_path / "appended.shmkv"
+    path.write_bytes(b"")
+    with open(path, "ab", buffering=buffering) as f:
+        n = store.save(f)
+    assert path.stat().st_size == n
+    streamed = io.BytesIO()
+    store.save(streamed)
+    assert path.read_bytes() == streamed.getvalue()
+    loaded = shmkv.load(path, name=unique_name())
+    try:
+        assert _content(loaded) == _content(store)
+    finally:
+        loaded.close()
+
+
 def test_the_checksum_is_zlibs_crc32_whichever_computes_it(make_store, tmp_path, monkeypatch):
     """With the "fast" extra, ISA-L computes the checksums: the same CRC-32 as zlib's, so
     a snapshot written with one loads with the other (issue 16)."""
