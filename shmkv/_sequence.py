@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from . import _arena, _crash, _segment, _seq_structural
+from . import _arena, _crash, _pages, _segment, _seq_structural
 from ._checks import count
-from ._header import ENC_SLOT, FINISHED, FLAGS, GEN, LEASE_PID, LEASE_TOKEN, LENGTH, START
+from ._header import CAPACITY, ENC_SLOT, FINISHED, FLAGS, GEN, LEASE_PID, LEASE_TOKEN, LENGTH, START
 from ._lease import live_writers, release_row
 from ._seq_reader import SeqReader
 from ._seq_structural import ShiftFn
@@ -277,6 +277,9 @@ class Sequence:
                     child.free()
                     raise
             child._w.refresh()
+            # the refresh above takes the child's first append off the checked path, which is
+            # where a new range's pages are pre-faulted: do it here (not on the per-token path)
+            _pages.before_appends(st, child._w.start, child._row[CAPACITY])
         return child
 
     @property

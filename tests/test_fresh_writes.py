@@ -231,3 +231,22 @@ def test_load_from_a_path_that_is_a_pipe(make_store, tmp_path):
         assert _content(loaded) == _content(store)
     finally:
         loaded.close()
+
+
+def test_a_fork_pre_faults_its_range_before_the_per_token_path(make_store):
+    """A new range is allocated, not pre-faulted; a sequence's first append pre-faults it on the
+    checked path. A fork's child takes its first append on the fast path: the fork pre-faults it
+    (found by review: the child's appends faulted page by page)."""
+    store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float16", max_tokens=4096, max_seqs=4)
+    rng = np.random.default_rng(12)
+    parent = store.create_sequence(capacity=64)
+    k, v = _kv(rng, 2, 40)
+    parent.extend(k, v)
+    child = parent.fork(capacity=2048)
+    info = next(i for i in store.sequences() if i.id == child.id)
+    assert not store._owes(info.start, info.capacity)  # every page of its range is in place
+    k1, v1 = _kv(rng, 2, 1)
+    for layer in range(2):
+        child.append(layer, k1[layer], v1[layer])
+    child.commit()
+    np.testing.assert_array_equal(_stored(child)[0], np.concatenate([k, k1], axis=1).astype(np.float16))
