@@ -33,7 +33,7 @@ from .errors import (
     CacheFullError,
     NotSupportedError,
 )
-from ._pages import Pages, add_interval, take_interval  # noqa: F401  (add_interval: tests import it here)
+from ._pages import Pages, take_interval
 
 
 def port(store: Arena) -> Port:

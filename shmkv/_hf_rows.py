@@ -37,14 +37,14 @@ from collections.abc import Sequence as _Seq
 import numpy as np
 import torch
 
-from . import _quant
+from . import _dtypes, _quant
 from ._hf_layout import layer_windows
 from ._sequence import Sequence
 from ._store import Store
 from .errors import InvalidArgumentError
 
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)  # Tensor.numpy() shares these
-_PLAIN = ("float32", "float16", "float64")  # stored as is: append returns views of the cells
+_PLAIN = _dtypes.PLAIN  # stored as is: append returns views of the cells
 
 DEFAULT_CAPACITY = 256  # first range of a sequence the cache creates; it doubles as it grows
 

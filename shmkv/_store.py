@@ -408,7 +408,8 @@ class Store(Arena):
         full layers) and stored as read (plain floats; bfloat16 as ml_dtypes views); otherwise,
         and for int8, a gathered copy. ``pending``: this process's handles' pending tokens too
         (what ``append`` returned). Views are read-only unless ``writable`` (write handles only):
-        writing into them writes the shared cache. Content holds as for ``seq.keys``."""
+        writing into a view writes the shared cache, writing into a gathered copy writes only the
+        copy (``np.shares_memory`` tells which). Content holds as for ``seq.keys``."""
         return _group.batch_kv(self, seqs, layer, pending, writable)
 
     # -- snapshots ---------------------------------------------------------------
