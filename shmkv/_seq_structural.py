@@ -193,7 +193,11 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
 
 def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
     """Sequence.set_tokens: ids for committed tokens [begin, begin + n) that have none, then their
-    completed blocks into the prefix index. Everything is checked before anything is written."""
+    completed blocks into the prefix index. Everything is checked before anything is written.
+
+    Crash recovery: the one write into committed cells, and not logged: it only turns -1 (no id)
+    into the caller's ids, so a crash half-way leaves some of the true ids recorded and the rest
+    -1, a state the sequence could have had anyway (the index only takes blocks without -1)."""
     w.need_writer("set_tokens")
     begin = count("begin", begin)
     a = np.asarray(tokens)
