@@ -17,21 +17,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _quant
-from ._checks import count
+from ._checks import count, int_list
 from ._sequence import writer_part
 from .errors import InvalidArgumentError, ReadOnlyError
 
 if TYPE_CHECKING:
     from ._sequence import Sequence
     from ._store import Store
-
-
-def _id_list(name: str, values: Iterable[Any]) -> list[int]:
-    values = list(values)
-    for x in values:
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise InvalidArgumentError(f"{name}={values!r} must be ints")
-    return [int(x) for x in values]
 
 
 def create_sequences(store: Store, n: int, capacity: int, prefix: Iterable[Any] | None = None) -> list[Sequence]:
@@ -55,7 +47,7 @@ def create_sequences(store: Store, n: int, capacity: int, prefix: Iterable[Any] 
 
 def lease(store: Store, seq_ids: Iterable[int]) -> list[Sequence]:
     """``store.lease``: write handles on every sequence of ``seq_ids``, in that order, or none."""
-    ids = _id_list("seq_ids", seq_ids)
+    ids = int_list("lease", "seq_ids", seq_ids)
     if len(set(ids)) != len(ids):
         raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice: pass each id once")
     taken: list[Sequence] = []
@@ -72,7 +64,7 @@ def lease(store: Store, seq_ids: Iterable[int]) -> list[Sequence]:
 def regather(store: Store, seqs: list[Sequence], rows: Iterable[int]) -> list[Sequence]:
     """``store.regather``: handles whose row i holds what ``seqs[rows[i]]`` holds."""
     seqs = list(seqs)
-    rows = _id_list("rows", rows)
+    rows = int_list("regather", "rows", rows)
     b = len(seqs)
     bad = [r for r in rows if not 0 <= r < b]
     if bad:

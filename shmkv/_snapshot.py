@@ -31,6 +31,7 @@ import msgpack
 import numpy as np
 
 from . import _arena, _crash, _pages, _header, _lock, _segment
+from ._checks import int_list
 from ._lease import own_token
 from ._snapshot_format import (
     CHUNK,
@@ -224,18 +225,7 @@ def _write_parts(f: IO[bytes], head: bytes, arrays: list[np.ndarray], progress: 
     return total
 
 
-def _check_ids(seq_ids: Any, what: str) -> list[int] | None:
-    """``seq_ids`` as a list of ints, or None; anything else (1.7, 'a', True) is refused."""
-    if seq_ids is None:
-        return None
-    if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
-        raise InvalidArgumentError(f"{what}: seq_ids={seq_ids!r} must be a list of sequence ids (ints)")
-    ids = list(seq_ids)
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise InvalidArgumentError(f"{what}: seq_ids holds {i!r}; sequence ids are ints (Sequence.id)")
-    return [int(i) for i in ids]
-
+_ID_HINT = " (sequence ids: Sequence.id)"
 
 _TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<pid>\d+)(?:-(?P<start>\d+))?-[0-9a-f]{8}")
 
@@ -273,7 +263,7 @@ def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: 
     """
     core = _arena.port(store)
     core.check_open()
-    ids = _check_ids(seq_ids, "save")
+    ids = None if seq_ids is None else int_list("save", "seq_ids", seq_ids, _ID_HINT)
     if isinstance(target, (str, bytes, os.PathLike)):
         return _save_path(store, os.fsdecode(target), ids, progress)
     if not hasattr(target, "write"):
@@ -375,7 +365,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
         )
     ids = snap.seq_ids
     if seq_ids is not None:
-        wanted = _check_ids(seq_ids, "restore") or []
+        wanted = [] if seq_ids is None else int_list("restore", "seq_ids", seq_ids, _ID_HINT)
         missing = [i for i in wanted if i not in ids]
         if missing:
             raise SequenceNotFound(f"{reader.where}: sequences {missing} are not in the snapshot (it has {ids})")
