@@ -119,7 +119,7 @@ class Segment:
     ``unlink()`` removes the name; mapped pages stay valid for whoever maps them.
     """
 
-    __slots__ = ("_fd", "mm", "name", "readonly", "size")
+    __slots__ = ("_fd", "_send", "mm", "name", "readonly", "size")
 
     def __init__(self, name: str, size: int, readonly: bool, mm: mmap.mmap, fd: int) -> None:
         self.name = name
@@ -127,6 +127,7 @@ class Segment:
         self.readonly = readonly
         self.mm: mmap.mmap | None = mm
         self._fd = fd
+        self._send = (-1, 0)  # copy_in's own descriptor of the segment, and the pid that opened it
 
     @classmethod
     def create(cls, name: str, size: int, mode: int = 0o600) -> Segment:
@@ -269,12 +270,17 @@ class Segment:
         """Copy ``n`` bytes of file ``src_fd`` at ``src_offset`` to ``offset`` in the kernel
         (``os.sendfile``: no copy through user space, no zeroing of new pages; CacheFullError
         when full, as :meth:`write`). sendfile writes at a descriptor's file position, so it
-        writes through a description of its own (``/proc/self/fd``), no other thread's."""
-        try:
-            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY)
-        except OSError:
-            self._copy_in_slowly(src_fd, src_offset, offset, n)
-            return
+        writes through a description of its own (``/proc/self/fd``), no other thread's; opened at
+        the first call and kept (a restore makes one call an array), and the callers hold the
+        store lock, so no two calls of this process use it at once."""
+        fd, pid = self._send
+        if fd < 0 or pid != os.getpid():  # (a forked child shares the parent's: its own, then)
+            try:
+                fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY | os.O_CLOEXEC)
+            except OSError:
+                self._copy_in_slowly(src_fd, src_offset, offset, n)
+                return
+            self._send = (fd, os.getpid())
         done = 0
         try:
             os.lseek(fd, offset, os.SEEK_SET)
@@ -289,8 +295,6 @@ class Segment:
             if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                 raise
             self._copy_in_slowly(src_fd, src_offset + done, offset + done, n - done)  # no sendfile here
-        finally:
-            os.close(fd)
 
     def _copy_in_slowly(self, src_fd: int, src_offset: int, offset: int, n: int) -> None:
         buf = bytearray(min(n, 8 << 20))
@@ -339,6 +343,10 @@ class Segment:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        fd, pid = self._send
+        if fd >= 0 and pid == os.getpid():
+            os.close(fd)
+        self._send = (-1, 0)
 
     def unlink(self) -> None:
         _unlink_quietly(self.name)

@@ -161,6 +161,7 @@ class _Reader:
         self.where = where
         self.pending = b""  # bytes read past the header
         self.offset = 0  # stream offset of the next byte to consume
+        self.size = -1  # the file's size, once asked (_copy_into: a regular file, not growing)
 
     def fail(self, what: str) -> SnapshotError:
         return SnapshotError(f"{self.where}: {what}")
@@ -296,7 +297,9 @@ class _Reader:
         of them: what was read ahead (``pending``) is in the file too, and the destination is
         written through the descriptor only (its pages may not be allocated yet)."""
         fd = self.f.fileno()
-        k = max(0, min(n, os.fstat(fd).st_size - self.offset))
+        if self.size < 0:
+            self.size = os.fstat(fd).st_size  # once, not once a bin
+        k = max(0, min(n, self.size - self.offset))
         self.pending = b""  # bytes [offset, offset + len(pending)) of the file
         if k:
             copy_in(pos, fd, self.offset, k)

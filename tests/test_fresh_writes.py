@@ -250,3 +250,35 @@ def test_a_fork_pre_faults_its_range_before_the_per_token_path(make_store):
         child.append(layer, k1[layer], v1[layer])
     child.commit()
     np.testing.assert_array_equal(_stored(child)[0], np.concatenate([k, k1], axis=1).astype(np.float16))
+
+
+def test_a_load_opens_one_descriptor_for_its_copies_and_closes_it(make_store, tmp_path, monkeypatch):
+    """The kernel copies of a restore write through a descriptor of the segment's own: one for
+    all the arrays (not one per array), closed with the store."""
+    store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float16", max_tokens=512, max_seqs=16)
+    _fill(store, np.random.default_rng(13), n_seqs=6)
+    path = tmp_path / "s.shmkv"
+    store.save(path)
+    opened: list[int] = []
+    real_open = os.open
+
+    def spy(p: object, *args: object, **kw: object) -> int:
+        fd = real_open(p, *args, **kw)  # type: ignore[arg-type]
+        if str(p).startswith("/proc/self/fd/"):
+            opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(os, "open", spy)
+    copies = _Calls(monkeypatch, "sendfile")
+    loaded = shmkv.load(path, name=unique_name())
+    try:
+        assert copies.calls > 1 and len(opened) == 1  # many kernel copies, one descriptor
+        target = os.readlink(f"/proc/self/fd/{opened[0]}")
+        assert target.endswith(".d")  # the data segment
+        assert _content(loaded) == _content(store)
+    finally:
+        loaded.close()
+    try:
+        assert os.readlink(f"/proc/self/fd/{opened[0]}") != target  # closed (or the number reused)
+    except FileNotFoundError:
+        pass
