@@ -3,13 +3,13 @@
 See README.md for a tour and ../shared/DESIGN.md for the contract.
 """
 
-from ._batch import Batch
-from ._header import Layout
-from ._sequence import Sequence
-from ._snapshot_format import Snapshot, read_header
-from ._lifecycle import create, gc, list_stores, load, remove
-from ._store import SequenceInfo, Store, StoreStats, attach
-from .errors import (
+from shmkv._sequence.batch import Batch
+from shmkv._engine.header import Layout
+from shmkv._sequence.handle import Sequence
+from shmkv._snapshot.format import Snapshot, read_header
+from shmkv.store._lifecycle import create, gc, list_stores, load, remove
+from shmkv.store._store import SequenceInfo, Store, StoreStats, attach
+from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
     CorruptStoreError,

@@ -1,4 +1,4 @@
-"""Our suite uses the shipped pytest plugin (shmkv.pytest_plugin): its leak check
+"""Our suite uses the shipped pytest plugin (shmkv.testing.pytest_plugin): its leak check
 (opt-in for other projects) is on for every test here, and ``shmkv_store`` /
 ``shmkv_store_factory`` make stores."""
 

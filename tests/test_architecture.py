@@ -40,12 +40,22 @@ KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = set()
 KNOWN_LARGE: set[str] = set()
 
 
+def _name(path: Path) -> str:
+    """A module's dotted name below ``shmkv`` (``__init__`` for the package itself,
+    ``_engine`` for ``_engine/__init__.py``, ``_engine.header`` for ``_engine/header.py``)."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def _paths() -> dict[str, Path]:
+    return {_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
 def _modules() -> dict[str, ast.Module]:
-    """Every ``shmkv/*.py`` parsed, by module name (``__init__`` for the package)."""
-    return {
-        path.stem: ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for path in sorted(PACKAGE.glob("*.py"))
-    }
+    """Every module of the package, subpackages included, parsed, by dotted name."""
+    return {name: ast.parse(path.read_text(encoding="utf-8"), filename=str(path)) for name, path in _paths().items()}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -67,37 +77,51 @@ def _imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
         todo.extend(ast.iter_child_nodes(node))
 
 
-def _imported(node: ast.Import | ast.ImportFrom, names: set[str]) -> set[str]:
+def _resolve(dotted: str, names: set[str]) -> str | None:
+    """The longest known module that ``dotted`` (below shmkv) names or lies in."""
+    parts = dotted.split(".") if dotted else []
+    while parts:
+        if ".".join(parts) in names:
+            return ".".join(parts)
+        parts.pop()
+    return "__init__"
+
+
+def _package_of(importer: str, is_package: bool) -> list[str]:
+    parts = [] if importer == "__init__" else importer.split(".")
+    return parts if is_package else parts[:-1]
+
+
+def _imported(node: ast.Import | ast.ImportFrom, names: set[str], importer: str = "__init__",
+              is_package: bool = False) -> set[str]:
     """The ``shmkv`` modules an import statement loads (``__init__`` for the package)."""
     found: set[str] = set()
     if isinstance(node, ast.Import):
         for alias in node.names:
             parts = alias.name.split(".")
             if parts[0] == "shmkv":
-                found.add(parts[1] if len(parts) > 1 and parts[1] in names else "__init__")
+                found.add(_resolve(".".join(parts[1:]), names) or "__init__")
         return found
     if node.level == 0:
         if node.module is None or node.module.split(".")[0] != "shmkv":
             return found
-        rest = node.module.split(".")[1:]
-    elif node.level == 1:
-        rest = node.module.split(".") if node.module else []
-    else:  # pragma: no cover - shmkv has no subpackages
-        return found
-    if rest:
-        found.add(rest[0] if rest[0] in names else "__init__")
-    else:  # from . import x, y: each a submodule, or a name of the package
-        for alias in node.names:
-            found.add(alias.name if alias.name in names else "__init__")
+        base = node.module.split(".")[1:]
+    else:
+        package = _package_of(importer, is_package)
+        base = package[: len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+    for alias in node.names:  # from x import y: y is a submodule of x, or a name in x
+        sub = ".".join([*base, alias.name])
+        found.add(sub if sub in names else (_resolve(".".join(base), names) or "__init__"))
     return found
 
 
 def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
     names = set(modules)
     graph: dict[str, set[str]] = {name: set() for name in modules}
+    packages = {name for name in names if any(other.startswith(name + ".") for other in names)}
     for name, tree in modules.items():
         for node in _imports(tree):
-            graph[name] |= _imported(node, names) - {name}
+            graph[name] |= _imported(node, names, name, name in packages) - {name}
     return graph
 
 
@@ -203,8 +227,9 @@ def private_accesses(modules: dict[str, ast.Module]) -> set[tuple[str, str]]:
 
 def large(modules: dict[str, ast.Module]) -> set[str]:
     found: set[str] = set()
+    paths = _paths()
     for name in modules:
-        lines = len((PACKAGE / f"{name}.py").read_text(encoding="utf-8").splitlines())
+        lines = len(paths[name].read_text(encoding="utf-8").splitlines())
         if lines > MAX_MODULE_LINES:
             found.add(name)
     for name, tree in modules.items():

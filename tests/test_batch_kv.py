@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv import _quant
+from shmkv._sequence import quant as _quant
 
 H, D = 2, 4  # the plugin's default layout: layers=2, kv_heads=2, head_dim=4, float32
 

@@ -1,7 +1,7 @@
 """Crash safety (issue 11): a process SIGKILLed inside any structural operation leaves the store
 exactly as before or after it, for the next process that takes the lock.
 
-Every named crash point (shmkv._crash.POINTS) is hit by a child process with SHMKV_CRASH_AT set;
+Every named crash point (shmkv._engine.crash.POINTS) is hit by a child process with SHMKV_CRASH_AT set;
 the test then checks, from this process: the logical content equals the state before the
 operation or the state after it (the same operation run here without a crash), every cell's K/V
 is that of its token id, generations are even, `shmkv verify` is clean, leases can be taken over,
@@ -23,7 +23,9 @@ import pytest
 from _crash_children import BOUNDED, LAYOUT, base, fill, op, prepare, state, stress
 
 import shmkv
-from shmkv import _crash, _header, cli
+from shmkv._engine import crash as _crash
+from shmkv._engine import header as _header
+from shmkv import cli
 from shmkv.testing import start_in_process
 
 HERE = os.path.dirname(__file__)

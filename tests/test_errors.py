@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv import _header, _segment
+from shmkv._engine import header as _header
+from shmkv._engine import segment as _segment
 from shmkv.testing import unique_name
 
 

@@ -11,7 +11,8 @@ from _children import create_and_exit
 from conftest import START_METHODS
 
 import shmkv
-from shmkv import _lifecycle, _segment
+from shmkv.store import _lifecycle
+from shmkv._engine import segment as _segment
 from shmkv.testing import ChildFailed, run_in_process, unique_name
 
 

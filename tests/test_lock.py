@@ -10,7 +10,8 @@ import time
 import pytest
 
 import shmkv
-from shmkv import _lock, _segment
+from shmkv._engine import lock as _lock
+from shmkv._engine import segment as _segment
 from shmkv.testing import ChildProcess, shm_entries, start_in_process, unique_name
 
 START_METHODS = ["fork", "spawn", "forkserver"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv import _quant
+from shmkv._sequence import quant as _quant
 
 SEED = 5150
 

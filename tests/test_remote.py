@@ -1,6 +1,6 @@
 """The remote tier on Redis (DESIGN §9, issue 17): stores on several "machines" share prefixes.
 
-Every test starts its own redis-server(s) on free loopback ports (shmkv._redis_testing)
+Every test starts its own redis-server(s) on free loopback ports (shmkv.testing._redis)
 and stops them. Without redis-server (or redis-py) these tests skip locally and
 FAIL when CI=true: CI must run them.
 
@@ -29,7 +29,7 @@ from _remote_children import push_when_told
 
 import shmkv
 from shmkv import cli
-from shmkv._redis_testing import RedisCluster, RedisServer
+from shmkv.testing._redis import RedisCluster, RedisServer
 from shmkv.remote import RemoteTier
 from shmkv.testing import start_in_process
 
@@ -426,7 +426,7 @@ def test_create_sequence_when_server_hangs_times_out(make_store, server, tiers):
 
 def test_nothing_listening(make_store, tiers):
     _need_redis()
-    from shmkv._redis_testing import free_port
+    from shmkv.testing._redis import free_port
 
     a = make_store(**LAYOUT)
     toks, k, v = prompt(64)

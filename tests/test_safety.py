@@ -24,7 +24,12 @@ from conftest import START_METHODS
 
 import shmkv
 import shmkv.cli
-from shmkv import _header, _lifecycle, _segment, _snapshot, _snapshot_format, _store
+from shmkv._engine import header as _header
+from shmkv.store import _lifecycle
+from shmkv._engine import segment as _segment
+from shmkv._snapshot import snapshot as _snapshot
+from shmkv._snapshot import format as _snapshot_format
+from shmkv.store import _store
 from shmkv.cli import verify
 from shmkv.testing import run_in_process, start_in_process, unique_name
 

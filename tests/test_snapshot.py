@@ -174,7 +174,8 @@ def test_the_checksum_is_zlibs_crc32_whichever_computes_it(make_store, tmp_path,
     a snapshot written with one loads with the other (issue 16)."""
     import zlib
 
-    from shmkv import _snapshot, _snapshot_format
+    from shmkv._snapshot import snapshot as _snapshot
+    from shmkv._snapshot import format as _snapshot_format
 
     rng = np.random.default_rng(6)
     for n in (0, 1, 7, 4096, 1 << 20):

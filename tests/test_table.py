@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv import _core
-from shmkv._header import ID, LIVE, STATE
+from shmkv._engine import core as _core
+from shmkv._engine.header import ID, LIVE, STATE
 
 
 def _row_of(store: shmkv.Store, seq_id: int) -> int:

@@ -137,7 +137,7 @@ def test_greedy_matches_dynamic_cache(llama, cache_of, case):
         torch.testing.assert_close(cache.layers[layer].keys, ref_cache.layers[layer].keys, rtol=0, atol=0)
 
 
-# Storage error bounds (shmkv._quant): float16 relative 2^-11, bfloat16 relative 2^-8, int8
+# Storage error bounds (shmkv._sequence.quant): float16 relative 2^-11, bfloat16 relative 2^-8, int8
 # absmax/254 per (token, head). The stated tolerance: no logit moves by more than 16 x that bound
 # x the largest |logit| (measured here: 1.6x, 1.5x and 6.4x the bound x max|logit| respectively).
 STORAGE_EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "int8": 1 / 254}

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
     results: dict[str, float] = {}
-    from shmkv._snapshot_format import CRC32
+    from shmkv._snapshot.format import CRC32
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"numpy {np.__version__}, snapshot crc32 from {CRC32}{', quick' if a.quick else ''}", flush=True)

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from shmkv import _lifecycle, _store
+from shmkv.store import _lifecycle
+from shmkv.store import _store
 from shmkv.testing import unique_name
 
 Figures = dict[str, float]
@@ -425,7 +426,7 @@ def _sendfile_into_fresh_shm(src: str) -> float:
 
 
 def bench_snapshot(quick: bool, directory: str | None = None) -> Figures:
-    from shmkv._lifecycle import load
+    from shmkv.store._lifecycle import load
 
     L, H, D, n = 16, 8, 128, (1024 if quick else 2048)
     name = unique_name("bs")
@@ -753,7 +754,7 @@ def _waiter(name: str, seq_id: int, rounds: int, ctrl: Any, out: Any) -> None:
 
 
 def has_wait() -> bool:
-    from shmkv._sequence import Sequence
+    from shmkv._sequence.handle import Sequence
 
     return hasattr(Sequence, "wait")
 

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 import shmkv
-from shmkv import _model
+from shmkv.cli import _model
 from shmkv.testing import unique_name
 
 

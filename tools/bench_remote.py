@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 import shmkv
-from shmkv._redis_testing import RedisServer
+from shmkv.testing._redis import RedisServer
 from shmkv.remote import RemoteTier
 from shmkv.testing import unique_name
 

@@ -1,0 +1,42 @@
+"""Argument checks shared by the API modules (messages name the argument)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shmkv.errors import InvalidArgumentError
+
+
+def count(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` as an int, checked to be an integer (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(f"{name}={value!r} must be an int >= {minimum}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name}={value} must be >= {minimum}")
+    return int(value)
+
+
+def int_list(what: str, name: str, values: Any, hint: str = "") -> list[int]:
+    """``values`` (any iterable, read once) as a list of Python ints; a string, a non-iterable
+    or an element that is not an integer (1.5, True, 'a') is refused, naming it."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise InvalidArgumentError(f"{what}: {name}={values!r} must be a list of ints{hint}")
+    values = list(values)
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise InvalidArgumentError(f"{what}: {name}={values[:16]!r} holds {x!r}, not an int{hint}")
+    return [int(x) for x in values]
+
+
+def ints(name: str, values: Any, n: int) -> np.ndarray:
+    """``values`` as ``n`` int64s (a scalar counts as one), checked: one per pending token."""
+    a = np.asarray(values)
+    if a.ndim == 0:
+        a = a.reshape(1)
+    if a.shape != (n,) or (a.size and a.dtype.kind not in "iu"):
+        raise InvalidArgumentError(
+            f"{name} must be {n} ints (one per pending token), got shape {a.shape} dtype {a.dtype}"
+        )
+    return a.astype(np.int64, copy=False)

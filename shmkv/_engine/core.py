@@ -1,0 +1,467 @@
+"""The core of a store handle: its mappings, the sequence table and its seqlocks, the store
+lock, crash recovery, clients and leases. ``Store`` (the API) builds on it through ``Arena``.
+
+Concurrency (DESIGN.md section 3):
+
+* The lease holder of a sequence writes cells beyond its committed length and
+  then publishes the new length with one aligned 8-byte store. On x86-64 (TSO)
+  stores become visible in program order, and the numpy copy is an opaque C
+  call that completes before the length store, so a reader that reads the
+  length first never sees a cell that is not fully written.
+* Structural operations take the store lock, and bracket their changes to a
+  sequence row with its seqlock generation (odd while changing). Readers read
+  the generation, the row, the generation again, and retry while it moved.
+* Liveness: every read-write process is in the client table; a lease whose
+  holder died (pid gone, or pid recycled: start times differ) can be taken.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from shmkv._engine import dtypes as _dtypes
+from shmkv._engine import header as _header
+from shmkv._engine import lock as _lock
+from shmkv._engine import segment as _segment
+from shmkv._engine.header import (
+    CLIENT_WORDS,
+    GEN,
+    ID,
+    LEASE_PID,
+    LEASE_START,
+    LEASE_TOKEN,
+    SEQ_WORDS,
+    LIVE,
+    STATE,
+    INDEX_WORDS,
+    Layout,
+)
+from shmkv._engine.lease import live_writers
+from shmkv._engine.prefix import PrefixIndex
+from shmkv._engine.segment import Segment
+from shmkv.errors import (
+    CacheFullError,
+    CorruptStoreError,
+    InvalidArgumentError,
+    LeaseError,
+    ReadOnlyError,
+    SequenceNotFound,
+    StoreClosedError,
+)
+
+
+def _words(mm: Any, offset: int, count: int) -> memoryview:
+    """An int64 memoryview of ``count`` words at ``offset``: item reads give Python ints."""
+    return memoryview(mm)[offset : offset + 8 * count].cast("q")
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def _close_segments(hseg: Segment, dseg: Segment) -> None:
+    hseg.close()
+    dseg.close()
+
+
+class Core:
+    """What a store handle holds and the rules for touching it (see the module docstring).
+
+    ``Store`` is the public face; ``Sequence``, ``_snapshot`` and ``_batch`` reach the
+    shared-memory state through it."""
+
+    def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
+                 creator: bool, persistent: bool, lock_timeout: float) -> None:
+        self.name = name
+        self.layout = layout
+        self.readonly = hseg.readonly
+        self.lock_timeout = float(lock_timeout)
+        self._creator = creator
+        self._persistent = persistent
+        self._pid = os.getpid()
+        self._fork_epoch = _segment.fork_epoch
+        self._closed = False
+        self._hseg, self._dseg = hseg, dseg
+        self._lock_path = _segment.lock_path(name)
+        self._lock = _lock.StoreLock(self._lock_path, name, readonly=hseg.readonly)
+        self._identity = int(hseg.array(np.int64, 1, 8 * _header.W_IDENTITY)[0])
+        off = self._off = _header.offsets(layout, max_clients)
+        hmm, dmm = hseg.mm, dseg.mm
+        assert hmm is not None and dmm is not None
+        self._max_clients = max_clients
+        self._hdr = _words(hseg.mm, 0, _header.FIXED_BYTES // 8)
+        self._table = _words(hseg.mm, off.seq_off, layout.max_seqs * SEQ_WORDS)
+        self._table_np = np.frombuffer(hmm, np.int64, layout.max_seqs * SEQ_WORDS, off.seq_off).reshape(
+            layout.max_seqs, SEQ_WORDS
+        )
+        self._clients_np = np.frombuffer(hmm, np.int64, max_clients * CLIENT_WORDS, off.client_off).reshape(
+            max_clients, CLIENT_WORDS
+        )
+        dt = _dtypes.storage(layout.dtype)
+        L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
+        self._K = np.frombuffer(dmm, dt, L * T * H * D, off.k_off).reshape(L, T, H, D)
+        self._V = np.frombuffer(dmm, dt, L * T * H * D, off.v_off).reshape(L, T, H, D)
+        self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
+        self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
+        self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
+        self._meta = np.frombuffer(hmm, np.uint8, layout.max_seqs * _header.META_RECORD, off.meta_off).reshape(
+            layout.max_seqs, _header.META_RECORD)
+        self._index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
+                                  self._tokens, self._positions, self._hashes, layout=layout)
+        # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
+        # layer's view is its window region instead: a buffer of window_cells per slot.
+        self._Kl = list(self._K)
+        self._Vl = list(self._V)
+        self._full = [i for i in range(L) if i not in layout.bounded]
+        self._wc = layout.window_cells
+        nb, WT = len(layout.bounded), 2 * layout.max_seqs * layout.window_cells  # two buffers a slot
+        if nb:
+            self._WK = np.frombuffer(dmm, dt, nb * WT * H * D, off.wk_off).reshape(nb, WT, H, D)
+            self._WV = np.frombuffer(dmm, dt, nb * WT * H * D, off.wv_off).reshape(nb, WT, H, D)
+            for j, layer in enumerate(layout.bounded):
+                self._Kl[layer], self._Vl[layer] = self._WK[j], self._WV[j]
+        # int8 stores: one float32 scale per (layer, cell, head) for K and for V
+        S = L * T * H if layout.dtype == "int8" else 0
+        self._KS = np.frombuffer(dmm, np.float32, S, off.ks_off).reshape(-1, T, H) if S else None
+        self._VS = np.frombuffer(dmm, np.float32, S, off.vs_off).reshape(-1, T, H) if S else None
+        # what every Sequence handle reads through: built once here, not per handle (a handle
+        # is made per request; fewer objects keep store.sequence(id) cheap)
+        self._Kr = [_readonly(a) for a in self._Kl]
+        self._Vr = [_readonly(a) for a in self._Vl]
+        self._KSl = list(self._KS) if self._KS is not None else None
+        self._VSl = list(self._VS) if self._VS is not None else None
+        self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
+        self._rows: dict[int, memoryview] = {}  # slot -> its row (see _row)
+        self._row_slot: dict[int, int] = {}  # id(row) -> slot
+        # crash recovery: the undo log (see "crash recovery" below) and this process's unit
+        self._undo_np = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.UNDO_WORDS, off.undo_off).reshape(
+            layout.max_seqs, _header.UNDO_WORDS)
+        self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
+                                     off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
+        self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
+        self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
+        self._unit_depth = 0
+        self._logged: set[int] = set()
+        # cell intervals this process reserved (see Pages._reserve): [full layers, all layers]
+        self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+        # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
+        self._owed: list[tuple[int, int]] = []
+        self._dbase = self._tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
+        # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
+        self._finalizer: weakref.finalize[[Segment, Segment], Core] | None = weakref.finalize(
+            self, _close_segments, hseg, dseg)
+        self._finalizer.atexit = False  # at exit the process closes them anyway
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyError(
+                f"store {self.name!r} is attached read-only: attach with shmkv.attach({self.name!r}) to modify it"
+            )
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The store lock, for structural operations. The outermost acquisition first rolls back
+        what a process that died holding it left half done (see "crash recovery")."""
+        self._check_writable()
+        outer = not self._lock.is_held
+        with self._lock.held(self.lock_timeout):
+            if outer and (self._hdr[_header.W_UNDO_COUNT] or self._unit_depth):
+                self._unit_depth = 0
+                self._logged.clear()
+                self._recover()
+            yield
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """What a reader that must wait out a structural change holds: the store lock on a
+        read-write attachment (which also recovers), a shared lock on a read-only one (no write
+        access needed; LockTimeout after lock_timeout). Rows are then read with _settled_row."""
+        self._check_open()
+        if not self.readonly:
+            with self._locked():
+                yield
+            return
+        with self._lock.held(self.lock_timeout, shared=True):
+            yield
+
+    def _settled_row(self, slot: int) -> list[int]:
+        """Row ``slot``'s words once a dead process's operation is rolled back (under _reading):
+        a read-only reader cannot roll back, so it reads the logged old words (crash recovery)."""
+        for i in range(self._hdr[_header.W_UNDO_COUNT]):
+            if self._undo_np[i, 0] & _SLOT_MASK == slot:
+                logged: list[int] = self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()
+                return logged
+        words: list[int] = self._table_np[slot].tolist()
+        return words
+
+    # -- clients ---------------------------------------------------------------
+
+    def _register_client(self) -> None:
+        me, start = os.getpid(), _segment.process_start_time(os.getpid())
+        with self._locked():
+            rows = self._clients_np
+            free = None
+            for i in range(self._max_clients):
+                pid = int(rows[i, 0])
+                if not 0 <= pid <= _segment.MAX_PID or int(rows[i, 1]) < 0:
+                    raise CorruptStoreError(
+                        f"store {self.name!r}: client table row {i} holds pid {pid}, start {int(rows[i, 1])}, "
+                        "which no process has: the header was overwritten by something other than shmkv; "
+                        f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
+                    )
+                if pid and not _segment.pid_alive(pid, int(rows[i, 1])):
+                    rows[i] = 0
+                    pid = 0
+                if pid == 0 and free is None:
+                    free = i
+            if free is None:
+                raise CacheFullError(
+                    f"store {self.name!r}: all {self._max_clients} client slots hold live processes; "
+                    "close unused attachments (or create the store with a larger max_clients=)"
+                )
+            rows[free, 1] = start
+            rows[free, 2] = 1
+            rows[free, 0] = me
+
+    def _unregister_client(self, pid: int) -> None:
+        with self._locked():
+            rows = self._clients_np
+            for i in range(self._max_clients):
+                if int(rows[i, 0]) == pid:
+                    rows[i] = 0
+                    break
+
+    # -- the sequence table ----------------------------------------------------
+
+    def _slot_of(self, seq_id: object) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
+            raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
+        seq_id = int(seq_id)
+        # A created sequence lives in row id % max_seqs (Store.create_sequence picks its id so);
+        # one a restore placed elsewhere is found once by a scan, then by a hint: ids are never
+        # reused, so a remembered slot is right exactly when its row still holds that id, live.
+        own = seq_id % self.layout.max_seqs
+        b = own * SEQ_WORDS
+        if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
+            return own
+        slot = self._slot_hint.get(seq_id)
+        if slot is not None:
+            b = slot * SEQ_WORDS
+            if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
+                return slot
+        t = self._table_np
+        hits = np.flatnonzero((t[:, ID] == seq_id) & (t[:, STATE] == LIVE))
+        if hits.size:
+            if len(self._slot_hint) > 4 * self.layout.max_seqs:
+                self._slot_hint.clear()
+            self._slot_hint[seq_id] = int(hits[0])
+        if hits.size == 0:
+            raise SequenceNotFound(
+                f"store {self.name!r} has no sequence {seq_id!r}: it was freed or never created "
+                "(store.sequences() lists the live ones)"
+            )
+        return int(hits[0])
+
+    def _row(self, slot: int) -> memoryview:
+        """Row ``slot`` of the sequence table (one memoryview a slot, reused: _changing knows it)."""
+        row = self._rows.get(slot)
+        if row is None:
+            row = self._rows[slot] = self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
+            self._row_slot[id(row)] = slot
+        return row
+
+    # -- crash recovery ------------------------------------------------------------
+    #
+    # A process may die at any instruction (SIGKILL, OOM, a segfault), also inside a structural
+    # operation, with the store lock held; the kernel then releases the lock. The protocol that
+    # makes every such death leave the store exactly as before the operation:
+    #
+    # 1. Data is never written over committed cells that a row points to: new content goes into
+    #    cells no row points to (a fresh range; a sequence's other window buffer, see _header
+    #    WBUF; a range freed earlier in the same operation is never reused by it), and the rows
+    #    are switched to it at the end.
+    # 2. Before a row's words change, its old words (and its meta record) are appended to the
+    #    undo log in the header (_log_row), then the log's count is published (one word). All
+    #    the rows one operation changes (an "atomic unit": the outermost _changing bracket, or
+    #    _unit() around several) are logged; the count goes back to 0 when the unit ends.
+    # 3. Whoever next takes the store lock and finds a non-zero count (its writer is dead: it
+    #    held the lock) puts every logged row back (_recover), with an even generation above
+    #    any it had, so readers and writers see a change and reload. By (1), the cells the old
+    #    rows point to are intact. Odd generations left by a dead process are made even.
+    # 4. Frees inside a unit (evictions to make room) are complete on their own: their rows leave
+    #    the log when done, so a recovery never resurrects a row whose cells were then reused.
+    #
+    # Token ids, positions and hashes go with the cells (1). Counters (hits, evictions), the
+    # recency clock and the prefix index are not rolled back: they are statistics or hints
+    # that lookups verify. Named crash points (_crash.point) let the tests kill a process at
+    # every step of every operation.
+
+    @contextmanager
+    def _unit(self) -> Iterator[None]:
+        """An atomic unit: every row changed inside it is rolled back together after a crash."""
+        self._unit_depth += 1
+        try:
+            yield
+        finally:
+            self._unit_depth -= 1
+            if self._unit_depth == 0:
+                self._hdr[_header.W_UNDO_COUNT] = 0  # committed: the old rows are no longer needed
+                self._logged.clear()
+
+    def _log_row(self, slot: int) -> None:
+        """Append row ``slot``'s current words and meta record to the undo log (once per unit)."""
+        if slot in self._logged:
+            return
+        hdr = self._hdr
+        k = hdr[_header.W_UNDO_COUNT]
+        entry = self._undo[k]  # memoryview copies: a few hundred ns, on the speculative-decoding path
+        entry[0] = slot
+        entry[1 : 1 + SEQ_WORDS] = self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
+        # the meta record is logged only by what changes it (_log_meta): most operations do not
+        if k == 0:  # who: for `shmkv verify`'s report (recovery itself needs no pid: it holds the lock)
+            hdr[_header.W_UNDO_PID] = os.getpid()
+        hdr[_header.W_UNDO_COUNT] = k + 1  # published after the entry
+        self._logged.add(slot)
+
+    def _forget(self, *slots: int) -> None:
+        """Drop completed rows from the undo log (a free inside a larger unit, see 4. above)."""
+        hdr = self._hdr
+        for slot in slots:
+            if slot not in self._logged:
+                continue
+            k = hdr[_header.W_UNDO_COUNT]
+            i = next(i for i in range(k) if self._undo_np[i, 0] & _SLOT_MASK == slot)
+            if i != k - 1:
+                self._undo_np[i] = self._undo_np[k - 1]  # the last entry moves into the gap first
+            hdr[_header.W_UNDO_COUNT] = k - 1
+            self._logged.discard(slot)
+
+    def _recover(self) -> int:
+        """Roll back the unit a dead process left (lock held); make odd generations even.
+        Returns the rows put back."""
+        hdr = self._hdr
+        k = hdr[_header.W_UNDO_COUNT]
+        t = self._table_np
+        for i in range(k):
+            entry = self._undo_np[i]
+            slot, has_meta = int(entry[0]) & _SLOT_MASK, bool(int(entry[0]) & _META_LOGGED)
+            if not 0 <= slot < self.layout.max_seqs:
+                continue
+            gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
+            row = self._row(slot)
+            row[GEN] = gen  # odd while it is put back
+            words = entry[1 : 1 + SEQ_WORDS].tolist()
+            for w, v in enumerate(words):
+                if w != GEN:
+                    row[w] = v
+            if has_meta:
+                self._meta_w[slot] = entry[1 + SEQ_WORDS :]
+            row[GEN] = gen + 1
+        odd = np.flatnonzero(t[:, GEN] & 1)  # a bracket a dead process left open
+        for slot in odd.tolist():
+            self._row(slot)[GEN] += 1
+        hdr[_header.W_UNDO_COUNT] = 0
+        if k or odd.size:
+            hdr[_header.W_RECOVERIES] += 1
+            hdr[_header.W_GENERATION] += 1
+        self._slot_hint.clear()
+        return int(k)
+
+    @contextmanager
+    def _changing(self, row: memoryview) -> Iterator[None]:
+        """Seqlock bracket around a structural change of one sequence (lock held); the row is
+        logged for crash recovery and joins the current atomic unit (see above)."""
+        slot = self._row_slot[id(row)]
+        self._unit_depth += 1  # what _unit() does, inlined: this is on the speculative-decoding path
+        try:
+            self._log_row(slot)
+            row[GEN] += 1  # odd: readers wait
+            try:
+                yield
+            finally:
+                row[GEN] += 1
+                self._hdr[_header.W_GENERATION] += 1
+        finally:
+            self._unit_depth -= 1
+            if self._unit_depth == 0:
+                self._hdr[_header.W_UNDO_COUNT] = 0
+                self._logged.clear()
+
+    def _log_meta(self, slot: int) -> None:
+        """Add the meta record of ``slot`` (logged by _changing) to its undo entry, once."""
+        for i in range(self._hdr[_header.W_UNDO_COUNT]):
+            e = self._undo[i]
+            if e[0] & _SLOT_MASK == slot:
+                if not e[0] & _META_LOGGED:
+                    e[1 + SEQ_WORDS :] = self._meta_mv[slot]
+                    e[0] = slot | _META_LOGGED
+                return
+
+    def _lease_holder(self, row: memoryview) -> tuple[int, bool]:
+        """(pid, alive) of the lease on ``row``; alive means it may not be taken."""
+        pid = row[LEASE_PID]
+        if pid == 0:
+            return 0, False
+        if pid == os.getpid() and self._fork_epoch == _segment.fork_epoch:
+            return pid, row[LEASE_TOKEN] in live_writers
+        return pid, _segment.pid_alive(pid, row[LEASE_START])
+
+    def _check_not_leased_by_other(self, row: memoryview, seq_id: int, allow_token: int = 0) -> None:
+        pid, alive = self._lease_holder(row)
+        if alive and not (allow_token and row[LEASE_TOKEN] == allow_token):
+            who = "another handle in this process" if pid == os.getpid() else f"live process {pid}"
+            raise LeaseError(
+                f"sequence {seq_id} of store {self.name!r} is leased by {who}: "
+                "its writer must release() it first (or exit)"
+            )
+
+
+_SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
+_META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
+
+
+class _RowViews:
+    """Lazily made int64 memoryviews of fixed-size records ``i`` of a region (undo log, meta)."""
+
+    def __init__(self, mm: Any, offset: int, words: int) -> None:
+        self._mm, self._offset, self._words = mm, offset, words
+        self._views: dict[int, memoryview] = {}
+
+    def __getitem__(self, i: int) -> memoryview:
+        v = self._views.get(i)
+        if v is None:
+            v = self._views[i] = _words(self._mm, self._offset + i * self._words * 8, self._words)
+        return v
+
+
+def register_client(store: Core) -> None:
+    """Enter this process in ``store``'s client table (create and attach, read-write)."""
+    store._register_client()
+
+
+def identity(store: Core) -> int:
+    """The identity word ``store``'s header held when it was opened."""
+    return store._identity
+
+
+def header_words(store: Core) -> memoryview:
+    """``store``'s fixed header as int64 words (``_header.W_*`` index it): for shmkv verify."""
+    return store._hdr
+
+
+def table_rows(store: Core) -> np.ndarray:
+    """``store``'s sequence table, one int64 row of SEQ_WORDS per slot (a live view): for shmkv verify."""
+    return store._table_np

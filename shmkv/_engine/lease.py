@@ -1,0 +1,44 @@
+"""Lease tokens of write handles, and the write handles alive in this process.
+
+A write handle holds its sequence's lease: the row's LEASE_PID, LEASE_START
+and LEASE_TOKEN words. The token tells this process's handles apart; a lease
+row whose pid is ours but whose token has no live handle here belongs to a
+handle that was dropped without ``release()`` and may be taken again.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import weakref
+from typing import TYPE_CHECKING
+
+from shmkv._engine import segment as _segment
+from shmkv._engine.header import LEASE_PID, LEASE_TOKEN
+
+if TYPE_CHECKING:
+    from shmkv._sequence.handle import Sequence
+
+# token -> live write handle, for every Sequence handle holding a lease in this process.
+live_writers: weakref.WeakValueDictionary[int, Sequence] = weakref.WeakValueDictionary()
+
+
+def new_token() -> int:
+    return secrets.randbits(62) + 1
+
+
+def own_token(row: memoryview) -> int:
+    """The lease token on ``row`` if a live handle of this process holds it, else 0."""
+    if row[LEASE_PID] == os.getpid() and row[LEASE_TOKEN] in live_writers:
+        return int(row[LEASE_TOKEN])
+    return 0
+
+
+def release_row(row: memoryview, token: int, pid: int, epoch: int) -> None:
+    """Finalizer of a write handle: give the lease back if we still hold it."""
+    if os.getpid() == pid and _segment.fork_epoch == epoch:
+        try:
+            if row[LEASE_TOKEN] == token and row[LEASE_PID] == pid:
+                row[LEASE_PID] = 0
+        except (ValueError, TypeError):  # released memoryview
+            pass

@@ -1,0 +1,415 @@
+"""The store's two locks: a structural lock that costs microseconds, a lifecycle lock for cold paths.
+
+Structural lock (DESIGN.md section 3): ``fcntl.flock`` on the store's lock file
+(``skv_<name>.lock`` beside the segments), through a descriptor that each
+attachment opens once and keeps, behind a ``threading.RLock`` per process.
+An acquire and release cost a few microseconds (two flock system calls and the
+RLock); filelock, which re-opens its file and runs about 480 Python calls per
+acquire, cost 130-160 us here, and a speculative-decoding step truncates (takes
+this lock) once per token.
+
+Why the RLock:
+
+* A flock belongs to an open file description, not to a process or a thread.
+  Two descriptors opened by one process conflict like two processes would (a
+  thread re-entering through a second attachment would deadlock itself), and
+  one descriptor used by two threads excludes nothing. So each process keeps,
+  per lock file (keyed by device and inode), one RLock shared by all its
+  attachments of that store: it orders the process's threads and makes the
+  lock re-entrant; only the outermost acquire takes the flock, which excludes
+  other processes.
+* The kernel drops a flock when the last descriptor of its open file
+  description closes, so a holder killed by SIGKILL releases the lock
+  (tests/test_lock.py::test_sigkilled_holder_releases_the_lock). A forked child
+  shares the parent's open file description: it would hold the parent's lock
+  without excluding the parent, and keep a dead parent's lock alive. So the
+  child closes every inherited descriptor right after fork (``register_at_fork``),
+  starts with fresh RLocks (the parent's may be held by a thread the child does
+  not have), and each lock re-opens its file on first use in the new process
+  (it checks ``os.getpid()``).
+
+Readers of a read-only attachment open the file read-only and may take
+``LOCK_SH`` (``held(shared=True)``): flock needs no write access. A timeout is
+honoured by polling ``LOCK_NB`` with short sleeps (flock has no timeout); no
+timeout (``None`` or negative) blocks in the kernel.
+
+The lock file is created with the store and removed only after its segments
+(``_store._remove_names``): never while they exist, or a waiter on the old inode
+and a newcomer on a new one would both "hold" it.
+
+Lifecycle lock: filelock on a separate file, ``skv_<name>.life``, serializes
+the cold paths (create, remove, gc) of one store name, so that gc's "all owners
+dead, remove" and remove's unlinking cannot interleave with a create of the
+same name. filelock copes with its file being unlinked while held (it checks
+the inode's link count after locking), so remove may unlink it last.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import filelock
+
+from shmkv._engine import segment as _segment
+from shmkv.errors import LockTimeout, StoreClosedError
+
+DEFAULT_TIMEOUT = 30.0
+LIFECYCLE_SUFFIX = ".life"
+_POLL_FIRST, _POLL_MAX = 50e-6, 2e-3  # flock has no timeout: poll LOCK_NB, backing off to 2 ms
+
+
+class _ProcessState:
+    """What one process knows about one lock file: its RLock and who holds the flock."""
+
+    __slots__ = ("__weakref__", "close_after", "depth", "fd", "mode", "rlock")
+
+    def __init__(self) -> None:
+        self.rlock = threading.RLock()
+        self.depth = 0  # re-entrant holds by the RLock's owner (changed only under the RLock)
+        self.fd = -1  # the descriptor that holds the flock while depth > 0
+        self.mode = 0  # fcntl.LOCK_EX or fcntl.LOCK_SH while depth > 0
+        self.close_after: list[int] = []  # descriptors closed while holding: closed at the last release
+
+
+# (st_dev, st_ino) -> state; an entry lives while an open StoreLock of that file does.
+_states: weakref.WeakValueDictionary[tuple[int, int], _ProcessState] = weakref.WeakValueDictionary()
+_states_guard = threading.Lock()
+_open_locks: weakref.WeakSet[StoreLock] = weakref.WeakSet()
+_by_path: weakref.WeakValueDictionary[str, StoreLock] = weakref.WeakValueDictionary()
+
+
+def _after_fork_in_child() -> None:
+    # The child must not share the parent's open file descriptions (see the module docstring).
+    global _states_guard
+    _states_guard = threading.Lock()  # another thread may have held it at the fork
+    for lk in list(_open_locks):
+        lk._forget_inherited()
+    _states.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _open_lock_file(path: str, readonly: bool, mode: int | None) -> int:
+    """Open (creating it if missing) the lock file at ``path``; O_CLOEXEC, never through a symlink.
+
+    An existing file is opened without O_CREAT: in a sticky directory such as /dev/shm,
+    ``fs.protected_regular`` refuses O_CREAT on another user's file even when its mode allows.
+    """
+    flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
+    while True:
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600 if mode is None else mode)
+        except FileExistsError:
+            continue  # created meanwhile by another process: open it
+        if mode is not None:
+            try:
+                os.fchmod(fd, mode)  # the umask must not narrow a group store's lock file
+            except OSError:
+                pass
+        return fd
+
+
+def _segment_mode(path: str) -> int | None:
+    """Permission bits of the store's header segment beside ``path`` (its lock file takes the same)."""
+    header = path[: -len(".lock")] + ".h" if path.endswith(".lock") else None
+    if header is None:
+        return None
+    try:
+        return stat.S_IMODE(os.stat(header).st_mode)
+    except OSError:
+        return None
+
+
+class StoreLock:
+    """The structural lock of one store, as one attachment holds it (see the module docstring).
+
+    ``held(timeout)`` is a re-entrant context manager; ``held(timeout, shared=True)``
+    takes ``LOCK_SH`` (enough for a reader that waits out a structural change).
+    ``close()`` closes the descriptor (a lock still held is released first).
+    """
+
+    def __init__(self, path: str, name: str, *, readonly: bool = False) -> None:
+        self.path = path
+        self.name = name
+        self.readonly = readonly
+        self._fd = -1
+        self._pid = 0
+        self._state: _ProcessState | None = None
+        self._closed = False
+        self._open()
+        _open_locks.add(self)
+        _by_path[path] = self
+
+    def _open(self) -> None:
+        # The file has the segments' mode: whoever could open them can open it.
+        fd = _open_lock_file(self.path, self.readonly, _segment_mode(self.path))
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with _states_guard:  # two threads attaching at once must share one state, not make two
+            state = _states.get(key)
+            if state is None:
+                state = _states[key] = _ProcessState()
+        self._fd, self._pid, self._state = fd, os.getpid(), state
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: drop the parent's descriptor (without touching its lock) and state."""
+        if self._fd >= 0 and not self._closed:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd, self._pid, self._state = -1, 0, None
+
+    def _timeout_error(self, timeout: float | None) -> LockTimeout:
+        return LockTimeout(
+            f"store {self.name!r}: lock {self.path} not acquired within {timeout} s; another process "
+            "holds it (raise lock_timeout= on create/attach if structural operations are long)"
+        )
+
+    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT, *, shared: bool = False) -> None:
+        """Take the lock (re-entrant); raise LockTimeout after ``timeout`` s (None or < 0: wait)."""
+        if self._closed:
+            raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
+        if self._pid != os.getpid():
+            self._open()  # first use in a forked child
+        state = self._state
+        assert state is not None
+        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+        if not state.rlock.acquire(blocking=False) and not state.rlock.acquire(
+            timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())
+        ):
+            raise self._timeout_error(timeout)
+        op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        try:
+            if state.depth == 0:
+                self._flock(self._fd, op, deadline, timeout)
+                state.fd, state.mode = self._fd, op
+            elif op == fcntl.LOCK_EX and state.mode == fcntl.LOCK_SH:
+                # An exclusive section inside a shared one: flock converts, not atomically (another
+                # process may take the lock in between): the outer shared section must re-check.
+                self._flock(state.fd, op, deadline, timeout)
+                state.mode = op
+        except BaseException:
+            state.rlock.release()
+            raise
+        state.depth += 1
+
+    def _flock(self, fd: int, op: int, deadline: float | None, timeout: float | None) -> None:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if deadline is None:
+            fcntl.flock(fd, op)  # blocks in the kernel (the GIL is released)
+            return
+        delay = _POLL_FIRST
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._timeout_error(timeout)
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, _POLL_MAX)
+            try:
+                fcntl.flock(fd, op | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+
+    def release(self) -> None:
+        """Give up one hold; the last one releases the flock. Only the holding thread may call it."""
+        state = self._state
+        if state is None or state.depth == 0:
+            raise RuntimeError(f"the lock of store {self.name!r} is not held")
+        if state.depth == 1:
+            # Check ownership before changing anything: RLock.release raises for a foreign thread.
+            if not state.rlock._is_owned():  # type: ignore[attr-defined]  # RLock's owner check, not public
+                raise RuntimeError(f"the lock of store {self.name!r} is held by another thread")
+            try:
+                fcntl.flock(state.fd, fcntl.LOCK_UN)
+            finally:
+                state.depth = 0
+                state.fd = -1
+                pending, state.close_after = state.close_after, []
+                for fd in pending:
+                    os.close(fd)
+                state.rlock.release()
+        else:
+            state.rlock.release()  # raises (RuntimeError) if this thread does not hold it
+            state.depth -= 1
+
+    def held(self, timeout: float | None = DEFAULT_TIMEOUT, *, shared: bool = False) -> _Held:
+        """Hold the lock for the duration of a ``with`` block (re-entrant)."""
+        return _Held(self, timeout, shared)
+
+    @property
+    def is_held(self) -> bool:
+        """Whether this process holds the lock (through any of its attachments of the store)."""
+        state = self._state
+        return state is not None and self._pid == os.getpid() and state.depth > 0
+
+    def close(self) -> None:
+        """Close this attachment's descriptor (if it holds the lock now, at the last release)."""
+        if self._closed:
+            return
+        self._closed = True
+        _open_locks.discard(self)
+        state, fd = self._state, self._fd
+        self._fd = -1
+        if fd < 0 or self._pid != os.getpid():
+            return
+        if state is not None and state.depth > 0 and state.fd == fd:
+            state.close_after.append(fd)
+        else:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<shmkv StoreLock {self.path} {'held' if self.is_held else 'free'}{' closed' if self._closed else ''}>"
+
+
+class _Held:
+    """``with lock.held(timeout):`` (a class: a generator context manager costs microseconds here)."""
+
+    __slots__ = ("lock", "shared", "timeout")
+
+    def __init__(self, lock: StoreLock, timeout: float | None, shared: bool) -> None:
+        self.lock, self.timeout, self.shared = lock, timeout, shared
+
+    def __enter__(self) -> None:
+        self.lock.acquire(self.timeout, shared=self.shared)
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+@contextmanager
+def held(path: str, name: str, timeout: float | None = DEFAULT_TIMEOUT) -> Iterator[None]:
+    """Hold the structural lock at ``path`` (for code that has only the path, not the store's lock).
+
+    Uses the lock of an open attachment of that store in this process (so it is
+    re-entrant with it), else opens the file for the duration of the block.
+    """
+    lk = _by_path.get(path)
+    if lk is not None and (lk._closed or lk._pid not in (0, os.getpid())):
+        lk = None
+    temporary = lk is None
+    if lk is None:
+        lk = StoreLock(path, name)
+    try:
+        with lk.held(timeout):
+            yield
+    finally:
+        if temporary:
+            lk.close()
+
+
+# -- lifecycle lock (filelock: create, remove, gc) ---------------------------------------------
+
+_lifecycle_locks: dict[tuple[str, int], filelock.FileLock] = {}
+
+
+def lifecycle_path(name: str) -> str:
+    """The lifecycle lock file of store ``name`` (beside its segments; see the module docstring)."""
+    return os.path.join(_segment.SHM_DIR, f"{_segment.PREFIX}{name}{LIFECYCLE_SUFFIX}")
+
+
+def _lifecycle_lock(path: str, mode: int) -> filelock.FileLock:
+    key = (path, os.getpid())
+    lock = _lifecycle_locks.get(key)
+    if lock is None:
+        if len(_lifecycle_locks) > 256:  # drop unheld objects (and any inherited from a parent)
+            for k in [k for k, v in _lifecycle_locks.items() if k[1] != key[1] or not v.is_locked]:
+                del _lifecycle_locks[k]
+        lock = filelock.FileLock(path, mode=mode, timeout=DEFAULT_TIMEOUT)
+        _lifecycle_locks[key] = lock
+    return lock
+
+
+@contextmanager
+def lifecycle(name: str, timeout: float = DEFAULT_TIMEOUT, *, mode: int = 0o600) -> Iterator[None]:
+    """Serialize create / remove / gc of store ``name`` across processes (re-entrant per thread).
+
+    When the lock file belongs to another user and its mode shuts us out, the block
+    runs without it: what it then does to that user's store meets the same
+    permission wall and reports it there (gc skips such stores).
+    """
+    _segment.check_name(name)  # the name becomes a path: check it before anything is created
+    lock = _lifecycle_lock(lifecycle_path(name), mode)
+    try:
+        lock.acquire(timeout=timeout, poll_interval=0.0005)
+    except filelock.Timeout:
+        raise LockTimeout(
+            f"store {name!r}: lifecycle lock {lifecycle_path(name)} not acquired within {timeout} s; "
+            "another process is creating or removing that store"
+        ) from None
+    except PermissionError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def lifecycle_op(fn: F) -> F:
+    """Decorate a function whose first argument is a store name: it runs under that name's lifecycle lock.
+
+    If no store of that name exists afterwards (removed, or a create that failed), the
+    lifecycle lock file is removed too: it lives exactly as long as the store.
+    """
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(name: str, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(name, str):
+            return fn(name, *args, **kwargs)  # the function's own check reports the bad name
+        with lifecycle(name, mode=kwargs.get("mode", 0o600)):
+            try:
+                return fn(name, *args, **kwargs)
+            finally:
+                _drop_lifecycle_file_if_no_store(name)
+
+    return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature; mypy cannot see it
+
+
+def _drop_lifecycle_file_if_no_store(name: str) -> None:
+    # Called with the lifecycle lock held; filelock sees the unlink (link count 0) and its
+    # waiters start over on a new file, so unlinking a held lock file is safe here.
+    if not os.path.exists(_segment.shm_path(_segment.header_name(name))):
+        try:
+            os.unlink(lifecycle_path(name))
+        except (FileNotFoundError, PermissionError):  # gone, or another user's (gc skips those)
+            pass
+
+
+def remove_orphan(name: str, path: str) -> None:
+    """gc: remove ``path`` (a data segment or lock file of store ``name``) if the store's header is gone."""
+    with lifecycle(name):
+        if not os.path.exists(_segment.shm_path(_segment.header_name(name))):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            _drop_lifecycle_file_if_no_store(name)

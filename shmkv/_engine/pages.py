@@ -1,0 +1,220 @@
+"""The pages under a store's cells: reservation, pre-faulting, and writes through the data
+segment's descriptor into fresh ranges (a prefill, a load, a move; ``Arena`` places the cells).
+
+A range's pages are allocated (posix_fallocate: a full /dev/shm is CacheFullError, never a
+SIGBUS) before anything is written. What fills it decides the rest:
+
+* appends write through the mapping: the pages are pre-faulted first (MADV_POPULATE_WRITE,
+  which zeroes them), so the hot path never takes a page fault;
+* a prefill, a load, a move or a copy into a fresh range write through the descriptor
+  (``os.pwrite``, ``os.sendfile``): tmpfs then fills the new pages without zeroing them and
+  without mapping them, about one copy's cost, where zeroing + mapping + memcpy is two.
+
+Cells allocated but never touched by this process are *owed* (``Core._owed``, per process:
+page tables are per process): the next writer through the mapping pre-faults them
+(``_fill``), a writer through the descriptor takes them off. It is a record of cost only:
+every path is correct whatever it says (the pages exist).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import numpy as np
+
+from shmkv._engine.core import Core
+
+
+class Pages(Core):
+    """Reservation and fresh-range writes of a store handle (see the module docstring)."""
+
+    def _reserve(self, start: int, count: int, all_layers: bool = False, populate: bool = True) -> None:
+        """Reserve the pages of cells [start, start + count) (all layers' for an encoder range).
+
+        Pages, once allocated, stay (shmkv never punches holes), so cells this process has
+        reserved before are skipped: a fresh range written by copy_prefix or a move (crash
+        recovery never writes over committed cells) is often one reserved by an earlier move.
+
+        ``populate=False`` (full layers only) allocates without pre-faulting: the cells are
+        then *owed* (``_owed``) until written through the descriptor (``_put``, which skips
+        the zeroing a pre-fault does, see Segment.write) or pre-faulted by ``_fill`` before
+        writes through the mapping. Either way no SIGBUS: the pages exist."""
+        done = self._reserved[all_layers]
+        if covers(done, start, start + count):
+            if populate:
+                self._fill(start, count)
+            return
+        defer = not (populate or all_layers)
+        self._dseg.reserve(self._cell_ranges(start, count, all_layers), populate=not defer)
+        add_interval(done, start, start + count)
+        if defer:
+            add_interval(self._owed, start, start + count)
+        else:
+            take_interval(self._owed, start, start + count)
+
+    def _stage(self, start: int, count: int) -> None:
+        """A range a restore fills through the descriptor: the room is checked now; the writes
+        allocate the pages of the arrays they fill (a full /dev/shm is then CacheFullError from
+        the write, in cells no row points to) and ``_settle`` the rest."""
+        if not covers(self._reserved[False], start, start + count):
+            self._dseg.check_room(self._cell_ranges(start, count))
+
+    def _settle(self, start: int, length: int, count: int) -> None:
+        """After a restore wrote the arrays of cells [start, start + length) of a staged range of
+        ``count`` cells: reserve the rest (token ids, positions, the cells after ``length``),
+        pre-faulted for the writes through the mapping that follow."""
+        done = self._reserved[False]
+        if not covers(done, start, start + count):
+            self._dseg.reserve(self._cell_ranges(start, length, kv=False))
+            if count > length:
+                self._dseg.reserve(self._cell_ranges(start + length, count - length))
+            add_interval(done, start, start + count)
+            take_interval(self._owed, start, start + count)
+        else:
+            take_interval(self._owed, start, start + length)
+            self._fill(start, count)
+
+    def _cell_ranges(self, start: int, count: int, all_layers: bool = False,
+                     kv: bool = True, small: bool = True) -> list[tuple[int, int]]:
+        """The data segment's (offset, length) byte ranges of cells [start, start + count):
+        ``kv``: K and V of the full layers (every layer's with ``all_layers``); ``small``: token
+        ids, positions, hashes and int8 scales."""
+        off = self._off
+        cb = off.cell_bytes
+        ranges = []
+        if kv:
+            layers = range(self.layout.layers) if all_layers else self._full
+            ranges += [(base + layer * off.layer_stride + start * cb, count * cb)
+                       for base in (off.k_off, off.v_off) for layer in layers]
+        if small:
+            ranges += [(base + start * 8, count * 8) for base in (off.tokens_off, off.positions_off, off.hashes_off)]
+            sb = self.layout.kv_heads * 4
+            ranges += [(base + layer * off.scale_stride + start * sb, count * sb)
+                       for base in (off.ks_off, off.vs_off) for layer in range(self.layout.layers) if off.scale_stride]
+        return ranges
+
+    def _fill(self, start: int, count: int) -> None:
+        """Pre-fault the owed cells of [start, start + count) (see _reserve) for writes through
+        the mapping: appends after a prefill, the rest of a moved range."""
+        for a, b in take_interval(self._owed, start, start + count):
+            self._dseg.populate(self._cell_ranges(a, b - a))
+
+    def _owes(self, start: int, count: int) -> bool:
+        """Whether any cell of [start, start + count) is owed (see _reserve)."""
+        spans = self._owed
+        i = bisect.bisect_left(spans, (start + count, -1))
+        return i > 0 and spans[i - 1][1] > start
+
+    def _fresh(self, start: int, count: int) -> bool:
+        """Whether cells [start, start + count) are all owed: allocated, never touched here."""
+        return covers(self._owed, start, start + count)
+
+    def _put(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Write ``src`` into ``dst``, a C-contiguous view of the data segment, through the
+        descriptor (Segment.write: no zeroing of new pages; CacheFullError when full)."""
+        src = np.ascontiguousarray(src, dst.dtype)
+        if src.shape != dst.shape or not dst.flags.c_contiguous:
+            raise ValueError(f"_put: {src.shape} into {dst.shape}")
+        if src.nbytes:
+            self._dseg.write(dst.ctypes.data - self._dbase, memoryview(src).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
+
+    def _file_copier(self, dst: np.ndarray) -> Callable[[int, int, int, int], None]:
+        base, seg = dst.ctypes.data - self._dbase, self._dseg
+
+        def copy(pos: int, fd: int, offset: int, n: int) -> None:
+            if pos < 0 or pos + n > dst.nbytes:
+                raise ValueError(f"a copy of {n} bytes at {pos} into an array of {dst.nbytes}")
+            seg.copy_in(fd, offset, base + pos, n)
+        return copy
+
+    def _write_new(self, start: int, length: int, cap: int, k_all: np.ndarray, v_all: np.ndarray) -> bool:
+        """Sequence.extend into fresh cells: K and V of tokens [length, length + n) of the
+        range at ``start`` written through the descriptor, then the rest of the range
+        pre-faulted for the appends that follow. False (nothing written) when this path does
+        not apply: cells touched before, sliding/chunked layers, a quantized dtype, growth."""
+        lay = self.layout
+        n = k_all.shape[1]
+        a = start + length
+        if (lay.bounded or self._KS is not None or lay.dtype == "bfloat16" or not n or length + n > cap
+                or k_all.dtype.kind not in "fiu" or v_all.dtype.kind not in "fiu" or not self._fresh(a, n)):
+            if self._owes(start, cap):
+                self._fill(start, cap)  # the appends that write instead go through the mapping
+            return False
+        for arrs, src in ((self._Kl, k_all), (self._Vl, v_all)):
+            for layer in range(lay.layers):
+                self._put(arrs[layer][a : a + n], src[layer])
+        take_interval(self._owed, a, a + n)  # written: the commit's token ids first-touch their few pages
+        self._fill(start, cap)
+        return True
+
+    def _reserve_window(self, slot: int) -> None:
+        """Reserve a slot's buffer in every bounded layer (its size never changes)."""
+        off, wc = self._off, self._wc
+        if not wc:
+            return
+        cb = off.cell_bytes
+        self._dseg.reserve([(base + j * off.w_stride + 2 * slot * wc * cb, 2 * wc * cb)  # both buffers
+                            for base in (off.wk_off, off.wv_off) for j in range(len(self.layout.bounded))])
+
+
+def write_new(store: Pages, start: int, length: int, cap: int, kv: tuple[np.ndarray, np.ndarray]) -> bool:
+    """``Sequence.extend``'s way into fresh cells (see Pages._write_new)."""
+    return store._write_new(start, length, cap, *kv)
+
+
+def file_copier(store: Pages, dst: np.ndarray) -> Callable[[int, int, int, int], None]:
+    """A restore's way to fill ``dst`` (a C-contiguous view of the data segment) from a file:
+    ``copy(pos, fd, offset, n)`` copies n bytes of file ``fd`` at ``offset`` to byte ``pos``
+    of dst in the kernel (Segment.copy_in)."""
+    return store._file_copier(dst)
+
+
+def before_appends(store: Pages, start: int, count: int) -> None:
+    """A write handle's first write other than extend: pre-fault what is owed of its range."""
+    if store._owes(start, count):
+        store._fill(start, count)
+
+
+def settle(store: Pages, start: int, length: int, count: int) -> None:
+    """A restore wrote cells [start, start + length) of the staged range (see Pages._settle)."""
+    store._settle(start, length, count)
+
+
+def covers(spans: list[tuple[int, int]], a: int, b: int) -> bool:
+    """Whether [a, b) lies inside one interval of a sorted list of disjoint intervals."""
+    i = bisect.bisect_right(spans, (a, 1 << 62)) - 1
+    return i >= 0 and spans[i][0] <= a and b <= spans[i][1]
+
+
+def take_interval(spans: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """Remove [a, b) from a sorted list of disjoint intervals; return the parts it held."""
+    i = max(bisect.bisect_right(spans, (a, 1 << 62)) - 1, 0)
+    j = i
+    taken, keep = [], []
+    while j < len(spans) and spans[j][0] < b:
+        s, e = spans[j]
+        if e > a:
+            taken.append((max(s, a), min(e, b)))
+            if s < a:
+                keep.append((s, a))
+            if e > b:
+                keep.append((b, e))
+        else:
+            keep.append((s, e))
+        j += 1
+    spans[i:j] = keep
+    return taken
+
+
+def add_interval(spans: list[tuple[int, int]], a: int, b: int) -> None:
+    """Add [a, b) to a sorted list of disjoint intervals, merging what touches it."""
+    i = bisect.bisect_left(spans, (a, a))
+    if i and spans[i - 1][1] >= a:
+        i -= 1
+        a = spans[i][0]
+    j = i
+    while j < len(spans) and spans[j][0] <= b:
+        b = max(b, spans[j][1])
+        j += 1
+    spans[i:j] = [(a, b)]

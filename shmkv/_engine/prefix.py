@@ -1,0 +1,338 @@
+"""The prefix index: which sequences hold the prefix a chained block hash names (DESIGN §8).
+
+Layout: an open-addressing table in the header segment, ``INDEX_WORDS`` int64 words an entry::
+
+    word  field
+    0     hash    chained hash of tokens [0, (block + 1) * 16) (see _prefix_hash); 0 = empty slot
+    1     id      sequence id of the holder
+    2     slot    the holder's row in the sequence table
+    3     block   which block of the holder (the hash names its first block + 1 blocks);
+                  bit 62 (DISPLACED): this entry took the place of an older holder of its hash
+
+Linear probing from ``hash & (slots - 1)``. Entries are never deleted one by one: an entry is
+*valid* while its holder row is live with that id, has the block indexed (``block <
+IDX_BLOCKS``) and the hashes region holds the same hash at the block's last cell. So free,
+eviction, truncate and moves cost the index nothing; an insert reuses an invalid entry along its
+probe, and a rebuild (under the lock) drops every invalid one when the table fills to 3/4.
+
+At most ``DUP`` holders a hash: a new holder replaces the least recently used one, so the index
+keeps the most recent holders of a shared prefix (a system prompt held by hundreds of finished
+requests costs ``DUP`` entries a block), and those are the last that LRU eviction takes.
+The holder replaced keeps its entries for its other blocks, so once every entry of that hash is
+gone, its later blocks would be out of reach of the lookup (which needs the shorter prefixes
+held to go on to longer ones). So the entry that replaced it is marked DISPLACED (and its row
+DISPLACER), and freeing a row with such entries passes the mark on: to the hash's other valid
+entries if there are any, else to a live holder found in the sequence table, which gets the
+entry back (``displaced_by`` / ``rehome``).
+
+Concurrency: entries change only under the store lock. Readers (``match_prefix`` on any
+attachment, read-only too) take no lock: they may see a torn or stale entry, so every hit is
+verified against the holder's stored token ids and positions, under the holder row's seqlock,
+before it counts. A lookup costs one hash a block of the prompt plus a binary search over blocks:
+the same with ten or ten thousand cached sequences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shmkv._engine.header import (
+    CLEAN,
+    DISPLACER,
+    ENC_SLOT,
+    FLAGS,
+    GEN,
+    ID,
+    IDX_BLOCKS,
+    INDEX_WORDS,
+    LENGTH,
+    LIVE,
+    RECENCY,
+    SEQ_WORDS,
+    START,
+    STATE,
+    WIN_OFF,
+    Layout,
+)
+from shmkv._engine.prefix_hash import BLOCK, ROOT, as_tokens, block_hashes
+
+DUP = 4  # holders kept a hash
+DISPLACED = 1 << 62  # in an entry's block word: it replaced an older holder of its hash
+
+
+class PrefixIndex:
+    """Typed access to the index table, the sequence rows it points into and the hashes region.
+
+    ``table`` and ``rows`` are int64 memoryviews (item reads give Python ints, fast); ``tokens``,
+    ``positions`` and ``hashes`` numpy views of the data segment.
+    """
+
+    def __init__(self, table: memoryview, rows: memoryview, tokens: np.ndarray, positions: np.ndarray,
+                 hashes: np.ndarray, *, layout: Layout) -> None:
+        self._t = table
+        self._slots = len(table) // INDEX_WORDS
+        self._mask = self._slots - 1
+        self._rows = rows
+        self._tokens = tokens
+        self._positions = positions
+        self._hashes = hashes
+        self._layout = layout
+        self._bounded = bool(layout.bounded)
+
+    # -- entries -----------------------------------------------------------------
+
+    def _valid(self, i: int) -> bool:
+        t, r = self._t, self._rows
+        e = i * INDEX_WORDS
+        h, sid, slot, blk = t[e], t[e + 1], t[e + 2], t[e + 3] & ~DISPLACED
+        if not 0 <= slot < len(r) // SEQ_WORDS:  # a torn entry read without the lock
+            return False
+        b = slot * SEQ_WORDS
+        if r[b + STATE] != LIVE or r[b + ID] != sid or not 0 <= blk < r[b + IDX_BLOCKS]:
+            return False
+        cell = r[b + START] + (blk + 1) * BLOCK - 1
+        return 0 <= cell < len(self._hashes) and int(self._hashes[cell]) == h
+
+    def holders(self, h: int) -> list[tuple[int, int]]:
+        """(id, slot) of the valid holders of ``h``."""
+        t = self._t
+        return [(t[i * INDEX_WORDS + 1], t[i * INDEX_WORDS + 2]) for i in self._valid_entries(h)]
+
+    def insert(self, h: int, seq_id: int, slot: int, block: int, displaced: bool = False) -> int:
+        """Record that sequence ``seq_id`` (row ``slot``) holds ``h`` as its block ``block`` (lock held).
+        ``displaced``: mark the entry DISPLACED (rebuild and rehome carry a mark over).
+
+        Returns 1 if an empty slot was taken (the caller counts occupancy), else 0.
+        """
+        t, mask, r = self._t, self._mask, self._rows
+        i = h & mask
+        reuse = -1  # first invalid entry on the probe
+        same: list[int] = []
+        for _ in range(self._slots):
+            eh = t[i * INDEX_WORDS]
+            if eh == 0:
+                break
+            if eh == h and t[i * INDEX_WORDS + 1] == seq_id and t[i * INDEX_WORDS + 3] & ~DISPLACED == block:
+                return 0  # already there
+            if not self._valid(i):
+                if reuse < 0:
+                    reuse = i
+            elif eh == h:
+                same.append(i)
+            i = (i + 1) & mask
+        else:
+            raise RuntimeError("prefix index full: rebuild() was not run")  # cannot happen below 3/4 load
+        taken = 0
+        if len(same) >= DUP:  # replace the least recently used holder
+            reuse = min(same, key=lambda j: r[t[j * INDEX_WORDS + 2] * SEQ_WORDS + RECENCY])
+            displaced = True
+        elif reuse < 0:
+            reuse, taken = i, 1
+        e = reuse * INDEX_WORDS
+        t[e] = 0  # a reader passing by sees an empty-hash entry, never a mixed one
+        t[e + 1], t[e + 2], t[e + 3] = seq_id, slot, block | (DISPLACED if displaced else 0)
+        t[e] = h
+        if displaced:
+            r[slot * SEQ_WORDS + FLAGS] |= DISPLACER
+        return taken
+
+    def _entry(self, h: int, seq_id: int, block: int) -> int:
+        """The index of the entry naming ``seq_id``'s block ``block`` under ``h``, or -1."""
+        t, mask = self._t, self._mask
+        i = h & mask
+        for _ in range(self._slots):
+            e = i * INDEX_WORDS
+            if t[e] == 0:
+                return -1
+            if t[e] == h and t[e + 1] == seq_id and t[e + 3] & ~DISPLACED == block:
+                return i
+            i = (i + 1) & mask
+        return -1
+
+    def displaced_by(self, slot: int) -> list[tuple[int, int]]:
+        """(hash, block) of the entries of the sequence in ``slot`` that replaced an older holder
+        (lock held; asked before the row is freed). Nothing to look up for a row never DISPLACER."""
+        r = self._rows
+        b = slot * SEQ_WORDS
+        if not r[b + FLAGS] & DISPLACER:
+            return []
+        start, sid, out = r[b + START], r[b + ID], []
+        for blk in range(r[b + IDX_BLOCKS]):
+            h = int(self._hashes[start + (blk + 1) * BLOCK - 1])
+            i = self._entry(h, sid, blk)
+            if i >= 0 and self._t[i * INDEX_WORDS + 3] & DISPLACED:
+                out.append((h, blk))
+        return out
+
+    def rehome(self, lost: list[tuple[int, int]]) -> int:
+        """After the row that held ``lost`` (from displaced_by) is freed (lock held): each hash's
+        mark goes to its other valid entries, or, when none is left, a live holder without an entry
+        (found in the sequence table; the most recent) gets one, marked. Returns slots taken."""
+        t, r, taken = self._t, self._rows, 0
+        rows = np.frombuffer(r, np.int64).reshape(-1, SEQ_WORDS)
+        for h, blk in lost:
+            kept = self._valid_entries(h)
+            for i in kept:
+                t[i * INDEX_WORDS + 3] |= DISPLACED
+                r[t[i * INDEX_WORDS + 2] * SEQ_WORDS + FLAGS] |= DISPLACER
+            if kept:
+                continue
+            live = np.flatnonzero((rows[:, STATE] == LIVE) & (rows[:, IDX_BLOCKS] > blk))
+            cells = rows[live, START] + (blk + 1) * BLOCK - 1
+            ok = (cells >= 0) & (cells < len(self._hashes))
+            live, cells = live[ok], cells[ok]
+            live = live[self._hashes[cells] == h]
+            if live.size:
+                slot = int(live[np.argmax(rows[live, RECENCY])])
+                taken += self.insert(h, int(rows[slot, ID]), slot, blk, displaced=live.size > 1)
+        return taken
+
+    def _valid_entries(self, h: int) -> list[int]:
+        """Indices of the valid entries of ``h``."""
+        t, mask = self._t, self._mask
+        i, out = h & mask, []
+        for _ in range(self._slots):
+            eh = t[i * INDEX_WORDS]
+            if eh == 0:
+                break
+            if eh == h and self._valid(i):
+                out.append(i)
+            i = (i + 1) & mask
+        return out
+
+    def rebuild(self) -> int:
+        """Drop invalid entries (lock held); return the entries kept. Validity is judged in numpy
+        over the whole table; only the kept entries are re-inserted one by one."""
+        e = np.frombuffer(self._t, np.int64).reshape(-1, INDEX_WORDS).copy()
+        rows = np.frombuffer(self._rows, np.int64).reshape(-1, SEQ_WORDS)
+        h, sid, slot, marked = e.T
+        blk = marked & ~DISPLACED
+        ok = (h != 0) & (slot >= 0) & (slot < len(rows))
+        r = rows[np.where(ok, slot, 0)]
+        ok &= (r[:, STATE] == LIVE) & (r[:, ID] == sid) & (blk >= 0) & (blk < r[:, IDX_BLOCKS])
+        cell = np.where(ok, r[:, START] + (blk + 1) * BLOCK - 1, 0)
+        ok &= (cell >= 0) & (cell < len(self._hashes))
+        ok &= self._hashes[np.where(ok, cell, 0)] == h
+        np.frombuffer(self._t, np.int64)[:] = 0
+        for hh, ss, sl, bb in e[ok].tolist():
+            self.insert(hh, ss, sl, bb & ~DISPLACED, displaced=bool(bb & DISPLACED))
+        return int(ok.sum())
+
+    def full(self, used: int) -> bool:
+        return 4 * used >= 3 * self._slots
+
+    # -- sequences ---------------------------------------------------------------
+
+    def index_blocks(self, slot: int, upto: int) -> int:
+        """Hash and index the whole blocks of the sequence in ``slot`` from IDX_BLOCKS up to
+        token ``upto`` (lock held), stopping at a block with a token id -1; returns slots taken.
+        Sets IDX_BLOCKS; the caller sets NOINDEX when it stopped early."""
+        r = self._rows
+        b = slot * SEQ_WORDS
+        start, done, sid = r[b + START], r[b + IDX_BLOCKS], r[b + ID]
+        clean = r[b + CLEAN]
+        if clean >= 0:
+            upto = min(upto, clean)
+        nb = upto // BLOCK
+        if nb <= done:
+            return 0
+        toks = self._tokens[start + done * BLOCK : start + nb * BLOCK]
+        # a block is indexable while its ids are given (>= 0) and its positions are its indices
+        # (a donor's tokens sit at positions 0..n-1): the first block breaking either stops it
+        pos = self._positions[start + done * BLOCK : start + nb * BLOCK]
+        bad = np.flatnonzero((toks < 0) | (pos != np.arange(done * BLOCK, nb * BLOCK)))
+        if bad.size:
+            nb = done + int(bad[0]) // BLOCK
+            if nb <= done:
+                return 0
+            toks = toks[: (nb - done) * BLOCK]
+        parent = int(self._hashes[start + done * BLOCK - 1]) if done else ROOT
+        hs = block_hashes(toks, parent=parent)
+        taken = 0
+        for j, h in enumerate(hs):
+            blk = done + j
+            self._hashes[start + (blk + 1) * BLOCK - 1] = h
+            r[b + IDX_BLOCKS] = blk + 1  # before insert: the entry must validate
+            taken += self.insert(h, sid, slot, blk)
+        return taken
+
+    def adopt(self, slot: int) -> int:
+        """Index entries for the blocks [0, IDX_BLOCKS) of ``slot`` whose hashes were copied in
+        with its cells (copy_prefix; lock held); returns slots taken."""
+        r = self._rows
+        b = slot * SEQ_WORDS
+        start, sid = r[b + START], r[b + ID]
+        return sum(self.insert(int(self._hashes[start + (blk + 1) * BLOCK - 1]), sid, slot, blk)
+                   for blk in range(r[b + IDX_BLOCKS]))
+
+    def match(self, tokens: object, limit: int | None = None) -> tuple[int, int, int]:
+        """The longest verified prefix of ``tokens`` some sequence holds from position 0.
+
+        Returns (n, donor id, donor slot); n = 0 (and id 0, slot -1) on a miss. At most
+        ``limit`` tokens (default len - 1). Lock-free: safe on read-only attachments.
+        """
+        t = as_tokens(tokens)
+        limit = len(t) - 1 if limit is None else min(limit, len(t))
+        nb = max(limit, 0) // BLOCK
+        if nb == 0:
+            return 0, 0, -1
+        hs = block_hashes(t, limit=nb)
+        lo, hi, best = 0, nb, []  # largest block count with a valid holder: binary search
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            hol = self.holders(hs[mid - 1])
+            if hol:
+                lo, best = mid, hol
+            else:
+                hi = mid - 1
+        # the holders of the longest indexed prefix, most recent first; a holder may fail its
+        # check (stale, or its sliding/chunked layers moved on): then the next, then shorter prefixes
+        tried: set[tuple[int, int]] = set()
+        while lo > 0:
+            n_best, id_best, slot_best = 0, 0, -1
+            for sid, slot in sorted(best, key=lambda x: -self._rows[x[1] * SEQ_WORDS + RECENCY]):
+                if (sid, slot) in tried:
+                    continue
+                tried.add((sid, slot))
+                n = self._verify(t, limit, sid, slot, lo * BLOCK)
+                if n > n_best:
+                    n_best, id_best, slot_best = n, sid, slot
+                    if n >= limit:
+                        break  # nobody can give more
+            if n_best:
+                return n_best, id_best, slot_best
+            lo -= 1
+            best = self.holders(hs[lo - 1]) if lo else []
+        return 0, 0, -1
+
+    def _verify(self, t: np.ndarray, limit: int, sid: int, slot: int, floor: int) -> int:
+        """Tokens of ``t`` (at most ``limit``) that sequence ``sid`` holds at positions 0..n-1,
+        read under its seqlock; 0 if fewer than ``floor`` (a stale or colliding entry)."""
+        r = self._rows
+        b = slot * SEQ_WORDS
+        for _ in range(100):
+            g = r[b + GEN]
+            if g & 1:
+                continue
+            if r[b + STATE] != LIVE or r[b + ID] != sid:
+                return 0
+            if r[b + ENC_SLOT]:
+                return 0  # its K/V were computed against its own encoder output: no donor for another
+            start, length, clean, woff = r[b + START], r[b + LENGTH], r[b + CLEAN], r[b + WIN_OFF]
+            end = min(length, limit, clean if clean >= 0 else length)
+            if end < floor or start + end > len(self._tokens):
+                return 0
+            # ids everywhere (the hash is a hint, the ids are the proof); positions past the indexed
+            # blocks (indexing checked those)
+            ok = self._tokens[start : start + end] == t[:end]
+            ok[floor:] &= self._positions[start + floor : start + end] == np.arange(floor, end)
+            bad = np.flatnonzero(~ok)
+            n = int(bad[0]) if bad.size else end
+            if r[b + GEN] != g:
+                continue
+            if n < floor:
+                return 0
+            if self._bounded and woff > self._layout.resume_from(n):
+                return 0  # its sliding/chunked layers no longer hold what a resume at n needs
+            return n
+        return 0

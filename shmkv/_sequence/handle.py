@@ -1,0 +1,508 @@
+"""Sequence: one token stream of a store, through a read handle or a write (lease) handle.
+
+What invalidates a view: the arrays returned by ``keys()``, ``values()``,
+``kv()`` and ``append()`` are zero-copy windows on shared memory. They stay
+mapped as long as they live (closing the store cannot unmap them), but their
+*content* is only guaranteed while no structural operation touches the
+sequence: ``truncate``, ``remove``, ``shift_left``, ``copy_prefix`` into it,
+a move when it outgrows its range, ``free``. Take ``.copy()`` to keep data
+across those, or use ``read(layer)``, which copies under the seqlock.
+Views are read-only: committed cells are immutable.
+
+``Sequence`` is the public face; the work is done by its parts, each in its own module:
+``_seq_reader.SeqReader`` (seqlocked reads, cell addressing, views, masks, waiting),
+``_seq_writer.SeqWriter`` (the lease holder's pending tokens, append, commit, extend,
+growth, compaction, encoding) and ``_seq_structural`` (truncate, shift_left, remove).
+They reach the store through its narrow core only, ``_port.Port`` (``_arena.port(store)``):
+this module and the parts touch no underscore attribute of the store.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from shmkv._engine import arena as _arena
+from shmkv._engine import crash as _crash
+from shmkv._engine import pages as _pages
+from shmkv._engine import segment as _segment
+from shmkv._sequence import structural as _seq_structural
+from shmkv._engine.checks import count
+from shmkv._engine.header import (
+    CAPACITY,
+    ENC_SLOT,
+    FINISHED,
+    FLAGS,
+    GEN,
+    LEASE_PID,
+    LEASE_TOKEN,
+    LENGTH,
+    START,
+)
+from shmkv._engine.lease import live_writers, release_row
+from shmkv._sequence.reader import SeqReader
+from shmkv._sequence.structural import ShiftFn
+from shmkv._sequence.writer import SeqWriter, pack_meta
+from shmkv.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from shmkv.store._store import Store
+
+__all__ = ["Sequence", "ShiftFn", "drop_lease", "writer_for", "writer_part"]
+
+
+class Sequence:
+    """A handle on one sequence. Get one from ``store.create_sequence()`` or ``store.sequence(id)``.
+
+    A write handle holds the sequence's lease: it alone appends, commits and
+    makes structural changes. Any number of read handles, in any process, see
+    the committed tokens.
+    """
+
+    def __init__(self, store: Store, seq_id: int, slot: int, *, write: bool, token: int) -> None:
+        self._store = store
+        self.id = int(seq_id)
+        self._slot = slot
+        self._p = p = _arena.port(store)
+        self._row = row = p.row(slot)
+        self._token = token
+        self._epoch = _segment.fork_epoch
+        self._r = r = SeqReader(store, p, self.id, slot, row)
+        self._w = w = SeqWriter(r, write=write, token=token, epoch=self._epoch)
+        # The per-token hot path: the writer's own methods, with no call layer in between
+        # (the class's append/commit below say what they do, for help() and the docs).
+        self.append = w.append  # type: ignore[method-assign]
+        self.commit = w.commit  # type: ignore[method-assign]
+        self._fin: weakref.finalize[[memoryview, int, int, int], Sequence] | None = None
+        w.refresh()
+        if write:
+            live_writers[token] = self
+            self._fin = weakref.finalize(self, release_row, row, token, os.getpid(), self._epoch)
+
+    def __repr__(self) -> str:
+        kind = "write" if self._w.write else "read"
+        try:
+            return f"<shmkv.Sequence id={self.id} length={self.length} capacity={self.capacity} {kind}>"
+        except Exception:  # repr of a dead handle
+            return f"<shmkv.Sequence id={self.id} {kind} (unavailable)>"
+
+    @property
+    def store(self) -> Store:
+        """The store this sequence lives in (through this handle's attachment)."""
+        return self._store
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickles as a *read* handle: a lease never travels; the receiver takes its own.
+        return (_unpickle_sequence, (self._store, self.id))
+
+    @property
+    def _pending(self) -> list[int]:
+        """This handle's uncommitted tokens per layer (the writer part's)."""
+        return self._w.pending
+
+    # -- writing -------------------------------------------------------------
+
+    def append(self, layer: int, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Write ``n`` new tokens of one layer after the sequence's end (not yet visible).
+
+        Args:
+            layer: layer index.
+            k, v: ``[n, kv_heads, head_dim]`` (or ``[kv_heads, head_dim]`` for one token),
+                any float dtype; cast to the storage dtype.
+
+        Returns:
+            Read-only views ``(keys, values)`` of this layer, ``[length + pending, kv_heads,
+            head_dim]``: the committed tokens followed by this handle's pending ones.
+
+        The tokens become visible to other processes at ``commit()``, once every
+        layer has the same number of pending tokens.
+        """
+        return self._w.append(layer, k, v)  # handles call the writer's append directly (see __init__)
+
+    # -- encoder (cross-attention) cache -------------------------------------------
+
+    def set_encoder(self, k_all: Any, v_all: Any) -> None:
+        """Store this sequence's encoder keys and values ``[layers, n, kv_heads, head_dim]``.
+
+        Position-independent and written once (a second call replaces them); every
+        decode step reads them with :meth:`encoder_kv`, with no mask. Kept until the
+        sequence is freed, carried by ``fork`` and by snapshots.
+        """
+        self._w.set_encoder(k_all, v_all)
+
+    def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The encoder keys and values of ``layer`` ``[n, kv_heads, head_dim]`` (read-only views;
+        int8: dequantized copies); empty when none was set."""
+        return self._r.encoder_kv(layer)
+
+    @property
+    def encoder_length(self) -> int:
+        return self._r.encoder_length()
+
+    def commit(self, tokens: Any = None, positions: Any = None) -> int:
+        """Publish the pending tokens of every layer; return the new length.
+
+        Args:
+            tokens: token ids of the pending tokens (``[n]`` ints), default -1.
+            positions: their positions (``[n]`` ints, increasing, after the last
+                committed position); default: the last position + 1 onwards.
+        """
+        return self._w.commit(tokens, positions)  # handles call the writer's commit directly (see __init__)
+
+    def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None, *,
+               in_steps: bool = False) -> int:
+        """Write ``n`` tokens of every layer and commit them; return the new length.
+
+        Args:
+            k_all, v_all: ``[layers, n, kv_heads, head_dim]``.
+            in_steps: on stores with sliding/chunked layers, take any ``n``: room for all is made
+                first (``CacheFullError`` changes nothing), then they are committed
+                ``layout.step`` at a time (other processes may see the first steps meanwhile).
+        """
+        return self._w.extend(k_all, v_all, tokens, positions, in_steps)
+
+    def discard(self) -> int:
+        """Drop this handle's pending (uncommitted) tokens on every layer, e.g. after a forward
+        failed between layers; returns the most any layer had. No lock: no other process saw
+        them. A read handle (or a released one) has none: 0."""
+        return self._w.discard()
+
+    def pending_on(self, layer: int) -> int:
+        """Tokens this handle appended to ``layer`` and has not committed (0 on a read handle)."""
+        return self._w.pending[self._r.layer(layer)]
+
+    def set_tokens(self, tokens: Any, begin: int = 0) -> None:
+        """Record the ids of committed tokens ``[begin, begin + len(tokens))`` committed without
+        them (a model's forward sees states, not ids); their whole blocks join the prefix cache.
+
+        Raises:
+            InvalidArgumentError: an id < 0, tokens past the length, or an id that differs
+                from one a cell holds (recorded ids are fixed); nothing is written then.
+            ReadOnlyError, LeaseError: this handle does not hold the lease.
+        """
+        _seq_structural.set_tokens(self._w, tokens, begin)
+
+    # -- structural operations ---------------------------------------------------
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` committed tokens; drop pending ones.
+
+        ``n`` beyond the length is clamped to it (the committed tokens stay), as
+        Hugging Face's ``crop`` does: truncate never extends.
+        """
+        _seq_structural.truncate(self._w, n)
+
+    def clear(self) -> None:
+        """Drop every token (the range stays reserved)."""
+        self.truncate(0)
+
+    def shift_left(self, n: int) -> None:
+        """Drop the oldest ``n`` tokens (sliding window); the rest keep their positions."""
+        _seq_structural.shift_left(self._w, n)
+
+    def remove(self, begin: int, end: int, shift: ShiftFn | None = None) -> None:
+        """Remove tokens ``[begin, end)``; later tokens move down and take the freed positions.
+
+        The moved tokens' positions change by ``delta = positions[begin] -
+        positions[end]`` (negative). ``shift(layer, keys, delta) -> keys``, if
+        given, re-rotates their keys (RoPE shift) for each layer; it runs before
+        anything changes, so an exception in it leaves the sequence as it was.
+        """
+        _seq_structural.remove(self._w, begin, end, shift)
+
+    def release(self) -> None:
+        """Give up the write lease (pending tokens are dropped); the handle becomes a read handle."""
+        if self._w.write and self._epoch == _segment.fork_epoch:
+            self._drop_lease()
+
+    def _drop_lease(self) -> None:
+        row = self._row
+        try:
+            if row[LEASE_TOKEN] == self._token and row[LEASE_PID] == os.getpid():
+                row[LEASE_PID] = 0
+        except (ValueError, TypeError):
+            pass
+        self._w.write = False
+        self._w.drop_pending()
+        live_writers.pop(self._token, None)
+        if self._fin is not None:
+            self._fin.detach()
+
+    def free(self) -> None:
+        """Delete the sequence: its cells return to the store. Needs the lease, or no live holder."""
+        p = self._p
+        w = self._w
+        with p.locked():
+            row = self._row
+            self._r.span_unlocked()
+            if not w.write:
+                p.check_not_leased_by_other(row, self.id)
+            else:
+                w.need_writer("free")
+            p.free_row(self._slot)
+        if w.write:
+            self._drop_lease()
+
+    def finish(self) -> None:
+        """The request is done: give up the lease and keep the sequence as a cached prefix.
+
+        Other requests reuse its tokens through ``create_sequence(prefix=...)``; it is
+        evicted, least recently used first, when a create or a growth needs room.
+        ``store.sequence(id, write=True)`` takes it back (a chat's next turn), and it is then
+        no longer evictable. Pending (uncommitted) tokens are dropped.
+        """
+        self._w.need_writer("finish")
+        p = self._p
+        with p.locked():
+            row = self._row
+            self._r.span_unlocked()
+            row[FLAGS] |= FINISHED
+            _crash.point("finish.flagged")
+            p.touch(row)
+            self._drop_lease()
+
+    def fork(self, n: int | None = None, capacity: int | None = None) -> Sequence:
+        """A new sequence holding this one's first ``n`` tokens (default: all); returns its write handle."""
+        st, p = self._store, self._p
+        with p.locked():
+            length = self._r.span()[2]
+            n = length if n is None else count("n", n)
+            if n > length:
+                raise InvalidArgumentError(f"fork: n={n} exceeds the length {length} of sequence {self.id}")
+            cap = max(n, 1, self.capacity if capacity is None else count("capacity", capacity, 1))
+            with p.unit():  # the child and its content: both, or after a crash neither
+                child = st.create_sequence(capacity=cap, _protect=self._slot)  # never evict the parent for it
+                _crash.point("fork.child")
+                try:
+                    st.copy_prefix(self.id, child.id, n)
+                    enc = self._row[ENC_SLOT]
+                    if enc:  # the child decodes against the same encoder output
+                        erow = p.row(enc - 1)
+                        src, m = erow[START], erow[LENGTH]
+                        with p.changing(child._row):
+                            dst = p.set_encoder(child._row, m)
+                            p.copy_all_layers(src, dst, m)
+                except BaseException:
+                    child.free()
+                    raise
+            child._w.refresh()
+            # the refresh above takes the child's first append off the checked path, which is
+            # where a new range's pages are pre-faulted: do it here (not on the per-token path)
+            _pages.before_appends(st, child._w.start, child._row[CAPACITY])
+        return child
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """Small metadata of the sequence: a msgpack-able dict, at most 512 bytes packed.
+
+        Written by the lease holder (``seq.meta = {"request": "r-17"}``, a whole dict at a
+        time, under the store lock), read by any process (a replacement worker learns which
+        request it serves), kept by snapshots, shown by ``shmkv info``. Each read returns a
+        new dict: change it by assigning one. A new sequence (and a fork) starts with ``{}``.
+        """
+        packed = self._r.consistent(lambda: self._p.get_meta(self._slot))
+        return msgpack.unpackb(packed) if packed else {}
+
+    @meta.setter
+    def meta(self, value: dict[str, Any]) -> None:
+        self._w.need_writer("meta")
+        packed = pack_meta(value)
+        p = self._p
+        with p.locked():
+            row = self._row
+            self._r.span_unlocked()
+            with p.changing(row):
+                p.set_meta(self._slot, packed)
+            self._w.gen = row[GEN]  # our own change: pending tokens stay
+
+    # -- reading -------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        """Committed tokens (what every process sees)."""
+        return int(self._r.span()[2])
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def capacity(self) -> int:
+        return int(self._r.span()[1])
+
+    @property
+    def pending(self) -> int:
+        """Tokens appended to every layer by this handle and not yet committed."""
+        return min(self._w.pending)
+
+    @property
+    def remaining_capacity(self) -> int:
+        """Tokens that fit before the sequence must grow (moving if needed)."""
+        _, cap, length, _ = self._r.span()
+        return int(cap - length - max(self._w.pending))
+
+    @property
+    def is_full(self) -> bool:
+        return self.remaining_capacity <= 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the committed tokens (K and V of the layers that hold them, ids, positions)."""
+        _, _, length, woff = self._r.span()
+        st = self._store
+        return length * st.bytes_per_token + (length - woff) * self._p.kv_bytes(len(st.layout.bounded))
+
+    @property
+    def writable(self) -> bool:
+        """Whether this handle holds the write lease."""
+        return self._w.write
+
+    @property
+    def lease_pid(self) -> int:
+        return int(self._row[LEASE_PID])
+
+    def keys(self, layer: int) -> np.ndarray:
+        """Committed keys ``layer`` holds, ``[n, kv_heads, head_dim]``: a read-only zero-copy
+        view; for int8 stores a dequantized float32 copy (bfloat16: a copy unless ml_dtypes).
+
+        ``n`` is the length on full layers; sliding and chunked layers hold only the most
+        recent tokens (``held_positions(layer)`` gives their positions).
+        """
+        r = self._r
+        lo, hi, _, _ = r.held(r.layer(layer))
+        return r.view("k", layer, lo, hi)
+
+    def values(self, layer: int) -> np.ndarray:
+        """Committed values of ``layer``; see :meth:`keys`."""
+        r = self._r
+        lo, hi, _, _ = r.held(r.layer(layer))
+        return r.view("v", layer, lo, hi)
+
+    def kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys(layer), values(layer))`` taken at the same length."""
+        return self._r.kv(self._r.layer(layer))
+
+    def held_positions(self, layer: int) -> np.ndarray:
+        """Positions of the committed tokens ``layer`` holds (rows of ``keys(layer)``)."""
+        return self._r.held_positions(self._r.layer(layer))
+
+    def mask(self, layer: int, query_positions: Any) -> np.ndarray:
+        """Additive float32 attention mask ``[q, n]`` for new tokens at ``query_positions``.
+
+        Columns are what ``append(layer, ...)`` returned: the tokens ``layer`` holds,
+        then this handle's pending ones (at the positions ``commit()`` would give them
+        by default). 0 where the layer's kind lets the query see the key, -inf elsewhere:
+        full ``p' <= p``; sliding ``p - window < p' <= p``; chunked
+        ``p - p % chunk <= p' <= p``.
+        """
+        r = self._r
+        return r.mask(layer, query_positions, self._w.pending[r.layer(layer)])
+
+    def can_resume(self, pos: int) -> bool:
+        """Whether a new token at position ``pos`` finds every token it needs in every layer.
+
+        It needs, per layer, each earlier position its kind lets it see; the sequence
+        must hold them all (positions 0..pos-1 with none missing), and ``pos`` must not
+        skip past the last committed position + 1.
+        """
+        return self._r.can_resume(pos)
+
+    def raw_keys(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Stored keys of ``layer`` without any decoding: ``(codes, scales)`` zero-copy views.
+
+        ``codes`` is the storage array (int8 codes, bfloat16 bits as uint16, or the
+        floats); ``scales`` the int8 float32 scales ``[length, kv_heads]``, else None.
+        """
+        return self._r.raw("k", layer)
+
+    def raw_values(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Stored values of ``layer``; see :meth:`raw_keys`."""
+        return self._r.raw("v", layer)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Token ids of the committed tokens (read-only view; -1 where none was given)."""
+        return self._r.committed(ids=True)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Positions of the committed tokens (read-only view)."""
+        return self._r.committed(ids=False)
+
+    def head(self, layer: int, head: int, begin: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of one KV head over tokens ``[begin, end)``: views ``[n, head_dim]``."""
+        return self._r.head(self.kv(layer), head, begin, end)
+
+    def iter_tokens(self, layer: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+        """Yield ``(token_id, position, k, v)`` for each committed token of ``layer``."""
+        return self._r.iter_tokens(layer)
+
+    def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the committed keys and values of ``layer``, consistent even while
+        structural operations run (seqlock: retried, then taken under the lock)."""
+        return self._r.read(layer)
+
+    # -- waiting for tokens, torch tensors (issue 18) ---------------------------
+
+    def wait(self, length: int | None = None, timeout: float | None = None) -> int:
+        """Block until the committed length reaches ``length``; return the length then.
+
+        ``length=None`` waits until the length differs from what it is at the call (a
+        commit, or a truncate). Another process's commit is noticed within a few
+        milliseconds: the length word is polled, busily for the first 0.2 ms, then with
+        sleeps growing from 50 us to 4 ms (no futex: an idle waiter costs ~250 wake-ups
+        a second). Works on read handles and read-only attachments.
+
+        Raises:
+            WaitTimeout: ``timeout`` seconds passed first (the message gives the length).
+            SequenceNotFound: the sequence is freed (before or while waiting).
+            StoreClosedError: the store handle is closed.
+
+        Example:
+            >>> n = seq.wait(len(seq) + 16, timeout=5.0)    # doctest: +SKIP
+        """
+        return self._r.wait(length, timeout)
+
+    async def wait_async(self, length: int | None = None, timeout: float | None = None) -> int:
+        """:meth:`wait` for asyncio: polls with ``asyncio.sleep``, never blocking the event loop."""
+        return await self._r.wait_async(length, timeout)
+
+    def torch_kv(self, layer: int, pending: bool = False) -> tuple[Any, Any]:
+        """Committed keys and values of ``layer`` as torch tensors ``[n, kv_heads, head_dim]``;
+        ``pending=True``: this handle's pending tokens too (the cells ``append`` returned).
+
+        On a read-write attachment, for float32, float16, float64 and bfloat16 (its stored
+        uint16 bits viewed as ``torch.bfloat16``), the tensors are zero-copy: **writing
+        into them writes the shared cache** that every process reads. On a read-only
+        attachment (its mapping cannot be written) and for int8 stores (dequantized to
+        float32) they are copies. The same rules as :meth:`keys` say how long the content
+        holds. torch is imported here: ``import shmkv`` never imports it.
+        """
+        cells = self._w.pending_cells(self._r.layer(layer)) if pending else None
+        return self._r.torch_kv(layer, (self._w.Kw, self._w.Vw), cells)
+
+
+def writer_for(store: Store, seq_id: int) -> Sequence | None:
+    """This process's live write handle on ``seq_id`` through ``store``, if any."""
+    for handle in list(live_writers.values()):
+        if handle.store is store and handle.id == seq_id and handle.writable:
+            return handle
+    return None
+
+
+def writer_part(handle: Sequence) -> SeqWriter:
+    """The writer part of ``handle``: what ``Batch`` appends through (pending counts, checks)."""
+    return handle._w
+
+
+def drop_lease(handle: Sequence) -> None:
+    """Give up ``handle``'s lease now (its store is closing), whatever its fork epoch."""
+    handle._drop_lease()
+
+
+def _unpickle_sequence(store: Store, seq_id: int) -> Sequence:
+    return store.sequence(seq_id)

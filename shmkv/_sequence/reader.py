@@ -1,0 +1,426 @@
+"""The reading side of a ``Sequence`` handle: its row read under the seqlock, where each
+layer's tokens sit, views and copies of them, masks, ``can_resume`` and waiting.
+
+A ``SeqReader`` serves any handle (read or write) and holds no lease. Readers read the
+row's generation, the row, the generation again, and retry while it moved (a structural
+operation in progress: DESIGN.md section 3); after ``_SPIN`` tries they wait it out
+under the store's reading lock. ``Sequence`` delegates to it; the writer part and the
+structural operations use its addressing (``span``, ``cells``, ``view``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from shmkv._engine import dtypes as _dtypes
+from shmkv._sequence import quant as _quant
+from shmkv._engine.checks import count, ints
+from shmkv._engine.core import _readonly
+from shmkv._engine.header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, WBUF, WIN_OFF
+from shmkv._sequence.visibility import attention_mask, visible_from
+from shmkv.errors import InvalidArgumentError, LockTimeout, SequenceNotFound, StoreClosedError
+
+if TYPE_CHECKING:
+    from shmkv._engine.header import Layout
+    from shmkv._engine.port import Port
+    from shmkv.store._store import Store
+
+_SPIN = 2000  # seqlock retries before falling back to the store lock
+
+Arrays = list[np.ndarray]
+Words = tuple[int, int, int, int, int, int, int]  # state, id, start, capacity, length, window offset, buffer
+T = TypeVar("T")
+
+
+def seqlocked(row: memoryview, read: Callable[[], T], reading: Callable[[], AbstractContextManager[None]],
+              settled: Callable[[], T]) -> T:
+    """The one seqlock read of a sequence row (DESIGN.md section 3): one retry policy, one fallback.
+
+    Structural operations make the row's generation odd while they change it (``_core``'s
+    ``_changing``). ``read()`` runs between two reads of the generation, and its value is
+    returned once the generation was even and the same after it. Up to ``_SPIN`` tries, the
+    CPU given up (``sleep(0)``) between tries after the first 50; then ``settled()`` under
+    ``reading()``: the store lock on a read-write attachment (taking it rolls back what a dead
+    process left half done), a shared lock on a read-only one (which only waits out a live
+    writer: ``settled`` reads the rows as a rollback would leave them).
+
+    ``read`` may see a torn row (it runs while a writer may start): it must not raise on one,
+    and its caller validates what it returns (e.g. that the sequence is live) afterwards.
+    """
+    for i in range(_SPIN):
+        g = row[GEN]
+        if not g & 1:
+            value = read()
+            if row[GEN] == g:
+                return value
+        if i > 50:
+            time.sleep(0)
+    with reading():
+        return settled()
+
+
+_Geometry = tuple[int, tuple[int, int], str, bool, list[bool], int]
+_geometries: dict[int, tuple[Layout, _Geometry]] = {}
+
+
+def _geometry(lay: Layout) -> _Geometry:
+    """What a handle needs of its store's layout: layers, (kv_heads, head_dim), dtype, whether
+    stored as is (zero-copy reads, fast appends), which layers are full, window cells.
+
+    Worked out once per layout, not per handle (Layout's properties compute each time, and a
+    handle is made per request: this keeps ``store.sequence(id)`` cheap)."""
+    hit = _geometries.get(id(lay))
+    if hit is not None and hit[0] is lay:
+        return hit[1]
+    bounded = set(lay.bounded)
+    geo = (lay.layers, (lay.kv_heads, lay.head_dim), lay.dtype, lay.dtype in _dtypes.PLAIN,
+           [i not in bounded for i in range(lay.layers)], lay.window_cells)
+    if len(_geometries) > 64:  # stores come and go: keep only recent layouts
+        _geometries.clear()
+    _geometries[id(lay)] = (lay, geo)
+    return geo
+
+
+class SeqReader:
+    """Seqlocked reads of one sequence row, and the cell-addressing of its layers.
+
+    Built by ``Sequence`` from its store's narrow core (``port``, see ``_port``; this part
+    never reaches into the store): what it reads often is copied into its own slots. ``wbase``
+    is the first cell of the row's active window buffer as the latest ``span`` saw it.
+    """
+
+    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "isfull", "locked", "plain", "port",
+                 "positions", "reading", "row", "settled_row", "slot", "store", "table_row", "tokens", "wbase", "wc")
+
+    def __init__(self, store: Store, port: Port, seq_id: int, slot: int, row: memoryview) -> None:
+        self.store = store
+        self.port = port
+        self.id = seq_id
+        self.slot = slot
+        self.row = row
+        self.L, self.cell, self.dtype, self.plain, self.isfull, self.wc = _geometry(store.layout)
+        self.wbase = 0  # first cell of its active window buffer: set by every span
+        self.Kr, self.Vr = port.Kr, port.Vr  # read-only per-layer views, shared by handles
+        self.KS, self.VS = port.KSl, port.VSl  # int8 scales per layer, else None
+        self.arena = (port.K, port.V, port.KS, port.VS)  # main-arena K, V (and scales) of every layer: encoders
+        self.tokens, self.positions = port.tokens, port.positions
+        self.reading, self.locked = port.reading, port.locked
+        self.settled_row, self.table_row = port.settled_row, port.row
+
+    # -- the row ---------------------------------------------------------------------
+
+    def check(self) -> None:
+        if self.store.closed:
+            raise StoreClosedError(f"store {self.store.name!r} is closed; sequence {self.id} is unusable")
+
+    def _freed(self) -> SequenceNotFound:
+        return SequenceNotFound(f"sequence {self.id} of store {self.store.name!r} was freed")
+
+    def words(self) -> Words:
+        """The row's words a reader needs, as they are now (torn while a structural op runs)."""
+        row = self.row
+        return row[STATE], row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF], row[WBUF]
+
+    def settled_words(self) -> Words:
+        """The row's words under ``reading`` (read-only attachments see a dead operation rolled back)."""
+        r = self.settled_row(self.slot)
+        return r[STATE], r[ID], r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF], r[WBUF]
+
+    def live(self, words: Words) -> tuple[int, int, int, int]:
+        """(start, capacity, length, window offset) of consistent ``words``; SequenceNotFound if
+        the sequence was freed. Sets ``wbase``."""
+        state, sid, start, cap, length, woff, wbuf = words
+        if state != LIVE or sid != self.id:
+            raise self._freed()
+        self.wbase = (2 * self.slot + wbuf) * self.wc
+        return start, cap, length, woff
+
+    def span(self) -> tuple[int, int, int, int]:
+        """A consistent (start, capacity, length, window offset) of the row (seqlock read)."""
+        if self.store.closed:  # check() and live() inlined: seq.length, keys() and views come here
+            self.check()
+        state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, self.words, self.reading, self.settled_words)
+        if state != LIVE or sid != self.id:
+            raise self._freed()
+        self.wbase = (2 * self.slot + wbuf) * self.wc
+        return start, cap, length, woff
+
+    def span_unlocked(self) -> tuple[int, int, int, int]:
+        """The row's span with the store lock held (nothing changes it meanwhile)."""
+        row = self.row  # live(words()) inlined: every structural op (a truncate per speculative step)
+        if row[STATE] != LIVE or row[ID] != self.id:
+            raise self._freed()
+        self.wbase = (2 * self.slot + row[WBUF]) * self.wc
+        return row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
+
+    def consistent(self, read: Callable[[], T]) -> T:
+        """``read()`` of this sequence's row state (its meta record) under its seqlock."""
+        self.check()
+
+        def settled() -> tuple[Words, T]:
+            if self.store.readonly and self.row[GEN] & 1:
+                # under the shared lock no live process is changing the row: a dead one left it
+                # half done, and only a read-write attachment can roll that back
+                raise LockTimeout(
+                    f"sequence {self.id} of store {self.store.name!r} was being changed by a process that "
+                    "died: a read-only attachment cannot roll that back; attach read-write (any process "
+                    "taking the store lock recovers it)"
+                )
+            return self.settled_words(), read()
+
+        words, value = seqlocked(self.row, lambda: (self.words(), read()), self.reading, settled)
+        self.live(words)
+        return value
+
+    # -- where tokens sit ----------------------------------------------------------------
+
+    def layer(self, layer: object) -> int:
+        """``layer`` checked: an int in [0, layers)."""
+        if type(layer) is not int:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise InvalidArgumentError(f"layer={layer!r} must be an int in [0, {self.L})")
+            layer = int(layer)
+        if not 0 <= layer < self.L:
+            raise InvalidArgumentError(
+                f"layer={layer} is out of range: the store has layers=0..{self.L - 1}"
+            )
+        return layer
+
+    def cells(self, layer: int, start: int, woff: int, a: int, b: int) -> tuple[int, int]:
+        """Cells of tokens [a, b) of ``layer`` (a >= woff on sliding/chunked layers).
+
+        Token i of a full layer is cell ``start + i``; of a sliding/chunked layer, cell
+        ``wbase + i - woff`` of that layer's window region (``wbase``: the latest span's).
+        """
+        if self.isfull[layer]:
+            return start + a, start + b
+        return self.wbase + a - woff, self.wbase + b - woff
+
+    def first(self, layer: int, woff: int) -> int:
+        """Index of the oldest token ``layer`` holds."""
+        return 0 if self.isfull[layer] else woff
+
+    def held(self, layer: int) -> tuple[int, int, int, int]:
+        """(first cell, end cell, first token index, main-arena start) of what ``layer`` holds."""
+        start, _, length, woff = self.span()
+        first = self.first(layer, woff)
+        lo, hi = self.cells(layer, start, woff, first, length)
+        return lo, hi, first, start
+
+    # -- decoding --------------------------------------------------------------------------
+
+    def view(self, which: str, layer: int, a: int, b: int) -> np.ndarray:
+        """Cells [a, b) of a layer as the caller sees them (see decode)."""
+        raw = (self.Kr if which == "k" else self.Vr)[layer][a:b]
+        scales = self.KS if which == "k" else self.VS
+        return self.decode(raw, None if scales is None else scales[layer][a:b])
+
+    def decode(self, raw: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+        """Stored cells as the caller sees them: zero-copy for plain dtypes and bfloat16
+        with ml_dtypes; a dequantized float32 copy otherwise."""
+        raw = _readonly(raw)
+        if self.plain:
+            return raw
+        if self.dtype == "bfloat16":
+            return _quant.bf16_view(raw)
+        assert scales is not None  # int8: every layer has its scales
+        return _quant.dequantize_int8(raw, scales)
+
+    # -- what Sequence's read methods return ------------------------------------------------
+
+    def kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi, _, _ = self.held(layer)
+        return self.view("k", layer, lo, hi), self.view("v", layer, lo, hi)
+
+    def held_positions(self, layer: int) -> np.ndarray:
+        lo, hi, first, start = self.held(layer)
+        return _readonly(self.positions[start + first : start + first + hi - lo])
+
+    def mask(self, layer: int, query_positions: Any, pending: int) -> np.ndarray:
+        """Sequence.mask, with ``pending`` tokens of this handle after the committed ones."""
+        layer = self.layer(layer)
+        q = ints("query_positions", query_positions, np.size(query_positions))
+        start, _, length, woff = self.span()
+        keys_pos = self.positions[start + self.first(layer, woff) : start + length]
+        if pending:
+            last = int(self.positions[start + length - 1]) if length else -1
+            keys_pos = np.concatenate([keys_pos, np.arange(last + 1, last + 1 + pending)])
+        return attention_mask(self.store.layout, layer, q, keys_pos)
+
+    def can_resume(self, pos: int) -> bool:
+        pos = count("pos", pos)
+        start, _, length, woff = self.span()
+        positions = self.positions[start : start + length]
+        if pos > (int(positions[-1]) if length else -1) + 1:
+            return False
+        for layer in range(self.L):
+            lo_pos = int(visible_from(self.store.layout, layer, pos))  # the oldest position it needs
+            held = positions[self.first(layer, woff) :]
+            held = held[(held >= lo_pos) & (held < pos)]  # increasing ints: size and ends decide
+            if held.size != pos - lo_pos or (held.size and (held[0] != lo_pos or held[-1] != pos - 1)):
+                return False
+        return True
+
+    def raw(self, which: str, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        lo, hi, _, _ = self.held(self.layer(layer))
+        codes = (self.Kr if which == "k" else self.Vr)[layer][lo:hi]
+        scales = self.KS if which == "k" else self.VS
+        return codes, None if scales is None else _readonly(scales[layer][lo:hi])
+
+    def committed(self, ids: bool) -> np.ndarray:
+        """Token ids (``ids``) or positions of the committed tokens, a read-only view."""
+        start, _, length, _ = self.span()
+        return _readonly((self.tokens if ids else self.positions)[start : start + length])
+
+    def iter_tokens(self, layer: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+        layer = self.layer(layer)
+        lo, hi, first, start = self.held(layer)
+        k, v = self.view("k", layer, lo, hi), self.view("v", layer, lo, hi)
+        n = hi - lo
+        toks = self.tokens[start + first : start + first + n].tolist()
+        poss = self.positions[start + first : start + first + n].tolist()
+        for i in range(n):
+            yield toks[i], poss[i], k[i], v[i]
+
+    def head(self, kv: tuple[np.ndarray, np.ndarray], head: int, begin: int, end: int | None,
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence.head: one KV head of ``kv`` (the layer's keys and values) over [begin, end)."""
+        k, v = kv
+        H = self.cell[0]
+        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < H:
+            raise InvalidArgumentError(f"head={head!r} is out of range: kv_heads=0..{H - 1}")
+        end = k.shape[0] if end is None else end
+        if not 0 <= begin <= end <= k.shape[0]:
+            raise InvalidArgumentError(f"head: need 0 <= begin <= end <= length, got {begin}, {end}, {k.shape[0]}")
+        return k[begin:end, head], v[begin:end, head]
+
+    def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the committed keys and values of ``layer`` under the seqlock."""
+        layer = self.layer(layer)
+        self.check()
+
+        def copy(words: Words) -> tuple[Words, np.ndarray, np.ndarray]:
+            _, _, start, _, length, woff, wbuf = words
+            self.wbase = (2 * self.slot + wbuf) * self.wc
+            lo, hi = self.cells(layer, start, woff, self.first(layer, woff), length)
+            return words, np.array(self.view("k", layer, lo, hi)), np.array(self.view("v", layer, lo, hi))
+
+        words, k, v = seqlocked(self.row, lambda: copy(self.words()), self.reading,
+                                lambda: copy(self.settled_words()))
+        self.live(words)
+        return k, v
+
+    def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        layer = self.layer(layer)
+        self.check()
+
+        def encoder(rows: Callable[[int], Any]) -> tuple[int, int]:
+            """(first cell, length) of the encoder range, from the rows ``rows`` gives."""
+            enc = rows(self.slot)[ENC_SLOT]
+            if not enc:
+                return 0, 0
+            e = rows(enc - 1)
+            return e[START], e[LENGTH]
+
+        # a structural change running all along is waited out: never a silently empty result
+        a, n = seqlocked(self.row, lambda: encoder(self.table_row), self.reading,
+                         lambda: encoder(self.settled_row))
+        K, V, KS, VS = self.arena
+        ks = KS[layer, a : a + n] if KS is not None else None
+        vs = VS[layer, a : a + n] if VS is not None else None
+        return self.decode(K[layer, a : a + n], ks), self.decode(V[layer, a : a + n], vs)
+
+    def encoder_length(self) -> int:
+        enc = self.row[ENC_SLOT]
+        return int(self.table_row(enc - 1)[LENGTH]) if enc else 0
+
+    def torch_kv(self, layer: int, writable: tuple[Arrays, Arrays],
+                 cells: tuple[int, int] | None = None) -> tuple[Any, Any]:
+        """Sequence.torch_kv; ``writable``: the per-layer K and V bases of this attachment;
+        ``cells``: the cells to show (the writer's, pending ones included), else what is held."""
+        import torch
+
+        layer = self.layer(layer)
+        if cells is None:
+            lo, hi, _, _ = self.held(layer)
+        else:
+            self.check()
+            lo, hi = cells
+        out = []
+        for which, arrays in (("k", writable[0]), ("v", writable[1])):
+            if self.dtype == "int8":
+                a = self.view(which, layer, lo, hi)  # a fresh dequantized array
+                out.append(torch.from_numpy(a if a.flags.writeable else a.copy()))
+                continue
+            raw = arrays[layer][lo:hi] if not self.store.readonly else np.array(
+                (self.Kr if which == "k" else self.Vr)[layer][lo:hi])
+            if self.dtype == "bfloat16":
+                out.append(torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16))
+            else:
+                out.append(torch.from_numpy(raw))
+        return out[0], out[1]
+
+    # -- waiting -------------------------------------------------------------------------
+
+    WAIT_SPIN = 0.0002  # seq.wait: seconds of busy polling, then sleeps
+    WAIT_FIRST_SLEEP = 50e-6  # ... doubling up to
+    WAIT_MAX_SLEEP = 0.004
+
+    def length(self) -> int:
+        return int(self.span()[2])
+
+    def wait_steps(self, length: int | None, timeout: float | None) -> Generator[float, None, int]:
+        """The polling schedule of Sequence.wait: yields the delay before the next look;
+        its return value (StopIteration.value) is the length reached."""
+        from shmkv.errors import WaitTimeout
+        target = None if length is None else count("length", length)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds >= 0, or None")
+        t0 = time.monotonic()
+        first = self.length()
+        deadline = None if timeout is None else t0 + timeout
+        spin_end = t0 + self.WAIT_SPIN
+        delay = self.WAIT_FIRST_SLEEP
+        while True:
+            now_len = self.length()  # SequenceNotFound once it is freed
+            if now_len >= target if target is not None else now_len != first:
+                return now_len
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                want = f"length {target}" if target is not None else f"a change from length {first}"
+                raise WaitTimeout(
+                    f"wait: sequence {self.id} of store {self.store.name!r} did not reach {want} within "
+                    f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
+                )
+            if now < spin_end:
+                yield 0.0
+            else:
+                yield delay if deadline is None else min(delay, deadline - now)
+                delay = min(delay * 2, self.WAIT_MAX_SLEEP)
+
+    def wait(self, length: int | None, timeout: float | None) -> int:
+        """Sequence.wait: the schedule of wait_steps, slept through."""
+        steps = self.wait_steps(length, timeout)
+        try:
+            while True:
+                d = next(steps)
+                time.sleep(d) if d else None
+        except StopIteration as done:
+            return int(done.value)
+
+    async def wait_async(self, length: int | None, timeout: float | None) -> int:
+        """Sequence.wait_async: the schedule of wait_steps, with asyncio.sleep."""
+        import asyncio
+
+        steps = self.wait_steps(length, timeout)
+        try:
+            while True:
+                await asyncio.sleep(next(steps))
+        except StopIteration as done:
+            return int(done.value)

@@ -1,0 +1,247 @@
+"""Structural operations on one sequence through its write handle: ``truncate``,
+``shift_left``, ``remove``, ``set_tokens``, and the bracket they run in (``Structural``: the store lock,
+the row's seqlock generation odd while it changes, the handle's addressing refreshed after).
+
+Each writes its result where no row points (a fresh range, the other window buffer) and
+switches the row to it at the end, so a crash at any point leaves the sequence as it was
+(crash recovery: see ``_core``). They also keep the prefix-index words of the row right
+(``unindex_from``, ``taint``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+
+from shmkv._engine import crash as _crash
+from shmkv._engine.checks import count
+from shmkv._engine.header import (
+    CAPACITY,
+    CLEAN,
+    FLAGS,
+    GEN,
+    IDX_BLOCKS,
+    LENGTH,
+    NOINDEX,
+    START,
+    WBUF,
+    WIN_OFF,
+)
+from shmkv._engine.prefix_hash import BLOCK
+from shmkv._sequence.writer import SeqWriter
+from shmkv.errors import InvalidArgumentError, NotSupportedError
+
+ShiftFn = Callable[[int, np.ndarray, int], np.ndarray]
+
+
+class Structural:
+    """Context of a structural op on one sequence: store lock + seqlock bracket.
+
+    The handle's cached range and pending counts are refreshed afterwards.
+    """
+
+    def __init__(self, w: SeqWriter) -> None:
+        self.w = w
+        self._locked = w.locked()
+        self._changing: AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> memoryview:
+        self._locked.__enter__()
+        try:
+            self.w.r.span_unlocked()
+            self._changing = self.w.changing(self.w.row)
+            self._changing.__enter__()
+        except BaseException:
+            self._locked.__exit__(None, None, None)
+            raise
+        return self.w.row
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            assert self._changing is not None
+            self._changing.__exit__(*exc)
+            w = self.w
+            w.pending = [0] * w.L
+            row = w.row
+            w.gen = row[GEN]
+            w.cache(row[START], row[CAPACITY], row[WIN_OFF])
+        finally:
+            self._locked.__exit__(*exc)
+
+
+def structural(w: SeqWriter, what: str) -> Structural:
+    """The bracket of structural operation ``what`` (the lease checked first)."""
+    w.need_writer(what)
+    return Structural(w)
+
+
+def unindex_from(row: memoryview, n: int) -> None:
+    """The sequence keeps only its first n tokens (lock held): blocks past them leave the index
+    (their entries become invalid), and a taint past them is gone."""
+    row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
+    clean = row[CLEAN]
+    if clean >= 0 and n <= clean:
+        row[CLEAN] = -1
+    if row[CLEAN] < 0:
+        row[FLAGS] &= ~NOINDEX  # the next completed block is looked at again
+
+
+def taint(row: memoryview, n: int) -> None:
+    """Tokens from n on are no faithful prefix computation any more (lock held)."""
+    clean = row[CLEAN]
+    row[CLEAN] = n if clean < 0 else min(clean, n)
+    row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
+    row[FLAGS] |= NOINDEX
+
+
+def check_resumable(w: SeqWriter, row: memoryview, new_len: int, what: str) -> None:
+    """Refuse a change after which sliding/chunked layers would miss tokens a new one needs."""
+    woff = row[WIN_OFF]
+    if not woff:
+        return  # (the layers hold every token: nothing to check, and this is on truncate's path)
+    lay = w.store.layout
+    keep = lay.keep
+    if lay.bounded and new_len and new_len - woff < keep:
+        raise NotSupportedError(
+            f"{what}: sliding/chunked layers of sequence {w.id} hold tokens from {woff} on; "
+            f"a length of {new_len} would leave them {max(new_len - woff, 0)} of the {keep} a new "
+            "token needs (keep at least that many, or clear())"
+        )
+
+
+def truncate(w: SeqWriter, n: int) -> None:
+    n = count("n", n)
+    with structural(w, "truncate") as row:
+        n = min(n, row[LENGTH])
+        check_resumable(w, row, n, "truncate")
+        row[LENGTH] = n
+        _crash.point("truncate.row")
+        if n == 0:
+            row[WIN_OFF] = 0
+        unindex_from(row, n)
+
+
+def shift_left(w: SeqWriter, n: int) -> None:
+    n = count("n", n)
+    with structural(w, "shift_left") as row:
+        length = row[LENGTH]
+        if n > length:
+            raise InvalidArgumentError(f"shift_left: n={n} exceeds the length {length} of sequence {w.id}")
+        if n == 0:
+            return
+        woff = row[WIN_OFF]
+        keep_from = max(n, woff)  # the oldest token the window buffers keep
+        new_start, wb = w.rewrite(w.slot, [(n, 0, length - n)], [(keep_from - woff, 0, length - keep_from)])
+        _crash.point("shift_left.copied")
+        row[START], row[WBUF] = new_start, wb
+        row[WIN_OFF] = max(0, woff - n)
+        row[LENGTH] = length - n
+        if n:  # token 0 no longer sits at position 0: no longer a donor
+            taint(row, 0)
+
+
+def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
+    begin = count("begin", begin)
+    end = count("end", end)
+    with structural(w, "remove") as row:
+        length, start = row[LENGTH], row[START]
+        if not begin <= end <= length:
+            raise InvalidArgumentError(
+                f"remove: need 0 <= begin <= end <= length, got begin={begin} end={end} length={length}"
+            )
+        if begin == end:
+            return
+        lay = w.store.layout
+        P = w.positions
+        moved = length - end
+        woff = row[WIN_OFF]
+        if lay.bounded:
+            if begin < woff:
+                raise NotSupportedError(
+                    f"remove: sliding/chunked layers of sequence {w.id} no longer hold tokens "
+                    f"before {woff}; remove from begin >= {woff}"
+                )
+            if moved and shift is None:
+                raise NotSupportedError(
+                    "remove: moved tokens take new positions, which sliding/chunked layers attend by; "
+                    "pass shift=(layer, keys, delta) -> keys to re-rotate their keys"
+                )
+            check_resumable(w, row, length - (end - begin), "remove")
+        delta = int(P[start + begin] - P[start + end]) if moved else 0
+        new_keys = []
+        if shift is not None and moved:
+            for layer in range(w.L):
+                lo, hi = w.r.cells(layer, start, woff, end, length)
+                src = np.array(w.r.view("k", layer, lo, hi), dtype=np.float32 if not w.plain else None)
+                out = np.asarray(shift(layer, src, delta))
+                if out.shape != src.shape or out.dtype.kind != "f" or (
+                        w.dtype == "int8" and not np.isfinite(out).all()):
+                    raise InvalidArgumentError(
+                        f"remove: shift() returned {out.shape} {out.dtype} for layer {layer}; "
+                        f"it must return float keys shaped {src.shape}"
+                    )
+                new_keys.append(out)
+        # the result goes where no row points (a fresh range, the other window buffer), then the
+        # row switches to it: a crash at any point leaves the sequence as it was
+        new_start, wb = w.rewrite(w.slot, [(0, 0, begin), (end, begin, moved)],
+                                  [(0, 0, begin - woff), (end - woff, begin - woff, moved)])
+        new_wbase = w.wcell(w.slot, wb)
+        if moved:
+            P[new_start + begin : new_start + begin + moved] += delta
+            for layer, keys in enumerate(new_keys):
+                lo = new_start + begin if w.isfull[layer] else new_wbase + begin - woff
+                # re-encoded: values (and their scales) stay as moved
+                w.write_rows(w.Kw[layer], None if w.KS is None else w.KS[layer], lo, keys)
+        _crash.point("remove.copied")
+        row[START], row[WBUF] = new_start, wb
+        row[LENGTH] = length - (end - begin)
+        # the moved tokens were computed with the removed ones in context: not a prefix to reuse
+        taint(row, begin)
+
+
+def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
+    """Sequence.set_tokens: ids for committed tokens [begin, begin + n) that have none, then their
+    completed blocks into the prefix index. Everything is checked before anything is written.
+
+    Crash recovery: the one write into committed cells, and not logged: it only turns -1 (no id)
+    into the caller's ids, so a crash half-way leaves some of the true ids recorded and the rest
+    -1, a state the sequence could have had anyway (the index only takes blocks without -1)."""
+    w.need_writer("set_tokens")
+    begin = count("begin", begin)
+    a = np.asarray(tokens)
+    a = a.reshape(1) if a.ndim == 0 else a
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"set_tokens: tokens must be a 1-D sequence of ints, got shape {a.shape} "
+                                   f"dtype {a.dtype}")
+    a = a.astype(np.int64, copy=False)
+    neg = np.flatnonzero(a < 0)
+    if neg.size:
+        raise InvalidArgumentError(f"set_tokens: token ids must be >= 0, got {int(a[neg[0]])} at "
+                                   f"tokens[{int(neg[0])}] (-1 is what commit() records without tokens=)")
+    n = a.size
+    with w.locked():
+        row = w.row
+        start, _, length, _ = w.r.span_unlocked()
+        if begin + n > length:
+            raise InvalidArgumentError(
+                f"set_tokens: tokens for indexes {begin}..{begin + n - 1} reach past the committed length "
+                f"{length} of sequence {w.id}: give ids of committed tokens (commit(tokens=) takes new ones)"
+            )
+        cells = w.tokens[start + begin : start + begin + n]
+        differ = np.flatnonzero((cells >= 0) & (cells != a))
+        if differ.size:
+            i = int(differ[0])
+            raise InvalidArgumentError(
+                f"set_tokens: tokens[{i}]={int(a[i])} for index {begin + i} of sequence {w.id}, whose cell "
+                f"holds token {int(cells[i])}: recorded ids are fixed (the prefix cache indexes them)"
+            )
+        if not n:
+            return
+        with w.changing(row):
+            cells[:] = a
+            row[FLAGS] &= ~NOINDEX  # blocks from IDX_BLOCKS on may be indexable now
+        w.gen = row[GEN]  # our own change: pending tokens stay
+        w.index_blocks(w.slot, length)

@@ -1,0 +1,473 @@
+"""The writing side of a ``Sequence`` handle: the lease holder's pending tokens, ``append``
+(the per-token hot path), ``commit``, ``extend``, growth, window compaction, encoding, and
+the encoder cache's write.
+
+Writes follow DESIGN.md section 3: new cells are written beyond the committed length, then
+``commit`` publishes the new length with one aligned 8-byte store. Growth and compaction are
+structural (the store lock and the row's seqlock bracket).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from shmkv._engine import crash as _crash
+from shmkv._engine import pages as _pages
+from shmkv._sequence import quant as _quant
+from shmkv._engine import segment as _segment
+from shmkv._engine.checks import ints
+from shmkv._engine.header import (
+    CAPACITY,
+    FLAGS,
+    GEN,
+    IDX_BLOCKS,
+    LEASE_PID,
+    LEASE_TOKEN,
+    LENGTH,
+    META_BYTES,
+    NOINDEX,
+    START,
+    WBUF,
+    WIN_OFF,
+)
+from shmkv._engine.prefix_hash import BLOCK
+from shmkv._sequence.reader import SeqReader
+from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
+
+
+def _real(dt: np.dtype) -> bool:
+    return dt.kind in "fiu" or dt == _quant.BF16
+
+
+def pack_meta(value: Any) -> bytes:
+    """``seq.meta = value``'s record: ``value`` checked (a dict) and packed (at most META_BYTES)."""
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"meta must be a dict, got {type(value).__name__}")
+    try:
+        packed = msgpack.packb(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidArgumentError(
+            f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
+        ) from None
+    if len(packed) > META_BYTES:
+        raise InvalidArgumentError(
+            f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
+            "store an id here and the rest elsewhere"
+        )
+    return bytes(packed)
+
+
+class SeqWriter:
+    """A handle's writing state: the lease flag and token, the pending counts of each layer,
+    and the per-layer addressing the hot path uses (refreshed after structural changes).
+
+    The store's structural helpers (``locked``, ``changing``, ...) come from its narrow core,
+    the reader's ``port``, copied into slots here: this part never reaches into the store.
+    ``Sequence.append`` and ``Sequence.commit`` are this part's bound methods (no extra call
+    on the hot path).
+    """
+
+    # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
+    # cost CPython's shared-key instance dicts)
+    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
+                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "pending", "plain", "positions", "r",
+                 "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store", "token", "tokens", "vfrom",
+                 "wc", "wcell", "write")
+
+    def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
+        self.r = r
+        p = r.port
+        self.store = r.store
+        self.id, self.slot, self.row = r.id, r.slot, r.row
+        self.L, self.cell, self.dtype, self.plain = r.L, r.cell, r.dtype, r.plain
+        self.isfull, self.wc = r.isfull, r.wc
+        self.write = write
+        self.token = token
+        self.epoch = epoch
+        self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
+        self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
+        self.tokens, self.positions = r.tokens, r.positions
+        self.locked, self.changing, self.relocate = p.locked, p.changing, p.relocate
+        self.index_blocks, self.set_encoder_row = p.index_blocks, p.set_encoder
+        self.wcell, self.rewrite = p.wcell, p.rewrite
+        self.pending = [0] * self.L
+        self.gen = -1
+        self.start = 0
+        self.base: list[int] = []  # per layer: cell of token 0
+        self.lim: list[int] = []  # per layer: token index limit
+        self.vfrom: list[int] = []  # per layer: first kept cell
+        self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
+
+    # -- addressing --------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        g = self.row[GEN]
+        start, cap, _, woff = self.r.span()
+        self.gen = g if not g & 1 else -1
+        self.cache(start, cap, woff)
+
+    def cache(self, start: int, cap: int, woff: int) -> None:
+        """Per-layer addressing for the writer's hot path.
+
+        Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
+        cell ``slot * window_cells + i - woff`` of that layer's window region.
+        """
+        self.start = start
+        wbase = self.r.wbase = (2 * self.slot + self.row[WBUF]) * self.wc  # the writer's own row
+        key = (start, cap, woff, wbase)
+        if key == self.cached:
+            return  # (a truncate within the range, the speculative-decoding step, changes none of them)
+        self.cached = key
+        base = wbase - woff
+        self.base = [start if f else base for f in self.isfull]  # cell of token 0
+        # token index limit: the range's capacity bounds every layer (token ids and positions
+        # need a cell even where only sliding/chunked layers hold K/V), the buffer bounds those
+        wlim = min(woff + self.wc, cap)
+        self.lim = [cap if f else wlim for f in self.isfull]
+        self.vfrom = [start if f else wbase for f in self.isfull]  # first kept cell
+
+    def drop_pending(self) -> None:
+        """Forget this handle's uncommitted tokens (their cells are simply written again)."""
+        self.pending = [0] * self.L
+
+    def discard(self) -> int:
+        """Sequence.discard: drop the pending tokens; returns the most any layer had."""
+        n = max(self.pending)
+        if n:
+            self.pending = [0] * self.L
+        return n
+
+    def pending_cells(self, layer: int) -> tuple[int, int] | None:
+        """Cells [first held, end of pending) of ``layer`` when this handle has tokens pending there
+        (its addressing current); None when it has none (the committed cells are all there is)."""
+        p = self.pending[layer]
+        row = self.row
+        if not p or not self.write or row[GEN] != self.gen:
+            return None
+        return self.vfrom[layer], self.base[layer] + row[LENGTH] + p
+
+    def need_writer(self, what: str) -> None:
+        """Refuse ``what`` unless this handle holds the lease, here and now; reload the range
+        after a structural change made by someone else (then pending tokens are dropped)."""
+        if self.store.closed:
+            self.r.check()  # raises
+        if not self.write:
+            raise ReadOnlyError(
+                f"{what}: sequence {self.id} handle is read-only; take the lease with "
+                f"store.sequence({self.id}, write=True)"
+            )
+        if self.epoch != _segment.fork_epoch:
+            raise LeaseError(
+                f"{what}: this write handle of sequence {self.id} was inherited across fork; "
+                f"take the lease in this process with store.sequence({self.id}, write=True)"
+            )
+        row = self.row
+        if row[LEASE_TOKEN] != self.token:  # random per handle: no pid check (a syscall) needed
+            self.write = False
+            raise LeaseError(
+                f"{what}: the lease on sequence {self.id} was taken over (pid {row[LEASE_PID]}); "
+                "this handle is now read-only"
+            )
+        if row[GEN] != self.gen:
+            # a structural change we did not make through this handle (e.g. copy_prefix
+            # into it): drop uncommitted tokens, reload the range
+            self.pending = [0] * self.L
+            self.refresh()
+            if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
+                _pages.before_appends(self.store, self.start, row[CAPACITY])
+
+    def kv_arrays(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts)."""
+        k = np.asarray(k)
+        v = np.asarray(v)
+        if k.shape[-2:] != self.cell or k.shape != v.shape or k.ndim not in (2, 3):
+            H, D = self.cell
+            raise InvalidArgumentError(
+                f"k shape {k.shape} and v shape {v.shape} must both be [n, kv_heads={H}, head_dim={D}] "
+                f"(or [{H}, {D}] for one token)"
+            )
+        if not (_real(k.dtype) and _real(v.dtype)):
+            raise InvalidArgumentError(
+                f"k dtype {k.dtype} / v dtype {v.dtype}: keys and values must be real numbers (float or int)"
+            )
+        if k.ndim == 2:
+            k = k[None]
+            v = v[None]
+        if self.dtype == "int8":
+            _quant.check_finite(k, "k")
+            _quant.check_finite(v, "v")
+        return k, v
+
+    def check_all_layers(self, what: str, k_all: np.ndarray, v_all: np.ndarray) -> None:
+        """``[layers, n, kv_heads, head_dim]`` K and V of every layer (extend, set_encoder)."""
+        H, D = self.cell
+        if k_all.ndim != 4 or k_all.shape[0] != self.L or k_all.shape[2:] != (H, D) or v_all.shape != k_all.shape:
+            raise InvalidArgumentError(
+                f"{what}: k_all {k_all.shape} and v_all {v_all.shape} must both be "
+                f"[layers={self.L}, n, kv_heads={H}, head_dim={D}]"
+            )
+
+    # -- appending ---------------------------------------------------------------------
+
+    def append(self, layer: int, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence.append (its docstring tells the contract); bound as the handle's ``append``."""
+        # Fast path (the per-token hot loop; see tools/bench.py decode): every check
+        # below is what need_writer/layer/kv_arrays do, inlined for the common case.
+        row = self.row
+        if (self.plain and self.write and row[LEASE_TOKEN] == self.token and row[GEN] == self.gen
+                and self.epoch == _segment.fork_epoch and type(layer) is int and 0 <= layer < self.L
+                and type(k) is np.ndarray and type(v) is np.ndarray and k.dtype.kind == "f"
+                and v.dtype.kind == "f"):
+            ks = k.shape
+            if ks == self.cell and v.shape == ks:
+                n = 1
+            elif len(ks) == 3 and ks[1:] == self.cell and v.shape == ks:
+                n = ks[0]
+            else:
+                return self.append_checked(layer, k, v)
+            length = row[LENGTH]
+            p = self.pending[layer]
+            if length + p + n > self.lim[layer]:
+                return self.append_checked(layer, k, v)
+            s = self.base[layer] + length + p
+            if n == 1 and len(ks) == 2:
+                self.Kw[layer][s] = k
+                self.Vw[layer][s] = v
+            else:
+                self.Kw[layer][s : s + n] = k
+                self.Vw[layer][s : s + n] = v
+            self.pending[layer] = p + n
+            first = self.vfrom[layer]
+            return self.Kr[layer][first : s + n], self.Vr[layer][first : s + n]
+        return self.append_checked(layer, k, v)
+
+    def append_checked(self, layer: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+        self.need_writer("append")
+        layer = self.r.layer(layer)
+        k, v = self.kv_arrays(k, v)
+        n = k.shape[0]
+        length = self.row[LENGTH]
+        p = self.pending[layer]
+        end = length + p + n
+        if end > self.lim[layer]:
+            if end > self.row[CAPACITY]:
+                self.grow(end)
+            if end > self.lim[layer]:  # a sliding/chunked layer's buffer is full
+                self.compact(layer, end)
+        s = self.base[layer] + length + p
+        if self.plain:
+            self.Kw[layer][s : s + n] = k
+            self.Vw[layer][s : s + n] = v
+        else:
+            self.encode(layer, s, k, v)
+        self.pending[layer] = p + n
+        first = self.vfrom[layer]
+        return self.r.view("k", layer, first, s + n), self.r.view("v", layer, first, s + n)
+
+    def compact(self, layer: int, end: int) -> None:
+        """Make room in the window buffers: keep the last ``keep`` committed tokens (and
+        every layer's pending ones) at the buffer's start. A structural change."""
+        lay = self.store.layout
+        keep_n = lay.keep
+        with self.locked():
+            row = self.row
+            length, woff = row[LENGTH], row[WIN_OFF]
+            new_off = max(woff, length - keep_n)
+            if end - new_off > self.wc:
+                raise CacheFullError(
+                    f"append: {end - length} new tokens on sliding/chunked layer {layer} exceed the "
+                    f"{self.wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
+                    f"or create the store with a larger memory= (now {lay.step})"
+                )
+            with self.changing(row):
+                # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
+                wb = row[WBUF]
+                a0, b0 = self.wcell(self.slot, wb) + new_off - woff, self.wcell(self.slot, 1 - wb)
+                for lay_i in lay.bounded:
+                    n = length - new_off + self.pending[lay_i]
+                    for arr in (self.Kw[lay_i], self.Vw[lay_i]):
+                        np.copyto(arr[b0 : b0 + n], arr[a0 : a0 + n])
+                _crash.point("compact.copied")
+                row[WBUF] = 1 - wb
+                row[WIN_OFF] = new_off
+            self.gen = row[GEN]
+            self.cache(row[START], row[CAPACITY], new_off)
+
+    def grow(self, needed: int) -> None:
+        """Give the sequence room for ``needed`` tokens (a structural change; pending tokens stay)."""
+        st = self.store
+        if needed > st.layout.max_tokens:  # refused before anything moves or grows
+            raise CacheFullError(
+                f"sequence {self.id} would hold {needed} tokens, more than store {st.name!r}'s "
+                f"max_tokens={st.layout.max_tokens}: truncate or shift_left it, or create the store with "
+                "a larger max_tokens= (nothing was written)"
+            )
+        keep = self.row[LENGTH] + max(self.pending)
+        with self.locked():
+            row = self.row
+            try:
+                with self.changing(row):
+                    self.relocate(self.slot, row, needed, keep)
+            finally:  # our own change (or none): pending tokens stay valid
+                self.gen = row[GEN]
+                self.cache(row[START], row[CAPACITY], row[WIN_OFF])
+
+    def encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write k, v (already checked) into cells s.. of layer in the storage encoding."""
+        self.write_rows(self.Kw[layer], None if self.KS is None else self.KS[layer], s, k)
+        self.write_rows(self.Vw[layer], None if self.VS is None else self.VS[layer], s, v)
+
+    def write_rows(self, codes: np.ndarray, scales: np.ndarray | None, s: int, x: np.ndarray) -> None:
+        """Store ``x`` [n, kv_heads, head_dim] at cells s.. of one layer's array (and int8 scales),
+        in the storage encoding: the one place values are encoded."""
+        n = x.shape[0]
+        if self.dtype == "int8":
+            assert scales is not None  # int8: every layer has its scales
+            q, sc = _quant.quantize_int8(x)
+            codes[s : s + n] = q
+            scales[s : s + n] = sc
+        elif self.dtype == "bfloat16":
+            codes[s : s + n] = _quant.to_bf16(x)
+        else:
+            codes[s : s + n] = x
+
+    # -- publishing --------------------------------------------------------------------
+
+    def commit(self, tokens: Any = None, positions: Any = None) -> int:
+        """Sequence.commit (its docstring tells the contract); bound as the handle's ``commit``."""
+        self.need_writer("commit")
+        pend = self.pending
+        n = pend[0]
+        if pend.count(n) != self.L:
+            raise InvalidArgumentError(
+                f"commit: layers have different pending token counts {pend}; append the same "
+                "number of tokens to every layer before commit()"
+            )
+        row = self.row
+        length = row[LENGTH]
+        s = self.start + length
+        P = self.positions
+        last = int(P[s - 1]) if length else -1
+        if n == 0:
+            if (tokens is not None and np.size(tokens)) or (positions is not None and np.size(positions)):
+                raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
+            return length
+        if tokens is None:
+            self.tokens[s : s + n] = -1
+            if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
+                row[FLAGS] |= NOINDEX
+        else:
+            self.tokens[s : s + n] = ints("tokens", tokens, n)
+        if positions is None:
+            if n == 1:
+                P[s] = last + 1
+            else:
+                P[s : s + n] = np.arange(last + 1, last + 1 + n)
+        else:
+            pos = ints("positions", positions, n)
+            if pos[0] <= last or (n > 1 and np.any(np.diff(pos) <= 0)):
+                raise InvalidArgumentError(
+                    f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
+                )
+            P[s : s + n] = pos
+        row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
+        self.pending = [0] * self.L
+        if (length + n) // BLOCK > row[IDX_BLOCKS] and not row[FLAGS] & NOINDEX:
+            self.index_committed(length + n)
+        return length + n
+
+    def index_committed(self, length: int) -> None:
+        """Put the blocks this commit completed into the prefix index: the store lock once per
+        16 tokens (DESIGN §3). The tokens are committed whatever happens here: a lock timeout
+        only delays the indexing to the next completed block."""
+        try:
+            with self.locked():
+                self.index_blocks(self.slot, length)
+        except LockTimeout:
+            pass
+
+    def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None,
+               in_steps: bool = False) -> int:
+        if not isinstance(in_steps, bool):
+            raise InvalidArgumentError(f"extend: in_steps={in_steps!r} must be True or False")
+        self.need_writer("extend")
+        if any(self.pending):
+            raise InvalidArgumentError(
+                f"extend: sequence {self.id} has uncommitted appends {self.pending}; commit() them first"
+            )
+        k_all = np.asarray(k_all)
+        v_all = np.asarray(v_all)
+        self.check_all_layers("extend", k_all, v_all)
+        n = k_all.shape[1]
+        if self.dtype == "int8":
+            _quant.check_finite(k_all, "k_all")
+            _quant.check_finite(v_all, "v_all")
+        if tokens is not None:
+            ints("tokens", tokens, n)
+        if positions is not None:
+            ints("positions", positions, n)
+        lay = self.store.layout
+        if in_steps and lay.bounded and n > lay.step:
+            return self.extend_in_steps(k_all, v_all, tokens, positions, lay.step)
+        try:
+            # fresh cells (a prefill): written through the segment's descriptor (no page zeroing)
+            if _pages.write_new(self.store, self.start, self.row[LENGTH], self.row[CAPACITY], (k_all, v_all)):
+                self.pending = [n] * self.L
+            else:
+                for layer in range(self.L):
+                    self.append(layer, k_all[layer], v_all[layer])
+            return self.commit(tokens, positions)
+        except BaseException:
+            self.pending = [0] * self.L
+            raise
+
+    def extend_in_steps(self, k_all: np.ndarray, v_all: np.ndarray, tokens: Any, positions: Any, step: int) -> int:
+        """extend(in_steps=True) of more tokens than a window buffer takes between commits: room
+        for all of them first (a CacheFullError changes nothing), then a commit every ``step``."""
+        n = k_all.shape[1]
+        tok = None if tokens is None else ints("tokens", tokens, n)
+        pos = None if positions is None else ints("positions", positions, n)
+        row = self.row
+        length = row[LENGTH]
+        if pos is not None:
+            last = int(self.positions[self.start + length - 1]) if length else -1
+            if pos[0] <= last or np.any(np.diff(pos) <= 0):
+                raise InvalidArgumentError(
+                    f"extend: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
+                )
+        if length + n > row[CAPACITY]:
+            self.grow(length + n)
+        try:
+            for a in range(0, n, step):
+                for layer in range(self.L):
+                    self.append(layer, k_all[layer, a : a + step], v_all[layer, a : a + step])
+                self.commit(None if tok is None else tok[a : a + step], None if pos is None else pos[a : a + step])
+        except BaseException:
+            self.pending = [0] * self.L
+            raise
+        return int(length + n)
+
+    def set_encoder(self, k_all: Any, v_all: Any) -> None:
+        self.need_writer("set_encoder")
+        k_all, v_all = np.asarray(k_all), np.asarray(v_all)
+        self.check_all_layers("set_encoder", k_all, v_all)
+        if not (_real(k_all.dtype) and _real(v_all.dtype)):
+            raise InvalidArgumentError(f"set_encoder: dtypes {k_all.dtype}/{v_all.dtype} are not real numbers")
+        if self.dtype == "int8":
+            _quant.check_finite(k_all, "k_all")
+            _quant.check_finite(v_all, "v_all")
+        n = k_all.shape[1]
+        K, V, KS, VS = self.r.arena
+        with self.locked():
+            row = self.row
+            self.r.span_unlocked()
+            with self.changing(row):
+                start = self.set_encoder_row(row, n)
+                for layer in range(self.L):  # the main arena of every layer (K, not Kw)
+                    for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
+                        self.write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
+                _crash.point("set_encoder.written")
+            self.gen = row[GEN]  # our own change: pending decoder tokens stay

@@ -1,0 +1,451 @@
+"""The ``shmkv`` command line. Inspection commands attach read-only.
+
+Exit codes: 0 success, 1 a problem found (missing store, failed check, ``rm`` of a
+store that live processes still write), 2 bad usage (bare ``shmkv`` prints the help
+and exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from shmkv import __version__
+from shmkv._engine import core as _core
+from shmkv._engine import header as _header
+from shmkv._engine import segment as _segment
+from shmkv.store._lifecycle import Owners, gc, list_stores, remove, store_owners
+from shmkv.store._lifecycle import load as load_snapshot
+from shmkv.store._store import Store, attach
+from shmkv.cli._args import count_arg, ids_arg, seconds_arg
+from shmkv.errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
+
+
+class _Bar:
+    """A progress bar on stderr, shown only on a terminal (or when forced)."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and done < total):
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:4.0%} {done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _info(store: Store, first: int = 8) -> dict[str, Any]:
+    lay = store.layout
+    seqs = []
+    for info in store.sequences():
+        try:
+            handle = store.sequence(info.id)
+            toks = handle.tokens[:first].tolist()
+            meta = handle.meta
+        except ShmkvError:
+            continue  # freed meanwhile
+        seqs.append({"id": info.id, "length": info.length, "capacity": info.capacity, "start": info.start,
+                     "lease_pid": info.lease_pid, "lease_alive": info.lease_alive, "finished": info.finished,
+                     "meta": meta, "first_tokens": toks})
+    st = store.stats()
+    return {
+        "name": store.name,
+        "layout": {"layers": lay.layers, "kv_heads": lay.kv_heads, "head_dim": lay.head_dim,
+                   "dtype": lay.dtype, "max_tokens": lay.max_tokens, "max_seqs": lay.max_seqs,
+                   "layer_types": list(lay.layer_types), "window": lay.window, "chunk": lay.chunk},
+        "persistent": store.persistent,
+        "stats": {k: getattr(st, k) for k in st.__dataclass_fields__},
+        "sequences": seqs,
+    }
+
+
+def _print_info(d: dict[str, Any]) -> None:
+    lay: dict[str, Any] = d["layout"]
+    st: dict[str, Any] = d["stats"]
+    print(f"store {d['name']}: layers={lay['layers']} kv_heads={lay['kv_heads']} head_dim={lay['head_dim']} "
+          f"dtype={lay['dtype']} max_tokens={lay['max_tokens']} max_seqs={lay['max_seqs']}"
+          f"{' persistent' if d['persistent'] else ''}")
+    print(f"  {st['sequences']} sequences, {st['tokens']} tokens, {st['free_tokens']} free cells, "
+          f"{st['bytes_used'] / 2**20:.2f} MiB used of {st['bytes_reserved'] / 2**20:.2f} MiB capacity, "
+          f"{_plural(st['clients'], 'read-write client')}")
+    print(f"  prefix cache: {st['prefix_hits']} hits, {st['prefix_misses']} misses, "
+          f"{st['prefix_tokens_reused']} tokens reused; {st['finished']} finished (cached, evictable), "
+          f"{st['evictions']} evicted")
+    if d["sequences"]:
+        print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} {'state':<9} first tokens")
+        for s in d["sequences"]:
+            lease = "-" if not s["lease_pid"] else f"{s['lease_pid']} {'alive' if s['lease_alive'] else 'dead'}"
+            state = "finished" if s["finished"] else "live"
+            meta = f"  meta {json.dumps(s['meta'], default=repr)}" if s["meta"] else ""
+            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {state:<9} "
+                  f"{s['first_tokens']}{meta}")
+
+
+def verify(store: Store) -> list[str]:
+    """Check the header's invariants; return the problems found (empty: all good)."""
+    problems = []
+    lay = store.layout
+    hdr = _core.header_words(store)
+    pending = int(hdr[_header.W_UNDO_COUNT])
+    if pending:
+        pid = int(hdr[_header.W_UNDO_PID])
+        problems.append(f"a structural operation of pid {pid} left {pending} row(s) to roll back (it died, or is "
+                        "running now): `shmkv verify --repair NAME` (or any structural operation) rolls it back")
+    t = _core.table_rows(store).copy()
+    live = t[t[:, _header.STATE] == _header.LIVE]
+    if not np.isin(t[:, _header.STATE], (0, _header.LIVE, _header.ENCODER)).all():
+        problems.append("a sequence slot has an unknown state")
+    # encoder caches own ranges of cells too
+    ranges = [(r[_header.START], r[_header.CAPACITY], f"encoder of {r[_header.ID]}")
+              for r in t[t[:, _header.STATE] == _header.ENCODER].tolist()]
+    for row in live.tolist():
+        sid, start, cap, length, gen = (row[_header.ID], row[_header.START], row[_header.CAPACITY],
+                                        row[_header.LENGTH], row[_header.GEN])
+        if start < 0 or start + cap > lay.max_tokens:
+            problems.append(f"sequence {sid}: range [{start}, {start + cap}) outside max_tokens={lay.max_tokens}")
+        if not 0 <= length <= cap:
+            problems.append(f"sequence {sid}: length {length} outside capacity {cap}")
+        woff = row[_header.WIN_OFF]
+        if lay.bounded and not (0 <= woff <= length and length - woff <= lay.window_cells):
+            problems.append(f"sequence {sid}: sliding/chunked layers hold tokens {woff}..{length}, "
+                            f"more than their {lay.window_cells} cells or out of order")
+        if gen & 1:
+            problems.append(f"sequence {sid}: generation {gen} is odd (a structural change is running or died)")
+        if sid >= int(hdr[_header.W_NEXT_ID]) or sid < 1:
+            problems.append(f"sequence {sid}: id not below next id {int(hdr[_header.W_NEXT_ID])}")
+        ranges.append((start, cap, f"sequence {sid}"))
+    ids = live[:, _header.ID].tolist()
+    if len(set(ids)) != len(ids):
+        problems.append("sequence ids repeat")
+    ranges.sort()
+    for (s1, c1, i1), (s2, _, i2) in itertools.pairwise(ranges):
+        if s1 + c1 > s2:
+            problems.append(f"{i1} and {i2} overlap at cell {s2}")
+    return problems
+
+
+def _liveness(name: str) -> dict[str, Any]:
+    """Who keeps store ``name`` alive: its creator and live read-write clients, and whether
+    ``shmkv gc`` would remove it (gc's own rule, Owners.collectable)."""
+    owners = store_owners(name)
+    if not isinstance(owners, Owners):
+        return {}
+    return {"creator_pid": owners.creator[0], "creator_alive": owners.creator_alive(),
+            "live_clients": owners.live_clients(), "gc_removes": owners.collectable(False),
+            "gc_all_removes": owners.collectable(True)}
+
+
+def _cmd_ls(a: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    for name in list_stores():
+        try:
+            with attach(name, readonly=True, timeout=0.2) as s:
+                st = s.stats()
+                rows.append({"name": name, "sequences": st.sequences, "tokens": st.tokens,
+                             "dtype": s.layout.dtype, "bytes_used": st.bytes_used, "persistent": s.persistent,
+                             **_liveness(name)})
+        except (ShmkvError, OSError) as e:  # another user's store, one being created or removed
+            rows.append({"name": name, "error": str(e)})
+    if a.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print(f"no stores in {_segment.SHM_DIR}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']}: {r['error']}")
+            continue
+        owners = f"creator {r['creator_pid']} {'alive' if r['creator_alive'] else 'dead'}"
+        live = r["live_clients"]
+        owners += f", live clients: {', '.join(map(str, live))}" if live else ", no live clients"
+        if r["gc_removes"]:
+            owners += " (`shmkv gc` would remove it)"
+        elif r["gc_all_removes"]:
+            owners += " (persistent: `shmkv gc --all` would remove it)"
+        print(f"{r['name']}: {r['sequences']} sequences, {r['tokens']} tokens, {r['dtype']}, "
+              f"{r['bytes_used'] / 2**20:.2f} MiB{', persistent' if r['persistent'] else ''}; {owners}")
+    return 0
+
+
+def _cmd_info(a: argparse.Namespace) -> int:
+    with attach(a.name, readonly=True) as s:
+        d = _info(s)
+    print(json.dumps(d)) if a.json else _print_info(d)
+    return 0
+
+
+def _cmd_watch(a: argparse.Namespace) -> int:
+    with attach(a.name, readonly=True) as s:
+        n = 0
+        try:
+            while a.count is None or n < a.count:
+                d = _info(s)
+                if a.json:
+                    print(json.dumps(d), flush=True)
+                else:
+                    if sys.stdout.isatty():
+                        sys.stdout.write("\x1b[H\x1b[2J")
+                    print(time.strftime("%H:%M:%S"), end=" ")
+                    _print_info(d)
+                    sys.stdout.flush()
+                n += 1
+                if a.count is None or n < a.count:
+                    time.sleep(a.interval)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _cmd_save(a: argparse.Namespace) -> int:
+    with attach(a.name, readonly=True) as s:
+        n = s.save(a.file, a.seq, progress=_Bar("save", a.progress or sys.stderr.isatty()))
+    print(f"saved {a.name} to {a.file} ({n} bytes)")
+    return 0
+
+
+def _cmd_load(a: argparse.Namespace) -> int:
+    try:
+        s = load_snapshot(a.file, a.name, persistent=True,
+                          progress=_Bar("load", a.progress or sys.stderr.isatty()))
+    except StoreExistsError:
+        raise StoreExistsError(
+            f"a store named {a.name!r} exists already: choose another --name, or remove it first "
+            f"(`shmkv rm {a.name}`)"
+        ) from None
+    n = len(s.sequences())
+    s.close()
+    print(f"loaded {a.file} into persistent store {a.name} ({n} sequences); remove it with `shmkv rm {a.name}`")
+    return 0
+
+
+def _cmd_rm(a: argparse.Namespace) -> int:
+    status = 0
+    for name in a.names:
+        if not a.force:
+            try:
+                with attach(name, readonly=True, timeout=0.2) as s:
+                    live = s.clients()
+            except StoreNotFound:
+                live = []  # remove() says so below
+            except (ShmkvError, OSError):
+                live = _liveness(name).get("live_clients", [])  # a damaged store: the raw client table
+            if live:
+                print(f"shmkv rm: store {name!r} has live read-write clients (pid {', '.join(map(str, live))}): "
+                      "they would keep writing into memory no new process can attach to; stop them first, "
+                      "or pass --force", file=sys.stderr)
+                status = 1
+                continue
+        try:
+            remove(name)
+        except (ShmkvError, OSError) as e:
+            print(f"shmkv rm: {e}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"removed {name}")
+    return status
+
+
+def _cmd_gc(a: argparse.Namespace) -> int:
+    removed = gc(include_persistent=a.all)
+    print(json.dumps(removed) if a.json else ("\n".join(f"removed {n}" for n in removed) or "nothing to remove"))
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    if a.repair:  # take the store lock once: the lock holder rolls back what a dead process left
+        with attach(a.name) as s, s.transaction():
+            pass
+    with attach(a.name, readonly=True) as s:
+        problems = verify(s)
+    if a.json:
+        print(json.dumps({"name": a.name, "ok": not problems, "problems": problems}))
+    else:
+        print("\n".join(problems) if problems else f"{a.name}: ok")
+    return 1 if problems else 0
+
+
+def snapshot_loop(name: str, directory: str, every: float, keep: int, *, count: int | None = None,
+                  stop: threading.Event | None = None, log: Any = print) -> list[str]:
+    """Save store ``name`` into ``directory`` every ``every`` seconds, keeping the newest ``keep``."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise InvalidArgumentError(f"keep={keep!r} must be at least 1 (the snapshot just written is kept)")
+    stop = stop or threading.Event()
+    os.makedirs(directory, exist_ok=True)
+    written: list[str] = []
+    with attach(name, readonly=True) as store:
+        n = 0
+        while not stop.is_set() and (count is None or n < count):
+            t0 = time.monotonic()
+            stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+            path = os.path.join(directory, f"{name}-{stamp}.shmkv")
+            nbytes = store.save(path)
+            written.append(path)
+            log(f"snapshot {path} ({nbytes} bytes, {time.monotonic() - t0:.3f} s)")
+            mine = sorted(f for f in os.listdir(directory) if f.startswith(f"{name}-") and f.endswith(".shmkv"))
+            for old in mine[: max(0, len(mine) - keep)]:
+                os.unlink(os.path.join(directory, old))
+            n += 1
+            if count is None or n < count:
+                stop.wait(max(0.0, every - (time.monotonic() - t0)))
+    return written
+
+
+def _cmd_snapshot(a: argparse.Namespace) -> int:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        print(f"signal {signum}: stopping after the current snapshot", file=sys.stderr)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    if a.nice:
+        os.nice(a.nice)  # decode workers first: a snapshot may take longer, their tokens may not
+    snapshot_loop(a.name, a.dir, a.every, a.keep, count=a.count, stop=stop, log=lambda m: print(m, flush=True))
+    return 0
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from shmkv.cli import _demo as demo
+
+    try:
+        summary = demo.run(workers=a.workers, new_tokens=a.tokens, snapshot=a.snapshot,
+                           start_method=a.start_method, out=lambda m: print(m, flush=True))
+    except KeyboardInterrupt:
+        print("interrupted; the demo's store was removed", file=sys.stderr)
+        return 130
+    return 0 if summary["ok"] else 1
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    # The benchmarks are not part of the library: they live in the source checkout's
+    # tools/bench.py, beside the package directory. Replace this process with it (same
+    # arguments, same pid: signals and exit codes pass through unchanged).
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench.py")
+    if not os.path.isfile(script):
+        print(f"shmkv bench: {script} not found: the benchmarks ship with the source checkout, not with "
+              "the installed package; clone the repository, `pip install -e .` there and run "
+              "`shmkv bench` (or `python tools/bench.py`) from it", file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, script, *a.bench_args])
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except the empty ones (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shmkv", description="Shared-memory KV cache: run the demo, inspect stores.",
+                                epilog="`shmkv demo` runs the main job; `shmkv COMMAND --help` describes a command.")
+    p.add_argument("--version", action="version", version=f"shmkv {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    def add(name: str, fn: Any, help: str, json_flag: bool = False) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help,
+                            formatter_class=_HelpFormatter)
+        sp.set_defaults(fn=fn)
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="print JSON for scripts")
+        return sp
+
+    d = add("demo", _cmd_demo, "tokenizer + decode workers + snapshotter on one store, checked against numpy")
+    d.add_argument("--workers", type=int, default=2, help="decode worker processes")
+    d.add_argument("--tokens", type=int, default=24, help="new tokens per request")
+    d.add_argument("--snapshot", help="keep the snapshot in this file (by default it is written to the temp "
+                   "directory and removed at the end)")
+    d.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
+                   help="how the demo starts its processes")
+    add("ls", _cmd_ls, "list stores", True)
+    sp = add("info", _cmd_info, "layout and sequence table of a store", True)
+    sp.add_argument("name")
+    sp = add("watch", _cmd_watch, "refresh `info` until Ctrl-C", True)
+    sp.add_argument("name")
+    sp.add_argument("--interval", type=seconds_arg, default=1.0)
+    sp.add_argument("--count", type=count_arg(1), help="stop after this many refreshes")
+    sp = add("save", _cmd_save, "save a store to a snapshot file")
+    sp.add_argument("name")
+    sp.add_argument("file")
+    sp.add_argument("--seq", type=ids_arg, help="comma-separated sequence ids (default: all)")
+    sp.add_argument("--progress", action="store_true", help="show progress even when not on a terminal")
+    sp = add("load", _cmd_load, "create a persistent store from a snapshot file")
+    sp.add_argument("file")
+    sp.add_argument("--name", required=True)
+    sp.add_argument("--progress", action="store_true")
+    sp = add("rm", _cmd_rm, "remove stores (refused while live processes write them, unless --force)")
+    sp.add_argument("names", nargs="+", metavar="NAME")
+    sp.add_argument("--force", action="store_true",
+                    help="remove even if live read-write clients are attached (they keep their mappings)")
+    sp = add("gc", _cmd_gc, "remove stores whose creator and clients are dead", True)
+    sp.add_argument("--all", action="store_true", help="persistent stores too")
+    sp = add("verify", _cmd_verify, "check a store's header invariants (exit 1 on a problem)", True)
+    sp.add_argument("--repair", action="store_true",
+                    help="first take the store lock: roll back an operation a dead process left half done")
+    sp.add_argument("name")
+    sp = add("snapshot", _cmd_snapshot, "save a store periodically, keeping the newest K files")
+    sp.add_argument("name")
+    sp.add_argument("--dir", required=True, help="directory of the snapshot files NAME-TIMESTAMP.shmkv")
+    sp.add_argument("--every", type=seconds_arg, default=60.0, help="seconds between snapshots")
+    sp.add_argument("--keep", type=count_arg(1), default=3,
+                    help="newest snapshot files kept, at least 1 (older ones are deleted)")
+    sp.add_argument("--count", type=count_arg(1),
+                    help="stop after this many snapshots (default: until SIGINT/SIGTERM)")
+    sp.add_argument("--nice", type=int, default=10, help="scheduling niceness to add (0 keeps it)")
+    from shmkv.cli._remote import add_cli  # shmkv push, shmkv tier (the remote tier)
+
+    add_cli(sub)
+    # The bench parses its own options (--quick, --json, --only, ...): `shmkv bench --help` shows them.
+    sub.add_parser("bench", help="benchmarks against numpy, np.save and multiprocessing (tools/bench.py)",
+                   add_help=False).set_defaults(fn=_cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.cmd is None:  # bare `shmkv`: the help, as a usage error
+        parser.print_help()
+        return 2
+    if args.cmd == "bench":
+        args.bench_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return int(args.fn(args))
+    except ShmkvError as e:
+        print(f"shmkv {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

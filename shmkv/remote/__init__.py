@@ -1,0 +1,654 @@
+"""Remote tier on Redis: stores on several machines share computed prefixes (DESIGN §9).
+
+A prompt prefilled on one machine is pushed to Redis (or Valkey, its API twin,
+or a Redis Cluster) in chunks of ``chunk_tokens`` tokens; a store on another
+machine pulls the chunks that continue its local prefix match instead of
+recomputing them. There is no server of ours: Redis is the shared engine, as
+LMCache's Redis connector does for vLLM. ``pip install 'shmkv[redis]'``.
+
+Keys. A chunk of tokens ``[s, e)`` is named by the chained prefix hash of
+``tokens[:e]`` (shmkv._engine.prefix_hash; the same on every machine), so it is found
+only after the same whole prefix::
+
+    {namespace}:shmkv:{layout fingerprint}:{HASH_VERSION}:{prefix hash, 16 hex}
+
+The fingerprint (16 hex) covers the format version, the layout (layers,
+kv_heads, head_dim, dtype, layer kinds, window, chunk) and ``chunk_tokens``:
+a store of another layout asks for other keys and never sees these chunks.
+
+Value. Exactly one key per chunk, holding header and bytes together, so an
+eviction by Redis never leaves half a chunk (LMCache keeps metadata and bytes
+under two keys and documents that race):
+
+    ======  ====  ==============================================================
+    offset  size  field
+    ======  ====  ==============================================================
+    0       4     magic ``b"SKVR"``
+    4       2     format version (``FORMAT_VERSION``), little-endian
+    6       2     zero
+    8       4     header length ``h``
+    12      4     zero
+    16      h     msgpack map: ``fp`` (the layout fingerprint as a map), ``start``
+                  (first token index = first position), ``n`` (tokens),
+                  ``tokens`` (their ids, int64 little-endian); then zeros up to
+                  ``p = 16 + h`` rounded up to 16 (the payload is aligned)
+    p       ...   K ``[layers, n, kv_heads, head_dim]`` in the storage encoding
+                  (int8 codes, bfloat16 bits, or the floats), then V the same;
+                  int8 only: K scales ``[layers, n, kv_heads]`` float32, V scales
+    end-4   4     crc32 of every byte before it (a trailer: push computes it while
+                  the K/V bytes go out straight from shared memory, uncopied; values
+                  up to 256 KiB, and every value on a Redis Cluster, are joined first)
+    ======  ====  ==============================================================
+
+A chunk is loaded only if magic, version, checksum, fingerprint, start, length
+and token ids (against the prompt's) all agree; otherwise it is a miss, never
+loaded, deleted from Redis, and counted (``stats().damaged`` / ``.foreign``).
+
+Only chunks whose tokens sit at positions 0..n-1 with known ids are pushed (what
+a prefix is, §8), and only for stores whose layers are all full attention:
+sliding and chunked layers hold only their most recent tokens, so the first
+chunks of a long sequence no longer exist there (``push`` raises
+``NotSupportedError``; ``match`` and ``pull`` find nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import threading
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import msgpack
+import numpy as np
+
+from shmkv._engine import dtypes as _dtypes
+from shmkv._sequence import quant as _quant
+from shmkv._engine.header import Layout
+from shmkv._engine.prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
+from shmkv.errors import InvalidArgumentError, NotSupportedError, RemoteError
+
+__all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats"]
+
+FORMAT_VERSION = 1
+_MAGIC = b"SKVR"
+_FIXED = struct.Struct("<4sHHII")  # magic, version, zero, header length, zero
+_CRC = struct.Struct("<I")  # the trailer: crc32 of everything before it
+_NS = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_BATCH_BYTES = 16 << 20  # bytes of chunks a pull's pipeline carries at once (two in flight bound its memory)
+_GROUP_BYTES = 64 << 20  # bytes of chunks a push sends in one round trip
+_JOIN_BYTES = 256 << 10  # values up to this size are joined and sent in one write
+_EXISTS_BATCH = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """What this ``RemoteTier`` object did (this process only; Redis keeps no counters of ours)."""
+
+    chunks_pushed: int = 0  # SET NX that wrote
+    bytes_pushed: int = 0
+    chunks_pulled: int = 0  # chunks fetched that were loaded (in whole or part)
+    bytes_pulled: int = 0
+    tokens_pulled: int = 0
+    damaged: int = 0  # failed magic, checksum, length or token ids: a miss, deleted
+    foreign: int = 0  # another layout or format version under our key: a miss, deleted
+    errors: int = 0  # connection errors and timeouts (a pull degraded, a push raised)
+
+
+def _redact(url: str) -> str:
+    """The URL without its password (messages and repr must not print it)."""
+    try:
+        u = urlsplit(url)
+        if u.password is None:
+            return url
+        host = u.hostname or ""
+        if u.port is not None:
+            host = f"{host}:{u.port}"
+        user = f"{u.username}:***@" if u.username else ":***@"
+        return urlunsplit((u.scheme, user + host, u.path, u.query, u.fragment))
+    except ValueError:
+        return "<unparsable url>"
+
+
+def fingerprint(layout: Any, chunk_tokens: int) -> dict[str, Any]:
+    """The layout as stored in every chunk header (and hashed into every key)."""
+    return {
+        "format": FORMAT_VERSION,
+        "hash_version": HASH_VERSION,
+        "layers": int(layout.layers),
+        "kv_heads": int(layout.kv_heads),
+        "head_dim": int(layout.head_dim),
+        "dtype": str(layout.dtype),
+        "layer_types": list(layout.layer_types),
+        "window": int(layout.window),
+        "chunk": int(layout.chunk),
+        "chunk_tokens": int(chunk_tokens),
+    }
+
+
+def _fp_hex(fp: dict[str, Any]) -> str:
+    packed = msgpack.packb(sorted(fp.items()))
+    return hashlib.blake2b(packed, digest_size=8, person=b"shmkv-layout-v1").hexdigest()
+
+
+class _Geometry:
+    """Byte geometry of one chunk for one layout (computed once per layout and tier)."""
+
+    def __init__(self, layout: Layout, chunk_tokens: int) -> None:
+        self.layout = layout
+        self.fp = fingerprint(layout, chunk_tokens)
+        self.fp_hex = _fp_hex(self.fp)
+        self.L, self.H, self.D = layout.layers, layout.kv_heads, layout.head_dim
+        self.int8 = layout.dtype == "int8"
+        self.code = _dtypes.storage(layout.dtype).newbyteorder("<")  # the wire is little-endian
+        self.full = not layout.bounded
+
+    def payload_bytes(self, n: int) -> int:
+        b = 2 * self.L * n * self.H * self.D * self.code.itemsize
+        return b + (2 * self.L * n * self.H * 4 if self.int8 else 0)
+
+    def arrays(self, buf: Any, off: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """K, V (and int8 scales) as arrays over ``buf`` from ``off`` (zero-copy)."""
+        shape = (self.L, n, self.H, self.D)
+        cnt = self.L * n * self.H * self.D
+        k = np.frombuffer(buf, self.code, cnt, off).reshape(shape)
+        off += cnt * self.code.itemsize
+        v = np.frombuffer(buf, self.code, cnt, off).reshape(shape)
+        off += cnt * self.code.itemsize
+        if not self.int8:
+            return k, v, None, None
+        scnt = self.L * n * self.H
+        ks = np.frombuffer(buf, "<f4", scnt, off).reshape(shape[:3])
+        vs = np.frombuffer(buf, "<f4", scnt, off + 4 * scnt).reshape(shape[:3])
+        return k, v, ks, vs
+
+
+class RemoteTier:
+    """A Redis tier shared by stores on several machines.
+
+    Args:
+        url: ``redis://[[user]:password@]host:port/db`` (``rediss://`` for TLS). With
+            ``cluster=True``, any node of the Redis Cluster (the db must be 0).
+        namespace: prefix of every key (``[A-Za-z0-9_.-]``, at most 64): one per model,
+            so models never share chunks even if their layouts agree.
+        chunk_tokens: tokens a chunk (a multiple of 16); every store sharing a namespace
+            must use the same value to find each other's chunks.
+        cluster: use redis-py's ``RedisCluster`` client (keys spread over the cluster's
+            servers by hash slot) instead of ``Redis``.
+        timeout: seconds for connecting and for each socket read or write.
+
+    The client connects lazily, on first use, and reconnects after fork. A tier
+    pickles by its settings, so it can be handed to child processes.
+
+    Example:
+        >>> tier = RemoteTier("redis://10.0.0.5:6379/0", namespace="llama-8b")  # doctest: +SKIP
+        >>> tier.push(store, seq.id)                                # doctest: +SKIP
+        >>> tier.match(store.layout, prompt)                       # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, *, namespace: str = "default", chunk_tokens: int = 256,
+                 cluster: bool = False, timeout: float = 2.0) -> None:
+        if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise InvalidArgumentError(
+                f"url={_redact(url) if isinstance(url, str) else url!r} must look like redis://host:port/db "
+                "(rediss:// for TLS, unix:///path.sock)"
+            )
+        if not isinstance(namespace, str) or not _NS.fullmatch(namespace):
+            raise InvalidArgumentError(
+                f"namespace={namespace!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
+            )
+        if (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, (int, np.integer))
+                or chunk_tokens < BLOCK or chunk_tokens % BLOCK):
+            raise InvalidArgumentError(
+                f"chunk_tokens={chunk_tokens!r} must be a positive multiple of {BLOCK} (the prefix hash's block)"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds > 0")
+        self.url = url
+        self.namespace = namespace
+        self.chunk_tokens = int(chunk_tokens)
+        self.cluster = bool(cluster)
+        self.timeout = float(timeout)
+        self._client: Any = None
+        self._geo: dict[Any, _Geometry] = {}
+        self._lock = threading.Lock()
+        self._stats = dict.fromkeys(TierStats.__slots__, 0)
+
+    def __repr__(self) -> str:
+        kind = " cluster" if self.cluster else ""
+        return (f"<shmkv.RemoteTier {_redact(self.url)}{kind} namespace={self.namespace!r} "
+                f"chunk_tokens={self.chunk_tokens}>")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make_tier, (self.url, self.namespace, self.chunk_tokens, self.cluster, self.timeout))
+
+    # -- connection ------------------------------------------------------------
+
+    def _redis(self) -> Any:
+        if self._client is None:
+            try:
+                import redis
+                from redis.backoff import NoBackoff
+                from redis.retry import Retry
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise NotSupportedError(
+                    "the remote tier needs redis-py: pip install 'shmkv[redis]'"
+                ) from e
+            # One immediate retry (a pooled connection gone stale after a server restart),
+            # no backoff: a tier that is down must degrade a pull at once, not in seconds.
+            kw: dict[str, Any] = {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout,
+                                  "retry": Retry(NoBackoff(), 1)}
+            if self.cluster:
+                from redis.cluster import RedisCluster
+
+                # RedisCluster connects in its constructor (to learn the slots): errors are ours to map
+                self._client = self._call(lambda: RedisCluster.from_url(self.url, **kw))
+            else:
+                self._client = redis.Redis.from_url(self.url, **kw)
+        return self._client
+
+    def _call(self, fn: Any) -> Any:
+        """Run ``fn`` mapping every Redis failure to RemoteError naming the URL."""
+        try:
+            return fn()
+        except RemoteError:
+            raise
+        except Exception as e:
+            if not _is_redis_error(e):
+                raise
+            self._stats["errors"] += 1
+            raise RemoteError(
+                f"Redis tier {_redact(self.url)}{' (cluster)' if self.cluster else ''} failed: "
+                f"{type(e).__name__}: {e}; check that the server is up and reachable, or raise "
+                f"RemoteTier(timeout=) (now {self.timeout} s)"
+            ) from e
+
+    def close(self) -> None:
+        """Close the connections (the tier reconnects if used again)."""
+        c, self._client = self._client, None
+        if c is None:
+            return
+        try:
+            if self.cluster:  # RedisCluster.close() can leave node connections open (redis-py 8, after SCAN)
+                for node in c.get_nodes():
+                    if node.redis_connection is not None:
+                        node.redis_connection.connection_pool.disconnect()
+            c.close()
+        except Exception:  # closing a broken connection must not raise
+            pass
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- names -----------------------------------------------------------------
+
+    def _geometry(self, layout: Any) -> _Geometry:
+        g = self._geo.get(layout)
+        if g is None:
+            g = self._geo[layout] = _Geometry(layout, self.chunk_tokens)
+        return g
+
+    def _keys(self, geo: _Geometry, tokens: np.ndarray, chunks: int) -> list[str]:
+        """Keys of the first ``chunks`` chunks of ``tokens``."""
+        per = self.chunk_tokens // BLOCK
+        hashes = block_hashes(tokens, limit=chunks * per)
+        base = f"{self.namespace}:shmkv:{geo.fp_hex}:{HASH_VERSION}:"
+        return [f"{base}{hashes[(i + 1) * per - 1]:016x}" for i in range(chunks)]
+
+    def key(self, layout: Any, tokens: Any) -> str:
+        """The key of the chunk ending at the end of ``tokens`` (a multiple of chunk_tokens long)."""
+        t = as_tokens(tokens)
+        if not len(t) or len(t) % self.chunk_tokens:
+            raise InvalidArgumentError(
+                f"key: {len(t)} tokens is not a whole number of chunks (chunk_tokens={self.chunk_tokens})"
+            )
+        return self._keys(self._geometry(layout), t, len(t) // self.chunk_tokens)[-1]
+
+    def stats(self) -> TierStats:
+        """Counters of this tier object (this process)."""
+        return TierStats(**self._stats)
+
+    # -- match -------------------------------------------------------------------
+
+    def match(self, layout: Any, tokens: Any) -> int:
+        """Tokens of ``tokens`` the tier can serve: whole chunks from token 0 (no ``len - 1`` cap).
+
+        Checks existence only (pipelined EXISTS): no download, no checksum, so a chunk
+        damaged in Redis still counts here (a pull then stops before it).
+
+        Raises:
+            RemoteError: Redis is down or timed out.
+        """
+        geo = self._geometry(layout)
+        t = as_tokens(tokens)
+        chunks = len(t) // self.chunk_tokens
+        if not geo.full or not chunks:
+            return 0
+        keys = self._keys(geo, t, chunks)
+        found = next((i for i, there in enumerate(self._existing(keys)) if not there), chunks)
+        return found * self.chunk_tokens
+
+    def _existing(self, keys: list[str]) -> Iterator[bool]:
+        """Whether each key is in Redis: pipelined EXISTS, ``_EXISTS_BATCH`` keys a round trip,
+        lazily (a caller that stops at the first missing chunk sends no further batch)."""
+        r = self._redis()
+        for b in range(0, len(keys), _EXISTS_BATCH):
+            pipe = r.pipeline(transaction=False)
+            for k in keys[b : b + _EXISTS_BATCH]:
+                pipe.exists(k)
+            yield from (bool(e) for e in self._call(pipe.execute))
+
+    # -- push --------------------------------------------------------------------
+
+    def push(self, store: Any, seq_id: int) -> int:
+        """Upload sequence ``seq_id``'s committed tokens, in whole chunks not in Redis yet.
+
+        Only the leading tokens at positions 0..n-1 with known ids (not -1) are a
+        prefix; a trailing partial chunk stays local. Existing chunks are skipped
+        (pipelined EXISTS), new ones written with SET NX (pipelined), so concurrent
+        pushes of the same prefix leave one copy. A read-only attachment can push.
+
+        Returns:
+            The chunks written (0 when all were there already).
+
+        Raises:
+            RemoteError: Redis is down, timed out, or refused the write (e.g. out of memory).
+            NotSupportedError: the store has sliding or chunked layers.
+        """
+        layout = store.layout
+        geo = self._geometry(layout)
+        if not geo.full:
+            raise NotSupportedError(
+                f"push: store {store.name!r} has sliding/chunked layers ({', '.join(set(layout.layer_types))}); "
+                "they keep only recent tokens, so whole prefixes cannot be pushed (remote tier: full layers only)"
+            )
+        seq = store.sequence(seq_id)
+        toks = np.array(seq.tokens)
+        pos = np.array(seq.positions)
+        n = len(toks)
+        bad = np.flatnonzero((pos != np.arange(n)) | (toks < 0))
+        usable = int(bad[0]) if bad.size else n
+        C = self.chunk_tokens
+        chunks = usable // C
+        if not chunks:
+            return 0
+        keys = self._keys(geo, toks, chunks)
+        missing = [i for i, there in enumerate(self._existing(keys)) if not there]
+        if not missing:
+            return 0
+        r = self._redis()
+        raw = [(seq.raw_keys(li), seq.raw_values(li)) for li in range(geo.L)]
+        # Groups of chunks, one round trip each (one chunk a group when chunks are big).
+        per = max(1, _GROUP_BYTES // (geo.payload_bytes(C) + 4096))
+        written = 0
+        for g in range(0, len(missing), per):
+            batch = missing[g : g + per]
+            items = [(keys[i], *self._parts(geo, raw, toks, i * C, C)) for i in batch]
+            # Committed cells are immutable until a structural change (truncate, remove, ...);
+            # if one ran meanwhile, the tokens or the length changed: stop, upload nothing more.
+            # (The bytes are read while they are sent: a change during the send is not seen.)
+            now = seq.tokens
+            if len(now) < (batch[-1] + 1) * C or not all(
+                    np.array_equal(now[i * C : (i + 1) * C], toks[i * C : (i + 1) * C]) for i in batch):
+                break
+            if self.cluster:
+                pipe = r.pipeline(transaction=False)
+                for key, parts, _ in items:
+                    pipe.set(key, _joined(parts), nx=True)
+                oks = self._call(pipe.execute)
+            else:
+                oks = self._call(lambda items=items: self._stream_set(r, items))
+            for (_, _, size), ok in zip(items, oks, strict=True):
+                if ok:
+                    written += 1
+                    self._stats["chunks_pushed"] += 1
+                    self._stats["bytes_pushed"] += size
+        return written
+
+    @staticmethod
+    def _parts(geo: _Geometry, raw: list[Any], toks: np.ndarray, s: int, n: int) -> tuple[list[Any], int]:
+        """The value of the chunk of tokens [s, s + n) without its crc trailer, as a list of
+        bytes-like parts (the K/V parts are zero-copy views of the store), and the value's size."""
+        hdr = msgpack.packb({"fp": geo.fp, "start": s, "n": n, "tokens": toks[s : s + n].astype("<i8").tobytes()})
+        off = _payload_offset(len(hdr))
+        parts: list[Any] = [_FIXED.pack(_MAGIC, FORMAT_VERSION, 0, len(hdr), 0) + hdr
+                            + bytes(off - _FIXED.size - len(hdr))]
+        kv = [(kc, vc) for (kc, _), (vc, _) in raw]
+        for which in (0, 1):  # K of every layer, then V of every layer: [layers, n, kv_heads, head_dim]
+            parts += [_bytes_view(x[which][s : s + n]) for x in kv]
+        if geo.int8:
+            scales = [(ksc, vsc) for (_, ksc), (_, vsc) in raw]
+            for which in (0, 1):
+                parts += [_bytes_view(x[which][s : s + n]) for x in scales]
+        return parts, off + geo.payload_bytes(n) + _CRC.size
+
+    def _stream_set(self, r: Any, items: list[tuple[str, list[Any], int]]) -> list[bool]:
+        """SET NX of each value straight from its parts (no copy of the K/V bytes), on one
+        connection, all sent before the replies are read (a pipeline). The crc32 trailer is
+        computed while the parts go out."""
+        pool = r.connection_pool
+        for attempt in (0, 1):
+            try:
+                conn = pool.get_connection()
+            except TypeError:  # redis-py < 5.1 wants a command name
+                conn = pool.get_connection("SET")
+            try:
+                for key, parts, size in items:
+                    kb = key.encode()
+                    conn.send_packed_command([b"*4\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(kb), kb, size)],
+                                             check_health=False)
+                    if size <= _JOIN_BYTES:  # small: one write (a joined copy: cheaper than many sends)
+                        value = _joined(parts)
+                        conn.send_packed_command([value + b"\r\n$2\r\nNX\r\n"], check_health=False)
+                        continue
+                    crc = 0
+                    for part in parts:
+                        crc = zlib.crc32(part, crc)
+                        conn.send_packed_command([part], check_health=False)
+                    conn.send_packed_command([_CRC.pack(crc) + b"\r\n$2\r\nNX\r\n"], check_health=False)
+                return [conn.read_response() is not None for _ in items]
+            except BaseException as e:
+                conn.disconnect()  # replies may be left unread: this connection is done
+                import redis.exceptions as rx
+
+                # a pooled connection gone stale (server restarted): once more on a new one (SET NX repeats safely)
+                if attempt or not isinstance(e, rx.ConnectionError):
+                    raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+    # -- pull --------------------------------------------------------------------
+
+    def pull(self, seq: Any, tokens: Any, have: int | None = None) -> int:
+        """Append to ``seq`` the chunks of the prompt ``tokens`` that follow its first ``have`` tokens.
+
+        ``seq`` (a write handle) holds the prompt's first ``have`` tokens (default: its
+        length), for instance what the local prefix cache gave it. The whole chunks
+        that continue the prompt are fetched (pipelined GET), each checked (checksum,
+        layout, start, token ids) before it is loaded, and appended with their token
+        ids and positions, up to ``len(tokens) - 1`` tokens in all (the caller runs at
+        least one token); a chunk straddling ``have`` or the cap is loaded in part.
+        The first missing or damaged chunk ends the pull.
+
+        A tier that is down or times out ends the pull with a ``RuntimeWarning``
+        (serving continues with what the sequence holds). This is what
+        ``store.create_sequence(prefix=tokens, tier=tier)`` runs after the local match.
+
+        Returns:
+            Tokens appended (0 on a miss).
+        """
+        t = as_tokens(tokens)
+        length = len(seq)
+        have = length if have is None else int(have)
+        if have != length:
+            raise InvalidArgumentError(f"pull: have={have} but sequence {seq.id} holds {length} tokens")
+        if have and not np.array_equal(seq.tokens[:have], t[:have]):
+            raise InvalidArgumentError(
+                f"pull: the {have} tokens sequence {seq.id} holds are not the prompt's first {have}"
+            )
+        geo = self._geometry(seq.store.layout)
+        C = self.chunk_tokens
+        cap = len(t) - 1
+        chunks = len(t) // C  # chunks wholly inside the prompt: only those can be named
+        first = have // C
+        if not geo.full or cap <= have or first >= chunks:
+            return 0
+        try:
+            keys = self._keys(geo, t, chunks)
+            return self._pull(geo, seq, t, keys, first=first, have=have, cap=cap)
+        except RemoteError as e:
+            warnings.warn(f"{e}; continuing with the {len(seq)} tokens held locally", RuntimeWarning, stacklevel=2)
+            return len(seq) - have
+
+    def _pull(self, geo: _Geometry, seq: Any, t: np.ndarray, keys: list[str], *, first: int, have: int,
+              cap: int) -> int:
+        C = self.chunk_tokens
+        r = self._redis()
+        per = max(1, _BATCH_BYTES // (geo.payload_bytes(C) + 4096))
+        batches = [range(b, min(b + per, len(keys))) for b in range(first, len(keys), per)]
+
+        def fetch(j: int) -> list[Any]:
+            pipe = r.pipeline(transaction=False)
+            for i in batches[j]:
+                pipe.get(keys[i])
+            return list(self._call(pipe.execute))
+
+        pos = have
+        # The next batch is fetched on a helper thread while this one is checked and written into
+        # the store (recv, crc32 and copies release the GIL). A miss may leave one batch fetched
+        # for nothing: reads only.
+        with ThreadPoolExecutor(1) if len(batches) > 1 else _Inline() as ex:
+            nxt = ex.submit(fetch, 0)
+            for j, batch in enumerate(batches):
+                blobs = nxt.result()
+                if j + 1 < len(batches):
+                    nxt = ex.submit(fetch, j + 1)
+                for i, blob in zip(batch, blobs, strict=True):
+                    s = i * C
+                    arrays = self._unpack(geo, blob, keys[i], t, s) if blob is not None else None
+                    if arrays is None:
+                        return pos - have
+                    a, b = pos - s, min(s + C, cap) - s  # the part of the chunk after what we hold
+                    k, v, ks, vs = arrays
+                    if ks is not None and vs is not None:  # int8: dequantized; extend quantizes to the same codes
+                        k = _quant.dequantize_int8(k[:, a:b], ks[:, a:b])
+                        v = _quant.dequantize_int8(v[:, a:b], vs[:, a:b])
+                    elif geo.layout.dtype == "bfloat16":
+                        k, v = _quant.from_bf16(k[:, a:b]), _quant.from_bf16(v[:, a:b])
+                    else:
+                        k, v = k[:, a:b], v[:, a:b]
+                    seq.extend(k, v, tokens=t[s + a : s + b], positions=np.arange(s + a, s + b))
+                    if ks is not None and not self._same_codes(seq, arrays, s + a, a, b):
+                        seq.truncate(s + a)  # never keep a value that differs from the pushed one
+                        return pos - have
+                    pos = s + b
+                    self._stats["chunks_pulled"] += 1
+                    self._stats["bytes_pulled"] += len(blob)
+                    self._stats["tokens_pulled"] += b - a
+                    if pos >= cap:
+                        return pos - have
+        return pos - have
+
+    @staticmethod
+    def _same_codes(seq: Any, arrays: Any, at: int, a: int, b: int) -> bool:
+        k, v, _, _ = arrays
+        for li in range(k.shape[0]):
+            if not (np.array_equal(seq.raw_keys(li)[0][at : at + b - a], k[li, a:b])
+                    and np.array_equal(seq.raw_values(li)[0][at : at + b - a], v[li, a:b])):
+                return False
+        return True
+
+    def _unpack(self, geo: _Geometry, blob: bytes, key: str, t: np.ndarray, s: int) -> Any:
+        """The chunk's arrays if it is sound and ours; else None (counted, deleted)."""
+        C = self.chunk_tokens
+        what = "damaged"
+        try:
+            magic, version, _, hlen, _ = _FIXED.unpack_from(blob, 0)
+            if magic != _MAGIC:
+                raise ValueError("magic")
+            if version != FORMAT_VERSION:
+                what = "foreign"
+                raise ValueError("version")
+            if len(blob) < _FIXED.size + _CRC.size or (
+                    zlib.crc32(memoryview(blob)[: -_CRC.size]) != _CRC.unpack_from(blob, len(blob) - _CRC.size)[0]):
+                raise ValueError("checksum")
+            hdr = msgpack.unpackb(memoryview(blob)[_FIXED.size : _FIXED.size + hlen])
+            if hdr.get("fp") != geo.fp:
+                what = "foreign"
+                raise ValueError("layout")
+            off = _payload_offset(hlen)
+            if (hdr.get("start") != s or hdr.get("n") != C or len(blob) != off + geo.payload_bytes(C) + _CRC.size
+                    or hdr.get("tokens") != t[s : s + C].tobytes()):
+                raise ValueError("start, length or token ids")
+            return geo.arrays(blob, off, C)
+        except (ValueError, TypeError, KeyError, struct.error, msgpack.UnpackException, AttributeError):
+            self._stats[what] += 1
+            # A bad chunk is removed so a later push can replace it (SET NX would keep it forever).
+            # Deleting is best effort: the read-only user of a shared Redis may not be allowed to.
+            try:
+                self._redis().delete(key)
+            except Exception as e:
+                if not _is_redis_error(e):
+                    raise
+            return None
+
+
+def _bytes_view(a: np.ndarray) -> memoryview:
+    """A contiguous array's bytes, zero-copy."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+
+
+def _joined(parts: list[Any]) -> bytes:
+    """A value in one piece: its parts and the crc32 trailer."""
+    body = b"".join(parts)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+class _Inline:
+    """ThreadPoolExecutor's submit and with, run at once in this thread (one batch: no thread)."""
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        f: Future[Any] = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:
+            f.set_exception(e)
+        return f
+
+
+def _payload_offset(hlen: int) -> int:
+    return -(-(_FIXED.size + hlen) // 16) * 16
+
+
+def _make_tier(url: str, namespace: str, chunk_tokens: int, cluster: bool, timeout: float) -> RemoteTier:
+    return RemoteTier(url, namespace=namespace, chunk_tokens=chunk_tokens, cluster=cluster, timeout=timeout)
+
+
+def _is_redis_error(e: BaseException) -> bool:
+    try:
+        import redis.exceptions as rx
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, (rx.RedisError, rx.RedisClusterException, OSError))
+
+
+def _with_client(tier: RemoteTier, fn: Callable[[Any], Any]) -> Any:
+    """``fn(client)`` on the tier's Redis client, failures mapped as every tier call maps them
+    (for ``shmkv tier``, which SCANs what the tier holds)."""
+    return tier._call(lambda: fn(tier._redis()))

@@ -1,0 +1,91 @@
+"""Prefix reuse for :class:`shmkv.transformers.ShmkvCache` (DESIGN §8): the rows of
+``ShmkvCache.for_prompt`` start from the longest prefix any process cached, and
+``cache.finish`` records generate's token ids and keeps the rows as cached prefixes.
+
+Imports torch; ``import shmkv`` never imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from shmkv.transformers._rows import DEFAULT_CAPACITY
+from shmkv._sequence.handle import Sequence
+from shmkv.store._store import Store
+from shmkv.errors import InvalidArgumentError
+
+
+def token_rows(ids: Any, what: str) -> list[np.ndarray]:
+    """``[batch, n]`` token ids (a tensor, an array, nested lists, generate's output) as int64 rows."""
+    if isinstance(getattr(ids, "sequences", None), torch.Tensor):  # generate's GenerateOutput
+        ids = ids.sequences
+    a = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    if a.ndim != 2 or (a.size and a.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"{what} must be [batch, n] token ids, got shape {a.shape} dtype {a.dtype}")
+    return [row.astype(np.int64) for row in a]
+
+
+def prompt_sequences(store: Store, input_ids: Any, capacity: int | None) -> tuple[list[Sequence], int]:
+    """One new sequence per row of ``input_ids``, each holding the same number of reused tokens:
+    the shortest longest-cached-prefix among the rows (at most ``len - 1``). Returns the
+    sequences and that number. All are created, or none (the ones made are freed)."""
+    rows = token_rows(input_ids, "input_ids")
+    k = min(store.match_prefix(r) for r in rows)
+    cap = max(capacity or DEFAULT_CAPACITY, *(len(r) for r in rows))
+    seqs = store.create_sequences(len(rows), cap, prefix=[r[: k + 1] for r in rows])
+    try:
+        n = min(len(s) for s in seqs)  # a donor evicted since match_prefix: fewer on that row
+        for s in seqs:
+            if len(s) > n:
+                s.truncate(n)
+    except BaseException:
+        for s in seqs:
+            s.free()
+        raise
+    return seqs, n
+
+
+def check_finish(seqs: list[Sequence], length: int, output_ids: Any,
+                 attention_mask: Any) -> list[tuple[Sequence, np.ndarray | None]]:
+    """``ShmkvCache.finish``'s checks, before anything is recorded: per row, its sequence and the
+    ids of its ``length`` cells from ``output_ids``, or None for a padded row (per
+    ``attention_mask``: freed, not cached)."""
+    rows = token_rows(output_ids, "output_ids")
+    if len(rows) != len(seqs) or any(len(r) < length for r in rows):
+        raise InvalidArgumentError(
+            f"finish: output_ids {[len(r) for r in rows]} must be {len(seqs)} rows of at least "
+            f"{length} token ids (the cache's length)"
+        )
+    padded = [False] * len(rows)
+    if attention_mask is not None:
+        mask = token_rows(attention_mask, "attention_mask")
+        padded = [bool((m[:length] == 0).any()) for m in mask]
+    for s, r, pad in zip(seqs, rows, padded, strict=True):
+        if not pad:
+            _check_tokens(s, r[:length])
+    return [(s, None if pad else r[:length]) for s, r, pad in zip(seqs, rows, padded, strict=True)]
+
+
+def record_finish(checked: list[tuple[Sequence, np.ndarray | None]]) -> None:
+    """Record the ids and finish each sequence that ``check_finish`` passed; free the padded ones."""
+    for s, ids in checked:
+        if ids is None:
+            s.free()
+        else:
+            s.set_tokens(ids)  # the forward saw states, not ids: the prefix cache needs them
+            s.finish()
+
+
+def _check_tokens(seq: Sequence, tokens: np.ndarray) -> None:
+    """The ids the cells already hold (a reused prefix) must be the ones given."""
+    held = seq.tokens[: len(tokens)]
+    known = held >= 0
+    if (held[known] != tokens[known]).any():
+        i = int(np.flatnonzero(known & (held != tokens))[0])
+        raise InvalidArgumentError(
+            f"finish: output_ids give token {int(tokens[i])} at index {i} of sequence {seq.id}, whose cell "
+            f"holds token {int(held[i])}: pass generate's output for the same input_ids"
+        )
