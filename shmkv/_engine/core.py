@@ -8,9 +8,10 @@ Concurrency (DESIGN.md section 3):
   stores become visible in program order, and the numpy copy is an opaque C
   call that completes before the length store, so a reader that reads the
   length first never sees a cell that is not fully written.
-* Structural operations take the store lock, and bracket their changes to a
-  sequence row with its seqlock generation (odd while changing). Readers read
-  the generation, the row, the generation again, and retry while it moved.
+* Structural operations take the store lock and change rows inside journaled
+  transactions (``_journal``: the one way into the lock, the undo log, rollback and
+  crash recovery). Readers read the generation, the row, the generation again, and
+  retry while it moved.
 * Liveness: every read-write process is in the client table; a lease whose
   holder died (pid gone, or pid recycled: start times differ) can be taken.
 """
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,6 @@ from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
     CLIENT_WORDS,
-    GEN,
     ID,
     LEASE_PID,
     LEASE_START,
@@ -42,6 +40,7 @@ from shmkv._engine.header import (
     INDEX_WORDS,
     Layout,
 )
+from shmkv._engine.journal import Journal
 from shmkv._engine.lease import live_writers
 from shmkv._engine.prefix import PrefixIndex
 from shmkv._engine.segment import Segment
@@ -72,7 +71,7 @@ def _close_segments(hseg: Segment, dseg: Segment) -> None:
     dseg.close()
 
 
-class Core:
+class Core(Journal):
     """What a store handle holds and the rules for touching it (see the module docstring).
 
     ``Store`` is the public face; ``Sequence``, ``_snapshot`` and ``_batch`` reach the
@@ -148,8 +147,8 @@ class Core:
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
-        self._unit_depth = 0
-        self._logged: set[int] = set()
+        self._depth = 0
+        self._logged: dict[int, memoryview] = {}
         # cell intervals this process reserved (see Pages._reserve): [full layers, all layers]
         self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
         # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
@@ -171,47 +170,11 @@ class Core:
                 f"store {self.name!r} is attached read-only: attach with shmkv.attach({self.name!r}) to modify it"
             )
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The store lock, for structural operations. The outermost acquisition first rolls back
-        what a process that died holding it left half done (see "crash recovery")."""
-        self._check_writable()
-        outer = not self._lock.is_held
-        with self._lock.held(self.lock_timeout):
-            if outer and (self._hdr[_header.W_UNDO_COUNT] or self._unit_depth):
-                self._unit_depth = 0
-                self._logged.clear()
-                self._recover()
-            yield
-
-    @contextmanager
-    def _reading(self) -> Iterator[None]:
-        """What a reader that must wait out a structural change holds: the store lock on a
-        read-write attachment (which also recovers), a shared lock on a read-only one (no write
-        access needed; LockTimeout after lock_timeout). Rows are then read with _settled_row."""
-        self._check_open()
-        if not self.readonly:
-            with self._locked():
-                yield
-            return
-        with self._lock.held(self.lock_timeout, shared=True):
-            yield
-
-    def _settled_row(self, slot: int) -> list[int]:
-        """Row ``slot``'s words once a dead process's operation is rolled back (under _reading):
-        a read-only reader cannot roll back, so it reads the logged old words (crash recovery)."""
-        for i in range(self._hdr[_header.W_UNDO_COUNT]):
-            if self._undo_np[i, 0] & _SLOT_MASK == slot:
-                logged: list[int] = self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()
-                return logged
-        words: list[int] = self._table_np[slot].tolist()
-        return words
-
     # -- clients ---------------------------------------------------------------
 
     def _register_client(self) -> None:
         me, start = os.getpid(), _segment.process_start_time(os.getpid())
-        with self._locked():
+        with self._locked(scan=True):  # an attach is a cold entry: it repairs any odd generation
             rows = self._clients_np
             free = None
             for i in range(self._max_clients):
@@ -276,139 +239,12 @@ class Core:
         return int(hits[0])
 
     def _row(self, slot: int) -> memoryview:
-        """Row ``slot`` of the sequence table (one memoryview a slot, reused: _changing knows it)."""
+        """Row ``slot`` of the sequence table (one memoryview a slot, reused: _journal's _changing knows it)."""
         row = self._rows.get(slot)
         if row is None:
             row = self._rows[slot] = self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
             self._row_slot[id(row)] = slot
         return row
-
-    # -- crash recovery ------------------------------------------------------------
-    #
-    # A process may die at any instruction (SIGKILL, OOM, a segfault), also inside a structural
-    # operation, with the store lock held; the kernel then releases the lock. The protocol that
-    # makes every such death leave the store exactly as before the operation:
-    #
-    # 1. Data is never written over committed cells that a row points to: new content goes into
-    #    cells no row points to (a fresh range; a sequence's other window buffer, see _header
-    #    WBUF; a range freed earlier in the same operation is never reused by it), and the rows
-    #    are switched to it at the end.
-    # 2. Before a row's words change, its old words (and its meta record) are appended to the
-    #    undo log in the header (_log_row), then the log's count is published (one word). All
-    #    the rows one operation changes (an "atomic unit": the outermost _changing bracket, or
-    #    _unit() around several) are logged; the count goes back to 0 when the unit ends.
-    # 3. Whoever next takes the store lock and finds a non-zero count (its writer is dead: it
-    #    held the lock) puts every logged row back (_recover), with an even generation above
-    #    any it had, so readers and writers see a change and reload. By (1), the cells the old
-    #    rows point to are intact. Odd generations left by a dead process are made even.
-    # 4. Frees inside a unit (evictions to make room) are complete on their own: their rows leave
-    #    the log when done, so a recovery never resurrects a row whose cells were then reused.
-    #
-    # Token ids, positions and hashes go with the cells (1). Counters (hits, evictions), the
-    # recency clock and the prefix index are not rolled back: they are statistics or hints
-    # that lookups verify. Named crash points (_crash.point) let the tests kill a process at
-    # every step of every operation.
-
-    @contextmanager
-    def _unit(self) -> Iterator[None]:
-        """An atomic unit: every row changed inside it is rolled back together after a crash."""
-        self._unit_depth += 1
-        try:
-            yield
-        finally:
-            self._unit_depth -= 1
-            if self._unit_depth == 0:
-                self._hdr[_header.W_UNDO_COUNT] = 0  # committed: the old rows are no longer needed
-                self._logged.clear()
-
-    def _log_row(self, slot: int) -> None:
-        """Append row ``slot``'s current words and meta record to the undo log (once per unit)."""
-        if slot in self._logged:
-            return
-        hdr = self._hdr
-        k = hdr[_header.W_UNDO_COUNT]
-        entry = self._undo[k]  # memoryview copies: a few hundred ns, on the speculative-decoding path
-        entry[0] = slot
-        entry[1 : 1 + SEQ_WORDS] = self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
-        # the meta record is logged only by what changes it (_log_meta): most operations do not
-        if k == 0:  # who: for `shmkv verify`'s report (recovery itself needs no pid: it holds the lock)
-            hdr[_header.W_UNDO_PID] = os.getpid()
-        hdr[_header.W_UNDO_COUNT] = k + 1  # published after the entry
-        self._logged.add(slot)
-
-    def _forget(self, *slots: int) -> None:
-        """Drop completed rows from the undo log (a free inside a larger unit, see 4. above)."""
-        hdr = self._hdr
-        for slot in slots:
-            if slot not in self._logged:
-                continue
-            k = hdr[_header.W_UNDO_COUNT]
-            i = next(i for i in range(k) if self._undo_np[i, 0] & _SLOT_MASK == slot)
-            if i != k - 1:
-                self._undo_np[i] = self._undo_np[k - 1]  # the last entry moves into the gap first
-            hdr[_header.W_UNDO_COUNT] = k - 1
-            self._logged.discard(slot)
-
-    def _recover(self) -> int:
-        """Roll back the unit a dead process left (lock held); make odd generations even.
-        Returns the rows put back."""
-        hdr = self._hdr
-        k = hdr[_header.W_UNDO_COUNT]
-        t = self._table_np
-        for i in range(k):
-            entry = self._undo_np[i]
-            slot, has_meta = int(entry[0]) & _SLOT_MASK, bool(int(entry[0]) & _META_LOGGED)
-            if not 0 <= slot < self.layout.max_seqs:
-                continue
-            gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
-            row = self._row(slot)
-            row[GEN] = gen  # odd while it is put back
-            words = entry[1 : 1 + SEQ_WORDS].tolist()
-            for w, v in enumerate(words):
-                if w != GEN:
-                    row[w] = v
-            if has_meta:
-                self._meta_w[slot] = entry[1 + SEQ_WORDS :]
-            row[GEN] = gen + 1
-        odd = np.flatnonzero(t[:, GEN] & 1)  # a bracket a dead process left open
-        for slot in odd.tolist():
-            self._row(slot)[GEN] += 1
-        hdr[_header.W_UNDO_COUNT] = 0
-        if k or odd.size:
-            hdr[_header.W_RECOVERIES] += 1
-            hdr[_header.W_GENERATION] += 1
-        self._slot_hint.clear()
-        return int(k)
-
-    @contextmanager
-    def _changing(self, row: memoryview) -> Iterator[None]:
-        """Seqlock bracket around a structural change of one sequence (lock held); the row is
-        logged for crash recovery and joins the current atomic unit (see above)."""
-        slot = self._row_slot[id(row)]
-        self._unit_depth += 1  # what _unit() does, inlined: this is on the speculative-decoding path
-        try:
-            self._log_row(slot)
-            row[GEN] += 1  # odd: readers wait
-            try:
-                yield
-            finally:
-                row[GEN] += 1
-                self._hdr[_header.W_GENERATION] += 1
-        finally:
-            self._unit_depth -= 1
-            if self._unit_depth == 0:
-                self._hdr[_header.W_UNDO_COUNT] = 0
-                self._logged.clear()
-
-    def _log_meta(self, slot: int) -> None:
-        """Add the meta record of ``slot`` (logged by _changing) to its undo entry, once."""
-        for i in range(self._hdr[_header.W_UNDO_COUNT]):
-            e = self._undo[i]
-            if e[0] & _SLOT_MASK == slot:
-                if not e[0] & _META_LOGGED:
-                    e[1 + SEQ_WORDS :] = self._meta_mv[slot]
-                    e[0] = slot | _META_LOGGED
-                return
 
     def _lease_holder(self, row: memoryview) -> tuple[int, bool]:
         """(pid, alive) of the lease on ``row``; alive means it may not be taken."""
@@ -427,10 +263,6 @@ class Core:
                 f"sequence {seq_id} of store {self.name!r} is leased by {who}: "
                 "its writer must release() it first (or exit)"
             )
-
-
-_SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
-_META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
 
 
 class _RowViews:

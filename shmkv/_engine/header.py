@@ -46,7 +46,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
     320                  1      undo entries: rows the structural operation in progress changed
                                 (0: none in progress; see "Crash recovery" below)
     328                  1      pid of the process whose operation it is
-    336                  1      reserved (zero)
+    336                  1      births: rows made live, ever (a row's incarnation: GEN bits 40.., see _journal)
     344                  1      recoveries: operations of dead processes rolled back, ever
     352 .. 511                  reserved (zero)
     512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
@@ -69,7 +69,8 @@ Sequence row (int64 words)::
     3 CAPACITY     cells in the range
     4 LENGTH       committed tokens; published by the lease holder after the data
     5 GEN          seqlock generation: odd while a structural op is changing the
-                   row or its cells, even otherwise
+                   row or its cells, even otherwise; bits 40.. the row's incarnation
+                   (a new one each time the row is made live: see _journal)
     6 LEASE_PID    pid holding the write lease (0 = none)
     7 LEASE_START  that process's start time (guards against pid reuse)
     8 LEASE_TOKEN  random id of the handle holding the lease inside that process
@@ -134,7 +135,7 @@ W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_START = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
 W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
 W_INDEX_USED = 38
-W_UNDO_COUNT, W_UNDO_PID, W_RECOVERIES = 40, 41, 43
+W_UNDO_COUNT, W_UNDO_PID, W_BIRTHS, W_RECOVERIES = 40, 41, 42, 43
 W_IDENTITY, W_SESSION = 20, 21
 FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512

@@ -42,18 +42,37 @@ the cold paths (create, remove, gc) of one store name, so that gc's "all owners
 dead, remove" and remove's unlinking cannot interleave with a create of the
 same name. filelock copes with its file being unlinked while held (it checks
 the inode's link count after locking), so remove may unlink it last.
+
+Ctrl-C (tests/test_journal.py::test_sigints_never_leave_the_lock_held): a KeyboardInterrupt
+is raised by the interpreter between bytecodes, at its "eval breaker" checks (a function's
+first instruction, after a call into C, a backward jump). One landing between the flock
+and the bookkeeping, or at the first instruction of an ``__exit__``, would leave the lock
+held by a process that lives on (a REPL keeps the traceback and its frames). So the
+code that takes, gives up or rolls back a hold is *critical* (``critical``): while the main
+thread runs it (or anything it calls), this module's SIGINT handler, installed over
+Python's default one (``guard_sigint``), notes the signal instead of raising, and the
+interrupt is raised at the next safe point: the end of a release (the lock already given
+up), or while waiting for the lock (nothing held). Everything else (the body of a
+structural operation, a restore's reading) is interrupted as usual and its journaled
+transaction rolls back (``_journal``). No system call on the lock path: blocking signals
+with ``pthread_sigmask`` cost 2.5 us a call here, and does not stop another thread from
+taking the signal for the process. A handler a program installs itself replaces ours
+(and ``asyncio.run`` installs its own only over Python's default one: with shmkv attached
+first, Ctrl-C in ``asyncio.run`` raises KeyboardInterrupt as before Python 3.11).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import stat
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 import filelock
@@ -83,13 +102,59 @@ class _ProcessState:
 _states: weakref.WeakValueDictionary[tuple[int, int], _ProcessState] = weakref.WeakValueDictionary()
 _states_guard = threading.Lock()
 _open_locks: weakref.WeakSet[StoreLock] = weakref.WeakSet()
-_by_path: weakref.WeakValueDictionary[str, StoreLock] = weakref.WeakValueDictionary()
+
+
+# -- Ctrl-C on the lock path (see the module docstring) ------------------------------------
+
+_CRITICAL: set[CodeType] = set()  # code whose frames defer SIGINT (and what they call)
+_deferred: list[int] = []  # signals noted by _on_sigint, raised at the next safe point
+_main_ident = threading.main_thread().ident
+FnT = TypeVar("FnT", bound=Callable[..., Any])
+
+
+def critical(fn: FnT) -> FnT:
+    """Mark ``fn`` as lock-path code: a SIGINT while the main thread runs it (or anything it
+    calls) is raised at the next safe point instead (see the module docstring)."""
+    _CRITICAL.add(fn.__code__)
+    return fn
+
+
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    f = frame
+    while f is not None:
+        if f.f_code in _CRITICAL:
+            _deferred.append(signum)
+            return
+        f = f.f_back
+    signal.default_int_handler(signum, frame)
+
+
+def guard_sigint() -> None:
+    """Install the SIGINT handler that defers Ctrl-C out of lock-path code, over Python's
+    default handler only (a program's own handler is left alone). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_sigint)
+    except (ValueError, OSError):  # not the main interpreter, or no signals here
+        pass
+
+
+def deliver_deferred() -> None:
+    """Raise a Ctrl-C that lock-path code deferred (call at a safe point, main thread)."""
+    if _deferred and threading.get_ident() == _main_ident:
+        signum = _deferred[0]
+        _deferred.clear()
+        signal.default_int_handler(signum, None)
 
 
 def _after_fork_in_child() -> None:
     # The child must not share the parent's open file descriptions (see the module docstring).
-    global _states_guard
+    global _states_guard, _main_ident
     _states_guard = threading.Lock()  # another thread may have held it at the fork
+    _main_ident = threading.get_ident()  # the forking thread is the child's main thread
+    _deferred.clear()
     for lk in list(_open_locks):
         lk._forget_inherited()
     _states.clear()
@@ -151,7 +216,7 @@ class StoreLock:
         self._closed = False
         self._open()
         _open_locks.add(self)
-        _by_path[path] = self
+        guard_sigint()
 
     def _open(self) -> None:
         # The file has the segments' mode: whoever could open them can open it.
@@ -179,8 +244,12 @@ class StoreLock:
             "holds it (raise lock_timeout= on create/attach if structural operations are long)"
         )
 
+    @critical
     def acquire(self, timeout: float | None = DEFAULT_TIMEOUT, *, shared: bool = False) -> None:
-        """Take the lock (re-entrant); raise LockTimeout after ``timeout`` s (None or < 0: wait)."""
+        """Take the lock (re-entrant); raise LockTimeout after ``timeout`` s (None or < 0: wait).
+
+        Returns with the lock held, or raises with it not held (a Ctrl-C included: see the
+        module docstring)."""
         if self._closed:
             raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
         if self._pid != os.getpid():
@@ -193,35 +262,47 @@ class StoreLock:
         ):
             raise self._timeout_error(timeout)
         op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        outer = state.depth == 0
         try:
-            if state.depth == 0:
-                self._flock(self._fd, op, deadline, timeout)
+            if outer:
+                # recorded before the system call: whatever stops us after it, the descriptor
+                # to unlock is known (an unlock of a flock not taken is harmless)
                 state.fd, state.mode = self._fd, op
+                self._flock(self._fd, op, deadline, timeout)
             elif op == fcntl.LOCK_EX and state.mode == fcntl.LOCK_SH:
                 # An exclusive section inside a shared one: flock converts, not atomically (another
                 # process may take the lock in between): the outer shared section must re-check.
                 self._flock(state.fd, op, deadline, timeout)
                 state.mode = op
         except BaseException:
+            if outer:
+                try:
+                    fcntl.flock(state.fd, fcntl.LOCK_UN)
+                except OSError:
+                    pass
+                state.fd = -1
             state.rlock.release()
             raise
         state.depth += 1
+        if _deferred:  # a Ctrl-C while we took it: give it back, then raise it
+            self.release()
 
+    @critical
     def _flock(self, fd: int, op: int, deadline: float | None, timeout: float | None) -> None:
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
             return
         except BlockingIOError:
             pass
-        if deadline is None:
-            fcntl.flock(fd, op)  # blocks in the kernel (the GIL is released)
-            return
+        # Polled, also without a timeout (flock blocking in the kernel would retry after a
+        # deferred Ctrl-C and never raise it): at most 2 ms late.
         delay = _POLL_FIRST
         while True:
-            left = deadline - time.monotonic()
+            left = _POLL_MAX if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise self._timeout_error(timeout)
             time.sleep(min(delay, left))
+            deliver_deferred()  # nothing of the flock is held yet
             delay = min(2 * delay, _POLL_MAX)
             try:
                 fcntl.flock(fd, op | fcntl.LOCK_NB)
@@ -229,8 +310,11 @@ class StoreLock:
             except BlockingIOError:
                 pass
 
+    @critical
     def release(self) -> None:
-        """Give up one hold; the last one releases the flock. Only the holding thread may call it."""
+        """Give up one hold; the last one releases the flock. Only the holding thread may call it.
+
+        A Ctrl-C deferred while the lock path ran is raised here, once the hold is given up."""
         state = self._state
         if state is None or state.depth == 0:
             raise RuntimeError(f"the lock of store {self.name!r} is not held")
@@ -250,6 +334,14 @@ class StoreLock:
         else:
             state.rlock.release()  # raises (RuntimeError) if this thread does not hold it
             state.depth -= 1
+        if _deferred:
+            deliver_deferred()
+
+    @property
+    def depth(self) -> int:
+        """Holds of this process (0: not held); meaningful to the thread that holds the lock."""
+        state = self._state
+        return state.depth if state is not None and self._pid == os.getpid() else 0
 
     def held(self, timeout: float | None = DEFAULT_TIMEOUT, *, shared: bool = False) -> _Held:
         """Hold the lock for the duration of a ``with`` block (re-entrant)."""
@@ -294,32 +386,13 @@ class _Held:
     def __init__(self, lock: StoreLock, timeout: float | None, shared: bool) -> None:
         self.lock, self.timeout, self.shared = lock, timeout, shared
 
+    @critical
     def __enter__(self) -> None:
         self.lock.acquire(self.timeout, shared=self.shared)
 
+    @critical
     def __exit__(self, *exc: object) -> None:
         self.lock.release()
-
-
-@contextmanager
-def held(path: str, name: str, timeout: float | None = DEFAULT_TIMEOUT) -> Iterator[None]:
-    """Hold the structural lock at ``path`` (for code that has only the path, not the store's lock).
-
-    Uses the lock of an open attachment of that store in this process (so it is
-    re-entrant with it), else opens the file for the duration of the block.
-    """
-    lk = _by_path.get(path)
-    if lk is not None and (lk._closed or lk._pid not in (0, os.getpid())):
-        lk = None
-    temporary = lk is None
-    if lk is None:
-        lk = StoreLock(path, name)
-    try:
-        with lk.held(timeout):
-            yield
-    finally:
-        if temporary:
-            lk.close()
 
 
 # -- lifecycle lock (filelock: create, remove, gc) ---------------------------------------------

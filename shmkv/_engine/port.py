@@ -65,11 +65,14 @@ class Port:
     The table, the locks and crash recovery (``_core.Core``):
         row: row ``slot`` of the sequence table as int64 words (one memoryview a slot).
         settled_row: a row's words as a rollback would leave them (under ``reading``).
-        locked: the store lock (structural operations; recovers a dead holder's unit).
+        locked: the one way into the store lock (``_journal``: recovers a dead holder's
+            transaction; ``locked(scan=True)`` also repairs odd generations).
         reading: what a reader waiting out a change holds (``locked``, or a shared lock
             on a read-only attachment).
-        changing: the seqlock bracket around a change of one row (lock held).
-        unit: an atomic unit of several rows (rolled back together after a crash).
+        changing: a change of one row inside the open journaled transaction (lock held).
+        transaction: a journaled transaction of several rows (committed together, rolled
+            back together on an exception or after a crash).
+        new_incarnation: a row made live gets a new incarnation (changing).
         check_not_leased_by_other: LeaseError if a live holder other than us has the lease.
 
     Cells and rows (``_arena.Arena``, lock held):
@@ -111,10 +114,11 @@ class Port:
     # the table, the locks, crash recovery
     row: Callable[[int], memoryview]
     settled_row: Callable[[int], list[int]]
-    locked: Callable[[], AbstractContextManager[None]]
+    locked: Callable[..., AbstractContextManager[None]]
     reading: Callable[[], AbstractContextManager[None]]
     changing: Callable[[memoryview], AbstractContextManager[None]]
-    unit: Callable[[], AbstractContextManager[None]]
+    transaction: Callable[[], AbstractContextManager[None]]
+    new_incarnation: Callable[[memoryview], None]
     check_not_leased_by_other: CheckLease
     # cells and rows
     relocate: Callable[[int, memoryview, int, int], None]

@@ -275,7 +275,7 @@ class Sequence:
             if n > length:
                 raise InvalidArgumentError(f"fork: n={n} exceeds the length {length} of sequence {self.id}")
             cap = max(n, 1, self.capacity if capacity is None else count("capacity", capacity, 1))
-            with p.unit():  # the child and its content: both, or after a crash neither
+            with p.transaction():  # the child and its content: both, or after a crash neither
                 child = st.create_sequence(capacity=cap, _protect=self._slot)  # never evict the parent for it
                 _crash.point("fork.child")
                 try:

@@ -22,6 +22,7 @@ from shmkv._sequence import quant as _quant
 from shmkv._engine.checks import count, ints
 from shmkv._engine.core import _readonly
 from shmkv._engine.header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, WBUF, WIN_OFF
+from shmkv._engine.journal import INCARNATION_SHIFT
 from shmkv._sequence.visibility import attention_mask, visible_from
 from shmkv.errors import InvalidArgumentError, LockTimeout, SequenceNotFound, StoreClosedError
 
@@ -94,8 +95,9 @@ class SeqReader:
     is the first cell of the row's active window buffer as the latest ``span`` saw it.
     """
 
-    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "isfull", "locked", "plain", "port",
-                 "positions", "reading", "row", "settled_row", "slot", "store", "table_row", "tokens", "wbase", "wc")
+    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "inc", "isfull", "locked", "plain",
+                 "port", "positions", "reading", "row", "settled_row", "slot", "store", "table_row", "tokens", "wbase",
+                 "wc")
 
     def __init__(self, store: Store, port: Port, seq_id: int, slot: int, row: memoryview) -> None:
         self.store = store
@@ -103,6 +105,7 @@ class SeqReader:
         self.id = seq_id
         self.slot = slot
         self.row = row
+        self.inc = row[GEN] >> INCARNATION_SHIFT  # which life of the row this handle is on (_journal, 8)
         self.L, self.cell, self.dtype, self.plain, self.isfull, self.wc = _geometry(store.layout)
         self.wbase = 0  # first cell of its active window buffer: set by every span
         self.Kr, self.Vr = port.Kr, port.Vr  # read-only per-layer views, shared by handles
@@ -135,7 +138,7 @@ class SeqReader:
         """(start, capacity, length, window offset) of consistent ``words``; SequenceNotFound if
         the sequence was freed. Sets ``wbase``."""
         state, sid, start, cap, length, woff, wbuf = words
-        if state != LIVE or sid != self.id:
+        if state != LIVE or sid != self.id or self.row[GEN] >> INCARNATION_SHIFT != self.inc:
             raise self._freed()
         self.wbase = (2 * self.slot + wbuf) * self.wc
         return start, cap, length, woff
@@ -145,7 +148,7 @@ class SeqReader:
         if self.store.closed:  # check() and live() inlined: seq.length, keys() and views come here
             self.check()
         state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, self.words, self.reading, self.settled_words)
-        if state != LIVE or sid != self.id:
+        if state != LIVE or sid != self.id or self.row[GEN] >> INCARNATION_SHIFT != self.inc:
             raise self._freed()
         self.wbase = (2 * self.slot + wbuf) * self.wc
         return start, cap, length, woff
@@ -153,7 +156,7 @@ class SeqReader:
     def span_unlocked(self) -> tuple[int, int, int, int]:
         """The row's span with the store lock held (nothing changes it meanwhile)."""
         row = self.row  # live(words()) inlined: every structural op (a truncate per speculative step)
-        if row[STATE] != LIVE or row[ID] != self.id:
+        if row[STATE] != LIVE or row[ID] != self.id or row[GEN] >> INCARNATION_SHIFT != self.inc:
             raise self._freed()
         self.wbase = (2 * self.slot + row[WBUF]) * self.wc
         return row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]

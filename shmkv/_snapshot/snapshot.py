@@ -24,6 +24,7 @@ import stat
 import time
 import zlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
@@ -34,7 +35,6 @@ from shmkv._engine import arena as _arena
 from shmkv._engine import crash as _crash
 from shmkv._engine import pages as _pages
 from shmkv._engine import header as _header
-from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.checks import int_list
 from shmkv._engine.lease import own_token
@@ -88,18 +88,50 @@ _SAVE_ATTEMPTS = 4
 # -- saving ------------------------------------------------------------------
 
 
-def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
-    """Each sequence's (start, length, generation) and token ids/positions, seqlock-consistent."""
+class _Busy(Exception):
+    """A lock-free capture met a row that a transaction is changing (or a dead one left)."""
+
+
+def _capture(store: Store, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
+    """Each sequence's (start, length, generation) and token ids/positions.
+
+    ``locked`` (the store lock through the journal, or a read-only attachment's shared
+    lock): the rows as a rollback would leave them (``settled_row``: a dead process's
+    transaction is never captured). Else seqlocked, and ``_Busy`` when a row stays odd:
+    a transaction is open (its rows stay odd until it ends), so the caller saves again
+    under the lock."""
     core = _arena.port(store)
     t = core.table_np
-    if ids is None:
+    if locked:
+        rows = {slot: core.settled_row(slot) for slot in range(len(t))}
+        if ids is None:
+            slots = [s for s, r in rows.items() if r[STATE] == LIVE]
+        else:
+            slots = []
+            for i in ids:
+                hit = [s for s, r in rows.items() if r[STATE] == LIVE and r[ID] == i]
+                if not hit:
+                    raise SequenceNotFound(f"store {store.name!r} has no sequence {i!r}: it was freed or never "
+                                           "created (store.sequences() lists the live ones)")
+                slots.append(hit[0])
+    elif ids is None:
         slots = [int(i) for i in np.flatnonzero(t[:, STATE] == LIVE)]
     else:
         slots = [core.slot_of(i) for i in ids]
     out = []
     for slot in slots:
+        if locked:
+            r = rows[slot]
+            enc = r[ENC_SLOT]
+            e_start, e_len = (rows[enc - 1][START], rows[enc - 1][LENGTH]) if enc else (0, 0)
+            start, length = r[START], r[LENGTH]
+            out.append(_Seq(r[ID], length, r[CAPACITY], start, r[GEN], slot,
+                            core.tokens[start : start + length].copy(), core.positions[start : start + length].copy(),
+                            r[WIN_OFF], e_len, e_start, bool(r[FLAGS] & FINISHED), r[RECENCY], r[CLEAN],
+                            core.get_meta(slot), r[WBUF]))
+            continue
         row = core.row(slot)
-        for i in range(2000):
+        for i in range(200):
             g = row[GEN]
             if not g & 1:
                 sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
@@ -120,10 +152,18 @@ def _capture(store: Store, ids: list[int] | None) -> list[_Seq]:
             if i > 20:
                 time.sleep(0.0002)  # a structural op (a move, say) is running
         else:
-            raise ShmkvError(f"store {store.name!r}: sequence in slot {slot} kept changing for 0.4 s; save again")
+            raise _Busy
     if ids is not None and len({s.id for s in out}) != len(out):
         raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice")
     return sorted(out, key=lambda s: s.id)
+
+
+def _hold(store: Store) -> AbstractContextManager[None]:
+    """What a save holds for a capture that must not fail: the store lock through the
+    journal (recovering a dead holder's transaction), or on a read-only attachment a shared
+    lock (live writers excluded; a dead one's transaction read as rolled back)."""
+    core = _arena.port(store)
+    return core.reading() if store.readonly else core.locked(scan=True)
 
 
 def _unchanged(store: Store, seqs: list[_Seq]) -> bool:
@@ -287,8 +327,8 @@ def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: 
     if not hasattr(target, "write"):
         raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file")
     # a stream cannot be rewound: hold the store lock so no structural change can race
-    with _lock.held(core.lock_path, store.name, store.lock_timeout):
-        seqs = _capture(store, ids)
+    with _hold(store):
+        seqs = _capture(store, ids, locked=True)
         total = _write_once(store, target, seqs, progress)
     flush = getattr(target, "flush", None)
     if flush is not None:
@@ -297,7 +337,6 @@ def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: 
 
 
 def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progress | None) -> int:
-    core = _arena.port(store)
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     remove_stale_temps(directory, base)  # left by saves that were killed mid-way
@@ -315,11 +354,13 @@ def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progres
         with open(fd, "wb", buffering=0) as f:
             for attempt in range(_SAVE_ATTEMPTS):
                 last = attempt == _SAVE_ATTEMPTS - 1
-                with (_lock.held(core.lock_path, store.name, store.lock_timeout) if last
-                      else contextlib.nullcontext()):
+                with _hold(store) if last else contextlib.nullcontext():
+                    try:
+                        seqs = _capture(store, ids, locked=last)
+                    except _Busy:
+                        continue
                     f.seek(0)
                     f.truncate()
-                    seqs = _capture(store, ids)
                     total = _write_once(store, f, seqs, progress)
                     if last or _unchanged(store, seqs):
                         break
@@ -393,7 +434,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
     total = snap.nbytes
     # a regular file's arrays are copied by the kernel (sendfile) into ranges only staged for them
     direct = is_file and _seekable_fd(reader.f) is not None
-    with _lock.held(core.lock_path, store.name, store.lock_timeout):
+    with core.locked(scan=True):  # the journal's way in: a dead holder's transaction rolled back first
         t = core.table_np
         plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1 - new slot, staged start)
         enc_start: dict[int, int] = {}  # staged encoder ranges
@@ -482,7 +523,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
             _pages.settle(store, start, s.length, next(c for st_, c in taken if st_ == start))
         # everything checked: publish
         # one atomic unit: after a crash, every sequence as it was (crash recovery in _store)
-        with core.unit():
+        with core.transaction():
             next_id = core.hdr[_header.W_NEXT_ID]
             for i, (s, existing, start) in enumerate(plan):
                 cap = next(c for st_, c in taken if st_ == start)
@@ -493,6 +534,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                 row = core.row(slot)
                 with core.changing(row):
                     if existing < 0:
+                        core.new_incarnation(row)  # a handle on a freed sequence of that id stays dead
                         core.reserve_window(slot)
                         row[WBUF] = 0
                     # a live sequence's window goes into its other buffer (its own stays intact)

@@ -252,8 +252,9 @@ class Store(Arena):
             row = self._row(slot)
             seq_id = next_id + (slot - next_id) % rows  # the next id of that row: ids skip the rows in use
             self._hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
-            with self._unit():  # the row and its prefix: both, or after a crash neither
+            with self._transaction():  # the row and its prefix: both, or after a crash neither
                 with self._changing(row):
+                    self._new_incarnation(row)
                     row[ID] = seq_id
                     row[START] = start
                     row[CAPACITY] = max(capacity, n)

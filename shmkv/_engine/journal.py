@@ -1,0 +1,363 @@
+"""THE journal of a store: the one way into the store lock, journaled transactions, the undo
+log and crash recovery. Nothing else takes the structural lock or changes a row's seqlock
+generation outside these brackets (tests/test_architecture.py checks the first).
+
+A process may die at any instruction (SIGKILL, OOM, a segfault) or raise any exception
+(KeyboardInterrupt, CacheFullError, a bug) inside a structural operation. The protocol
+below makes every such end leave the store exactly as before the operation, for every
+process, whatever it does next (tests/test_journal.py runs every crash point against every
+first lock holder, and every crash point armed to raise instead).
+
+The objects and their states (as SQLite's pager.c states its own)::
+
+    lock      free --entered()--> held --release--> free
+              (entered() is the one way in: it rolls back a dead holder's transaction first)
+    txn       none --transaction()/changing()--> open --end: commit | exception: rollback--> none
+    row       even GEN --changing(row)--> odd GEN, logged --txn end--> even GEN, out of the log
+
+Invariants (each names the function that keeps it):
+
+1.  Data is never written over committed cells that a row points to: new content goes to
+    cells no row points to (a fresh range; the other window buffer, see _header WBUF; a
+    range freed earlier in the same transaction is never reused by it), and rows are switched
+    to it at the end (``_arena``, ``_structural``, ``_snapshot``: their callers keep it).
+2.  Before any word of a row changes, the row's words (and, when it changes, its meta
+    record) are in the undo log and the log's count, one word, is published after the entry
+    (``_log_row``, ``_log_meta``). ``changing(row)`` logs the row before it makes its
+    generation odd.
+3.  A row changed by an open transaction keeps an odd generation until the outermost
+    transaction ends (``_Change.__enter__`` makes it odd once, ``_end`` makes every logged
+    row even): readers and saves see "changing" and never capture part of a transaction;
+    an odd generation therefore always has its row in the log (count > 0).
+4.  A transaction ends by committing (count to 0 after the rows are even: ``_end``), or, if
+    an exception of any kind leaves it, by rolling back its own entries first and then
+    re-raising (``_rollback``): the store is as before the operation.
+5.  Whoever takes the lock through ``entered()`` and finds a non-zero count, or a
+    transaction of its own left open, rolls the logged rows back (``_recover``): every
+    row as it was, with an even generation above any it had, so handles reload; odd
+    generations without an entry are made even too. With the lock held, the count's
+    owner is dead or is this process. Cold entries (attach, restore, a locked save,
+    ``shmkv verify --repair``) scan for odd generations whatever the count says.
+6.  Frees inside a transaction (evictions to make room) are complete on their own: their
+    rows leave the log when done (``_forget``), even again, so neither a rollback nor a
+    recovery resurrects a row whose cells were then reused.
+7.  Readers that cannot roll back (read-only attachments) read a logged row as the rollback
+    would leave it (``_settled_row``), under a shared lock that excludes live writers.
+8.  A row made live gets a new incarnation in its generation's bits 40.. (``new_incarnation``,
+    from a header clock): handles remember it, so a handle on a freed sequence never reads
+    another one that a restore gave the same id (``SeqReader.live`` checks it).
+9.  Lock acquire and release are safe against an exception at any bytecode: the lock
+    path is ``_lock.critical`` and a Ctrl-C there is raised at the next safe point
+    (``_lock``'s module docstring).
+
+Token ids, positions and hashes go with the cells (1). Counters (hits, evictions), the
+recency clock, the next id and the prefix index are not rolled back: statistics, ids
+never reused, and hints that lookups verify. Named crash points (``_crash.point``) let the
+tests kill (or interrupt) a process at every step of every operation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shmkv._engine import header as _header
+from shmkv._engine.lock import StoreLock, critical
+from shmkv._engine.header import GEN, SEQ_WORDS
+
+if TYPE_CHECKING:
+    from shmkv._engine.header import Layout
+
+_SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
+_META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
+INCARNATION_SHIFT = 40  # GEN bits 40..: the row's incarnation (invariant 8)
+
+
+def incarnation(gen: int) -> int:
+    """The incarnation part of a generation word."""
+    return gen >> INCARNATION_SHIFT
+
+
+class Journal:
+    """The journal half of a store handle (``Core`` builds on it; see the module docstring).
+
+    Per process: ``_depth`` (open transaction brackets) and ``_logged`` (slots this process's
+    open transaction logged and made odd); they change only with the lock held."""
+
+    # provided by Core
+    name: str
+    readonly: bool
+    lock_timeout: float
+    layout: Layout
+    _hdr: memoryview
+    _table: memoryview
+    _table_np: np.ndarray
+    _undo_np: np.ndarray
+    _undo: Any
+    _meta_w: np.ndarray
+    _meta_mv: Any
+    _lock: StoreLock
+    _row_slot: dict[int, int]
+    _slot_hint: dict[int, int]
+    _depth: int
+    _logged: dict[int, memoryview]
+
+    def _row(self, slot: int) -> memoryview:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def _check_writable(self) -> None:
+        raise NotImplementedError
+
+    # -- the one way in ------------------------------------------------------------------
+
+    def _locked(self, scan: bool = False) -> _Entered:
+        """The store lock, the one way into it for anything that changes or captures structure
+        (a context manager). The outermost entry first rolls back what a dead holder left
+        (invariant 5); ``scan``: also repair odd generations the count does not cover."""
+        return _Entered(self, scan)
+
+    def _reading(self) -> _Reading:
+        """What a reader that must wait out a structural change holds: the store lock through
+        ``_locked`` on a read-write attachment (which also recovers), a shared lock on a
+        read-only one (no write access needed; LockTimeout after lock_timeout). Rows are then
+        read with ``_settled_row`` (invariant 7)."""
+        return _Reading(self)
+
+    def _settled_row(self, slot: int) -> list[int]:
+        """Row ``slot``'s words as a rollback would leave them (under ``_reading``): the logged
+        words while a dead process's transaction is in the log; the row itself otherwise, and
+        while this process's own transaction is open."""
+        if not self._depth:
+            for i in range(self._hdr[_header.W_UNDO_COUNT]):
+                if self._undo_np[i, 0] & _SLOT_MASK == slot:
+                    logged: list[int] = self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()
+                    return logged
+        words: list[int] = self._table_np[slot].tolist()
+        return words
+
+    # -- journaled transactions ------------------------------------------------------------
+
+    def _transaction(self) -> _Txn:
+        """A journaled transaction (lock held): every row changed inside it commits together,
+        or rolls back together on an exception or after a crash."""
+        return _Txn(self)
+
+    def _changing(self, row: memoryview) -> _Change:
+        """Change ``row`` (lock held): it is logged and its generation made odd, once per
+        transaction, and it joins the open transaction (a transaction of its own if none)."""
+        return _Change(self, row)
+
+    def _log_row(self, slot: int, row: memoryview) -> None:
+        """Append row ``slot``'s words to the undo log (invariant 2)."""
+        hdr = self._hdr
+        k = hdr[_header.W_UNDO_COUNT]
+        entry = self._undo[k]  # memoryview copies: a few hundred ns, on the speculative-decoding path
+        entry[0] = slot
+        entry[1 : 1 + SEQ_WORDS] = row
+        # the meta record is logged only by what changes it (_log_meta): most operations do not
+        if k == 0:  # who: for `shmkv verify`'s report (recovery itself needs no pid: it holds the lock)
+            hdr[_header.W_UNDO_PID] = os.getpid()
+        hdr[_header.W_UNDO_COUNT] = k + 1  # published after the entry
+
+    def _log_meta(self, slot: int) -> None:
+        """Add the meta record of ``slot`` (logged by _changing) to its undo entry, once."""
+        for i in range(self._hdr[_header.W_UNDO_COUNT]):
+            e = self._undo[i]
+            if e[0] & _SLOT_MASK == slot:
+                if not e[0] & _META_LOGGED:
+                    e[1 + SEQ_WORDS :] = self._meta_mv[slot]
+                    e[0] = slot | _META_LOGGED
+                return
+
+    def _forget(self, *slots: int) -> None:
+        """A free inside a larger transaction is complete: its rows leave the log, their
+        generation even again (invariant 6)."""
+        hdr = self._hdr
+        for slot in slots:
+            row = self._logged.pop(slot, None)
+            if row is None:
+                continue
+            row[GEN] += 1
+            k = hdr[_header.W_UNDO_COUNT]
+            i = next(i for i in range(k) if self._undo_np[i, 0] & _SLOT_MASK == slot)
+            if i != k - 1:
+                self._undo_np[i] = self._undo_np[k - 1]  # the last entry moves into the gap first
+            hdr[_header.W_UNDO_COUNT] = k - 1
+
+    @critical
+    def _end(self) -> None:
+        """Commit the outermost transaction: its rows even, then the log empty (invariants 3, 4)."""
+        for row in self._logged.values():
+            row[GEN] += 1
+        self._hdr[_header.W_GENERATION] += 1
+        self._hdr[_header.W_UNDO_COUNT] = 0
+        self._logged.clear()
+
+    @critical
+    def _rollback(self) -> None:
+        """An exception leaves the outermost transaction: put its rows back (invariant 4)."""
+        self._put_back()
+        self._logged.clear()
+
+    @critical
+    def _put_back(self) -> int:
+        """Every logged row as it was, with an even generation above any it had; then the log
+        empty. Returns the rows put back."""
+        hdr = self._hdr
+        k = hdr[_header.W_UNDO_COUNT]
+        t = self._table_np
+        for i in range(k):
+            entry = self._undo_np[i]
+            slot, has_meta = int(entry[0]) & _SLOT_MASK, bool(int(entry[0]) & _META_LOGGED)
+            if not 0 <= slot < self.layout.max_seqs:
+                continue
+            gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
+            row = self._row(slot)
+            row[GEN] = gen  # odd while it is put back
+            words = entry[1 : 1 + SEQ_WORDS].tolist()
+            for w, v in enumerate(words):
+                if w != GEN:
+                    row[w] = v
+            if has_meta:
+                self._meta_w[slot] = entry[1 + SEQ_WORDS :]
+            row[GEN] = gen + 1
+        hdr[_header.W_UNDO_COUNT] = 0
+        hdr[_header.W_GENERATION] += 1
+        self._slot_hint.clear()
+        return int(k)
+
+    @critical
+    def _recover(self, scan: bool = True) -> int:
+        """Roll back the transaction a dead process (or this one, interrupted) left (lock held);
+        make odd generations even (invariant 5). Returns the rows put back."""
+        self._depth = 0
+        self._logged.clear()
+        hdr = self._hdr
+        k = hdr[_header.W_UNDO_COUNT]
+        if k:
+            self._put_back()
+        odd = np.flatnonzero(self._table_np[:, GEN] & 1) if scan or k else ()
+        for slot in list(odd):
+            self._row(int(slot))[GEN] += 1  # a bracket left open with no entry (a store of an older shmkv)
+        if k or len(odd):
+            hdr[_header.W_RECOVERIES] += 1
+            hdr[_header.W_GENERATION] += 1
+        return int(k)
+
+    def _new_incarnation(self, row: memoryview) -> None:
+        """Give ``row`` (changing: odd) a new incarnation (invariant 8)."""
+        hdr = self._hdr
+        hdr[_header.W_BIRTHS] += 1
+        row[GEN] = (hdr[_header.W_BIRTHS] << INCARNATION_SHIFT) | 1
+
+
+class _Entered:
+    """``Journal._locked()``: the one way into the store lock (a class, not a generator: see
+    ``_lock``'s note on Ctrl-C)."""
+
+    __slots__ = ("j", "scan")
+
+    def __init__(self, j: Journal, scan: bool) -> None:
+        self.j, self.scan = j, scan
+
+    @critical
+    def __enter__(self) -> None:
+        j = self.j
+        j._check_writable()
+        lock = j._lock
+        lock.acquire(j.lock_timeout)
+        if lock.depth == 1 and (self.scan or j._hdr[_header.W_UNDO_COUNT] or j._depth):
+            try:
+                j._recover(self.scan)
+            except BaseException:
+                lock.release()
+                raise
+
+    @critical
+    def __exit__(self, *exc: object) -> None:
+        self.j._lock.release()
+
+
+class _Reading:
+    """``Journal._reading()``."""
+
+    __slots__ = ("entered", "j")
+
+    def __init__(self, j: Journal) -> None:
+        self.j = j
+        self.entered: _Entered | None = None
+
+    @critical
+    def __enter__(self) -> None:
+        j = self.j
+        j._check_open()
+        if not j.readonly:
+            self.entered = _Entered(j, False)
+            self.entered.__enter__()
+        else:
+            j._lock.acquire(j.lock_timeout, shared=True)
+
+    @critical
+    def __exit__(self, *exc: object) -> None:
+        self.j._lock.release()
+
+
+class _Txn:
+    """``Journal._transaction()``: a journaled transaction around several row changes."""
+
+    __slots__ = ("j",)
+
+    def __init__(self, j: Journal) -> None:
+        self.j = j
+
+    @critical
+    def __enter__(self) -> None:
+        self.j._depth += 1
+
+    @critical
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        j = self.j
+        j._depth -= 1
+        if j._depth == 0:
+            if exc_type is None:
+                j._end()
+            else:
+                j._rollback()
+
+
+class _Change:
+    """``Journal._changing(row)``: one row's change inside the open transaction (or its own)."""
+
+    __slots__ = ("j", "row")
+
+    def __init__(self, j: Journal, row: memoryview) -> None:
+        self.j, self.row = j, row
+
+    @critical
+    def __enter__(self) -> None:
+        j, row = self.j, self.row
+        j._depth += 1  # first: whatever happens next, __exit__ or a recovery ends the transaction
+        slot = j._row_slot[id(row)]
+        if slot not in j._logged:
+            try:
+                j._log_row(slot, row)
+            except BaseException:
+                self.__exit__(BaseException)
+                raise
+            j._logged[slot] = row
+            row[GEN] += 1  # odd: readers wait (invariant 3)
+
+    @critical
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        j = self.j
+        j._depth -= 1
+        if j._depth == 0:
+            if exc_type is None:
+                j._end()
+            else:
+                j._rollback()
