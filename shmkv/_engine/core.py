@@ -231,6 +231,14 @@ class Core(Journal):
             if len(self._slot_hint) > 4 * self.layout.max_seqs:
                 self._slot_hint.clear()
             self._slot_hint[seq_id] = int(hits[0])
+        if hits.size == 0 and self._hdr[_header.W_UNDO_COUNT] and not self._depth:
+            # a transaction is in the undo log (a dead writer's, or a live one's): look at the
+            # rows as its rollback would leave them (_journal, invariant 7)
+            with self._reading():
+                for slot in range(self.layout.max_seqs):
+                    w = self._settled_row(slot)
+                    if w[ID] == seq_id and w[STATE] == LIVE:
+                        return slot
         if hits.size == 0:
             raise SequenceNotFound(
                 f"store {self.name!r} has no sequence {seq_id!r}: it was freed or never created "
@@ -242,8 +250,11 @@ class Core(Journal):
         """Row ``slot`` of the sequence table (one memoryview a slot, reused: _journal's _changing knows it)."""
         row = self._rows.get(slot)
         if row is None:
-            row = self._rows[slot] = self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
+            row = self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
+            # the slot first: a Ctrl-C at the id() call must not leave a row the journal cannot name
+            # (tests/test_journal.py::test_sigints_never_leave_the_lock_held found it)
             self._row_slot[id(row)] = slot
+            self._rows[slot] = row
         return row
 
     def _lease_holder(self, row: memoryview) -> tuple[int, bool]:

@@ -5,14 +5,17 @@ when shmkv was imported (``name`` or ``name:k``, the k-th time the point is reac
 then SIGKILLs the process on the spot, as the OOM killer would. Read once at import: the
 hot path pays one call of a no-op function, only inside structural operations.
 
-Every point is listed in ``POINTS``; tests/test_crash.py kills a child at each of them
-and checks the store from another process.
+Every point is listed in ``POINTS``; tests/test_crash.py and tests/test_journal.py kill a
+child at each of them and check the store from another process. ``arm(name, exc)`` makes a
+point raise ``exc`` in this process instead (tests/test_journal.py: an exception inside a
+journaled transaction rolls it back); ``disarm()`` undoes it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 
 POINTS = (
     "create.row",  # create_sequence: the new row half written
@@ -51,4 +54,27 @@ def _noop(name: str) -> None:
     return None
 
 
-point = _armed if _name else _noop
+point: Callable[[str], None] = _armed if _name else _noop
+
+
+def arm(name: str, exc: BaseException, count: int = 1) -> None:
+    """Make point ``name`` raise ``exc`` the ``count``-th time it is reached (this process)."""
+    global point
+    if name not in POINTS:
+        raise ValueError(f"{name!r} is not a crash point (shmkv._engine.crash.POINTS)")
+    left = [count]
+
+    def raising(at: str) -> None:
+        if at == name:
+            left[0] -= 1
+            if left[0] == 0:
+                raise exc
+
+    point = raising
+
+
+def disarm() -> None:
+    """Points back to what ``SHMKV_CRASH_AT`` made them."""
+    global point
+    point = _armed if _name else _noop
+

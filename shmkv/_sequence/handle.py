@@ -261,9 +261,10 @@ class Sequence:
         with p.locked():
             row = self._row
             self._r.span_unlocked()
-            row[FLAGS] |= FINISHED
-            _crash.point("finish.flagged")
-            p.touch(row)
+            with p.changing(row):  # journaled: an exception before the end leaves it unfinished
+                row[FLAGS] |= FINISHED
+                _crash.point("finish.flagged")
+                p.touch(row)
             self._drop_lease()
 
     def fork(self, n: int | None = None, capacity: int | None = None) -> Sequence:

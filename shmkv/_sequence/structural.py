@@ -18,6 +18,7 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine.checks import count
+from shmkv._engine.lock import critical
 from shmkv._engine.header import (
     CAPACITY,
     CLEAN,
@@ -48,6 +49,7 @@ class Structural:
         self._locked = w.locked()
         self._changing: AbstractContextManager[None] | None = None
 
+    @critical  # the lock path (see _lock: a Ctrl-C here is raised at the release)
     def __enter__(self) -> memoryview:
         self._locked.__enter__()
         try:
@@ -59,6 +61,7 @@ class Structural:
             raise
         return self.w.row
 
+    @critical
     def __exit__(self, *exc: Any) -> None:
         try:
             assert self._changing is not None

@@ -114,6 +114,8 @@ def _capture(store: Store, ids: list[int] | None, *, locked: bool) -> list[_Seq]
                     raise SequenceNotFound(f"store {store.name!r} has no sequence {i!r}: it was freed or never "
                                            "created (store.sequences() lists the live ones)")
                 slots.append(hit[0])
+    elif core.hdr[_header.W_UNDO_COUNT]:
+        raise _Busy  # a transaction is open (or a dead one is in the log): save under the lock
     elif ids is None:
         slots = [int(i) for i in np.flatnonzero(t[:, STATE] == LIVE)]
     else:
@@ -153,6 +155,8 @@ def _capture(store: Store, ids: list[int] | None, *, locked: bool) -> list[_Seq]
                 time.sleep(0.0002)  # a structural op (a move, say) is running
         else:
             raise _Busy
+    if not locked and core.hdr[_header.W_UNDO_COUNT]:
+        raise _Busy  # a transaction began meanwhile: its rows may be in what was read
     if ids is not None and len({s.id for s in out}) != len(out):
         raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice")
     return sorted(out, key=lambda s: s.id)

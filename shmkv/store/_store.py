@@ -352,8 +352,15 @@ class Store(Arena):
         """The live sequences, in id order."""
         self._check_open()
         out = []
-        for slot in np.flatnonzero(self._table_np[:, STATE] == LIVE):
-            r = self._table_np[slot].tolist()
+        if self._hdr[_header.W_UNDO_COUNT] and not self._depth:
+            # a transaction is in the undo log: the rows as its rollback leaves them (_journal, 7)
+            with self._reading():
+                table = [self._settled_row(slot) for slot in range(self.layout.max_seqs)]
+        else:
+            table = [self._table_np[slot].tolist() for slot in np.flatnonzero(self._table_np[:, STATE] == LIVE)]
+        for r in table:
+            if r[STATE] != LIVE:
+                continue
             alive = bool(r[LEASE_PID]) and _segment.pid_alive(r[LEASE_PID], r[LEASE_START])
             out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN],
                                     bool(r[FLAGS] & FINISHED)))

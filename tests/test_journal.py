@@ -1,0 +1,371 @@
+"""The journal (issue 22): recovery on every way into the store lock, rollback on exceptions,
+Ctrl-C on the lock path, ids never reused.
+
+The crash matrix: a child is SIGKILLed at every crash point (shmkv._engine.crash.POINTS);
+the killed store's segments are copied once (its image), and each first lock holder runs
+on a fresh copy of that image: the store equals the state before the operation or after
+it (every cell the K/V of its token id: _crash_children.state), generations are even,
+`verify` is clean, and later appends and commits are seen. The same scenarios as
+tests/test_crash.py, plus a sequence X that this process leases (so that a truncate or a
+copy_prefix can be the first holder) and leaves out of the comparison.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from _crash_children import BOUNDED, LAYOUT, base, fill, op, prepare, state
+
+import shmkv
+from shmkv import cli
+from shmkv._engine import crash as _crash
+from shmkv._engine import header as _header
+from shmkv._engine import segment as _segment
+from shmkv.store import _lifecycle
+from shmkv.testing import unique_name
+
+HERE = os.path.dirname(__file__)
+HOLDERS = ("transaction", "create_sequence", "create_sequence_prefix", "truncate", "copy_prefix", "restore",
+           "save", "save_readonly", "read_readonly", "lease_takeover", "attach_verify", "verify_repair", "gc")
+
+
+def _layout(point: str) -> dict:
+    return BOUNDED if point.startswith("compact") else LAYOUT
+
+
+def _scenario(store: shmkv.Store, point: str, snap: str, xsnap: str | None) -> tuple[dict, shmkv.Sequence]:
+    """X (leased here, first: the scenarios' placements stay as tests/test_crash.py has them),
+    then base + prepare (+ the restore points' snapshot, without X, and changes)."""
+    x = store.create_sequence(capacity=4)
+    fill(x, [900, 901, 902])
+    if xsnap is not None:
+        store.save(xsnap, seq_ids=[x.id])
+    ids = base(store)
+    prepare(store, point, ids)
+    if point.startswith("restore"):
+        if xsnap is None:
+            store.save(snap, seq_ids=[i.id for i in store.sequences() if i.id != x.id])
+        store.sequence(ids["b"], write=True).truncate(3)
+        store.sequence(ids["c"], write=True).free()
+    return ids, x
+
+
+def _without(st: list, x: int) -> list:
+    return [s for s in st if s[0] != x]
+
+
+def _before_or_after(point: str, got: list, before: list, after: list, ids: dict) -> None:
+    if point.startswith("compact"):
+        # token by token commits (each complete) until one compacts: B holds before's tokens and
+        # some of the new ones (as tests/test_crash.py says)
+        assert [g[:1] for g in got] == [a[:1] for a in after]
+        b_got = next(g for g in got if g[0] == ids["b"])
+        b_after = next(a for a in after if a[0] == ids["b"])
+        assert b_after[1][: len(b_got[1])] == b_got[1] and len(b_got[1]) <= len(b_after[1])
+    else:
+        assert got in (before, after), f"{point}: neither before nor after\n{got}\n{before}\n{after}"
+
+
+def _image(name: str) -> dict[str, bytes]:
+    out = {}
+    for seg in (_segment.header_name(name), _segment.data_name(name)):
+        with open(_segment.shm_path(seg), "rb") as f:
+            out[seg] = f.read()
+    return out
+
+
+def _put_image(img: dict[str, bytes]) -> None:
+    for seg, data in img.items():
+        fd = os.open(_segment.shm_path(seg), os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
+
+
+def _loaded_state(path: str, x: int) -> list:
+    loaded = shmkv.load(path, name=unique_name("jl"))
+    try:
+        return _without(state(loaded), x)
+    finally:
+        loaded.unlink()
+
+
+def _first_holder(holder: str, store: shmkv.Store, ids: dict, x: shmkv.Sequence, *, xsnap: str,
+                  tmp_path) -> list | None:
+    """Run ``holder`` as the first lock holder after the crash; a state it captured, if any."""
+    name = store.name
+    if holder == "transaction":
+        with store.transaction():
+            pass
+    elif holder == "create_sequence":
+        store.create_sequence(capacity=4).free()
+    elif holder == "create_sequence_prefix":
+        s = store.create_sequence(capacity=64, prefix=np.arange(100, 120))
+        assert len(s) == (0 if store.layout.bounded else 19)  # a sliding layer cannot resume at 19
+        s.free()
+    elif holder == "truncate":
+        x.truncate(2)
+    elif holder == "copy_prefix":
+        store.copy_prefix(ids["a"], x.id, 40)  # all of A: sliding layers hold only its last tokens
+        assert store.sequence(x.id).tokens.tolist() == list(range(100, 140))
+    elif holder == "restore":
+        assert store.restore(xsnap) == [x.id]
+    elif holder in ("save", "save_readonly"):
+        path = str(tmp_path / f"{holder}.shmkv")
+        if holder == "save":
+            store.save(path)
+        else:
+            with shmkv.attach(name, readonly=True) as ro:
+                ro.save(path)
+        return _loaded_state(path, x.id)
+    elif holder == "read_readonly":
+        with shmkv.attach(name, readonly=True) as ro:
+            return _without(state(ro), x.id)
+    elif holder == "lease_takeover":
+        for sid in (ids["c"], ids["b"]):
+            try:
+                store.sequence(sid, write=True).release()
+                break
+            except shmkv.SequenceNotFound:
+                continue
+    elif holder == "attach_verify":
+        with shmkv.attach(name) as other:
+            assert cli.verify(other) == []
+    elif holder == "verify_repair":
+        assert cli.main(["verify", "--repair", name]) == 0
+    elif holder == "gc":
+        assert not _lifecycle._collect(name, False, 30.0)  # its creator (this process) lives: kept
+    else:
+        raise ValueError(holder)
+    return None
+
+
+def _check_after(store: shmkv.Store, ids: dict) -> None:
+    """Generations even, verify clean, ids unique, later appends and commits seen."""
+    gens = store._table_np[:, _header.GEN]
+    assert not (gens & 1).any(), gens
+    assert cli.verify(store) == []
+    got_ids = [i.id for i in store.sequences()]
+    assert len(got_ids) == len(set(got_ids))
+    for sid in (ids["b"], ids["c"]):  # the dead writer's sequence too: its lease is taken over
+        try:
+            w = store.sequence(sid, write=True)
+        except shmkv.SequenceNotFound:
+            continue
+        n = len(w)
+        last = int(w.tokens[-1]) + 1 if n else 9000
+        fill(w, [last, last + 1])
+        assert store.sequence(sid).tokens[n:].tolist() == [last, last + 1]
+        w.release()
+    fresh = store.create_sequence(capacity=8)
+    fill(fresh, [1, 2, 3])
+    assert store.sequence(fresh.id).tokens.tolist() == [1, 2, 3]
+    fresh.free()
+
+
+def test_crash_matrix(make_store, tmp_path):
+    """Every crash point x every first lock holder (the issue's must-show 1)."""
+    t0 = time.monotonic()
+    cells = 0
+    for point in _crash.POINTS:
+        snap, xsnap = str(tmp_path / "snap.shmkv"), str(tmp_path / "x.shmkv")
+        ref = make_store(**_layout(point))
+        ids, xr = _scenario(ref, point, snap, None)
+        before = _without(state(ref), xr.id)
+        op(ref, point, ids, snap)
+        after = _without(state(ref), xr.id)
+        ref.unlink()
+
+        store = make_store(**_layout(point))
+        got_ids, x = _scenario(store, point, snap, xsnap)
+        assert got_ids == ids and x.id == xr.id
+        assert _without(state(store), x.id) == before
+        env = {**os.environ, "SHMKV_CRASH_AT": point,
+               "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        r = subprocess.run([sys.executable, os.path.join(HERE, "_crash_children.py"), store.name, point,
+                            json.dumps(ids), snap], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == -signal.SIGKILL, f"{point} was not reached: exit {r.returncode}\n{r.stderr[-3000:]}"
+        img = _image(store.name)
+        for holder in HOLDERS:
+            _put_image(img)
+            try:
+                captured = _first_holder(holder, store, ids, x, xsnap=xsnap, tmp_path=tmp_path)
+                if captured is not None:
+                    _before_or_after(point, captured, before, after, ids)
+                _before_or_after(point, _without(state(store), x.id), before, after, ids)
+                _check_after(store, ids)
+            except BaseException as e:
+                raise AssertionError(f"crash point {point}, first holder {holder}: {e!r}") from e
+            cells += 1
+        store.unlink()
+    print(f"{cells} cells in {time.monotonic() - t0:.1f} s")
+    assert cells == len(_crash.POINTS) * len(HOLDERS)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), shmkv.CacheFullError("armed: the store is full")],
+                         ids=["KeyboardInterrupt", "CacheFullError"])
+def test_an_exception_at_every_crash_point_rolls_back(make_store, tmp_path, exc):
+    """The crash points armed to raise: the store equals the state before, the exception
+    reaches the caller (must-show 2)."""
+    for point in _crash.POINTS:
+        snap = str(tmp_path / "snap.shmkv")
+        store = make_store(**_layout(point))
+        ids, x = _scenario(store, point, snap, None)
+        before = _without(state(store), x.id)
+        _crash.arm(point, exc)
+        try:
+            with pytest.raises(type(exc)) as got:
+                op(store, point, ids, snap)
+            assert got.value is exc, point
+        finally:
+            _crash.disarm()
+        exc.__traceback__ = None  # its frames hold the operation's write handle (and lease)
+        del got
+        gc.collect()
+        assert store._hdr[_header.W_UNDO_COUNT] == 0 and store._depth == 0, point
+        now = _without(state(store), x.id)
+        if point.startswith("compact"):  # commits before the one that compacts are complete
+            b_now = next(g for g in now if g[0] == ids["b"])
+            b_before = next(a for a in before if a[0] == ids["b"])
+            assert b_now[1][: len(b_before[1])] == b_before[1], point
+            assert [g for g in now if g[0] != ids["b"]] == [a for a in before if a[0] != ids["b"]]
+        else:
+            assert now == before, point
+        _check_after(store, ids)
+        store.unlink()
+
+
+def test_restore_is_all_or_nothing_when_its_publish_raises(make_store, tmp_path):
+    """The issue's case: a CacheFullError inside restore's publish left one of two sequences restored."""
+    store = make_store(**LAYOUT)
+    a = store.create_sequence(capacity=16)
+    fill(a, [1, 2, 3])
+    b = store.create_sequence(capacity=16)
+    fill(b, [4, 5, 6])
+    path = str(tmp_path / "two.shmkv")
+    store.save(path)
+    a.truncate(1)
+    b.truncate(1)
+    before = state(store)
+    _crash.arm("restore.published", shmkv.CacheFullError("armed"))
+    try:
+        with pytest.raises(shmkv.CacheFullError):
+            store.restore(path)
+    finally:
+        _crash.disarm()
+    assert state(store) == before
+    assert store.restore(path) == [a.id, b.id]
+    assert [len(store.sequence(i)) for i in (a.id, b.id)] == [3, 3]
+
+
+def test_a_read_handle_on_a_freed_sequence_stays_dead_after_a_restore(make_store, tmp_path):
+    """Must-show 5a: a restore re-creates id 1; the stale handle raises, never reads it."""
+    store = make_store(**LAYOUT)
+    s = store.create_sequence(capacity=8)
+    fill(s, [70, 71, 72])
+    path = str(tmp_path / "one.shmkv")
+    store.save(path)
+    stale = store.sequence(s.id)
+    stale_w = s
+    assert stale.tokens.tolist() == [70, 71, 72]
+    s.free()
+    assert store.restore(path) == [stale.id]  # the snapshot's id, alive again
+    assert store.sequence(stale.id).tokens.tolist() == [70, 71, 72]
+    with pytest.raises(shmkv.SequenceNotFound):
+        _ = stale.tokens
+    with pytest.raises(shmkv.SequenceNotFound):
+        stale.read(0)
+    with pytest.raises(shmkv.SequenceNotFound):
+        _ = stale_w.tokens  # the write handle that freed it
+    with pytest.raises((shmkv.SequenceNotFound, shmkv.ReadOnlyError)):  # its lease went with free()
+        stale_w.truncate(1)
+    ro = shmkv.attach(store.name, readonly=True)
+    try:
+        assert ro.sequence(stale.id).tokens.tolist() == [70, 71, 72]
+    finally:
+        ro.close()
+
+
+def test_a_read_only_save_after_a_crash_records_the_rolled_back_state(make_store, tmp_path):
+    """A writer died inside truncate: a read-only save succeeds and records the state before."""
+    store = make_store(**LAYOUT)
+    ids = base(store)
+    before = state(store)
+    env = {**os.environ, "SHMKV_CRASH_AT": "truncate.row",
+           "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "_crash_children.py"), store.name, "truncate.row",
+                        json.dumps(ids), str(tmp_path / "x")], env=env, capture_output=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    path = str(tmp_path / "ro.shmkv")
+    with shmkv.attach(store.name, readonly=True) as ro:
+        ro.save(path)
+        assert state(ro) == before  # read-only readers see it rolled back too
+    assert store._hdr[_header.W_UNDO_COUNT] == 1  # nobody rolled it back: the reader could not
+    loaded = shmkv.load(path, name=unique_name("jl"))
+    try:
+        assert state(loaded) == before
+    finally:
+        loaded.unlink()
+
+
+def test_sigints_never_leave_the_lock_held(make_store):
+    """Must-show 3: 500 SIGINTs into a process that catches KeyboardInterrupt (keeping the
+    traceback) between lock-heavy operations: after each one it holds no lock and no
+    transaction, and this process can take the lock."""
+    store = make_store(**dict(LAYOUT, max_seqs=64))
+    n = int(os.environ.get("SHMKV_SIGINTS", "500"))
+    rng = np.random.default_rng(int(os.environ.get("SHMKV_SIGINT_SEED", "22")))
+    env = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    child = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "_journal_children.py"), "sigint", store.name],
+                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    held = []
+
+    def line(timeout: float = 30.0) -> str:
+        ready, _, _ = select.select([child.stdout], [], [], timeout)
+        assert ready, "the child stopped answering"
+        out = child.stdout.readline()
+        assert out, f"the child died: exit {child.wait(5)}"
+        return out.strip()
+
+    try:
+        assert line(60) == "ready"
+        for i in range(n):
+            time.sleep(float(rng.uniform(0, 0.003)))  # lands anywhere in the loop
+            child.send_signal(signal.SIGINT)
+            out = line()
+            assert out.startswith("caught"), out
+            if out != "caught 0 0":
+                held.append((i, out))
+            if i % 50 == 49:  # and the store lock is really free for others (the child paused)
+                child.stdin.write("pause\n")
+                child.stdin.flush()
+                while not (out := line()).startswith("paused"):
+                    assert out.startswith("caught"), out
+                if out != "paused 0 0":
+                    held.append((i, out))
+                store._lock.acquire(10.0)
+                store._lock.release()
+                child.stdin.write("go\n")
+                child.stdin.flush()
+        child.stdin.close()
+        assert child.wait(30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        err = child.stderr.read()
+        for f in (child.stdin, child.stdout, child.stderr):
+            f.close()
+    assert held == [], err[-6000:]  # the first one's traceback
+    assert cli.verify(store) == []
