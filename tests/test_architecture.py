@@ -57,7 +57,6 @@ KNOWN_UPWARD_TYPE_IMPORTS: set[tuple[str, str]] = {
 # MAX_CLASS_LINES today (the limits were 700 / 450 until issue 27).
 KNOWN_LARGE: set[str] = {
     "_engine.arena.Arena",
-    "_engine.core.Core",
     "_sequence.handle",
     "_sequence.handle.Sequence",
     "_sequence.writer.SeqWriter",

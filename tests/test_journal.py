@@ -369,3 +369,22 @@ def test_sigints_never_leave_the_lock_held(make_store):
             f.close()
     assert held == [], err[-6000:]  # the first one's traceback
     assert cli.verify(store) == []
+
+
+def test_only_the_journal_takes_the_store_lock():
+    """One way in: outside _engine/journal.py (and the lock itself) no code acquires the store
+    lock or holds it directly; everything goes through Journal._locked / _reading."""
+    import pathlib
+    import re
+
+    pkg = pathlib.Path(shmkv.__file__).parent
+    direct = re.compile(r"_lock\.(acquire|held|release)\(|StoreLock\(")
+    found = []
+    for f in sorted(pkg.rglob("*.py")):
+        rel = f.relative_to(pkg).as_posix()
+        if rel in ("_engine/journal.py", "_engine/lock.py"):
+            continue
+        for n, text in enumerate(f.read_text().splitlines(), 1):
+            if direct.search(text) and not (rel == "_engine/core.py" and "StoreLock(" in text):
+                found.append(f"{rel}:{n}: {text.strip()}")
+    assert found == []

@@ -192,7 +192,21 @@ class Store(Arena):
         self._close(remove=True)
 
     def transaction(self) -> AbstractContextManager[None]:
-        """Hold the store lock across several structural operations (a context manager)."""
+        """Hold the store lock across several structural operations (a context manager).
+
+        It enters through the journal's one way into the lock, so it first rolls back
+        what a process that died holding the lock left half done (``shmkv verify
+        --repair`` is this). It is not itself atomic: each structural operation inside
+        is its own journaled transaction (all or nothing: rolled back on an exception of
+        any kind, or by the next lock holder after a crash), and an exception in the
+        block does not undo the operations that completed before it. Other processes'
+        structural operations wait meanwhile: keep it short.
+
+        Example:
+            >>> with store.transaction():          # doctest: +SKIP
+            ...     store.copy_prefix(a, b, 16)
+            ...     store.sequence(b, write=True).truncate(8)
+        """
         return self._locked()
 
     def clients(self) -> list[int]:
