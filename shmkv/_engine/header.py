@@ -24,7 +24,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
     96                   1      creator pid
     104                  1      creator start time (clock ticks, 0 = unknown)
     112                  1      persistent (0/1)
-    120                  1      next sequence id (ids are never reused)
+    120                  1      next sequence id (create never reuses an id)
     128                  1      window (sliding layers; 0 = none)
     136                  1      chunk (chunked layers; 0 = none)
     144                  1      memory (extra tokens kept by sliding layers)
@@ -64,7 +64,9 @@ Header segment ``/dev/shm/skv_NAME.h``::
 Sequence row (int64 words)::
 
     0 STATE        0 free slot, 1 live sequence, 2 encoder cache of a sequence
-    1 ID           sequence id (int, never reused within a store)
+    1 ID           sequence id (int): create never reuses one (next id, word 120); a restore
+                   brings a snapshot's ids back, as a new incarnation (GEN), so a handle on
+                   the id's earlier life raises SequenceNotFound
     2 START        first token cell of the sequence's range
     3 CAPACITY     cells in the range
     4 LENGTH       committed tokens; published by the lease holder after the data

@@ -1,6 +1,7 @@
 """THE journal of a store: the one way into the store lock, journaled transactions, the undo
 log and crash recovery. Nothing else takes the structural lock or changes a row's seqlock
-generation outside these brackets (tests/test_architecture.py checks the first).
+generation outside these brackets (tests/test_journal.py::test_only_the_journal_takes_the_store_lock
+checks the first).
 
 A process may die at any instruction (SIGKILL, OOM, a segfault) or raise any exception
 (KeyboardInterrupt, CacheFullError, a bug) inside a structural operation. The protocol
