@@ -260,6 +260,7 @@ class StoreLock:
         if not state.rlock.acquire(blocking=False) and not state.rlock.acquire(
             timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())
         ):
+            deliver_deferred()  # a Ctrl-C while waiting wins over the timeout
             raise self._timeout_error(timeout)
         op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         outer = state.depth == 0
@@ -282,6 +283,7 @@ class StoreLock:
                     pass
                 state.fd = -1
             state.rlock.release()
+            deliver_deferred()  # nothing held now: a Ctrl-C deferred meanwhile is raised (chained)
             raise
         state.depth += 1
         if _deferred:  # a Ctrl-C while we took it: give it back, then raise it
