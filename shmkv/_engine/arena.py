@@ -210,8 +210,9 @@ class Arena(Pages):
         rec[:8] = np.frombuffer(len(packed).to_bytes(8, "little"), np.uint8)
 
     def _get_meta(self, slot: int) -> bytes:
-        """A sequence's packed metadata, as stored (the caller checks the row's seqlock)."""
-        rec = self._meta[slot]
+        """A sequence's packed metadata, as stored (the caller checks the row's seqlock); while
+        another process's transaction logged it, as its rollback leaves it (_journal, 7)."""
+        rec = self._settled_meta(slot) if self._hdr[_header.W_UNDO_COUNT] and not self._depth else self._meta[slot]
         n = int.from_bytes(rec[:8].tobytes(), "little")
         return bytes(rec[8 : 8 + min(n, _header.META_BYTES)].tobytes())
 

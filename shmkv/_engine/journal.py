@@ -141,6 +141,16 @@ class Journal:
         words: list[int] = self._table_np[slot].tolist()
         return words
 
+    def _settled_meta(self, slot: int) -> np.ndarray:
+        """Row ``slot``'s meta record (bytes) as a rollback would leave it (see _settled_row)."""
+        for i in range(self._hdr[_header.W_UNDO_COUNT]):
+            e = self._undo_np[i]
+            if e[0] & _SLOT_MASK == slot and e[0] & _META_LOGGED:
+                logged: np.ndarray = e[1 + SEQ_WORDS :].view(np.uint8)
+                return logged
+        record: np.ndarray = self._meta_w[slot].view(np.uint8)
+        return record
+
     # -- journaled transactions ------------------------------------------------------------
 
     def _transaction(self) -> _Txn:

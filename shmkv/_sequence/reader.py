@@ -24,7 +24,7 @@ from shmkv._engine.core import _readonly
 from shmkv._engine.header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, WBUF, WIN_OFF
 from shmkv._engine.journal import INCARNATION_SHIFT
 from shmkv._sequence.visibility import attention_mask, visible_from
-from shmkv.errors import InvalidArgumentError, LockTimeout, SequenceNotFound, StoreClosedError
+from shmkv.errors import InvalidArgumentError, SequenceNotFound, StoreClosedError
 
 if TYPE_CHECKING:
     from shmkv._engine.header import Layout
@@ -166,14 +166,7 @@ class SeqReader:
         self.check()
 
         def settled() -> tuple[Words, T]:
-            if self.store.readonly and self.row[GEN] & 1:
-                # under the shared lock no live process is changing the row: a dead one left it
-                # half done, and only a read-write attachment can roll that back
-                raise LockTimeout(
-                    f"sequence {self.id} of store {self.store.name!r} was being changed by a process that "
-                    "died: a read-only attachment cannot roll that back; attach read-write (any process "
-                    "taking the store lock recovers it)"
-                )
+            # a dead process's transaction: its rows (and meta records) as the rollback leaves them
             return self.settled_words(), read()
 
         words, value = seqlocked(self.row, lambda: (self.words(), read()), self.reading, settled)
