@@ -52,6 +52,7 @@ class Arena(Pages):
         p = Port(K=self._K, V=self._V, KS=self._KS, VS=self._VS, Kl=self._Kl, Vl=self._Vl, Kr=self._Kr, Vr=self._Vr,
                  KSl=self._KSl, VSl=self._VSl, tokens=self._tokens, positions=self._positions,
                  row=self._row, settled_row=self._settled_row, locked=self._locked, reading=self._reading,
+                 lock_owned=self._lock.owned,
                  changing=self._changing, transaction=self._transaction,
                  new_incarnation=self._new_incarnation, check_not_leased_by_other=self._check_not_leased_by_other,
                  relocate=self._relocate, rewrite=self._rewrite, set_encoder=self._set_encoder,

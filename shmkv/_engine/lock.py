@@ -339,6 +339,12 @@ class StoreLock:
         if _deferred:
             deliver_deferred()
 
+    def owned(self) -> bool:
+        """Whether the calling thread holds the lock."""
+        state = self._state
+        return (state is not None and self._pid == os.getpid() and state.depth > 0
+                and bool(state.rlock._is_owned()))  # type: ignore[attr-defined]  # RLock's owner check
+
     @property
     def depth(self) -> int:
         """Holds of this process (0: not held); meaningful to the thread that holds the lock."""

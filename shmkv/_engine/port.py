@@ -69,6 +69,8 @@ class Port:
             transaction; ``locked(scan=True)`` also repairs odd generations).
         reading: what a reader waiting out a change holds (``locked``, or a shared lock
             on a read-only attachment).
+        lock_owned: whether the calling thread holds the store lock (its own transaction's
+            rows are odd: it reads them as they are, under the lock, without spinning).
         changing: a change of one row inside the open journaled transaction (lock held).
         transaction: a journaled transaction of several rows (committed together, rolled
             back together on an exception or after a crash).
@@ -116,6 +118,7 @@ class Port:
     settled_row: Callable[[int], list[int]]
     locked: Callable[..., AbstractContextManager[None]]
     reading: Callable[[], AbstractContextManager[None]]
+    lock_owned: Callable[[], bool]
     changing: Callable[[memoryview], AbstractContextManager[None]]
     transaction: Callable[[], AbstractContextManager[None]]
     new_incarnation: Callable[[memoryview], None]

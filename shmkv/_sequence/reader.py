@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 
 def seqlocked(row: memoryview, read: Callable[[], T], reading: Callable[[], AbstractContextManager[None]],
-              settled: Callable[[], T]) -> T:
+              settled: Callable[[], T], mine: Callable[[], bool] | None = None) -> T:
     """The one seqlock read of a sequence row (DESIGN.md section 3): one retry policy, one fallback.
 
     Structural operations make the row's generation odd while they change it (``_core``'s
@@ -52,6 +52,8 @@ def seqlocked(row: memoryview, read: Callable[[], T], reading: Callable[[], Abst
 
     ``read`` may see a torn row (it runs while a writer may start): it must not raise on one,
     and its caller validates what it returns (e.g. that the sequence is live) afterwards.
+    ``mine``: whether this thread holds the store lock; then an odd row is its own open
+    transaction's (``_journal``, 3), read at once under the (re-entrant) lock.
     """
     for i in range(_SPIN):
         g = row[GEN]
@@ -59,6 +61,8 @@ def seqlocked(row: memoryview, read: Callable[[], T], reading: Callable[[], Abst
             value = read()
             if row[GEN] == g:
                 return value
+        elif not i and mine is not None and mine():
+            break
         if i > 50:
             time.sleep(0)
     with reading():
@@ -147,7 +151,8 @@ class SeqReader:
         """A consistent (start, capacity, length, window offset) of the row (seqlock read)."""
         if self.store.closed:  # check() and live() inlined: seq.length, keys() and views come here
             self.check()
-        state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, self.words, self.reading, self.settled_words)
+        state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, self.words, self.reading, self.settled_words,
+                                                               self.port.lock_owned)
         if state != LIVE or sid != self.id or self.row[GEN] >> INCARNATION_SHIFT != self.inc:
             raise self._freed()
         self.wbase = (2 * self.slot + wbuf) * self.wc
