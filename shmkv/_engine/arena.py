@@ -29,7 +29,10 @@ from shmkv._engine.header import (
     IDX_BLOCKS,
     NOINDEX,
     RECENCY,
+    leads,
+    with_leads,
 )
+from shmkv._engine.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError, NotSupportedError
 from shmkv._engine.pages import Pages, take_interval
 
@@ -226,7 +229,7 @@ class Arena(Pages):
         add entries for its blocks [0, IDX_BLOCKS), whose hashes came with copied cells."""
         row = self._row(slot)
         hdr = self._hdr
-        if self._index.full(hdr[_header.W_INDEX_USED] + upto // 16):
+        if self._index.full(hdr[_header.W_INDEX_USED] + upto // 16 + len(LEAD)):
             hdr[_header.W_INDEX_USED] = self._index.rebuild()
         if adopt:
             hdr[_header.W_INDEX_USED] += self._index.adopt(slot)
@@ -383,7 +386,7 @@ class Arena(Pages):
             d_row[CLEAN] = -1 if clean < 0 or clean >= n else clean
             # the copied hashes are valid for src's indexed blocks: dst's entries start from them
             d_row[IDX_BLOCKS] = min(s_row[IDX_BLOCKS], n // 16)
-            d_row[FLAGS] &= ~NOINDEX
+            d_row[FLAGS] = with_leads(d_row[FLAGS], min(leads(s_row[FLAGS]), lead_levels(n))) & ~NOINDEX
             self._index_blocks(d_slot, n, adopt=True)
 
     def _relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:

@@ -81,7 +81,9 @@ Sequence row (int64 words)::
     11 FLAGS       bit 0 FINISHED: done, kept as a cached prefix, evictable (seq.finish());
                    bit 1 NOINDEX: blocks from IDX_BLOCKS on cannot be indexed (a token id -1, or
                    tokens moved by remove/shift_left) until a truncate below them;
-                   bit 2 DISPLACER: an index entry of this row replaced an older holder (see _prefix)
+                   bit 2 DISPLACER: an index entry of this row replaced an older holder (see _prefix);
+                   bits 8..10 LEADS: how many of its leads (first 1, 2, 4, 8 tokens: _prefix_hash.LEAD)
+                   are in the prefix index
     12 RECENCY     the recency clock's value at the last use (create, reuse as donor, finish)
     13 IDX_BLOCKS  whole 16-token blocks of this sequence that are in the prefix index
     14 CLEAN       tokens [0, CLEAN) are a faithful computation from position 0 (a donor may
@@ -97,7 +99,9 @@ Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned)::
     tokens     [max_tokens] int64   token id per cell (-1 = none given)
     positions  [max_tokens] int64   position per cell
     hashes     [max_tokens] int64   at the last cell of each whole 16-token block of a sequence:
-                                    the chained prefix hash of tokens 0..that cell (see _prefix_hash)
+                                    the chained prefix hash of tokens 0..that cell (see _prefix_hash);
+                                    at cell j - 1 of a sequence for each indexed lead j (1, 2, 4, 8):
+                                    the lead hash of its first j tokens
     WK, WV     [bounded layers, 2 * max_seqs * window_cells, kv_heads, head_dim]: sliding and
                chunked layers keep their recent tokens here, in one of two buffers per sequence
                slot ((2 * slot + WBUF) * window_cells ...); a structural change writes the other
@@ -125,7 +129,8 @@ from shmkv.errors import CorruptStoreError, InvalidArgumentError, LayoutMismatch
 
 MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
 # 2: store identity and session tag (words 20, 21); prefix cache (counters, row flags, index, hashes region)
-FORMAT_VERSION = 2
+# 3: leads in the prefix index (row FLAGS bits 8..10, lead entries, a larger index)
+FORMAT_VERSION = 3
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
@@ -143,6 +148,17 @@ LAYER_KINDS_OFF = 512
 STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
 FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF = 11, 12, 13, 14, 15
 FINISHED, NOINDEX, DISPLACER = 1, 2, 4  # FLAGS bits
+LEADS_SHIFT, LEADS_MASK = 8, 7 << 8  # FLAGS bits 8..10: leads indexed (0..len(LEAD))
+
+
+def leads(flags: int) -> int:
+    """Leads a row has in the prefix index, from its FLAGS word."""
+    return (flags & LEADS_MASK) >> LEADS_SHIFT
+
+
+def with_leads(flags: int, levels: int) -> int:
+    """``flags`` with its LEADS bits set to ``levels``."""
+    return (flags & ~LEADS_MASK) | (levels << LEADS_SHIFT)
 LIVE, ENCODER = 1, 2  # STATE values (0: free slot)
 SEQ_WORDS = 16
 # client row columns
@@ -155,8 +171,9 @@ UNDO_WORDS = 1 + SEQ_WORDS + META_RECORD // 8  # slot, row words, meta words
 
 
 def index_slots(layout: Layout) -> int:
-    """Entries of the prefix index: a power of two, at least twice the blocks the arena can hold."""
-    need = 2 * (layout.max_tokens // 16 + layout.max_seqs)
+    """Entries of the prefix index: a power of two, at least twice the entries that can be valid
+    (a block's and up to four leads a sequence: 4 + 1 a row keeps the old slack of one a row)."""
+    need = 2 * (layout.max_tokens // 16 + 5 * layout.max_seqs)
     return max(64, 1 << (need - 1).bit_length())
 
 LAYER_KINDS = ("full", "sliding", "chunked")
