@@ -107,8 +107,10 @@ class Core:
         )
         dt = _dtypes.storage(layout.dtype)
         L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
-        self._K = np.frombuffer(dmm, dt, L * T * H * D, off.k_off).reshape(L, T, H, D)
-        self._V = np.frombuffer(dmm, dt, L * T * H * D, off.v_off).reshape(L, T, H, D)
+        it = np.dtype(dt).itemsize
+        kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (DESIGN §11)
+        self._K = np.ndarray((L, T, H, D), dt, dmm, off.k_off, kv_strides)
+        self._V = np.ndarray((L, T, H, D), dt, dmm, off.v_off, kv_strides)
         self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
         self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
         self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
@@ -130,8 +132,9 @@ class Core:
                 self._Kl[layer], self._Vl[layer] = self._WK[j], self._WV[j]
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
-        self._KS = np.frombuffer(dmm, np.float32, S, off.ks_off).reshape(-1, T, H) if S else None
-        self._VS = np.frombuffer(dmm, np.float32, S, off.vs_off).reshape(-1, T, H) if S else None
+        s_strides = (off.scale_stride, H * 4, 4)
+        self._KS = np.ndarray((L, T, H), np.float32, dmm, off.ks_off, s_strides) if S else None
+        self._VS = np.ndarray((L, T, H), np.float32, dmm, off.vs_off, s_strides) if S else None
         # what every Sequence handle reads through: built once here, not per handle (a handle
         # is made per request; fewer objects keep store.sequence(id) cheap)
         self._Kr = [_readonly(a) for a in self._Kl]

@@ -92,7 +92,9 @@ Sequence row (int64 words)::
 
 Client row: pid, start time, flags (1 = read-write), reserved.
 
-Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned)::
+Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned, and each layer of K, V and the
+scales too: ``layer_stride`` and ``scale_stride`` are whole pages, so ``page_unit`` cells from a
+multiple of ``page_unit`` are whole pages of every per-layer array, DESIGN §11)::
 
     K          [layers, max_tokens, kv_heads, head_dim]  storage dtype
     V          [layers, max_tokens, kv_heads, head_dim]  (bfloat16: uint16 bits; int8: codes)
@@ -118,6 +120,7 @@ table (a crash half-way through an allocation cannot leak cells).
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import zlib
 from dataclasses import dataclass
@@ -348,8 +351,9 @@ class Offsets:
     vs_off: int
     scale_stride: int  # bytes between layers inside a scales region
     data_bytes: int
-    layer_stride: int  # bytes between layers inside K or V
+    layer_stride: int  # bytes between layers inside K or V (a whole number of pages)
     cell_bytes: int  # bytes of one token of one layer (kv_heads * head_dim * itemsize)
+    page_unit: int  # the fewest cells whose bytes fill whole pages in every per-layer array (§11)
 
 
 def offsets(layout: Layout, max_clients: int) -> Offsets:
@@ -362,12 +366,17 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     header_bytes = undo_off + layout.max_seqs * UNDO_WORDS * 8
     page = mmap.PAGESIZE
     cell_bytes = layout.cell_items * _dtypes.itemsize(layout.dtype)
-    layer_stride = layout.max_tokens * cell_bytes
+    # every per-layer array starts on a page boundary (DESIGN §11): a run of page_unit cells
+    # from a multiple of page_unit is whole pages in each, so pages can be shared by mapping
+    layer_stride = _align(layout.max_tokens * cell_bytes, page)
     k_off = 0
     v_off = _align(k_off + layout.layers * layer_stride, page)
     tokens_off = _align(v_off + layout.layers * layer_stride, page)
     positions_off = _align(tokens_off + layout.max_tokens * 8, page)
-    scale_stride = layout.max_tokens * layout.kv_heads * 4 if layout.dtype == "int8" else 0
+    scale_stride = _align(layout.max_tokens * layout.kv_heads * 4, page) if layout.dtype == "int8" else 0
+    unit = page // math.gcd(page, cell_bytes)
+    if scale_stride:
+        unit = math.lcm(unit, page // math.gcd(page, layout.kv_heads * 4))
     w_stride = 2 * layout.max_seqs * layout.window_cells * cell_bytes  # two buffers a slot
     hashes_off = _align(positions_off + layout.max_tokens * 8, page)
     wk_off = _align(hashes_off + layout.max_tokens * 8, page)
@@ -380,7 +389,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
         positions_off, hashes_off,
         wk_off, wv_off, w_stride,
         ks_off, vs_off,
-        scale_stride, data_bytes, layer_stride, cell_bytes,
+        scale_stride, data_bytes, layer_stride, cell_bytes, unit,
     )
 
 
