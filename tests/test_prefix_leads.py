@@ -122,3 +122,28 @@ def test_found_by_another_process_read_only(st, start_method):
     serve(st, p)[0].finish()
     q = np.concatenate([p[:6], [1, 2]]).tolist()
     assert run_in_process(match_readonly, st.name, q, start_method=start_method, timeout=60) == 6
+
+
+@pytest.mark.parametrize("order", ["oldest first", "newest first"])
+def test_an_old_holder_of_a_shared_lead_stays_findable(make_store, order):
+    """Leads are displaced like blocks (DUP=4 holders a hash: a shared first token, a BOS, has
+    many): once every newer holder is freed, the old one is found again through its lead."""
+    st = make_store(max_tokens=1024, max_seqs=16)
+    s = P(30, 6)
+    a = np.concatenate([s, P(31, 4)])  # 10 tokens: no block, leads 1, 2, 4, 8
+    serve(st, a)[0].finish()
+    others = []
+    for i in range(6):
+        p = np.concatenate([s, P(40 + i, 4) + 30_000])
+        b, _ = serve(st, p)
+        b.finish()
+        others.append((b.id, p))
+    if order == "newest first":
+        others.reverse()
+    q = np.concatenate([a[:7], [5]])  # its longest lead is 4: the one shared with the newer six
+    for k, (sid, _) in enumerate(others):
+        st.sequence(sid, write=True).free()
+        assert st.match_prefix(q) >= 6, f"after {k + 1} frees"
+        for _, p in others[k + 1 :]:
+            assert st.match_prefix(np.concatenate([p, [1]])) == len(p)
+    assert st.match_prefix(q) == 7  # the old holder got its lead entries back

@@ -184,6 +184,11 @@ class PrefixIndex:
             i = self._entry(h, sid, blk)
             if i >= 0 and self._t[i * INDEX_WORDS + 3] & DISPLACED:
                 out.append((h, blk))
+        for j in LEAD[: leads(r[b + FLAGS])]:  # leads are displaced like blocks (a shared first token)
+            h = int(self._hashes[start + j - 1])
+            i = self._entry(h, sid, LEADMARK | j)
+            if i >= 0 and self._t[i * INDEX_WORDS + 3] & DISPLACED:
+                out.append((h, LEADMARK | j))
         return out
 
     def rehome(self, lost: list[tuple[int, int]]) -> int:
@@ -199,8 +204,14 @@ class PrefixIndex:
                 r[t[i * INDEX_WORDS + 2] * SEQ_WORDS + FLAGS] |= DISPLACER
             if kept:
                 continue
-            live = np.flatnonzero((rows[:, STATE] == LIVE) & (rows[:, IDX_BLOCKS] > blk))
-            cells = rows[live, START] + (blk + 1) * BLOCK - 1
+            if blk & LEADMARK:  # holders of the lead: rows with that many leads, hash at cell j - 1
+                j = blk & ~LEADMARK
+                have = (rows[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
+                live = np.flatnonzero((rows[:, STATE] == LIVE) & (have >= _LEAD_LEVEL[j]))
+                cells = rows[live, START] + j - 1
+            else:
+                live = np.flatnonzero((rows[:, STATE] == LIVE) & (rows[:, IDX_BLOCKS] > blk))
+                cells = rows[live, START] + (blk + 1) * BLOCK - 1
             ok = (cells >= 0) & (cells < len(self._hashes))
             live, cells = live[ok], cells[ok]
             live = live[self._hashes[cells] == h]
