@@ -8,6 +8,10 @@ and time to first token with and without reuse. Prints JSON on its last line.
 - prefix_ttft_ratio: time to first token of the demo's model for a request whose system prompt
   (250 of its 300 tokens) is cached, over the same request computed from scratch in the same run,
   interleaved (create_sequence + prefill of the rest + logits).
+- stitched_read_ratio: reading every layer's K of a 2,112-token stitched view (a donor's first
+  2,048 cells and 64 cells of another range, mapped into one contiguous array: DESIGN §11) over
+  reading a plain view of the same number of bytes, interleaved (goal >= 0.9); stitch_build_us:
+  building and unmapping one such layer view (8 KV heads x 128 dims, float16).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 import numpy as np
 
 import shmkv
+from shmkv._engine import stitch
 from shmkv.cli import _model
 from shmkv.testing import unique_name
 
@@ -81,11 +86,62 @@ def _ttft_ratio(reps: int) -> tuple[float, float]:
         store.close()
 
 
+def _stitched_read(reps: int) -> tuple[float, float]:
+    """(plain time / stitched time of reading every layer's K, us to build + unmap one layer view)."""
+    L, H, D, m, own = 8, 8, 128, 2048, 64
+    store = shmkv.create(unique_name("bs"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+                         max_tokens=2 * (m + own) + 1024, max_seqs=4)
+    try:
+        rng = np.random.default_rng(4)
+        donor = store.create_sequence(capacity=m + own)
+        donor.extend(rng.standard_normal((L, m + own, H, D)).astype(np.float16),
+                     rng.standard_normal((L, m + own, H, D)).astype(np.float16))
+        mine = store.create_sequence(capacity=own)
+        mine.extend(rng.standard_normal((L, own, H, D)).astype(np.float16),
+                    rng.standard_normal((L, own, H, D)).astype(np.float16))
+        dbase, fd = store._dbase, store._dseg._fd  # the data segment's address and descriptor
+        cb = H * D * 2
+
+        def pieces(layer: int) -> list[tuple[int, int]]:
+            d = donor.keys(layer).ctypes.data - dbase
+            o = mine.keys(layer).ctypes.data - dbase
+            return [(d, m * cb), (o, own * cb)]
+
+        views = [stitch.Stitch(fd, pieces(i)).array(np.float16, (m + own, H, D)) for i in range(L)]
+        plain = [donor.keys(i) for i in range(L)]
+        for i in range(L):  # the stitch reads what the two ranges hold
+            assert np.array_equal(views[i][:m], plain[i][:m]) and np.array_equal(views[i][m:], mine.keys(i))
+
+        def read(arrs: list[np.ndarray]) -> None:  # every byte, memory-bound (as 8-byte words)
+            for a in arrs:
+                a.reshape(-1).view(np.uint64).max()
+
+        times: dict[str, list[float]] = {"plain": [], "stitched": []}
+        for r in range(reps):
+            for k in (("plain", "stitched") if r % 2 else ("stitched", "plain")):
+                arrs = plain if k == "plain" else views
+                t0 = time.perf_counter()
+                read(arrs)
+                times[k].append(time.perf_counter() - t0)
+        build = []
+        for r in range(reps * 10):
+            t0 = time.perf_counter()
+            v = stitch.Stitch(fd, pieces(r % L)).array(np.float16, (m + own, H, D))
+            del v  # unmapped here: the last array over it is gone
+            build.append(time.perf_counter() - t0)
+        del views
+        return statistics.median(times["plain"]) / statistics.median(times["stitched"]), statistics.median(build) * 1e6
+    finally:
+        store.close()
+
+
 def run(quick: bool) -> dict[str, float]:
     res = {"prefix_lookup_us_16": _lookup_us(16, 200 if quick else 2000),
            "prefix_lookup_us_1000": _lookup_us(1000, 200 if quick else 2000)}
     w, wo = _ttft_ratio(5 if quick else 20)
     res.update(prefix_ttft_ms=w * 1e3, noprefix_ttft_ms=wo * 1e3, prefix_ttft_ratio=w / wo)
+    ratio, build_us = _stitched_read(9 if quick else 31)
+    res.update(stitched_read_ratio=ratio, stitch_build_us=build_us)
     return res
 
 
