@@ -74,11 +74,12 @@ def block_hashes(tokens: object, parent: int = ROOT, limit: int | None = None) -
 # shorter than one block is found too (DESIGN §8: token-granular from token 0). A lead of BLOCK
 # tokens would be named like block 0 (the same bytes after ROOT): LEAD stays below BLOCK.
 LEAD = (1, 2, 4, 8)
+_LEVELS = tuple(sum(1 for j in LEAD if j <= n) for n in range(LEAD[-1] + 1))
 
 
 def lead_levels(n: int) -> int:
     """How many leads fit in ``n`` tokens (0 for none: LEAD[:lead_levels(n)] are all <= n)."""
-    return sum(1 for j in LEAD if j <= n)
+    return _LEVELS[n] if n < LEAD[-1] else len(LEAD)
 
 
 def lead_hash(tokens: np.ndarray, j: int) -> PrefixHash:
