@@ -139,3 +139,38 @@ def test_over_a_store_layer(make_store):
             np.testing.assert_array_equal(s, np.concatenate([st._KS[1, u : 2 * u], st._KS[1, :1]]))
         del a
         st.close()
+
+
+def test_cache_is_bounded_and_releases(file):
+    _, fd = file
+    gc.collect()
+    start = stitch.live()
+    cache = stitch.StitchCache(limit=4)
+    built = []
+
+    def build(i):
+        def f():
+            built.append(i)
+            return stitch.Stitch(fd, [(i % 16 * PAGE, PAGE)]).array(np.uint8, (PAGE,))
+        return f
+
+    a = cache.get((1, 0, 0), build(1))
+    assert cache.get((1, 0, 0), build(99)) is a and built == [1]  # cached: not built again
+    held = cache.get((2, 0, 0), build(2))
+    for i in range(3, 9):
+        cache.get((i, 0, 0), build(i))
+    gc.collect()
+    assert len(cache) == 4 and stitch.live() == start + 4 + 2  # the cache's 4 + the two held here
+    del a
+    gc.collect()
+    assert stitch.live() == start + 5 and pages_of(held) == [2]  # a dropped entry held by a caller stays
+    cache.release(8)
+    cache.release(7)
+    gc.collect()
+    assert len(cache) == 2 and stitch.live() == start + 3
+    cache.clear()
+    del held
+    gc.collect()
+    assert stitch.live() == start
+    with pytest.raises(shmkv.InvalidArgumentError, match="limit"):
+        stitch.StitchCache(limit=0)

@@ -9,7 +9,8 @@ a write through it is seen by every other view of those pages, in every process.
 
 Lifetime: a ``Stitch`` owns its address range. Arrays made over it (``array()``, and every view
 or torch tensor made from those) hold it through their ``base`` chain, so the range is unmapped
-when the last of them is gone, never under a live view (DESIGN §4: no segfault). ``live()``
+when the last of them is gone, never under a live view (DESIGN §4: no segfault). A
+``StitchCache`` keeps a process's views by key, bounded (``CACHE_LIMIT``). ``live()``
 counts the stitches of this process that are still mapped: what a cache of stitched views keeps
 bounded, against the kernel's ``vm.max_map_count`` (65530 by default; a stitch of p pieces costs
 at most p of them).
@@ -24,6 +25,7 @@ import ctypes
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -132,3 +134,52 @@ class Stitch:
             )
         out: np.ndarray = raw[offset : offset + n].view(dt).reshape(shape)
         return out
+
+
+# A process holds at most this many cached stitches: with pieces of a span and an own range,
+# 2 * 8,192 = 16,384 mappings, a quarter of the kernel's default vm.max_map_count (65,530),
+# leaving the rest to the interpreter, its libraries and the store's own segments.
+CACHE_LIMIT = 8192
+
+
+class StitchCache:
+    """Stitched views of one process, by key (for a sequence: its row, the row's generation and
+    the layer), least recently used dropped first beyond ``limit``.
+
+    The cache holds arrays, not mappings: dropping an entry drops the cache's reference only, so
+    a view a caller still holds stays mapped (and readable) until the caller lets it go.
+    """
+
+    def __init__(self, limit: int = CACHE_LIMIT) -> None:
+        if limit < 1:
+            raise InvalidArgumentError(f"StitchCache: limit={limit} must be at least 1")
+        self.limit = limit
+        self._views: dict[tuple[int, ...], np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def get(self, key: tuple[int, ...], build: Callable[[], np.ndarray]) -> np.ndarray:
+        """The view cached under ``key``, else ``build()``'s (cached, the oldest dropped past the limit)."""
+        with self._lock:
+            a = self._views.pop(key, None)
+            if a is not None:
+                self._views[key] = a  # most recent last
+                return a
+        a = build()
+        with self._lock:
+            self._views[key] = a
+            while len(self._views) > self.limit:
+                del self._views[next(iter(self._views))]
+        return a
+
+    def release(self, first: int) -> None:
+        """Drop every view whose key starts with ``first`` (a row freed, a handle closed)."""
+        with self._lock:
+            for k in [k for k in self._views if k[0] == first]:
+                del self._views[k]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._views.clear()
