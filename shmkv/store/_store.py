@@ -17,6 +17,7 @@ import numpy as np
 from shmkv._engine import crash as _crash
 from shmkv._sequence import group as _group
 from shmkv._engine import header as _header
+from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._snapshot import snapshot as _snapshot
@@ -25,8 +26,8 @@ from shmkv._engine.header import (
     CAPACITY,
     GEN,
     ID,
+    LEASE_CLIENT,
     LEASE_PID,
-    LEASE_START,
     LEASE_TOKEN,
     LENGTH,
     START,
@@ -161,16 +162,10 @@ class Store(Arena):
             return
         inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
         if not inherited and not self.readonly:
-            me = os.getpid()
             for handle in list(live_writers.values()):
                 if getattr(handle, "_store", None) is self:
                     drop_lease(handle)
-            try:
-                # a store removed meanwhile has no lock file to take (taking it would leave one behind)
-                if read_identity(self.name) == self._identity:
-                    self._unregister_client(me)
-            except Exception:  # closing must not fail because the lock is stuck
-                pass
+        self._unregister_client()  # our client row, and the byte of the liveness file (no lock taken)
         remove = remove and not inherited
         self._closed = True
         if self._finalizer is not None:
@@ -196,11 +191,14 @@ class Store(Arena):
         return self._locked()
 
     def clients(self) -> list[int]:
-        """Pids of the live read-write processes attached to the store."""
+        """Pids of the live read-write attachments of the store (one per attachment).
+
+        Alive means holding its byte of the liveness file, whatever the PID namespace; the pids
+        are for display: each is the pid in its process's own namespace."""
         self._check_open()
         out = []
-        for pid, start, _flags, _ in self._clients_np.tolist():
-            if pid and _segment.pid_alive(pid, start):
+        for pid, key, _flags, _ in self._clients_np.tolist():
+            if pid and key > 0 and self._alive(key):
                 out.append(pid)
         return out
 
@@ -238,6 +236,7 @@ class Store(Arena):
             )
         toks = None if prefix is None else _prompt(prefix)
         token = new_token()
+        client = self._client_key()
         with self._locked():
             n, _, donor = self._index.match(toks) if toks is not None else (0, 0, -1)
             # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
@@ -268,7 +267,7 @@ class Store(Arena):
                     self._log_meta(slot)
                     self._meta[slot, :8] = 0
                     self._touch(row)
-                    row[LEASE_START] = _segment.own_start_time()
+                    row[LEASE_CLIENT] = client
                     row[LEASE_TOKEN] = token
                     row[LEASE_PID] = os.getpid()
                     row[STATE] = LIVE
@@ -319,6 +318,7 @@ class Store(Arena):
         if not write:
             return Sequence(self, int(seq_id), slot, write=False, token=0)
         token = new_token()
+        client = self._client_key()
         with self._locked():
             slot = self._slot_of(seq_id)
             row = self._row(slot)
@@ -326,7 +326,7 @@ class Store(Arena):
             if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
                 row[FLAGS] &= ~FINISHED
                 self._touch(row)
-            row[LEASE_START] = _segment.own_start_time()
+            row[LEASE_CLIENT] = client
             row[LEASE_TOKEN] = token
             _crash.point("lease.taken")
             row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands
@@ -353,7 +353,7 @@ class Store(Arena):
         out = []
         for slot in np.flatnonzero(self._table_np[:, STATE] == LIVE):
             r = self._table_np[slot].tolist()
-            alive = bool(r[LEASE_PID]) and _segment.pid_alive(r[LEASE_PID], r[LEASE_START])
+            alive = bool(r[LEASE_PID]) and self._alive(r[LEASE_CLIENT])
             out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN],
                                     bool(r[FLAGS] & FINISHED)))
         return sorted(out, key=lambda s: s.id)
@@ -499,15 +499,16 @@ def _prompt(tokens: Any) -> np.ndarray:
 
 @_lock.lifecycle_op
 def _remove_names(name: str) -> bool:
-    """Unlink the segments, then the lock file (never the lock while a segment exists)."""
+    """Unlink the segments, then the lock and liveness files (never those while a segment exists)."""
     found = _segment.unlink(_segment.header_name(name))
     found = _segment.unlink(_segment.data_name(name)) or found
-    try:
-        os.unlink(_segment.lock_path(name))
-    except FileNotFoundError:
-        pass
-    except PermissionError:
-        raise _segment.denied(os.path.basename(_segment.lock_path(name)), "lock file") from None
+    for path, what in ((_segment.lock_path(name), "lock file"), (_liveness.live_path(name), "liveness file")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except PermissionError:
+            raise _segment.denied(os.path.basename(path), what) from None
     return found
 
 
