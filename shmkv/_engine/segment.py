@@ -420,8 +420,7 @@ MAX_PID = 1 << 22  # Linux's largest pid_max
 def process_start_time(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot (Linux), 0 when unknown.
 
-    Stored next to every pid we record, so a recycled pid is not mistaken for
-    the process that held a lease or created a store.
+    Part of a snapshot temporary file's name, so a recycled pid is not mistaken for its writer.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -436,20 +435,11 @@ def process_start_time(pid: int) -> int:
         return 0
 
 
-_own_start: tuple[int, int] = (0, 0)  # (pid, its start time): this process's, read once
-
-
-def own_start_time() -> int:
-    """:func:`process_start_time` of this process (read once per process: a lease takes it)."""
-    global _own_start
-    pid = os.getpid()
-    if _own_start[0] != pid:
-        _own_start = (pid, process_start_time(pid))
-    return _own_start[1]
-
-
 def pid_alive(pid: int, start_time: int = 0) -> bool:
-    """Whether ``pid`` is alive and (when known) is the process started at ``start_time``."""
+    """Whether ``pid`` is alive and (when known) is the process started at ``start_time``.
+
+    A pid guess, meaningful only inside one PID namespace: stores never use it (their liveness is
+    a kernel lock, see _engine/liveness); only snapshot temporary files are still judged by it."""
     if not 0 < pid <= MAX_PID:  # a scribbled word is no process (os.kill would overflow)
         return False
     try:
