@@ -291,7 +291,11 @@ class Store(Arena):
         if tier is not None:
             if toks is None:
                 raise InvalidArgumentError("create_sequence: tier= needs prefix= (the prompt's token ids)")
-            tier.pull(seq, toks, have=n)  # network I/O: outside the store lock
+            try:
+                tier.pull(seq, toks, have=n)  # network I/O: outside the store lock
+            except BaseException:  # (a chunk that cannot be loaded is a miss; this is anything else)
+                seq.free()  # no live, unfinished sequence is left behind
+                raise
         return seq
 
     def match_prefix(self, tokens: Any) -> int:
