@@ -298,7 +298,7 @@ def _with_valid_checksum(blob: bytes, layout, mutate) -> bytes:
 
 
 @pytest.mark.parametrize("what", ["inf scales", "nan scales"])
-def test_create_sequence_chunk_that_cannot_be_loaded_is_a_miss_and_leaks_nothing(  # noqa: PLR0917
+def test_create_sequence_chunk_that_cannot_be_loaded_is_a_miss_and_leaks_nothing(
         make_store, server, client, tiers, what):
     """Issue 22: an int8 chunk with inf scales (valid checksum) made create_sequence(prefix=, tier=)
     raise InvalidArgumentError, kept the chunk, and leaked a live unfinished sequence per request."""

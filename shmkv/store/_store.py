@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -54,7 +55,6 @@ from shmkv.errors import (
     CacheFullError,
     CorruptStoreError,
     InvalidArgumentError,
-    StoreClosedError,
     StoreNotFound,
 )
 
@@ -105,11 +105,14 @@ class StoreStats:
 class Store(Arena):
     """A handle on a named store. Create with :func:`create`, attach with :func:`attach`.
 
-    ``close()`` gives up this process's leases and unmaps (views keep their
-    pages mapped until they are collected). The creator's ``close()`` (or exit)
-    also removes a non-persistent store, if its segments are still the ones it
-    created; dropping the handle (garbage collection) only closes its
-    descriptors. ``unlink()`` removes the store explicitly.
+    ``close()`` gives up this handle's leases and client slot, closes its
+    descriptors and unmaps both segments at once. A view (``seq.keys()``, ...) or a
+    Sequence handle that outlives it keeps the pages it uses mapped until it is
+    collected: reading it stays valid, never a segfault (``.copy()`` what you keep
+    for long). The creator's ``close()`` (or exit) also removes a non-persistent
+    store, if its segments are still the ones it created; dropping the handle
+    (garbage collection) only closes it. ``unlink()`` removes the store
+    explicitly, also after ``close()``.
     """
 
     @property
@@ -148,7 +151,8 @@ class Store(Arena):
         return bool(self._hdr[_header.W_PERSISTENT])
 
     def close(self) -> None:
-        """Give up this handle's leases and unmap; the creator also removes a non-persistent store.
+        """Give up this handle's leases, close its descriptors and unmap (views the caller still
+        holds keep their own pages); the creator also removes a non-persistent store.
 
         The store is removed only while its segments are still the ones this
         process created (same store identity): a newer store of the same name
@@ -170,21 +174,35 @@ class Store(Arena):
         self._closed = True
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._hdr = self._table = None  # type: ignore[assignment]  # closed: no use reaches them any more
+        self._drop_views()
         self._lock.close()
-        self._hseg.close()
+        self._hseg.close()  # unmapped now, unless views (or handles) the caller keeps hold them
         self._dseg.close()
         if self._creator and not inherited:
             _exit_removals.pop((self.name, self._identity), None)
         if remove:
             _remove_if_same(self.name, self._identity)
 
+    def _drop_views(self) -> None:
+        """Drop every reference this handle holds into its mappings (arrays, memoryviews, and the
+        objects and containers made of them), so that closing the segments unmaps them at once.
+        What the caller still holds (views, Sequence handles) keeps its own pages mapped and valid
+        until it is collected (never a segfault); a closed handle only checks it is closed."""
+        for attr, value in list(vars(self).items()):
+            if _holds_views(value):
+                setattr(self, attr, None)
+
     def unlink(self) -> None:
-        """Close this handle and remove the store's segments and lock file now, if they are still
-        the store this handle attached to (attached processes keep their mappings)."""
-        if self._closed:
-            raise StoreClosedError(f"store {self.name!r} is closed: shmkv.remove({self.name!r}) removes it by name")
-        self._close(remove=True)
+        """Remove the store (segments, lock and liveness files) now, if its name still holds the
+        store this handle attached to (same store identity; a newer store of that name is left
+        alone), and close this handle if it is open. Other attached processes keep their mappings.
+
+        Works on a closed handle too, as with ``multiprocessing.shared_memory``: ``store.close();
+        store.unlink()`` removes a created, attached or persistent store (once; then it does nothing).
+        """
+        if not self._closed:
+            self._close(remove=False)
+        _remove_if_same(self.name, self._identity)
 
     def transaction(self) -> AbstractContextManager[None]:
         """Hold the store lock across several structural operations (a context manager)."""
@@ -485,6 +503,20 @@ class Store(Arena):
             prefix_tokens_reused=int(self._hdr[_header.W_PREFIX_REUSED]),
             evictions=int(self._hdr[_header.W_EVICTIONS]),
         )
+
+
+def _holds_views(value: object, depth: int = 2) -> bool:
+    """Whether ``value`` is, or holds (``depth`` levels down), a view of a mapping."""
+    if isinstance(value, (np.ndarray, memoryview, mmap.mmap)):
+        return True
+    if depth <= 0 or isinstance(value, (str, bytes, int, float, Segment)):
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_holds_views(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_views(v, depth - 1) for v in value.values())
+    fields = getattr(value, "__dict__", None)
+    return isinstance(fields, dict) and any(_holds_views(v, depth - 1) for v in fields.values())
 
 
 def _prompt(tokens: Any) -> np.ndarray:
