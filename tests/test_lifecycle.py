@@ -189,3 +189,34 @@ def test_unlink_after_close_leaves_a_newer_store_of_the_same_name(make_store):
     newer = make_store(name=name)
     old.unlink()  # not the store it attached to: left alone
     assert _exists(name) and newer.sequences() == []
+
+
+@pytest.mark.parametrize(("what", "readonly"), [
+    ("lock file is a symlink", False), ("lock file is a symlink", True),
+    ("lock file is a directory", False),  # (read-only, a directory opens and takes shared flocks)
+    ("liveness file gone", False), ("liveness file gone", True)])
+def test_attach_failure_leaks_no_descriptor_and_raises_our_errors(make_store, readonly, what):
+    """Issue 22: attach leaked both segment descriptors and raised a raw OSError when the lock
+    file could not be opened."""
+    store = make_store()
+    name = store.name
+    lock, live = _segment.lock_path(name), _segment.shm_path(f"{_segment.PREFIX}{name}.live")
+    if what == "liveness file gone":
+        os.unlink(live)
+        expected: type[Exception] = shmkv.StoreNotFound
+    else:
+        os.unlink(lock)
+        if what == "lock file is a symlink":
+            os.symlink("/dev/null", lock)
+            expected = shmkv.AccessDeniedError
+        else:
+            os.mkdir(lock)
+            expected = shmkv.CorruptStoreError
+    before = _mapped(name)
+    try:
+        with pytest.raises(expected, match=name):
+            shmkv.attach(name, readonly=readonly)
+        assert _mapped(name) == before  # nothing of the failed attach is left open or mapped
+    finally:
+        if os.path.isdir(lock) and not os.path.islink(lock):
+            os.rmdir(lock)

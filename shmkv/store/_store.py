@@ -4,6 +4,7 @@ create, gc and the rest of the lifecycle: ``_lifecycle``)."""
 from __future__ import annotations
 
 import atexit
+import errno
 import math
 import mmap
 import os
@@ -55,6 +56,7 @@ from shmkv.errors import (
     CacheFullError,
     CorruptStoreError,
     InvalidArgumentError,
+    ShmkvError,
     StoreNotFound,
 )
 
@@ -615,6 +617,23 @@ def _remove_at_process_exit(name: str, identity: int) -> None:
         _mp_exit_pid = os.getpid()
 
 
+def _lock_open_error(name: str, e: OSError) -> ShmkvError:
+    """The error for a store lock file that cannot be opened (attach), naming the fix."""
+    path = _segment.lock_path(name)
+    why = f"{os.strerror(e.errno or 0)}; {_segment._owner(path)}"
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return CacheFullError(f"store {name!r}: cannot open its lock file {path} ({why}): close stores you no "
+                              "longer use, or raise the limit (`ulimit -n`)")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.ELOOP):
+        return AccessDeniedError(
+            f"store {name!r}: cannot open its lock file {path} ({why}): it must be a regular file that the "
+            "store's users may open (create(..., mode=0o660) and a common group); remove a stray one as its "
+            "owner, or use another store name"
+        )
+    return CorruptStoreError(f"store {name!r}: cannot open its lock file {path} ({why}): remove the store "
+                             f"(`shmkv rm {name}`) and create it anew")
+
+
 def _check_timeout(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or math.isnan(value) or value < 0:
@@ -666,8 +685,15 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
     except BaseException:
         hseg.close()
         raise
-    store = Store(name, hseg, dseg, layout, max_clients, creator=False, persistent=persistent,
-                  lock_timeout=lock_timeout)
+    try:
+        store = Store(name, hseg, dseg, layout, max_clients, creator=False, persistent=persistent,
+                      lock_timeout=lock_timeout)
+    except BaseException as e:
+        hseg.close()  # nothing leaks: both segments' descriptors (and mappings) go now
+        dseg.close()
+        if isinstance(e, OSError) and not isinstance(e, ShmkvError):
+            raise _lock_open_error(name, e) from None
+        raise
     if not readonly:
         try:
             register_client(store)
