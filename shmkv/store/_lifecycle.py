@@ -188,6 +188,10 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             dseg.close()
             if live is not None:
                 live.close()
+                try:
+                    os.unlink(_liveness.live_path(name))  # no segment is left for it to serve
+                except OSError:
+                    pass
             raise
     except BaseException:
         hseg.close()

@@ -375,9 +375,13 @@ class Store(Arena):
         """The live sequences, in id order."""
         self._check_open()
         out = []
+        asked: dict[int, bool] = {}  # client key -> alive: one question per writer, however many leases
         for slot in np.flatnonzero(self._table_np[:, STATE] == LIVE):
             r = self._table_np[slot].tolist()
-            alive = bool(r[LEASE_PID]) and self._alive(r[LEASE_CLIENT])
+            key, alive = r[LEASE_CLIENT], False
+            if r[LEASE_PID]:
+                known = asked.get(key)
+                alive = asked[key] = self._alive(key) if known is None else known
             out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN],
                                     bool(r[FLAGS] & FINISHED)))
         return sorted(out, key=lambda s: s.id)
