@@ -284,3 +284,22 @@ def test_info_shows_the_prefix_cache(big):
     r = subprocess.run([shmkv_bin, "info", big.name], capture_output=True, text=True, timeout=60)
     assert "prefix cache: 1 hits, 1 misses, 35 tokens reused; 1 finished" in r.stdout
     assert 'finished' in r.stdout.splitlines()[-2] and '"request": "r-1"' in r.stdout
+
+
+@pytest.mark.parametrize("lru", ["dst", "src"])
+def test_copy_prefix_never_evicts_its_own_source_or_destination(make_store, lru):
+    """Issue 22: copy_prefix into a finished, unleased destination that is the least recently used
+    (or from such a source) evicted it to make room for itself; copy_prefix returned, dst was gone."""
+    store = make_store(layers=2, kv_heads=2, head_dim=4, max_tokens=320, max_seqs=16)
+    rng = np.random.default_rng(6)
+    prompts = [prompt(rng, 30) for _ in range(10)]
+    ids = finished_requests(store, prompts, capacity=32)  # the store is full of finished requests
+    src, dst = (ids[9], ids[0]) if lru == "dst" else (ids[0], ids[1])
+    store.copy_prefix(src, dst, 20)  # dst holds tokens: the copy needs a fresh range, so an eviction
+    live = {i.id for i in store.sequences()}
+    assert src in live and dst in live
+    gone = set(ids) - live
+    assert gone == ({ids[1]} if lru == "dst" else {ids[2]})  # the least recently used of the others
+    d = store.sequence(dst)
+    assert d.tokens.tolist() == prompts[ids.index(src)][:20].tolist()
+    assert store.stats().evictions == 1

@@ -22,7 +22,8 @@ Header segment ``/dev/shm/skv_NAME.h``::
     80                   1      max_seqs (rows of the sequence table)
     88                   1      max_clients (rows of the client table)
     96                   1      creator pid
-    104                  1      creator start time (clock ticks, 0 = unknown)
+    104                  1      creator's client key (see liveness: slot 0's key at create; the
+                                creator is alive while slot 0's row holds it and its byte is locked)
     112                  1      persistent (0/1)
     120                  1      next sequence id (ids are never reused)
     128                  1      window (sliding layers; 0 = none)
@@ -71,7 +72,8 @@ Sequence row (int64 words)::
     5 GEN          seqlock generation: odd while a structural op is changing the
                    row or its cells, even otherwise
     6 LEASE_PID    pid holding the write lease (0 = none)
-    7 LEASE_START  that process's start time (guards against pid reuse)
+    7 LEASE_CLIENT the holder's client key (see liveness): the lease is alive while its slot's
+                   byte is locked and the slot's row holds this key (pids are for display only)
     8 LEASE_TOKEN  random id of the handle holding the lease inside that process
     9 WIN_OFF      index of the oldest token the bounded (sliding, chunked) layers still hold;
                    they hold tokens WIN_OFF..LENGTH-1 in the sequence slot's window buffer
@@ -90,7 +92,8 @@ Sequence row (int64 words)::
                    give them); -1 = all of them. remove() lowers it: moved keys were re-rotated
     15 WBUF        which of the slot's two window buffers the bounded layers use (0 or 1)
 
-Client row: pid, start time, flags (1 = read-write), reserved.
+Client row: pid (for display), client key (see liveness; the row belongs to whoever holds the
+slot's byte of the liveness file), flags (1 = read-write), reserved.
 
 Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned, and each layer of K, V and the
 scales too: ``layer_stride`` and ``scale_stride`` are whole pages, so ``page_unit`` cells from a
@@ -132,13 +135,14 @@ from shmkv.errors import CorruptStoreError, InvalidArgumentError, LayoutMismatch
 
 MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
 # 2: store identity and session tag (words 20, 21); prefix cache (counters, row flags, index, hashes region)
-# 3: leads in the prefix index (row FLAGS bits 8..10, lead entries, a larger index)
+# 3: leads in the prefix index (row FLAGS bits 8..10, lead entries, a larger index); liveness by
+#    client keys (creator word 13, lease word 7, client row word 1) and the liveness file
 FORMAT_VERSION = 3
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
 W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS = 5, 6, 7, 8, 9
-W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_START = 10, 11, 12, 13
+W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_CLIENT = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
 W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
 W_INDEX_USED = 38
@@ -148,7 +152,7 @@ FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 
 # sequence row columns
-STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
+STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_CLIENT, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
 FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF = 11, 12, 13, 14, 15
 FINISHED, NOINDEX, DISPLACER = 1, 2, 4  # FLAGS bits
 LEADS_SHIFT, LEADS_MASK = 8, 7 << 8  # FLAGS bits 8..10: leads indexed (0..len(LEAD))
@@ -165,7 +169,7 @@ def with_leads(flags: int, levels: int) -> int:
 LIVE, ENCODER = 1, 2  # STATE values (0: free slot)
 SEQ_WORDS = 16
 # client row columns
-C_PID, C_START, C_FLAGS = 0, 1, 2
+C_PID, C_KEY, C_FLAGS = 0, 1, 2
 CLIENT_WORDS = 4
 INDEX_WORDS = 4  # prefix index entry: hash, sequence id, slot, block
 META_BYTES = 512  # packed seq.meta at most
@@ -394,7 +398,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
 
 
 _CHECKED_WORDS = [W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS, W_MAX_SEQS, W_MAX_CLIENTS,
-                  W_CREATOR_PID, W_CREATOR_START, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY, W_IDENTITY, W_SESSION]
+                  W_CREATOR_PID, W_CREATOR_CLIENT, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY, W_IDENTITY, W_SESSION]
 
 
 def _checksum(words: np.ndarray, kinds: bytes) -> int:
@@ -403,7 +407,7 @@ def _checksum(words: np.ndarray, kinds: bytes) -> int:
 
 
 def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, max_clients: int,
-          creator_pid: int, creator_start: int, persistent: bool, identity: int, session: int = 0) -> None:
+          creator_pid: int, creator_client: int, persistent: bool, identity: int, session: int = 0) -> None:
     """Fill a zeroed header; the magic word goes last so attachers never see half of it."""
     words[W_VERSION] = FORMAT_VERSION
     words[W_HEADER_BYTES] = off.header_bytes
@@ -416,7 +420,7 @@ def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, m
     words[W_MAX_SEQS] = layout.max_seqs
     words[W_MAX_CLIENTS] = max_clients
     words[W_CREATOR_PID] = creator_pid
-    words[W_CREATOR_START] = creator_start
+    words[W_CREATOR_CLIENT] = creator_client
     words[W_PERSISTENT] = int(persistent)
     words[W_NEXT_ID] = 1
     words[W_WINDOW] = layout.window
