@@ -361,18 +361,9 @@ class PrefixIndex:
         # check (stale, or its sliding/chunked layers moved on): then the next, then shorter prefixes
         tried: set[tuple[int, int]] = set()
         while lo > 0:
-            n_best, id_best, slot_best = 0, 0, -1
-            for sid, slot in sorted(best, key=lambda x: -self._rows[x[1] * SEQ_WORDS + RECENCY]):
-                if (sid, slot) in tried:
-                    continue
-                tried.add((sid, slot))
-                n = self._verify(t, limit, sid, slot, lo * BLOCK)
-                if n > n_best:
-                    n_best, id_best, slot_best = n, sid, slot
-                    if n >= limit:
-                        break  # nobody can give more
-            if n_best:
-                return n_best, id_best, slot_best
+            found = self._best(t, limit, best, lo * BLOCK, tried)
+            if found[0]:
+                return found
             lo -= 1
             best = self.holders(hs[lo - 1]) if lo else []
         return self._match_leads(t, limit)
@@ -382,17 +373,25 @@ class PrefixIndex:
         recent first), each verified and extended token by token; then shorter leads."""
         for lvl in range(lead_levels(limit), 0, -1):
             j = LEAD[lvl - 1]
-            n_best, id_best, slot_best = 0, 0, -1
-            hol = self.holders(lead_hash(t, j))
-            for sid, slot in sorted(hol, key=lambda x: -self._rows[x[1] * SEQ_WORDS + RECENCY]):
-                n = self._verify(t, limit, sid, slot, j)
-                if n > n_best:
-                    n_best, id_best, slot_best = n, sid, slot
-                    if n >= limit:
-                        break
-            if n_best:
-                return n_best, id_best, slot_best
+            found = self._best(t, limit, self.holders(lead_hash(t, j)), j, set())
+            if found[0]:
+                return found
         return 0, 0, -1
+
+    def _best(self, t: np.ndarray, limit: int, holders: list[tuple[int, int]], floor: int,
+              tried: set[tuple[int, int]]) -> tuple[int, int, int]:
+        """The holder (most recent first, each tried once) whose verified match is longest."""
+        n_best, id_best, slot_best = 0, 0, -1
+        for sid, slot in sorted(holders, key=lambda x: -self._rows[x[1] * SEQ_WORDS + RECENCY]):
+            if (sid, slot) in tried:
+                continue
+            tried.add((sid, slot))
+            n = self._verify(t, limit, sid, slot, floor)
+            if n > n_best:
+                n_best, id_best, slot_best = n, sid, slot
+                if n >= limit:
+                    break  # nobody can give more
+        return n_best, id_best, slot_best
 
     def _verify(self, t: np.ndarray, limit: int, sid: int, slot: int, floor: int) -> int:
         """Tokens of ``t`` (at most ``limit``) that sequence ``sid`` holds at positions 0..n-1,
