@@ -3,8 +3,8 @@
 ``python _journal_children.py sigint NAME``: lock-heavy operations in a loop; every
 KeyboardInterrupt is caught (its traceback kept, as a REPL keeps it) and reported on
 stdout as ``caught HELD DEPTH``: whether this process still holds the store lock, and its
-open journaled transactions, right after the interrupt. ``ready`` first; a line on stdin
-pauses it (``paused``) until the next line; stops at EOF on stdin.
+open journaled transactions, right after the interrupt. ``ready`` first; ``pause`` on stdin
+pauses it (``paused HELD DEPTH``) until the next line (``go``); stops at EOF on stdin.
 """
 
 from __future__ import annotations
@@ -88,11 +88,13 @@ def _step(store: shmkv.Store, i: int, w: shmkv.Sequence, src: shmkv.Sequence, ds
         w.truncate(6)
         w.extend(*_kv(2), tokens=np.arange(6, 8))
     if i % 16 == 0 and select.select([sys.stdin], [], [], 0)[0]:
-        if not sys.stdin.readline():
+        cmd = sys.stdin.readline()
+        if not cmd:
             return True
-        print(f"paused {int(store._lock.is_held)} {store._depth}", flush=True)  # holding nothing until the next line
-        if not sys.stdin.readline():
-            return True
+        if cmd.strip() == "pause":  # (a "go" that a Ctrl-C kept from the wait below is read here: ignored)
+            print(f"paused {int(store._lock.is_held)} {store._depth}", flush=True)  # holding nothing until "go"
+            if not sys.stdin.readline():
+                return True
     return False
 
 
