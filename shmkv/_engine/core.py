@@ -1,16 +1,10 @@
 """The core of a store handle: its mappings, the sequence table and its seqlocks, the store
 lock, crash recovery, clients and leases. ``Store`` (the API) builds on it through ``Arena``.
 
-Concurrency (DESIGN.md section 3):
+Concurrency (DESIGN.md section 3; the numbered invariants 1-5 of ARCHITECTURE.md): the
+hot path publishes a sequence's length after its cells; structural operations hold the store
+lock and keep a row's seqlock generation odd while they change it.
 
-* The lease holder of a sequence writes cells beyond its committed length and
-  then publishes the new length with one aligned 8-byte store. On x86-64 (TSO)
-  stores become visible in program order, and the numpy copy is an opaque C
-  call that completes before the length store, so a reader that reads the
-  length first never sees a cell that is not fully written.
-* Structural operations take the store lock, and bracket their changes to a
-  sequence row with its seqlock generation (odd while changing). Readers read
-  the generation, the row, the generation again, and retry while it moved.
 * Liveness: every read-write attachment holds a slot of the client table and
   that slot's byte of the liveness file (a kernel lock, see ``liveness``); a lease
   names its holder's client key and can be taken once that byte is free.
@@ -120,12 +114,8 @@ class Core:
         L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
         it = np.dtype(dt).itemsize
         kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (DESIGN §11)
-        # Strided arrays over a byte array of the mapping, never over the mmap (or a memoryview of
-        # it) directly: np.ndarray(buffer=...) keeps the mmap as base without holding an export of
-        # it, so mmap.close() would succeed and unmap under a live view (a segfault on its next
-        # read). np.frombuffer holds the export for as long as any array over it lives (DESIGN §4;
-        # tests/test_lifecycle.py::test_close_unmaps_and_closes_descriptors_while_the_store_object_lives,
-        # test_a_view_outliving_close_reads_its_data).
+        # over np.frombuffer (it holds the mmap's export), never np.ndarray over the mmap: close()
+        # would unmap under live views (tests/test_lifecycle.py::test_a_view_outliving_close...)
         dbuf = np.frombuffer(dmm, np.uint8)
         self._K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
         self._V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
