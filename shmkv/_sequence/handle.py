@@ -229,6 +229,7 @@ class Sequence:
             pass
         self._w.write = False
         self._w.drop_pending()
+        self._w.mirror_drop()
         live_writers.pop(self._token, None)
         if self._fin is not None:
             self._fin.detach()

@@ -38,6 +38,9 @@ from shmkv._sequence.reader import SeqReader
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
 
+_EMPTY = np.empty(0, np.float32)
+
+
 def _real(dt: np.dtype) -> bool:
     return dt.kind in "fiu" or dt == _quant.BF16
 
@@ -73,9 +76,9 @@ class SeqWriter:
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
-                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "pending", "plain", "positions", "r",
-                 "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store", "token", "tokens", "vfrom",
-                 "wc", "wcell", "write")
+                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "mir", "mir_gen", "mir_n", "mir_r", "pending",
+                 "plain", "positions", "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store",
+                 "token", "tokens", "vfrom", "wc", "wcell", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -100,6 +103,11 @@ class SeqWriter:
         self.lim: list[int] = []  # per layer: token index limit
         self.vfrom: list[int] = []  # per layer: first kept cell
         self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
+        # int8 stores: the dequantized mirror (see mirror_views), per layer [2 (K, V), tokens, H, D]
+        self.mir: list[np.ndarray | None] = [None] * self.L
+        self.mir_r: list[np.ndarray | None] = [None] * self.L  # read-only views of mir
+        self.mir_n = [0] * self.L  # tokens [0, mir_n) of each layer mirrored
+        self.mir_gen = -2  # the row generation the mirror is valid at
 
     # -- addressing --------------------------------------------------------------------
 
@@ -179,8 +187,9 @@ class SeqWriter:
             if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
                 _pages.before_appends(self.store, self.start, row[CAPACITY])
 
-    def kv_arrays(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts)."""
+    def kv_arrays(self, k: Any, v: Any, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts).
+        ``finite=False``: int8 values are not checked here (the quantizer refuses them)."""
         k = np.asarray(k)
         v = np.asarray(v)
         if k.shape[-2:] != self.cell or k.shape != v.shape or k.ndim not in (2, 3):
@@ -196,7 +205,7 @@ class SeqWriter:
         if k.ndim == 2:
             k = k[None]
             v = v[None]
-        if self.dtype == "int8":
+        if finite and self.dtype == "int8":
             _quant.check_finite(k, "k")
             _quant.check_finite(v, "v")
         return k, v
@@ -244,10 +253,12 @@ class SeqWriter:
             return self.Kr[layer][first : s + n], self.Vr[layer][first : s + n]
         return self.append_checked(layer, k, v)
 
-    def append_checked(self, layer: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+    def append_checked(self, layer: Any, k: Any, v: Any, views: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """append's checked path; ``views=False`` (extend) returns empty arrays."""
         self.need_writer("append")
         layer = self.r.layer(layer)
-        k, v = self.kv_arrays(k, v)
+        int8 = self.dtype == "int8"
+        k, v = self.kv_arrays(k, v, finite=not int8)
         n = k.shape[0]
         length = self.row[LENGTH]
         p = self.pending[layer]
@@ -258,14 +269,84 @@ class SeqWriter:
             if end > self.lim[layer]:  # a sliding/chunked layer's buffer is full
                 self.compact(layer, end)
         s = self.base[layer] + length + p
+        if int8 and views:
+            return self.append_int8(layer, length + p, s, k, v)
         if self.plain:
             self.Kw[layer][s : s + n] = k
             self.Vw[layer][s : s + n] = v
         else:
             self.encode(layer, s, k, v)
         self.pending[layer] = p + n
+        if not views:
+            return _EMPTY, _EMPTY
         first = self.vfrom[layer]
         return self.r.view("k", layer, first, s + n), self.r.view("v", layer, first, s + n)
+
+    # -- int8: the dequantized mirror ------------------------------------------------------
+
+    def append_int8(self, layer: int, t0: int, s: int, k: np.ndarray, v: np.ndarray,
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """An int8 append of tokens [t0, t0 + n) at cell ``s``: quantized into the shared cells,
+        dequantized into this handle's mirror, and the mirror's views returned (O(n), not
+        O(length): the history is not dequantized again at every token).
+
+        The mirror is a process-local float32 copy of what the cells hold, [0, mir_n) per layer.
+        Committed cells never change under one row generation, and only this handle writes its
+        pending cells, so the mirror stays right while the generation is the one it was made
+        at (``mir_gen``); any other generation (a copy_prefix into the sequence, a take-over,
+        shift_left, remove, a move) rebuilds it from the cells, once. A truncate by this handle
+        keeps its first ``n`` tokens (``mirror_keep``): the speculative-decoding step."""
+        n = k.shape[0]
+        if self.mir_gen != self.gen:
+            self.mir_n = [0] * self.L
+            self.mir_gen = self.gen
+        m = self.mir_n[layer]
+        m = min(m, t0)  # pending tokens dropped since (discard, a failed batch): written again now
+        end = t0 + n
+        mir = self.mir[layer]
+        if mir is None or mir.shape[1] < end:
+            mir = self.mirror_room(layer, end, m)
+        if m < t0:  # catch up from the cells: after extend, a rebuild, a new handle
+            a = s - (t0 - m)
+            assert self.KS is not None and self.VS is not None
+            np.multiply(self.Kw[layer][a:s], self.KS[layer][a:s, :, None], out=mir[0, m:t0])
+            np.multiply(self.Vw[layer][a:s], self.VS[layer][a:s, :, None], out=mir[1, m:t0])
+        assert self.KS is not None and self.VS is not None
+        _quant.quantize_pair(k, v, kc=self.Kw[layer][s : s + n], vc=self.Vw[layer][s : s + n],
+                             ks=self.KS[layer][s : s + n], vs=self.VS[layer][s : s + n], mirror=mir[:, t0:end])
+        self.mir_n[layer] = end
+        self.pending[layer] += n
+        r = self.mir_r[layer]
+        assert r is not None
+        return r[0, :end], r[1, :end]
+
+    def mirror_room(self, layer: int, end: int, keep: int) -> np.ndarray:
+        """A mirror of ``layer`` for at least ``end`` tokens (doubling: amortized O(1) a token),
+        its first ``keep`` tokens carried over."""
+        old = self.mir[layer]
+        cap = max(end, 16, 2 * (old.shape[1] if old is not None else 0))
+        cap = min(cap, max(end, self.row[CAPACITY]))
+        new = np.empty((2, cap, *self.cell), np.float32)
+        if old is not None and keep:
+            new[:, :keep] = old[:, :keep]
+        self.mir[layer] = new
+        ro = new.view()
+        ro.flags.writeable = False
+        self.mir_r[layer] = ro
+        return new
+
+    def mirror_keep(self, n: int) -> None:
+        """After this handle's own structural change that kept the first ``n`` tokens where
+        they were (truncate): the mirror stays valid for them at the new generation."""
+        self.mir_n = [min(m, n) for m in self.mir_n]
+        self.mir_gen = self.gen
+
+    def mirror_drop(self) -> None:
+        """Free the mirror's memory (the lease is given up: a read handle never appends)."""
+        self.mir = [None] * self.L
+        self.mir_r = [None] * self.L
+        self.mir_n = [0] * self.L
+        self.mir_gen = -2
 
     def compact(self, layer: int, end: int) -> None:
         """Make room in the window buffers: keep the last ``keep`` committed tokens (and
@@ -326,9 +407,7 @@ class SeqWriter:
         n = x.shape[0]
         if self.dtype == "int8":
             assert scales is not None  # int8: every layer has its scales
-            q, sc = _quant.quantize_int8(x)
-            codes[s : s + n] = q
-            scales[s : s + n] = sc
+            _quant.quantize_into(x, codes[s : s + n], scales[s : s + n])
         elif self.dtype == "bfloat16":
             codes[s : s + n] = _quant.to_bf16(x)
         else:
@@ -402,9 +481,6 @@ class SeqWriter:
         v_all = np.asarray(v_all)
         self.check_all_layers("extend", k_all, v_all)
         n = k_all.shape[1]
-        if self.dtype == "int8":
-            _quant.check_finite(k_all, "k_all")
-            _quant.check_finite(v_all, "v_all")
         if tokens is not None:
             ints("tokens", tokens, n)
         if positions is not None:
@@ -417,8 +493,8 @@ class SeqWriter:
             if _pages.write_new(self.store, self.start, self.row[LENGTH], self.row[CAPACITY], (k_all, v_all)):
                 self.pending = [n] * self.L
             else:
-                for layer in range(self.L):
-                    self.append(layer, k_all[layer], v_all[layer])
+                for layer in range(self.L):  # (int8: quantized, its non-finite values refused, here)
+                    self.append_checked(layer, k_all[layer], v_all[layer], views=False)
             return self.commit(tokens, positions)
         except BaseException:
             self.pending = [0] * self.L
