@@ -26,13 +26,18 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import dtypes as _dtypes
+from shmkv._engine import futex as _futex
+from shmkv._engine import intervals as _intervals
 from shmkv._engine import header as _header
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
+    CAPACITY,
     CLIENT_WORDS,
     GEN,
     ID,
+    LENGTH,
+    START,
     LEASE_PID,
     LEASE_START,
     LEASE_TOKEN,
@@ -147,6 +152,17 @@ class Core:
         self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
+        # Sequence.wait: threads of read-write processes sleeping on each row (see _sequence/waiting.py),
+        # and the address of each row's LENGTH word, whose low half is the futex word
+        self._waiters = _words(hmm, off.wait_off, layout.max_seqs)
+        self._length_addr0 = self._table_np.ctypes.data + 8 * LENGTH
+        self._waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
+        # the free ranges (Arena._free_ranges), kept per process as sorted [start, end) gaps while
+        # the store's allocation counter (W_ALLOCS) holds _free_tag: every change of a row's
+        # range or state bumps it (_changing); this process's own changes update the gaps too
+        self._free_gaps: list[tuple[int, int]] = []
+        self._free_tag = -1
+        self._bracket: dict[int, tuple[int, int, int]] = {}  # slot -> (state, start, capacity) at its bracket's start
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._unit_depth = 0
         self._logged: set[int] = set()
@@ -349,6 +365,36 @@ class Core:
             hdr[_header.W_UNDO_COUNT] = k - 1
             self._logged.discard(slot)
 
+    def _drop_waiters(self) -> None:
+        """close(): take this handle's sleepers in Sequence.wait off the rows' waiter counts
+        (they end with StoreClosedError without touching the store again)."""
+        if self._waiting and _futex.AVAILABLE and not self.readonly:
+            with self._locked():
+                for slot, n in self._waiting.items():
+                    self._waiters[slot] -= n
+
+    def _ranges_changed(self, before: tuple[int, int, int], after: tuple[int, int, int]) -> None:
+        """A row's (state, start, capacity) changed (lock held): bump the allocation counter; the
+        cached free ranges follow when they were current (else the next use derives them)."""
+        hdr = self._hdr
+        current = self._free_tag == hdr[_header.W_ALLOCS]
+        hdr[_header.W_ALLOCS] += 1
+        if not current:
+            return
+        gaps = self._free_gaps
+        if before[0] and before[2] > 0:
+            _intervals.add_interval(gaps, before[1], before[1] + before[2])
+        if after[0] and after[2] > 0:
+            _intervals.take_interval(gaps, after[1], after[1] + after[2])
+        self._free_tag = hdr[_header.W_ALLOCS]
+
+    def _ranges_unknown(self) -> None:
+        """Rows were put back outside a bracket (recovery): every process derives its free
+        ranges again (lock held)."""
+        self._hdr[_header.W_ALLOCS] += 1
+        self._free_tag = -1
+        self._bracket.clear()
+
     def _recover(self) -> int:
         """Roll back the unit a dead process left (lock held); make odd generations even.
         Returns the rows put back."""
@@ -375,6 +421,7 @@ class Core:
             self._row(slot)[GEN] += 1
         hdr[_header.W_UNDO_COUNT] = 0
         if k or odd.size:
+            self._ranges_unknown()
             hdr[_header.W_RECOVERIES] += 1
             hdr[_header.W_GENERATION] += 1
         self._slot_hint.clear()
@@ -385,15 +432,24 @@ class Core:
         """Seqlock bracket around a structural change of one sequence (lock held); the row is
         logged for crash recovery and joins the current atomic unit (see above)."""
         slot = self._row_slot[id(row)]
+        outer = slot not in self._bracket  # (brackets of one row may nest: the outermost counts)
         self._unit_depth += 1  # what _unit() does, inlined: this is on the speculative-decoding path
         try:
             self._log_row(slot)
+            if outer:
+                self._bracket[slot] = (row[STATE], row[START], row[CAPACITY])
             row[GEN] += 1  # odd: readers wait
             try:
                 yield
             finally:
                 row[GEN] += 1
                 self._hdr[_header.W_GENERATION] += 1
+                if outer:
+                    before = self._bracket.pop(slot)
+                    if before[0] != row[STATE] or before[1] != row[START] or before[2] != row[CAPACITY]:
+                        self._ranges_changed(before, (row[STATE], row[START], row[CAPACITY]))
+                if self._waiters[slot]:  # someone sleeps in Sequence.wait on this row
+                    _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
         finally:
             self._unit_depth -= 1
             if self._unit_depth == 0:

@@ -117,7 +117,7 @@ def truncate(w: SeqWriter, n: int) -> None:
     with structural(w, "truncate") as row:
         # the int8 mirror keeps tokens [0, n) when it was current and nobody changed the row since
         # (the bracket bumped its generation by one): a speculative step rebuilds nothing
-        keep_mirror = w.mir_gen == w.gen and row[GEN] == w.gen + 1
+        keep_mirror = w.mirror is not None and w.mirror.valid() and row[GEN] == w.gen + 1
         n = min(n, row[LENGTH])
         check_resumable(w, row, n, "truncate")
         row[LENGTH] = n
@@ -126,7 +126,8 @@ def truncate(w: SeqWriter, n: int) -> None:
             row[WIN_OFF] = 0
         unindex_from(row, n)
     if keep_mirror:
-        w.mirror_keep(n)
+        assert w.mirror is not None
+        w.mirror.keep(n)
 
 
 def shift_left(w: SeqWriter, n: int) -> None:

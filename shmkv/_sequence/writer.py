@@ -15,6 +15,7 @@ import msgpack
 import numpy as np
 
 from shmkv._engine import crash as _crash
+from shmkv._engine import futex as _futex
 from shmkv._engine import pages as _pages
 from shmkv._sequence import quant as _quant
 from shmkv._engine import segment as _segment
@@ -29,11 +30,13 @@ from shmkv._engine.header import (
     LENGTH,
     META_BYTES,
     NOINDEX,
+    SEQ_WORDS,
     START,
     WBUF,
     WIN_OFF,
 )
 from shmkv._engine.prefix_hash import BLOCK
+from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
@@ -76,9 +79,9 @@ class SeqWriter:
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
-                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "mir", "mir_gen", "mir_n", "mir_r", "pending",
-                 "plain", "positions", "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store",
-                 "token", "tokens", "vfrom", "wc", "wcell", "write")
+                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "mirror", "pending", "plain", "positions",
+                 "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store", "token", "tokens",
+                 "vfrom", "waddr", "waiters", "wc", "wcell", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -96,6 +99,8 @@ class SeqWriter:
         self.locked, self.changing, self.relocate = p.locked, p.changing, p.relocate
         self.index_blocks, self.set_encoder_row = p.index_blocks, p.set_encoder
         self.wcell, self.rewrite = p.wcell, p.rewrite
+        self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
+        self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
         self.pending = [0] * self.L
         self.gen = -1
         self.start = 0
@@ -103,11 +108,7 @@ class SeqWriter:
         self.lim: list[int] = []  # per layer: token index limit
         self.vfrom: list[int] = []  # per layer: first kept cell
         self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
-        # int8 stores: the dequantized mirror (see mirror_views), per layer [2 (K, V), tokens, H, D]
-        self.mir: list[np.ndarray | None] = [None] * self.L
-        self.mir_r: list[np.ndarray | None] = [None] * self.L  # read-only views of mir
-        self.mir_n = [0] * self.L  # tokens [0, mir_n) of each layer mirrored
-        self.mir_gen = -2  # the row generation the mirror is valid at
+        self.mirror: Int8Mirror | None = None  # int8 stores: what append returns views of (_sequence/mirror.py)
 
     # -- addressing --------------------------------------------------------------------
 
@@ -270,7 +271,9 @@ class SeqWriter:
                 self.compact(layer, end)
         s = self.base[layer] + length + p
         if int8 and views:
-            return self.append_int8(layer, length + p, s, k, v)
+            if self.mirror is None:
+                self.mirror = Int8Mirror(self)
+            return self.mirror.append(layer, length + p, s, k, v)
         if self.plain:
             self.Kw[layer][s : s + n] = k
             self.Vw[layer][s : s + n] = v
@@ -281,72 +284,6 @@ class SeqWriter:
             return _EMPTY, _EMPTY
         first = self.vfrom[layer]
         return self.r.view("k", layer, first, s + n), self.r.view("v", layer, first, s + n)
-
-    # -- int8: the dequantized mirror ------------------------------------------------------
-
-    def append_int8(self, layer: int, t0: int, s: int, k: np.ndarray, v: np.ndarray,
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """An int8 append of tokens [t0, t0 + n) at cell ``s``: quantized into the shared cells,
-        dequantized into this handle's mirror, and the mirror's views returned (O(n), not
-        O(length): the history is not dequantized again at every token).
-
-        The mirror is a process-local float32 copy of what the cells hold, [0, mir_n) per layer.
-        Committed cells never change under one row generation, and only this handle writes its
-        pending cells, so the mirror stays right while the generation is the one it was made
-        at (``mir_gen``); any other generation (a copy_prefix into the sequence, a take-over,
-        shift_left, remove, a move) rebuilds it from the cells, once. A truncate by this handle
-        keeps its first ``n`` tokens (``mirror_keep``): the speculative-decoding step."""
-        n = k.shape[0]
-        if self.mir_gen != self.gen:
-            self.mir_n = [0] * self.L
-            self.mir_gen = self.gen
-        m = self.mir_n[layer]
-        m = min(m, t0)  # pending tokens dropped since (discard, a failed batch): written again now
-        end = t0 + n
-        mir = self.mir[layer]
-        if mir is None or mir.shape[1] < end:
-            mir = self.mirror_room(layer, end, m)
-        if m < t0:  # catch up from the cells: after extend, a rebuild, a new handle
-            a = s - (t0 - m)
-            assert self.KS is not None and self.VS is not None
-            np.multiply(self.Kw[layer][a:s], self.KS[layer][a:s, :, None], out=mir[0, m:t0])
-            np.multiply(self.Vw[layer][a:s], self.VS[layer][a:s, :, None], out=mir[1, m:t0])
-        assert self.KS is not None and self.VS is not None
-        _quant.quantize_pair(k, v, kc=self.Kw[layer][s : s + n], vc=self.Vw[layer][s : s + n],
-                             ks=self.KS[layer][s : s + n], vs=self.VS[layer][s : s + n], mirror=mir[:, t0:end])
-        self.mir_n[layer] = end
-        self.pending[layer] += n
-        r = self.mir_r[layer]
-        assert r is not None
-        return r[0, :end], r[1, :end]
-
-    def mirror_room(self, layer: int, end: int, keep: int) -> np.ndarray:
-        """A mirror of ``layer`` for at least ``end`` tokens (doubling: amortized O(1) a token),
-        its first ``keep`` tokens carried over."""
-        old = self.mir[layer]
-        cap = max(end, 16, 2 * (old.shape[1] if old is not None else 0))
-        cap = min(cap, max(end, self.row[CAPACITY]))
-        new = np.empty((2, cap, *self.cell), np.float32)
-        if old is not None and keep:
-            new[:, :keep] = old[:, :keep]
-        self.mir[layer] = new
-        ro = new.view()
-        ro.flags.writeable = False
-        self.mir_r[layer] = ro
-        return new
-
-    def mirror_keep(self, n: int) -> None:
-        """After this handle's own structural change that kept the first ``n`` tokens where
-        they were (truncate): the mirror stays valid for them at the new generation."""
-        self.mir_n = [min(m, n) for m in self.mir_n]
-        self.mir_gen = self.gen
-
-    def mirror_drop(self) -> None:
-        """Free the mirror's memory (the lease is given up: a read handle never appends)."""
-        self.mir = [None] * self.L
-        self.mir_r = [None] * self.L
-        self.mir_n = [0] * self.L
-        self.mir_gen = -2
 
     def compact(self, layer: int, end: int) -> None:
         """Make room in the window buffers: keep the last ``keep`` committed tokens (and
@@ -453,6 +390,8 @@ class SeqWriter:
                 )
             P[s : s + n] = pos
         row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
+        if self.waiters[self.slot]:  # a read of shared memory; the syscall only for a sleeper
+            _futex.wake(self.waddr)
         self.pending = [0] * self.L
         if (length + n) // BLOCK > row[IDX_BLOCKS] and not row[FLAGS] & NOINDEX:
             self.index_committed(length + n)

@@ -15,12 +15,14 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import crash as _crash
+from shmkv._engine import futex as _futex
 from shmkv._sequence import group as _group
 from shmkv._engine import header as _header
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._snapshot import snapshot as _snapshot
 from shmkv._engine.header import (
+    SEQ_WORDS,
     WBUF,
     CAPACITY,
     GEN,
@@ -168,11 +170,15 @@ class Store(Arena):
             try:
                 # a store removed meanwhile has no lock file to take (taking it would leave one behind)
                 if read_identity(self.name) == self._identity:
+                    self._drop_waiters()
                     self._unregister_client(me)
             except Exception:  # closing must not fail because the lock is stuck
                 pass
         remove = remove and not inherited
         self._closed = True
+        if not inherited:  # this handle's sleepers in Sequence.wait look again: StoreClosedError
+            for slot in list(self._waiting):
+                _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
         if self._finalizer is not None:
             self._finalizer.detach()
         self._hdr = self._table = None  # type: ignore[assignment]  # closed: no use reaches them any more
