@@ -90,17 +90,16 @@ class Arena(Pages):
         """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order,
         as (start, size) (lock held).
 
-        Kept per process (``_free_gaps``) while the store's allocation counter holds the value
-        they were derived at; every change of a row's range or state bumps it (``_changing``),
-        and this process's own changes update the gaps as they bump it, so a create or free costs
-        the same with 16 or 4096 sequences. Another process's change (or a recovery) makes the
-        next use derive them again from the table: nothing recovery must rebuild is stored."""
+        Kept per process while current (``_engine/free_ranges.py``), so a create or free costs
+        the same with 16 or 4096 sequences; derived again from the table after another process's
+        change or a recovery: nothing recovery must rebuild is stored."""
         if taken:
             return self._derive_free_ranges(taken)
-        if self._free_tag != self._hdr[_header.W_ALLOCS]:
-            self._free_gaps = [(a, a + n) for a, n in self._derive_free_ranges()]
-            self._free_tag = self._hdr[_header.W_ALLOCS]
-        return [(a, b - a) for a, b in self._free_gaps]
+        gaps = self._free.cached(self._hdr)
+        if gaps is None:
+            gaps = self._derive_free_ranges()
+            self._free.derived(self._hdr, gaps)
+        return gaps
 
     def _derive_free_ranges(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
         """The free ranges derived from the table (a sort of the live rows' starts, nearly sorted

@@ -27,17 +27,14 @@ import numpy as np
 
 from shmkv._engine import dtypes as _dtypes
 from shmkv._engine import futex as _futex
-from shmkv._engine import intervals as _intervals
 from shmkv._engine import header as _header
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
-    CAPACITY,
     CLIENT_WORDS,
     GEN,
     ID,
     LENGTH,
-    START,
     LEASE_PID,
     LEASE_START,
     LEASE_TOKEN,
@@ -48,6 +45,7 @@ from shmkv._engine.header import (
     Layout,
 )
 from shmkv._engine.lease import live_writers
+from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.prefix import PrefixIndex
 from shmkv._engine.segment import Segment
 from shmkv.errors import (
@@ -157,12 +155,7 @@ class Core:
         self._waiters = _words(hmm, off.wait_off, layout.max_seqs)
         self._length_addr0 = self._table_np.ctypes.data + 8 * LENGTH
         self._waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
-        # the free ranges (Arena._free_ranges), kept per process as sorted [start, end) gaps while
-        # the store's allocation counter (W_ALLOCS) holds _free_tag: every change of a row's
-        # range or state bumps it (_changing); this process's own changes update the gaps too
-        self._free_gaps: list[tuple[int, int]] = []
-        self._free_tag = -1
-        self._bracket: dict[int, tuple[int, int, int]] = {}  # slot -> (state, start, capacity) at its bracket's start
+        self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._unit_depth = 0
         self._logged: set[int] = set()
@@ -373,28 +366,6 @@ class Core:
                 for slot, n in self._waiting.items():
                     self._waiters[slot] -= n
 
-    def _ranges_changed(self, before: tuple[int, int, int], after: tuple[int, int, int]) -> None:
-        """A row's (state, start, capacity) changed (lock held): bump the allocation counter; the
-        cached free ranges follow when they were current (else the next use derives them)."""
-        hdr = self._hdr
-        current = self._free_tag == hdr[_header.W_ALLOCS]
-        hdr[_header.W_ALLOCS] += 1
-        if not current:
-            return
-        gaps = self._free_gaps
-        if before[0] and before[2] > 0:
-            _intervals.add_interval(gaps, before[1], before[1] + before[2])
-        if after[0] and after[2] > 0:
-            _intervals.take_interval(gaps, after[1], after[1] + after[2])
-        self._free_tag = hdr[_header.W_ALLOCS]
-
-    def _ranges_unknown(self) -> None:
-        """Rows were put back outside a bracket (recovery): every process derives its free
-        ranges again (lock held)."""
-        self._hdr[_header.W_ALLOCS] += 1
-        self._free_tag = -1
-        self._bracket.clear()
-
     def _recover(self) -> int:
         """Roll back the unit a dead process left (lock held); make odd generations even.
         Returns the rows put back."""
@@ -421,7 +392,7 @@ class Core:
             self._row(slot)[GEN] += 1
         hdr[_header.W_UNDO_COUNT] = 0
         if k or odd.size:
-            self._ranges_unknown()
+            self._free.unknown(hdr)
             hdr[_header.W_RECOVERIES] += 1
             hdr[_header.W_GENERATION] += 1
         self._slot_hint.clear()
@@ -432,12 +403,10 @@ class Core:
         """Seqlock bracket around a structural change of one sequence (lock held); the row is
         logged for crash recovery and joins the current atomic unit (see above)."""
         slot = self._row_slot[id(row)]
-        outer = slot not in self._bracket  # (brackets of one row may nest: the outermost counts)
         self._unit_depth += 1  # what _unit() does, inlined: this is on the speculative-decoding path
         try:
             self._log_row(slot)
-            if outer:
-                self._bracket[slot] = (row[STATE], row[START], row[CAPACITY])
+            outer = self._free.enter(slot, row)
             row[GEN] += 1  # odd: readers wait
             try:
                 yield
@@ -445,9 +414,7 @@ class Core:
                 row[GEN] += 1
                 self._hdr[_header.W_GENERATION] += 1
                 if outer:
-                    before = self._bracket.pop(slot)
-                    if before[0] != row[STATE] or before[1] != row[START] or before[2] != row[CAPACITY]:
-                        self._ranges_changed(before, (row[STATE], row[START], row[CAPACITY]))
+                    self._free.leave(slot, row, self._hdr)
                 if self._waiters[slot]:  # someone sleeps in Sequence.wait on this row
                     _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
         finally:

@@ -22,54 +22,57 @@ the lease is given up. The shared store stays int8.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from shmkv._engine.header import CAPACITY
 from shmkv._sequence import quant as _quant
 
-if TYPE_CHECKING:
-    from shmkv._sequence.writer import SeqWriter
-
 __all__ = ["Int8Mirror"]
+
+Arrays = list[np.ndarray]
 
 
 class Int8Mirror:
-    """One write handle's dequantized copy of its int8 sequence (see the module docstring)."""
+    """One write handle's dequantized copy of its int8 sequence (see the module docstring).
 
-    __slots__ = ("arrays", "gen", "n", "views", "w")
+    ``Kw``, ``Vw``, ``KS``, ``VS``: the store's writable per-layer codes and scales; ``row``:
+    the sequence's table row (its capacity bounds the mirror)."""
 
-    def __init__(self, w: SeqWriter) -> None:
-        self.w = w
-        self.arrays: list[np.ndarray | None] = [None] * w.L  # per layer [2, tokens, H, D] float32
-        self.views: list[np.ndarray | None] = [None] * w.L  # their read-only views (append returns slices)
-        self.n = [0] * w.L  # tokens [0, n) of each layer mirrored
+    __slots__ = ("KS", "Kw", "VS", "Vw", "arrays", "cell", "gen", "n", "row", "views")
+
+    def __init__(self, *, Kw: Arrays, Vw: Arrays, KS: Arrays, VS: Arrays, cell: tuple[int, int],
+                 row: memoryview) -> None:
+        self.Kw, self.Vw, self.KS, self.VS = Kw, Vw, KS, VS
+        self.cell = cell
+        self.row = row
+        L = len(Kw)
+        self.arrays: list[np.ndarray | None] = [None] * L  # per layer [2, tokens, H, D] float32
+        self.views: list[np.ndarray | None] = [None] * L  # their read-only views (append returns slices)
+        self.n = [0] * L  # tokens [0, n) of each layer mirrored
         self.gen = -2  # the row generation the mirror is valid at
 
-    def append(self, layer: int, t0: int, s: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens [t0, t0 + n) of ``layer`` (checked ``k``, ``v``) into cells s.. and the mirror;
-        returns the views ``[t0 + n, kv_heads, head_dim]`` of K and V."""
-        w = self.w
+    def append(self, layer: int, t0: int, s: int, k: np.ndarray, v: np.ndarray, *,
+               gen: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [t0, t0 + n) of ``layer`` (checked ``k``, ``v``) into cells s.. and the mirror,
+        the handle's row generation being ``gen``; returns the views ``[t0 + n, kv_heads,
+        head_dim]`` of K and V (the caller counts the pending tokens)."""
         n = k.shape[0]
-        if self.gen != w.gen:
-            self.n = [0] * w.L
-            self.gen = w.gen
+        if self.gen != gen:
+            self.n = [0] * len(self.n)
+            self.gen = gen
         m = min(self.n[layer], t0)  # (pending tokens dropped since: discard, a failed batch)
         end = t0 + n
         mir = self.arrays[layer]
         if mir is None or mir.shape[1] < end:
             mir = self.room(layer, end, m)
-        KS, VS = w.KS, w.VS
-        assert KS is not None and VS is not None  # int8: every layer has its scales
+        Kw, Vw, KS, VS = self.Kw[layer], self.Vw[layer], self.KS[layer], self.VS[layer]
         if m < t0:  # catch up from the cells: after extend, a rebuild, a new handle
             a = s - (t0 - m)
-            np.multiply(w.Kw[layer][a:s], KS[layer][a:s, :, None], out=mir[0, m:t0])
-            np.multiply(w.Vw[layer][a:s], VS[layer][a:s, :, None], out=mir[1, m:t0])
-        _quant.quantize_pair(k, v, kc=w.Kw[layer][s : s + n], vc=w.Vw[layer][s : s + n],
-                             ks=KS[layer][s : s + n], vs=VS[layer][s : s + n], mirror=mir[:, t0:end])
+            np.multiply(Kw[a:s], KS[a:s, :, None], out=mir[0, m:t0])
+            np.multiply(Vw[a:s], VS[a:s, :, None], out=mir[1, m:t0])
+        _quant.quantize_pair(k, v, kc=Kw[s : s + n], vc=Vw[s : s + n], ks=KS[s : s + n], vs=VS[s : s + n],
+                             mirror=mir[:, t0:end])
         self.n[layer] = end
-        w.pending[layer] += n
         r = self.views[layer]
         assert r is not None
         return r[0, :end], r[1, :end]
@@ -79,8 +82,8 @@ class Int8Mirror:
         its first ``keep`` tokens carried over."""
         old = self.arrays[layer]
         cap = max(end, 16, 2 * (old.shape[1] if old is not None else 0))
-        cap = min(cap, max(end, self.w.row[CAPACITY]))
-        new = np.empty((2, cap, *self.w.cell), np.float32)
+        cap = min(cap, max(end, self.row[CAPACITY]))
+        new = np.empty((2, cap, *self.cell), np.float32)
         if old is not None and keep:
             new[:, :keep] = old[:, :keep]
         self.arrays[layer] = new
@@ -89,12 +92,8 @@ class Int8Mirror:
         self.views[layer] = ro
         return new
 
-    def valid(self) -> bool:
-        """Whether the mirror is current at the handle's generation (before a change of its own)."""
-        return self.gen == self.w.gen
-
-    def keep(self, n: int) -> None:
-        """After this handle's own change that kept the first ``n`` tokens where they were
-        (truncate), at the handle's new generation."""
+    def keep(self, n: int, gen: int) -> None:
+        """After the handle's own change that kept the first ``n`` tokens where they were
+        (truncate): valid at the handle's new generation ``gen``."""
         self.n = [min(m, n) for m in self.n]
-        self.gen = self.w.gen
+        self.gen = gen

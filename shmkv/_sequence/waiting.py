@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shmkv._engine import futex as _futex
 from shmkv._engine.checks import count
@@ -50,7 +50,32 @@ from shmkv._engine.header import LENGTH, SEQ_WORDS
 from shmkv.errors import InvalidArgumentError, StoreClosedError, WaitTimeout
 
 if TYPE_CHECKING:
-    from shmkv._sequence.reader import SeqReader
+    from shmkv._engine.port import Port
+
+
+class _Store(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def readonly(self) -> bool: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+
+class SeqReader(Protocol):
+    """What waiting needs of a sequence's reader part (``_sequence.reader.SeqReader``)."""
+
+    port: Port
+    id: int
+    slot: int
+    row: memoryview
+
+    @property
+    def store(self) -> _Store: ...
+
+    def length(self) -> int: ...
 
 _CHUNK = 2.0  # seconds a registered waiter sleeps before it looks again (idle: 0.5 wake-ups/s)
 _FIRST_SLEEP = 50e-6  # read-only and fallback waits: sleeps doubling from this

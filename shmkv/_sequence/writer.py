@@ -272,8 +272,11 @@ class SeqWriter:
         s = self.base[layer] + length + p
         if int8 and views:
             if self.mirror is None:
-                self.mirror = Int8Mirror(self)
-            return self.mirror.append(layer, length + p, s, k, v)
+                assert self.KS is not None and self.VS is not None  # int8: every layer has its scales
+                self.mirror = Int8Mirror(Kw=self.Kw, Vw=self.Vw, KS=self.KS, VS=self.VS, cell=self.cell, row=self.row)
+            kv = self.mirror.append(layer, length + p, s, k, v, gen=self.gen)
+            self.pending[layer] = p + n
+            return kv
         if self.plain:
             self.Kw[layer][s : s + n] = k
             self.Vw[layer][s : s + n] = v

@@ -1,0 +1,74 @@
+"""A process's cache of a store's free ranges (issue 24: create_sequence and free flat in the
+number of sequences; the ranges were derived by sorting every live row at each allocation).
+
+The free ranges are the gaps between the ranges of the rows in use: the table is the truth,
+and nothing about them is stored in shared memory (recovery has nothing to rebuild). Each
+process keeps the gaps it derived, with the value of the store's allocation counter (header
+word ``W_ALLOCS``) at that time. Every change of a row's (state, start, capacity) bumps the
+counter, in the bracket that makes it (``Core._changing``, lock held), and recovery bumps it
+too. So a cache whose counter value is current is exact; this process's own changes update
+the gaps as they bump the counter (they stay current), and another process's change makes
+the next use derive them again.
+"""
+
+from __future__ import annotations
+
+from shmkv._engine import header as _header
+from shmkv._engine.header import CAPACITY, START, STATE
+from shmkv._engine.intervals import add_interval, take_interval
+
+__all__ = ["FreeRanges"]
+
+
+class FreeRanges:
+    """One store handle's cached gaps (sorted ``[start, end)``) and the brackets in progress."""
+
+    __slots__ = ("brackets", "gaps", "tag")
+
+    def __init__(self) -> None:
+        self.gaps: list[tuple[int, int]] = []
+        self.tag = -1  # the allocation counter's value the gaps are right at
+        self.brackets: dict[int, tuple[int, int, int]] = {}  # slot -> (state, start, capacity) at its start
+
+    def cached(self, hdr: memoryview) -> list[tuple[int, int]] | None:
+        """The gaps as (start, size) while they are current (lock held), else None."""
+        if self.tag != hdr[_header.W_ALLOCS]:
+            return None
+        return [(a, b - a) for a, b in self.gaps]
+
+    def derived(self, hdr: memoryview, ranges: list[tuple[int, int]]) -> None:
+        """Keep ``ranges`` (start, size), just derived from the table (lock held)."""
+        self.gaps = [(a, a + n) for a, n in ranges]
+        self.tag = hdr[_header.W_ALLOCS]
+
+    def enter(self, slot: int, row: memoryview) -> bool:
+        """A bracket around a change of row ``slot`` starts; True for the outermost of that row
+        (brackets of one row may nest: the outermost counts)."""
+        if slot in self.brackets:
+            return False
+        self.brackets[slot] = (row[STATE], row[START], row[CAPACITY])
+        return True
+
+    def leave(self, slot: int, row: memoryview, hdr: memoryview) -> None:
+        """The outermost bracket of row ``slot`` ends (lock held): bump the counter if the row's
+        range or state changed, and follow the change when the gaps were current."""
+        was = self.brackets.pop(slot)
+        now = (row[STATE], row[START], row[CAPACITY])
+        if was == now:
+            return
+        current = self.tag == hdr[_header.W_ALLOCS]
+        hdr[_header.W_ALLOCS] += 1
+        if not current:
+            return
+        if was[0] and was[2] > 0:
+            add_interval(self.gaps, was[1], was[1] + was[2])
+        if now[0] and now[2] > 0:
+            take_interval(self.gaps, now[1], now[1] + now[2])
+        self.tag = hdr[_header.W_ALLOCS]
+
+    def unknown(self, hdr: memoryview) -> None:
+        """Rows were put back outside a bracket (recovery, lock held): every process derives its
+        gaps again."""
+        hdr[_header.W_ALLOCS] += 1
+        self.tag = -1
+        self.brackets.clear()
