@@ -227,7 +227,8 @@ class SeqWriter:
         # Fast path (the per-token hot loop; see tools/bench.py decode): every check
         # below is what need_writer/layer/kv_arrays do, inlined for the common case.
         row = self.row
-        if (self.plain and self.write and row[LEASE_TOKEN] == self.token and row[GEN] == self.gen
+        if ((self.plain or self.mirror is not None) and self.write and row[LEASE_TOKEN] == self.token
+                and row[GEN] == self.gen
                 and self.epoch == _segment.fork_epoch and type(layer) is int and 0 <= layer < self.L
                 and type(k) is np.ndarray and type(v) is np.ndarray and k.dtype.kind == "f"
                 and v.dtype.kind == "f"):
@@ -243,6 +244,13 @@ class SeqWriter:
             if length + p + n > self.lim[layer]:
                 return self.append_checked(layer, k, v)
             s = self.base[layer] + length + p
+            if not self.plain:  # int8, its mirror made by a first (checked) append
+                assert self.mirror is not None
+                if len(ks) == 2:
+                    k, v = k[None], v[None]
+                kv = self.mirror.append(layer, length + p, s, k, v, gen=self.gen)
+                self.pending[layer] = p + n
+                return kv
             if n == 1 and len(ks) == 2:
                 self.Kw[layer][s] = k
                 self.Vw[layer][s] = v
