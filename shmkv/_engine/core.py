@@ -31,6 +31,7 @@ from shmkv._engine import header as _header
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
+    CAPACITY,
     CLIENT_WORDS,
     GEN,
     ID,
@@ -40,6 +41,7 @@ from shmkv._engine.header import (
     LEASE_TOKEN,
     SEQ_WORDS,
     LIVE,
+    START,
     STATE,
     INDEX_WORDS,
     Layout,
@@ -406,7 +408,11 @@ class Core:
         self._unit_depth += 1  # what _unit() does, inlined: this is on the speculative-decoding path
         try:
             self._log_row(slot)
-            outer = self._free.enter(slot, row)
+            # the row's range and state before (FreeRanges.enter/leave, inlined: the truncate path)
+            brackets = self._free.brackets
+            outer = slot not in brackets
+            if outer:
+                brackets[slot] = was = (row[STATE], row[START], row[CAPACITY])
             row[GEN] += 1  # odd: readers wait
             try:
                 yield
@@ -414,7 +420,9 @@ class Core:
                 row[GEN] += 1
                 self._hdr[_header.W_GENERATION] += 1
                 if outer:
-                    self._free.leave(slot, row, self._hdr)
+                    del brackets[slot]
+                    if was[2] != row[CAPACITY] or was[1] != row[START] or was[0] != row[STATE]:
+                        self._free.changed(was, row, self._hdr)
                 if self._waiters[slot]:  # someone sleeps in Sequence.wait on this row
                     _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
         finally:

@@ -28,7 +28,9 @@ class FreeRanges:
     def __init__(self) -> None:
         self.gaps: list[tuple[int, int]] = []
         self.tag = -1  # the allocation counter's value the gaps are right at
-        self.brackets: dict[int, tuple[int, int, int]] = {}  # slot -> (state, start, capacity) at its start
+        # slot -> (state, start, capacity) at the start of its outermost bracket in progress
+        # (brackets of one row may nest: the outermost counts)
+        self.brackets: dict[int, tuple[int, int, int]] = {}
 
     def cached(self, hdr: memoryview) -> list[tuple[int, int]] | None:
         """The gaps as (start, size) while they are current (lock held), else None."""
@@ -41,21 +43,11 @@ class FreeRanges:
         self.gaps = [(a, a + n) for a, n in ranges]
         self.tag = hdr[_header.W_ALLOCS]
 
-    def enter(self, slot: int, row: memoryview) -> bool:
-        """A bracket around a change of row ``slot`` starts; True for the outermost of that row
-        (brackets of one row may nest: the outermost counts)."""
-        if slot in self.brackets:
-            return False
-        self.brackets[slot] = (row[STATE], row[START], row[CAPACITY])
-        return True
-
-    def leave(self, slot: int, row: memoryview, hdr: memoryview) -> None:
-        """The outermost bracket of row ``slot`` ends (lock held): bump the counter if the row's
-        range or state changed, and follow the change when the gaps were current."""
-        was = self.brackets.pop(slot)
+    def changed(self, was: tuple[int, int, int], row: memoryview, hdr: memoryview) -> None:
+        """The outermost bracket of a row ends with its range or state changed from ``was``
+        (lock held; ``Core._changing`` keeps ``brackets``): bump the counter, and follow the
+        change when the gaps were current."""
         now = (row[STATE], row[START], row[CAPACITY])
-        if was == now:
-            return
         current = self.tag == hdr[_header.W_ALLOCS]
         hdr[_header.W_ALLOCS] += 1
         if not current:
