@@ -45,8 +45,8 @@ class FreeRanges:
 
     def changed(self, was: tuple[int, int, int], row: memoryview, hdr: memoryview) -> None:
         """The outermost bracket of a row ends with its range or state changed from ``was``
-        (lock held; ``Core._changing`` keeps ``brackets``): bump the counter, and follow the
-        change when the gaps were current."""
+        (lock held; ``Core._changing`` keeps ``brackets``, inlined: it is on the truncate path):
+        bump the counter, and follow the change when the gaps were current."""
         now = (row[STATE], row[START], row[CAPACITY])
         current = self.tag == hdr[_header.W_ALLOCS]
         hdr[_header.W_ALLOCS] += 1

@@ -34,14 +34,12 @@ from shmkv._engine.header import (
     START,
     WBUF,
     WIN_OFF,
+    leads,
 )
-from shmkv._engine.prefix_hash import BLOCK
+from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
-
-
-_EMPTY = np.empty(0, np.float32)
 
 
 def _real(dt: np.dtype) -> bool:
@@ -292,7 +290,7 @@ class SeqWriter:
             self.encode(layer, s, k, v)
         self.pending[layer] = p + n
         if not views:
-            return _EMPTY, _EMPTY
+            return k[:0], v[:0]
         first = self.vfrom[layer]
         return self.r.view("k", layer, first, s + n), self.r.view("v", layer, first, s + n)
 
@@ -404,14 +402,17 @@ class SeqWriter:
         if self.waiters[self.slot]:  # a read of shared memory; the syscall only for a sleeper
             _futex.wake(self.waddr)
         self.pending = [0] * self.L
-        if (length + n) // BLOCK > row[IDX_BLOCKS] and not row[FLAGS] & NOINDEX:
+        flags = row[FLAGS]
+        if not flags & NOINDEX and ((length + n) // BLOCK > row[IDX_BLOCKS]
+                                    or (length < LEAD[-1] and lead_levels(length + n) > leads(flags))):
             self.index_committed(length + n)
         return length + n
 
     def index_committed(self, length: int) -> None:
-        """Put the blocks this commit completed into the prefix index: the store lock once per
-        16 tokens (DESIGN §3). The tokens are committed whatever happens here: a lock timeout
-        only delays the indexing to the next completed block."""
+        """Put the blocks (and leads) this commit completed into the prefix index: the store lock
+        once per 16 tokens, and at most four times over a sequence's first 8 (DESIGN §3). The tokens
+        are committed whatever happens here: a lock timeout only delays the indexing to the next
+        completed block (or lead)."""
         try:
             with self.locked():
                 self.index_blocks(self.slot, length)
