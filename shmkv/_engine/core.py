@@ -110,8 +110,15 @@ class Core:
         L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
         it = np.dtype(dt).itemsize
         kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (DESIGN §11)
-        self._K = np.ndarray((L, T, H, D), dt, dmm, off.k_off, kv_strides)
-        self._V = np.ndarray((L, T, H, D), dt, dmm, off.v_off, kv_strides)
+        # Strided arrays over a byte array of the mapping, never over the mmap (or a memoryview of
+        # it) directly: np.ndarray(buffer=...) keeps the mmap as base without holding an export of
+        # it, so mmap.close() would succeed and unmap under a live view (a segfault on its next
+        # read). np.frombuffer holds the export for as long as any array over it lives (DESIGN §4;
+        # tests/test_lifecycle.py::test_close_unmaps_and_closes_descriptors_while_the_store_object_lives,
+        # test_a_view_outliving_close_reads_its_data).
+        dbuf = np.frombuffer(dmm, np.uint8)
+        self._K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
+        self._V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
         self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
         self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
         self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
@@ -134,8 +141,8 @@ class Core:
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
         s_strides = (off.scale_stride, H * 4, 4)
-        self._KS = np.ndarray((L, T, H), np.float32, dmm, off.ks_off, s_strides) if S else None
-        self._VS = np.ndarray((L, T, H), np.float32, dmm, off.vs_off, s_strides) if S else None
+        self._KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
+        self._VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
         # what every Sequence handle reads through: built once here, not per handle (a handle
         # is made per request; fewer objects keep store.sequence(id) cheap)
         self._Kr = [_readonly(a) for a in self._Kl]
