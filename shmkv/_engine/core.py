@@ -21,27 +21,17 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import dtypes as _dtypes
+from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
-    C_FLAGS,
-    C_KEY,
-    C_PID,
-    CLIENT_WORDS,
-    GEN,
-    ID,
-    LEASE_CLIENT,
-    LEASE_PID,
-    LEASE_TOKEN,
-    SEQ_WORDS,
-    LIVE,
-    STATE,
-    INDEX_WORDS,
-    Layout,
+    CAPACITY, C_FLAGS, C_KEY, C_PID, CLIENT_WORDS, GEN, ID, LEASE_CLIENT, LENGTH, LEASE_PID, LEASE_TOKEN,
+    SEQ_WORDS, LIVE, START, STATE, INDEX_WORDS, Layout,
 )
 from shmkv._engine.lease import live_writers
+from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.prefix import PrefixIndex
 from shmkv._engine.segment import Segment
 from shmkv.errors import (
@@ -158,6 +148,10 @@ class Core:
         self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
+        self._waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
+        self._length_addr0 = self._table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
+        self._waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
+        self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._unit_depth = 0
         self._logged: set[int] = set()
@@ -401,6 +395,7 @@ class Core:
             self._row(slot)[GEN] += 1
         hdr[_header.W_UNDO_COUNT] = 0
         if k or odd.size:
+            self._free.unknown(hdr)
             hdr[_header.W_RECOVERIES] += 1
             hdr[_header.W_GENERATION] += 1
         self._slot_hint.clear()
@@ -414,12 +409,18 @@ class Core:
         self._unit_depth += 1  # what _unit() does, inlined: this is on the speculative-decoding path
         try:
             self._log_row(slot)
+            brackets = self._free.brackets  # the row's range and state before (_engine/free_ranges.py)
+            outer = brackets.setdefault(slot, was := (row[STATE], row[START], row[CAPACITY])) is was
             row[GEN] += 1  # odd: readers wait
             try:
                 yield
             finally:
                 row[GEN] += 1
                 self._hdr[_header.W_GENERATION] += 1
+                if outer and brackets.pop(slot) != (row[STATE], row[START], row[CAPACITY]):
+                    self._free.changed(was, row, self._hdr)
+                if self._waiters[slot]:  # someone sleeps in Sequence.wait on this row
+                    _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
         finally:
             self._unit_depth -= 1
             if self._unit_depth == 0:
