@@ -1,17 +1,12 @@
 """The core of a store handle: its mappings, the sequence table and its seqlocks, the store
 lock, crash recovery, clients and leases. ``Store`` (the API) builds on it through ``Arena``.
 
-Concurrency (DESIGN.md section 3):
+Concurrency (DESIGN.md section 3; the numbered invariants 1-5 of ARCHITECTURE.md): the
+hot path publishes a sequence's length after its cells; structural operations hold the store
+lock and keep a row's seqlock generation odd while they change it.
 
-* The lease holder of a sequence writes cells beyond its committed length and
-  then publishes the new length with one aligned 8-byte store. On x86-64 (TSO)
-  stores become visible in program order, and the numpy copy is an opaque C
-  call that completes before the length store, so a reader that reads the
-  length first never sees a cell that is not fully written.
-* Structural operations take the store lock and change rows inside journaled
-  transactions (``_journal``: the one way into the lock, the undo log, rollback and
-  crash recovery). Readers read the generation, the row, the generation again, and
-  retry while it moved.
+* Structural operations change rows inside journaled transactions (``_journal``: the one
+  way into the lock, the undo log, rollback and crash recovery).
 * Liveness: every read-write attachment holds a slot of the client table and
   that slot's byte of the liveness file (a kernel lock, see ``liveness``); a lease
   names its holder's client key and can be taken once that byte is free.
@@ -31,22 +26,12 @@ from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
-    C_FLAGS,
-    C_KEY,
-    C_PID,
-    CLIENT_WORDS,
-    ID,
-    LEASE_CLIENT,
-    LEASE_PID,
-    LEASE_TOKEN,
-    SEQ_WORDS,
-    LIVE,
-    STATE,
-    INDEX_WORDS,
-    Layout,
+    C_FLAGS, C_KEY, C_PID, CLIENT_WORDS, ID, LEASE_CLIENT, LENGTH, LEASE_PID, LEASE_TOKEN,
+    SEQ_WORDS, LIVE, STATE, INDEX_WORDS, Layout,
 )
 from shmkv._engine.journal import Journal
 from shmkv._engine.lease import live_writers
+from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.prefix import PrefixIndex
 from shmkv._engine.segment import Segment
 from shmkv.errors import (
@@ -119,12 +104,8 @@ class Core(Journal):
         L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
         it = np.dtype(dt).itemsize
         kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (DESIGN §11)
-        # Strided arrays over a byte array of the mapping, never over the mmap (or a memoryview of
-        # it) directly: np.ndarray(buffer=...) keeps the mmap as base without holding an export of
-        # it, so mmap.close() would succeed and unmap under a live view (a segfault on its next
-        # read). np.frombuffer holds the export for as long as any array over it lives (DESIGN §4;
-        # tests/test_lifecycle.py::test_close_unmaps_and_closes_descriptors_while_the_store_object_lives,
-        # test_a_view_outliving_close_reads_its_data).
+        # over np.frombuffer (it holds the mmap's export), never np.ndarray over the mmap: close()
+        # would unmap under live views (tests/test_lifecycle.py::test_a_view_outliving_close...)
         dbuf = np.frombuffer(dmm, np.uint8)
         self._K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
         self._V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
@@ -167,6 +148,10 @@ class Core(Journal):
         self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
+        self._waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
+        self._length_addr0 = self._table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
+        self._waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
+        self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._depth = 0
         self._logged: dict[int, memoryview] = {}

@@ -64,11 +64,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
+from shmkv._engine.header import CAPACITY, GEN, SEQ_WORDS, START, STATE
 from shmkv._engine.lock import StoreLock, critical
-from shmkv._engine.header import GEN, SEQ_WORDS
 
 if TYPE_CHECKING:
+    from shmkv._engine.free_ranges import FreeRanges
     from shmkv._engine.header import Layout
 
 _SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
@@ -104,6 +106,9 @@ class Journal:
     _slot_hint: dict[int, int]
     _depth: int
     _logged: dict[int, memoryview]
+    _free: FreeRanges  # this process's free ranges (_engine/free_ranges.py): kept by _changing
+    _waiters: memoryview  # Sequence.wait's sleepers per row (woken when a transaction ends)
+    _length_addr0: int
 
     def _row(self, slot: int) -> memoryview:
         raise NotImplementedError
@@ -194,11 +199,17 @@ class Journal:
             if row is None:
                 continue
             row[GEN] += 1
+            self._wake(slot)
             k = hdr[_header.W_UNDO_COUNT]
             i = next(i for i in range(k) if self._undo_np[i, 0] & _SLOT_MASK == slot)
             if i != k - 1:
                 self._undo_np[i] = self._undo_np[k - 1]  # the last entry moves into the gap first
             hdr[_header.W_UNDO_COUNT] = k - 1
+
+    def _wake(self, slot: int) -> None:
+        """Wake whoever sleeps in Sequence.wait on row ``slot`` (its generation moved)."""
+        if self._waiters[slot]:
+            _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
 
     @critical
     def _end(self) -> None:
@@ -207,6 +218,9 @@ class Journal:
             row[GEN] += 1
         self._hdr[_header.W_GENERATION] += 1
         self._hdr[_header.W_UNDO_COUNT] = 0
+        for slot in self._logged:
+            if self._waiters[slot]:
+                self._wake(slot)
         self._logged.clear()
 
     @critical
@@ -237,8 +251,10 @@ class Journal:
             if has_meta:
                 self._meta_w[slot] = entry[1 + SEQ_WORDS :]
             row[GEN] = gen + 1
+            self._wake(slot)
         hdr[_header.W_UNDO_COUNT] = 0
         hdr[_header.W_GENERATION] += 1
+        self._free.unknown(hdr)  # ranges and states changed back: the free-range cache is stale
         self._slot_hint.clear()
         return int(k)
 
@@ -255,6 +271,9 @@ class Journal:
         odd = np.flatnonzero(self._table_np[:, GEN] & 1) if scan or k else ()
         for slot in list(odd):
             self._row(int(slot))[GEN] += 1  # a bracket left open with no entry (a store of an older shmkv)
+            self._wake(int(slot))
+        if len(odd):
+            self._free.unknown(hdr)
         if k or len(odd):
             hdr[_header.W_RECOVERIES] += 1
             hdr[_header.W_GENERATION] += 1
@@ -342,12 +361,14 @@ class _Txn:
 
 
 class _Change:
-    """``Journal._changing(row)``: one row's change inside the open transaction (or its own)."""
+    """``Journal._changing(row)``: one row's change inside the open transaction (or its own).
+    It also keeps this process's free-range cache (``_engine/free_ranges.py``: the row's range
+    and state before its outermost bracket, compared at its end; inlined, on the truncate path)."""
 
-    __slots__ = ("j", "row")
+    __slots__ = ("j", "outer", "row", "slot", "was")
 
     def __init__(self, j: Journal, row: memoryview) -> None:
-        self.j, self.row = j, row
+        self.j, self.row, self.outer = j, row, False
 
     @critical
     def __enter__(self) -> None:
@@ -362,10 +383,15 @@ class _Change:
                 raise
             j._logged[slot] = row
             row[GEN] += 1  # odd: readers wait (invariant 3)
+        self.slot = slot
+        self.outer = j._free.brackets.setdefault(slot, was := (row[STATE], row[START], row[CAPACITY])) is was
+        self.was = was
 
     @critical
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        j = self.j
+        j, row = self.j, self.row
+        if self.outer and j._free.brackets.pop(self.slot) != (row[STATE], row[START], row[CAPACITY]):
+            j._free.changed(self.was, row, j._hdr)
         j._depth -= 1
         if j._depth == 0:
             if exc_type is None:
