@@ -25,7 +25,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
     104                  1      creator's client key (see liveness: slot 0's key at create; the
                                 creator is alive while slot 0's row holds it and its byte is locked)
     112                  1      persistent (0/1)
-    120                  1      next sequence id (create never reuses an id)
+    120                  1      next sequence id (create never reuses an id; see ID below)
     128                  1      window (sliding layers; 0 = none)
     136                  1      chunk (chunked layers; 0 = none)
     144                  1      memory (extra tokens kept by sliding layers)
@@ -69,15 +69,12 @@ Header segment ``/dev/shm/skv_NAME.h``::
 Sequence row (int64 words)::
 
     0 STATE        0 free slot, 1 live sequence, 2 encoder cache of a sequence
-    1 ID           sequence id (int): create never reuses one (next id, word 120); a restore
-                   brings a snapshot's ids back, as a new incarnation (GEN), so a handle on
-                   the id's earlier life raises SequenceNotFound
+    1 ID           sequence id; a restore brings a snapshot's back as a new incarnation (GEN, _journal)
     2 START        first token cell of the sequence's range
     3 CAPACITY     cells in the range
     4 LENGTH       committed tokens; published by the lease holder after the data
     5 GEN          seqlock generation: odd while a structural op is changing the
-                   row or its cells, even otherwise; bits 40.. the row's incarnation
-                   (a new one each time the row is made live: see _journal)
+                   row or its cells, even otherwise; bits 40.. the row's incarnation (_journal)
     6 LEASE_PID    pid holding the write lease (0 = none)
     7 LEASE_CLIENT the holder's client key (see liveness): the lease is alive while its slot's
                    byte is locked and the slot's row holds this key (pids are for display only)
