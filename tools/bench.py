@@ -145,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
     results: dict[str, float] = {}
-    from shmkv._snapshot.format import CRC32
+    try:  # private: which crc32 the snapshots use; older trees keep it elsewhere
+        from shmkv._snapshot.format import CRC32
+    except ImportError:
+        CRC32 = "?"
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"numpy {np.__version__}, snapshot crc32 from {CRC32}{', quick' if a.quick else ''}", flush=True)
