@@ -168,7 +168,8 @@ def run(model_dir: str, checkpoint: bool, system_text: str, user_texts: list[str
         ok = True
         for rid, pid, reused, tokens in sorted(answers):
             with torch.no_grad():
-                ref = model.generate(torch.tensor([requests[rid]]), **cache_kwargs(model, DynamicCache()),
+                ref_cache = DynamicCache(config=model.config)  # sliding layers too, if the model has them
+                ref = model.generate(torch.tensor([requests[rid]]), **cache_kwargs(model, ref_cache),
                                      max_new_tokens=new_tokens, do_sample=False)[0, len(requests[rid]):].tolist()
             same = tokens == ref
             ok &= same
