@@ -11,6 +11,11 @@ float32 storage: stored == written.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -166,3 +171,41 @@ def test_a_reused_prefix_still_copies_only_what_a_next_token_needs(make_store):
     assert len(seq) == 16
     assert held(seq, 1) == list(range(12, 16))  # keep = 4
     assert_holds(seq, k[:, :16], v[:, :16])
+
+
+def test_a_writer_killed_inside_rewind_leaves_the_sequence_as_it_was(make_store):
+    """rewind writes the new window into the slot's other buffer and switches the row in one
+    journaled change: a writer SIGKILLed between the two (crash point rewind.copied) leaves the
+    sequence as it was once the next lock holder has recovered; done, it is the rewound one."""
+    from _crash_children import BOUNDED, kv as token_kv, state
+
+    store = make_store(**BOUNDED)  # full + sliding (window 4: keep 3), memory 8
+    t = np.arange(200, 230)
+    s = store.create_sequence(capacity=64)
+    k, v = token_kv(t)
+    s.extend(k, v, tokens=t, in_steps=True)
+    s.release()
+    before = state(store)
+    code = (
+        "import sys, numpy as np, shmkv\n"
+        "sys.path.insert(0, sys.argv[3])\n"
+        "from _crash_children import kv\n"
+        "store = shmkv.attach(sys.argv[1])\n"
+        "seq = store.sequence(int(sys.argv[2]), write=True)\n"
+        "k, v = kv(np.arange(217, 220))\n"
+        "seq.rewind(20, k[1:], v[1:])\n"
+        "store.close()\n"
+    )
+    here = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, "-c", code, store.name, str(s.id), here], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "SHMKV_CRASH_AT": "rewind.copied"})
+    assert r.returncode == -signal.SIGKILL, f"rewind.copied was not reached: exit {r.returncode}\n{r.stderr[-3000:]}"
+    with store.transaction():  # the next lock holder recovers
+        pass
+    assert state(store) == before
+    seq = store.sequence(s.id, write=True)  # the dead writer's lease is taken over
+    k, v = token_kv(np.arange(217, 220))
+    seq.rewind(20, k[1:], v[1:])
+    after = state(store)
+    assert [a[1] for a in after] == [tuple(range(200, 220))]  # state() checked every held cell's K/V
+    assert held(seq, 1) == [17, 18, 19]
