@@ -257,14 +257,16 @@ def test_row_copies_on_a_full_window(cache_of, op, arg):
 
 
 @pytest.mark.parametrize("kind", ["sliding", "chunked", "hybrid"])
-@pytest.mark.parametrize("first", [124, 30])
+@pytest.mark.parametrize("first", [129, 30])
 def test_crop_after_a_forward_longer_than_memory(cache_of, kind, first):
-    """Issue 25: window 8 (here 4-6), a 124-token first forward (longer than memory=64, so
-    committed in steps), 5 candidates rejected: crop refused (NotSupportedError). Also a decode
+    """Issue 25: window 8 (here 4-6), a 124-token prompt and 5 candidates in the first forward
+    (longer than memory=64, so committed in steps of 64, 64, 1), 5 candidates rejected: crop was
+    refused (NotSupportedError). Also a decode
     forward longer than memory (30 tokens on memory=16) after a prompt, then a crop."""
     model = model_of(kind)
-    ref, cache = DynamicCache(config=model.config), cache_of(model, memory=None if first == 124 else 16)
+    ref, cache = DynamicCache(config=model.config), cache_of(model, memory=None if first == 129 else 16)
     ref.activate_past_recording()  # DynamicCache keeps what a crop needs only so (assisted decoding does it)
+    cache.activate_past_recording()  # as generate does for both where it crops
     if first == 30:
         ids = prompt(1, 10, seed=3)
         torch.testing.assert_close(_step(model, ids, cache), _step(model, ids, ref), rtol=0, atol=1e-5)
@@ -284,6 +286,24 @@ def test_crop_after_a_forward_longer_than_memory(cache_of, kind, first):
     ref.crop(-2)
     tok = prompt(1, 1, seed=30)
     torch.testing.assert_close(_step(model, tok, cache), _step(model, tok, ref), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "chunked"])
+def test_crop_into_a_long_forward_without_past_recording_says_what_to_do(cache_of, kind):
+    """Without activate_past_recording (generate calls it where it crops) a long forward's
+    sliding/chunked states are not kept (they would stay in memory until the next forward):
+    a crop back into it is refused, as DynamicCache refuses it, with the way out named;
+    a crop the windows still hold works."""
+    model = model_of(kind)
+    cache = cache_of(model)
+    ids = prompt(1, 129)  # the issue's 124-token prompt and 5 candidates: steps of 64, 64, 1
+    assert cache.store.layout.step == 64
+    _step(model, ids, cache)
+    with pytest.raises(shmkv.NotSupportedError, match=r"crop\(-5\).*activate_past_recording"):
+        cache.crop(-5)
+    assert cache.get_seq_length() == 129  # nothing changed
+    cache.crop(-1)  # what the windows still hold (the last step's token): fine
+    assert cache.get_seq_length() == 128
 
 
 def test_deepcopy_gives_an_independent_cache_and_pickle_stays_a_read_alias(cache_of):
@@ -354,6 +374,7 @@ def _random_sequence(store, cfg, shape, rng):
     ref = DynamicCache(config=cfg)
     ref.activate_past_recording()  # so DynamicCache can crop once a window filled
     cache = ShmkvCache(store)
+    cache.activate_past_recording()  # and ShmkvCache after a forward longer than memory
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
     batch = int(rng.integers(1, 4))
     last_q = 0  # tokens of the last update: crop goes back at most that far (as generate does)

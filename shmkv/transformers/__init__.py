@@ -366,7 +366,23 @@ class ShmkvCache(Cache):
         rows.drop_pending()
         if tokens_to_remove == 0 or rows.seqs is None:
             return
-        rows.truncate(max(rows.length + int(tokens_to_remove), 0))
+        try:
+            rows.truncate(max(rows.length + int(tokens_to_remove), 0))
+        except NotSupportedError as e:
+            raise NotSupportedError(
+                f"crop({tokens_to_remove}): {e}. A forward longer than the store's memory= "
+                f"({self._store.layout.step}) is committed in steps; its sliding/chunked states are kept "
+                "for crop only after cache.activate_past_recording() (generate calls it for assisted "
+                "and prompt-lookup decoding; DynamicCache needs it too)"
+            ) from e
+
+    def activate_past_recording(self) -> None:
+        """Keep what ``crop`` needs after a forward longer than ``memory`` (its sliding/chunked
+        layers' states, in this process, until the next forward), as transformers'
+        ``DynamicSlidingWindowLayer`` keeps its past when recording. ``generate`` calls it
+        where it crops (assisted and prompt-lookup decoding). Forwards of at most ``memory``
+        tokens can always be cropped."""
+        self._rows.record = True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues the old row ``beam_idx[i]``."""

@@ -115,6 +115,11 @@ class Rows:
         self.length = 0
         self._fwd: _Forward | None = None
         self._undo: _Undo | None = None  # after a forward committed in steps (see _Undo)
+        # Cache.activate_past_recording (transformers >= 5.24; generate calls it where it crops):
+        # only then are a long forward's states kept for crop, as DynamicSlidingWindowLayer
+        # keeps its past only when recording (a 100k-token prompt's states of every sliding
+        # layer are otherwise dropped as soon as they are written)
+        self.record = False
         self._cell = (self.layout.kv_heads, self.layout.head_dim)
         self._dtype: torch.dtype | None = None
 
@@ -130,6 +135,7 @@ class Rows:
         """After ``adopt`` of forks of ``other``'s rows: what else a copy must know (the dtype
         transformers works in, what a crop into the last forward needs; read-only, shared)."""
         self._dtype, self._undo = other._dtype, copy.copy(other._undo)  # its row lists are its own
+        self.record = other.record
 
     def take(self, seq_ids: _Seq[int]) -> None:
         """Take the leases of ``seq_ids`` (all or none) as the rows; they must be equally long."""
@@ -187,7 +193,7 @@ class Rows:
             fwd.stash[layer] = (list(kn), list(vn))
             n_held = keep - fwd.q
             kb, vb = self.store.batch_kv(seqs, layer, writable=True)  # torch warns on read-only arrays
-            if self.windows[layer]:  # crop may need them after the steps compact the buffer
+            if self.record and self.windows[layer]:  # crop may need them after the steps compact the buffer
                 m = min(self.length, self.layout.keep)
                 fwd.before[layer] = (kb[:, kb.shape[1] - m:].copy(), vb[:, vb.shape[1] - m:].copy())
             k_held = _to_torch(kb[:, kb.shape[1] - n_held:], dtype)
@@ -257,7 +263,7 @@ class Rows:
                 for s in seqs:
                     s.truncate(min(s.length, self.length))
                 raise
-            if self.layout.bounded:
+            if self.record and self.layout.bounded:
                 self._undo = _Undo(self.length, fwd, self.layout.bounded, _dtypes.storage(self.layout.dtype))
         else:
             for s in seqs:
