@@ -364,8 +364,8 @@ class Arena(Pages):
         needs (``keep`` tokens); ``held=True`` (``Store.copy_prefix``, so ``fork`` and
         ``regather``) every token src holds below n, so a copy of a whole sequence holds exactly
         what src holds on every layer (a batch of copies stays one ``[B, T]`` batch, and a crop
-        the source could take, the copy can take too: tests/test_transformers.py beam search
-        on sliding models)."""
+        the source could take, the copy can take too: tests/test_rewind.py, and beam search on
+        sliding models in tests/test_transformers_windows.py)."""
         s_row, d_row = self._row(s_slot), self._row(d_slot)
         s_off = s_row[WIN_OFF]
         need = self.layout.resume_from(n)  # the oldest token a next token needs on bounded layers
