@@ -26,7 +26,8 @@ Only shmkv's public API is used: ``append`` then ``torch_kv(layer, pending=True)
 cells, zero-copy when they can be), ``commit``, ``discard`` (a forward that failed
 between layers), ``extend(..., in_steps=True)`` (a prompt longer than a window
 buffer takes between commits), ``store.create_sequences`` (every row or none),
-``store.lease`` and ``store.regather`` (beam search and the batch operations).
+``store.lease`` and ``store.regather`` (beam search and the batch operations),
+``rewind`` (crop into a forward that was committed in steps, see ``_Undo``).
 Imports torch; ``import shmkv`` never imports this module.
 """
 
