@@ -86,7 +86,7 @@ def test_bench_runs_as_a_script():
 
 def test_bench_outside_a_checkout_says_where_it_looked(monkeypatch, tmp_path, capsys):
     # an installed package (no tools/ beside it): a clear error, not a traceback
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "shmkv" / "cli.py"))
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "shmkv" / "cli" / "__init__.py"))
     assert cli.main(["bench", "--quick"]) == 1
     err = capsys.readouterr().err
     assert str(tmp_path / "site-packages" / "tools" / "bench.py") in err and "source checkout" in err

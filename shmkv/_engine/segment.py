@@ -448,6 +448,13 @@ def own_start_time() -> int:
     return _own_start[1]
 
 
+# Whether liveness holds between processes of different PID namespaces (containers
+# sharing one /dev/shm): not while it is judged by pid (pid_alive below); True once it
+# is a kernel lock (DESIGN section 3). shmkv doctor reports it; tests/test_doctor.py
+# checks the claim against a process in a second PID namespace.
+CROSS_NAMESPACE_LIVENESS = False
+
+
 def pid_alive(pid: int, start_time: int = 0) -> bool:
     """Whether ``pid`` is alive and (when known) is the process started at ``start_time``."""
     if not 0 < pid <= MAX_PID:  # a scribbled word is no process (os.kill would overflow)
