@@ -43,13 +43,13 @@ def prefill(store_name, model_dir, jobs, n_workers):
     import torch
 
     import shmkv
-    from shmkv.transformers import ShmkvCache
+    from shmkv.transformers import ShmkvCache, cache_kwargs
 
     model = _model(model_dir)
     store = shmkv.attach(store_name)
     with torch.no_grad():
         cache = ShmkvCache.for_prompt(store, [SYSTEM])
-        model(torch.tensor([SYSTEM]), past_key_values=cache)
+        model(torch.tensor([SYSTEM]), **cache_kwargs(model, cache))  # cache= (or past_key_values=)
         cache.finish([SYSTEM])  # a cached prefix for every process from now on
     for rid, user in enumerate(USERS):
         jobs.put((rid, SYSTEM + user))
@@ -62,7 +62,7 @@ def decode_worker(store_name, model_dir, jobs, results):
     import torch
 
     import shmkv
-    from shmkv.transformers import ShmkvCache
+    from shmkv.transformers import ShmkvCache, cache_kwargs
 
     model = _model(model_dir)
     store = shmkv.attach(store_name)
@@ -71,8 +71,8 @@ def decode_worker(store_name, model_dir, jobs, results):
         cache = ShmkvCache.for_prompt(store, [prompt])  # starts from the cached system prompt
         reused = cache.get_seq_length()
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=NEW_TOKENS,
-                                 do_sample=False)
+            out = model.generate(torch.tensor([prompt]), **cache_kwargs(model, cache),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False)
         cache.finish(out)  # the whole request: a prefix for its next turn
         results.put((rid, os.getpid(), reused, out[0, len(prompt):].tolist()))
     store.close()
@@ -110,7 +110,7 @@ def run(model_dir: str) -> int:
     except ImportError:
         print("transformers_workers.py needs torch and transformers: pip install 'shmkv[transformers]'")
         return 0
-    from shmkv.transformers import ShmkvCache
+    from shmkv.transformers import ShmkvCache, cache_kwargs
 
     logging.disable_progress_bar()
     torch.manual_seed(0)
@@ -139,7 +139,7 @@ def run(model_dir: str) -> int:
         ok = True
         for rid, pid, reused, tokens in sorted(answers):
             with torch.no_grad():
-                ref = model.generate(torch.tensor([SYSTEM + USERS[rid]]), past_key_values=DynamicCache(),
+                ref = model.generate(torch.tensor([SYSTEM + USERS[rid]]), **cache_kwargs(model, DynamicCache()),
                                      max_new_tokens=NEW_TOKENS, do_sample=False)[0, -NEW_TOKENS:].tolist()
             same = tokens == ref
             ok &= same

@@ -7,6 +7,7 @@ that is a failure (conftest.importorskip_unless_ci).
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import warnings
@@ -24,7 +25,7 @@ importorskip_unless_ci("ml_dtypes")
 
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from shmkv.transformers import ShmkvCache, layout_from_config  # noqa: E402
+from shmkv.transformers import ShmkvCache, cache_keyword, cache_kwargs, layout_from_config  # noqa: E402
 
 VOCAB = 96
 NEW = 12  # new tokens per generate
@@ -87,7 +88,7 @@ def generate(model, ids, cache=None, mask=None, **kw):
     if mask is not None:
         args["attention_mask"] = mask
     if cache is not None:
-        args["past_key_values"] = cache
+        args.update(cache_kwargs(model, cache))  # cache= or past_key_values=, as the model takes it
     with torch.no_grad():
         return model.generate(ids, **args)
 
@@ -153,12 +154,12 @@ def test_compact_storage_within_bounds(llama, cache_of, dtype):
     seq, m = ids, mask
     worst = 0.0
     with torch.no_grad():
-        logits = llama(ids, attention_mask=mask, past_key_values=cache).logits[:, -1]
+        logits = llama(ids, attention_mask=mask, **cache_kwargs(llama, cache)).logits[:, -1]
         for step in range(NEW):
             worst = max(worst, float((logits - ref.logits[step]).abs().max()))
             tok = ref.sequences[:, ids.shape[1] + step, None]
             seq, m = torch.cat([seq, tok], 1), torch.cat([m, torch.ones_like(tok)], 1)
-            logits = llama(tok, attention_mask=m, past_key_values=cache).logits[:, -1]
+            logits = llama(tok, attention_mask=m, **cache_kwargs(llama, cache)).logits[:, -1]
     scale = max(float(x.abs().max()) for x in ref.logits)
     assert worst <= 16 * STORAGE_EPS[dtype] * scale, (worst, scale)
     assert worst > 0  # the storage really is lossy: the comparison is not vacuous
@@ -186,7 +187,7 @@ def test_bfloat16_model_bfloat16_storage(cache_of):
 def _child_prefill(model_dir, name, ids):
     model = LlamaForCausalLM.from_pretrained(model_dir).eval()
     with ShmkvCache.attach(name) as cache, torch.no_grad():
-        model(torch.tensor(ids), past_key_values=cache)
+        model(torch.tensor(ids), **cache_kwargs(model, cache))
         return cache.sequence_ids  # close(): leases released, the sequences stay
 
 
@@ -328,7 +329,7 @@ def test_beam_search(llama, cache_of, monkeypatch):
 
 def _step(model, ids, cache):
     with torch.no_grad():
-        return model(ids, past_key_values=cache).logits
+        return model(ids, **cache_kwargs(model, cache)).logits
 
 
 @pytest.mark.parametrize("op, arg", [
@@ -488,6 +489,33 @@ def test_import_shmkv_does_not_import_torch():
     code = "import sys, shmkv; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_cache_keyword_follows_the_models_forward(llama):
+    """transformers 5.24 renamed forward's and generate's past_key_values= to cache= (the old name
+    warns: FutureWarning, an error under this suite's filterwarnings); older 5.x take only
+    past_key_values=. The keyword is read from the model's forward signature."""
+    expected = "cache" if "cache" in inspect.signature(llama.forward).parameters else "past_key_values"
+    assert cache_keyword(llama) == expected
+
+    class Old:  # an older 5.x model: forward(input_ids, past_key_values=None, ...)
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, **kwargs):
+            return None
+
+    class New:
+        def forward(self, input_ids, cache=None, **kwargs):
+            return None
+
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(New()) == "cache"
+    assert cache_kwargs(Old(), 7) == {"past_key_values": 7}
+    # under the installed transformers, a forward with the keyword it names raises no warning
+    cache = DynamicCache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            out = llama(prompt(1, 5), **cache_kwargs(llama, cache))
+    assert cache.get_seq_length() == 5 and out.logits.shape == (1, 5, VOCAB)
 
 
 def test_layout_from_config(llama):

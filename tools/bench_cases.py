@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from shmkv.store import _lifecycle
-from shmkv.store import _store
+import shmkv
 from shmkv.testing import unique_name
 
 Figures = dict[str, float]
@@ -143,7 +142,7 @@ def bench_decode(quick: bool) -> Figures:
     rng = np.random.default_rng(0)
     ks = rng.standard_normal((n, H, D)).astype(np.float16)
     vs = rng.standard_normal((n, H, D)).astype(np.float16)
-    store = _lifecycle.create(unique_name("bd"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+    store = shmkv.create(unique_name("bd"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
                           max_tokens=n + 8, max_seqs=2)
     try:
         seq = store.create_sequence(capacity=n)  # reserved once (prefill measures the reservation)
@@ -197,7 +196,7 @@ def bench_truncate(quick: bool) -> Figures:
     """
     L, H, D, base, B = 32, 8, 128, 64, 4
     pairs = 300 if quick else 1500
-    store = _lifecycle.create(unique_name("bt"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+    store = shmkv.create(unique_name("bt"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
                           max_tokens=base + B + 8, max_seqs=2)
     try:
         seq = store.create_sequence(capacity=base + B + 8)
@@ -262,7 +261,7 @@ def _receiver(kind: str, inp: Any, out: Any) -> None:
             break
         if kind == "shmkv":
             name, seq_id = msg
-            store = _store.attach(name, readonly=True)
+            store = shmkv.attach(name, readonly=True)
             seq = store.sequence(seq_id)
             views = [seq.kv(layer) for layer in range(store.layout.layers)]
             t1 = time.perf_counter()
@@ -295,7 +294,7 @@ def bench_handoff(quick: bool) -> Figures:
     k = rng.standard_normal((L, n, H, D)).astype(np.float16)
     v = rng.standard_normal((L, n, H, D)).astype(np.float16)
     name = unique_name("bh")
-    store = _lifecycle.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=n, max_seqs=2)
+    store = shmkv.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=n, max_seqs=2)
     path = _shm_scratch("handoff")
     res: Figures = {"handoff_mib": 2 * k.nbytes / 2**20}
     procs: list[Any] = []
@@ -370,7 +369,7 @@ def bench_copy_prefix(quick: bool) -> Figures:
     L, H, D, n = 16, 8, 128, (1024 if quick else 2048)
     # 3 n cells: copy_prefix into a sequence that holds tokens writes a fresh range, then switches
     # (crash safety: never over committed cells), so it needs n free cells while it runs
-    store = _lifecycle.create(unique_name("bc"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+    store = shmkv.create(unique_name("bc"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
                           max_tokens=3 * n, max_seqs=2)
     try:
         rng = np.random.default_rng(2)
@@ -426,11 +425,11 @@ def _sendfile_into_fresh_shm(src: str) -> float:
 
 
 def bench_snapshot(quick: bool, directory: str | None = None) -> Figures:
-    from shmkv.store._lifecycle import load
+    from shmkv import load
 
     L, H, D, n = 16, 8, 128, (1024 if quick else 2048)
     name = unique_name("bs")
-    store = _lifecycle.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2 * n, max_seqs=4)
+    store = shmkv.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2 * n, max_seqs=4)
     rng = np.random.default_rng(3)
     k = rng.standard_normal((L, n, H, D)).astype(np.float16)
     v = rng.standard_normal((L, n, H, D)).astype(np.float16)
@@ -483,7 +482,7 @@ def bench_prefill(quick: bool) -> Figures:
     reserve: list[float] = []
 
     def shmkv_prefill() -> float:
-        store = _lifecycle.create(unique_name("bp"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
+        store = shmkv.create(unique_name("bp"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
                               max_tokens=n, max_seqs=2)  # a new store: fresh memory (untimed)
         try:
             t0 = time.perf_counter()
@@ -529,7 +528,7 @@ def bench_prefill(quick: bool) -> Figures:
 
 def _decode_worker(name: str, seq_id: int, base: int, ctrl: Any, out: Any) -> None:
     """Attach once; per message, append ``n`` tokens to every layer + commit each and report tokens/s."""
-    store = _store.attach(name)
+    store = shmkv.attach(name)
     lay = store.layout
     seq = store.sequence(seq_id, write=True)
     k = np.ones((lay.kv_heads, lay.head_dim), np.float16)
@@ -554,7 +553,7 @@ def _decode_worker(name: str, seq_id: int, base: int, ctrl: Any, out: Any) -> No
 
 def _snapshotter(name: str, path: str, ctrl: Any, stop: Any, out: Any) -> None:
     os.nice(10)  # as `shmkv snapshot` does by default: decode workers come first
-    store = _store.attach(name, readonly=True)
+    store = shmkv.attach(name, readonly=True)
     out.put(("ready", -1))
     while ctrl.recv() is not None:
         count = 0
@@ -580,7 +579,7 @@ def bench_workers(quick: bool) -> Figures:
     rounds = 3 if quick else 7
     ctx = mp.get_context("spawn")
     name = unique_name("bw")
-    store = _lifecycle.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16",
+    store = shmkv.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float16",
                           max_tokens=cores * (base + n), max_seqs=cores + 1)
     procs: list[Any] = []
     ctrls: list[Any] = []
@@ -657,7 +656,7 @@ def bench_quant(quick: bool) -> Figures:
     L, H, D, n = 8, 8, 128, (512 if quick else 2048)
     rng = np.random.default_rng(6)
     x = rng.standard_normal((L, n, H, D)).astype(np.float16)  # what a float16 model produces
-    stores = {dt: _lifecycle.create(unique_name("bq"), layers=L, kv_heads=H, head_dim=D, dtype=dt, max_tokens=n,
+    stores = {dt: shmkv.create(unique_name("bq"), layers=L, kv_heads=H, head_dim=D, dtype=dt, max_tokens=n,
                                 max_seqs=2) for dt in ("float16", "int8")}
     try:
         seqs = {dt: st.create_sequence(capacity=n) for dt, st in stores.items()}
@@ -701,7 +700,7 @@ TABLE_SIZES = (16, 256, 4096)
 
 def bench_table(quick: bool) -> Figures:
     top = TABLE_SIZES[-1]
-    store = _lifecycle.create(unique_name("bT"), layers=2, kv_heads=1, head_dim=8, dtype="float16",
+    store = shmkv.create(unique_name("bT"), layers=2, kv_heads=1, head_dim=8, dtype="float16",
                           max_tokens=16 * (top + 4), max_seqs=top + 4)
     res: Figures = {}
     reps = 20 if quick else 60
@@ -743,7 +742,7 @@ def bench_table(quick: bool) -> Figures:
 
 
 def _waiter(name: str, seq_id: int, rounds: int, ctrl: Any, out: Any) -> None:
-    store = _store.attach(name, readonly=True)
+    store = shmkv.attach(name, readonly=True)
     seq = store.sequence(seq_id)
     for _ in range(rounds):
         target = ctrl.recv()
@@ -754,9 +753,7 @@ def _waiter(name: str, seq_id: int, rounds: int, ctrl: Any, out: Any) -> None:
 
 
 def has_wait() -> bool:
-    from shmkv._sequence.handle import Sequence
-
-    return hasattr(Sequence, "wait")
+    return hasattr(shmkv.Sequence, "wait")
 
 
 def bench_wait(quick: bool) -> Figures:
@@ -765,7 +762,7 @@ def bench_wait(quick: bool) -> Figures:
     rounds = 10 if quick else 40
     ctx = mp.get_context("spawn")
     name = unique_name("bW")
-    store = _lifecycle.create(name, layers=2, kv_heads=2, head_dim=8, dtype="float16", max_tokens=rounds + 8,
+    store = shmkv.create(name, layers=2, kv_heads=2, head_dim=8, dtype="float16", max_tokens=rounds + 8,
                           max_seqs=2)
     procs: list[Any] = []
     try:

@@ -49,13 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from shmkv.transformers import ShmkvCache
+    from shmkv.transformers import ShmkvCache, cache_keyword
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1024, max_position_embeddings=4096, eos_token_id=None, pad_token_id=0,
                          **MODELS[a.model])
     model = LlamaForCausalLM._from_config(config, dtype=torch.float32).eval()
+    kw_cache = cache_keyword(model)  # cache= (transformers >= 5.24) or past_key_values=
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"torch {torch.__version__} ({a.threads} threads), model {a.model}, {a.tokens} new tokens, "
           f"{a.repeats} repeats")
@@ -68,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
 
             def run_dynamic(ids=ids, kw=kw):
                 with torch.no_grad():
-                    return model.generate(ids, past_key_values=DynamicCache(), **kw)
+                    return model.generate(ids, **{kw_cache: DynamicCache()}, **kw)
 
             def run_shmkv(ids=ids, kw=kw):
                 cache = ShmkvCache(owner.store)
                 try:
                     with torch.no_grad():
-                        return model.generate(ids, past_key_values=cache, **kw)
+                        return model.generate(ids, **{kw_cache: cache}, **kw)
                 finally:
                     cache.free()
 

@@ -374,8 +374,8 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     # The benchmarks are not part of the library: they live in the source checkout's
     # tools/bench.py, beside the package directory. Replace this process with it (same
     # arguments, same pid: signals and exit codes pass through unchanged).
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # shmkv/cli/ -> checkout
-    script = os.path.join(root, "tools", "bench.py")
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # shmkv/cli/ -> checkout
+    script = os.path.join(checkout, "tools", "bench.py")
     if not os.path.isfile(script):
         print(f"shmkv bench: {script} not found: the benchmarks ship with the source checkout, not with "
               "the installed package; clone the repository, `pip install -e .` there and run "

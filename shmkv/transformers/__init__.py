@@ -1,6 +1,7 @@
 """Hugging Face transformers: :class:`ShmkvCache`, a ``transformers.Cache`` (5.x) in a shmkv store.
 
-``model.generate(..., past_key_values=cache)`` then keeps its keys and values in
+``model.generate(..., cache=cache)`` (``past_key_values=cache`` before transformers
+5.24: :func:`cache_keyword` tells which) then keeps its keys and values in
 shared memory: another process continues the same sequences with
 :meth:`ShmkvCache.attach`, and the outputs equal those of transformers' own
 ``DynamicCache`` (``tests/test_transformers.py`` compares them).
@@ -12,7 +13,7 @@ The parts: this module is what transformers sees (the cache and its layers,
 argument checks, ownership of the store); ``_hf_layout`` turns a model config
 into a store layout; ``_hf_rows`` holds the batch rows and maps a forward onto
 appends and commits; ``_hf_prefix`` does prefix reuse (``for_prompt``,
-``finish``).
+``finish``); ``_compat`` reads which keyword the installed transformers takes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from shmkv.transformers._compat import cache_keyword, cache_kwargs
 from shmkv.transformers._layout import layout_from_config, storage_dtype
 from shmkv.transformers._prefix import check_finish, prompt_sequences, record_finish
 from shmkv.transformers._rows import Rows
@@ -32,7 +34,7 @@ from shmkv.store._lifecycle import create
 from shmkv.store._store import Store, attach
 from shmkv.errors import InvalidArgumentError, NotSupportedError
 
-__all__ = ["ShmkvCache", "layout_from_config"]
+__all__ = ["ShmkvCache", "cache_keyword", "cache_kwargs", "layout_from_config"]
 
 
 class _ShmkvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transformers' __init_subclass__ is untyped
@@ -124,8 +126,9 @@ class ShmkvCache(Cache):
     """A ``transformers.Cache`` whose keys and values live in a shmkv store.
 
     Each batch row is one sequence of the store (``sequence_ids``, in row order),
-    held through its write lease. Pass it to ``model.generate(...,
-    past_key_values=cache)`` or ``model(..., past_key_values=cache)``.
+    held through its write lease. Pass it to ``model.generate(..., cache=cache)`` or
+    ``model(..., cache=cache)`` (``past_key_values=`` before transformers 5.24;
+    ``**cache_kwargs(model, cache)`` passes it under the keyword the model takes).
 
     Args:
         store: an open read-write :class:`shmkv.Store` whose layout fits the model
@@ -137,7 +140,7 @@ class ShmkvCache(Cache):
 
     Example:
         >>> cache = ShmkvCache.from_config(model.config, "llama")       # doctest: +SKIP
-        >>> out = model.generate(input_ids, past_key_values=cache)       # doctest: +SKIP
+        >>> out = model.generate(input_ids, **cache_kwargs(model, cache))   # doctest: +SKIP
         >>> cache.sequence_ids, cache.release()                          # doctest: +SKIP
         >>> # another process: ShmkvCache.attach("llama", ids) continues them
     """
@@ -209,7 +212,7 @@ class ShmkvCache(Cache):
     @classmethod
     def for_prompt(cls, store: Store, input_ids: Any, *, capacity: int | None = None) -> ShmkvCache:
         """A cache whose rows start from the longest prefix of their prompt cached in ``store``
-        (DESIGN §8), by any process: ``generate(input_ids, past_key_values=cache)`` then
+        (DESIGN §8), by any process: ``generate(input_ids, cache=cache)`` then
         computes only the rest.
 
         Every row reuses the same number of tokens (transformers keeps one past length for
@@ -223,7 +226,7 @@ class ShmkvCache(Cache):
 
         Example:
             >>> cache = ShmkvCache.for_prompt(store, input_ids)              # doctest: +SKIP
-            >>> out = model.generate(input_ids, past_key_values=cache)       # doctest: +SKIP
+            >>> out = model.generate(input_ids, **cache_kwargs(model, cache))  # doctest: +SKIP
             >>> cache.finish(out)          # now a cached prefix for every process  # doctest: +SKIP
         """
         seqs, n = prompt_sequences(store, input_ids, capacity)
