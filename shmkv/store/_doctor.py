@@ -13,8 +13,6 @@ they start: the message names what is needed, what there is and how to get it.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -206,6 +204,8 @@ def _pid_ns() -> tuple[str | None, bool | None]:
 def _version() -> str:
     """shmkv's installed version (read from the package metadata: no import of ``shmkv``, whose
     ``__init__`` imports this module)."""
+    import importlib.metadata  # here, not at the top: 15 ms that `import shmkv` need not pay
+
     try:
         return importlib.metadata.version("shmkv")
     except importlib.metadata.PackageNotFoundError:
@@ -223,6 +223,9 @@ def _proc_is_ours() -> bool | None:
 
 
 def _extras() -> tuple[Extra, ...]:
+    import importlib.metadata
+    import importlib.util
+
     out = []
     for name, pip in EXTRAS.items():
         version = None
