@@ -12,7 +12,7 @@ import pytest
 
 import shmkv
 from shmkv.testing import unique_name
-from _namespaces import PY, available
+from _namespaces import PY, available, in_private_shm
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
@@ -68,3 +68,10 @@ def test_one_store_two_processes_in_a_private_64mib_shm():
                 p.kill()
                 p.communicate()
     assert p.returncode == 0, err  # no SIGBUS, a clean close
+
+
+def test_demo_runs_in_docker_default_64mib_shm():
+    r = in_private_shm([PY, "-m", "shmkv", "demo"], "64m", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "equal to a single-process run without shmkv: yes" in r.stdout
+
