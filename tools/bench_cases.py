@@ -848,7 +848,8 @@ _TOK = 16 * 8 * 128 * 2 * 2  # bytes of one token of the 16-layer float16 shapes
 # Peak /dev/shm bytes each scenario holds at once (stores and baseline files), by --quick
 # or not: measured in a private tmpfs (issue 26: decode 16 MiB quick, handoff 256,
 # copy_prefix 192, snapshot 128, prefill 128, workers 384 on 2 cores, quant 24.3, table
-# 12, prefix 28, remote 256) and written as the shapes' arithmetic. tools/bench.py
+# 12, prefix 28, remote 256; without --quick decode 64, copy_prefix 384, snapshot 256, quant 97,
+# workers 512 on 2 cores) and written as the shapes' arithmetic, which gives the same figures. tools/bench.py
 # refuses up front, saying how much, when /dev/shm has less free (plus SHM_MARGIN).
 SHM_NEEDS: dict[str, Callable[[bool], int]] = {
     "decode": lambda quick: 32 * 8 * 128 * 2 * 2 * (128 if quick else 512),
