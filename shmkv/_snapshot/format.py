@@ -34,7 +34,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import msgpack
 import numpy as np
@@ -43,9 +43,6 @@ from shmkv._engine import dtypes as _dtypes
 from shmkv._engine import header as _header
 from shmkv._engine.header import Layout
 from shmkv.errors import AccessDeniedError, InvalidArgumentError, ShmkvError, SnapshotError
-
-if TYPE_CHECKING:
-    pass
 
 FORMAT = "shmkv-snapshot"
 VERSION = 1
