@@ -179,3 +179,60 @@ def test_foreign_or_damaged_header(make_store, what):
             shmkv.attach(name, timeout=0.05)
     finally:
         _segment.unlink(_segment.header_name(name))
+
+
+@pytest.mark.parametrize(("err", "expected"), [
+    (28, shmkv.CacheFullError),  # ENOSPC
+    (9, shmkv.StoreClosedError),  # EBADF
+    (13, shmkv.AccessDeniedError),  # EACCES
+    (5, shmkv.CorruptStoreError),  # EIO: nothing more fitting, never a raw OSError
+])
+@pytest.mark.parametrize("call", ["reserve", "write", "copy_in"])
+def test_segment_io_errors_are_in_the_tree(make_store, monkeypatch, tmp_path, err, expected, call):  # noqa: PLR0917
+    """Issue 22: Segment.reserve/write/copy_in re-raised OSErrors that mean neither full nor missing."""
+    import errno as _errno
+    import os
+
+    store = make_store()
+    seg = store._dseg
+    src = tmp_path / "src"
+    src.write_bytes(b"x" * 8192)
+
+    def fail(*args, **kw):
+        raise OSError(err, os.strerror(err))
+
+    if call == "reserve":
+        monkeypatch.setattr(_segment.os, "posix_fallocate", fail)
+        run = lambda: seg.reserve([(0, 4096)], populate=False)
+    elif call == "write":
+        monkeypatch.setattr(_segment.os, "pwrite", fail)
+        run = lambda: seg.write(0, memoryview(b"y" * 16))
+    else:
+        monkeypatch.setattr(_segment.os, "sendfile", fail)
+        fd = os.open(src, os.O_RDONLY)
+        run = lambda: seg.copy_in(fd, 0, 0, 4096)
+    try:
+        with pytest.raises(expected, match=seg.name if expected is not shmkv.CacheFullError else "dev/shm") as info:
+            run()
+    finally:
+        if call == "copy_in":
+            os.close(fd)
+    assert not isinstance(info.value, OSError) or isinstance(info.value, shmkv.ShmkvError)
+    assert err != _errno.EIO or "shmkv save" in str(info.value)
+
+
+def test_copy_in_from_a_file_that_ends_early_is_a_snapshot_error(make_store, monkeypatch, tmp_path):
+    import os
+
+    store = make_store()
+    src = tmp_path / "short"
+    src.write_bytes(b"x" * 100)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with pytest.raises(shmkv.SnapshotError, match="ended 3996 bytes early"):
+            store._dseg.copy_in(fd, 0, 0, 4096)
+        monkeypatch.setattr(_segment.os, "sendfile", lambda *a: (_ for _ in ()).throw(OSError(22, "EINVAL")))
+        with pytest.raises(shmkv.SnapshotError, match="ended 3996 bytes early"):  # the slow path says the same
+            store._dseg.copy_in(fd, 0, 0, 4096)
+    finally:
+        os.close(fd)

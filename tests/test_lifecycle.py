@@ -118,3 +118,105 @@ def _length_via_pickle(store: shmkv.Store, seq_id: int) -> int:
     n = store.sequence(seq_id).length
     store.close()
     return n
+
+
+def _mapped(name: str) -> list[str]:
+    """This process's mappings and descriptors of store ``name``'s segments and files."""
+    pre = f"/dev/shm/{_segment.PREFIX}{name}."
+    with open("/proc/self/maps") as f:
+        out = [line.split(maxsplit=5)[-1].strip() for line in f if pre in line]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(pre):
+            out.append(f"fd -> {target}")
+    return out
+
+
+@pytest.mark.parametrize("how", ["created", "attached", "readonly"])
+def test_close_unmaps_and_closes_descriptors_while_the_store_object_lives(make_store, tmp_path, how):
+    """Issue 22: close() left both mappings and the descriptors until garbage collection."""
+    made = make_store()
+    store = made if how == "created" else shmkv.attach(made.name, readonly=how == "readonly")
+    writer = made if how == "readonly" else store
+    # a tour of the structures: prefix reuse, fork, finish, snapshot, restore, reads
+    seq = writer.create_sequence(capacity=32, prefix=np.arange(20))
+    seq.extend(np.ones((2, 20, 2, 4)), np.ones((2, 20, 2, 4)), tokens=np.arange(20))
+    seq.fork().release()
+    seq.finish()
+    writer.save(tmp_path / "s.shmkv")
+    writer.restore(tmp_path / "s.shmkv")
+    del seq
+    for info in store.sequences():
+        s = store.sequence(info.id)
+        assert s.keys(0).shape[0] == len(s) and s.tokens.size == len(s)
+        del s
+    store.stats(), store.clients(), store.match_prefix(np.arange(30))
+    if how == "readonly":
+        store.save(tmp_path / "r.shmkv")
+    keep = store.sequence(store.sequences()[0].id).keys(1)
+    store.close()
+    if made is not store:
+        made.close()
+    # a view that outlives close keeps its own data pages mapped, valid to read ...
+    assert [m for m in _mapped(made.name) if not m.startswith("fd")] == [
+        _segment.shm_path(_segment.data_name(made.name)) + " (deleted)"]
+    assert bool((keep == 1).all())
+    del keep
+    assert _mapped(made.name) == []  # ... and nothing else is left: both mappings, every descriptor
+    assert store.closed  # while the Store object lives on
+
+
+@pytest.mark.parametrize("how", ["created", "attached", "persistent", "attached-persistent"])
+def test_close_then_unlink_removes_the_store(make_store, how):
+    """The multiprocessing.shared_memory idiom: close(), then unlink() by name (issue 22)."""
+    made = make_store(persistent="persistent" in how)
+    store = shmkv.attach(made.name) if how.startswith("attached") else made
+    store.close()
+    store.unlink()
+    assert not _exists(made.name)
+    assert not os.path.exists(_segment.lock_path(made.name))
+    store.unlink()  # once removed, nothing more to do
+
+
+def test_unlink_after_close_leaves_a_newer_store_of_the_same_name(make_store):
+    old = make_store(persistent=True)
+    name = old.name
+    old.close()
+    shmkv.remove(name)
+    newer = make_store(name=name)
+    old.unlink()  # not the store it attached to: left alone
+    assert _exists(name) and newer.sequences() == []
+
+
+@pytest.mark.parametrize(("what", "readonly"), [
+    ("lock file is a symlink", False), ("lock file is a symlink", True),
+    ("lock file is a directory", False),  # (read-only, a directory opens and takes shared flocks)
+    ("liveness file gone", False), ("liveness file gone", True)])
+def test_attach_failure_leaks_no_descriptor_and_raises_our_errors(make_store, readonly, what):
+    """Issue 22: attach leaked both segment descriptors and raised a raw OSError when the lock
+    file could not be opened."""
+    store = make_store()
+    name = store.name
+    lock, live = _segment.lock_path(name), _segment.shm_path(f"{_segment.PREFIX}{name}.live")
+    if what == "liveness file gone":
+        os.unlink(live)
+        expected: type[Exception] = shmkv.StoreNotFound
+    else:
+        os.unlink(lock)
+        if what == "lock file is a symlink":
+            os.symlink("/dev/null", lock)
+            expected = shmkv.AccessDeniedError
+        else:
+            os.mkdir(lock)
+            expected = shmkv.CorruptStoreError
+    before = _mapped(name)
+    try:
+        with pytest.raises(expected, match=name):
+            shmkv.attach(name, readonly=readonly)
+        assert _mapped(name) == before  # nothing of the failed attach is left open or mapped
+    finally:
+        if os.path.isdir(lock) and not os.path.islink(lock):
+            os.rmdir(lock)

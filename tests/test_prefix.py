@@ -65,7 +65,8 @@ def test_caps_and_misses(big):
     assert big.match_prefix(q) == 0  # differs at token 0
     assert big.match_prefix(p[:1]) == 0 and big.match_prefix([]) == 0
     assert len(big.create_sequence(capacity=4, prefix=p[:1])) == 0
-    assert big.match_prefix(p[:17]) == 16 and big.match_prefix(p[:16]) == 0  # a whole block is the least found
+    # token-granular from token 0: below one block too (issue 23)
+    assert [big.match_prefix(p[:k]) for k in (17, 16, 9, 5, 2)] == [16, 15, 8, 4, 1]
     with pytest.raises(shmkv.InvalidArgumentError, match="token ids"):
         big.match_prefix([[1, 2]])
     with pytest.raises(shmkv.InvalidArgumentError, match=">= 0"):
@@ -82,7 +83,11 @@ def test_sequences_without_ids_or_moved_tokens_are_never_donors(big):
     s, _ = serve(big, p)
     assert big.match_prefix(p) == 47
     s.remove(10, 12)  # the later tokens' context changed: only tokens before 10 may be given
-    assert big.match_prefix(p) == 0  # 10 < one block
+    assert big.match_prefix(p) == 10  # below one block: found through its leads (issue 23)
+    b, n = serve(big, p)
+    assert n == 10
+    check(b, p, big.layout)  # the 10 reused tokens are the faithful ones
+    b.free()
     s.truncate(5)
     s.extend(k[:, 5:], v[:, 5:], tokens=p[5:])  # recomputed: a donor again
     assert big.match_prefix(p) == 47
@@ -279,3 +284,22 @@ def test_info_shows_the_prefix_cache(big):
     r = subprocess.run([shmkv_bin, "info", big.name], capture_output=True, text=True, timeout=60)
     assert "prefix cache: 1 hits, 1 misses, 35 tokens reused; 1 finished" in r.stdout
     assert 'finished' in r.stdout.splitlines()[-2] and '"request": "r-1"' in r.stdout
+
+
+@pytest.mark.parametrize("lru", ["dst", "src"])
+def test_copy_prefix_never_evicts_its_own_source_or_destination(make_store, lru):
+    """Issue 22: copy_prefix into a finished, unleased destination that is the least recently used
+    (or from such a source) evicted it to make room for itself; copy_prefix returned, dst was gone."""
+    store = make_store(layers=2, kv_heads=2, head_dim=4, max_tokens=320, max_seqs=16)
+    rng = np.random.default_rng(6)
+    prompts = [prompt(rng, 30) for _ in range(10)]
+    ids = finished_requests(store, prompts, capacity=32)  # the store is full of finished requests
+    src, dst = (ids[9], ids[0]) if lru == "dst" else (ids[0], ids[1])
+    store.copy_prefix(src, dst, 20)  # dst holds tokens: the copy needs a fresh range, so an eviction
+    live = {i.id for i in store.sequences()}
+    assert src in live and dst in live
+    gone = set(ids) - live
+    assert gone == ({ids[1]} if lru == "dst" else {ids[2]})  # the least recently used of the others
+    d = store.sequence(dst)
+    assert d.tokens.tolist() == prompts[ids.index(src)][:20].tolist()
+    assert store.stats().evictions == 1

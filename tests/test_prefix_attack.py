@@ -113,6 +113,23 @@ def test_copy_prefix_does_not_evict_its_source(make_store):
     assert a.id in [i.id for i in st.sequences()] and st.stats().evictions == 0
 
 
+def test_a_full_index_never_fails_a_commit_after_it_published(make_store):
+    """Issue 22: RuntimeError("prefix index full") escaped commit after LENGTH was published when
+    the index had no empty entry (its occupancy count drifted, or it was scribbled on)."""
+    st = make_store(max_tokens=256, max_seqs=4)
+    t = np.frombuffer(st._index._t, np.int64).reshape(-1, 4)
+    t[:] = [1, 999, 0, 0]  # every entry taken, none valid (no live sequence 999), count says 0
+    p = P(2, 40)
+    a = plain(st, p)  # commits 40 tokens: two whole blocks go into the index
+    assert len(a) == 40 and a.tokens.tolist() == p.tolist()
+    assert st.match_prefix(np.concatenate([p, [1]])) == 40  # indexed in the invalid entries' place
+    t[:] = t[np.flatnonzero(t[:, 1] == a.id)[0]]  # every entry a valid copy of a's first block's
+    q = P(3, 20)
+    b = plain(st, q)  # no entry to take: the block stays unindexed, the commit stands
+    assert len(b) == 20 and b.tokens.tolist() == q.tolist()
+    assert st.match_prefix(np.concatenate([q, [1]])) == 0
+
+
 # -- wrong reuse ----------------------------------------------------------------------------------
 
 

@@ -283,6 +283,58 @@ def test_create_sequence_damaged_chunk_ends_the_match(make_store, server, client
     assert_same_prefix(sa, create_with_tier(b, toks, tier), 192)
 
 
+def _with_valid_checksum(blob: bytes, layout, mutate) -> bytes:
+    """``blob`` with its arrays changed by ``mutate(k, v, ks, vs)`` and its checksum made valid again:
+    the checksum is integrity, not authentication (a trusted Redis), so such a chunk passes it."""
+    import zlib
+
+    from shmkv import remote
+
+    b = bytearray(blob)
+    _, _, _, hlen, _ = remote._FIXED.unpack_from(b, 0)
+    mutate(*remote._Geometry(layout, C).arrays(b, remote._payload_offset(hlen), C))
+    remote._CRC.pack_into(b, len(b) - remote._CRC.size, zlib.crc32(memoryview(b)[: -remote._CRC.size]))
+    return bytes(b)
+
+
+@pytest.mark.parametrize("what", ["inf scales", "nan scales"])
+def test_create_sequence_chunk_that_cannot_be_loaded_is_a_miss_and_leaks_nothing(
+        make_store, server, client, tiers, what):
+    """Issue 22: an int8 chunk with inf scales (valid checksum) made create_sequence(prefix=, tier=)
+    raise InvalidArgumentError, kept the chunk, and leaked a live unfinished sequence per request."""
+    lay = {**LAYOUT, "dtype": "int8"}
+    a, b = make_store(**lay), make_store(**lay)
+    toks, k, v = prompt(200)
+    sa = prefill(a, toks, k, v)
+    tier = tiers(server.url)
+    assert tier.push(a, sa.id) == 6
+    key = tier.key(a.layout, toks[: 3 * C])  # chunk 2 (tokens 64..95)
+    bad = float("inf") if what == "inf scales" else float("nan")
+    client.set(key, _with_valid_checksum(client.get(key), a.layout, lambda k, v, ks, vs: ks.fill(bad)))
+    for _ in range(3):  # each request: a miss from that chunk on, never an error, never a leak
+        sb = create_with_tier(b, toks, tier)
+        assert_same_prefix(sa, sb, 64)
+        sb.free()
+    assert b.sequences() == []
+    assert tier.stats().damaged == 1 and client.exists(key) == 0  # removed: a push replaces it
+    assert tier.push(a, sa.id) == 1
+    assert_same_prefix(sa, create_with_tier(b, toks, tier), 192)
+
+
+def test_create_sequence_frees_its_sequence_when_the_pull_raises(make_store, tiers, monkeypatch):
+    """Whatever escapes the tier (here an interrupt) leaves no live unfinished sequence behind."""
+    store = make_store(**LAYOUT)
+    tier = tiers("redis://127.0.0.1:1/0")
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tier, "pull", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        create_with_tier(store, np.arange(100), tier)
+    assert store.sequences() == []
+
+
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_create_sequence_in_many_round_trips(make_store, server, client, tiers, monkeypatch, dtype):  # noqa: PLR0917
     """One chunk a round trip, every value streamed part by part, the next batch fetched on a

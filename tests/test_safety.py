@@ -213,9 +213,10 @@ def test_closed_store_raises_store_closed(make_store):
     store.close()
     k = np.zeros((H, D), np.float32)
     for call in (lambda: seq.append(0, k, k), lambda: seq.encoder_kv(0), lambda: seq.extend(*_kv(2, 1)),
-                 seq.commit, lambda: store.sequence(seq.id), store.unlink):
+                 seq.commit, lambda: store.sequence(seq.id)):
         with pytest.raises(shmkv.StoreClosedError):
             call()
+    # (but close(); unlink() removes it by name: tests/test_lifecycle.py::test_close_then_unlink_removes_the_store)
 
 
 # -- permissions --------------------------------------------------------------------

@@ -39,6 +39,9 @@ GOALS: dict[str, tuple[str, float]] = {
     "snapshotter_overhead": ("<", 0.10),  # at N = cores - 1 workers
     "prefix_lookup_us_16": ("<=", 50.0 + 300 / 16),  # 50 us + 1 us per 16 prompt tokens
     "prefix_lookup_us_1000": ("<=", 50.0 + 300 / 16),  # ... however many sequences are cached
+    "stitched_read_ratio": (">=", 0.9),  # a stitched view of shared prefix pages vs a plain view (§11)
+    "prefix_memory_ratio": ("<=", 1.25),  # /dev/shm bytes held / distinct tokens' bytes (issue 23)
+    "prefix_request_vs_extend1": ("<=", 20.0),  # create over a cached 2048-token prefix / 1-token extend
     "remote_pull_ratio": (">=", 0.7),  # vs redis-py GET of the same bytes
     "remote_push_ratio": (">=", 0.7),  # vs redis-py pipelined SET of the same bytes
     "hf_generate_ratio": ("<=", 1.1),  # model.generate() vs DynamicCache, batch 1
@@ -82,6 +85,12 @@ ROWS = [  # (what, shmkv key, baseline text, baseline key or None, ratio key, ho
      "prefix_lookup_us_16", "prefix_lookup_us_1000", "us"),
     ("time to first token, system prompt cached", "prefix_ttft_ms", "the same request computed whole",
      "noprefix_ttft_ms", "prefix_ttft_ratio", "time / without reuse"),
+    ("32 requests over a cached 2,048-token system prompt: memory", "prefix_memory_ratio",
+     "the distinct tokens' bytes", None, "prefix_memory_ratio", "bytes held / distinct bytes"),
+    ("create_sequence(prefix=) over a cached 2,048-token prefix", "prefix_request_ms", "a one-token extend",
+     "extend1_us", "prefix_request_vs_extend1", "create time / extend time"),
+    ("read a stitched 2,112-token view (shared prefix pages)", "stitch_build_us", "a plain view of the same bytes",
+     None, "stitched_read_ratio", "plain time / stitched time"),
     ("remote tier pull, 128 MiB", "remote_pull_ms", "redis-py pipelined GET", "remote_get_ms", "remote_pull_ratio",
      "redis-py time / shmkv time"),
     ("generate(), 256 tokens, batch 1", "hf_shmkv_ms", "DynamicCache", "hf_dynamic_ms", "hf_generate_ratio",

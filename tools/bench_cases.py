@@ -34,7 +34,10 @@ BASELINES = {
     "hf": "transformers' DynamicCache in model.generate() of the same tiny random-weight Llama, 256 new tokens, "
           "interleaved, batch 1 and batch 4 (the same tokens checked first)",
     "prefix": "match_prefix of a 300-token prompt with 16 and with 1000 finished sequences cached (flat goal); "
-              "time to first token of the demo's model with the 250-token system prompt cached vs computed",
+              "time to first token of the demo's model with the 250-token system prompt cached vs computed; "
+              "reading a stitched view (a donor's pages + own pages in one array) vs a plain view of the "
+              "same bytes; 32 requests over a cached 2,048-token prompt: /dev/shm bytes held vs the distinct "
+              "tokens' bytes, and each create vs a one-token extend",
     "remote": "redis-py GET / pipelined SET of the same chunk bytes on the same throwaway redis-server",
     "decode": "the same per-token K/V slices written into preallocated numpy arrays in this process, "
               "taking the [0:t+1] views attention reads (and, for reference, np.concatenate growth)",

@@ -29,7 +29,10 @@ from shmkv._engine.header import (
     IDX_BLOCKS,
     NOINDEX,
     RECENCY,
+    leads,
+    with_leads,
 )
+from shmkv._engine.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError, NotSupportedError
 from shmkv._engine.pages import Pages, take_interval
 
@@ -112,11 +115,13 @@ class Arena(Pages):
         return list(zip(gap_starts[keep].tolist(), sizes[keep].tolist(), strict=True))
 
     def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
-               evict: bool = False, protect: int = -1, *, populate: bool = True, stage: bool = False) -> int:
+               evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
+               stage: bool = False) -> int:
         """First-fit a range of ``capacity`` cells (lock held); reserve its pages.
 
-        ``evict``: evict finished sequences (least recently used first, never row ``protect``)
-        when no free range is large enough. ``populate``: see _reserve; ``stage``: see _stage."""
+        ``evict``: evict finished sequences (least recently used first, never row ``protect``,
+        or the rows of a tuple) when no free range is large enough. ``populate``: see _reserve;
+        ``stage``: see _stage."""
         gaps = self._free_ranges(taken)
         fit = next((start for start, size in gaps if size >= capacity), None)
         if fit is None and evict and self._evict(capacity, 0, protect):
@@ -134,13 +139,14 @@ class Arena(Pages):
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
 
-    def _evict(self, cells: int, rows: int, protect: int = -1) -> bool:
+    def _evict(self, cells: int, rows: int, protect: int | tuple[int, ...] = -1) -> bool:
         """Evict the fewest least-recently-used finished sequences after which a free range of
         ``cells`` cells and ``rows`` free table rows exist (lock held). Evicts nothing and returns
         False when evicting every finished sequence would not be enough (DESIGN §8)."""
         t = self._table_np
+        kept = (protect,) if isinstance(protect, int) else protect  # the operation's own rows
         cand = [int(i) for i in np.flatnonzero((t[:, STATE] == LIVE) & ((t[:, FLAGS] & FINISHED) != 0))
-                if i != protect and not self._lease_holder(self._row(int(i)))[1]]  # never a live lease
+                if i not in kept and not self._lease_holder(self._row(int(i)))[1]]  # never a live lease
         if not cand:
             return False
         cand.sort(key=lambda i: int(t[i, RECENCY]))
@@ -226,7 +232,7 @@ class Arena(Pages):
         add entries for its blocks [0, IDX_BLOCKS), whose hashes came with copied cells."""
         row = self._row(slot)
         hdr = self._hdr
-        if self._index.full(hdr[_header.W_INDEX_USED] + upto // 16):
+        if self._index.full(hdr[_header.W_INDEX_USED] + upto // 16 + len(LEAD)):
             hdr[_header.W_INDEX_USED] = self._index.rebuild()
         if adopt:
             hdr[_header.W_INDEX_USED] += self._index.adopt(slot)
@@ -370,7 +376,9 @@ class Arena(Pages):
                 self._copy_window(src_win, self._wcell(d_slot, d_row[WBUF]), n - lo)
                 _crash.point("copy_prefix.copied")
             else:  # never over dst's committed cells: a fresh range and dst's other window buffer
-                new_start = self._alloc(max(n, d_row[CAPACITY]), evict=True, protect=s_slot, populate=False)
+                # never evict the operation's own rows (a finished, unleased src or dst is a candidate)
+                new_start = self._alloc(max(n, d_row[CAPACITY]), evict=True, protect=(s_slot, d_slot),
+                                        populate=False)
                 self._copy_cells(s_row[START], new_start, n)
                 self._fill(new_start, max(n, d_row[CAPACITY]))
                 wb = 1 - d_row[WBUF]
@@ -383,7 +391,7 @@ class Arena(Pages):
             d_row[CLEAN] = -1 if clean < 0 or clean >= n else clean
             # the copied hashes are valid for src's indexed blocks: dst's entries start from them
             d_row[IDX_BLOCKS] = min(s_row[IDX_BLOCKS], n // 16)
-            d_row[FLAGS] &= ~NOINDEX
+            d_row[FLAGS] = with_leads(d_row[FLAGS], min(leads(s_row[FLAGS]), lead_levels(n))) & ~NOINDEX
             self._index_blocks(d_slot, n, adopt=True)
 
     def _relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:

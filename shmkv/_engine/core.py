@@ -11,8 +11,9 @@ Concurrency (DESIGN.md section 3):
 * Structural operations take the store lock, and bracket their changes to a
   sequence row with its seqlock generation (odd while changing). Readers read
   the generation, the row, the generation again, and retry while it moved.
-* Liveness: every read-write process is in the client table; a lease whose
-  holder died (pid gone, or pid recycled: start times differ) can be taken.
+* Liveness: every read-write attachment holds a slot of the client table and
+  that slot's byte of the liveness file (a kernel lock, see ``liveness``); a lease
+  names its holder's client key and can be taken once that byte is free.
 """
 
 from __future__ import annotations
@@ -27,14 +28,18 @@ import numpy as np
 
 from shmkv._engine import dtypes as _dtypes
 from shmkv._engine import header as _header
+from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
+    C_FLAGS,
+    C_KEY,
+    C_PID,
     CLIENT_WORDS,
     GEN,
     ID,
+    LEASE_CLIENT,
     LEASE_PID,
-    LEASE_START,
     LEASE_TOKEN,
     SEQ_WORDS,
     LIVE,
@@ -46,7 +51,6 @@ from shmkv._engine.lease import live_writers
 from shmkv._engine.prefix import PrefixIndex
 from shmkv._engine.segment import Segment
 from shmkv.errors import (
-    CacheFullError,
     CorruptStoreError,
     InvalidArgumentError,
     LeaseError,
@@ -67,7 +71,8 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return v
 
 
-def _close_segments(hseg: Segment, dseg: Segment) -> None:
+def _close_segments(hseg: Segment, dseg: Segment, live: _liveness.Liveness) -> None:
+    live.close()
     hseg.close()
     dseg.close()
 
@@ -79,7 +84,8 @@ class Core:
     shared-memory state through it."""
 
     def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
-                 creator: bool, persistent: bool, lock_timeout: float) -> None:
+                 creator: bool, persistent: bool, lock_timeout: float,
+                 live: _liveness.Liveness | None = None) -> None:
         self.name = name
         self.layout = layout
         self.readonly = hseg.readonly
@@ -92,6 +98,11 @@ class Core:
         self._hseg, self._dseg = hseg, dseg
         self._lock_path = _segment.lock_path(name)
         self._lock = _lock.StoreLock(self._lock_path, name, readonly=hseg.readonly)
+        try:
+            self._live = live if live is not None else _liveness.Liveness(name, hseg.readonly)
+        except BaseException:
+            self._lock.close()
+            raise
         self._identity = int(hseg.array(np.int64, 1, 8 * _header.W_IDENTITY)[0])
         off = self._off = _header.offsets(layout, max_clients)
         hmm, dmm = hseg.mm, dseg.mm
@@ -107,8 +118,10 @@ class Core:
         )
         dt = _dtypes.storage(layout.dtype)
         L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
-        self._K = np.frombuffer(dmm, dt, L * T * H * D, off.k_off).reshape(L, T, H, D)
-        self._V = np.frombuffer(dmm, dt, L * T * H * D, off.v_off).reshape(L, T, H, D)
+        it = np.dtype(dt).itemsize
+        kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (DESIGN §11)
+        self._K = np.ndarray((L, T, H, D), dt, dmm, off.k_off, kv_strides)
+        self._V = np.ndarray((L, T, H, D), dt, dmm, off.v_off, kv_strides)
         self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
         self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
         self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
@@ -130,8 +143,9 @@ class Core:
                 self._Kl[layer], self._Vl[layer] = self._WK[j], self._WV[j]
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
-        self._KS = np.frombuffer(dmm, np.float32, S, off.ks_off).reshape(-1, T, H) if S else None
-        self._VS = np.frombuffer(dmm, np.float32, S, off.vs_off).reshape(-1, T, H) if S else None
+        s_strides = (off.scale_stride, H * 4, 4)
+        self._KS = np.ndarray((L, T, H), np.float32, dmm, off.ks_off, s_strides) if S else None
+        self._VS = np.ndarray((L, T, H), np.float32, dmm, off.vs_off, s_strides) if S else None
         # what every Sequence handle reads through: built once here, not per handle (a handle
         # is made per request; fewer objects keep store.sequence(id) cheap)
         self._Kr = [_readonly(a) for a in self._Kl]
@@ -156,8 +170,8 @@ class Core:
         self._owed: list[tuple[int, int]] = []
         self._dbase = self._tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
-        self._finalizer: weakref.finalize[[Segment, Segment], Core] | None = weakref.finalize(
-            self, _close_segments, hseg, dseg)
+        self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Core] | None = \
+            weakref.finalize(self, _close_segments, hseg, dseg, self._live)
         self._finalizer.atexit = False  # at exit the process closes them anyway
 
     def _check_open(self) -> None:
@@ -210,39 +224,54 @@ class Core:
     # -- clients ---------------------------------------------------------------
 
     def _register_client(self) -> None:
-        me, start = os.getpid(), _segment.process_start_time(os.getpid())
+        """Take a client slot (its byte of the liveness file) and write its row. Holding the byte
+        makes the row ours alone; the store lock is taken for recovery (attach is a way in)."""
         with self._locked():
             rows = self._clients_np
-            free = None
             for i in range(self._max_clients):
-                pid = int(rows[i, 0])
-                if not 0 <= pid <= _segment.MAX_PID or int(rows[i, 1]) < 0:
+                pid, key = int(rows[i, C_PID]), int(rows[i, C_KEY])
+                if not 0 <= pid <= _segment.MAX_PID or key < 0:
                     raise CorruptStoreError(
-                        f"store {self.name!r}: client table row {i} holds pid {pid}, start {int(rows[i, 1])}, "
+                        f"store {self.name!r}: client table row {i} holds pid {pid}, key {key}, "
                         "which no process has: the header was overwritten by something other than shmkv; "
                         f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
                     )
-                if pid and not _segment.pid_alive(pid, int(rows[i, 1])):
-                    rows[i] = 0
-                    pid = 0
-                if pid == 0 and free is None:
-                    free = i
-            if free is None:
-                raise CacheFullError(
-                    f"store {self.name!r}: all {self._max_clients} client slots hold live processes; "
-                    "close unused attachments (or create the store with a larger max_clients=)"
-                )
-            rows[free, 1] = start
-            rows[free, 2] = 1
-            rows[free, 0] = me
+            self._fill_client_row()
 
-    def _unregister_client(self, pid: int) -> None:
+    def _fill_client_row(self) -> None:
+        live = self._live
+        key = live.key or live.register(self._max_clients)
+        row = self._clients_np[_liveness.slot_of(key)]
+        row[C_KEY] = key
+        row[C_FLAGS] = 1
+        row[C_PID] = os.getpid()  # for display only: a pid means nothing in another PID namespace
+
+    def _client_key(self) -> int:
+        """This attachment's client key, for a lease; a forked child registers a slot of its own
+        first (the parent's descriptor was dropped at fork, see liveness)."""
+        live = self._live
+        if live.key and live.pid == os.getpid():
+            return live.key
         with self._locked():
-            rows = self._clients_np
-            for i in range(self._max_clients):
-                if int(rows[i, 0]) == pid:
-                    rows[i] = 0
-                    break
+            live.reopen_in_child()
+            if not live.key:
+                self._fill_client_row()
+        return live.key
+
+    def _alive(self, key: int) -> bool:
+        """Whether client key ``key`` (a lease's, the creator's) is alive: its byte is locked."""
+        slot = _liveness.slot_of(key)
+        if key <= 0 or slot >= self._max_clients:
+            return False
+        return self._live.alive(key, int(self._clients_np[slot, C_KEY]))
+
+    def _unregister_client(self) -> None:
+        live = self._live
+        if live.key and live.pid == os.getpid():
+            row = self._clients_np[_liveness.slot_of(live.key)]
+            if int(row[C_KEY]) == live.key:
+                row[:] = 0  # ours while we hold the byte: no lock needed
+        live.close()
 
     # -- the sequence table ----------------------------------------------------
 
@@ -411,18 +440,21 @@ class Core:
                 return
 
     def _lease_holder(self, row: memoryview) -> tuple[int, bool]:
-        """(pid, alive) of the lease on ``row``; alive means it may not be taken."""
+        """(pid, alive) of the lease on ``row``; alive means it may not be taken. A lease of this
+        process is alive while its handle is; another's while its client key is (liveness)."""
         pid = row[LEASE_PID]
         if pid == 0:
             return 0, False
-        if pid == os.getpid() and self._fork_epoch == _segment.fork_epoch:
+        key = row[LEASE_CLIENT]
+        if key in _liveness.own_keys:
             return pid, row[LEASE_TOKEN] in live_writers
-        return pid, _segment.pid_alive(pid, row[LEASE_START])
+        return pid, self._alive(key)
 
     def _check_not_leased_by_other(self, row: memoryview, seq_id: int, allow_token: int = 0) -> None:
         pid, alive = self._lease_holder(row)
         if alive and not (allow_token and row[LEASE_TOKEN] == allow_token):
-            who = "another handle in this process" if pid == os.getpid() else f"live process {pid}"
+            own = row[LEASE_CLIENT] in _liveness.own_keys
+            who = "another handle in this process" if own else f"live process {pid}"
             raise LeaseError(
                 f"sequence {seq_id} of store {self.name!r} is leased by {who}: "
                 "its writer must release() it first (or exit)"

@@ -22,7 +22,8 @@ Header segment ``/dev/shm/skv_NAME.h``::
     80                   1      max_seqs (rows of the sequence table)
     88                   1      max_clients (rows of the client table)
     96                   1      creator pid
-    104                  1      creator start time (clock ticks, 0 = unknown)
+    104                  1      creator's client key (see liveness: slot 0's key at create; the
+                                creator is alive while slot 0's row holds it and its byte is locked)
     112                  1      persistent (0/1)
     120                  1      next sequence id (ids are never reused)
     128                  1      window (sliding layers; 0 = none)
@@ -71,7 +72,8 @@ Sequence row (int64 words)::
     5 GEN          seqlock generation: odd while a structural op is changing the
                    row or its cells, even otherwise
     6 LEASE_PID    pid holding the write lease (0 = none)
-    7 LEASE_START  that process's start time (guards against pid reuse)
+    7 LEASE_CLIENT the holder's client key (see liveness): the lease is alive while its slot's
+                   byte is locked and the slot's row holds this key (pids are for display only)
     8 LEASE_TOKEN  random id of the handle holding the lease inside that process
     9 WIN_OFF      index of the oldest token the bounded (sliding, chunked) layers still hold;
                    they hold tokens WIN_OFF..LENGTH-1 in the sequence slot's window buffer
@@ -81,23 +83,30 @@ Sequence row (int64 words)::
     11 FLAGS       bit 0 FINISHED: done, kept as a cached prefix, evictable (seq.finish());
                    bit 1 NOINDEX: blocks from IDX_BLOCKS on cannot be indexed (a token id -1, or
                    tokens moved by remove/shift_left) until a truncate below them;
-                   bit 2 DISPLACER: an index entry of this row replaced an older holder (see _prefix)
+                   bit 2 DISPLACER: an index entry of this row replaced an older holder (see _prefix);
+                   bits 8..10 LEADS: how many of its leads (first 1, 2, 4, 8 tokens: _prefix_hash.LEAD)
+                   are in the prefix index
     12 RECENCY     the recency clock's value at the last use (create, reuse as donor, finish)
     13 IDX_BLOCKS  whole 16-token blocks of this sequence that are in the prefix index
     14 CLEAN       tokens [0, CLEAN) are a faithful computation from position 0 (a donor may
                    give them); -1 = all of them. remove() lowers it: moved keys were re-rotated
     15 WBUF        which of the slot's two window buffers the bounded layers use (0 or 1)
 
-Client row: pid, start time, flags (1 = read-write), reserved.
+Client row: pid (for display), client key (see liveness; the row belongs to whoever holds the
+slot's byte of the liveness file), flags (1 = read-write), reserved.
 
-Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned)::
+Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned, and each layer of K, V and the
+scales too: ``layer_stride`` and ``scale_stride`` are whole pages, so ``page_unit`` cells from a
+multiple of ``page_unit`` are whole pages of every per-layer array, DESIGN §11)::
 
     K          [layers, max_tokens, kv_heads, head_dim]  storage dtype
     V          [layers, max_tokens, kv_heads, head_dim]  (bfloat16: uint16 bits; int8: codes)
     tokens     [max_tokens] int64   token id per cell (-1 = none given)
     positions  [max_tokens] int64   position per cell
     hashes     [max_tokens] int64   at the last cell of each whole 16-token block of a sequence:
-                                    the chained prefix hash of tokens 0..that cell (see _prefix_hash)
+                                    the chained prefix hash of tokens 0..that cell (see _prefix_hash);
+                                    at cell j - 1 of a sequence for each indexed lead j (1, 2, 4, 8):
+                                    the lead hash of its first j tokens
     WK, WV     [bounded layers, 2 * max_seqs * window_cells, kv_heads, head_dim]: sliding and
                chunked layers keep their recent tokens here, in one of two buffers per sequence
                slot ((2 * slot + WBUF) * window_cells ...); a structural change writes the other
@@ -114,6 +123,7 @@ table (a crash half-way through an allocation cannot leak cells).
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import zlib
 from dataclasses import dataclass
@@ -125,12 +135,14 @@ from shmkv.errors import CorruptStoreError, InvalidArgumentError, LayoutMismatch
 
 MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
 # 2: store identity and session tag (words 20, 21); prefix cache (counters, row flags, index, hashes region)
-FORMAT_VERSION = 2
+# 3: leads in the prefix index (row FLAGS bits 8..10, lead entries, a larger index); liveness by
+#    client keys (creator word 13, lease word 7, client row word 1) and the liveness file
+FORMAT_VERSION = 3
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
 W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS = 5, 6, 7, 8, 9
-W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_START = 10, 11, 12, 13
+W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_CLIENT = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
 W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
 W_INDEX_USED = 38
@@ -140,13 +152,24 @@ FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 
 # sequence row columns
-STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_START, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
+STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_CLIENT, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
 FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF = 11, 12, 13, 14, 15
 FINISHED, NOINDEX, DISPLACER = 1, 2, 4  # FLAGS bits
+LEADS_SHIFT, LEADS_MASK = 8, 7 << 8  # FLAGS bits 8..10: leads indexed (0..len(LEAD))
+
+
+def leads(flags: int) -> int:
+    """Leads a row has in the prefix index, from its FLAGS word."""
+    return (flags & LEADS_MASK) >> LEADS_SHIFT
+
+
+def with_leads(flags: int, levels: int) -> int:
+    """``flags`` with its LEADS bits set to ``levels``."""
+    return (flags & ~LEADS_MASK) | (levels << LEADS_SHIFT)
 LIVE, ENCODER = 1, 2  # STATE values (0: free slot)
 SEQ_WORDS = 16
 # client row columns
-C_PID, C_START, C_FLAGS = 0, 1, 2
+C_PID, C_KEY, C_FLAGS = 0, 1, 2
 CLIENT_WORDS = 4
 INDEX_WORDS = 4  # prefix index entry: hash, sequence id, slot, block
 META_BYTES = 512  # packed seq.meta at most
@@ -155,8 +178,9 @@ UNDO_WORDS = 1 + SEQ_WORDS + META_RECORD // 8  # slot, row words, meta words
 
 
 def index_slots(layout: Layout) -> int:
-    """Entries of the prefix index: a power of two, at least twice the blocks the arena can hold."""
-    need = 2 * (layout.max_tokens // 16 + layout.max_seqs)
+    """Entries of the prefix index: a power of two, at least twice the entries that can be valid
+    (a block's and up to four leads a sequence: 4 + 1 a row keeps the old slack of one a row)."""
+    need = 2 * (layout.max_tokens // 16 + 5 * layout.max_seqs)
     return max(64, 1 << (need - 1).bit_length())
 
 LAYER_KINDS = ("full", "sliding", "chunked")
@@ -331,8 +355,9 @@ class Offsets:
     vs_off: int
     scale_stride: int  # bytes between layers inside a scales region
     data_bytes: int
-    layer_stride: int  # bytes between layers inside K or V
+    layer_stride: int  # bytes between layers inside K or V (a whole number of pages)
     cell_bytes: int  # bytes of one token of one layer (kv_heads * head_dim * itemsize)
+    page_unit: int  # the fewest cells whose bytes fill whole pages in every per-layer array (§11)
 
 
 def offsets(layout: Layout, max_clients: int) -> Offsets:
@@ -345,12 +370,17 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     header_bytes = undo_off + layout.max_seqs * UNDO_WORDS * 8
     page = mmap.PAGESIZE
     cell_bytes = layout.cell_items * _dtypes.itemsize(layout.dtype)
-    layer_stride = layout.max_tokens * cell_bytes
+    # every per-layer array starts on a page boundary (DESIGN §11): a run of page_unit cells
+    # from a multiple of page_unit is whole pages in each, so pages can be shared by mapping
+    layer_stride = _align(layout.max_tokens * cell_bytes, page)
     k_off = 0
     v_off = _align(k_off + layout.layers * layer_stride, page)
     tokens_off = _align(v_off + layout.layers * layer_stride, page)
     positions_off = _align(tokens_off + layout.max_tokens * 8, page)
-    scale_stride = layout.max_tokens * layout.kv_heads * 4 if layout.dtype == "int8" else 0
+    scale_stride = _align(layout.max_tokens * layout.kv_heads * 4, page) if layout.dtype == "int8" else 0
+    unit = page // math.gcd(page, cell_bytes)
+    if scale_stride:
+        unit = math.lcm(unit, page // math.gcd(page, layout.kv_heads * 4))
     w_stride = 2 * layout.max_seqs * layout.window_cells * cell_bytes  # two buffers a slot
     hashes_off = _align(positions_off + layout.max_tokens * 8, page)
     wk_off = _align(hashes_off + layout.max_tokens * 8, page)
@@ -363,12 +393,12 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
         positions_off, hashes_off,
         wk_off, wv_off, w_stride,
         ks_off, vs_off,
-        scale_stride, data_bytes, layer_stride, cell_bytes,
+        scale_stride, data_bytes, layer_stride, cell_bytes, unit,
     )
 
 
 _CHECKED_WORDS = [W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS, W_MAX_SEQS, W_MAX_CLIENTS,
-                  W_CREATOR_PID, W_CREATOR_START, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY, W_IDENTITY, W_SESSION]
+                  W_CREATOR_PID, W_CREATOR_CLIENT, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY, W_IDENTITY, W_SESSION]
 
 
 def _checksum(words: np.ndarray, kinds: bytes) -> int:
@@ -377,7 +407,7 @@ def _checksum(words: np.ndarray, kinds: bytes) -> int:
 
 
 def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, max_clients: int,
-          creator_pid: int, creator_start: int, persistent: bool, identity: int, session: int = 0) -> None:
+          creator_pid: int, creator_client: int, persistent: bool, identity: int, session: int = 0) -> None:
     """Fill a zeroed header; the magic word goes last so attachers never see half of it."""
     words[W_VERSION] = FORMAT_VERSION
     words[W_HEADER_BYTES] = off.header_bytes
@@ -390,7 +420,7 @@ def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, m
     words[W_MAX_SEQS] = layout.max_seqs
     words[W_MAX_CLIENTS] = max_clients
     words[W_CREATOR_PID] = creator_pid
-    words[W_CREATOR_START] = creator_start
+    words[W_CREATOR_CLIENT] = creator_client
     words[W_PERSISTENT] = int(persistent)
     words[W_NEXT_ID] = 1
     words[W_WINDOW] = layout.window

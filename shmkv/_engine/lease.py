@@ -1,9 +1,11 @@
 """Lease tokens of write handles, and the write handles alive in this process.
 
-A write handle holds its sequence's lease: the row's LEASE_PID, LEASE_START
-and LEASE_TOKEN words. The token tells this process's handles apart; a lease
-row whose pid is ours but whose token has no live handle here belongs to a
-handle that was dropped without ``release()`` and may be taken again.
+A write handle holds its sequence's lease: the row's LEASE_PID (for display),
+LEASE_CLIENT (the holding attachment's client key: alive while its byte of the
+liveness file is locked, see ``liveness``) and LEASE_TOKEN words. The token tells
+this process's handles apart; a lease of one of this process's attachments whose
+token has no live handle here belongs to a handle that was dropped without
+``release()`` and may be taken again.
 """
 
 from __future__ import annotations

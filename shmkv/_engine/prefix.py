@@ -7,7 +7,15 @@ Layout: an open-addressing table in the header segment, ``INDEX_WORDS`` int64 wo
     1     id      sequence id of the holder
     2     slot    the holder's row in the sequence table
     3     block   which block of the holder (the hash names its first block + 1 blocks);
-                  bit 62 (DISPLACED): this entry took the place of an older holder of its hash
+                  bit 62 (DISPLACED): this entry took the place of an older holder of its hash;
+                  bit 61 (LEADMARK): a lead entry, the low bits are j (the hash names the
+                  holder's first j tokens, j in LEAD = 1, 2, 4, 8; see _prefix_hash.lead_hash)
+
+Leads make the cache token-granular from token 0: a prompt whose shared prefix is shorter than
+one block is found through the holders of its longest lead (verified and extended token by
+token like a block hit). A lead entry is valid while its holder row is live with that id, has
+the lead indexed (FLAGS bits LEADS: lead j is the ``lead_levels(j)``-th) and the hashes region
+holds the same hash at the holder's cell j - 1 (cells no block hash uses: those sit at 15, 31..).
 
 Linear probing from ``hash & (slots - 1)``. Entries are never deleted one by one: an entry is
 *valid* while its holder row is live with that id, has the block indexed (``block <
@@ -45,6 +53,10 @@ from shmkv._engine.header import (
     ID,
     IDX_BLOCKS,
     INDEX_WORDS,
+    LEADS_MASK,
+    LEADS_SHIFT,
+    leads,
+    with_leads,
     LENGTH,
     LIVE,
     RECENCY,
@@ -54,10 +66,12 @@ from shmkv._engine.header import (
     WIN_OFF,
     Layout,
 )
-from shmkv._engine.prefix_hash import BLOCK, ROOT, as_tokens, block_hashes
+from shmkv._engine.prefix_hash import BLOCK, LEAD, ROOT, as_tokens, block_hashes, lead_hash, lead_levels
 
 DUP = 4  # holders kept a hash
 DISPLACED = 1 << 62  # in an entry's block word: it replaced an older holder of its hash
+LEADMARK = 1 << 61  # in an entry's block word: a lead entry, j in the low bits
+_LEAD_LEVEL = {j: i + 1 for i, j in enumerate(LEAD)}
 
 
 class PrefixIndex:
@@ -88,9 +102,17 @@ class PrefixIndex:
         if not 0 <= slot < len(r) // SEQ_WORDS:  # a torn entry read without the lock
             return False
         b = slot * SEQ_WORDS
-        if r[b + STATE] != LIVE or r[b + ID] != sid or not 0 <= blk < r[b + IDX_BLOCKS]:
+        if r[b + STATE] != LIVE or r[b + ID] != sid:
             return False
-        cell = r[b + START] + (blk + 1) * BLOCK - 1
+        if blk & LEADMARK:
+            lvl = _LEAD_LEVEL.get(blk & ~LEADMARK, 0)
+            if not 0 < lvl <= leads(r[b + FLAGS]):
+                return False
+            cell = r[b + START] + (blk & ~LEADMARK) - 1
+        elif not 0 <= blk < r[b + IDX_BLOCKS]:
+            return False
+        else:
+            cell = r[b + START] + (blk + 1) * BLOCK - 1
         return 0 <= cell < len(self._hashes) and int(self._hashes[cell]) == h
 
     def holders(self, h: int) -> list[tuple[int, int]]:
@@ -121,7 +143,12 @@ class PrefixIndex:
                 same.append(i)
             i = (i + 1) & mask
         else:
-            raise RuntimeError("prefix index full: rebuild() was not run")  # cannot happen below 3/4 load
+            # no empty entry anywhere (the occupancy count drifted, or the table was scribbled on):
+            # an invalid entry is taken below; with none, the block stays unindexed. The index is a
+            # hint, and this runs after a commit published its length (Writer.index_committed): it
+            # must not raise there
+            if reuse < 0:
+                return 0
         taken = 0
         if len(same) >= DUP:  # replace the least recently used holder
             reuse = min(same, key=lambda j: r[t[j * INDEX_WORDS + 2] * SEQ_WORDS + RECENCY])
@@ -162,6 +189,11 @@ class PrefixIndex:
             i = self._entry(h, sid, blk)
             if i >= 0 and self._t[i * INDEX_WORDS + 3] & DISPLACED:
                 out.append((h, blk))
+        for j in LEAD[: leads(r[b + FLAGS])]:  # leads are displaced like blocks (a shared first token)
+            h = int(self._hashes[start + j - 1])
+            i = self._entry(h, sid, LEADMARK | j)
+            if i >= 0 and self._t[i * INDEX_WORDS + 3] & DISPLACED:
+                out.append((h, LEADMARK | j))
         return out
 
     def rehome(self, lost: list[tuple[int, int]]) -> int:
@@ -177,8 +209,14 @@ class PrefixIndex:
                 r[t[i * INDEX_WORDS + 2] * SEQ_WORDS + FLAGS] |= DISPLACER
             if kept:
                 continue
-            live = np.flatnonzero((rows[:, STATE] == LIVE) & (rows[:, IDX_BLOCKS] > blk))
-            cells = rows[live, START] + (blk + 1) * BLOCK - 1
+            if blk & LEADMARK:  # holders of the lead: rows with that many leads, hash at cell j - 1
+                j = blk & ~LEADMARK
+                have = (rows[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
+                live = np.flatnonzero((rows[:, STATE] == LIVE) & (have >= _LEAD_LEVEL[j]))
+                cells = rows[live, START] + j - 1
+            else:
+                live = np.flatnonzero((rows[:, STATE] == LIVE) & (rows[:, IDX_BLOCKS] > blk))
+                cells = rows[live, START] + (blk + 1) * BLOCK - 1
             ok = (cells >= 0) & (cells < len(self._hashes))
             live, cells = live[ok], cells[ok]
             live = live[self._hashes[cells] == h]
@@ -207,10 +245,17 @@ class PrefixIndex:
         rows = np.frombuffer(self._rows, np.int64).reshape(-1, SEQ_WORDS)
         h, sid, slot, marked = e.T
         blk = marked & ~DISPLACED
+        lead = (blk & LEADMARK) != 0
+        j = np.where(lead, blk & ~LEADMARK, 0)  # a lead's length
+        blk = np.where(lead, 0, blk)
         ok = (h != 0) & (slot >= 0) & (slot < len(rows))
         r = rows[np.where(ok, slot, 0)]
-        ok &= (r[:, STATE] == LIVE) & (r[:, ID] == sid) & (blk >= 0) & (blk < r[:, IDX_BLOCKS])
-        cell = np.where(ok, r[:, START] + (blk + 1) * BLOCK - 1, 0)
+        ok &= (r[:, STATE] == LIVE) & (r[:, ID] == sid)
+        have = (r[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
+        level = np.searchsorted(np.array(LEAD), j, side="right")  # lead j is the level-th
+        ok &= np.where(lead, np.isin(j, LEAD) & (level <= have),
+                       (blk >= 0) & (blk < r[:, IDX_BLOCKS]))
+        cell = np.where(ok, r[:, START] + np.where(lead, j - 1, (blk + 1) * BLOCK - 1), 0)
         ok &= (cell >= 0) & (cell < len(self._hashes))
         ok &= self._hashes[np.where(ok, cell, 0)] == h
         np.frombuffer(self._t, np.int64)[:] = 0
@@ -233,9 +278,10 @@ class PrefixIndex:
         clean = r[b + CLEAN]
         if clean >= 0:
             upto = min(upto, clean)
+        taken = self._index_leads(slot, upto)
         nb = upto // BLOCK
         if nb <= done:
-            return 0
+            return taken
         toks = self._tokens[start + done * BLOCK : start + nb * BLOCK]
         # a block is indexable while its ids are given (>= 0) and its positions are its indices
         # (a donor's tokens sit at positions 0..n-1): the first block breaking either stops it
@@ -244,16 +290,40 @@ class PrefixIndex:
         if bad.size:
             nb = done + int(bad[0]) // BLOCK
             if nb <= done:
-                return 0
+                return taken
             toks = toks[: (nb - done) * BLOCK]
         parent = int(self._hashes[start + done * BLOCK - 1]) if done else ROOT
         hs = block_hashes(toks, parent=parent)
-        taken = 0
         for j, h in enumerate(hs):
             blk = done + j
             self._hashes[start + (blk + 1) * BLOCK - 1] = h
             r[b + IDX_BLOCKS] = blk + 1  # before insert: the entry must validate
             taken += self.insert(h, sid, slot, blk)
+        return taken
+
+    def _index_leads(self, slot: int, upto: int) -> int:
+        """Index the leads of the sequence in ``slot`` that its first ``upto`` tokens hold and the
+        index lacks (lock held), stopping before a token id -1 or a position not its index;
+        returns slots taken. Sets the row's LEADS bits."""
+        r = self._rows
+        b = slot * SEQ_WORDS
+        have, want = leads(r[b + FLAGS]), lead_levels(upto)
+        if want <= have:
+            return 0
+        start, sid = r[b + START], r[b + ID]
+        top = LEAD[want - 1]
+        toks = self._tokens[start : start + top]
+        bad = np.flatnonzero((toks < 0) | (self._positions[start : start + top] != np.arange(top)))
+        if bad.size:
+            want = lead_levels(int(bad[0]))
+        t = as_tokens(toks)
+        taken = 0
+        for lvl in range(have, want):
+            j = LEAD[lvl]
+            h = lead_hash(t, j)
+            self._hashes[start + j - 1] = h
+            r[b + FLAGS] = with_leads(r[b + FLAGS], lvl + 1)  # before insert: the entry must validate
+            taken += self.insert(h, sid, slot, LEADMARK | j)
         return taken
 
     def adopt(self, slot: int) -> int:
@@ -263,7 +333,9 @@ class PrefixIndex:
         b = slot * SEQ_WORDS
         start, sid = r[b + START], r[b + ID]
         return sum(self.insert(int(self._hashes[start + (blk + 1) * BLOCK - 1]), sid, slot, blk)
-                   for blk in range(r[b + IDX_BLOCKS]))
+                   for blk in range(r[b + IDX_BLOCKS])) + sum(
+            self.insert(int(self._hashes[start + j - 1]), sid, slot, LEADMARK | j)
+            for j in LEAD[: leads(r[b + FLAGS])])
 
     def match(self, tokens: object, limit: int | None = None) -> tuple[int, int, int]:
         """The longest verified prefix of ``tokens`` some sequence holds from position 0.
@@ -275,7 +347,7 @@ class PrefixIndex:
         limit = len(t) - 1 if limit is None else min(limit, len(t))
         nb = max(limit, 0) // BLOCK
         if nb == 0:
-            return 0, 0, -1
+            return self._match_leads(t, limit)
         hs = block_hashes(t, limit=nb)
         lo, hi, best = 0, nb, []  # largest block count with a valid holder: binary search
         while lo < hi:
@@ -289,21 +361,37 @@ class PrefixIndex:
         # check (stale, or its sliding/chunked layers moved on): then the next, then shorter prefixes
         tried: set[tuple[int, int]] = set()
         while lo > 0:
-            n_best, id_best, slot_best = 0, 0, -1
-            for sid, slot in sorted(best, key=lambda x: -self._rows[x[1] * SEQ_WORDS + RECENCY]):
-                if (sid, slot) in tried:
-                    continue
-                tried.add((sid, slot))
-                n = self._verify(t, limit, sid, slot, lo * BLOCK)
-                if n > n_best:
-                    n_best, id_best, slot_best = n, sid, slot
-                    if n >= limit:
-                        break  # nobody can give more
-            if n_best:
-                return n_best, id_best, slot_best
+            found = self._best(t, limit, best, lo * BLOCK, tried)
+            if found[0]:
+                return found
             lo -= 1
             best = self.holders(hs[lo - 1]) if lo else []
+        return self._match_leads(t, limit)
+
+    def _match_leads(self, t: np.ndarray, limit: int) -> tuple[int, int, int]:
+        """match() below one block: the holders of the longest lead of ``t`` that has any (most
+        recent first), each verified and extended token by token; then shorter leads."""
+        for lvl in range(lead_levels(limit), 0, -1):
+            j = LEAD[lvl - 1]
+            found = self._best(t, limit, self.holders(lead_hash(t, j)), j, set())
+            if found[0]:
+                return found
         return 0, 0, -1
+
+    def _best(self, t: np.ndarray, limit: int, holders: list[tuple[int, int]], floor: int,
+              tried: set[tuple[int, int]]) -> tuple[int, int, int]:
+        """The holder (most recent first, each tried once) whose verified match is longest."""
+        n_best, id_best, slot_best = 0, 0, -1
+        for sid, slot in sorted(holders, key=lambda x: -self._rows[x[1] * SEQ_WORDS + RECENCY]):
+            if (sid, slot) in tried:
+                continue
+            tried.add((sid, slot))
+            n = self._verify(t, limit, sid, slot, floor)
+            if n > n_best:
+                n_best, id_best, slot_best = n, sid, slot
+                if n >= limit:
+                    break  # nobody can give more
+        return n_best, id_best, slot_best
 
     def _verify(self, t: np.ndarray, limit: int, sid: int, slot: int, floor: int) -> int:
         """Tokens of ``t`` (at most ``limit``) that sequence ``sid`` holds at positions 0..n-1,

@@ -68,3 +68,20 @@ def block_hashes(tokens: object, parent: int = ROOT, limit: int | None = None) -
         h = _h(h, raw[i * step : (i + 1) * step])
         out.append(h)
     return out
+
+
+# The lead of a prefix: its first j tokens for j in LEAD, each named by lead_hash, so a prefix
+# shorter than one block is found too (DESIGN §8: token-granular from token 0). A lead of BLOCK
+# tokens would be named like block 0 (the same bytes after ROOT): LEAD stays below BLOCK.
+LEAD = (1, 2, 4, 8)
+_LEVELS = tuple(sum(1 for j in LEAD if j <= n) for n in range(LEAD[-1] + 1))
+
+
+def lead_levels(n: int) -> int:
+    """How many leads fit in ``n`` tokens (0 for none: LEAD[:lead_levels(n)] are all <= n)."""
+    return _LEVELS[n] if n < LEAD[-1] else len(LEAD)
+
+
+def lead_hash(tokens: np.ndarray, j: int) -> PrefixHash:
+    """The name of the first ``j`` tokens (``tokens`` as from as_tokens, at least j of them)."""
+    return _h(ROOT, tokens[:j].tobytes())

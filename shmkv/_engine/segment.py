@@ -29,7 +29,9 @@ from numpy.typing import DTypeLike
 from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
+    CorruptStoreError,
     InvalidArgumentError,
+    SnapshotError,
     StoreClosedError,
     StoreExistsError,
     StoreNotFound,
@@ -197,10 +199,8 @@ class Segment:
             try:
                 os.posix_fallocate(self._fd, begin, end - begin)
             except OSError as e:
-                if e.errno in _FULL:
-                    raise self._full(end - begin, e) from None
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
+                    raise self._io_error(e, "reserve pages of", end - begin) from None
         if populate:
             self._populate(spans)
 
@@ -248,6 +248,21 @@ class Segment:
                 except OSError:
                     return  # older kernel: first touch stays lazy, the fallocate still guards SIGBUS
 
+    def _io_error(self, e: OSError, what: str, nbytes: int) -> Exception:
+        """The error of the tree for an OSError of an allocation or a write, naming the fix."""
+        why = os.strerror(e.errno or 0)
+        if e.errno in _FULL:
+            return self._full(nbytes, e)
+        if e.errno == errno.EBADF:
+            return StoreClosedError(f"cannot {what} segment {self.name!r} ({why}): its store was closed; "
+                                    "attach again with shmkv.attach()")
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return AccessDeniedError(f"cannot {what} segment {self.name!r} ({why}): attach read-write, as a user "
+                                     "the segment's mode lets write (create(..., mode=0o660) shares it with a group)")
+        return CorruptStoreError(
+            f"cannot {what} segment {self.name!r} ({why}, errno {e.errno}): the shared memory (or the file "
+            "copied from) failed; save what you can read (`shmkv save`) and create the store anew")
+
     def _full(self, nbytes: int, e: OSError) -> CacheFullError:
         return CacheFullError(
             f"/dev/shm cannot hold {nbytes} more bytes for segment {self.name!r} "
@@ -270,9 +285,7 @@ class Segment:
             while done < n:
                 done += os.pwrite(self._fd, mv[done:], offset + done)
         except OSError as e:
-            if e.errno in _FULL:
-                raise self._full(n - done, e) from None
-            raise
+            raise self._io_error(e, "write into", n - done) from None
 
     def copy_in(self, src_fd: int, src_offset: int, offset: int, n: int) -> None:
         """Copy ``n`` bytes of file ``src_fd`` at ``src_offset`` to ``offset`` in the kernel
@@ -295,22 +308,24 @@ class Segment:
             while done < n:
                 sent = os.sendfile(fd, src_fd, src_offset + done, n - done)
                 if sent == 0:
-                    raise OSError(errno.EIO, f"end of the source file {n - done} bytes early")
+                    raise _source_ended(n - done)
                 done += sent
         except OSError as e:
-            if e.errno in _FULL:
-                raise self._full(n - done, e) from None
             if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise
+                raise self._io_error(e, "copy a file into", n - done) from None
             self._copy_in_slowly(src_fd, src_offset + done, offset + done, n - done)  # no sendfile here
 
     def _copy_in_slowly(self, src_fd: int, src_offset: int, offset: int, n: int) -> None:
         buf = bytearray(min(n, 8 << 20))
         done = 0
         while done < n:
-            got = os.preadv(src_fd, [memoryview(buf)[: n - done]], src_offset + done)
+            try:
+                got = os.preadv(src_fd, [memoryview(buf)[: n - done]], src_offset + done)
+            except OSError as e:
+                raise SnapshotError(f"cannot read the source file at byte {src_offset + done} "
+                                    f"({os.strerror(e.errno or 0)}): check the file and its disk") from None
             if got == 0:
-                raise OSError(errno.EIO, f"end of the source file {n - done} bytes early")
+                raise _source_ended(n - done)
             self.write(offset + done, memoryview(buf)[:got])
             done += got
 
@@ -358,6 +373,11 @@ class Segment:
 
     def unlink(self) -> None:
         _unlink_quietly(self.name)
+
+
+def _source_ended(missing: int) -> SnapshotError:
+    return SnapshotError(f"the source file ended {missing} bytes early: it was truncated while being read; "
+                         "take the snapshot again")
 
 
 def _unlink_quietly(name: str) -> bool:
@@ -423,8 +443,7 @@ MAX_PID = 1 << 22  # Linux's largest pid_max
 def process_start_time(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot (Linux), 0 when unknown.
 
-    Stored next to every pid we record, so a recycled pid is not mistaken for
-    the process that held a lease or created a store.
+    Part of a snapshot temporary file's name, so a recycled pid is not mistaken for its writer.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -439,27 +458,11 @@ def process_start_time(pid: int) -> int:
         return 0
 
 
-_own_start: tuple[int, int] = (0, 0)  # (pid, its start time): this process's, read once
-
-
-def own_start_time() -> int:
-    """:func:`process_start_time` of this process (read once per process: a lease takes it)."""
-    global _own_start
-    pid = os.getpid()
-    if _own_start[0] != pid:
-        _own_start = (pid, process_start_time(pid))
-    return _own_start[1]
-
-
-# Whether liveness holds between processes of different PID namespaces (containers
-# sharing one /dev/shm): not while it is judged by pid (pid_alive below); True once it
-# is a kernel lock (DESIGN section 3). shmkv doctor reports it; tests/test_doctor.py
-# checks the claim against a process in a second PID namespace.
-CROSS_NAMESPACE_LIVENESS = False
-
-
 def pid_alive(pid: int, start_time: int = 0) -> bool:
-    """Whether ``pid`` is alive and (when known) is the process started at ``start_time``."""
+    """Whether ``pid`` is alive and (when known) is the process started at ``start_time``.
+
+    A pid guess, meaningful only inside one PID namespace: stores never use it (their liveness is
+    a kernel lock, see _engine/liveness); only snapshot temporary files are still judged by it."""
     if not 0 < pid <= MAX_PID:  # a scribbled word is no process (os.kill would overflow)
         return False
     try:

@@ -29,8 +29,11 @@ from shmkv._engine.header import (
     START,
     WBUF,
     WIN_OFF,
+    LEADS_MASK,
+    leads,
+    with_leads,
 )
-from shmkv._engine.prefix_hash import BLOCK
+from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError, NotSupportedError
 
@@ -82,6 +85,8 @@ def unindex_from(row: memoryview, n: int) -> None:
     """The sequence keeps only its first n tokens (lock held): blocks past them leave the index
     (their entries become invalid), and a taint past them is gone."""
     row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
+    if n < LEAD[-1] and row[FLAGS] & LEADS_MASK:  # (the truncate hot path skips this)
+        row[FLAGS] = with_leads(row[FLAGS], min(leads(row[FLAGS]), lead_levels(n)))
     clean = row[CLEAN]
     if clean >= 0 and n <= clean:
         row[CLEAN] = -1
@@ -94,7 +99,7 @@ def taint(row: memoryview, n: int) -> None:
     clean = row[CLEAN]
     row[CLEAN] = n if clean < 0 else min(clean, n)
     row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
-    row[FLAGS] |= NOINDEX
+    row[FLAGS] = with_leads(row[FLAGS], min(leads(row[FLAGS]), lead_levels(n))) | NOINDEX
 
 
 def check_resumable(w: SeqWriter, row: memoryview, new_len: int, what: str) -> None:

@@ -32,8 +32,9 @@ from shmkv._engine.header import (
     START,
     WBUF,
     WIN_OFF,
+    leads,
 )
-from shmkv._engine.prefix_hash import BLOCK
+from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.reader import SeqReader
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
@@ -375,14 +376,17 @@ class SeqWriter:
             P[s : s + n] = pos
         row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
         self.pending = [0] * self.L
-        if (length + n) // BLOCK > row[IDX_BLOCKS] and not row[FLAGS] & NOINDEX:
+        flags = row[FLAGS]
+        if not flags & NOINDEX and ((length + n) // BLOCK > row[IDX_BLOCKS]
+                                    or (length < LEAD[-1] and lead_levels(length + n) > leads(flags))):
             self.index_committed(length + n)
         return length + n
 
     def index_committed(self, length: int) -> None:
-        """Put the blocks this commit completed into the prefix index: the store lock once per
-        16 tokens (DESIGN §3). The tokens are committed whatever happens here: a lock timeout
-        only delays the indexing to the next completed block."""
+        """Put the blocks (and leads) this commit completed into the prefix index: the store lock
+        once per 16 tokens, and at most four times over a sequence's first 8 (DESIGN §3). The tokens
+        are committed whatever happens here: a lock timeout only delays the indexing to the next
+        completed block (or lead)."""
         try:
             with self.locked():
                 self.index_blocks(self.slot, length)

@@ -346,7 +346,8 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
               f"attach about {d.stores_mappable} more stores (2 mappings each)")
     print(f"liveness     PID namespace {d.pid_namespace} "
           f"({'the initial one' if d.initial_pid_namespace else 'not the initial one: a container'}); "
-          + ("processes in other PID namespaces are seen alive or dead correctly" if d.cross_namespace_liveness
+          + ("liveness is a kernel lock: processes in other PID namespaces (containers sharing this /dev/shm) are "
+             "seen alive or dead correctly" if d.cross_namespace_liveness
              else "judged by pid: right between processes of this PID namespace only"))
     for e in d.extras:
         print(f"extra        {e.name:<13} " + (e.version if e.version else f"not installed: {e.pip}"))

@@ -72,7 +72,7 @@ from shmkv._engine import dtypes as _dtypes
 from shmkv._sequence import quant as _quant
 from shmkv._engine.header import Layout
 from shmkv._engine.prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
-from shmkv.errors import InvalidArgumentError, NotSupportedError, RemoteError
+from shmkv.errors import InvalidArgumentError, NotSupportedError, RemoteError, ShmkvError
 
 __all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats"]
 
@@ -539,17 +539,7 @@ class RemoteTier:
                     if arrays is None:
                         return pos - have
                     a, b = pos - s, min(s + C, cap) - s  # the part of the chunk after what we hold
-                    k, v, ks, vs = arrays
-                    if ks is not None and vs is not None:  # int8: dequantized; extend quantizes to the same codes
-                        k = _quant.dequantize_int8(k[:, a:b], ks[:, a:b])
-                        v = _quant.dequantize_int8(v[:, a:b], vs[:, a:b])
-                    elif geo.layout.dtype == "bfloat16":
-                        k, v = _quant.from_bf16(k[:, a:b]), _quant.from_bf16(v[:, a:b])
-                    else:
-                        k, v = k[:, a:b], v[:, a:b]
-                    seq.extend(k, v, tokens=t[s + a : s + b], positions=np.arange(s + a, s + b))
-                    if ks is not None and not self._same_codes(seq, arrays, s + a, a, b):
-                        seq.truncate(s + a)  # never keep a value that differs from the pushed one
+                    if not self._load(geo, seq, arrays, keys[i], t, s=s, a=a, b=b):
                         return pos - have
                     pos = s + b
                     self._stats["chunks_pulled"] += 1
@@ -558,6 +548,47 @@ class RemoteTier:
                     if pos >= cap:
                         return pos - have
         return pos - have
+
+    def _load(self, geo: _Geometry, seq: Any, arrays: Any, key: str, t: np.ndarray, *, s: int, a: int,
+              b: int) -> bool:
+        """Append tokens ``[s + a, s + b)`` of a checked chunk to ``seq``; False if it cannot be loaded.
+
+        The checksum is integrity, not authentication: a chunk can pass it and still hold values
+        no store takes (int8 scales that are inf or NaN, say), or the store can be out of room.
+        Any such chunk is a miss: nothing of it stays in ``seq`` (extend is all or nothing, and a
+        chunk whose int8 codes do not come back the same is truncated away), a chunk whose content
+        is refused is removed as a damaged one, and the pull ends there."""
+        k, v, ks, vs = arrays
+        try:
+            if ks is not None and vs is not None:  # int8: dequantized; extend quantizes to the same codes
+                if not (np.isfinite(ks[:, a:b]).all() and np.isfinite(vs[:, a:b]).all()):
+                    raise ValueError("int8 scales that are not finite")
+                k = _quant.dequantize_int8(k[:, a:b], ks[:, a:b])
+                v = _quant.dequantize_int8(v[:, a:b], vs[:, a:b])
+            elif geo.layout.dtype == "bfloat16":
+                k, v = _quant.from_bf16(k[:, a:b]), _quant.from_bf16(v[:, a:b])
+            else:
+                k, v = k[:, a:b], v[:, a:b]
+            seq.extend(k, v, tokens=t[s + a : s + b], positions=np.arange(s + a, s + b))
+        except (ValueError, ArithmeticError):  # the content (InvalidArgumentError is a ValueError)
+            self._discard(key, "damaged")
+            return False
+        except ShmkvError:  # the store's side (full, lock timeout): the chunk stays in Redis
+            return False
+        if ks is not None and not self._same_codes(seq, arrays, s + a, a, b):
+            seq.truncate(s + a)  # never keep a value that differs from the pushed one
+            return False
+        return True
+
+    def _discard(self, key: str, what: str) -> None:
+        """Count a chunk that is not loaded and remove it, so a later push can replace it (SET NX
+        would keep it forever). Best effort: the read-only user of a shared Redis may not delete."""
+        self._stats[what] += 1
+        try:
+            self._redis().delete(key)
+        except Exception as e:
+            if not _is_redis_error(e):
+                raise
 
     @staticmethod
     def _same_codes(seq: Any, arrays: Any, at: int, a: int, b: int) -> bool:
@@ -592,14 +623,7 @@ class RemoteTier:
                 raise ValueError("start, length or token ids")
             return geo.arrays(blob, off, C)
         except (ValueError, TypeError, KeyError, struct.error, msgpack.UnpackException, AttributeError):
-            self._stats[what] += 1
-            # A bad chunk is removed so a later push can replace it (SET NX would keep it forever).
-            # Deleting is best effort: the read-only user of a shared Redis may not be allowed to.
-            try:
-                self._redis().delete(key)
-            except Exception as e:
-                if not _is_redis_error(e):
-                    raise
+            self._discard(key, what)
             return None
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import dtypes as _dtypes
+from shmkv._engine import liveness as _liveness
 from shmkv._engine import segment as _segment
 from shmkv.errors import CacheFullError, InvalidArgumentError
 
@@ -316,8 +317,11 @@ def doctor(*, layers: int | None = None, kv_heads: int | None = None, head_dim: 
 
     ns, initial = _pid_ns()
     proc_ours = _proc_is_ours()
-    cross = _segment.CROSS_NAMESPACE_LIVENESS
-    if proc_ours is False and not cross:
+    cross = _liveness.CROSS_NAMESPACE_LIVENESS
+    if proc_ours is False and cross:
+        notes.append(f"/proc belongs to another PID namespace than this process (pid {os.getpid()} here): stores "
+                     "do not mind (liveness is a kernel lock), but tools that read /proc will show other processes")
+    elif proc_ours is False:
         problems.append(f"/proc belongs to another PID namespace than this process (pid {os.getpid()} here): "
                         "liveness checks would read other processes' /proc entries; mount a /proc of this "
                         "namespace (`unshare --pid --fork --mount-proc`, or the container's own /proc)")

@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import header as _header
+from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._snapshot import snapshot as _snapshot
 from shmkv._engine.checks import count
 from shmkv._engine.core import identity, register_client
-from shmkv._engine.header import CLIENT_WORDS
+from shmkv._engine.header import C_KEY, C_PID, CLIENT_WORDS
 from shmkv._engine.segment import Segment
 from shmkv.store._store import (
     DEFAULT_MAX_CLIENTS,
@@ -164,23 +165,33 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
         except BaseException:
             hseg.unlink()
             raise
+        live = None
         try:
             _prepare_lock_file(name, mode)
+            # the creator holds slot 0 before the magic is published: no attacher can take it first
+            live = _liveness.prepare(name, mode)
+            creator_key = live.take(0)
             hseg.reserve([(0, off.header_bytes)])
             words = hseg.array(np.int64, _header.FIXED_BYTES // 8)
             raw = hseg.array(np.uint8)
-            pid = os.getpid()
-            _header.write(words, raw, layout, off, max_clients=max_clients, creator_pid=pid,
-                          creator_start=_segment.process_start_time(pid), persistent=persistent,
+            _header.write(words, raw, layout, off, max_clients=max_clients, creator_pid=os.getpid(),
+                          creator_client=creator_key, persistent=persistent,
                           identity=secrets.randbits(62) + 1, session=session_tag())
             del words, raw
             store = Store(name, hseg, dseg, layout, max_clients, creator=True, persistent=persistent,
-                          lock_timeout=lock_timeout)
+                          lock_timeout=lock_timeout, live=live)
             register_client(store)
+            _liveness.created_keys.add(creator_key)
         except BaseException:
             hseg.unlink()
             dseg.unlink()
             dseg.close()
+            if live is not None:
+                live.close()
+                try:
+                    os.unlink(_liveness.live_path(name))  # no segment is left for it to serve
+                except OSError:
+                    pass
             raise
     except BaseException:
         hseg.close()
@@ -217,17 +228,23 @@ def _ours(entry: str) -> bool:
 
 @dataclass(frozen=True)
 class Owners:
-    """Who keeps a store alive: its creator and its read-write clients, as (pid, start time)."""
+    """Who keeps a store alive: its creator and its read-write clients, as (pid, client key),
+    and which keys were alive (holding their byte of the liveness file, see liveness) when read.
+    Pids are for display: each is the pid in its process's own PID namespace."""
 
     creator: tuple[int, int]
     clients: list[tuple[int, int]]
     persistent: bool
+    alive: frozenset[int] | None  # None: the liveness file could not be asked (counted as alive)
+
+    def _is_alive(self, key: int) -> bool:
+        return self.alive is None or key in self.alive
 
     def creator_alive(self) -> bool:
-        return _segment.pid_alive(*self.creator)
+        return self._is_alive(self.creator[1])
 
     def live_clients(self) -> list[int]:
-        return sorted({pid for pid, start in self.clients if _segment.pid_alive(pid, start)})
+        return sorted({pid for pid, key in self.clients if self._is_alive(key)})
 
     def collectable(self, include_persistent: bool) -> bool:
         """gc's rule: nobody alive keeps it, and it is not persistent (unless asked)."""
@@ -264,10 +281,18 @@ def _owners_in(hseg: Segment, name: str) -> Owners | Unjudged:
     except CorruptStoreError:
         return Unjudged.UNREADABLE
     off = _header.offsets(layout, max_clients)
-    clients = hseg.array(np.int64, max_clients * CLIENT_WORDS, off.client_off)
-    return Owners(creator=(int(words[_header.W_CREATOR_PID]), int(words[_header.W_CREATOR_START])),
-                  clients=[(int(p), int(s)) for p, s in clients.reshape(-1, CLIENT_WORDS)[:, :2] if p],
-                  persistent=bool(words[_header.W_PERSISTENT]))
+    rows = hseg.array(np.int64, max_clients * CLIENT_WORDS, off.client_off).reshape(-1, CLIENT_WORDS)
+    row_keys = rows[:, C_KEY].tolist()
+    creator = (int(words[_header.W_CREATOR_PID]), int(words[_header.W_CREATOR_CLIENT]))
+    clients = [(int(p), int(k)) for p, k in rows[:, [C_PID, C_KEY]].tolist() if p]
+
+    def held(key: int) -> tuple[int, int]:
+        slot = _liveness.slot_of(key)
+        return key, (row_keys[slot] if key > 0 and slot < max_clients else 0)
+
+    alive = _liveness.alive_keys(name, [held(creator[1]), *(held(k) for _, k in clients)])
+    return Owners(creator=creator, clients=clients, persistent=bool(words[_header.W_PERSISTENT]),
+                  alive=None if alive is None else frozenset(alive))
     # (the arrays over the mapping die with this frame, before the caller closes it)
 
 
@@ -311,7 +336,7 @@ def gc(*, include_persistent: bool = False, grace: float = 30.0, snapshot_dirs: 
                 continue  # changed owner meanwhile: not ours to judge
     pre = _segment.PREFIX
     for f in _segment.listdir():  # data segments and lock files whose header is gone
-        for suf in (".d", ".lock", _lock.LIFECYCLE_SUFFIX):
+        for suf in (".d", ".lock", _liveness.LIVE_SUFFIX, _lock.LIFECYCLE_SUFFIX):
             if f.startswith(pre) and f.endswith(suf) and f[len(pre) : -len(suf)] not in names and _ours(f):
                 mtime = _segment.segment_mtime(f)
                 if mtime is not None and time.time() - mtime > grace:

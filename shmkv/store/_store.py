@@ -4,7 +4,9 @@ create, gc and the rest of the lifecycle: ``_lifecycle``)."""
 from __future__ import annotations
 
 import atexit
+import errno
 import math
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -17,6 +19,7 @@ import numpy as np
 from shmkv._engine import crash as _crash
 from shmkv._sequence import group as _group
 from shmkv._engine import header as _header
+from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._snapshot import snapshot as _snapshot
@@ -25,8 +28,8 @@ from shmkv._engine.header import (
     CAPACITY,
     GEN,
     ID,
+    LEASE_CLIENT,
     LEASE_PID,
-    LEASE_START,
     LEASE_TOKEN,
     LENGTH,
     START,
@@ -53,7 +56,7 @@ from shmkv.errors import (
     CacheFullError,
     CorruptStoreError,
     InvalidArgumentError,
-    StoreClosedError,
+    ShmkvError,
     StoreNotFound,
 )
 
@@ -104,11 +107,14 @@ class StoreStats:
 class Store(Arena):
     """A handle on a named store. Create with :func:`create`, attach with :func:`attach`.
 
-    ``close()`` gives up this process's leases and unmaps (views keep their
-    pages mapped until they are collected). The creator's ``close()`` (or exit)
-    also removes a non-persistent store, if its segments are still the ones it
-    created; dropping the handle (garbage collection) only closes its
-    descriptors. ``unlink()`` removes the store explicitly.
+    ``close()`` gives up this handle's leases and client slot, closes its
+    descriptors and unmaps both segments at once. A view (``seq.keys()``, ...) or a
+    Sequence handle that outlives it keeps the pages it uses mapped until it is
+    collected: reading it stays valid, never a segfault (``.copy()`` what you keep
+    for long). The creator's ``close()`` (or exit) also removes a non-persistent
+    store, if its segments are still the ones it created; dropping the handle
+    (garbage collection) only closes it. ``unlink()`` removes the store
+    explicitly, also after ``close()``.
     """
 
     @property
@@ -147,7 +153,8 @@ class Store(Arena):
         return bool(self._hdr[_header.W_PERSISTENT])
 
     def close(self) -> None:
-        """Give up this handle's leases and unmap; the creator also removes a non-persistent store.
+        """Give up this handle's leases, close its descriptors and unmap (views the caller still
+        holds keep their own pages); the creator also removes a non-persistent store.
 
         The store is removed only while its segments are still the ones this
         process created (same store identity): a newer store of the same name
@@ -161,46 +168,57 @@ class Store(Arena):
             return
         inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
         if not inherited and not self.readonly:
-            me = os.getpid()
             for handle in list(live_writers.values()):
                 if getattr(handle, "_store", None) is self:
                     drop_lease(handle)
-            try:
-                # a store removed meanwhile has no lock file to take (taking it would leave one behind)
-                if read_identity(self.name) == self._identity:
-                    self._unregister_client(me)
-            except Exception:  # closing must not fail because the lock is stuck
-                pass
+        self._unregister_client()  # our client row, and the byte of the liveness file (no lock taken)
         remove = remove and not inherited
         self._closed = True
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._hdr = self._table = None  # type: ignore[assignment]  # closed: no use reaches them any more
+        self._drop_views()
         self._lock.close()
-        self._hseg.close()
+        self._hseg.close()  # unmapped now, unless views (or handles) the caller keeps hold them
         self._dseg.close()
         if self._creator and not inherited:
             _exit_removals.pop((self.name, self._identity), None)
         if remove:
             _remove_if_same(self.name, self._identity)
 
+    def _drop_views(self) -> None:
+        """Drop every reference this handle holds into its mappings (arrays, memoryviews, and the
+        objects and containers made of them), so that closing the segments unmaps them at once.
+        What the caller still holds (views, Sequence handles) keeps its own pages mapped and valid
+        until it is collected (never a segfault); a closed handle only checks it is closed."""
+        for attr, value in list(vars(self).items()):
+            if _holds_views(value):
+                setattr(self, attr, None)
+
     def unlink(self) -> None:
-        """Close this handle and remove the store's segments and lock file now, if they are still
-        the store this handle attached to (attached processes keep their mappings)."""
-        if self._closed:
-            raise StoreClosedError(f"store {self.name!r} is closed: shmkv.remove({self.name!r}) removes it by name")
-        self._close(remove=True)
+        """Remove the store (segments, lock and liveness files) now, if its name still holds the
+        store this handle attached to (same store identity; a newer store of that name is left
+        alone), and close this handle if it is open. Other attached processes keep their mappings.
+
+        Works on a closed handle too, as with ``multiprocessing.shared_memory``: ``store.close();
+        store.unlink()`` removes a created, attached or persistent store (once; then it does nothing).
+        """
+        if not self._closed:
+            self._close(remove=False)
+        _remove_if_same(self.name, self._identity)
 
     def transaction(self) -> AbstractContextManager[None]:
         """Hold the store lock across several structural operations (a context manager)."""
         return self._locked()
 
     def clients(self) -> list[int]:
-        """Pids of the live read-write processes attached to the store."""
+        """Pids of the live read-write attachments of the store (one per attachment).
+
+        Alive means holding its byte of the liveness file, whatever the PID namespace; the pids
+        are for display: each is the pid in its process's own namespace."""
         self._check_open()
         out = []
-        for pid, start, _flags, _ in self._clients_np.tolist():
-            if pid and _segment.pid_alive(pid, start):
+        for pid, key, _flags, _ in self._clients_np.tolist():
+            if pid and key > 0 and self._alive(key):
                 out.append(pid)
         return out
 
@@ -238,6 +256,7 @@ class Store(Arena):
             )
         toks = None if prefix is None else _prompt(prefix)
         token = new_token()
+        client = self._client_key()
         with self._locked():
             n, _, donor = self._index.match(toks) if toks is not None else (0, 0, -1)
             # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
@@ -268,7 +287,7 @@ class Store(Arena):
                     self._log_meta(slot)
                     self._meta[slot, :8] = 0
                     self._touch(row)
-                    row[LEASE_START] = _segment.own_start_time()
+                    row[LEASE_CLIENT] = client
                     row[LEASE_TOKEN] = token
                     row[LEASE_PID] = os.getpid()
                     row[STATE] = LIVE
@@ -292,7 +311,11 @@ class Store(Arena):
         if tier is not None:
             if toks is None:
                 raise InvalidArgumentError("create_sequence: tier= needs prefix= (the prompt's token ids)")
-            tier.pull(seq, toks, have=n)  # network I/O: outside the store lock
+            try:
+                tier.pull(seq, toks, have=n)  # network I/O: outside the store lock
+            except BaseException:  # (a chunk that cannot be loaded is a miss; this is anything else)
+                seq.free()  # no live, unfinished sequence is left behind
+                raise
         return seq
 
     def match_prefix(self, tokens: Any) -> int:
@@ -319,6 +342,7 @@ class Store(Arena):
         if not write:
             return Sequence(self, int(seq_id), slot, write=False, token=0)
         token = new_token()
+        client = self._client_key()
         with self._locked():
             slot = self._slot_of(seq_id)
             row = self._row(slot)
@@ -326,7 +350,7 @@ class Store(Arena):
             if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
                 row[FLAGS] &= ~FINISHED
                 self._touch(row)
-            row[LEASE_START] = _segment.own_start_time()
+            row[LEASE_CLIENT] = client
             row[LEASE_TOKEN] = token
             _crash.point("lease.taken")
             row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands
@@ -351,9 +375,13 @@ class Store(Arena):
         """The live sequences, in id order."""
         self._check_open()
         out = []
+        asked: dict[int, bool] = {}  # client key -> alive: one question per writer, however many leases
         for slot in np.flatnonzero(self._table_np[:, STATE] == LIVE):
             r = self._table_np[slot].tolist()
-            alive = bool(r[LEASE_PID]) and _segment.pid_alive(r[LEASE_PID], r[LEASE_START])
+            key, alive = r[LEASE_CLIENT], False
+            if r[LEASE_PID]:
+                known = asked.get(key)
+                alive = asked[key] = self._alive(key) if known is None else known
             out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN],
                                     bool(r[FLAGS] & FINISHED)))
         return sorted(out, key=lambda s: s.id)
@@ -483,6 +511,20 @@ class Store(Arena):
         )
 
 
+def _holds_views(value: object, depth: int = 2) -> bool:
+    """Whether ``value`` is, or holds (``depth`` levels down), a view of a mapping."""
+    if isinstance(value, (np.ndarray, memoryview, mmap.mmap)):
+        return True
+    if depth <= 0 or isinstance(value, (str, bytes, int, float, Segment)):
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_holds_views(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_views(v, depth - 1) for v in value.values())
+    fields = getattr(value, "__dict__", None)
+    return isinstance(fields, dict) and any(_holds_views(v, depth - 1) for v in fields.values())
+
+
 def _prompt(tokens: Any) -> np.ndarray:
     """A prompt's token ids as int64, checked: ids are >= 0 (-1 marks "no id" in the store)."""
     try:
@@ -499,15 +541,16 @@ def _prompt(tokens: Any) -> np.ndarray:
 
 @_lock.lifecycle_op
 def _remove_names(name: str) -> bool:
-    """Unlink the segments, then the lock file (never the lock while a segment exists)."""
+    """Unlink the segments, then the lock and liveness files (never those while a segment exists)."""
     found = _segment.unlink(_segment.header_name(name))
     found = _segment.unlink(_segment.data_name(name)) or found
-    try:
-        os.unlink(_segment.lock_path(name))
-    except FileNotFoundError:
-        pass
-    except PermissionError:
-        raise _segment.denied(os.path.basename(_segment.lock_path(name)), "lock file") from None
+    for path, what in ((_segment.lock_path(name), "lock file"), (_liveness.live_path(name), "liveness file")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except PermissionError:
+            raise _segment.denied(os.path.basename(path), what) from None
     return found
 
 
@@ -578,6 +621,23 @@ def _remove_at_process_exit(name: str, identity: int) -> None:
         _mp_exit_pid = os.getpid()
 
 
+def _lock_open_error(name: str, e: OSError) -> ShmkvError:
+    """The error for a store lock file that cannot be opened (attach), naming the fix."""
+    path = _segment.lock_path(name)
+    why = f"{os.strerror(e.errno or 0)}; {_segment._owner(path)}"
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return CacheFullError(f"store {name!r}: cannot open its lock file {path} ({why}): close stores you no "
+                              "longer use, or raise the limit (`ulimit -n`)")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.ELOOP):
+        return AccessDeniedError(
+            f"store {name!r}: cannot open its lock file {path} ({why}): it must be a regular file that the "
+            "store's users may open (create(..., mode=0o660) and a common group); remove a stray one as its "
+            "owner, or use another store name"
+        )
+    return CorruptStoreError(f"store {name!r}: cannot open its lock file {path} ({why}): remove the store "
+                             f"(`shmkv rm {name}`) and create it anew")
+
+
 def _check_timeout(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or math.isnan(value) or value < 0:
@@ -629,8 +689,15 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
     except BaseException:
         hseg.close()
         raise
-    store = Store(name, hseg, dseg, layout, max_clients, creator=False, persistent=persistent,
-                  lock_timeout=lock_timeout)
+    try:
+        store = Store(name, hseg, dseg, layout, max_clients, creator=False, persistent=persistent,
+                      lock_timeout=lock_timeout)
+    except BaseException as e:
+        hseg.close()  # nothing leaks: both segments' descriptors (and mappings) go now
+        dseg.close()
+        if isinstance(e, OSError) and not isinstance(e, ShmkvError):
+            raise _lock_open_error(name, e) from None
+        raise
     if not readonly:
         try:
             register_client(store)

@@ -36,8 +36,9 @@ import pytest
 
 from shmkv._engine import core as _core
 from shmkv._engine import header as _header
+from shmkv._engine import liveness as _liveness
 from shmkv._engine import segment as _segment
-from shmkv.store._lifecycle import SESSION_ENV, create, session_tag
+from shmkv.store._lifecycle import SESSION_ENV, Owners, create, session_tag, store_owners
 from shmkv.store._store import Store, _magic_words, _remove_if_same, attach
 from shmkv.errors import ShmkvError
 from shmkv.testing import ChildProcess, shm_entries, unique_name
@@ -75,15 +76,16 @@ def _judged(name: str, session: int) -> tuple[int, str] | None:
     Ours: created with this session's tag, by this very process or by one that is dead.
     """
     words = _magic_words(name, _header.W_SESSION, _header.W_IDENTITY, _header.W_CREATOR_PID,
-                         _header.W_CREATOR_START)
+                         _header.W_CREATOR_CLIENT)
     if words is None:
         return None
-    tag, identity, pid, start = words
+    tag, identity, pid, key = words
     if not session or tag != session:
         return None
-    if pid == os.getpid():
+    if key in _liveness.created_keys:
         return identity, "created by the test"
-    if not _segment.pid_alive(pid, start):
+    owners = store_owners(name)  # the creator's liveness is its byte of the liveness file
+    if isinstance(owners, Owners) and owners.creator[1] == key and not owners.creator_alive():
         return identity, f"created by process {pid}, now dead"
     return None  # a live process of this session (a worker still running): not ours to remove
 
