@@ -68,6 +68,10 @@ class Doctor:
     """What ``shmkv.doctor()`` found. ``ok`` is False when ``problems`` (things that block
     use) is not empty; ``notes`` are worth knowing but block nothing.
 
+    ``stores_mappable``: how many more stores this process could attach under
+    ``vm.max_map_count`` (two mappings each) once its cache of stitched views (shared
+    prefix pages, at most ``2 * CACHE_LIMIT`` = 16,384 mappings) is full.
+
     Sizes are bytes. ``tokens_fit`` is how many tokens of ``layout`` (K and V of every
     layer, int8 scales included) the free /dev/shm holds now: the largest store that
     fits (a store reserves memory only for the tokens it holds, so its ``max_tokens``
@@ -306,14 +310,18 @@ def doctor(*, layers: int | None = None, kv_heads: int | None = None, head_dim: 
         notes.append(f"{path} is {_mib(size)} (Docker's default): `shmkv demo` fits; `shmkv bench` and real "
                      f"models need more (the bench says how much); {how_to_get(1024 * MiB)}")
 
+    from shmkv._engine import stitch as _stitch  # here: its ctypes set-up is not import shmkv's to pay
+
     limit = _int_file("/proc/sys/vm/max_map_count")
     in_use = _maps_in_use()
+    stitched = 2 * _stitch.CACHE_LIMIT  # a process's cache of stitched views (shared prefix pages), at most
     mappable = None
     if limit is not None and in_use is not None:
-        mappable = max(0, (limit - in_use) // MAPS_PER_STORE)
-        if limit - in_use < 1024:
-            notes.append(f"vm.max_map_count is {limit} and this process already has {in_use} mappings: raise it "
-                         "(`sysctl -w vm.max_map_count=262144`) or a process may fail to map more stores")
+        mappable = max(0, (limit - in_use - stitched) // MAPS_PER_STORE)
+        if limit - in_use < stitched + 1024:
+            notes.append(f"vm.max_map_count is {limit} and this process already has {in_use} mappings; a process's "
+                         f"stitched views of shared prefix pages may take {stitched} more: raise it "
+                         "(`sysctl -w vm.max_map_count=262144`) or a process may fail to map views or stores")
 
     ns, initial = _pid_ns()
     proc_ours = _proc_is_ours()
