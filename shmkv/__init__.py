@@ -7,6 +7,7 @@ from shmkv._sequence.batch import Batch
 from shmkv._engine.header import Layout
 from shmkv._sequence.handle import Sequence
 from shmkv._snapshot.format import Snapshot, read_header
+from shmkv.store._doctor import Doctor, doctor
 from shmkv.store._lifecycle import create, gc, list_stores, load, remove
 from shmkv.store._store import SequenceInfo, Store, StoreStats, attach
 from shmkv.errors import (
@@ -36,6 +37,7 @@ __all__ = [
     "Batch",
     "CacheFullError",
     "CorruptStoreError",
+    "Doctor",
     "InvalidArgumentError",
     "Layout",
     "LayoutMismatchError",
@@ -59,6 +61,7 @@ __all__ = [
     "__version__",
     "attach",
     "create",
+    "doctor",
     "gc",
     "list_stores",
     "load",

@@ -1,6 +1,7 @@
 """Every Python block of README.md and docs/*.md runs as written.
 
-A block runs alone in a fresh interpreter. A block that is a fragment (it uses a
+A block runs alone in a fresh interpreter, in a private /dev/shm and /tmp where the
+machine allows it (see ``run_script``), and must leave nothing in /dev/shm. A block that is a fragment (it uses a
 `store`, a `model`, a Redis URL it does not make) gets what it needs from HTML
 comments around it, invisible on the rendered page:
 
@@ -33,6 +34,7 @@ import sys
 import pytest
 
 import shmkv
+from _namespaces import available
 from conftest import importorskip_unless_ci
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -123,6 +125,27 @@ def _require(names: tuple[str, ...]) -> None:
             importorskip_unless_ci(name)
 
 
+# Each block runs in a private /dev/shm and /tmp where the machine allows it (root: CI):
+# the pages use fixed names ("quickstart", "/tmp/quickstart.shmkv"), and another checkout's
+# suite running the same pages at the same time must not meet them. The command then
+# checks that the block left nothing in its /dev/shm. Elsewhere the block runs on the
+# machine's /dev/shm, and the plugin's leak check judges what it left.
+_ISOLATED = ('mount --make-rprivate / && mount -t tmpfs -o size=1g tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp '
+             '&& cat > "/tmp/$FILE" && cd /tmp && "$@" "/tmp/$FILE" && left=$(ls -A /dev/shm) '
+             '&& { [ -z "$left" ] || { echo "left in /dev/shm: $left" >&2; exit 3; }; }')
+
+
+def run_script(text: str, filename: str, cmd: list[str], tmp_path: pathlib.Path,
+               timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd + [path of text saved as filename]``, isolated when the machine allows it."""
+    if available() is None:
+        return subprocess.run(["unshare", "-m", "sh", "-c", _ISOLATED, "sh", *cmd], input=text,
+                              env={**os.environ, "FILE": filename}, capture_output=True, text=True, timeout=timeout)
+    script = tmp_path / filename
+    script.write_text(text)
+    return subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+
 @pytest.mark.parametrize("block", ALL, ids=[b.id for b in ALL])
 def test_block_runs(block: Block, tmp_path: pathlib.Path):
     _require(block.requires)
@@ -131,29 +154,24 @@ def test_block_runs(block: Block, tmp_path: pathlib.Path):
         assert old in code, f"{block.id}: test-sub {old!r} is not in the block"
         code = code.replace(old, new)
     if block.run == "pytest":
-        script = tmp_path / "test_doc_block.py"
-        script.write_text(block.setup + code)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error", str(script)]
+        r = run_script(block.setup + code, "test_doc_block.py",
+                       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error"], tmp_path)
     else:
         assert block.run == "python", block.run
-        script = tmp_path / "doc_block.py"
         # the setup and teardown wrap the block in one namespace; __main__ as a script would be
-        script.write_text(block.setup + code + block.teardown)
-        cmd = [sys.executable, "-W", "error", str(script)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        r = run_script(block.setup + code + block.teardown, "doc_block.py", [sys.executable, "-W", "error"], tmp_path)
     assert r.returncode == 0, f"{block.id} failed:\n{r.stdout}\n{r.stderr}"
-    # a store the block leaves behind fails the test: the plugin's leak check (on for this suite)
 
 
 def test_quick_start_prints_what_it_says(tmp_path):
     text = README.read_text()
     block = re.search(r"## Quick start.*?```python\n(.*?)```", text, re.DOTALL).group(1)
-    script = tmp_path / "quick.py"
-    script.write_text(block)
+    isolated = available() is None
     try:
-        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        r = run_script(block, "quick.py", [sys.executable], tmp_path, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "(8, 2, 8) [  1   2   3   4   5 100 101 102]" in r.stdout
         assert "quickstart" not in shmkv.list_stores()
     finally:
-        pathlib.Path("/tmp/quickstart.shmkv").unlink(missing_ok=True)
+        if not isolated:  # isolated, it wrote into a /tmp that is gone
+            pathlib.Path("/tmp/quickstart.shmkv").unlink(missing_ok=True)

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from bench_cases import BASELINES, SCENARIOS, TABLE_SIZES, has_wait
+from bench_cases import BASELINES, SCENARIOS, SHM_MARGIN, SHM_NEEDS, TABLE_SIZES, has_wait
 
 # DESIGN.md section 7: key -> (comparison, bound)
 GOALS: dict[str, tuple[str, float]] = {
@@ -149,6 +149,29 @@ def plot(r: dict[str, float], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def shm_refusal(names: list[str], quick: bool) -> str | None:
+    """None if /dev/shm has the room the chosen scenarios need (the largest of them: they run
+    one after another), else what to say: how much, for which, how to get it, what fits."""
+    needs = {n: SHM_NEEDS[n](quick) + SHM_MARGIN for n in names}
+    worst = max(needs, key=lambda n: needs[n])
+    what = f"shmkv bench{' --quick' if quick else ''} (its largest scenario, {worst})"
+    try:
+        from shmkv.store._doctor import room
+    except ImportError:  # tools/bench_against.py runs this harness against older trees: say it plainly
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+        msg = None if free >= needs[worst] else (f"{what} needs {needs[worst] >> 20} MiB free in /dev/shm; it has "
+                                                 f"{free >> 20} MiB: `docker run --shm-size=...` gives more")
+    else:
+        msg = room(needs[worst], what)
+    if msg is None:
+        return None
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    fit = [n for n in names if needs[n] <= free]
+    return f"shmkv bench: {msg}" + (f"; or run only what fits now: --only {','.join(fit)}" if fit else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shmkv bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         p.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
+    refusal = shm_refusal(names, a.quick)
+    if refusal:  # before any scenario starts: not a CacheFullError traceback halfway through
+        print(refusal, file=sys.stderr)
+        return 1
     results: dict[str, float] = {}
     try:  # private: which crc32 the snapshots use; older trees keep it elsewhere
         from shmkv._snapshot.format import CRC32

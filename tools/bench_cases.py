@@ -938,3 +938,30 @@ SCENARIOS: dict[str, Callable[[bool], Figures]] = {
     "remote": bench_remote,
     "hf": bench_hf,
 }
+
+_MiB = 1 << 20
+_TOK = 16 * 8 * 128 * 2 * 2  # bytes of one token of the 16-layer float16 shapes (K and V): 64 KiB
+
+# Peak /dev/shm bytes each scenario holds at once (stores and baseline files), by --quick
+# or not: measured in a private tmpfs (issue 26: decode 16 MiB quick, handoff 256,
+# copy_prefix 192, snapshot 128, prefill 128, workers 384 on 2 cores, quant 24.3, table
+# 12, prefix 28, remote 256; without --quick decode 64, copy_prefix 384, snapshot 256, quant 97,
+# workers 512 on 2 cores) and written as the shapes' arithmetic, which gives the same figures. tools/bench.py
+# refuses up front, saying how much, when /dev/shm has less free (plus SHM_MARGIN).
+SHM_NEEDS: dict[str, Callable[[bool], int]] = {
+    "decode": lambda quick: 32 * 8 * 128 * 2 * 2 * (128 if quick else 512),
+    "truncate": lambda quick: 16 * _MiB,
+    "handoff": lambda quick: 2 * 2048 * _TOK,  # the store and a plain /dev/shm file of the same bytes
+    "copy_prefix": lambda quick: 3 * (1024 if quick else 2048) * _TOK,
+    "snapshot": lambda quick: 2 * (1024 if quick else 2048) * _TOK,
+    "prefill": lambda quick: 2048 * _TOK,  # the store or the pwrite file, never both
+    "workers": lambda quick: (os.cpu_count() or 1) * (1024 + (2048 if quick else 3072)) * _TOK,
+    # a float16 store and an int8 one (codes and a float32 scale per token and head), K and V
+    "quant": lambda quick: (512 if quick else 2048) * 2 * 8 * 8 * (128 * 2 + 128 + 4),
+    "table": lambda quick: 16 * _MiB,
+    "wait": lambda quick: 4 * _MiB,
+    "prefix": lambda quick: 32 * _MiB,
+    "remote": lambda quick: 2 * 2048 * _TOK,  # two stores: the pusher's and the puller's
+    "hf": lambda quick: 16 * _MiB,
+}
+SHM_MARGIN = 16 * _MiB  # headers, tables, the allocator's rounding

@@ -111,7 +111,8 @@ def os_error(e: OSError, name: str, size: int | None = None) -> Exception:
     if e.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG, errno.EOVERFLOW, errno.EINVAL) and size is not None:
         return CacheFullError(
             f"cannot map segment {name!r} of {size} bytes ({os.strerror(e.errno)}): "
-            "lower max_tokens=, max_seqs= or the layout, or enlarge /dev/shm"
+            "lower max_tokens=, max_seqs= or the layout, or enlarge /dev/shm (in a container: "
+            "`docker run --shm-size=...`; `shmkv doctor` shows the room)"
         )
     if e.errno in (errno.EACCES, errno.EPERM):
         return denied(name, "segment")
@@ -222,7 +223,8 @@ class Segment:
             if missing > room:
                 raise CacheFullError(
                     f"/dev/shm or memory has room for {room} more bytes, segment {self.name!r} needs "
-                    f"{missing}: free sequences, lower the capacity, or enlarge /dev/shm"
+                    f"{missing}: free sequences, lower the capacity, or enlarge /dev/shm (in a container: "
+                    "`docker run --shm-size=...`; `shmkv doctor` shows the room)"
                 )
         return spans
 
@@ -264,7 +266,8 @@ class Segment:
     def _full(self, nbytes: int, e: OSError) -> CacheFullError:
         return CacheFullError(
             f"/dev/shm cannot hold {nbytes} more bytes for segment {self.name!r} "
-            f"({os.strerror(e.errno or 0)}): free sequences, lower the capacity, or enlarge /dev/shm"
+            f"({os.strerror(e.errno or 0)}): free sequences, lower the capacity, or enlarge /dev/shm "
+            "(in a container: `docker run --shm-size=...`; `shmkv doctor` shows the room)"
         )
 
     def write(self, offset: int, data: memoryview) -> None:

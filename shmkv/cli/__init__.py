@@ -327,6 +327,38 @@ def _cmd_snapshot(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(a: argparse.Namespace) -> int:
+    from shmkv.store._doctor import doctor
+
+    d = doctor(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, tokens=a.tokens)
+    if a.json:
+        print(json.dumps(d.as_dict()))
+        return 0 if d.ok else 1
+    lay = d.layout
+    print(f"platform     {d.system} {d.machine}: {'supported' if d.supported_platform else 'NOT supported'}; "
+          f"Python {d.python}, numpy {d.numpy}, shmkv {d.shmkv}")
+    print(f"/dev/shm     {d.shm_path} ({d.shm_fs or 'missing'}): {d.shm_free / 2**20:.0f} MiB free of "
+          f"{d.shm_size / 2**20:.0f} MiB{'' if d.shm_writable else ', NOT writable'}")
+    print(f"largest store {d.tokens_fit} tokens of {lay['layers']} layers x {lay['kv_heads']} KV heads x "
+          f"{lay['head_dim']} {lay['dtype']} ({d.bytes_per_token} bytes a token)")
+    if d.max_map_count is not None:
+        print(f"mappings     vm.max_map_count {d.max_map_count}, {d.maps_in_use} in use by this process: room to "
+              f"attach about {d.stores_mappable} more stores (2 mappings each) beside 16384 for stitched views")
+    print(f"liveness     PID namespace {d.pid_namespace} "
+          f"({'the initial one' if d.initial_pid_namespace else 'not the initial one: a container'}); "
+          + ("liveness is a kernel lock: processes in other PID namespaces (containers sharing this /dev/shm) are "
+             "seen alive or dead correctly" if d.cross_namespace_liveness
+             else "judged by pid: right between processes of this PID namespace only"))
+    for e in d.extras:
+        print(f"extra        {e.name:<13} " + (e.version if e.version else f"not installed: {e.pip}"))
+    for n in d.notes:
+        print(f"note: {n}")
+    for pr in d.problems:
+        print(f"PROBLEM: {pr}")
+    print("ok: shmkv can run here" if d.ok else "shmkv cannot run here as it is (see PROBLEM above)")
+    return 0 if d.ok else 1
+
+
 def _cmd_demo(a: argparse.Namespace) -> int:
     from shmkv.cli import _demo as demo
 
@@ -385,6 +417,14 @@ def _parser() -> argparse.ArgumentParser:
                    "directory and removed at the end)")
     d.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
                    help="how the demo starts its processes")
+    sp = add("doctor", _cmd_doctor, "check this machine: /dev/shm room, platform, extras (exit 1 if shmkv "
+             "cannot run)", True)
+    sp.add_argument("--layers", type=count_arg(1), help="layout of the largest-store figure (default 32)")
+    sp.add_argument("--kv-heads", type=count_arg(1), help="(default 8)")
+    sp.add_argument("--head-dim", type=count_arg(1), help="(default 128)")
+    sp.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64", "int8"],
+                    help="(default bfloat16)")
+    sp.add_argument("--tokens", type=count_arg(1), help="exit 1 unless this many tokens of the layout fit now")
     add("ls", _cmd_ls, "list stores", True)
     sp = add("info", _cmd_info, "layout and sequence table of a store", True)
     sp.add_argument("name")

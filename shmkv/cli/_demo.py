@@ -31,8 +31,11 @@ import numpy as np
 
 from shmkv.cli import _model
 from shmkv._snapshot import snapshot as _snapshot
+from shmkv.store import _doctor
 from shmkv.store._lifecycle import create
 from shmkv.store._store import attach
+
+DEMO_MARGIN = 1 << 20  # the header segment and its tables
 
 SYSTEM = "You are a helpful assistant. Answer briefly and cite the cache. "
 PROMPTS = [
@@ -133,6 +136,11 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
     """
     prompts = PROMPTS if prompts is None else prompts
     cfg = _model.Config()
+    max_tokens = 4096
+    # the room all of max_tokens takes, header included, checked before anything starts
+    # (a CacheFullError naming the size and `--shm-size`, not a traceback from a worker)
+    per = _doctor.bytes_per_token(cfg.layers, cfg.kv_heads, cfg.head_dim, "float32")
+    _doctor.check_room(max_tokens * per + DEMO_MARGIN, "the demo's store")
     name = f"demo{os.getpid()}"
     keep_snapshot = snapshot is not None
     snapshot = snapshot or os.path.join(tempfile.gettempdir(), f"shmkv-demo-{os.getpid()}.shmkv")
@@ -142,7 +150,7 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
     out(f"starting store {name!r} and {workers + 2} processes ({start_method}): a tokenizer, {workers} decode "
         f"workers, a snapshotter ...")
     store = create(name, layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype="float32",
-                   max_tokens=4096, max_seqs=len(prompts) + 2)
+                   max_tokens=max_tokens, max_seqs=len(prompts) + 2)
     procs: list[Any] = []
     try:
         requests, results = ctx.Queue(), ctx.Queue()
