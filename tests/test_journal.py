@@ -34,6 +34,9 @@ from shmkv.store import _lifecycle
 from shmkv.testing import unique_name
 
 HERE = os.path.dirname(__file__)
+# the points whose operation _crash_children.op runs; rewind.copied (seq.rewind, issue 25) has its own
+# crash test (tests/test_rewind.py) and is not in this matrix yet
+POINTS = tuple(p for p in _crash.POINTS if p != "rewind.copied")
 HOLDERS = ("transaction", "create_sequence", "create_sequence_prefix", "truncate", "copy_prefix", "restore",
            "save", "save_readonly", "read_readonly", "lease_takeover", "attach_verify", "verify_repair", "gc")
 
@@ -177,7 +180,7 @@ def test_crash_matrix(make_store, tmp_path):
     """Every crash point x every first lock holder (the issue's must-show 1)."""
     t0 = time.monotonic()
     cells = 0
-    for point in _crash.POINTS:
+    for point in POINTS:
         snap, xsnap = str(tmp_path / "snap.shmkv"), str(tmp_path / "x.shmkv")
         ref = make_store(**_layout(point))
         ids, xr = _scenario(ref, point, snap, None)
@@ -209,7 +212,7 @@ def test_crash_matrix(make_store, tmp_path):
             cells += 1
         store.unlink()
     print(f"{cells} cells in {time.monotonic() - t0:.1f} s")
-    assert cells == len(_crash.POINTS) * len(HOLDERS)
+    assert cells == len(POINTS) * len(HOLDERS)
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), shmkv.CacheFullError("armed: the store is full")],
@@ -217,7 +220,7 @@ def test_crash_matrix(make_store, tmp_path):
 def test_an_exception_at_every_crash_point_rolls_back(make_store, tmp_path, exc):
     """The crash points armed to raise: the store equals the state before, the exception
     reaches the caller (must-show 2)."""
-    for point in _crash.POINTS:
+    for point in POINTS:
         snap = str(tmp_path / "snap.shmkv")
         store = make_store(**_layout(point))
         ids, x = _scenario(store, point, snap, None)
