@@ -120,8 +120,13 @@ class Core:
         L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
         it = np.dtype(dt).itemsize
         kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (DESIGN §11)
-        self._K = np.ndarray((L, T, H, D), dt, dmm, off.k_off, kv_strides)
-        self._V = np.ndarray((L, T, H, D), dt, dmm, off.v_off, kv_strides)
+        # Strided arrays over the mapping are built on a np.frombuffer view of it, never on the mmap
+        # itself: numpy 2 takes np.ndarray(buffer=mmap) without holding an export, so close() would
+        # unmap the pages under a view the caller keeps (SIGSEGV on read). A frombuffer base holds the
+        # export: the mapping lives while any view does (tests/test_close_views.py).
+        dbytes = np.frombuffer(dmm, np.uint8)
+        self._K = np.ndarray((L, T, H, D), dt, dbytes, off.k_off, kv_strides)
+        self._V = np.ndarray((L, T, H, D), dt, dbytes, off.v_off, kv_strides)
         self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
         self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
         self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
@@ -144,8 +149,9 @@ class Core:
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
         s_strides = (off.scale_stride, H * 4, 4)
-        self._KS = np.ndarray((L, T, H), np.float32, dmm, off.ks_off, s_strides) if S else None
-        self._VS = np.ndarray((L, T, H), np.float32, dmm, off.vs_off, s_strides) if S else None
+        self._KS = np.ndarray((L, T, H), np.float32, dbytes, off.ks_off, s_strides) if S else None
+        self._VS = np.ndarray((L, T, H), np.float32, dbytes, off.vs_off, s_strides) if S else None
+        del dbytes
         # what every Sequence handle reads through: built once here, not per handle (a handle
         # is made per request; fewer objects keep store.sequence(id) cheap)
         self._Kr = [_readonly(a) for a in self._Kl]
