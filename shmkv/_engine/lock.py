@@ -194,6 +194,9 @@ class StoreLock:
             raise self._timeout_error(timeout)
         op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         try:
+            if self._closed:  # closed by another thread while this one waited (see quiesce)
+                raise StoreClosedError(f"store {self.name!r} is closed: attach again with "
+                                       f"shmkv.attach({self.name!r})")
             if state.depth == 0:
                 self._flock(self._fd, op, deadline, timeout)
                 state.fd, state.mode = self._fd, op
@@ -250,6 +253,24 @@ class StoreLock:
         else:
             state.rlock.release()  # raises (RuntimeError) if this thread does not hold it
             state.depth -= 1
+
+    def quiesce(self, timeout: float | None) -> bool:
+        """Wait (up to ``timeout`` s; None or < 0: for good) until no other thread of this process
+        holds the lock, and keep them out (the RLock alone, no flock: another process's hold does not
+        matter) until :meth:`unquiesce`. Store.close() runs under it, so it never tears a handle down
+        under a thread's structural operation; a thread that then takes the lock of this closed
+        attachment gets StoreClosedError. False (nothing held) if the wait timed out, or in a forked
+        child that never used the lock (no other thread of this process holds it then)."""
+        state = self._state
+        if state is None or self._pid != os.getpid():
+            return False
+        return state.rlock.acquire(timeout=-1 if timeout is None or timeout < 0 else timeout)
+
+    def unquiesce(self) -> None:
+        """End :meth:`quiesce` (after it returned True)."""
+        state = self._state
+        if state is not None:
+            state.rlock.release()
 
     def held(self, timeout: float | None = DEFAULT_TIMEOUT, *, shared: bool = False) -> _Held:
         """Hold the lock for the duration of a ``with`` block (re-entrant)."""

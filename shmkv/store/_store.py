@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from shmkv.errors import (
     CorruptStoreError,
     InvalidArgumentError,
     ShmkvError,
+    StoreClosedError,
     StoreNotFound,
 )
 
@@ -160,12 +161,25 @@ class Store(Arena):
         process created (same store identity): a newer store of the same name
         is left alone.
         """
-        if not self._closed:
-            self._close(remove=self._creator and not self.persistent)
+        self._close(remove=None)
 
-    def _close(self, remove: bool) -> None:
+    def _close(self, remove: bool | None) -> None:
+        """Close (``remove``: None, the creator's rule; True/False: remove or not). Another thread's
+        hold of the store lock (a structural operation in progress) is waited out first (up to
+        lock_timeout), and a thread that uses the handle afterwards gets StoreClosedError."""
         if self._closed:
             return
+        quiet = self._lock.quiesce(self.lock_timeout)
+        try:
+            if not self._closed:  # (another thread closed it while this one waited)
+                self._teardown(remove)
+        finally:
+            if quiet:
+                self._lock.unquiesce()
+
+    def _teardown(self, remove: bool | None) -> None:
+        if remove is None:
+            remove = self._creator and not bool(self._hdr[_header.W_PERSISTENT])
         inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
         if not inherited and not self.readonly:
             for handle in list(live_writers.values()):
@@ -190,9 +204,10 @@ class Store(Arena):
         objects and containers made of them), so that closing the segments unmaps them at once.
         What the caller still holds (views, Sequence handles) keeps its own pages mapped and valid
         until it is collected (never a segfault); a closed handle only checks it is closed."""
+        closed = _Closed(self.name)
         for attr, value in list(vars(self).items()):
             if _holds_views(value):
-                setattr(self, attr, None)
+                setattr(self, attr, closed)
 
     def unlink(self) -> None:
         """Remove the store (segments, lock and liveness files) now, if its name still holds the
@@ -509,6 +524,25 @@ class Store(Arena):
             prefix_tokens_reused=int(self._hdr[_header.W_PREFIX_REUSED]),
             evictions=int(self._hdr[_header.W_EVICTIONS]),
         )
+
+
+class _Closed:
+    """What a closed handle holds instead of its views: any use raises StoreClosedError (another
+    thread that was past the handle's open check when it closed gets that, not a TypeError from None)."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _raise(self, *args: object, **kwargs: object) -> NoReturn:
+        raise StoreClosedError(f"store {self._name!r} is closed (by another thread?): attach again with "
+                               f"shmkv.attach({self._name!r})")
+
+    __getitem__ = __setitem__ = __len__ = __iter__ = __contains__ = __call__ = __bool__ = _raise
+
+    def __getattr__(self, attr: str) -> NoReturn:
+        self._raise()
 
 
 def _holds_views(value: object, depth: int = 2) -> bool:
