@@ -116,6 +116,8 @@ def _open_file(name: str, readonly: bool, mode: int | None = None) -> int:
         if e.errno in (errno.EMFILE, errno.ENFILE):
             raise CacheFullError(f"cannot open {path}: {os.strerror(e.errno)}: close stores you no longer use, "
                                  "or raise the limit (`ulimit -n`)") from None
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _segment.shm_full(os.path.basename(path), e) from None
         if e.errno in (errno.EACCES, errno.EPERM):
             raise AccessDeniedError(
                 f"store {name!r}: cannot open its liveness file {path} {'read-only' if readonly else 'read-write'} "

@@ -46,6 +46,7 @@ the inode's link count after locking), so remove may unlink it last.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -385,6 +386,10 @@ def lifecycle(name: str, timeout: float = DEFAULT_TIMEOUT, *, mode: int = 0o600)
     except PermissionError:
         yield
         return
+    except OSError as e:  # the lock file cannot be made: /dev/shm has no byte or inode left
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _segment.shm_full(os.path.basename(lifecycle_path(name)), e) from None
+        raise
     try:
         yield
     finally:

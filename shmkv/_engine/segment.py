@@ -115,7 +115,18 @@ def os_error(e: OSError, name: str, size: int | None = None) -> Exception:
         )
     if e.errno in (errno.EACCES, errno.EPERM):
         return denied(name, "segment")
+    if e.errno in _FULL:  # no byte, or no inode, left in /dev/shm for a new file
+        return shm_full(name, e)
     return e
+
+
+def shm_full(name: str, e: OSError) -> CacheFullError:
+    """The error for a file of a store that /dev/shm has no room for (bytes or inodes)."""
+    return CacheFullError(
+        f"cannot create {name!r} in {SHM_DIR}: {os.strerror(e.errno or 0)} (no bytes or no inodes left): "
+        "remove stores you no longer use (`shmkv ls`, `shmkv gc`), or enlarge /dev/shm "
+        "(mount -o remount,size=...,nr_inodes=... /dev/shm)"
+    )
 
 
 class Segment:

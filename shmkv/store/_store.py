@@ -662,6 +662,8 @@ def _lock_open_error(name: str, e: OSError) -> ShmkvError:
     if e.errno in (errno.EMFILE, errno.ENFILE):
         return CacheFullError(f"store {name!r}: cannot open its lock file {path} ({why}): close stores you no "
                               "longer use, or raise the limit (`ulimit -n`)")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a missing lock file that /dev/shm has no inode for
+        return _segment.shm_full(os.path.basename(path), e)
     if e.errno in (errno.EACCES, errno.EPERM, errno.ELOOP):
         return AccessDeniedError(
             f"store {name!r}: cannot open its lock file {path} ({why}): it must be a regular file that the "
