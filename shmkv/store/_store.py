@@ -263,6 +263,15 @@ class Store(Arena):
             >>> n = len(seq)                                              # doctest: +SKIP
             >>> seq.extend(k_all[:, n:], v_all[:, n:], tokens=prompt[n:])  # doctest: +SKIP
         """
+        made: list[int] = []  # (id, lease token) once the inner call has chosen them
+        try:
+            return self._create_sequence(capacity, prefix, tier, _protect, made)
+        except BaseException:  # KeyboardInterrupt included: the caller never gets the handle
+            if made:
+                self._drop_unreturned(made[0], made[1], free=True)
+            raise
+
+    def _create_sequence(self, capacity: int, prefix: Any, tier: Any, _protect: int, made: list[int]) -> Sequence:
         capacity = count("capacity", capacity, minimum=1)
         if capacity > self.layout.max_tokens:
             raise CacheFullError(
@@ -286,6 +295,7 @@ class Store(Arena):
             row = self._row(slot)
             seq_id = next_id + (slot - next_id) % rows  # the next id of that row: ids skip the rows in use
             self._hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
+            made += (seq_id, token)
             with self._unit():  # the row and its prefix: both, or after a crash neither
                 with self._changing(row):
                     row[ID] = seq_id
@@ -358,6 +368,32 @@ class Store(Arena):
             return Sequence(self, int(seq_id), slot, write=False, token=0)
         token = new_token()
         client = self._client_key()
+        try:
+            return self._take_lease(int(seq_id), token, client)
+        except BaseException:  # KeyboardInterrupt included: no lease is left for a handle never returned
+            self._drop_unreturned(int(seq_id), token, free=False)
+            raise
+
+    def _drop_unreturned(self, seq_id: int, token: int, *, free: bool) -> None:
+        """Undo what create_sequence (``free``) or a lease take-over did for a handle that never
+        reached its caller (an exception after the work, KeyboardInterrupt included): free the new
+        sequence, or give up the lease, if the row still holds ``token``. Best effort: the
+        exception that got here is what the caller sees."""
+        live_writers.pop(token, None)
+        try:
+            with self._locked():
+                slot = self._slot_of(seq_id)
+                row = self._row(slot)
+                if row[LEASE_TOKEN] != token:
+                    return
+                if free:
+                    self._free_row(slot)
+                else:
+                    row[LEASE_PID] = 0  # what release() does
+        except ShmkvError:  # closed, gone, or the lock is busy: nothing more to do here
+            pass
+
+    def _take_lease(self, seq_id: int, token: int, client: int) -> Sequence:
         with self._locked():
             slot = self._slot_of(seq_id)
             row = self._row(slot)
