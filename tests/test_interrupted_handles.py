@@ -6,10 +6,15 @@ for a handle that does not exist (before: other processes saw it alive until we 
 
 from __future__ import annotations
 
+import gc
+import os
+
 import numpy as np
 import pytest
 
 import shmkv
+from shmkv._engine import core as _core
+from shmkv._engine import segment as _segment
 from shmkv.store import _store
 
 
@@ -61,3 +66,76 @@ def _take_and_release(store: shmkv.Store, seq_id: int) -> int:
     n = len(seq)
     seq.release()
     return n
+
+
+def _fds(name: str) -> list[str]:
+    """This process's descriptors of store ``name``'s files (segments, lock, liveness)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if f"skv_{name}." in target:
+            out.append(target)
+    return out
+
+
+def test_attach_interrupted_while_the_handle_is_built_leaks_no_descriptor(make_store, monkeypatch):
+    store = make_store()
+    before = _fds(store.name)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_core, "PrefixIndex", interrupted)  # late in the handle's construction
+    for readonly in (False, True):
+        with pytest.raises(KeyboardInterrupt):
+            shmkv.attach(store.name, readonly=readonly)
+        gc.collect()
+        assert _fds(store.name) == before  # (the lock and liveness descriptors stayed open)
+    assert store.clients() == [os.getpid()]
+
+
+def test_close_interrupted_half_way_is_finished_by_the_next_close(make_store, monkeypatch):
+    store = make_store()
+    before = _fds(store.name)
+    handle = shmkv.attach(store.name)
+    real, calls = _segment.Segment.close, []
+
+    def interrupted(self):
+        if not calls:
+            calls.append(1)
+            raise KeyboardInterrupt
+        real(self)
+
+    monkeypatch.setattr(_segment.Segment, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        handle.close()
+    assert handle.closed
+    handle.close()  # finishes what the interrupted one left (before: a no-op, descriptors kept for good)
+    assert _fds(store.name) == before
+    assert store.clients() == [os.getpid()]
+
+
+def test_segment_close_interrupted_after_closing_never_closes_the_number_again(make_store, monkeypatch, tmp_path):
+    store = make_store()
+    seg = _segment.Segment.open(_segment.header_name(store.name), readonly=True)
+    target, real_close = seg._fd, os.close
+
+    def interrupted(fd: int) -> None:
+        real_close(fd)
+        if fd == target:
+            raise KeyboardInterrupt  # after the descriptor is closed, before the segment forgets it
+
+    monkeypatch.setattr(os, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        seg.close()
+    monkeypatch.setattr(os, "close", real_close)
+    other = os.open(tmp_path / "another file", os.O_CREAT | os.O_RDWR)  # takes the freed number
+    try:
+        assert other == target
+        seg.close()  # (before: closed `other`, someone else's descriptor)
+        os.fstat(other)
+    finally:
+        os.close(other)

@@ -100,9 +100,17 @@ class Core:
         self._lock = _lock.StoreLock(self._lock_path, name, readonly=hseg.readonly)
         try:
             self._live = live if live is not None else _liveness.Liveness(name, hseg.readonly)
-        except BaseException:
+            self._map(hseg, dseg, layout, max_clients)
+        except BaseException:  # KeyboardInterrupt included: the caller never gets the handle
+            own = self.__dict__.get("_live") if live is None else None
+            if own is not None:
+                own.close()
             self._lock.close()
             raise
+
+    def _map(self, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int) -> None:
+        """The rest of __init__: the views over both mappings (its caller closes the descriptors
+        it opened if this raises)."""
         self._identity = int(hseg.array(np.int64, 1, 8 * _header.W_IDENTITY)[0])
         off = self._off = _header.offsets(layout, max_clients)
         hmm, dmm = hseg.mm, dseg.mm

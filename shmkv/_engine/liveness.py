@@ -201,6 +201,14 @@ class Liveness:
             os.close(fd)
         _open.discard(self)
 
+    def __del__(self) -> None:
+        # a handle whose construction was interrupted never reaches close(): its descriptor (and
+        # the slot's byte, if it took one) must not stay open for good
+        try:
+            self.close()
+        except Exception:
+            pass
+
 
 def _after_fork_in_child() -> None:
     own_keys.clear()

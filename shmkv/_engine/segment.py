@@ -371,13 +371,15 @@ class Segment:
                 mm.close()
             except BufferError:
                 pass  # live numpy views: the mapping goes away with the last of them
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        fd, pid = self._send
+        # each descriptor is forgotten before it is closed: an exception (Ctrl-C) between the two
+        # may leak it, but a second close() (or the handle's finalizer) never closes its number
+        # again, which by then may be another file's (tests/test_interrupted_handles.py)
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+        (fd, pid), self._send = self._send, (-1, 0)
         if fd >= 0 and pid == os.getpid():
             os.close(fd)
-        self._send = (-1, 0)
 
     def unlink(self) -> None:
         _unlink_quietly(self.name)

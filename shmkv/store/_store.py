@@ -167,37 +167,45 @@ class Store(Arena):
         """Close (``remove``: None, the creator's rule; True/False: remove or not). Another thread's
         hold of the store lock (a structural operation in progress) is waited out first (up to
         lock_timeout), and a thread that uses the handle afterwards gets StoreClosedError."""
-        if self._closed:
+        if self.__dict__.get("_close_done"):
             return
         quiet = self._lock.quiesce(self.lock_timeout)
         try:
-            if not self._closed:  # (another thread closed it while this one waited)
+            if not self.__dict__.get("_close_done"):  # (another thread closed it while this one waited)
                 self._teardown(remove)
         finally:
             if quiet:
                 self._lock.unquiesce()
 
     def _teardown(self, remove: bool | None) -> None:
-        if remove is None:
-            remove = self._creator and not bool(self._hdr[_header.W_PERSISTENT])
-        inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
-        if not inherited and not self.readonly:
-            for handle in list(live_writers.values()):
-                if getattr(handle, "_store", None) is self:
-                    drop_lease(handle)
-        self._unregister_client()  # our client row, and the byte of the liveness file (no lock taken)
-        remove = remove and not inherited
-        self._closed = True
-        if self._finalizer is not None:
-            self._finalizer.detach()
+        """Every step may be cut short by an exception (Ctrl-C): the next close() finishes the job
+        (each step is idempotent), and until it is done the finalizer still closes what is left."""
+        plan: tuple[bool, bool] | None = self.__dict__.get("_close_plan")
+        if plan is None:
+            if remove is None:
+                remove = self._creator and not bool(self._hdr[_header.W_PERSISTENT])
+            inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
+            plan = self._close_plan = (bool(remove) and not inherited, inherited)
+        remove, inherited = plan
+        if not self._closed:
+            if not inherited and not self.readonly:
+                for handle in list(live_writers.values()):
+                    if getattr(handle, "_store", None) is self:
+                        drop_lease(handle)
+            self._unregister_client()  # our client row, and the byte of the liveness file (no lock taken)
+            self._closed = True
         self._drop_views()
+        self._live.close()
         self._lock.close()
         self._hseg.close()  # unmapped now, unless views (or handles) the caller keeps hold them
         self._dseg.close()
+        if self._finalizer is not None:
+            self._finalizer.detach()
         if self._creator and not inherited:
             _exit_removals.pop((self.name, self._identity), None)
         if remove:
             _remove_if_same(self.name, self._identity)
+        self._close_done = True
 
     def _drop_views(self) -> None:
         """Drop every reference this handle holds into its mappings (arrays, memoryviews, and the
@@ -217,8 +225,7 @@ class Store(Arena):
         Works on a closed handle too, as with ``multiprocessing.shared_memory``: ``store.close();
         store.unlink()`` removes a created, attached or persistent store (once; then it does nothing).
         """
-        if not self._closed:
-            self._close(remove=False)
+        self._close(remove=False)
         _remove_if_same(self.name, self._identity)
 
     def transaction(self) -> AbstractContextManager[None]:
@@ -585,6 +592,8 @@ def _holds_views(value: object, depth: int = 2) -> bool:
     """Whether ``value`` is, or holds (``depth`` levels down), a view of a mapping."""
     if isinstance(value, (np.ndarray, memoryview, mmap.mmap)):
         return True
+    if isinstance(value, _Closed):  # (a close() that is finishing an interrupted one)
+        return False
     if depth <= 0 or isinstance(value, (str, bytes, int, float, Segment)):
         return False
     if isinstance(value, (list, tuple)):
