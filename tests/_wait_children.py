@@ -21,3 +21,16 @@ def wait_for_commit(name: str, seq_id: int, ready_path: str) -> tuple[int, int]:
         return n, time.monotonic_ns()
     finally:
         store.close()
+
+
+def wait_read_write(name: str, seq_id: int, length: int | None, timeout: float | None) -> tuple[str, int | str]:
+    """Attach read-write (a registered futex waiter), wait; ("ok", length) or ("error", its class name)."""
+    store = shmkv.attach(name)
+    try:
+        seq = store.sequence(seq_id)
+        try:
+            return "ok", seq.wait(length, timeout=timeout)
+        except shmkv.ShmkvError as e:
+            return "error", type(e).__name__
+    finally:
+        store.close()

@@ -55,9 +55,12 @@ BASELINES = {
                "zeroing them: the physical limit); first-touch numpy copies shown for reference",
     "workers": "the same decode workers with no snapshotter running, alternated run by run, at N = cores - 1 "
                "and N = cores workers",
-    "quant": "a float16 store of the same shape: extend (write), and every value of every layer's K and V read",
+    "quant": "a float16 store of the same shape: extend (write), every value of every layer's K and V read, "
+             "and decode steps (one token appended to every layer, commit) at the prefilled context",
     "table": "none (absolute times per operation at 16, 256 and 4096 sequences: flat is the goal)",
-    "wait": "none (time from the writer's commit to the waiting reader's wake-up in another process)",
+    "wait": "a pipe: the same kind of process (spawned, waiting) blocked reading a pipe, woken by one byte, "
+            "alternated with the commit that wakes a seq.wait of a read-write and of a read-only attachment; "
+            "an idle waiter's wake-ups counted by the kernel (voluntary context switches)",
 }
 
 
@@ -659,10 +662,11 @@ def bench_quant(quick: bool) -> Figures:
     L, H, D, n = 8, 8, 128, (512 if quick else 2048)
     rng = np.random.default_rng(6)
     x = rng.standard_normal((L, n, H, D)).astype(np.float16)  # what a float16 model produces
-    stores = {dt: shmkv.create(unique_name("bq"), layers=L, kv_heads=H, head_dim=D, dtype=dt, max_tokens=n,
-                                max_seqs=2) for dt in ("float16", "int8")}
+    steps_cap = 1 + (64 if quick else 256)
+    stores = {dt: shmkv.create(unique_name("bq"), layers=L, kv_heads=H, head_dim=D, dtype=dt,
+                               max_tokens=n + steps_cap, max_seqs=2) for dt in ("float16", "int8")}
     try:
-        seqs = {dt: st.create_sequence(capacity=n) for dt, st in stores.items()}
+        seqs = {dt: st.create_sequence(capacity=n + steps_cap) for dt, st in stores.items()}
         for seq in seqs.values():
             seq.extend(x, x)
 
@@ -682,10 +686,32 @@ def bench_quant(quick: bool) -> Figures:
                     touch(v)
             return run
 
+        steps = 64 if quick else 256
+        one = rng.standard_normal((L, H, D)).astype(np.float16)
+
+        def step(dt: str) -> Callable[[], float]:
+            def run() -> float:  # decode steps at n tokens of context, then back to n (untimed)
+                seq = seqs[dt]
+                for layer in range(L):  # warm: an int8 handle's mirror catches up once (untimed)
+                    seq.append(layer, one[layer], one[layer])
+                seq.commit()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    for layer in range(L):
+                        seq.append(layer, one[layer], one[layer])
+                    seq.commit()
+                t = (time.perf_counter() - t0) / steps
+                seq.truncate(n)
+                return t
+            return run
+
         reps = 3 if quick else 5
         tw = alternated({"float16": write("float16"), "int8": write("int8")}, reps)
         tr = alternated({"float16": read("float16"), "int8": read("int8")}, reps)
+        ts = alternated({"float16": step("float16"), "int8": step("int8")}, reps)
         res = {"quantize_ratio": tw["float16"] / tw["int8"], "dequantize_ratio": tr["float16"] / tr["int8"],
+               "int8_step_us": ts["int8"] * 1e6, "float16_step_us": ts["float16"] * 1e6,
+               "int8_step_ratio": ts["int8"] / ts["float16"],
                "int8_bytes_per_token": stores["int8"].bytes_per_token,
                "float16_bytes_per_token": stores["float16"].bytes_per_token,
                "int8_memory_ratio": stores["int8"].bytes_per_token / stores["float16"].bytes_per_token}
@@ -738,14 +764,15 @@ def bench_table(quick: bool) -> Figures:
     finally:
         store.close()
     res["sequences_us_per_seq"] = max(res[f"sequences_us_per_seq_{s}"] for s in TABLE_SIZES)
+    res["create_sequence_flat"] = res[f"create_sequence_us_{top}"] / res[f"create_sequence_us_{TABLE_SIZES[0]}"]
     return res
 
 
 # -- Sequence.wait wake-up (when the library has it) ---------------------------------------------
 
 
-def _waiter(name: str, seq_id: int, rounds: int, ctrl: Any, out: Any) -> None:
-    store = shmkv.attach(name, readonly=True)
+def _waiter(name: str, seq_id: int, rounds: int, ctrl: Any, out: Any, *, readonly: bool) -> None:
+    store = shmkv.attach(name, readonly=readonly)
     seq = store.sequence(seq_id)
     for _ in range(rounds):
         target = ctrl.recv()
@@ -753,6 +780,35 @@ def _waiter(name: str, seq_id: int, rounds: int, ctrl: Any, out: Any) -> None:
         seq.wait(length=target, timeout=30)
         out.put(("woke", time.perf_counter()))
     store.close()
+
+
+def _pipe_waiter(rounds: int, ctrl: Any, wake: Any, out: Any) -> None:
+    """The baseline: the same kind of process, blocked reading a pipe."""
+    for _ in range(rounds):
+        ctrl.recv()
+        out.put(("waiting", 0.0))
+        wake.recv_bytes()
+        out.put(("woke", time.perf_counter()))
+
+
+def _idle_waiter(name: str, seq_id: int, ready: Any) -> None:
+    store = shmkv.attach(name)
+    seq = store.sequence(seq_id)
+    ready.set()
+    try:
+        seq.wait(length=1 << 40, timeout=120)
+    except Exception:  # freed or timed out: the bench is over
+        pass
+    store.close()
+
+
+def _switches(pid: int) -> int:
+    """Voluntary context switches of a process's main thread (each wake-up from a sleep is one)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    return 0
 
 
 def has_wait() -> bool:
@@ -765,32 +821,70 @@ def bench_wait(quick: bool) -> Figures:
     rounds = 10 if quick else 40
     ctx = mp.get_context("spawn")
     name = unique_name("bW")
-    store = shmkv.create(name, layers=2, kv_heads=2, head_dim=8, dtype="float16", max_tokens=rounds + 8,
-                          max_seqs=2)
+    store = shmkv.create(name, layers=2, kv_heads=2, head_dim=8, dtype="float16",
+                              max_tokens=4 * rounds + 8, max_seqs=4)
     procs: list[Any] = []
+    res: Figures = {}
     try:
-        seq = store.create_sequence(capacity=rounds + 8)
+        seq = store.create_sequence(capacity=4 * rounds + 8)
         k = np.ones((2, 1, 2, 8), np.float16)
-        theirs, ctrl = ctx.Pipe(duplex=False)
         out = ctx.Queue()
-        p = ctx.Process(target=_waiter, args=(name, seq.id, rounds, theirs, out), name="waiter")
+        children: dict[str, tuple[Any, Any]] = {}
+        for kind in ("rw", "ro"):
+            theirs, ctrl = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_waiter, args=(name, seq.id, rounds, theirs, out),
+                            kwargs={"readonly": kind == "ro"}, name=f"waiter-{kind}")
+            p.start()
+            procs.append(p)
+            children[kind] = (p, ctrl)
+        theirs, ctrl = ctx.Pipe(duplex=False)
+        wake_r, wake_w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_pipe_waiter, args=(rounds, theirs, wake_r, out), name="waiter-pipe")
         p.start()
         procs.append(p)
-        lat = []
-        for i in range(rounds):
-            ctrl.send(i + 1)
-            assert _result(out, p)[0] == "waiting"
-            time.sleep(0.02)  # let it block in wait()
-            t0 = time.perf_counter()
-            seq.extend(k, k)  # one token: written, then committed
-            tag, t1 = _result(out, p)
-            assert tag == "woke"
-            lat.append(t1 - t0)
+        children["pipe"] = (p, ctrl)
+        lat: dict[str, list[float]] = {k_: [] for k_ in children}
+        for _ in range(rounds):
+            for kind in ("rw", "pipe", "ro"):  # alternated, in the same run
+                p, ctrl = children[kind]
+                ctrl.send(len(seq) + 1)
+                assert _result(out, p)[0] == "waiting"
+                if kind != "pipe":
+                    for layer in range(2):  # one token written (untimed): the commit wakes the waiter
+                        seq.append(layer, k[layer], k[layer])
+                time.sleep(0.02)  # let it fall asleep (in wait(), or in the pipe read)
+                t0 = time.perf_counter()
+                if kind == "pipe":
+                    wake_w.send_bytes(b"x")
+                else:
+                    seq.commit()
+                tag, t1 = _result(out, p)
+                assert tag == "woke"
+                lat[kind].append(t1 - t0)
+        _reap(procs)
+        procs = []
+        res["wait_wakeup_us"] = statistics.median(lat["rw"]) * 1e6
+        res["wait_wakeup_readonly_us"] = statistics.median(lat["ro"]) * 1e6
+        res["pipe_wakeup_us"] = statistics.median(lat["pipe"]) * 1e6
+        res["wait_vs_pipe"] = res["wait_wakeup_us"] / res["pipe_wakeup_us"]
+        # an idle waiter: its wake-ups a second, counted by the kernel (context switches)
+        ready = ctx.Event()
+        p = ctx.Process(target=_idle_waiter, args=(name, seq.id, ready), name="idle-waiter")
+        p.start()
+        procs.append(p)
+        if not ready.wait(120):
+            raise RuntimeError("the idle waiter did not start")
+        time.sleep(0.5)  # into its wait
+        span = 2.0 if quick else 5.0
+        before, t0 = _switches(p.pid), time.perf_counter()
+        time.sleep(span)
+        res["idle_waiter_wakeups_per_s"] = (_switches(p.pid) - before) / (time.perf_counter() - t0)
+        seq.free()  # ends its wait (SequenceNotFound)
         _reap(procs)
     finally:
         _kill(procs)
         store.close()
-    return {"wait_wakeup_us": statistics.median(lat) * 1e6}
+    return res
 
 
 def bench_prefix(quick: bool) -> Figures:

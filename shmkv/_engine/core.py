@@ -1,16 +1,10 @@
 """The core of a store handle: its mappings, the sequence table and its seqlocks, the store
 lock, crash recovery, clients and leases. ``Store`` (the API) builds on it through ``Arena``.
 
-Concurrency (DESIGN.md section 3):
+Concurrency (DESIGN.md section 3; the numbered invariants 1-5 of ARCHITECTURE.md): the
+hot path publishes a sequence's length after its cells; structural operations hold the store
+lock and keep a row's seqlock generation odd while they change it.
 
-* The lease holder of a sequence writes cells beyond its committed length and
-  then publishes the new length with one aligned 8-byte store. On x86-64 (TSO)
-  stores become visible in program order, and the numpy copy is an opaque C
-  call that completes before the length store, so a reader that reads the
-  length first never sees a cell that is not fully written.
-* Structural operations take the store lock, and bracket their changes to a
-  sequence row with its seqlock generation (odd while changing). Readers read
-  the generation, the row, the generation again, and retry while it moved.
 * Liveness: every read-write attachment holds a slot of the client table and
   that slot's byte of the liveness file (a kernel lock, see ``liveness``); a lease
   names its holder's client key and can be taken once that byte is free.
@@ -27,27 +21,17 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import dtypes as _dtypes
+from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
-    C_FLAGS,
-    C_KEY,
-    C_PID,
-    CLIENT_WORDS,
-    GEN,
-    ID,
-    LEASE_CLIENT,
-    LEASE_PID,
-    LEASE_TOKEN,
-    SEQ_WORDS,
-    LIVE,
-    STATE,
-    INDEX_WORDS,
-    Layout,
+    CAPACITY, C_FLAGS, C_KEY, C_PID, CLIENT_WORDS, GEN, ID, LEASE_CLIENT, LENGTH, LEASE_PID, LEASE_TOKEN,
+    SEQ_WORDS, LIVE, START, STATE, INDEX_WORDS, Layout,
 )
 from shmkv._engine.lease import live_writers
+from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.prefix import PrefixIndex
 from shmkv._engine.segment import Segment
 from shmkv.errors import (
@@ -100,17 +84,9 @@ class Core:
         self._lock = _lock.StoreLock(self._lock_path, name, readonly=hseg.readonly)
         try:
             self._live = live if live is not None else _liveness.Liveness(name, hseg.readonly)
-            self._map(hseg, dseg, layout, max_clients)
-        except BaseException:  # KeyboardInterrupt included: the caller never gets the handle
-            own = self.__dict__.get("_live") if live is None else None
-            if own is not None:
-                own.close()
+        except BaseException:
             self._lock.close()
             raise
-
-    def _map(self, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int) -> None:
-        """The rest of __init__: the views over both mappings (its caller closes the descriptors
-        it opened if this raises)."""
         self._identity = int(hseg.array(np.int64, 1, 8 * _header.W_IDENTITY)[0])
         off = self._off = _header.offsets(layout, max_clients)
         hmm, dmm = hseg.mm, dseg.mm
@@ -128,13 +104,11 @@ class Core:
         L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
         it = np.dtype(dt).itemsize
         kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (DESIGN §11)
-        # Strided arrays over the mapping are built on a np.frombuffer view of it, never on the mmap
-        # itself: numpy 2 takes np.ndarray(buffer=mmap) without holding an export, so close() would
-        # unmap the pages under a view the caller keeps (SIGSEGV on read). A frombuffer base holds the
-        # export: the mapping lives while any view does (tests/test_close_views.py).
-        dbytes = np.frombuffer(dmm, np.uint8)
-        self._K = np.ndarray((L, T, H, D), dt, dbytes, off.k_off, kv_strides)
-        self._V = np.ndarray((L, T, H, D), dt, dbytes, off.v_off, kv_strides)
+        # over np.frombuffer (it holds the mmap's export), never np.ndarray over the mmap: close()
+        # would unmap under live views (tests/test_lifecycle.py::test_a_view_outliving_close...)
+        dbuf = np.frombuffer(dmm, np.uint8)
+        self._K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
+        self._V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
         self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
         self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
         self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
@@ -157,9 +131,8 @@ class Core:
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
         s_strides = (off.scale_stride, H * 4, 4)
-        self._KS = np.ndarray((L, T, H), np.float32, dbytes, off.ks_off, s_strides) if S else None
-        self._VS = np.ndarray((L, T, H), np.float32, dbytes, off.vs_off, s_strides) if S else None
-        del dbytes
+        self._KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
+        self._VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
         # what every Sequence handle reads through: built once here, not per handle (a handle
         # is made per request; fewer objects keep store.sequence(id) cheap)
         self._Kr = [_readonly(a) for a in self._Kl]
@@ -175,6 +148,10 @@ class Core:
         self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
+        self._waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
+        self._length_addr0 = self._table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
+        self._waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
+        self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._unit_depth = 0
         self._logged: set[int] = set()
@@ -418,6 +395,7 @@ class Core:
             self._row(slot)[GEN] += 1
         hdr[_header.W_UNDO_COUNT] = 0
         if k or odd.size:
+            self._free.unknown(hdr)
             hdr[_header.W_RECOVERIES] += 1
             hdr[_header.W_GENERATION] += 1
         self._slot_hint.clear()
@@ -431,12 +409,18 @@ class Core:
         self._unit_depth += 1  # what _unit() does, inlined: this is on the speculative-decoding path
         try:
             self._log_row(slot)
+            brackets = self._free.brackets  # the row's range and state before (_engine/free_ranges.py)
+            outer = brackets.setdefault(slot, was := (row[STATE], row[START], row[CAPACITY])) is was
             row[GEN] += 1  # odd: readers wait
             try:
                 yield
             finally:
                 row[GEN] += 1
                 self._hdr[_header.W_GENERATION] += 1
+                if outer and brackets.pop(slot) != (row[STATE], row[START], row[CAPACITY]):
+                    self._free.changed(was, row, self._hdr)
+                if self._waiters[slot]:  # someone sleeps in Sequence.wait on this row
+                    _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
         finally:
             self._unit_depth -= 1
             if self._unit_depth == 0:

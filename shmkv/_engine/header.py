@@ -49,7 +49,9 @@ Header segment ``/dev/shm/skv_NAME.h``::
     328                  1      pid of the process whose operation it is
     336                  1      reserved (zero)
     344                  1      recoveries: operations of dead processes rolled back, ever
-    352 .. 511                  reserved (zero)
+    352                  1      allocation counter: bumped (lock held) by every change of a row's range or
+                                state and by recovery; a process's free-range cache is valid at its value
+    360 .. 511                  reserved (zero)
     512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
                                   padded to 8 bytes
     SEQ_OFF              16 x max_seqs    sequence table, one 128-byte row a sequence
@@ -61,6 +63,8 @@ Header segment ``/dev/shm/skv_NAME.h``::
                                           operation in progress: slot (bit 32 set: the meta words
                                           are logged too), its 16 row words and its 65 meta words
                                           as they were before
+    WAIT_OFF             1 x max_seqs     waiters: threads sleeping in Sequence.wait on the row, changed
+                                          under the lock; a commit wakes them if nonzero (_sequence/waiting.py)
 
 Sequence row (int64 words)::
 
@@ -137,7 +141,8 @@ MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
 # 2: store identity and session tag (words 20, 21); prefix cache (counters, row flags, index, hashes region)
 # 3: leads in the prefix index (row FLAGS bits 8..10, lead entries, a larger index); liveness by
 #    client keys (creator word 13, lease word 7, client row word 1) and the liveness file
-FORMAT_VERSION = 3
+# 4: waiter counts (WAIT_OFF), the allocation counter (word 44)
+FORMAT_VERSION = 4
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
@@ -146,7 +151,7 @@ W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_CLIENT = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
 W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
 W_INDEX_USED = 38
-W_UNDO_COUNT, W_UNDO_PID, W_RECOVERIES = 40, 41, 43
+W_UNDO_COUNT, W_UNDO_PID, W_RECOVERIES, W_ALLOCS = 40, 41, 43, 44
 W_IDENTITY, W_SESSION = 20, 21
 FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
@@ -342,6 +347,7 @@ class Offsets:
     index_slots: int
     meta_off: int
     undo_off: int
+    wait_off: int
     header_bytes: int
     k_off: int
     v_off: int
@@ -367,7 +373,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     slots = index_slots(layout)
     meta_off = index_off + slots * INDEX_WORDS * 8
     undo_off = meta_off + layout.max_seqs * META_RECORD
-    header_bytes = undo_off + layout.max_seqs * UNDO_WORDS * 8
+    header_bytes = (wait_off := undo_off + layout.max_seqs * UNDO_WORDS * 8) + layout.max_seqs * 8
     page = mmap.PAGESIZE
     cell_bytes = layout.cell_items * _dtypes.itemsize(layout.dtype)
     # every per-layer array starts on a page boundary (DESIGN §11): a run of page_unit cells
@@ -389,7 +395,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(
-        seq_off, client_off, index_off, slots, meta_off, undo_off, header_bytes, k_off, v_off, tokens_off,
+        seq_off, client_off, index_off, slots, meta_off, undo_off, wait_off, header_bytes, k_off, v_off, tokens_off,
         positions_off, hashes_off,
         wk_off, wv_off, w_stride,
         ks_off, vs_off,

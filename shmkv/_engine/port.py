@@ -83,6 +83,13 @@ class Port:
         index_blocks: put completed 16-token blocks into the prefix index.
         touch: mark a use (LRU eviction of finished sequences).
 
+    Waiting (``_sequence/waiting.py``):
+        waiters: per row, the threads of read-write processes sleeping in ``Sequence.wait``
+            (int64 words; changed under ``locked``); a commit wakes the row when nonzero.
+        length_addr0: the address of row 0's LENGTH word in this process (a row's is
+            ``length_addr0 + slot * 8 * SEQ_WORDS``): its low half is the futex word.
+        waiting: this handle's own sleepers per row (``close()`` wakes them).
+
     For ``_snapshot``:
         hdr: the fixed header as int64 words (``_header.W_*``: next id, undo count, ...).
         table_np: the sequence table as an int64 array ``[max_seqs, SEQ_WORDS]`` (a live view).
@@ -128,6 +135,10 @@ class Port:
     set_meta: Callable[[int, bytes], None]
     index_blocks: Callable[[int, int], None]
     touch: Callable[[memoryview], None]
+    # waiting
+    waiters: memoryview
+    length_addr0: int
+    waiting: dict[int, int]
     # for _snapshot (see the module docstring): what it needs beyond the fields above
     hdr: memoryview
     table_np: np.ndarray

@@ -229,6 +229,7 @@ class Sequence:
             pass
         self._w.write = False
         self._w.drop_pending()
+        self._w.mirror = None  # (an int8 mirror's memory: a read handle never appends)
         live_writers.pop(self._token, None)
         if self._fin is not None:
             self._fin.detach()
@@ -452,10 +453,11 @@ class Sequence:
         """Block until the committed length reaches ``length``; return the length then.
 
         ``length=None`` waits until the length differs from what it is at the call (a
-        commit, or a truncate). Another process's commit is noticed within a few
-        milliseconds: the length word is polled, busily for the first 0.2 ms, then with
-        sleeps growing from 50 us to 4 ms (no futex: an idle waiter costs ~250 wake-ups
-        a second). Works on read handles and read-only attachments.
+        commit, or a truncate). The thread sleeps in the kernel (futex(2)) on the row's
+        length word: on a read-write attachment the commit wakes it (as fast as a pipe
+        would), and an idle waiter costs a wake-up every 2 s. A read-only attachment
+        cannot register as a waiter: it looks again after sleeps growing from 50 us to
+        4 ms (see ``shmkv/_sequence/waiting.py``). Works on read handles.
 
         Raises:
             WaitTimeout: ``timeout`` seconds passed first (the message gives the length).
@@ -468,7 +470,8 @@ class Sequence:
         return self._r.wait(length, timeout)
 
     async def wait_async(self, length: int | None = None, timeout: float | None = None) -> int:
-        """:meth:`wait` for asyncio: polls with ``asyncio.sleep``, never blocking the event loop."""
+        """:meth:`wait` for asyncio: the wait runs on a thread of its own, never blocking the
+        event loop; cancelling the task wakes and ends that thread."""
         return await self._r.wait_async(length, timeout)
 
     def torch_kv(self, layer: int, pending: bool = False) -> tuple[Any, Any]:

@@ -11,7 +11,7 @@ structural operations use its addressing (``span``, ``cells``, ``view``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from shmkv._engine import dtypes as _dtypes
 from shmkv._sequence import quant as _quant
+from shmkv._sequence import waiting as _waiting
 from shmkv._engine.checks import count, ints
 from shmkv._engine.core import _readonly
 from shmkv._engine.header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, WBUF, WIN_OFF
@@ -365,62 +366,13 @@ class SeqReader:
                 out.append(torch.from_numpy(raw))
         return out[0], out[1]
 
-    # -- waiting -------------------------------------------------------------------------
-
-    WAIT_SPIN = 0.0002  # seq.wait: seconds of busy polling, then sleeps
-    WAIT_FIRST_SLEEP = 50e-6  # ... doubling up to
-    WAIT_MAX_SLEEP = 0.004
+    # -- waiting (see _sequence/waiting.py) ------------------------------------------------
 
     def length(self) -> int:
         return int(self.span()[2])
 
-    def wait_steps(self, length: int | None, timeout: float | None) -> Generator[float, None, int]:
-        """The polling schedule of Sequence.wait: yields the delay before the next look;
-        its return value (StopIteration.value) is the length reached."""
-        from shmkv.errors import WaitTimeout
-        target = None if length is None else count("length", length)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout >= 0):
-            raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds >= 0, or None")
-        t0 = time.monotonic()
-        first = self.length()
-        deadline = None if timeout is None else t0 + timeout
-        spin_end = t0 + self.WAIT_SPIN
-        delay = self.WAIT_FIRST_SLEEP
-        while True:
-            now_len = self.length()  # SequenceNotFound once it is freed
-            if now_len >= target if target is not None else now_len != first:
-                return now_len
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                want = f"length {target}" if target is not None else f"a change from length {first}"
-                raise WaitTimeout(
-                    f"wait: sequence {self.id} of store {self.store.name!r} did not reach {want} within "
-                    f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
-                )
-            if now < spin_end:
-                yield 0.0
-            else:
-                yield delay if deadline is None else min(delay, deadline - now)
-                delay = min(delay * 2, self.WAIT_MAX_SLEEP)
-
     def wait(self, length: int | None, timeout: float | None) -> int:
-        """Sequence.wait: the schedule of wait_steps, slept through."""
-        steps = self.wait_steps(length, timeout)
-        try:
-            while True:
-                d = next(steps)
-                time.sleep(d) if d else None
-        except StopIteration as done:
-            return int(done.value)
+        return _waiting.wait(self, length, timeout)
 
     async def wait_async(self, length: int | None, timeout: float | None) -> int:
-        """Sequence.wait_async: the schedule of wait_steps, with asyncio.sleep."""
-        import asyncio
-
-        steps = self.wait_steps(length, timeout)
-        try:
-            while True:
-                await asyncio.sleep(next(steps))
-        except StopIteration as done:
-            return int(done.value)
+        return await _waiting.wait_async(self, length, timeout)

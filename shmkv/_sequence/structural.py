@@ -120,6 +120,9 @@ def check_resumable(w: SeqWriter, row: memoryview, new_len: int, what: str) -> N
 def truncate(w: SeqWriter, n: int) -> None:
     n = count("n", n)
     with structural(w, "truncate") as row:
+        # the int8 mirror keeps tokens [0, n) when it was current and nobody changed the row since
+        # (the bracket bumped its generation by one): a speculative step rebuilds nothing
+        keep_mirror = w.mirror is not None and w.mirror.gen == w.gen and row[GEN] == w.gen + 1
         n = min(n, row[LENGTH])
         check_resumable(w, row, n, "truncate")
         row[LENGTH] = n
@@ -127,6 +130,9 @@ def truncate(w: SeqWriter, n: int) -> None:
         if n == 0:
             row[WIN_OFF] = 0
         unindex_from(row, n)
+    if keep_mirror:
+        assert w.mirror is not None
+        w.mirror.keep(n, w.gen)
 
 
 def shift_left(w: SeqWriter, n: int) -> None:

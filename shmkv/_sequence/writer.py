@@ -15,6 +15,7 @@ import msgpack
 import numpy as np
 
 from shmkv._engine import crash as _crash
+from shmkv._engine import futex as _futex
 from shmkv._engine import pages as _pages
 from shmkv._sequence import quant as _quant
 from shmkv._engine import segment as _segment
@@ -29,12 +30,14 @@ from shmkv._engine.header import (
     LENGTH,
     META_BYTES,
     NOINDEX,
+    SEQ_WORDS,
     START,
     WBUF,
     WIN_OFF,
     leads,
 )
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
+from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
@@ -74,9 +77,9 @@ class SeqWriter:
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
-                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "pending", "plain", "positions", "r",
-                 "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store", "token", "tokens", "vfrom",
-                 "wc", "wcell", "write")
+                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "mirror", "pending", "plain", "positions",
+                 "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store", "token", "tokens",
+                 "vfrom", "waddr", "waiters", "wc", "wcell", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -94,6 +97,8 @@ class SeqWriter:
         self.locked, self.changing, self.relocate = p.locked, p.changing, p.relocate
         self.index_blocks, self.set_encoder_row = p.index_blocks, p.set_encoder
         self.wcell, self.rewrite = p.wcell, p.rewrite
+        self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
+        self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
         self.pending = [0] * self.L
         self.gen = -1
         self.start = 0
@@ -101,6 +106,7 @@ class SeqWriter:
         self.lim: list[int] = []  # per layer: token index limit
         self.vfrom: list[int] = []  # per layer: first kept cell
         self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
+        self.mirror: Int8Mirror | None = None  # int8 stores: what append returns views of (_sequence/mirror.py)
 
     # -- addressing --------------------------------------------------------------------
 
@@ -180,8 +186,9 @@ class SeqWriter:
             if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
                 _pages.before_appends(self.store, self.start, row[CAPACITY])
 
-    def kv_arrays(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts)."""
+    def kv_arrays(self, k: Any, v: Any, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts).
+        ``finite=False``: int8 values are not checked here (the quantizer refuses them)."""
         k = np.asarray(k)
         v = np.asarray(v)
         if k.shape[-2:] != self.cell or k.shape != v.shape or k.ndim not in (2, 3):
@@ -197,7 +204,7 @@ class SeqWriter:
         if k.ndim == 2:
             k = k[None]
             v = v[None]
-        if self.dtype == "int8":
+        if finite and self.dtype == "int8":
             _quant.check_finite(k, "k")
             _quant.check_finite(v, "v")
         return k, v
@@ -218,7 +225,8 @@ class SeqWriter:
         # Fast path (the per-token hot loop; see tools/bench.py decode): every check
         # below is what need_writer/layer/kv_arrays do, inlined for the common case.
         row = self.row
-        if (self.plain and self.write and row[LEASE_TOKEN] == self.token and row[GEN] == self.gen
+        if ((self.plain or self.mirror is not None) and self.write and row[LEASE_TOKEN] == self.token
+                and row[GEN] == self.gen
                 and self.epoch == _segment.fork_epoch and type(layer) is int and 0 <= layer < self.L
                 and type(k) is np.ndarray and type(v) is np.ndarray and k.dtype.kind == "f"
                 and v.dtype.kind == "f"):
@@ -234,6 +242,13 @@ class SeqWriter:
             if length + p + n > self.lim[layer]:
                 return self.append_checked(layer, k, v)
             s = self.base[layer] + length + p
+            if not self.plain:  # int8, its mirror made by a first (checked) append
+                assert self.mirror is not None
+                if len(ks) == 2:
+                    k, v = k[None], v[None]
+                kv = self.mirror.append(layer, length + p, s, k, v, gen=self.gen)
+                self.pending[layer] = p + n
+                return kv
             if n == 1 and len(ks) == 2:
                 self.Kw[layer][s] = k
                 self.Vw[layer][s] = v
@@ -245,10 +260,12 @@ class SeqWriter:
             return self.Kr[layer][first : s + n], self.Vr[layer][first : s + n]
         return self.append_checked(layer, k, v)
 
-    def append_checked(self, layer: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+    def append_checked(self, layer: Any, k: Any, v: Any, views: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """append's checked path; ``views=False`` (extend) returns empty arrays."""
         self.need_writer("append")
         layer = self.r.layer(layer)
-        k, v = self.kv_arrays(k, v)
+        int8 = self.dtype == "int8"
+        k, v = self.kv_arrays(k, v, finite=not int8)
         n = k.shape[0]
         length = self.row[LENGTH]
         p = self.pending[layer]
@@ -259,12 +276,21 @@ class SeqWriter:
             if end > self.lim[layer]:  # a sliding/chunked layer's buffer is full
                 self.compact(layer, end)
         s = self.base[layer] + length + p
+        if int8 and views:
+            if self.mirror is None:
+                assert self.KS is not None and self.VS is not None  # int8: every layer has its scales
+                self.mirror = Int8Mirror(Kw=self.Kw, Vw=self.Vw, KS=self.KS, VS=self.VS, cell=self.cell, row=self.row)
+            kv = self.mirror.append(layer, length + p, s, k, v, gen=self.gen)
+            self.pending[layer] = p + n
+            return kv
         if self.plain:
             self.Kw[layer][s : s + n] = k
             self.Vw[layer][s : s + n] = v
         else:
             self.encode(layer, s, k, v)
         self.pending[layer] = p + n
+        if not views:
+            return k[:0], v[:0]
         first = self.vfrom[layer]
         return self.r.view("k", layer, first, s + n), self.r.view("v", layer, first, s + n)
 
@@ -327,9 +353,7 @@ class SeqWriter:
         n = x.shape[0]
         if self.dtype == "int8":
             assert scales is not None  # int8: every layer has its scales
-            q, sc = _quant.quantize_int8(x)
-            codes[s : s + n] = q
-            scales[s : s + n] = sc
+            _quant.quantize_into(x, codes[s : s + n], scales[s : s + n])
         elif self.dtype == "bfloat16":
             codes[s : s + n] = _quant.to_bf16(x)
         else:
@@ -375,6 +399,8 @@ class SeqWriter:
                 )
             P[s : s + n] = pos
         row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
+        if self.waiters[self.slot]:  # a read of shared memory; the syscall only for a sleeper
+            _futex.wake(self.waddr)
         self.pending = [0] * self.L
         flags = row[FLAGS]
         if not flags & NOINDEX and ((length + n) // BLOCK > row[IDX_BLOCKS]
@@ -406,9 +432,6 @@ class SeqWriter:
         v_all = np.asarray(v_all)
         self.check_all_layers("extend", k_all, v_all)
         n = k_all.shape[1]
-        if self.dtype == "int8":
-            _quant.check_finite(k_all, "k_all")
-            _quant.check_finite(v_all, "v_all")
         if tokens is not None:
             ints("tokens", tokens, n)
         if positions is not None:
@@ -421,8 +444,8 @@ class SeqWriter:
             if _pages.write_new(self.store, self.start, self.row[LENGTH], self.row[CAPACITY], (k_all, v_all)):
                 self.pending = [n] * self.L
             else:
-                for layer in range(self.L):
-                    self.append(layer, k_all[layer], v_all[layer])
+                for layer in range(self.L):  # (int8: quantized, its non-finite values refused, here)
+                    self.append_checked(layer, k_all[layer], v_all[layer], views=False)
             return self.commit(tokens, positions)
         except BaseException:
             self.pending = [0] * self.L

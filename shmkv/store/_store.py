@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from shmkv._engine import crash as _crash
+from shmkv._engine import futex as _futex
 from shmkv._sequence import group as _group
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
@@ -24,6 +25,7 @@ from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._snapshot import snapshot as _snapshot
 from shmkv._engine.header import (
+    SEQ_WORDS,
     WBUF,
     CAPACITY,
     GEN,
@@ -192,8 +194,17 @@ class Store(Arena):
                 for handle in list(live_writers.values()):
                     if getattr(handle, "_store", None) is self:
                         drop_lease(handle)
+                try:
+                    # a store removed meanwhile has no lock file to take (taking it would leave one behind)
+                    if read_identity(self.name) == self._identity:
+                        self._drop_waiters()
+                except Exception:  # closing must not fail because the lock is stuck
+                    pass
             self._unregister_client()  # our client row, and the byte of the liveness file (no lock taken)
             self._closed = True
+            if not inherited:  # this handle's sleepers in Sequence.wait look again: StoreClosedError
+                for slot in list(self._waiting):
+                    _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
         self._drop_views()
         self._live.close()
         self._lock.close()
@@ -206,6 +217,14 @@ class Store(Arena):
         if remove:
             _remove_if_same(self.name, self._identity)
         self._close_done = True
+
+    def _drop_waiters(self) -> None:
+        """close(): take this handle's sleepers in Sequence.wait off the rows' waiter counts
+        (they end with StoreClosedError without touching the store again)."""
+        if self._waiting and _futex.AVAILABLE and not self.readonly:
+            with self._locked():
+                for slot, n in self._waiting.items():
+                    self._waiters[slot] -= n
 
     def _drop_views(self) -> None:
         """Drop every reference this handle holds into its mappings (arrays, memoryviews, and the

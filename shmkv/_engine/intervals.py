@@ -1,0 +1,45 @@
+"""Sorted lists of disjoint half-open intervals ``[(a, b), ...]`` of cells: the pages a process
+reserved or owes (``_pages``), the free ranges it caches (``_core``)."""
+
+from __future__ import annotations
+
+import bisect
+
+
+def covers(spans: list[tuple[int, int]], a: int, b: int) -> bool:
+    """Whether [a, b) lies inside one interval of a sorted list of disjoint intervals."""
+    i = bisect.bisect_right(spans, (a, 1 << 62)) - 1
+    return i >= 0 and spans[i][0] <= a and b <= spans[i][1]
+
+
+def take_interval(spans: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """Remove [a, b) from a sorted list of disjoint intervals; return the parts it held."""
+    i = max(bisect.bisect_right(spans, (a, 1 << 62)) - 1, 0)
+    j = i
+    taken, keep = [], []
+    while j < len(spans) and spans[j][0] < b:
+        s, e = spans[j]
+        if e > a:
+            taken.append((max(s, a), min(e, b)))
+            if s < a:
+                keep.append((s, a))
+            if e > b:
+                keep.append((b, e))
+        else:
+            keep.append((s, e))
+        j += 1
+    spans[i:j] = keep
+    return taken
+
+
+def add_interval(spans: list[tuple[int, int]], a: int, b: int) -> None:
+    """Add [a, b) to a sorted list of disjoint intervals, merging what touches it."""
+    i = bisect.bisect_left(spans, (a, a))
+    if i and spans[i - 1][1] >= a:
+        i -= 1
+        a = spans[i][0]
+    j = i
+    while j < len(spans) and spans[j][0] <= b:
+        b = max(b, spans[j][1])
+        j += 1
+    spans[i:j] = [(a, b)]

@@ -1,0 +1,227 @@
+"""``Sequence.wait`` and ``wait_async``: sleeping until a sequence's committed length moves.
+
+How (issue 24; DESIGN.md section 7: a wake-up within 3x of a pipe's, at most one idle wake-up
+a second):
+
+* The futex word is the low half of the row's LENGTH word (x86-64 is little-endian): a
+  commit changes it with the one store that publishes the tokens, so no extra word is kept in
+  step. A waiter reads the word, checks the length, and sleeps in ``futex(FUTEX_WAIT)`` on
+  the value it read; the kernel sleeps only while the word still holds it, so a commit that
+  lands in between is never missed (the call returns at once).
+* Waking costs a syscall, so a writer makes it only when somebody sleeps: each row has a
+  waiter count (``WAIT_OFF`` in the header, see ``_engine/header.py``), which waiters of
+  read-write attachments raise and lower under the store lock (Python has no atomic
+  increment on shared memory; the lock makes the count exact between processes). ``commit``
+  reads it after publishing the length and wakes the row when it is nonzero; every
+  structural change of a row (truncate, free, copy_prefix into it, a take-over, a restore)
+  does the same at the end of its bracket (``Core._changing``), so waiters see
+  ``SequenceNotFound`` as soon as the sequence is freed. No commit makes a syscall while
+  nobody waits.
+* Read-only attachments cannot raise a count (their mapping cannot be written: DESIGN.md
+  section 4), so nothing tells a writer to wake them. They sleep on the same futex word with
+  a timeout that doubles from 50 us to 4 ms: woken at once when a read-write waiter of the
+  row is registered too, otherwise within 4 ms of the commit (at most 250 idle wake-ups a
+  second, as before issue 24). A stream that needs futex-speed wake-ups attaches read-write
+  (it needs no lease to wait).
+* A registered waiter sleeps at most ``_CHUNK`` seconds at a time and looks again: a waiter
+  left counted by a process that died (the count is then one too high: writers make a
+  needless wake-up syscall on that row) costs nothing else, and the one-in-a-billion case
+  x86-64's store buffer allows (a commit's read of the count passing its store of the length
+  while a waiter registers) costs at most that long. Idle: 1 / ``_CHUNK`` wake-ups a second.
+* ``close()`` of the store handle wakes the handle's own sleepers (``StoreClosedError``).
+* ``wait_async`` runs the same wait on a thread of its own (the event loop never blocks; a
+  pool's few threads would be used up by many waiters) and, when cancelled, wakes the row so
+  that thread ends.
+
+Elsewhere than Linux x86-64 (``_futex.AVAILABLE`` False) the wait polls with the same
+doubling sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from shmkv._engine import futex as _futex
+from shmkv._engine.checks import count
+from shmkv._engine.header import LENGTH, SEQ_WORDS
+from shmkv.errors import InvalidArgumentError, StoreClosedError, WaitTimeout
+
+if TYPE_CHECKING:
+    from shmkv._engine.port import Port
+
+
+class _Store(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def readonly(self) -> bool: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+
+class SeqReader(Protocol):
+    """What waiting needs of a sequence's reader part (``_sequence.reader.SeqReader``)."""
+
+    port: Port
+    id: int
+    slot: int
+    row: memoryview
+
+    @property
+    def store(self) -> _Store: ...
+
+    def length(self) -> int: ...
+
+_CHUNK = 2.0  # seconds a registered waiter sleeps before it looks again (idle: 0.5 wake-ups/s)
+_FIRST_SLEEP = 50e-6  # read-only and fallback waits: sleeps doubling from this
+_MAX_SLEEP = 0.004  # ... up to this
+
+
+class _Cancelled(Exception):
+    """wait_async's task was cancelled: its thread stops waiting."""
+
+
+def _timeout(timeout: object) -> float | None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds >= 0, or None")
+    return None if timeout is None else float(timeout)
+
+
+def address(r: SeqReader) -> int:
+    """The futex word of ``r``'s row in this process: the low half of its LENGTH word."""
+    return r.port.length_addr0 + r.slot * 8 * SEQ_WORDS
+
+
+def _register(r: SeqReader) -> bool:
+    """Count this thread as a waiter of the row: shared count (read-write attachments) and this
+    handle's own. Returns whether the shared count was raised."""
+    p = r.port
+    shared = not r.store.readonly and _futex.AVAILABLE
+    if shared:
+        with p.locked():
+            p.waiters[r.slot] += 1
+            p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1
+    else:
+        p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (only close() reads it: a wake-up)
+    return shared
+
+
+def _unregister(r: SeqReader, shared: bool) -> None:
+    p = r.port
+    if r.store.closed:
+        return  # close() took this handle's counts off the row already
+    if not shared:
+        left = p.waiting.get(r.slot, 0) - 1
+        if left > 0:
+            p.waiting[r.slot] = left
+        else:
+            p.waiting.pop(r.slot, None)
+        return
+    try:
+        with p.locked():
+            mine = p.waiting.get(r.slot, 0)
+            if mine <= 0:
+                return
+            p.waiters[r.slot] -= 1
+            if mine > 1:
+                p.waiting[r.slot] = mine - 1
+            else:
+                del p.waiting[r.slot]
+    except StoreClosedError:
+        return  # a close() that raced us took this handle's counts off the row
+
+
+def wait(r: SeqReader, length: int | None, timeout: float | None, cancel: threading.Event | None = None) -> int:
+    """Sequence.wait (see its docstring and this module's)."""
+    target = None if length is None else count("length", length)
+    limit = _timeout(timeout)
+    t0 = time.monotonic()
+    deadline = None if limit is None else t0 + limit
+    first = r.length()  # SequenceNotFound, StoreClosedError
+    if target is not None and first >= target:
+        return first
+    row = r.row
+    addr = address(r)
+    shared = _register(r)
+    try:
+        delay = _FIRST_SLEEP
+        while True:
+            word = row[LENGTH]  # read before the check: a commit after it changes the word
+            now_len = r.length()
+            if now_len >= target if target is not None else now_len != first:
+                return now_len
+            if cancel is not None and cancel.is_set():
+                raise _Cancelled
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                want = f"length {target}" if target is not None else f"a change from length {first}"
+                raise WaitTimeout(
+                    f"wait: sequence {r.id} of store {r.store.name!r} did not reach {want} within "
+                    f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
+                )
+            left = None if deadline is None else deadline - now
+            step = _CHUNK if shared else delay
+            step = step if left is None else min(step, left)
+            if _futex.AVAILABLE:
+                _futex.wait(addr, word, step)
+            else:
+                time.sleep(step)
+            if not shared:
+                delay = min(delay * 2, _MAX_SLEEP)
+    finally:
+        _unregister(r, shared)
+
+
+def wake_all(r: SeqReader) -> None:
+    """Wake every sleeper of ``r``'s row in this machine (they look again)."""
+    if _futex.AVAILABLE:
+        _futex.wake(address(r))
+
+
+async def wait_async(r: SeqReader, length: int | None, timeout: float | None) -> int:
+    """Sequence.wait_async: wait() on a thread of its own; the event loop never blocks."""
+    if length is not None:
+        count("length", length)
+    _timeout(timeout)
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[int] = loop.create_future()
+    cancel = threading.Event()
+
+    def done(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            n = wait(r, length, timeout, cancel)
+        except _Cancelled:
+            return
+        except BaseException as e:  # (the task's awaiter gets it)
+            try:
+                loop.call_soon_threadsafe(done, None, e)
+            except RuntimeError:  # the loop is closed: nobody is waiting for it
+                pass
+            return
+        try:
+            loop.call_soon_threadsafe(done, n, None)
+        except RuntimeError:
+            pass
+
+    thread = threading.Thread(target=run, name=f"shmkv-wait-{r.id}", daemon=True)
+    thread.start()
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        cancel.set()
+        wake_all(r)  # the thread looks again, sees the flag, and ends
+        raise
