@@ -139,3 +139,22 @@ def test_segment_close_interrupted_after_closing_never_closes_the_number_again(m
         os.fstat(other)
     finally:
         os.close(other)
+
+
+def test_attach_interrupted_after_opening_the_data_segment_leaks_no_descriptor(make_store, monkeypatch):
+    store = make_store()
+    before = _fds(store.name)
+    real_open, calls = _segment.Segment.open, []
+
+    def open_then_interrupt(name, readonly):
+        seg = real_open(name, readonly)
+        if name.endswith(".d") and not calls:
+            calls.append(1)
+            raise KeyboardInterrupt  # the data segment is open, attach has not stored it anywhere yet
+        return seg
+
+    monkeypatch.setattr(_segment.Segment, "open", staticmethod(open_then_interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        shmkv.attach(store.name)
+    gc.collect()
+    assert calls == [1] and _fds(store.name) == before

@@ -16,6 +16,7 @@ stay mapped until the last view is garbage collected. Nothing can dangle.
 from __future__ import annotations
 
 import _posixshmem
+import contextlib
 import errno
 import mmap
 import os
@@ -115,18 +116,13 @@ def os_error(e: OSError, name: str, size: int | None = None) -> Exception:
         )
     if e.errno in (errno.EACCES, errno.EPERM):
         return denied(name, "segment")
-    if e.errno in _FULL:  # no byte, or no inode, left in /dev/shm for a new file
-        return shm_full(name, e)
-    return e
+    return shm_full(name, e) if e.errno in _FULL else e  # (full: no byte, or no inode, for a new file)
 
 
-def shm_full(name: str, e: OSError) -> CacheFullError:
-    """The error for a file of a store that /dev/shm has no room for (bytes or inodes)."""
-    return CacheFullError(
-        f"cannot create {name!r} in {SHM_DIR}: {os.strerror(e.errno or 0)} (no bytes or no inodes left): "
-        "remove stores you no longer use (`shmkv ls`, `shmkv gc`), or enlarge /dev/shm "
-        "(mount -o remount,size=...,nr_inodes=... /dev/shm)"
-    )
+def shm_full(name: str, e: OSError) -> CacheFullError:  # no room in /dev/shm for a store's file
+    return CacheFullError(f"cannot create {name!r} in {SHM_DIR}: {os.strerror(e.errno or 0)} (no bytes or no inodes "
+                          "left): remove stores you no longer use (`shmkv ls`, `shmkv gc`), or enlarge /dev/shm "
+                          "(mount -o remount,size=...,nr_inodes=... /dev/shm)")
 
 
 class Segment:
@@ -371,15 +367,21 @@ class Segment:
                 mm.close()
             except BufferError:
                 pass  # live numpy views: the mapping goes away with the last of them
-        # each descriptor is forgotten before it is closed: an exception (Ctrl-C) between the two
-        # may leak it, but a second close() (or the handle's finalizer) never closes its number
-        # again, which by then may be another file's (tests/test_interrupted_handles.py)
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        # each descriptor is forgotten before it is closed: a second call (after Ctrl-C in between)
+        # never closes its number again, maybe another file's by then (tests/test_interrupted_handles.py)
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
         (fd, pid), self._send = self._send, (-1, 0)
         if fd >= 0 and pid == os.getpid():
             os.close(fd)
+
+    def __del__(self) -> None:  # dropped unclosed (Ctrl-C before its owner kept it): no descriptor leaks
+        with contextlib.suppress(Exception):
+            self._close_fds()
 
     def unlink(self) -> None:
         _unlink_quietly(self.name)

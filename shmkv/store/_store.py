@@ -148,7 +148,8 @@ class Store(Arena):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        # closing counts: a handle whose lease close() just dropped says StoreClosedError, not ReadOnlyError
+        return self._closed or "_close_plan" in self.__dict__
 
     @property
     def persistent(self) -> bool:
@@ -764,6 +765,7 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         hseg = Segment.open(_segment.header_name(name), readonly)
     except StoreNotFound:
         raise StoreNotFound(f"no store named {name!r} (shmkv.list_stores() or `shmkv ls` lists them)") from None
+    opened: list[Segment] = []
     try:
         words = hseg.array(np.int64, _header.FIXED_BYTES // 8) if hseg.size >= 512 else None
         deadline = time.monotonic() + timeout
@@ -775,9 +777,9 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         persistent = words is not None and bool(words[_header.W_PERSISTENT])  # (read() refused a short one)
         del words, raw
         dseg = Segment.open(_segment.data_name(name), readonly)
+        opened.append(dseg)
         off = _header.offsets(layout, max_clients)
         if dseg.size < off.data_bytes:
-            dseg.close()
             raise CorruptStoreError(
                 f"store {name!r}: data segment is {dseg.size} bytes, the header needs {off.data_bytes}"
             )
@@ -786,8 +788,9 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         raise StoreNotFound(
             f"no store named {name!r} (shmkv.list_stores() or `shmkv ls` lists them)"
         ) from None
-    except BaseException:
-        hseg.close()
+    except BaseException:  # (Ctrl-C included: the data segment's descriptor too, if it was opened)
+        for seg in (hseg, *opened):
+            seg.close()
         raise
     try:
         store = Store(name, hseg, dseg, layout, max_clients, creator=False, persistent=persistent,
