@@ -1,7 +1,6 @@
 """Hugging Face transformers on shmkv: one prefill process, two decode workers.
 
-A tiny random-weight Llama (built from a config: nothing is downloaded) serves
-six requests that share a system prompt:
+Six requests share a system prompt:
 
 * the prefill process computes the system prompt once, ``finish``es it (a
   cached prefix now, for every process), and queues the requests;
@@ -13,33 +12,44 @@ six requests that share a system prompt:
 * the main process checks every answer against ``generate`` with transformers'
   own ``DynamicCache`` in one process.
 
-Run: ``python examples/transformers_workers.py`` (needs ``pip install 'shmkv[transformers]'``).
+By default the model is a tiny random-weight Llama built from a config (nothing
+is downloaded) and the prompts are token ids. With ``--model PATH`` it is a local
+checkpoint with its tokenizer (any causal LM ``AutoModelForCausalLM`` and
+``AutoTokenizer`` load from that directory): text prompts in, text out.
+
+Run: ``python examples/transformers_workers.py [--model PATH] [--system TEXT]
+[--prompt TEXT ...] [--new-tokens N]`` (needs ``pip install 'shmkv[transformers]'``).
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import sys
 import tempfile
 
 NEW_TOKENS = 16
-SYSTEM = [1] + [(7 * i) % 120 + 3 for i in range(39)]  # the shared system prompt's 40 token ids
+SYSTEM = [1] + [(7 * i) % 120 + 3 for i in range(39)]  # the random model's shared system prompt: 40 token ids
 USERS = [[50, 51, 52], [60, 61], [70, 71, 72, 73], [80], [90, 91], [100, 101, 102]]
+SYSTEM_TEXT = "You are a helpful assistant. Answer in one short sentence, and be precise about numbers."
+USER_TEXTS = ["What is shared memory?", "Name a prime number.", "Why cache keys and values?",
+              "What does a decode worker do?", "Say hello.", "How many cores does this machine have?"]
 
 
 def _model(model_dir):
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()
     torch.set_num_threads(1)  # three processes share the machine
-    return LlamaForCausalLM.from_pretrained(model_dir).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
-def prefill(store_name, model_dir, jobs, n_workers):
+def prefill(store_name, model_dir, work, jobs, n_workers):
     """Compute the shared system prompt once and cache it; then queue the requests."""
+    system, requests = work
     import torch
 
     import shmkv
@@ -48,17 +58,17 @@ def prefill(store_name, model_dir, jobs, n_workers):
     model = _model(model_dir)
     store = shmkv.attach(store_name)
     with torch.no_grad():
-        cache = ShmkvCache.for_prompt(store, [SYSTEM])
-        model(torch.tensor([SYSTEM]), **cache_kwargs(model, cache))  # cache= (or past_key_values=)
-        cache.finish([SYSTEM])  # a cached prefix for every process from now on
-    for rid, user in enumerate(USERS):
-        jobs.put((rid, SYSTEM + user))
+        cache = ShmkvCache.for_prompt(store, [system])
+        model(torch.tensor([system]), **cache_kwargs(model, cache))  # cache= (or past_key_values=)
+        cache.finish([system])  # a cached prefix for every process from now on
+    for rid, prompt in enumerate(requests):
+        jobs.put((rid, prompt))
     for _ in range(n_workers):
         jobs.put(None)
     store.close()
 
 
-def decode_worker(store_name, model_dir, jobs, results):
+def decode_worker(store_name, model_dir, new_tokens, jobs, results):
     import torch
 
     import shmkv
@@ -72,7 +82,7 @@ def decode_worker(store_name, model_dir, jobs, results):
         reused = cache.get_seq_length()
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), **cache_kwargs(model, cache),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False)
+                                 max_new_tokens=new_tokens, do_sample=False)
         cache.finish(out)  # the whole request: a prefix for its next turn
         results.put((rid, os.getpid(), reused, out[0, len(prompt):].tolist()))
     store.close()
@@ -94,18 +104,26 @@ def _result(results, procs, timeout=180.0):
     raise TimeoutError(f"no answer within {timeout} s")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="PATH", help="a local checkpoint directory with its tokenizer "
+                   "(default: a tiny random Llama, token-id prompts)")
+    p.add_argument("--system", default=SYSTEM_TEXT, help="the shared system prompt (with --model)")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="a user prompt (repeatable; with --model)")
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         # torch writes its compile cache under $TMPDIR unless told where: here, removed at the end
         # (the spawned processes inherit it)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "torchinductor"))
-        return run(os.path.join(tmp, "model"))
+        return run(a.model or os.path.join(tmp, "model"), a.model is not None, a.system,
+                   a.prompt or USER_TEXTS, a.new_tokens)
 
 
-def run(model_dir: str) -> int:
+def run(model_dir: str, checkpoint: bool, system_text: str, user_texts: list[str], new_tokens: int) -> int:
     try:
         import torch
-        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+        from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
         from transformers.utils import logging
     except ImportError:
         print("transformers_workers.py needs torch and transformers: pip install 'shmkv[transformers]'")
@@ -113,23 +131,34 @@ def run(model_dir: str) -> int:
     from shmkv.transformers import ShmkvCache, cache_kwargs
 
     logging.disable_progress_bar()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-                         eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM._from_config(config, dtype=torch.float32).eval()
+    tokenizer = None
+    if checkpoint:  # a local checkpoint: its weights, its config, its tokenizer
+        model = _model(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # the system prompt's ids, then each user prompt's: every request starts with the same ids
+        system = tokenizer(system_text)["input_ids"]
+        requests = [system + tokenizer(t, add_special_tokens=False)["input_ids"] for t in user_texts]
+        dtype = None  # the store keeps the checkpoint's dtype
+    else:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                             eos_token_id=None, pad_token_id=0)
+        model = LlamaForCausalLM._from_config(config, dtype=torch.float32).eval()
+        model.save_pretrained(model_dir)  # the workers load the same weights
+        system, requests, dtype = SYSTEM, [SYSTEM + u for u in USERS], "float32"
     ctx = mp.get_context("spawn")  # torch's thread pools do not survive fork
     name = f"hfworkers{os.getpid()}"
-    with ShmkvCache.from_config(config, name, dtype="float32") as owner:
-        model.save_pretrained(model_dir)  # the workers load the same weights
-        # this process owns the store: closing removes it
+    # this process owns the store: closing removes it
+    with ShmkvCache.from_config(model.config, name, dtype=dtype) as owner:
         jobs, results = ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=prefill, args=(name, model_dir, jobs, 2))]
-        procs += [ctx.Process(target=decode_worker, args=(name, model_dir, jobs, results)) for _ in range(2)]
+        procs = [ctx.Process(target=prefill, args=(name, model_dir, (system, requests), jobs, 2))]
+        procs += [ctx.Process(target=decode_worker, args=(name, model_dir, new_tokens, jobs, results))
+                  for _ in range(2)]
         for p in procs:
             p.start()
         try:
-            answers = [_result(results, procs) for _ in USERS]
+            answers = [_result(results, procs) for _ in requests]
         finally:
             for p in procs:
                 p.join(30)
@@ -139,12 +168,14 @@ def run(model_dir: str) -> int:
         ok = True
         for rid, pid, reused, tokens in sorted(answers):
             with torch.no_grad():
-                ref = model.generate(torch.tensor([SYSTEM + USERS[rid]]), **cache_kwargs(model, DynamicCache()),
-                                     max_new_tokens=NEW_TOKENS, do_sample=False)[0, -NEW_TOKENS:].tolist()
+                ref_cache = DynamicCache(config=model.config)  # sliding layers too, if the model has them
+                ref = model.generate(torch.tensor([requests[rid]]), **cache_kwargs(model, ref_cache),
+                                     max_new_tokens=new_tokens, do_sample=False)[0, len(requests[rid]):].tolist()
             same = tokens == ref
             ok &= same
-            print(f"request {rid} (worker {pid}): reused {reused} of {len(SYSTEM + USERS[rid])} prompt tokens, "
-                  f"generated {tokens[:6]}...  same as DynamicCache: {same}")
+            said = repr(tokenizer.decode(tokens, skip_special_tokens=True)) if tokenizer else f"{tokens[:6]}..."
+            print(f"request {rid} (worker {pid}): reused {reused} of {len(requests[rid])} prompt tokens, "
+                  f"generated {said}  same as DynamicCache: {same}")
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
         st = owner.store.stats()
         print(f"prefix cache: {st.prefix_hits} hits, {st.prefix_misses} misses, "

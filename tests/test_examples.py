@@ -75,3 +75,60 @@ def test_example_runs(path, tmp_path):
     # nothing left behind: its stores (named after its pid) and its temporary files
     assert [f for f in shm_entries() if re.fullmatch(rf"skv_[a-z]+{p.pid}\.\w+", f)] == []
     assert list(tmp.iterdir()) == []
+
+
+def test_transformers_workers_on_a_local_checkpoint(tmp_path):
+    """Issue 26: ``transformers_workers.py --model PATH`` on a checkpoint with its tokenizer: text
+    prompts in, text out, every answer checked against DynamicCache. The checkpoint is written
+    here (random weights, save_pretrained) with a word-level tokenizer built here: no download."""
+    importorskip_unless_ci("torch")
+    importorskip_unless_ci("transformers")
+    tokenizers = importorskip_unless_ci("tokenizers")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["you", "are", "a", "helpful", "assistant", "answer", "in", "one", "short", "sentence", "and", "be",
+             "precise", "about", "numbers", "what", "is", "shared", "memory", "name", "prime", "number", "say",
+             "hello", ".", "?"]
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "[UNK]", *dict.fromkeys(words)])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = tokenizers.normalizers.Lowercase()
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    model_dir = tmp_path / "checkpoint"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="[UNK]")
+    fast.save_pretrained(model_dir)
+    system = "You are a helpful assistant. Answer in one short sentence, and be precise about numbers."
+    n_system = len(fast(system)["input_ids"])
+    assert n_system > 16  # a whole 16-token block: the prefix index finds it (DESIGN section 8)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, bos_token_id=1,
+                         eos_token_id=None, pad_token_id=0)
+    LlamaForCausalLM._from_config(config, dtype=torch.float32).eval().save_pretrained(model_dir)
+
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    args = [sys.executable, str(DIR / "transformers_workers.py"), "--model", str(model_dir), "--new-tokens", "8",
+            "--system", system, "--prompt", "What is shared memory?",
+            "--prompt", "Name a prime number.", "--prompt", "Say hello."]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                         env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        out, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, out + err
+    assert err == "", err
+    assert out.count(f"reused {n_system} of") == 3, out  # the system prompt, computed once
+    assert out.count("same as DynamicCache: True") == 3, out
+    assert "every request matches a single-process DynamicCache run" in out
+    said = re.findall(r"generated '([^']*)'", out)
+    assert len(said) == 3 and all(said), out  # text, decoded by the checkpoint's tokenizer
+    assert all(w in vocab for s in said for w in s.split()), said
+    assert [f for f in shm_entries() if re.fullmatch(rf"skv_[a-z]+{p.pid}\.\w+", f)] == []
+    assert list(tmp.iterdir()) == []

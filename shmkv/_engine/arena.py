@@ -370,9 +370,16 @@ class Arena(Pages):
         self._reserve_window(slot)
         return slot, fit
 
-    def _copy_prefix_rows(self, s_slot: int, d_slot: int, n: int) -> None:
+    def _copy_prefix_rows(self, s_slot: int, d_slot: int, n: int, *, held: bool = False) -> None:
         """copy_prefix between rows (lock held, ids checked): dst's content becomes src's first
-        n tokens, and dst's whole blocks join the prefix index."""
+        n tokens, and dst's whole blocks join the prefix index.
+
+        Sliding/chunked layers: ``held=False`` (a reused prefix) copies only what a next token
+        needs (``keep`` tokens); ``held=True`` (``Store.copy_prefix``, so ``fork`` and
+        ``regather``) every token src holds below n, so a copy of a whole sequence holds exactly
+        what src holds on every layer (a batch of copies stays one ``[B, T]`` batch, and a crop
+        the source could take, the copy can take too: tests/test_rewind.py, and beam search on
+        sliding models in tests/test_transformers_windows.py)."""
         s_row, d_row = self._row(s_slot), self._row(d_slot)
         s_off = s_row[WIN_OFF]
         need = self.layout.resume_from(n)  # the oldest token a next token needs on bounded layers
@@ -381,7 +388,8 @@ class Arena(Pages):
                 f"copy_prefix: the sliding/chunked layers of sequence {s_row[ID]} hold tokens {s_off}.. only; "
                 f"a prefix of n={n} needs tokens from {need} on"
             )
-        lo = max(s_off, n - self.layout.keep, 0)  # what the next tokens need, from what src holds
+        # what the next tokens need (or, held=True, everything), from what src holds
+        lo = s_off if held else max(s_off, n - self.layout.keep, 0)
         src_win = self._wcell(s_slot, s_row[WBUF]) + lo - s_off
         with self._changing(d_row):
             if d_row[LENGTH] == 0 and n <= d_row[CAPACITY]:

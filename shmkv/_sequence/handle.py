@@ -31,6 +31,7 @@ from shmkv._engine import arena as _arena
 from shmkv._engine import crash as _crash
 from shmkv._engine import pages as _pages
 from shmkv._engine import segment as _segment
+from shmkv._sequence import rewind as _seq_rewind
 from shmkv._sequence import structural as _seq_structural
 from shmkv._engine.checks import count
 from shmkv._engine.header import (
@@ -196,6 +197,24 @@ class Sequence:
         Hugging Face's ``crop`` does: truncate never extends.
         """
         _seq_structural.truncate(self._w, n)
+
+    def rewind(self, n: int, k_window: Any, v_window: Any) -> None:
+        """Truncate to ``n`` tokens where sliding/chunked layers no longer hold what a next
+        token needs, giving them those tokens' states: ``k_window`` and ``v_window``
+        ``[bounded layers, m, kv_heads, head_dim]`` are the keys and values of tokens
+        ``n - m .. n - 1`` on each sliding/chunked layer (``store.layout.bounded`` order),
+        ``min(n, layout.keep) <= m <= layout.window_cells``. Full layers keep their cells.
+
+        For a rollback after a forward longer than ``memory`` (committed in steps, the
+        window buffers compacted meanwhile) by a caller that kept the states: the Hugging
+        Face adapter's ``crop``. The states are not checked against the old ones (they are
+        gone); they must be the ones computed for those positions.
+
+        Raises:
+            InvalidArgumentError: ``n`` beyond the length, or windows of the wrong shape or size.
+            ReadOnlyError, LeaseError: this handle does not hold the lease.
+        """
+        _seq_rewind.rewind(self._w, n, k_window, v_window)
 
     def clear(self) -> None:
         """Drop every token (the range stays reserved)."""

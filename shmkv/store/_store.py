@@ -467,6 +467,8 @@ class Store(Arena):
     def copy_prefix(self, src_id: int, dst_id: int, n: int) -> None:
         """Replace sequence ``dst_id``'s content with the first ``n`` tokens of ``src_id``.
 
+        Sliding/chunked layers of dst hold every token of the first ``n`` that src's hold.
+
         dst grows (or moves) if its capacity is below n. dst must not be leased by
         another live process; a write handle of this process on dst sees the new
         content (its uncommitted tokens are dropped).
@@ -483,7 +485,7 @@ class Store(Arena):
                     f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
                 )
             self._check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
-            self._copy_prefix_rows(self._slot_of(src_id), d_slot, n)
+            self._copy_prefix_rows(self._slot_of(src_id), d_slot, n, held=True)
 
     def lease(self, seq_ids: Iterable[int]) -> list[Sequence]:
         """Write handles on every sequence of ``seq_ids``, in that order: all leases, or none

@@ -280,6 +280,43 @@ class ShmkvCache(Cache):
         return (f"ShmkvCache(store={self._store.name!r}, sequence_ids={self.sequence_ids}, "
                 f"length={self._rows.length})")
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShmkvCache:
+        """``copy.deepcopy(cache)``: an independent cache on the same store whose rows are forks
+        of this one's (``Sequence.fork``: new sequences holding the same tokens on every layer,
+        their leases held by the copy). Both can go on generating, as with a deep-copied
+        ``DynamicCache`` (transformers' tests restart ``generate`` from a copy so).
+
+        The copy owns its sequences (``reset()``/``free()`` free them) but not the store: it
+        works while the store stays open (closing an original made by ``from_config`` or
+        ``attach`` closes it). Pickling is unchanged: a pickled cache arrives in the other
+        process as read handles of the same sequences (a lease never travels); continue there
+        with :meth:`attach`.
+
+        Raises:
+            InvalidArgumentError: a forward is in progress (between its layers).
+            CacheFullError: the store has no room for the copies (nothing is kept then).
+        """
+        rows = self._rows
+        if rows.pending:
+            raise InvalidArgumentError(
+                "copy.deepcopy(ShmkvCache) during a forward (layers updated, not all of them): copy the cache "
+                "between forwards"
+            )
+        copy = type(self)(self._store, capacity=rows.capacity)
+        memo[id(self)] = copy
+        if rows.seqs is not None:
+            forks = []
+            try:
+                for s in rows.seqs:
+                    forks.append(s.fork())
+            except BaseException:
+                for f in forks:
+                    f.free()
+                raise
+            copy._rows.adopt(forks, rows.length)
+            copy._rows.copy_state(rows)
+        return copy
+
     def __enter__(self) -> ShmkvCache:
         return self
 
@@ -329,7 +366,23 @@ class ShmkvCache(Cache):
         rows.drop_pending()
         if tokens_to_remove == 0 or rows.seqs is None:
             return
-        rows.truncate(max(rows.length + int(tokens_to_remove), 0))
+        try:
+            rows.truncate(max(rows.length + int(tokens_to_remove), 0))
+        except NotSupportedError as e:
+            raise NotSupportedError(
+                f"crop({tokens_to_remove}): {e}. A forward longer than the store's memory= "
+                f"({self._store.layout.step}) is committed in steps; its sliding/chunked states are kept "
+                "for crop only after cache.activate_past_recording() (generate calls it for assisted "
+                "and prompt-lookup decoding; DynamicCache needs it too)"
+            ) from e
+
+    def activate_past_recording(self) -> None:
+        """Keep what ``crop`` needs after a forward longer than ``memory`` (its sliding/chunked
+        layers' states, in this process, until the next forward), as transformers'
+        ``DynamicSlidingWindowLayer`` keeps its past when recording. ``generate`` calls it
+        where it crops (assisted and prompt-lookup decoding). Forwards of at most ``memory``
+        tokens can always be cropped."""
+        self._rows.record = True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues the old row ``beam_idx[i]``."""

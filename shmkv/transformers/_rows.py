@@ -26,12 +26,14 @@ Only shmkv's public API is used: ``append`` then ``torch_kv(layer, pending=True)
 cells, zero-copy when they can be), ``commit``, ``discard`` (a forward that failed
 between layers), ``extend(..., in_steps=True)`` (a prompt longer than a window
 buffer takes between commits), ``store.create_sequences`` (every row or none),
-``store.lease`` and ``store.regather`` (beam search and the batch operations).
+``store.lease`` and ``store.regather`` (beam search and the batch operations),
+``rewind`` (crop into a forward that was committed in steps, see ``_Undo``).
 Imports torch; ``import shmkv`` never imports this module.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence as _Seq
 
 import numpy as np
@@ -53,7 +55,7 @@ DEFAULT_CAPACITY = 256  # first range of a sequence the cache creates; it double
 class _Forward:
     """State of one forward in progress (between its first and its last layer)."""
 
-    __slots__ = ("deferred", "fast", "next", "q", "stash")
+    __slots__ = ("before", "deferred", "fast", "next", "q", "stash")
 
     def __init__(self, q: int, deferred: bool, layers: int, fast: bool) -> None:
         self.q = q
@@ -62,6 +64,43 @@ class _Forward:
         self.fast = fast  # batch 1 on CPU, a dtype numpy shares with torch, plain storage
         # deferred forwards keep each layer's new states here and write them at the end
         self.stash: list[tuple[list[np.ndarray], list[np.ndarray]] | None] = [None] * layers
+        # ... and, on sliding/chunked layers, a copy of the tokens held before the forward
+        # (``[batch, min(length, keep), kv_heads, head_dim]`` keys, values): what crop needs
+        self.before: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+class _Undo:
+    """What ``crop`` needs after a forward that was committed in steps (longer than ``step``):
+    sliding/chunked layers no longer hold the tokens before its start, so a crop into it
+    gives them their window back from here (``Sequence.rewind``). Per bounded layer (in
+    ``layout.bounded`` order): keys, values of tokens ``start - len(before) .. start + q - 1``
+    per row, in the store's dtype."""
+
+    __slots__ = ("first", "k", "start", "v")
+
+    def __init__(self, start: int, fwd: _Forward, bounded: tuple[int, ...], dtype: np.dtype) -> None:
+        self.start = start  # the forward's first token: crops back to here or later are served
+        self.k: list[list[np.ndarray]] = []  # [bounded layer][row] -> [tokens, kv_heads, head_dim]
+        self.v: list[list[np.ndarray]] = []
+        first = start
+        for layer in bounded:
+            st = fwd.stash[layer]
+            assert st is not None
+            kb, vb = fwd.before[layer]
+            first = start - kb.shape[1]
+            self.k.append([np.concatenate([kb[r], new.astype(dtype, copy=False)]) for r, new in enumerate(st[0])])
+            self.v.append([np.concatenate([vb[r], new.astype(dtype, copy=False)]) for r, new in enumerate(st[1])])
+        self.first = first  # the oldest token kept here
+
+    def select(self, idx: list[int]) -> None:
+        """Rows regathered: new row i is old row ``idx[i]``."""
+        self.k = [[rows[i] for i in idx] for rows in self.k]
+        self.v = [[rows[i] for i in idx] for rows in self.v]
+
+    def window(self, row: int, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values ``[bounded layers, m, kv_heads, head_dim]`` of tokens n-m..n-1 of ``row``."""
+        a, b = n - m - self.first, n - self.first
+        return (np.stack([k[row][a:b] for k in self.k]), np.stack([v[row][a:b] for v in self.v]))
 
 
 class Rows:
@@ -76,11 +115,28 @@ class Rows:
         self.seqs: list[Sequence] | None = None
         self.length = 0
         self._fwd: _Forward | None = None
+        self._undo: _Undo | None = None  # after a forward committed in steps (see _Undo)
+        # Cache.activate_past_recording (transformers >= 5.24; generate calls it where it crops):
+        # only then are a long forward's states kept for crop, as DynamicSlidingWindowLayer
+        # keeps its past only when recording (a 100k-token prompt's states of every sliding
+        # layer are otherwise dropped as soon as they are written)
+        self.record = False
         self._cell = (self.layout.kv_heads, self.layout.head_dim)
         self._dtype: torch.dtype | None = None
 
     def adopt(self, seqs: list[Sequence], length: int) -> None:
-        self.seqs, self.length, self._fwd = seqs, length, None
+        self.seqs, self.length, self._fwd, self._undo = seqs, length, None, None
+
+    @property
+    def pending(self) -> bool:
+        """A forward is in progress (some layers updated, not all)."""
+        return self._fwd is not None
+
+    def copy_state(self, other: Rows) -> None:
+        """After ``adopt`` of forks of ``other``'s rows: what else a copy must know (the dtype
+        transformers works in, what a crop into the last forward needs; read-only, shared)."""
+        self._dtype, self._undo = other._dtype, copy.copy(other._undo)  # its row lists are its own
+        self.record = other.record
 
     def take(self, seq_ids: _Seq[int]) -> None:
         """Take the leases of ``seq_ids`` (all or none) as the rows; they must be equally long."""
@@ -138,6 +194,9 @@ class Rows:
             fwd.stash[layer] = (list(kn), list(vn))
             n_held = keep - fwd.q
             kb, vb = self.store.batch_kv(seqs, layer, writable=True)  # torch warns on read-only arrays
+            if self.record and self.windows[layer]:  # crop may need them after the steps compact the buffer
+                m = min(self.length, self.layout.keep)
+                fwd.before[layer] = (kb[:, kb.shape[1] - m:].copy(), vb[:, vb.shape[1] - m:].copy())
             k_held = _to_torch(kb[:, kb.shape[1] - n_held:], dtype)
             v_held = _to_torch(vb[:, vb.shape[1] - n_held:], dtype)
             k_out = torch.cat([k_held, key_states.detach().cpu().transpose(1, 2)], 1)
@@ -163,6 +222,7 @@ class Rows:
     def _begin(self, key_states: torch.Tensor) -> _Forward:
         if self._fwd is not None:  # the previous forward failed between its layers: drop its tokens
             self.drop_pending()
+        self._undo = None  # crop goes back at most to this forward's start
         lay = self.layout
         shape = key_states.shape
         if len(shape) != 4 or (shape[1], shape[3]) != self._cell:
@@ -204,6 +264,8 @@ class Rows:
                 for s in seqs:
                     s.truncate(min(s.length, self.length))
                 raise
+            if self.record and self.layout.bounded:
+                self._undo = _Undo(self.length, fwd, self.layout.bounded, _dtypes.storage(self.layout.dtype))
         else:
             for s in seqs:
                 s.commit()
@@ -221,14 +283,14 @@ class Rows:
 
     def release(self) -> None:
         """Give up every row's lease (pending tokens go with it); the rows stay."""
-        self._fwd = None
+        self._fwd, self._undo = None, None
         for s in self.seqs or ():
             s.release()
 
     def forget(self) -> list[Sequence]:
         """Empty rows (no forward, length 0); returns the sequences they held."""
         seqs, self.seqs = self.seqs or [], None
-        self.length, self._fwd = 0, None
+        self.length, self._fwd, self._undo = 0, None, None
         return seqs
 
     def held(self, layer: int, which: int) -> torch.Tensor | None:
@@ -247,10 +309,18 @@ class Rows:
     # -- batch operations --------------------------------------------------------
 
     def truncate(self, n: int) -> None:
-        """Every row keeps its first ``n`` tokens (n <= length)."""
+        """Every row keeps its first ``n`` tokens (n <= length). Back into a forward that was
+        committed in steps, sliding/chunked layers get their window from ``_undo``."""
         self.drop_pending()
-        for s in self.seqs or ():
-            s.truncate(n)
+        undo = self._undo
+        if undo is not None and n < undo.start:
+            undo = self._undo = None  # before the last forward: as far as the layers hold
+        for row, s in enumerate(self.seqs or ()):
+            if undo is not None and n < self.length:
+                m = min(n, self.layout.keep)
+                s.rewind(n, *undo.window(row, n, m))
+            else:
+                s.truncate(n)
         self.length = min(n, self.length)
 
     def regather(self, idx: list[int]) -> None:
@@ -258,6 +328,8 @@ class Rows:
         assert self.seqs is not None
         self.drop_pending()
         self.seqs = self.store.regather(self.seqs, idx)
+        if self._undo is not None:  # (arrays shared between rows: only ever read)
+            self._undo.select(idx)
 
 
 # -- tensors <-> shared cells ------------------------------------------------------------
