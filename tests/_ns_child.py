@@ -24,6 +24,7 @@ from shmkv.store import _lifecycle
 
 stores: dict[str, shmkv.Store] = {}
 handles: dict[tuple[str, int], Any] = {}
+paused: dict[str, Any] = {}
 
 
 def _kv(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,6 +82,32 @@ def handle(req: dict[str, Any]) -> Any:
         os.read(r, 1)
         os.close(r)
         return pid
+    if op == "save_paused":  # a save to req["path"] that stops inside, its temp file written to
+        import threading
+
+        go, inside = threading.Event(), threading.Event()
+        result: dict[str, Any] = {}
+
+        def progress(done: int, total: int) -> None:
+            inside.set()
+            go.wait(60)
+
+        def run() -> None:
+            try:
+                result["ok"] = stores[name].save(req["path"], progress=progress)
+            except Exception as e:
+                result["error"] = f"{type(e).__name__}: {e}"
+
+        t = threading.Thread(target=run)
+        t.start()
+        inside.wait(60)
+        paused[name] = (go, t, result)
+        return None
+    if op == "save_resume":  # let the paused save finish: its result (bytes, or the error)
+        go, t, result = paused.pop(name)
+        go.set()
+        t.join(60)
+        return result
     if op == "exists":
         return name in shmkv.list_stores()
     raise ValueError(f"unknown op {op!r}")

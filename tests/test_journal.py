@@ -397,14 +397,14 @@ def test_only_the_journal_takes_the_store_lock():
 def test_a_ctrl_c_on_the_lock_path_is_raised_once_the_lock_is_given_up(make_store):
     """A SIGINT that lands in lock-path code (here a stand-in marked critical) is deferred, then
     raised by the release: the lock is free when the KeyboardInterrupt reaches the caller."""
-    from shmkv._engine import lock as _lock
+    from shmkv._engine import interrupts as _interrupts
 
     store = make_store(**LAYOUT)
-    assert signal.getsignal(signal.SIGINT) is _lock._on_sigint  # installed over Python's default
-    lands_on_the_lock_path = _lock.critical(lambda: signal.raise_signal(signal.SIGINT))
+    assert signal.getsignal(signal.SIGINT) is _interrupts._on_sigint  # installed over Python's default
+    lands_on_the_lock_path = _interrupts.critical(lambda: signal.raise_signal(signal.SIGINT))
     with pytest.raises(KeyboardInterrupt), store.transaction():
         lands_on_the_lock_path()
-        assert _lock._deferred == [signal.SIGINT] and store._lock.is_held  # noted, not raised
-    assert not store._lock.is_held and _lock._deferred == []
+        assert _interrupts.deferred == [signal.SIGINT] and store._lock.is_held  # noted, not raised
+    assert not store._lock.is_held and _interrupts.deferred == []
     with pytest.raises(KeyboardInterrupt):  # elsewhere it is raised at once, as always
         signal.raise_signal(signal.SIGINT)

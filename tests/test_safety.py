@@ -7,6 +7,7 @@ import contextlib
 import errno
 import gc
 import io
+import fcntl
 import os
 import pickle
 import resource
@@ -448,11 +449,18 @@ def test_stale_temporary_files_are_removed_by_the_next_save_and_by_gc(make_store
     other = tmp_path / f".t.shmkv.tmp-{pid}-{start}-0badf010"
     for f in [*stale, live, other]:
         f.write_bytes(b"half a snapshot")
-    store.save(tmp_path / "s.shmkv")
-    assert not any(f.exists() for f in stale)
-    assert live.exists() and other.exists()  # a live writer's, and another target's (not this save's)
-    shmkv.gc(snapshot_dirs=[tmp_path], grace=1e9)
-    assert live.exists() and not other.exists()
+    # a live writer holds a flock on its file (the pid in a name means nothing in another PID
+    # namespace, and gets reused: tests/test_snapshot_temps_liveness.py)
+    writer = os.open(live, os.O_WRONLY)
+    try:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        store.save(tmp_path / "s.shmkv")
+        assert not any(f.exists() for f in stale)
+        assert live.exists() and other.exists()  # a live writer's, and another target's (not this save's)
+        shmkv.gc(snapshot_dirs=[tmp_path], grace=1e9)
+        assert live.exists() and not other.exists()
+    finally:
+        os.close(writer)
 
 
 # -- bad input: the error class, and the store unchanged -------------------------------

@@ -48,7 +48,7 @@ Invariants (each names the function that keeps it):
     from a header clock): handles remember it, so a handle on a freed sequence never reads
     another one that a restore gave the same id (``SeqReader.live`` checks it).
 9.  Lock acquire and release are safe against an exception at any bytecode: the lock
-    path is ``_lock.critical`` and a Ctrl-C there is raised at the next safe point
+    path is ``interrupts.critical`` and a Ctrl-C there is raised at the next safe point
     (``_lock``'s module docstring).
 
 Token ids, positions and hashes go with the cells (1). Counters (hits, evictions), the
@@ -67,7 +67,8 @@ import numpy as np
 from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
 from shmkv._engine.header import CAPACITY, GEN, SEQ_WORDS, START, STATE
-from shmkv._engine.lock import StoreLock, critical
+from shmkv._engine.interrupts import critical
+from shmkv._engine.lock import StoreLock
 
 if TYPE_CHECKING:
     from shmkv._engine.free_ranges import FreeRanges

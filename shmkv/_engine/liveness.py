@@ -122,6 +122,8 @@ def _open_file(name: str, readonly: bool, mode: int | None = None) -> int:
         if e.errno in (errno.EMFILE, errno.ENFILE):
             raise CacheFullError(f"cannot open {path}: {os.strerror(e.errno)}: close stores you no longer use, "
                                  "or raise the limit (`ulimit -n`)") from None
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _segment.shm_full(os.path.basename(path), e) from None
         if e.errno in (errno.EACCES, errno.EPERM):
             raise AccessDeniedError(
                 f"store {name!r}: cannot open its liveness file {path} {'read-only' if readonly else 'read-write'} "
@@ -204,6 +206,14 @@ class Liveness:
         if fd >= 0 and self.pid == os.getpid():
             os.close(fd)
         _open.discard(self)
+
+    def __del__(self) -> None:
+        # a handle whose construction was interrupted never reaches close(): its descriptor (and
+        # the slot's byte, if it took one) must not stay open for good
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def _after_fork_in_child() -> None:

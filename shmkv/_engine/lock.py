@@ -43,41 +43,26 @@ dead, remove" and remove's unlinking cannot interleave with a create of the
 same name. filelock copes with its file being unlinked while held (it checks
 the inode's link count after locking), so remove may unlink it last.
 
-Ctrl-C (tests/test_journal.py::test_sigints_never_leave_the_lock_held): a KeyboardInterrupt
-is raised by the interpreter between bytecodes, at its "eval breaker" checks (a function's
-first instruction, after a call into C, a backward jump). One landing between the flock
-and the bookkeeping, or at the first instruction of an ``__exit__``, would leave the lock
-held by a process that lives on (a REPL keeps the traceback and its frames). So the
-code that takes, gives up or rolls back a hold is *critical* (``critical``): while the main
-thread runs it (or anything it calls), this module's SIGINT handler, installed over
-Python's default one (``guard_sigint``), notes the signal instead of raising, and the
-interrupt is raised at the next safe point: the end of a release (the lock already given
-up), or while waiting for the lock (nothing held). Everything else (the body of a
-structural operation, a restore's reading) is interrupted as usual and its journaled
-transaction rolls back (``_journal``). No system call on the lock path: blocking signals
-with ``pthread_sigmask`` cost 2.5 us a call here, and does not stop another thread from
-taking the signal for the process. A handler a program installs itself replaces ours
-(and ``asyncio.run`` installs its own only over Python's default one: with shmkv attached
-first, Ctrl-C in ``asyncio.run`` raises KeyboardInterrupt as before Python 3.11).
+Ctrl-C on the lock path is deferred out of it: see ``interrupts``.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
-import signal
 import stat
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 import filelock
 
 from shmkv._engine import segment as _segment
+from shmkv._engine.interrupts import critical, deferred, deliver_deferred, guard_sigint
 from shmkv.errors import LockTimeout, StoreClosedError
 
 DEFAULT_TIMEOUT = 30.0
@@ -104,57 +89,10 @@ _states_guard = threading.Lock()
 _open_locks: weakref.WeakSet[StoreLock] = weakref.WeakSet()
 
 
-# -- Ctrl-C on the lock path (see the module docstring) ------------------------------------
-
-_CRITICAL: set[CodeType] = set()  # code whose frames defer SIGINT (and what they call)
-_deferred: list[int] = []  # signals noted by _on_sigint, raised at the next safe point
-_main_ident = threading.main_thread().ident
-FnT = TypeVar("FnT", bound=Callable[..., Any])
-
-
-def critical(fn: FnT) -> FnT:
-    """Mark ``fn`` as lock-path code: a SIGINT while the main thread runs it (or anything it
-    calls) is raised at the next safe point instead (see the module docstring)."""
-    _CRITICAL.add(fn.__code__)
-    return fn
-
-
-def _on_sigint(signum: int, frame: FrameType | None) -> None:
-    f = frame
-    while f is not None:
-        if f.f_code in _CRITICAL:
-            _deferred.append(signum)
-            return
-        f = f.f_back
-    signal.default_int_handler(signum, frame)
-
-
-def guard_sigint() -> None:
-    """Install the SIGINT handler that defers Ctrl-C out of lock-path code, over Python's
-    default handler only (a program's own handler is left alone). Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _on_sigint)
-    except (ValueError, OSError):  # not the main interpreter, or no signals here
-        pass
-
-
-def deliver_deferred() -> None:
-    """Raise a Ctrl-C that lock-path code deferred (call at a safe point, main thread)."""
-    if _deferred and threading.get_ident() == _main_ident:
-        signum = _deferred[0]
-        _deferred.clear()
-        signal.default_int_handler(signum, None)
-
-
 def _after_fork_in_child() -> None:
     # The child must not share the parent's open file descriptions (see the module docstring).
-    global _states_guard, _main_ident
+    global _states_guard
     _states_guard = threading.Lock()  # another thread may have held it at the fork
-    _main_ident = threading.get_ident()  # the forking thread is the child's main thread
-    _deferred.clear()
     for lk in list(_open_locks):
         lk._forget_inherited()
     _states.clear()
@@ -265,6 +203,9 @@ class StoreLock:
         op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         outer = state.depth == 0
         try:
+            if self._closed:  # closed by another thread while this one waited (see quiesce)
+                raise StoreClosedError(f"store {self.name!r} is closed: attach again with "
+                                       f"shmkv.attach({self.name!r})")
             if outer:
                 # recorded before the system call: whatever stops us after it, the descriptor
                 # to unlock is known (an unlock of a flock not taken is harmless)
@@ -276,7 +217,7 @@ class StoreLock:
                 self._flock(state.fd, op, deadline, timeout)
                 state.mode = op
         except BaseException:
-            if outer:
+            if outer and state.fd >= 0:  # -1: closed by another thread before anything was taken
                 try:
                     fcntl.flock(state.fd, fcntl.LOCK_UN)
                 except OSError:
@@ -286,7 +227,7 @@ class StoreLock:
             deliver_deferred()  # nothing held now: a Ctrl-C deferred meanwhile is raised (chained)
             raise
         state.depth += 1
-        if _deferred:  # a Ctrl-C while we took it: give it back, then raise it
+        if deferred:  # a Ctrl-C while we took it: give it back, then raise it
             self.release()
 
     @critical
@@ -336,7 +277,7 @@ class StoreLock:
         else:
             state.rlock.release()  # raises (RuntimeError) if this thread does not hold it
             state.depth -= 1
-        if _deferred:
+        if deferred:
             deliver_deferred()
 
     def owned(self) -> bool:
@@ -350,6 +291,24 @@ class StoreLock:
         """Holds of this process (0: not held); meaningful to the thread that holds the lock."""
         state = self._state
         return state.depth if state is not None and self._pid == os.getpid() else 0
+
+    def quiesce(self, timeout: float | None) -> bool:
+        """Wait (up to ``timeout`` s; None or < 0: for good) until no other thread of this process
+        holds the lock, and keep them out (the RLock alone, no flock: another process's hold does not
+        matter) until :meth:`unquiesce`. Store.close() runs under it, so it never tears a handle down
+        under a thread's structural operation; a thread that then takes the lock of this closed
+        attachment gets StoreClosedError. False (nothing held) if the wait timed out, or in a forked
+        child that never used the lock (no other thread of this process holds it then)."""
+        state = self._state
+        if state is None or self._pid != os.getpid():
+            return False
+        return state.rlock.acquire(timeout=-1 if timeout is None or timeout < 0 else timeout)
+
+    def unquiesce(self) -> None:
+        """End :meth:`quiesce` (after it returned True)."""
+        state = self._state
+        if state is not None:
+            state.rlock.release()
 
     def held(self, timeout: float | None = DEFAULT_TIMEOUT, *, shared: bool = False) -> _Held:
         """Hold the lock for the duration of a ``with`` block (re-entrant)."""
@@ -445,6 +404,10 @@ def lifecycle(name: str, timeout: float = DEFAULT_TIMEOUT, *, mode: int = 0o600)
     except PermissionError:
         yield
         return
+    except OSError as e:  # the lock file cannot be made: /dev/shm has no byte or inode left
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _segment.shm_full(os.path.basename(lifecycle_path(name)), e) from None
+        raise
     try:
         yield
     finally:

@@ -16,6 +16,7 @@ stay mapped until the last view is garbage collected. Nothing can dangle.
 from __future__ import annotations
 
 import _posixshmem
+import contextlib
 import errno
 import mmap
 import os
@@ -116,7 +117,13 @@ def os_error(e: OSError, name: str, size: int | None = None) -> Exception:
         )
     if e.errno in (errno.EACCES, errno.EPERM):
         return denied(name, "segment")
-    return e
+    return shm_full(name, e) if e.errno in _FULL else e  # (full: no byte, or no inode, for a new file)
+
+
+def shm_full(name: str, e: OSError) -> CacheFullError:  # no room in /dev/shm for a store's file
+    return CacheFullError(f"cannot create {name!r} in {SHM_DIR}: {os.strerror(e.errno or 0)} (no bytes or no inodes "
+                          "left): remove stores you no longer use (`shmkv ls`, `shmkv gc`), or enlarge /dev/shm "
+                          "(mount -o remount,size=...,nr_inodes=... /dev/shm)")
 
 
 class Segment:
@@ -363,13 +370,21 @@ class Segment:
                 mm.close()
             except BufferError:
                 pass  # live numpy views: the mapping goes away with the last of them
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        fd, pid = self._send
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        # each descriptor is forgotten before it is closed: a second call (after Ctrl-C in between)
+        # never closes its number again, maybe another file's by then (tests/test_interrupted_handles.py)
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+        (fd, pid), self._send = self._send, (-1, 0)
         if fd >= 0 and pid == os.getpid():
             os.close(fd)
-        self._send = (-1, 0)
+
+    def __del__(self) -> None:  # dropped unclosed (Ctrl-C before its owner kept it): no descriptor leaks
+        with contextlib.suppress(Exception):
+            self._close_fds()
 
     def unlink(self) -> None:
         _unlink_quietly(self.name)
@@ -456,32 +471,3 @@ def process_start_time(pid: int) -> int:
         return int(data[data.rindex(b")") + 2 :].split()[19])
     except (ValueError, IndexError):
         return 0
-
-
-def pid_alive(pid: int, start_time: int = 0) -> bool:
-    """Whether ``pid`` is alive and (when known) is the process started at ``start_time``.
-
-    A pid guess, meaningful only inside one PID namespace: stores never use it (their liveness is
-    a kernel lock, see _engine/liveness); only snapshot temporary files are still judged by it."""
-    if not 0 < pid <= MAX_PID:  # a scribbled word is no process (os.kill would overflow)
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, another user's
-    if start_time:
-        now = process_start_time(pid)
-        if now and now != start_time:
-            return False  # the pid was recycled
-    return not _is_zombie(pid)  # killed but not reaped yet: dead for us
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return data[data.rindex(b")") + 2 : data.rindex(b")") + 3] in (b"Z", b"X")
-    except (OSError, ValueError):
-        return False

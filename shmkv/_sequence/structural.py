@@ -18,7 +18,7 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine.checks import count
-from shmkv._engine.lock import critical
+from shmkv._engine.interrupts import critical
 from shmkv._engine.header import (
     CAPACITY,
     CLEAN,

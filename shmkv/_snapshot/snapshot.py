@@ -76,6 +76,7 @@ from shmkv.errors import (
     LayoutMismatchError,
     SequenceNotFound,
     ShmkvError,
+    SnapshotError,
 )
 
 if TYPE_CHECKING:
@@ -294,7 +295,11 @@ _TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<pid>\d+)(?:-(?P<start>\d+))?-[0-
 
 def remove_stale_temps(directory: str, base: str | None = None) -> list[str]:
     """Remove the temporary files (``.BASE.tmp-PID-START-XXXX``) of saves whose writer died
-    (killed mid-way); a live writer's file is kept. Only files we own. Returns the removed paths."""
+    (killed mid-way); a live writer's file is kept. Only files we own. Returns the removed paths.
+
+    Liveness is a kernel fact (DESIGN section 3), not the pid in the name (another PID
+    namespace's, or reused): a writer holds a flock on its file until it is renamed into place
+    (:func:`_save_path`), so a file whose flock can be taken has no live writer."""
     removed: list[str] = []
     try:
         names = os.listdir(directory)
@@ -304,17 +309,47 @@ def remove_stale_temps(directory: str, base: str | None = None) -> list[str]:
         m = _TEMP_RE.fullmatch(f)
         if m is None or (base is not None and m["base"] != base):
             continue
-        if _segment.pid_alive(int(m["pid"]), int(m["start"] or 0)):
-            continue
         path = os.path.join(directory, f)
         try:
-            if os.lstat(path).st_uid != os.geteuid():
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone, another user's, or a symlink: not ours to judge
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
                 continue
-            os.unlink(path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: its writer is alive
+            os.unlink(path)  # (a writer that opened it but had not locked it yet notices: _locked_temp)
             removed.append(path)
         except OSError:
             continue
+        finally:
+            os.close(fd)
     return removed
+
+
+def _locked_temp(directory: str, base: str) -> tuple[str, int]:
+    """A new temporary file for a save to ``directory/base``, opened and flocked (its liveness,
+    see :func:`remove_stale_temps`); made again if a stale-temp sweep removed it before the lock."""
+    pid = os.getpid()
+    while True:
+        tmp = os.path.join(directory,
+                           f".{base}.tmp-{pid}-{_segment.process_start_time(pid)}-{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else holds a file this new...
+            if os.stat(tmp, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return tmp, fd
+        except BlockingIOError:
+            pass  # ... but a sweep may have locked it to judge it: then it unlinks it
+        except FileNotFoundError:
+            pass  # removed by a sweep between the open and the lock
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: Progress | None = None) -> int:
@@ -344,10 +379,8 @@ def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progres
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     remove_stale_temps(directory, base)  # left by saves that were killed mid-way
-    pid = os.getpid()
-    tmp = os.path.join(directory, f".{base}.tmp-{pid}-{_segment.process_start_time(pid)}-{secrets.token_hex(4)}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        tmp, fd = _locked_temp(directory, base)  # flocked until renamed into place: this save is alive
     except FileNotFoundError:
         raise InvalidArgumentError(f"cannot save to {path!r}: directory {directory!r} does not exist") from None
     except PermissionError:
@@ -369,10 +402,13 @@ def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progres
                     if last or _unchanged(store, seqs):
                         break
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # with the file (and its flock) still open: never judged stale before
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, FileNotFoundError) and not isinstance(e, ShmkvError):
+            raise SnapshotError(f"cannot save to {path!r}: the temporary file {tmp!r} was removed while the save "
+                                "ran (by hand, or by a program that does not honour its lock): save again") from None
         if isinstance(e, OSError) and not isinstance(e, ShmkvError):
             raise _save_error(e, path) from None
         raise

@@ -55,7 +55,7 @@ def _prepare_lock_file(name: str, mode: int) -> None:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as e:  # another user's file (EACCES), a symlink (ELOOP), ...
-        if e.errno in (errno.EMFILE, errno.ENFILE):
+        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT):
             raise _segment.os_error(e, os.path.basename(path)) from None
         raise AccessDeniedError(
             f"store {name!r}: cannot open lock file {path} ({os.strerror(e.errno or 0)}; {_segment._owner(path)}): "
@@ -188,8 +188,9 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             dseg.close()
             if live is not None:
                 live.close()
+            for path in (_liveness.live_path(name), _segment.lock_path(name)):
                 try:
-                    os.unlink(_liveness.live_path(name))  # no segment is left for it to serve
+                    os.unlink(path)  # no segment is left for them to serve (nor a handle: none was returned)
                 except OSError:
                     pass
             raise

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -59,6 +59,7 @@ from shmkv.errors import (
     CorruptStoreError,
     InvalidArgumentError,
     ShmkvError,
+    StoreClosedError,
     StoreNotFound,
 )
 
@@ -147,7 +148,8 @@ class Store(Arena):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        # closing counts: a handle whose lease close() just dropped says StoreClosedError, not ReadOnlyError
+        return self._closed or "_close_plan" in self.__dict__
 
     @property
     def persistent(self) -> bool:
@@ -162,39 +164,60 @@ class Store(Arena):
         process created (same store identity): a newer store of the same name
         is left alone.
         """
-        if not self._closed:
-            self._close(remove=self._creator and not self.persistent)
+        self._close(remove=None)
 
-    def _close(self, remove: bool) -> None:
-        if self._closed:
+    def _close(self, remove: bool | None) -> None:
+        """Close (``remove``: None, the creator's rule; True/False: remove or not). Another thread's
+        hold of the store lock (a structural operation in progress) is waited out first (up to
+        lock_timeout), and a thread that uses the handle afterwards gets StoreClosedError."""
+        if self.__dict__.get("_close_done"):
             return
-        inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
-        if not inherited and not self.readonly:
-            for handle in list(live_writers.values()):
-                if getattr(handle, "_store", None) is self:
-                    drop_lease(handle)
-            try:
-                # a store removed meanwhile has no lock file to take (taking it would leave one behind)
-                if read_identity(self.name) == self._identity:
-                    self._drop_waiters()
-            except Exception:  # closing must not fail because the lock is stuck
-                pass
-        self._unregister_client()  # our client row, and the byte of the liveness file (no lock taken)
-        remove = remove and not inherited
-        self._closed = True
-        if not inherited:  # this handle's sleepers in Sequence.wait look again: StoreClosedError
-            for slot in list(self._waiting):
-                _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
-        if self._finalizer is not None:
-            self._finalizer.detach()
+        quiet = self._lock.quiesce(self.lock_timeout)
+        try:
+            if not self.__dict__.get("_close_done"):  # (another thread closed it while this one waited)
+                self._teardown(remove)
+        finally:
+            if quiet:
+                self._lock.unquiesce()
+
+    def _teardown(self, remove: bool | None) -> None:
+        """Every step may be cut short by an exception (Ctrl-C): the next close() finishes the job
+        (each step is idempotent), and until it is done the finalizer still closes what is left."""
+        plan: tuple[bool, bool] | None = self.__dict__.get("_close_plan")
+        if plan is None:
+            if remove is None:
+                remove = self._creator and not bool(self._hdr[_header.W_PERSISTENT])
+            inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
+            plan = self._close_plan = (bool(remove) and not inherited, inherited)
+        remove, inherited = plan
+        if not self._closed:
+            if not inherited and not self.readonly:
+                for handle in list(live_writers.values()):
+                    if getattr(handle, "_store", None) is self:
+                        drop_lease(handle)
+                try:
+                    # a store removed meanwhile has no lock file to take (taking it would leave one behind)
+                    if read_identity(self.name) == self._identity:
+                        self._drop_waiters()
+                except Exception:  # closing must not fail because the lock is stuck
+                    pass
+            self._unregister_client()  # our client row, and the byte of the liveness file (no lock taken)
+            self._closed = True
+            if not inherited:  # this handle's sleepers in Sequence.wait look again: StoreClosedError
+                for slot in list(self._waiting):
+                    _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
         self._drop_views()
+        self._live.close()
         self._lock.close()
         self._hseg.close()  # unmapped now, unless views (or handles) the caller keeps hold them
         self._dseg.close()
+        if self._finalizer is not None:
+            self._finalizer.detach()
         if self._creator and not inherited:
             _exit_removals.pop((self.name, self._identity), None)
         if remove:
             _remove_if_same(self.name, self._identity)
+        self._close_done = True
 
     def _drop_waiters(self) -> None:
         """close(): take this handle's sleepers in Sequence.wait off the rows' waiter counts
@@ -209,9 +232,10 @@ class Store(Arena):
         objects and containers made of them), so that closing the segments unmaps them at once.
         What the caller still holds (views, Sequence handles) keeps its own pages mapped and valid
         until it is collected (never a segfault); a closed handle only checks it is closed."""
+        closed = _Closed(self.name)
         for attr, value in list(vars(self).items()):
             if _holds_views(value):
-                setattr(self, attr, None)
+                setattr(self, attr, closed)
 
     def unlink(self) -> None:
         """Remove the store (segments, lock and liveness files) now, if its name still holds the
@@ -221,8 +245,7 @@ class Store(Arena):
         Works on a closed handle too, as with ``multiprocessing.shared_memory``: ``store.close();
         store.unlink()`` removes a created, attached or persistent store (once; then it does nothing).
         """
-        if not self._closed:
-            self._close(remove=False)
+        self._close(remove=False)
         _remove_if_same(self.name, self._identity)
 
     def transaction(self) -> AbstractContextManager[None]:
@@ -281,6 +304,15 @@ class Store(Arena):
             >>> n = len(seq)                                              # doctest: +SKIP
             >>> seq.extend(k_all[:, n:], v_all[:, n:], tokens=prompt[n:])  # doctest: +SKIP
         """
+        made: list[int] = []  # (id, lease token) once the inner call has chosen them
+        try:
+            return self._create_sequence(capacity, prefix, tier, _protect, made)
+        except BaseException:  # KeyboardInterrupt included: the caller never gets the handle
+            if made:
+                self._drop_unreturned(made[0], made[1], free=True)
+            raise
+
+    def _create_sequence(self, capacity: int, prefix: Any, tier: Any, _protect: int, made: list[int]) -> Sequence:
         capacity = count("capacity", capacity, minimum=1)
         if capacity > self.layout.max_tokens:
             raise CacheFullError(
@@ -304,6 +336,7 @@ class Store(Arena):
             row = self._row(slot)
             seq_id = next_id + (slot - next_id) % rows  # the next id of that row: ids skip the rows in use
             self._hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
+            made += (seq_id, token)
             with self._transaction():  # the row and its prefix: both, or after a crash neither
                 with self._changing(row):
                     self._new_incarnation(row)
@@ -377,6 +410,32 @@ class Store(Arena):
             return Sequence(self, int(seq_id), slot, write=False, token=0)
         token = new_token()
         client = self._client_key()
+        try:
+            return self._take_lease(int(seq_id), token, client)
+        except BaseException:  # KeyboardInterrupt included: no lease is left for a handle never returned
+            self._drop_unreturned(int(seq_id), token, free=False)
+            raise
+
+    def _drop_unreturned(self, seq_id: int, token: int, *, free: bool) -> None:
+        """Undo what create_sequence (``free``) or a lease take-over did for a handle that never
+        reached its caller (an exception after the work, KeyboardInterrupt included): free the new
+        sequence, or give up the lease, if the row still holds ``token``. Best effort: the
+        exception that got here is what the caller sees."""
+        live_writers.pop(token, None)
+        try:
+            with self._locked():
+                slot = self._slot_of(seq_id)
+                row = self._row(slot)
+                if row[LEASE_TOKEN] != token:
+                    return
+                if free:
+                    self._free_row(slot)
+                else:
+                    row[LEASE_PID] = 0  # what release() does
+        except ShmkvError:  # closed, gone, or the lock is busy: nothing more to do here
+            pass
+
+    def _take_lease(self, seq_id: int, token: int, client: int) -> Sequence:
         with self._locked():
             slot = self._slot_of(seq_id)
             row = self._row(slot)
@@ -554,10 +613,31 @@ class Store(Arena):
         )
 
 
+class _Closed:
+    """What a closed handle holds instead of its views: any use raises StoreClosedError (another
+    thread that was past the handle's open check when it closed gets that, not a TypeError from None)."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _raise(self, *args: object, **kwargs: object) -> NoReturn:
+        raise StoreClosedError(f"store {self._name!r} is closed (by another thread?): attach again with "
+                               f"shmkv.attach({self._name!r})")
+
+    __getitem__ = __setitem__ = __len__ = __iter__ = __contains__ = __call__ = __bool__ = _raise
+
+    def __getattr__(self, attr: str) -> NoReturn:
+        self._raise()
+
+
 def _holds_views(value: object, depth: int = 2) -> bool:
     """Whether ``value`` is, or holds (``depth`` levels down), a view of a mapping."""
     if isinstance(value, (np.ndarray, memoryview, mmap.mmap)):
         return True
+    if isinstance(value, _Closed):  # (a close() that is finishing an interrupted one)
+        return False
     if depth <= 0 or isinstance(value, (str, bytes, int, float, Segment)):
         return False
     if isinstance(value, (list, tuple)):
@@ -671,6 +751,8 @@ def _lock_open_error(name: str, e: OSError) -> ShmkvError:
     if e.errno in (errno.EMFILE, errno.ENFILE):
         return CacheFullError(f"store {name!r}: cannot open its lock file {path} ({why}): close stores you no "
                               "longer use, or raise the limit (`ulimit -n`)")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a missing lock file that /dev/shm has no inode for
+        return _segment.shm_full(os.path.basename(path), e)
     if e.errno in (errno.EACCES, errno.EPERM, errno.ELOOP):
         return AccessDeniedError(
             f"store {name!r}: cannot open its lock file {path} ({why}): it must be a regular file that the "
@@ -707,6 +789,7 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         hseg = Segment.open(_segment.header_name(name), readonly)
     except StoreNotFound:
         raise StoreNotFound(f"no store named {name!r} (shmkv.list_stores() or `shmkv ls` lists them)") from None
+    opened: list[Segment] = []
     try:
         words = hseg.array(np.int64, _header.FIXED_BYTES // 8) if hseg.size >= 512 else None
         deadline = time.monotonic() + timeout
@@ -718,9 +801,9 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         persistent = words is not None and bool(words[_header.W_PERSISTENT])  # (read() refused a short one)
         del words, raw
         dseg = Segment.open(_segment.data_name(name), readonly)
+        opened.append(dseg)
         off = _header.offsets(layout, max_clients)
         if dseg.size < off.data_bytes:
-            dseg.close()
             raise CorruptStoreError(
                 f"store {name!r}: data segment is {dseg.size} bytes, the header needs {off.data_bytes}"
             )
@@ -729,8 +812,9 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         raise StoreNotFound(
             f"no store named {name!r} (shmkv.list_stores() or `shmkv ls` lists them)"
         ) from None
-    except BaseException:
-        hseg.close()
+    except BaseException:  # (Ctrl-C included: the data segment's descriptor too, if it was opened)
+        for seg in (hseg, *opened):
+            seg.close()
         raise
     try:
         store = Store(name, hseg, dseg, layout, max_clients, creator=False, persistent=persistent,
