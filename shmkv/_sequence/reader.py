@@ -96,8 +96,43 @@ class SeqReader:
     """Seqlocked reads of one sequence row, and the cell-addressing of its layers.
 
     Built by ``Sequence`` from its store's narrow core (``port``, see ``_port``; this part
-    never reaches into the store): what it reads often is copied into its own slots. ``wbase``
-    is the first cell of the row's active window buffer as the latest ``span`` saw it.
+    never reaches into the store): what it reads often is copied into its own slots.
+
+    The short names of the hot path (the writer, ``SeqWriter``, copies most of them):
+
+    ======== ================================================================================
+    name     what it is
+    ======== ================================================================================
+    L        layers
+    cell     (kv_heads, head_dim): the shape of one token's cell in one layer
+    plain    the storage dtype is read as is (not int8 or bfloat16 bits): zero-copy views
+    isfull   per layer: a full-attention layer (else sliding/chunked: a window buffer)
+    wc       window cells a slot has per buffer on sliding/chunked layers
+    Kr, Vr   per layer: read-only views of all cells (K, V) of the store
+    KS, VS   per layer: int8 scales (one float32 per cell and head), None on float stores
+    row      this sequence's row of the table (int64 memoryview; ``_engine.header`` columns)
+    inc      the row's incarnation when this handle was made (a freed row's is stale)
+    wbase    first cell of the row's active window buffer as the latest ``span`` saw it
+    ======== ================================================================================
+
+    The writer's (``SeqWriter``) beyond these:
+
+    ======== ================================================================================
+    name     what it is
+    ======== ================================================================================
+    r        the handle's reader part
+    Kw, Vw   per layer: writable views of all cells of the store (full layers) or of the
+             window buffers (sliding/chunked layers)
+    start    first cell of this sequence's range, as last refreshed
+    base     per layer: the cell that holds token 0 (window layers: in the active buffer)
+    lim      per layer: how many tokens fit before the layer needs room (growth, compaction)
+    vfrom    per layer: the first token the layer still holds (window layers drop older ones)
+    cached   (start, capacity, window offset, window base) that base/lim/vfrom were computed for
+    pending  per layer: tokens appended and not yet committed
+    gen      the row generation this handle's addressing was computed at
+    wcell    first cell of a slot's window buffer 0 or 1 (the port's); ``rewrite``: its cell moves
+    waddr    address of the row's futex word (the low half of LENGTH) for ``Sequence.wait``
+    ======== ================================================================================
     """
 
     __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "inc", "isfull", "locked", "plain",

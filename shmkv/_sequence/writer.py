@@ -71,7 +71,7 @@ class SeqWriter:
     The store's structural helpers (``locked``, ``changing``, ...) come from its narrow core,
     the reader's ``port``, copied into slots here: this part never reaches into the store.
     ``Sequence.append`` and ``Sequence.commit`` are this part's bound methods (no extra call
-    on the hot path).
+    on the hot path). Its short names are in the table of ``SeqReader``'s docstring.
     """
 
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
