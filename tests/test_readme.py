@@ -127,20 +127,32 @@ def _require(names: tuple[str, ...]) -> None:
 
 # Each block runs in a private /dev/shm and /tmp where the machine allows it (root: CI):
 # the pages use fixed names ("quickstart", "/tmp/quickstart.shmkv"), and another checkout's
-# suite running the same pages at the same time must not meet them. The command then
+# suite running the same pages at the same time must not meet them (/tmp stays the machine's
+# when the checkout or the interpreter lives there: see _lives_in_tmp). The command then
 # checks that the block left nothing in its /dev/shm. Elsewhere the block runs on the
 # machine's /dev/shm, and the plugin's leak check judges what it left.
-_ISOLATED = ('mount --make-rprivate / && mount -t tmpfs -o size=1g tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp '
-             '&& cat > "/tmp/$FILE" && cd /tmp && "$@" "/tmp/$FILE" && left=$(ls -A /dev/shm) '
+_ISOLATED = ('mount --make-rprivate / && mount -t tmpfs -o size=1g tmpfs /dev/shm '
+             '&& { [ -n "$KEEP_TMP" ] || mount -t tmpfs tmpfs /tmp; } '
+             '&& cd "$WORK" && cat > "$FILE" && "$@" "$WORK/$FILE" && left=$(ls -A /dev/shm) '
              '&& { [ -z "$left" ] || { echo "left in /dev/shm: $left" >&2; exit 3; }; }')
+
+
+def _lives_in_tmp() -> bool:
+    """Whether this interpreter, its packages or the checkout lie under /tmp: a tmpfs mounted
+    over /tmp would hide them (a clone in /tmp, as CI may make), so /tmp is then left alone."""
+    here = [sys.prefix, sys.executable, str(pathlib.Path(__file__).resolve().parent), *sys.path]
+    return any(os.path.realpath(p).startswith("/tmp/") for p in here if p)
 
 
 def run_script(text: str, filename: str, cmd: list[str], tmp_path: pathlib.Path,
                timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run ``cmd + [path of text saved as filename]``, isolated when the machine allows it."""
     if available() is None:
-        return subprocess.run(["unshare", "-m", "sh", "-c", _ISOLATED, "sh", *cmd], input=text,
-                              env={**os.environ, "FILE": filename}, capture_output=True, text=True, timeout=timeout)
+        keep_tmp = _lives_in_tmp()
+        env = {**os.environ, "FILE": filename, "WORK": str(tmp_path) if keep_tmp else "/tmp",
+               "KEEP_TMP": "1" if keep_tmp else ""}
+        return subprocess.run(["unshare", "-m", "sh", "-c", _ISOLATED, "sh", *cmd], input=text, env=env,
+                              capture_output=True, text=True, timeout=timeout)
     script = tmp_path / filename
     script.write_text(text)
     return subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
