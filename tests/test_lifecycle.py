@@ -226,7 +226,7 @@ _OUTLIVE = """
 import sys
 import numpy as np
 import shmkv
-name, dtype, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+name, dtype, kinds, how = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
 bounded = {"window": 4} if "sliding" in kinds else {"chunk": 8} if "chunked" in kinds else {}
 VIEWS = {  # one store a kind of view: any other view still alive could hold the mapping for it
     "keys": lambda store, a, b, layer: [a.keys(layer)],
@@ -236,7 +236,10 @@ VIEWS = {  # one store a kind of view: any other view still alive could hold the
     "batch_kv": lambda store, a, b, layer: list(store.batch_kv([a, b], layer)),
     "append": lambda store, a, b, layer: list(a.append(layer, np.ones((1, 2, 4)), np.ones((1, 2, 4)))),
 }
+WRITES = {"batch_kv", "append"}  # need write handles: not on a read-only attachment
 for which, make in VIEWS.items():
+    if how == "readonly" and which in WRITES:
+        continue
     for layer in range(len(kinds)):
         store = shmkv.create(name, layers=len(kinds), kv_heads=2, head_dim=4, dtype=dtype, max_tokens=512,
                              max_seqs=8, layer_types=kinds, **bounded)
@@ -244,7 +247,17 @@ for which, make in VIEWS.items():
         for v in (1.0, 2.0):  # no name is left bound to a handle: a live handle holds the mapping
             (a if v == 1.0 else b).extend(np.full((len(kinds), 20, 2, 4), v), np.full((len(kinds), 20, 2, 4), -v),
                                           tokens=np.arange(20))
-        views = make(store, a, b, layer)
+        if how == "created":
+            views = make(store, a, b, layer)
+        else:  # the views of another handle of the store, attached by name
+            other = shmkv.attach(name, readonly=how == "readonly")
+            ids = (a.id, b.id)
+            a.release()
+            b.release()
+            oa, ob = (other.sequence(i, write=how != "readonly") for i in ids)
+            views = make(other, oa, ob, layer)
+            del oa, ob
+            other.close()
         expect = [float(np.asarray(v, np.float64).sum()) for v in views]
         del a, b
         store.close()
@@ -256,14 +269,16 @@ print("ok")
 """
 
 
+@pytest.mark.parametrize("how", ["created", "attached", "readonly"])
 @pytest.mark.parametrize(("dtype", "kinds"), [  # int8 stores have full layers only
     *[(dt, kinds) for dt in ("float32", "float16") for kinds in ("full,full", "full,sliding", "chunked,full")],
     ("bfloat16", "full,full"), ("int8", "full,full")])
-def test_a_view_outliving_close_reads_its_data(dtype, kinds):
+def test_a_view_outliving_close_reads_its_data(dtype, kinds, how):
     """Views returned before close() stay valid memory after it (DESIGN §4): read in a child, where
     a view over an unmapped page would kill the process (SIGSEGV) instead of failing a test.
-    Found when the page-aligned layout built its arrays with np.ndarray over the mmap, which holds
-    no export of it: close() unmapped under live views."""
+    Views of the creator's handle, of a read-write attachment and of a read-only one. Found when
+    the page-aligned layout built its arrays with np.ndarray over the mmap, which holds no export
+    of it: close() unmapped under live views."""
     import subprocess
     import sys
 
@@ -271,7 +286,7 @@ def test_a_view_outliving_close_reads_its_data(dtype, kinds):
         pytest.importorskip("ml_dtypes")
     name = unique_name("outlive")
     try:
-        r = subprocess.run([sys.executable, "-c", _OUTLIVE, name, dtype, kinds], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-c", _OUTLIVE, name, dtype, kinds, how], capture_output=True, text=True,
                            timeout=120)
     finally:  # a child killed by a signal leaves its store: it was ours
         if name in shmkv.list_stores():
