@@ -14,6 +14,8 @@ from shmkv._engine.port import Port
 from shmkv._engine.header import (
     WBUF,
     CAPACITY,
+    SPAN_CELLS,
+    SPAN_PHYS,
     ID,
     LEASE_PID,
     LENGTH,
@@ -34,7 +36,8 @@ from shmkv._engine.header import (
 )
 from shmkv._engine.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError, NotSupportedError
-from shmkv._engine.pages import Pages, take_interval
+from shmkv._engine.pages import take_interval
+from shmkv._engine.sharing import Sharing
 
 
 def port(store: Arena) -> Port:
@@ -44,7 +47,7 @@ def port(store: Arena) -> Port:
     return p if p is not None else store._open_port()
 
 
-class Arena(Pages):
+class Arena(Sharing):
     """The cell-placing half of a store handle (the table and the lock are ``Core``'s)."""
 
     # Its Port, made once and kept while a handle holds it: the store holds it weakly, as the
@@ -58,6 +61,7 @@ class Arena(Pages):
                  lock_owned=self._lock.owned,
                  changing=self._changing, transaction=self._transaction,
                  new_incarnation=self._new_incarnation, check_not_leased_by_other=self._check_not_leased_by_other,
+                 shares=self._shares,
                  relocate=self._relocate, rewrite=self._rewrite, set_encoder=self._set_encoder,
                  copy_all_layers=self._copy_all_layers, wcell=self._wcell, kv_bytes=self._kv_bytes,
                  free_row=self._free_row, get_meta=self._get_meta, set_meta=self._set_meta,
@@ -112,6 +116,7 @@ class Arena(Pages):
         t = self._table_np
         used = t[:, STATE] != 0
         starts, caps = t[:, START][used], t[:, CAPACITY][used]  # a column first: a cheaper gather
+        taken = (taken or []) + self._spans_taken()  # a span's cells: taken while a row borrows them
         if taken:
             extra = np.asarray(taken, np.int64).reshape(-1, 2)
             starts, caps = np.concatenate([starts, extra[:, 0]]), np.concatenate([caps, extra[:, 1]])
@@ -132,17 +137,17 @@ class Arena(Pages):
 
     def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
                evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
-               stage: bool = False) -> int:
+               stage: bool = False, align: int = 1) -> int:
         """First-fit a range of ``capacity`` cells (lock held); reserve its pages.
 
         ``evict``: evict finished sequences (least recently used first, never row ``protect``,
         or the rows of a tuple) when no free range is large enough. ``populate``: see _reserve;
         ``stage``: see _stage."""
         gaps = self._free_ranges(taken)
-        fit = next((start for start, size in gaps if size >= capacity), None)
-        if fit is None and evict and self._evict(capacity, 0, protect):
+        fit = _first_fit(gaps, capacity, align)
+        if fit is None and evict and self._evict(capacity + align - 1, 0, protect):
             gaps = self._free_ranges(taken)
-            fit = next((start for start, size in gaps if size >= capacity), None)
+            fit = _first_fit(gaps, capacity, align)
         if fit is not None:
             if stage:
                 self._stage(fit, capacity)
@@ -169,13 +174,15 @@ class Arena(Pages):
         enc = {i: int(t[i, ENC_SLOT]) - 1 for i in cand}  # an evicted sequence frees its encoder row too
         used = [int(i) for i in np.flatnonzero(t[:, STATE] != 0)]
         free_rows = self.layout.max_seqs - len(used)
+        spans = [(int(t[i, SPAN_PHYS]), int(t[i, SPAN_CELLS]), i) for i in used if t[i, SPAN_CELLS]]
 
         def fits(gone: set[int]) -> bool:
             if free_rows + len(gone) < rows:
                 return False
             if not cells:
                 return True
-            live = sorted((int(t[i, START]), int(t[i, CAPACITY])) for i in used if i not in gone)
+            live = sorted([(int(t[i, START]), int(t[i, CAPACITY])) for i in used if i not in gone]
+                          + [(a, m) for a, m, i in spans if i not in gone])  # a span counts once, kept
             pos = 0
             for start, cap in live:
                 if start - pos >= cells:
@@ -333,10 +340,13 @@ class Arena(Pages):
             self._copy_window(a0 + src, b0 + dst, n)
         return new_start, 1 - wb
 
-    def _copy_cells(self, src: int, dst: int, n: int) -> None:
-        """Copy n cells of every layer, token id and position (lock held; overlap-safe)."""
+    def _copy_cells(self, src: int, dst: int, n: int, kv_from: int = 0) -> None:
+        """Copy n cells of every layer, token id and position (lock held; overlap-safe); K, V and
+        scales from cell ``kv_from`` on only (the cells before it are borrowed: _engine/sharing.py)."""
         if n <= 0 or src == dst:
             return
+        tok_src, tok_dst, tok_n = src, dst, n
+        src, dst, n = src + kv_from, dst + kv_from, n - kv_from
         # into fresh cells (a new range): through the descriptor, which skips zeroing them
         fresh = self._fresh(dst, n) and (src + n <= dst or dst + n <= src)
         # one layer at a time: a 4-D slice over all layers spans overlapping address
@@ -349,31 +359,39 @@ class Arena(Pages):
                     np.copyto(layer[dst : dst + n], layer[src : src + n])
         if fresh:
             take_interval(self._owed, dst, dst + n)
+        src, dst, n = tok_src, tok_dst, tok_n
         self._tokens[dst : dst + n] = self._tokens[src : src + n]
         self._positions[dst : dst + n] = self._positions[src : src + n]
         self._hashes[dst : dst + n] = self._hashes[src : src + n]
 
-    def _new_row(self, capacity: int, protect: int = -1, near: int = 0) -> tuple[int, int]:
+    def _new_row(self, capacity: int, protect: int = -1, near: int = 0, align: int = 1,
+                 skip: int = 0) -> tuple[int, int]:
         """A free table row (the first at or after row ``near``) and a reserved range for a new
         sequence (lock held), evicting finished sequences other than row ``protect`` when there
-        is no room."""
+        is no room. ``align``: the range starts on a multiple of it (a page unit: a donor or a
+        borrower of shared pages); ``skip``: its first cells' K/V pages are borrowed, not reserved."""
         has_row = bool((self._table_np[:, STATE] == 0).any())
-        fit = next((start for start, size in self._free_ranges() if size >= capacity), None)
+        fit = _first_fit(self._free_ranges(), capacity, align)
         if not has_row or fit is None:
             # one plan for the row and the cells together: evict only if both then fit
-            self._evict(capacity, 1, protect)
+            self._evict(capacity + align - 1, 1, protect)
             fit = None  # the ranges changed: _alloc looks again (and names the shortfall)
         slot = self._free_slot("a new sequence", near=near)
         # allocated, not pre-faulted: a prefill (extend) writes it through the descriptor and
         # pre-faults the rest then (_write_new); a first append pre-faults it all (before_appends)
-        if fit is None:
-            fit = self._alloc(capacity, populate=False)
+        if fit is None and skip:
+            fit = self._alloc(capacity, populate=False, align=align, stage=True)  # (only checks the room)
+            self._page_unit_reserve(fit, capacity, skip)
+        elif fit is None:
+            fit = self._alloc(capacity, populate=False, align=align)
+        elif skip:
+            self._page_unit_reserve(fit, capacity, skip)
         else:  # the free ranges were just scanned: no second scan on the create path
             self._reserve(fit, capacity, populate=False)
         self._reserve_window(slot)
         return slot, fit
 
-    def _copy_prefix_rows(self, s_slot: int, d_slot: int, n: int, *, held: bool = False) -> None:
+    def _copy_prefix_rows(self, s_slot: int, d_slot: int, n: int, *, held: bool = False, share: int = 0) -> None:
         """copy_prefix between rows (lock held, ids checked): dst's content becomes src's first
         n tokens, and dst's whole blocks join the prefix index.
 
@@ -397,7 +415,7 @@ class Arena(Pages):
         with self._changing(d_row):
             if d_row[LENGTH] == 0 and n <= d_row[CAPACITY]:
                 # dst holds nothing committed: its own cells and window buffer are free to write
-                self._copy_cells(s_row[START], d_row[START], n)
+                self._copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)
                 self._copy_window(src_win, self._wcell(d_slot, d_row[WBUF]), n - lo)
                 _crash.point("copy_prefix.copied")
             else:  # never over dst's committed cells: a fresh range and dst's other window buffer
@@ -462,3 +480,12 @@ class Arena(Pages):
             f"is that large ({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free): "
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
+
+
+def _first_fit(gaps: list[tuple[int, int]], capacity: int, align: int) -> int | None:
+    """The first start, a multiple of ``align``, of ``capacity`` cells inside one of ``gaps``."""
+    for start, size in gaps:
+        a = -(-start // align) * align
+        if a + capacity <= start + size:
+            return a
+    return None

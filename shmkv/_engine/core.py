@@ -34,6 +34,7 @@ from shmkv._engine.lease import live_writers
 from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.prefix import PrefixIndex
 from shmkv._engine.segment import Segment
+from shmkv._engine.share import Shares
 from shmkv.errors import (
     CorruptStoreError,
     InvalidArgumentError,
@@ -160,6 +161,13 @@ class Core(Journal):
         # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
         self._owed: list[tuple[int, int]] = []
         self._dbase = self._tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
+        # shared prefix pages (DESIGN §11): what a span covers, and what this process has mapped
+        pieces = [(base + i * off.layer_stride, off.cell_bytes) for base in (off.k_off, off.v_off) for i in self._full]
+        if off.scale_stride:
+            pieces += [(base + i * off.scale_stride, layout.kv_heads * 4) for base in (off.ks_off, off.vs_off)
+                       for i in range(L)]
+        self._shares = Shares(self._hdr, self._table_np, dmm, dseg.fileno(), pieces, readonly=hseg.readonly,
+                              reserved=self._reserved, owed=self._owed)
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Core] | None = \
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)

@@ -51,17 +51,19 @@ Header segment ``/dev/shm/skv_NAME.h``::
     344                  1      recoveries: operations of dead processes rolled back, ever
     352                  1      allocation counter: bumped (lock held) by every change of a row's range or
                                 state and by recovery; a process's free-range cache is valid at its value
-    360 .. 511                  reserved (zero)
+    360                  1      span epoch: odd while a transaction changes shared prefix pages (_engine/share.py),
+                                bumped to even when it ends; a process re-maps when its copy is stale
+    368 .. 511                  reserved (zero)
     512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
                                   padded to 8 bytes
-    SEQ_OFF              16 x max_seqs    sequence table, one 128-byte row a sequence
+    SEQ_OFF              18 x max_seqs    sequence table, one 144-byte row a sequence
     CLIENT_OFF           4 x max_clients  client table, one 32-byte row a process
     INDEX_OFF            4 x index slots  prefix index, one 32-byte entry a slot (see _prefix)
     META_OFF             65 x max_seqs    per-sequence metadata (seq.meta), one 520-byte record a row:
                                           a word with the msgpack length, then up to META_BYTES bytes
-    UNDO_OFF             82 x max_seqs    undo log: one entry per row changed by the structural
+    UNDO_OFF             84 x max_seqs    undo log: one entry per row changed by the structural
                                           operation in progress: slot (bit 32 set: the meta words
-                                          are logged too), its 16 row words and its 65 meta words
+                                          are logged too), its 18 row words and its 65 meta words
                                           as they were before
     WAIT_OFF             1 x max_seqs     waiters: threads sleeping in Sequence.wait on the row, changed
                                           under the lock; a commit wakes them if nonzero (_sequence/waiting.py)
@@ -95,6 +97,8 @@ Sequence row (int64 words)::
     14 CLEAN       tokens [0, CLEAN) are a faithful computation from position 0 (a donor may
                    give them); -1 = all of them. remove() lowers it: moved keys were re-rotated
     15 WBUF        which of the slot's two window buffers the bounded layers use (0 or 1)
+    16 SPAN_PHYS   a borrower's first SPAN_CELLS cells of every full layer's K, V (int8 scales) are
+    17 SPAN_CELLS  the pages of cells SPAN_PHYS.. (_engine/share.py); FLAGS bit 3 LENT: may be lent
 
 Client row: pid (for display), client key (see liveness; the row belongs to whoever holds the
 slot's byte of the liveness file), flags (1 = read-write), reserved.
@@ -119,9 +123,8 @@ multiple of ``page_unit`` are whole pages of every per-layer array, DESIGN §11)
     K scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
     V scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
 
-The free ranges are not stored: they are the gaps between the live rows'
-ranges, computed under the store lock, so they can never disagree with the
-table (a crash half-way through an allocation cannot leak cells).
+The free ranges are not stored: they are the gaps between the live rows' ranges and spans,
+computed under the store lock (a crash half-way through an allocation cannot leak cells).
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
 # 3: leads in the prefix index (row FLAGS bits 8..10, lead entries, a larger index); liveness by
 #    client keys (creator word 13, lease word 7, client row word 1) and the liveness file
 # 4: waiter counts (WAIT_OFF), the allocation counter (word 44)
-FORMAT_VERSION = 4
+# 5: shared prefix pages (row words 16, 17; FLAGS bit 3; the span epoch, word 45)
+FORMAT_VERSION = 5
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
@@ -151,15 +155,15 @@ W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_CLIENT = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
 W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
 W_INDEX_USED = 38
-W_UNDO_COUNT, W_UNDO_PID, W_BIRTHS, W_RECOVERIES, W_ALLOCS = 40, 41, 42, 43, 44
+W_UNDO_COUNT, W_UNDO_PID, W_BIRTHS, W_RECOVERIES, W_ALLOCS, W_SPANS = 40, 41, 42, 43, 44, 45
 W_IDENTITY, W_SESSION = 20, 21
 FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 
 # sequence row columns
 STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_CLIENT, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
-FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF = 11, 12, 13, 14, 15
-FINISHED, NOINDEX, DISPLACER = 1, 2, 4  # FLAGS bits
+FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF, SPAN_PHYS, SPAN_CELLS = 11, 12, 13, 14, 15, 16, 17
+FINISHED, NOINDEX, DISPLACER, LENT = 1, 2, 4, 8  # FLAGS bits
 LEADS_SHIFT, LEADS_MASK = 8, 7 << 8  # FLAGS bits 8..10: leads indexed (0..len(LEAD))
 
 
@@ -172,7 +176,7 @@ def with_leads(flags: int, levels: int) -> int:
     """``flags`` with its LEADS bits set to ``levels``."""
     return (flags & ~LEADS_MASK) | (levels << LEADS_SHIFT)
 LIVE, ENCODER = 1, 2  # STATE values (0: free slot)
-SEQ_WORDS = 16
+SEQ_WORDS = 18
 # client row columns
 C_PID, C_KEY, C_FLAGS = 0, 1, 2
 CLIENT_WORDS = 4
@@ -394,13 +398,9 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     ks_off = _align(wv_off + len(layout.bounded) * w_stride, page)
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
-    return Offsets(
-        seq_off, client_off, index_off, slots, meta_off, undo_off, wait_off, header_bytes, k_off, v_off, tokens_off,
-        positions_off, hashes_off,
-        wk_off, wv_off, w_stride,
-        ks_off, vs_off,
-        scale_stride, data_bytes, layer_stride, cell_bytes, unit,
-    )
+    return Offsets(seq_off, client_off, index_off, slots, meta_off, undo_off, wait_off, header_bytes, k_off, v_off,
+                   tokens_off, positions_off, hashes_off, wk_off, wv_off, w_stride, ks_off, vs_off,
+                   scale_stride, data_bytes, layer_stride, cell_bytes, unit)
 
 
 _CHECKED_WORDS = [W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS, W_MAX_SEQS, W_MAX_CLIENTS,

@@ -66,13 +66,14 @@ import numpy as np
 
 from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
-from shmkv._engine.header import CAPACITY, GEN, SEQ_WORDS, START, STATE
+from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENT, SEQ_WORDS, SPAN_CELLS, START, STATE
 from shmkv._engine.interrupts import critical
 from shmkv._engine.lock import StoreLock
 
 if TYPE_CHECKING:
     from shmkv._engine.free_ranges import FreeRanges
     from shmkv._engine.header import Layout
+    from shmkv._engine.share import Shares
 
 _SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
 _META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
@@ -110,6 +111,7 @@ class Journal:
     _free: FreeRanges  # this process's free ranges (_engine/free_ranges.py): kept by _changing
     _waiters: memoryview  # Sequence.wait's sleepers per row (woken when a transaction ends)
     _length_addr0: int
+    _shares: Shares  # what this process has mapped of the table's spans (_engine/share.py)
 
     def _row(self, slot: int) -> memoryview:
         raise NotImplementedError
@@ -119,6 +121,20 @@ class Journal:
 
     def _check_writable(self) -> None:
         raise NotImplementedError
+
+    def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int]) -> None:
+        raise NotImplementedError
+
+    def _spans_odd(self) -> None:
+        """A transaction is about to change spans (lock held): the span epoch odd until it ends,
+        so every other process re-maps after it (``_engine/share.py``); this one is current."""
+        hdr = self._hdr
+        e = hdr[_header.W_SPANS]
+        if not e & 1:
+            hdr[_header.W_SPANS] = e + 1
+            self._shares.applied = e + 1
+        self._free.tag = -1  # spans hold cells: the gaps are derived again
+        hdr[_header.W_ALLOCS] += 1
 
     # -- the one way in ------------------------------------------------------------------
 
@@ -217,8 +233,13 @@ class Journal:
         """Commit the outermost transaction: its rows even, then the log empty (invariants 3, 4)."""
         for row in self._logged.values():
             row[GEN] += 1
-        self._hdr[_header.W_GENERATION] += 1
-        self._hdr[_header.W_UNDO_COUNT] = 0
+        hdr = self._hdr
+        hdr[_header.W_GENERATION] += 1
+        e = hdr[_header.W_SPANS]
+        if e & 1:  # spans changed: even again, after the rows (a reader that saw them sees it moved)
+            hdr[_header.W_SPANS] = e + 1
+            self._shares.applied = e + 1
+        hdr[_header.W_UNDO_COUNT] = 0
         for slot in self._logged:
             if self._waiters[slot]:
                 self._wake(slot)
@@ -253,10 +274,13 @@ class Journal:
                 self._meta_w[slot] = entry[1 + SEQ_WORDS :]
             row[GEN] = gen + 1
             self._wake(slot)
+        if hdr[_header.W_SPANS] & 1:  # spans rolled back: every process (this one too) re-maps
+            hdr[_header.W_SPANS] += 1
         hdr[_header.W_UNDO_COUNT] = 0
         hdr[_header.W_GENERATION] += 1
         self._free.unknown(hdr)  # ranges and states changed back: the free-range cache is stale
         self._slot_hint.clear()
+        self._shares.sync()
         return int(k)
 
     @critical
@@ -275,6 +299,8 @@ class Journal:
             self._wake(int(slot))
         if len(odd):
             self._free.unknown(hdr)
+        if hdr[_header.W_SPANS] & 1:
+            hdr[_header.W_SPANS] += 1
         if k or len(odd):
             hdr[_header.W_RECOVERIES] += 1
             hdr[_header.W_GENERATION] += 1
@@ -305,6 +331,12 @@ class _Entered:
         if lock.depth == 1 and (self.scan or j._hdr[_header.W_UNDO_COUNT] or j._depth):
             try:
                 j._recover(self.scan)
+            except BaseException:
+                lock.release()
+                raise
+        if j._hdr[_header.W_SPANS] != j._shares.applied:  # before anything is written (_engine/share.py, 1)
+            try:
+                j._shares.sync()
             except BaseException:
                 lock.release()
                 raise
@@ -384,12 +416,26 @@ class _Change:
                 raise
             j._logged[slot] = row
             row[GEN] += 1  # odd: readers wait (invariant 3)
+        if row[SPAN_CELLS]:  # a borrower: its span may change (_engine/sharing.py)
+            j._spans_odd()
+        elif row[FLAGS] & LENT:
+            j._free.tag = -1
         self.slot = slot
         self.outer = j._free.brackets.setdefault(slot, was := (row[STATE], row[START], row[CAPACITY])) is was
         self.was = was
 
     @critical
     def __exit__(self, exc_type: object, *exc: object) -> None:
+        row = self.row
+        if exc_type is None and self.outer and (row[SPAN_CELLS] or row[FLAGS] & LENT):
+            try:
+                self.j._settle_span(self.slot, row, self.was)  # shared cells stay unwritten
+            except BaseException as e:
+                self._close(type(e))
+                raise
+        self._close(exc_type)
+
+    def _close(self, exc_type: object) -> None:
         j, row = self.j, self.row
         if self.outer and j._free.brackets.pop(self.slot) != (row[STATE], row[START], row[CAPACITY]):
             j._free.changed(self.was, row, j._hdr)

@@ -30,6 +30,8 @@ from typing import Protocol
 
 import numpy as np
 
+from shmkv._engine.share import Shares
+
 Arrays = list[np.ndarray]
 Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Arena._rewrite
 
@@ -130,6 +132,7 @@ class Port:
     transaction: Callable[[], AbstractContextManager[None]]
     new_incarnation: Callable[[memoryview], None]
     check_not_leased_by_other: CheckLease
+    shares: Shares  # shared prefix pages: a reader re-maps (``shares.sync``) when the span epoch moved
     # cells and rows
     relocate: Callable[[int, memoryview, int, int], None]
     rewrite: Callable[[int, Parts, Parts], tuple[int, int]]

@@ -356,6 +356,9 @@ class Segment:
             return end - begin
         return missing
 
+    def fileno(self) -> int:
+        return self._fd
+
     def array(self, dtype: DTypeLike, count: int = -1, offset: int = 0) -> np.ndarray:
         """A numpy view of ``count`` items at byte ``offset`` of the mapping (the caller drops it
         before close: a view must not outlive its mapping)."""

@@ -22,7 +22,7 @@ from shmkv._sequence import quant as _quant
 from shmkv._sequence import waiting as _waiting
 from shmkv._engine.checks import count, ints
 from shmkv._engine.core import _readonly
-from shmkv._engine.header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, WBUF, WIN_OFF
+from shmkv._engine.header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, W_SPANS, WBUF, WIN_OFF
 from shmkv._engine.journal import INCARNATION_SHIFT
 from shmkv._sequence.visibility import attention_mask, visible_from
 from shmkv.errors import InvalidArgumentError, SequenceNotFound, StoreClosedError
@@ -136,8 +136,8 @@ class SeqReader:
     """
 
     __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "inc", "isfull", "locked", "plain",
-                 "port", "positions", "reading", "row", "settled_row", "slot", "store", "table_row", "tokens", "wbase",
-                 "wc")
+                 "port", "positions", "reading", "row", "settled_row", "shares", "slot", "store", "table_row", "tokens",
+                 "wbase", "wc")
 
     def __init__(self, store: Store, port: Port, seq_id: int, slot: int, row: memoryview) -> None:
         self.store = store
@@ -154,6 +154,7 @@ class SeqReader:
         self.tokens, self.positions = port.tokens, port.positions
         self.reading, self.locked = port.reading, port.locked
         self.settled_row, self.table_row = port.settled_row, port.row
+        self.shares = port.shares
 
     # -- the row ---------------------------------------------------------------------
 
@@ -183,12 +184,31 @@ class SeqReader:
         self.wbase = (2 * self.slot + wbuf) * self.wc
         return start, cap, length, woff
 
+    def mapped(self, read: Callable[[], T]) -> T:
+        """``read()`` (a seqlocked read of rows) with this process's mapping of shared prefix pages
+        current before and after it (``_engine/share.py``, 1): the cells of what it read are the
+        ones the table says."""
+        sh = self.shares
+        while True:
+            e = sh.applied
+            if sh.hdr[W_SPANS] != e:
+                sh.sync(self.reading, self.settled_row)
+                continue
+            value = read()
+            if sh.hdr[W_SPANS] == e and sh.applied == e:
+                return value
+
     def span(self) -> tuple[int, int, int, int]:
         """A consistent (start, capacity, length, window offset) of the row (seqlock read)."""
         if self.store.closed:  # check() and live() inlined: seq.length, keys() and views come here
             self.check()
-        state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, self.words, self.reading, self.settled_words,
-                                                               self.port.lock_owned)
+        sh = self.shares
+        e = sh.applied
+        words = seqlocked(self.row, self.words, self.reading, self.settled_words, self.port.lock_owned)
+        if sh.hdr[W_SPANS] != e or sh.applied != e:  # spans changed meanwhile, or not mapped yet
+            words = self.mapped(lambda: seqlocked(self.row, self.words, self.reading, self.settled_words,
+                                                  self.port.lock_owned))
+        state, sid, start, cap, length, woff, wbuf = words
         if state != LIVE or sid != self.id or self.row[GEN] >> INCARNATION_SHIFT != self.inc:
             raise self._freed()
         self.wbase = (2 * self.slot + wbuf) * self.wc
@@ -347,8 +367,8 @@ class SeqReader:
             lo, hi = self.cells(layer, start, woff, self.first(layer, woff), length)
             return words, np.array(self.view("k", layer, lo, hi)), np.array(self.view("v", layer, lo, hi))
 
-        words, k, v = seqlocked(self.row, lambda: copy(self.words()), self.reading,
-                                lambda: copy(self.settled_words()))
+        words, k, v = self.mapped(lambda: seqlocked(self.row, lambda: copy(self.words()), self.reading,
+                                                    lambda: copy(self.settled_words())))
         self.live(words)
         return k, v
 
@@ -365,8 +385,8 @@ class SeqReader:
             return e[START], e[LENGTH]
 
         # a structural change running all along is waited out: never a silently empty result
-        a, n = seqlocked(self.row, lambda: encoder(self.table_row), self.reading,
-                         lambda: encoder(self.settled_row))
+        a, n = self.mapped(lambda: seqlocked(self.row, lambda: encoder(self.table_row), self.reading,
+                                             lambda: encoder(self.settled_row)))
         K, V, KS, VS = self.arena
         ks = KS[layer, a : a + n] if KS is not None else None
         vs = VS[layer, a : a + n] if VS is not None else None

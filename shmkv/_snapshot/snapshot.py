@@ -158,6 +158,8 @@ def _capture(store: Store, ids: list[int] | None, *, locked: bool) -> list[_Seq]
             raise _Busy
     if not locked and core.hdr[_header.W_UNDO_COUNT]:
         raise _Busy  # a transaction began meanwhile: its rows may be in what was read
+    if core.hdr[_header.W_SPANS] != core.shares.applied:  # shared prefix pages mapped as the rows say
+        core.shares.sync(core.reading, core.settled_row)
     if ids is not None and len({s.id for s in out}) != len(out):
         raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice")
     return sorted(out, key=lambda s: s.id)

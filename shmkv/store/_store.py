@@ -28,6 +28,8 @@ from shmkv._engine.header import (
     SEQ_WORDS,
     WBUF,
     CAPACITY,
+    SPAN_CELLS,
+    SPAN_PHYS,
     GEN,
     ID,
     LEASE_CLIENT,
@@ -105,6 +107,8 @@ class StoreStats:
     prefix_misses: int = 0  # ... that reused none
     prefix_tokens_reused: int = 0
     evictions: int = 0  # finished sequences evicted to make room
+    shared_tokens: int = 0  # tokens sequences read from another's pages (shared prefix pages, DESIGN §11)
+    bytes_shared: int = 0  # K/V bytes those tokens would take as copies: held once, by the span
 
 
 class Store(Arena):
@@ -326,13 +330,18 @@ class Store(Arena):
             n, _, donor = self._index.match(toks) if toks is not None else (0, 0, -1)
             # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
             next_id, rows = self._hdr[_header.W_NEXT_ID], self.layout.max_seqs
+            # a prompt's sequence starts on a page unit: it may lend its pages, or borrow (DESIGN §11)
+            unit = self._off.page_unit  # (a range shorter than a unit never lends: no alignment waste)
+            align = unit if toks is not None and max(capacity, n) >= unit else 1
+            phys, m, owner = self._lend(donor, n) if n else (0, 0, -1)
             try:
-                slot, start = self._new_row(max(capacity, n), protect=donor if n else _protect, near=next_id % rows)
+                slot, start = self._new_row(max(capacity, n), protect=donor if n else _protect, near=next_id % rows,
+                                            align=align, skip=m)
             except CacheFullError:
                 if n == 0:
                     raise
-                n, donor = 0, -1  # only the donor's eviction makes room: a miss, which may evict it
-                slot, start = self._new_row(capacity, protect=_protect, near=next_id % rows)
+                n, donor, m = 0, -1, 0  # only the donor's eviction makes room: a miss, which may evict it
+                slot, start = self._new_row(capacity, protect=_protect, near=next_id % rows, align=align)
             row = self._row(slot)
             seq_id = next_id + (slot - next_id) % rows  # the next id of that row: ids skip the rows in use
             self._hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
@@ -351,6 +360,7 @@ class Store(Arena):
                     row[FLAGS] = 0
                     row[IDX_BLOCKS] = 0
                     row[CLEAN] = -1
+                    row[SPAN_PHYS] = row[SPAN_CELLS] = 0
                     self._log_meta(slot)
                     self._meta[slot, :8] = 0
                     self._touch(row)
@@ -359,7 +369,9 @@ class Store(Arena):
                     row[LEASE_PID] = os.getpid()
                     row[STATE] = LIVE
                 if n:
-                    self._copy_prefix_rows(donor, slot, n)
+                    self._copy_prefix_rows(donor, slot, n, share=m)
+                    if m:
+                        self._borrow(slot, phys, m, owner)
                     _crash.point("create.copied")
             if toks is not None:
                 hdr = self._hdr
@@ -588,6 +600,8 @@ class Store(Arena):
         enc_bpt = self._kv_bytes(self.layout.layers)  # an encoder token has every layer
         kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if self.layout.bounded else 0
         wbytes = self._kv_bytes(len(self.layout.bounded))  # per token the bounded layers keep
+        shared, _ = self._shared_cells()
+        held = self._held_cells() if shared else reserved  # a span's cells count once
         return StoreStats(
             name=self.name,
             sequences=int(live.shape[0]),
@@ -599,7 +613,7 @@ class Store(Arena):
             largest_free_range=max((s for _, s in gaps), default=0),
             bytes_per_token=bpt,
             bytes_used=tokens * bpt + kept * wbytes + enc_tokens * enc_bpt,
-            bytes_reserved=reserved * bpt + int(live.shape[0]) * 2 * self._wc * wbytes
+            bytes_reserved=held * (bpt - 16) + reserved * 16 + int(live.shape[0]) * 2 * self._wc * wbytes
             + int(encoders[:, CAPACITY].sum()) * enc_bpt,
             encoder_tokens=enc_tokens,
             window_tokens=kept,
@@ -610,6 +624,8 @@ class Store(Arena):
             prefix_misses=int(self._hdr[_header.W_PREFIX_MISSES]),
             prefix_tokens_reused=int(self._hdr[_header.W_PREFIX_REUSED]),
             evictions=int(self._hdr[_header.W_EVICTIONS]),
+            shared_tokens=shared,
+            bytes_shared=shared * (bpt - 16),
         )
 
 

@@ -1,0 +1,224 @@
+"""Shared prefix pages, the mapping side (DESIGN §11, issue 23): a borrower's first cells are
+the donor's pages, remapped in place in every process.
+
+Design (chosen over stitching a view per process, see docs/prefix-cache.md): a sequence that
+reuses a cached prefix gets its own full range as before, but its first ``m`` cells (its *span*,
+``m`` a multiple of the page unit, its range and the donor's starting on one) of every full
+layer's K and V (and int8 scales) are, in every process, a ``mmap(MAP_FIXED | MAP_SHARED)`` of
+the data segment at the donor's cells; its own pages there are punched out (they hold no
+memory). Every view stays an ordinary slice of the main arrays: ``keys``, ``append``'s views,
+``torch_kv``, ``batch_kv`` and ``Batch`` are unchanged, ``np.shares_memory`` holds.
+
+The truth is the table: row words ``SPAN_PHYS``, ``SPAN_CELLS`` (``_engine.header``), changed in
+journaled transactions like any other word (rolled back with them). A span's physical cells
+stay taken while a row borrows them (the free ranges count them, ``Arena``), however many do
+(a refcount derived from the table, never stored). What a process has mapped is a pure
+function of the table: ``Shares.sync`` re-applies it when the header's span epoch
+(``W_SPANS``) differs from the value it applied. The epoch is made odd, by the lock holder,
+before the first change of a span-bearing row in a transaction (``Journal._Change``) and
+even when the transaction ends (or is rolled back), so:
+
+1. A process re-applies the table before any read of a row's cells (``SeqReader``: the epoch is
+   checked before and after the row's seqlocked read) and at every entry of the store lock
+   (before a create, a lease, a structural operation writes anything): it never reads, and
+   never writes, through a stale alias.
+2. A transaction's own process applies its own span changes at once (``Sharing``).
+3. Shared cells are never written: a borrower that truncates below its span gets private
+   copies first (copy-on-write), one whose range moves (growth, remove, shift_left,
+   copy_prefix) or is freed drops its span, and a donor that truncates into lent cells moves
+   (``Sharing._settle_span``, run at the end of every change of such a row).
+
+Mapping count: a borrower costs about two mappings a shared array (2 x full layers, plus 2 x
+layers of int8 scales) in every process attached; ``max_borrowers`` keeps live borrowers within
+a quarter of ``vm.max_map_count``; beyond it a reuse copies as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+
+from shmkv._engine import header as _header
+from shmkv._engine.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
+from shmkv._engine.intervals import take_interval
+from shmkv._engine.stitch import _FAILED, _MAP_FIXED, _MAP_SHARED, _PROT_READ, _PROT_WRITE, _libc, _mmap
+from shmkv.errors import ShmkvError
+
+__all__ = ["ENABLED", "MAP_BUDGET", "Shares", "max_borrowers"]
+
+PAGE = mmap.PAGESIZE
+_PUNCH = 3  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_fallocate = _libc.fallocate
+_fallocate.restype = ctypes.c_int
+_fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+
+_SPIN = 2000
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+# The mappings live borrowers may cost a process: a quarter of vm.max_map_count (65,530 by
+# default), the rest left to the interpreter, its libraries and the segments themselves.
+MAP_BUDGET = _max_map_count() // 4
+
+
+# Reuses borrow when True; False makes them copy as before (a switch for tests and benchmarks:
+# the copied reference a borrower is compared with, the baseline a sharing figure is a ratio of).
+ENABLED = os.environ.get("SHMKV_SHARE", "1") != "0"
+
+
+def max_borrowers(arrays: int) -> int:
+    """Live borrowers a store allows when a span covers ``arrays`` per-layer arrays (two
+    mappings each, in every process); a reuse beyond it copies (all of them when sharing is
+    off: ``ENABLED``)."""
+    return MAP_BUDGET // max(2 * arrays, 1) if ENABLED else 0
+
+
+class ShareError(ShmkvError, OSError):
+    """The kernel refused to map a shared span (out of ``vm.max_map_count``?)."""
+
+
+Want = dict[int, tuple[int, int, int]]  # slot -> (start, physical start, cells)
+
+
+class Shares:
+    """What one store handle has mapped of the table's spans (see the module docstring).
+
+    ``pieces``: (byte offset of cell 0, bytes a cell) of every array a span covers. Holds a
+    view of the data mapping (``anchor``: its addresses stay mapped while this object lives,
+    so a remap never lands in unmapped address space) and a descriptor of its own."""
+
+    def __init__(self, hdr: memoryview, table: np.ndarray, mm: Any, fd: int, pieces: list[tuple[int, int]], *,
+                 readonly: bool, reserved: tuple[list[tuple[int, int]], ...], owed: list[tuple[int, int]]) -> None:
+        self.hdr, self.table = hdr, table
+        self.anchor = np.frombuffer(mm, np.uint8)
+        self.base = self.anchor.ctypes.data
+        self.fd = os.dup(fd)
+        self.pieces = pieces
+        self.prot = _PROT_READ | (0 if readonly else _PROT_WRITE)
+        self.reserved, self.owed = reserved, owed
+        self.applied = -1  # the epoch whose table this process has mapped (-1: nothing yet)
+        self.cur: Want = {}
+        self.lock = threading.RLock()
+
+    def __del__(self) -> None:
+        fd, self.fd = getattr(self, "fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+    # -- the mappings ------------------------------------------------------------------------
+
+    def remap(self, start: int, phys: int, m: int) -> None:
+        """Cells [start, start + m) of every shared array show cells [phys, phys + m) (``phys ==
+        start``: their own pages again)."""
+        if m <= 0:
+            return
+        with self.lock:
+            if self.fd < 0:
+                return
+            for off, cb in self.pieces:
+                n = m * cb
+                addr = self.base + off + start * cb
+                got = _mmap(addr, n, self.prot, _MAP_SHARED | _MAP_FIXED, self.fd, off + phys * cb)
+                if got in (None, _FAILED) or got != addr:
+                    no = ctypes.get_errno()
+                    raise ShareError(no, f"cannot map {n} bytes of shared prefix pages: {os.strerror(no)} "
+                                     "(too many mappings? see vm.max_map_count)")
+            for spans in (*self.reserved, self.owed):
+                take_interval(spans, start, start + m)  # its own pages may be holes now: reserve again
+
+    def punch(self, start: int, m: int) -> None:
+        """Give back the memory of cells [start, start + m)'s own pages in every shared array."""
+        for off, cb in self.pieces:
+            if _fallocate(self.fd, _PUNCH, off + start * cb, m * cb) != 0:
+                no = ctypes.get_errno()
+                raise ShareError(no, f"cannot punch out {m * cb} bytes of a borrower's pages: {os.strerror(no)}")
+        for spans in (*self.reserved, self.owed):
+            take_interval(spans, start, start + m)
+
+    def wanted(self, rows: Callable[[int], Any] | None = None) -> Want:
+        """The spans of the table (or of ``rows(slot)``, the rows as a rollback leaves them)."""
+        t = self.table
+        if rows is None:
+            idx = np.flatnonzero(t[:, SPAN_CELLS] > 0)
+            return {int(s): (int(t[s, START]), int(t[s, SPAN_PHYS]), int(t[s, SPAN_CELLS])) for s in idx
+                    if t[s, STATE] == LIVE}
+        out: Want = {}
+        for s in range(len(t)):
+            r = rows(s)
+            if r[STATE] == LIVE and r[SPAN_CELLS] > 0:
+                out[s] = (r[START], r[SPAN_PHYS], r[SPAN_CELLS])
+        return out
+
+    def apply(self, want: Want) -> None:
+        """Map what ``want`` says, undoing what is mapped and no longer wanted."""
+        with self.lock:
+            cur = self.cur
+            for slot, (start, phys, m) in list(cur.items()):
+                if want.get(slot) != (start, phys, m):
+                    self.remap(start, start, m)
+                    del cur[slot]
+            for slot, (start, phys, m) in want.items():
+                if slot not in cur:
+                    self.remap(start, phys, m)
+                    cur[slot] = (start, phys, m)
+
+    def set(self, slot: int, span: tuple[int, int, int] | None) -> None:
+        """This process's own change of one row's span (lock held, epoch odd): map it now."""
+        with self.lock:
+            old = self.cur.pop(slot, None)
+            if old is not None:
+                self.remap(old[0], old[0], old[2])
+            if span is not None:
+                self.remap(*span)
+                self.cur[slot] = span
+
+    # -- following the table -----------------------------------------------------------------
+
+    def sync(self, reading: Callable[[], AbstractContextManager[None]] | None = None,
+             settled: Callable[[int], Any] | None = None) -> None:
+        """Map the table's spans if the epoch moved since this process last did (waiting out a
+        transaction that changes spans: its epoch is odd). ``reading``: the fallback after
+        ``_SPIN`` tries (the store lock, whose entry syncs; a read-only attachment's shared
+        lock, then ``settled`` rows: a dead writer's transaction as its rollback leaves it)."""
+        hdr = self.hdr
+        with self.lock:
+            for i in range(_SPIN):
+                e = hdr[_header.W_SPANS]
+                if e == self.applied:
+                    return
+                if not e & 1:
+                    self.apply(self.wanted())
+                    if hdr[_header.W_SPANS] == e:
+                        self.applied = e
+                        return
+                if reading is None:
+                    break
+                if i > 50:
+                    time.sleep(0)
+        if reading is not None:
+            with reading():  # a read-write attachment's lock entry synced; a read-only one:
+                if hdr[_header.W_SPANS] != self.applied:
+                    with self.lock:
+                        self.apply(self.wanted(settled))
+                        self.applied = hdr[_header.W_SPANS]
+
+    def close(self) -> None:
+        with self.lock:
+            fd, self.fd = self.fd, -1
+            if fd >= 0:
+                os.close(fd)
