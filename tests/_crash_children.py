@@ -15,20 +15,28 @@ import shmkv
 
 LAYOUT = dict(layers=2, kv_heads=2, head_dim=4, dtype="float32", max_tokens=512, max_seqs=12)
 BOUNDED = dict(LAYOUT, layer_types=["full", "sliding"], window=4, memory=8)
+# shared prefix pages (share.* points): cells of 1 KiB, a page unit of 4 cells, so that A (after X's
+# 4 cells in the matrix of tests/test_journal.py, or at 0) may lend its first 32 cells
+SHARED = dict(LAYOUT, head_dim=128)
 
 
-def kv(tokens: Any, layers: int = 2) -> tuple[np.ndarray, np.ndarray]:
+def layout_for(point: str) -> dict:
+    return BOUNDED if point.startswith("compact") else SHARED if point.startswith("share") else LAYOUT
+
+
+def kv(tokens: Any, layers: int = 2, head_dim: int = 4) -> tuple[np.ndarray, np.ndarray]:
     t = np.asarray(tokens, np.float32)
     k = t[None, :, None, None] * 4 + np.arange(layers, dtype=np.float32)[:, None, None, None] * 0.5 + np.zeros(
-        (1, 1, 2, 4), np.float32)
+        (1, 1, 2, head_dim), np.float32)
     return k, -k
 
 
 def fill(seq: shmkv.Sequence, tokens: Any) -> None:
     """Append and commit ``tokens``, 8 at a time (a sliding layer takes at most memory=8 a commit)."""
     t = np.asarray(tokens, np.int64)
+    d = seq.keys(0).shape[-1]
     for i in range(0, len(t), 8):
-        k, v = kv(t[i : i + 8])
+        k, v = kv(t[i : i + 8], head_dim=d)
         seq.extend(k, v, tokens=t[i : i + 8])
 
 
@@ -51,6 +59,12 @@ def base(store: shmkv.Store) -> dict[str, int]:
 
 def prepare(store: shmkv.Store, point: str, ids: dict[str, int]) -> None:
     """What some points' operation starts from, set up on base() (in the test, for both stores)."""
+    if point in ("share.unshared", "share.released", "share.moved"):  # S borrows A's first 32 cells
+        s = store.create_sequence(capacity=64, prefix=np.concatenate([np.arange(100, 135), [7, 7]]))
+        assert len(s) == 35 and store.stats().shared_tokens == 32, store.stats()
+        s.release()  # (op finds it: the one sequence of 35 tokens)
+        if point == "share.moved":  # A taken back (no longer finished) before: the op only truncates
+            store.sequence(ids["a"], write=True).release()
     if point == "grow.slid":  # C gets a neighbour after it and 64 free cells before it: it slides
         d = store.create_sequence(capacity=32)  # (created first: it takes the cells right after C)
         fill(d, np.arange(800, 805))
@@ -58,11 +72,28 @@ def prepare(store: shmkv.Store, point: str, ids: dict[str, int]) -> None:
         store.sequence(ids["b"], write=True).free()
 
 
+def _borrower(store: shmkv.Store) -> int:
+    return next(i.id for i in store.sequences() if i.length == 35)
+
+
 def op(store: shmkv.Store, point: str, ids: dict[str, int], snap: str) -> None:
     """The operation that passes through ``point``."""
     a, b, c = ids["a"], ids["b"], ids["c"]
     kind = point.split(".", maxsplit=1)[0]
-    if kind == "create":
+    d = store.layout.head_dim
+    if point == "share.borrowed":
+        assert store.create_sequence(capacity=64, prefix=np.concatenate([np.arange(100, 135), [7, 7]])).id
+    elif point == "share.unshared":  # the borrower truncates into its span: copy-on-write
+        s = store.sequence(_borrower(store), write=True)
+        s.truncate(10)
+        fill(s, np.arange(500, 505))
+    elif point == "share.released":  # the last borrower goes
+        store.sequence(_borrower(store), write=True).free()
+    elif point == "share.moved":  # the donor truncates into what it lent: it moves
+        s = store.sequence(a, write=True)
+        s.truncate(10)
+        fill(s, np.arange(500, 505))
+    elif kind == "create":
         store.create_sequence(capacity=64, prefix=np.concatenate([np.arange(100, 135), [7, 7]]))
     elif kind == "free":
         store.sequence(c, write=True).free()
@@ -72,7 +103,7 @@ def op(store: shmkv.Store, point: str, ids: dict[str, int], snap: str) -> None:
         fill(s, np.arange(500, 505))
     elif point in ("grow.extended", "grow.slid"):  # C outgrows its 32 cells in one extend: free cells
         t = np.arange(420, 440)  # after it (in place), or before it (slide)
-        store.sequence(c, write=True).extend(*kv(t), tokens=t)
+        store.sequence(c, write=True).extend(*kv(t, head_dim=d), tokens=t)
     elif kind == "grow":
         s = store.sequence(ids["n"], write=True)  # N: B right after it, A right before
         fill(s, np.arange(310, 330))  # 30 > capacity 16: it moves
@@ -90,8 +121,8 @@ def op(store: shmkv.Store, point: str, ids: dict[str, int], snap: str) -> None:
             fill(s, [t])
     elif kind == "set_encoder":
         s = store.sequence(b, write=True)
-        s.set_encoder(*kv(np.arange(600, 606)))
-        s.set_encoder(*kv(np.arange(700, 709)))  # replaces: the old encoder row is freed
+        s.set_encoder(*kv(np.arange(600, 606), head_dim=d))
+        s.set_encoder(*kv(np.arange(700, 709), head_dim=d))  # replaces: the old encoder row is freed
     elif kind == "restore":
         store.restore(snap)
     elif kind == "lease":
@@ -111,7 +142,7 @@ def state(store: shmkv.Store) -> list[tuple[Any, ...]]:
         for layer in range(store.layout.layers):
             k, v = s.read(layer)
             held = toks[len(toks) - len(k):] if len(k) < len(toks) else toks
-            want_k, want_v = kv(held)
+            want_k, want_v = kv(held, head_dim=store.layout.head_dim)
             np.testing.assert_array_equal(k, want_k[layer], err_msg=f"sequence {info.id} layer {layer} K")
             np.testing.assert_array_equal(v, want_v[layer], err_msg=f"sequence {info.id} layer {layer} V")
         ek, _ = s.encoder_kv(0)

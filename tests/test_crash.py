@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import pytest
-from _crash_children import BOUNDED, LAYOUT, base, fill, op, prepare, state, stress
+from _crash_children import LAYOUT, base, fill, layout_for, op, prepare, state, stress
 
 import shmkv
 from shmkv._engine import crash as _crash
@@ -32,7 +32,7 @@ HERE = os.path.dirname(__file__)
 
 
 def _store_for(make_store, point: str) -> shmkv.Store:
-    return make_store(**(BOUNDED if point.startswith("compact") else LAYOUT))
+    return make_store(**layout_for(point))
 
 
 def _check_usable(store: shmkv.Store, tmp_path) -> None:
@@ -102,7 +102,7 @@ def test_killed_at_every_crash_point(make_store, tmp_path, point):
 
 def test_every_structural_operation_has_a_crash_point():
     ops = {"create", "free", "truncate", "grow", "copy_prefix", "fork", "remove", "shift_left", "compact",
-           "set_encoder", "restore", "lease", "finish"}
+           "set_encoder", "restore", "lease", "finish", "share"}
     assert ops == {p.split(".")[0] for p in _crash.POINTS}
     pkg = pathlib.Path(_crash.__file__).parent.parent  # the package: points sit in every subpackage
     src = "".join(f.read_text() for f in pkg.rglob("*.py"))

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 import pytest
-from _crash_children import BOUNDED, LAYOUT, base, fill, op, prepare, state
+from _crash_children import LAYOUT, base, fill, layout_for, op, prepare, state
 
 import shmkv
 from shmkv import cli
@@ -42,7 +42,7 @@ HOLDERS = ("transaction", "create_sequence", "create_sequence_prefix", "truncate
 
 
 def _layout(point: str) -> dict:
-    return BOUNDED if point.startswith("compact") else LAYOUT
+    return layout_for(point)
 
 
 def _scenario(store: shmkv.Store, point: str, snap: str, xsnap: str | None) -> tuple[dict, shmkv.Sequence]:

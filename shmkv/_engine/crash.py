@@ -35,6 +35,10 @@ POINTS = (
     "restore.published",  # restore: some rows published, not all, next id not advanced
     "lease.taken",  # lease take-over: pid written, start time and token not
     "finish.flagged",
+    "share.borrowed",  # a reuse borrows a donor's pages: span recorded, its own pages punched out
+    "share.unshared",  # copy-on-write: private copies of what a borrower keeps written, span not shrunk
+    "share.released",  # a borrower freed or moved: its span dropped (the last one: its cells free)
+    "share.moved",  # a donor truncated into cells it lent: copied to a fresh range, not switched
 )
 
 _spec = os.environ.get("SHMKV_CRASH_AT", "")
