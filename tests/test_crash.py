@@ -110,9 +110,13 @@ def test_every_structural_operation_has_a_crash_point():
         assert f'_crash.point("{p}")' in src, p
 
 
-def test_random_kills_of_a_writer_doing_mixed_operations(make_store):
+@pytest.mark.parametrize("layout", ["plain", "shared"])
+def test_random_kills_of_a_writer_doing_mixed_operations(make_store, layout):
+    """``shared``: cells of 1 KiB (a page unit of 4 cells), so that reuses of the writer's shared
+    prompts borrow pages, and its truncates, removes, shift_lefts, forks and frees un-share them."""
     kills = int(os.environ.get("SHMKV_CRASH_KILLS", "60"))
-    store = make_store(**dict(LAYOUT, max_tokens=1024, max_seqs=24))
+    store = make_store(**dict(LAYOUT if layout == "plain" else layout_for("share"), max_tokens=1024, max_seqs=24))
+    shared = 0
     rng = np.random.default_rng(int(os.environ.get("SHMKV_CRASH_SEED", "11")))
     print(f"seed {os.environ.get('SHMKV_CRASH_SEED', '11')}, {kills} kills")
     recovered = 0
@@ -129,7 +133,9 @@ def test_random_kills_of_a_writer_doing_mixed_operations(make_store):
         ids = [s.id for s in store.sequences()]
         assert len(ids) == len(set(ids))
         recovered = int(store._hdr[_header.W_RECOVERIES])
-    print(f"{recovered} recoveries in {kills} kills")
+        shared = max(shared, store.stats().shared_tokens)
+    print(f"{recovered} recoveries in {kills} kills, at most {shared} tokens shared")
+    assert (shared > 0) == (layout == "shared")
     s = store.create_sequence(capacity=4)
     fill(s, [1, 2])
     assert recovered > 0  # some kills landed inside structural operations

@@ -29,6 +29,7 @@ from shmkv._engine.header import (
     FINISHED,
     FLAGS,
     IDX_BLOCKS,
+    LENT,
     NOINDEX,
     RECENCY,
     leads,
@@ -456,8 +457,9 @@ class Arena(Sharing):
                 _crash.point("grow.extended")
                 return
             new_start = max(before[0], start + cap + after[1] - want)
-            if before[1] + cap + after[1] >= want and new_start + keep <= start:
-                # slide down into free cells before it, never over its own committed cells
+            if before[1] + cap + after[1] >= want and new_start + keep <= start and not row[FLAGS] & LENT:
+                # slide down into free cells before it, never over its own committed cells (nor
+                # over cells it lent: tests/test_crash.py::test_random_kills...[shared] found it)
                 self._reserve(new_start, want)
                 self._copy_cells(start, new_start, keep)  # (no overlap: the condition above)
                 _crash.point("grow.slid")
