@@ -327,3 +327,55 @@ def test_a_lender_that_grows_never_slides_over_what_it_lent(make_store):
     assert _same(_content(b, 3), before)
     assert np.array_equal(d.keys(0)[:40], k[0].astype(np.float16))
     assert np.array_equal(d.keys(0)[40:], k2[0].astype(np.float16))
+
+
+def test_chaos_with_sharing(make_store, tmp_path):
+    """Two writers doing mixed operations on shared prompts (tests/_crash_children.stress: reuses
+    borrow; truncates, removes, shift_lefts, forks, frees un-share or release), SIGKILLed at random
+    and restarted, beside a verifying read-only reader and a snapshotter: zero wrong reads, and
+    after it all the store and the last snapshot hold every token's own K/V."""
+    import signal
+    import time
+
+    from _crash_children import layout_for, state, stress
+    from _share_children import snapshotter, verifier
+
+    from shmkv import cli
+    from shmkv.testing import start_in_process, unique_name
+
+    seconds = float(os.environ.get("SHMKV_CHAOS_SECONDS", "6"))
+    store = make_store(**dict(layout_for("share"), max_tokens=1024, max_seqs=24))
+    path = str(tmp_path / "chaos.shmkv")
+    rng = np.random.default_rng(int(os.environ.get("SHMKV_CHAOS_SEED", "21")))
+    reader = start_in_process(verifier, store.name, seconds, start_method="fork", timeout=seconds + 60)
+    snap = start_in_process(snapshotter, store.name, path, seconds, start_method="fork", timeout=seconds + 60)
+    seed = 1000
+    writers = [start_in_process(stress, store.name, seed + i, start_method="fork", timeout=seconds + 60)
+               for i in range(2)]
+    shared = kills = 0
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            time.sleep(float(rng.uniform(0.005, 0.08)))
+            i = int(rng.integers(0, 2))
+            writers[i].kill(signal.SIGKILL)
+            kills += 1
+            seed += 1
+            writers[i] = start_in_process(stress, store.name, seed + 2, start_method="fork", timeout=seconds + 60)
+            shared = max(shared, store.stats().shared_tokens)
+    finally:
+        for w in writers:
+            w.kill(signal.SIGKILL)
+    got = reader.result()
+    saves = snap.result()
+    print(f"{kills} kills, reads {got}, {saves} saves, at most {shared} tokens shared")
+    assert got["reads"] > 0 and saves > 0 and shared > 0
+    with store.transaction():  # the next lock holder recovers
+        pass
+    assert cli.verify(store) == []
+    state(store)
+    loaded = shmkv.load(path, name=unique_name("chaos"))
+    try:
+        state(loaded)
+    finally:
+        loaded.unlink()
