@@ -196,6 +196,9 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
         st = store.stats()
         out(f"prefix cache: {reused} of {total} prompt tokens reused, {total - reused} computed "
             f"({st.prefix_hits} hits, {st.prefix_misses} misses: create_sequence(prefix=...) found them)")
+        if st.prefix_hits:
+            out(f"shared prefix pages: {st.bytes_shared} bytes read in place from another sequence's pages, "
+                f"{st.bytes_shared // st.prefix_hits} bytes a request (not copied)")
         out("each request's new tokens against a single-process numpy run without shmkv "
             "('matches': the same tokens):")
         for r in sorted(got, key=lambda r: r.index):
