@@ -101,7 +101,7 @@ def test_close_interrupted_half_way_is_finished_by_the_next_close(make_store, mo
     store = make_store()
     before = _fds(store.name)
     handle = shmkv.attach(store.name)
-    real, calls, own = _segment.Segment.close, [], handle._hseg
+    real, calls, own = _segment.Segment.close, [], handle._engine._hseg
 
     def interrupted(self):
         if self is own and not calls:  # the handle's header segment, half-way through its close

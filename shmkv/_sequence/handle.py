@@ -10,11 +10,12 @@ across those, or use ``read(layer)``, which copies under the seqlock.
 Views are read-only: committed cells are immutable.
 
 ``Sequence`` is the public face; the work is done by its parts, each in its own module:
-``_seq_reader.SeqReader`` (seqlocked reads, cell addressing, views, masks, waiting),
-``_seq_writer.SeqWriter`` (the lease holder's pending tokens, append, commit, extend,
-growth, compaction, encoding) and ``_seq_structural`` (truncate, shift_left, remove).
-They reach the store through its narrow core only, ``_port.Port`` (``_arena.port(store)``):
-this module and the parts touch no underscore attribute of the store.
+``reader.SeqReader`` (seqlocked reads, cell addressing, views, masks, waiting),
+``writer.SeqWriter`` (the lease holder's pending tokens, append, commit, extend,
+growth, compaction, encoding) and ``structural`` (truncate, shift_left, remove).
+They reach the store's engine through its narrow core only, the ``_engine.port.Port`` protocol
+that the store hands each handle: this module and the parts touch no underscore attribute of the
+engine, and the public store (``Owner``: ``seq.store``, fork, pickling) only through its API.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import numpy as np
 
-from shmkv._engine import arena as _arena
 from shmkv._engine import crash as _crash
-from shmkv._engine import pages as _pages
 from shmkv._engine import segment as _segment
 from shmkv._sequence import rewind as _seq_rewind
 from shmkv._sequence import structural as _seq_structural
@@ -52,9 +52,34 @@ from shmkv._sequence.writer import SeqWriter, pack_meta
 from shmkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from shmkv.store._store import Store
+    from shmkv._engine.header import Layout
+    from shmkv._engine.port import Port
 
-__all__ = ["Sequence", "ShiftFn", "drop_lease", "writer_for", "writer_part"]
+__all__ = ["Owner", "Sequence", "ShiftFn", "drop_lease", "writer_for", "writer_part"]
+
+
+class Owner(Protocol):
+    """The public store as the sequence layer uses it: what ``seq.store`` is, what a fork and
+    the group operations call (``store.Store`` implements it; mypy checks that it does)."""
+
+    name: str
+    layout: Layout
+    readonly: bool
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+    def sequence(self, seq_id: int, write: bool = False) -> Sequence: ...
+
+    def create_sequence(self, capacity: int = ..., *, prefix: Any = ..., tier: Any = ...,
+                        _protect: int = ...) -> Sequence: ...
+
+    def copy_prefix(self, src_id: int, dst_id: int, n: int) -> None: ...
+
+    def transaction(self) -> AbstractContextManager[None]: ...
 
 
 class Sequence:
@@ -65,15 +90,15 @@ class Sequence:
     the committed tokens.
     """
 
-    def __init__(self, store: Store, seq_id: int, slot: int, *, write: bool, token: int) -> None:
+    def __init__(self, store: Owner, port: Port, seq_id: int, slot: int, *, write: bool, token: int) -> None:
         self._store = store
         self.id = int(seq_id)
         self._slot = slot
-        self._p = p = _arena.port(store)
+        self._p = p = port
         self._row = row = p.row(slot)
         self._token = token
         self._epoch = _segment.fork_epoch
-        self._r = r = SeqReader(store, p, self.id, slot, row)
+        self._r = r = SeqReader(p, self.id, slot, row)
         self._w = w = SeqWriter(r, write=write, token=token, epoch=self._epoch)
         # The per-token hot path: the writer's own methods, with no call layer in between
         # (the class's append/commit below say what they do, for help() and the docs).
@@ -93,7 +118,7 @@ class Sequence:
             return f"<shmkv.Sequence id={self.id} {kind} (unavailable)>"
 
     @property
-    def store(self) -> Store:
+    def store(self) -> Owner:
         """The store this sequence lives in (through this handle's attachment)."""
         return self._store
 
@@ -314,7 +339,7 @@ class Sequence:
             child._w.refresh()
             # the refresh above takes the child's first append off the checked path, which is
             # where a new range's pages are pre-faulted: do it here (not on the per-token path)
-            _pages.before_appends(st, child._w.start, child._row[CAPACITY])
+            p.before_appends(child._w.start, child._row[CAPACITY])
         return child
 
     @property
@@ -509,10 +534,10 @@ class Sequence:
         return self._r.torch_kv(layer, (self._w.Kw, self._w.Vw), cells)
 
 
-def writer_for(store: Store, seq_id: int) -> Sequence | None:
+def writer_for(store: Owner, seq_id: int) -> Sequence | None:
     """This process's live write handle on ``seq_id`` through ``store``, if any."""
     for handle in list(live_writers.values()):
-        if handle.store is store and handle.id == seq_id and handle.writable:
+        if isinstance(handle, Sequence) and handle.store is store and handle.id == seq_id and handle.writable:
             return handle
     return None
 
@@ -527,5 +552,5 @@ def drop_lease(handle: Sequence) -> None:
     handle._drop_lease()
 
 
-def _unpickle_sequence(store: Store, seq_id: int) -> Sequence:
+def _unpickle_sequence(store: Owner, seq_id: int) -> Sequence:
     return store.sequence(seq_id)

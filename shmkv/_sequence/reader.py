@@ -30,7 +30,6 @@ from shmkv.errors import InvalidArgumentError, SequenceNotFound, StoreClosedErro
 if TYPE_CHECKING:
     from shmkv._engine.header import Layout
     from shmkv._engine.port import Port
-    from shmkv.store._store import Store
 
 _SPIN = 2000  # seqlock retries before falling back to the store lock
 
@@ -43,8 +42,8 @@ def seqlocked(row: memoryview, read: Callable[[], T], reading: Callable[[], Abst
               settled: Callable[[], T], mine: Callable[[], bool] | None = None) -> T:
     """The one seqlock read of a sequence row (DESIGN.md section 3): one retry policy, one fallback.
 
-    Structural operations make the row's generation odd while they change it (``_core``'s
-    ``_changing``). ``read()`` runs between two reads of the generation, and its value is
+    Structural operations make the row's generation odd while they change it (``Journal``'s
+    ``changing``). ``read()`` runs between two reads of the generation, and its value is
     returned once the generation was even and the same after it. Up to ``_SPIN`` tries, the
     CPU given up (``sleep(0)``) between tries after the first 50; then ``settled()`` under
     ``reading()``: the store lock on a read-write attachment (taking it rolls back what a dead
@@ -136,17 +135,16 @@ class SeqReader:
     """
 
     __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "inc", "isfull", "locked", "plain",
-                 "port", "positions", "reading", "row", "settled_row", "slot", "store", "table_row", "tokens", "wbase",
+                 "port", "positions", "reading", "row", "settled_row", "slot", "table_row", "tokens", "wbase",
                  "wc")
 
-    def __init__(self, store: Store, port: Port, seq_id: int, slot: int, row: memoryview) -> None:
-        self.store = store
+    def __init__(self, port: Port, seq_id: int, slot: int, row: memoryview) -> None:
         self.port = port
         self.id = seq_id
         self.slot = slot
         self.row = row
         self.inc = row[GEN] >> INCARNATION_SHIFT  # which life of the row this handle is on (_journal, 8)
-        self.L, self.cell, self.dtype, self.plain, self.isfull, self.wc = _geometry(store.layout)
+        self.L, self.cell, self.dtype, self.plain, self.isfull, self.wc = _geometry(port.layout)
         self.wbase = 0  # first cell of its active window buffer: set by every span
         self.Kr, self.Vr = port.Kr, port.Vr  # read-only per-layer views, shared by handles
         self.KS, self.VS = port.KSl, port.VSl  # int8 scales per layer, else None
@@ -158,11 +156,11 @@ class SeqReader:
     # -- the row ---------------------------------------------------------------------
 
     def check(self) -> None:
-        if self.store.closed:
-            raise StoreClosedError(f"store {self.store.name!r} is closed; sequence {self.id} is unusable")
+        if self.port.closed:
+            raise StoreClosedError(f"store {self.port.name!r} is closed; sequence {self.id} is unusable")
 
     def _freed(self) -> SequenceNotFound:
-        return SequenceNotFound(f"sequence {self.id} of store {self.store.name!r} was freed")
+        return SequenceNotFound(f"sequence {self.id} of store {self.port.name!r} was freed")
 
     def words(self) -> Words:
         """The row's words a reader needs, as they are now (torn while a structural op runs)."""
@@ -185,7 +183,7 @@ class SeqReader:
 
     def span(self) -> tuple[int, int, int, int]:
         """A consistent (start, capacity, length, window offset) of the row (seqlock read)."""
-        if self.store.closed:  # check() and live() inlined: seq.length, keys() and views come here
+        if self.port.closed:  # check() and live() inlined: seq.length, keys() and views come here
             self.check()
         state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, self.words, self.reading, self.settled_words,
                                                                self.port.lock_owned)
@@ -287,7 +285,7 @@ class SeqReader:
         if pending:
             last = int(self.positions[start + length - 1]) if length else -1
             keys_pos = np.concatenate([keys_pos, np.arange(last + 1, last + 1 + pending)])
-        return attention_mask(self.store.layout, layer, q, keys_pos)
+        return attention_mask(self.port.layout, layer, q, keys_pos)
 
     def can_resume(self, pos: int) -> bool:
         pos = count("pos", pos)
@@ -296,7 +294,7 @@ class SeqReader:
         if pos > (int(positions[-1]) if length else -1) + 1:
             return False
         for layer in range(self.L):
-            lo_pos = int(visible_from(self.store.layout, layer, pos))  # the oldest position it needs
+            lo_pos = int(visible_from(self.port.layout, layer, pos))  # the oldest position it needs
             held = positions[self.first(layer, woff) :]
             held = held[(held >= lo_pos) & (held < pos)]  # increasing ints: size and ends decide
             if held.size != pos - lo_pos or (held.size and (held[0] != lo_pos or held[-1] != pos - 1)):
@@ -394,7 +392,7 @@ class SeqReader:
                 a = self.view(which, layer, lo, hi)  # a fresh dequantized array
                 out.append(torch.from_numpy(a if a.flags.writeable else a.copy()))
                 continue
-            raw = arrays[layer][lo:hi] if not self.store.readonly else np.array(
+            raw = arrays[layer][lo:hi] if not self.port.readonly else np.array(
                 (self.Kr if which == "k" else self.Vr)[layer][lo:hi])
             if self.dtype == "bfloat16":
                 out.append(torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16))

@@ -16,7 +16,6 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import futex as _futex
-from shmkv._engine import pages as _pages
 from shmkv._sequence import quant as _quant
 from shmkv._engine import segment as _segment
 from shmkv._engine.checks import ints
@@ -77,14 +76,14 @@ class SeqWriter:
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
-                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "mirror", "pending", "plain", "positions",
-                 "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store", "token", "tokens",
+                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "mirror", "pending", "plain", "port",
+                 "positions", "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "token", "tokens",
                  "vfrom", "waddr", "waiters", "wc", "wcell", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
         p = r.port
-        self.store = r.store
+        self.port = p  # the store's engine (its narrow core)
         self.id, self.slot, self.row = r.id, r.slot, r.row
         self.L, self.cell, self.dtype, self.plain = r.L, r.cell, r.dtype, r.plain
         self.isfull, self.wc = r.isfull, r.wc
@@ -159,7 +158,7 @@ class SeqWriter:
     def need_writer(self, what: str) -> None:
         """Refuse ``what`` unless this handle holds the lease, here and now; reload the range
         after a structural change made by someone else (then pending tokens are dropped)."""
-        if self.store.closed:
+        if self.port.closed:
             self.r.check()  # raises
         if not self.write:
             raise ReadOnlyError(
@@ -184,7 +183,7 @@ class SeqWriter:
             self.pending = [0] * self.L
             self.refresh()
             if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
-                _pages.before_appends(self.store, self.start, row[CAPACITY])
+                self.port.before_appends(self.start, row[CAPACITY])
 
     def kv_arrays(self, k: Any, v: Any, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts).
@@ -297,7 +296,7 @@ class SeqWriter:
     def compact(self, layer: int, end: int) -> None:
         """Make room in the window buffers: keep the last ``keep`` committed tokens (and
         every layer's pending ones) at the buffer's start. A structural change."""
-        lay = self.store.layout
+        lay = self.port.layout
         keep_n = lay.keep
         with self.locked():
             row = self.row
@@ -325,7 +324,7 @@ class SeqWriter:
 
     def grow(self, needed: int) -> None:
         """Give the sequence room for ``needed`` tokens (a structural change; pending tokens stay)."""
-        st = self.store
+        st = self.port
         if needed > st.layout.max_tokens:  # refused before anything moves or grows
             raise CacheFullError(
                 f"sequence {self.id} would hold {needed} tokens, more than store {st.name!r}'s "
@@ -436,12 +435,12 @@ class SeqWriter:
             ints("tokens", tokens, n)
         if positions is not None:
             ints("positions", positions, n)
-        lay = self.store.layout
+        lay = self.port.layout
         if in_steps and lay.bounded and n > lay.step:
             return self.extend_in_steps(k_all, v_all, tokens, positions, lay.step)
         try:
             # fresh cells (a prefill): written through the segment's descriptor (no page zeroing)
-            if _pages.write_new(self.store, self.start, self.row[LENGTH], self.row[CAPACITY], (k_all, v_all)):
+            if self.port.write_new(self.start, self.row[LENGTH], self.row[CAPACITY], k_all, v_all):
                 self.pending = [n] * self.L
             else:
                 for layer in range(self.L):  # (int8: quantized, its non-finite values refused, here)

@@ -237,7 +237,7 @@ class _Reader:
         With a ``pool`` and a ``dest``, the crc is checked on the pool (overlapping
         the next read) and the returned future raises SnapshotError on a mismatch.
         ``copy_in(pos, fd, offset, n)``, for a file source: copies the file's bytes at
-        ``offset`` to ``dest[pos:]`` itself (in the kernel, see _pages.file_copier).
+        ``offset`` to ``dest[pos:]`` itself (in the kernel, see Pages.file_copier).
         """
         deferred = pool is not None and dest is not None
         c = 0

@@ -26,14 +26,12 @@ import zlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgpack
 import numpy as np
 
-from shmkv._engine import arena as _arena
 from shmkv._engine import crash as _crash
-from shmkv._engine import pages as _pages
 from shmkv._engine import header as _header
 from shmkv._engine import segment as _segment
 from shmkv._engine.checks import int_list
@@ -80,9 +78,18 @@ from shmkv.errors import (
 )
 
 if TYPE_CHECKING:
-    from shmkv.store._store import Store
+    from shmkv._engine.port import Port
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+class _Removable(Protocol):
+    """A store ``load_with`` created: removed again when its restore fails."""
+
+    def unlink(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Removable)
 _SAVE_ATTEMPTS = 4
 
 
@@ -93,7 +100,7 @@ class _Busy(Exception):
     """A lock-free capture met a row that a transaction is changing (or a dead one left)."""
 
 
-def _capture(store: Store, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
+def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
     """Each sequence's (start, length, generation) and token ids/positions.
 
     ``locked`` (the store lock through the journal, or a read-only attachment's shared
@@ -101,7 +108,6 @@ def _capture(store: Store, ids: list[int] | None, *, locked: bool) -> list[_Seq]
     transaction is never captured). Else seqlocked, and ``_Busy`` when a row stays odd:
     a transaction is open (its rows stay odd until it ends), so the caller saves again
     under the lock."""
-    core = _arena.port(store)
     t = core.table_np
     if locked:
         rows = {slot: core.settled_row(slot) for slot in range(len(t))}
@@ -112,7 +118,7 @@ def _capture(store: Store, ids: list[int] | None, *, locked: bool) -> list[_Seq]
             for i in ids:
                 hit = [s for s, r in rows.items() if r[STATE] == LIVE and r[ID] == i]
                 if not hit:
-                    raise SequenceNotFound(f"store {store.name!r} has no sequence {i!r}: it was freed or never "
+                    raise SequenceNotFound(f"store {core.name!r} has no sequence {i!r}: it was freed or never "
                                            "created (store.sequences() lists the live ones)")
                 slots.append(hit[0])
     elif core.hdr[_header.W_UNDO_COUNT]:
@@ -150,7 +156,7 @@ def _capture(store: Store, ids: list[int] | None, *, locked: bool) -> list[_Seq]
                         out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
                                         bool(flags & FINISHED), recency, clean, meta, wbuf))
                     elif ids is not None:
-                        raise SequenceNotFound(f"store {store.name!r}: sequence {sid} was freed during the save")
+                        raise SequenceNotFound(f"store {core.name!r}: sequence {sid} was freed during the save")
                     break
             if i > 20:
                 time.sleep(0.0002)  # a structural op (a move, say) is running
@@ -163,44 +169,40 @@ def _capture(store: Store, ids: list[int] | None, *, locked: bool) -> list[_Seq]
     return sorted(out, key=lambda s: s.id)
 
 
-def _hold(store: Store) -> AbstractContextManager[None]:
+def _hold(core: Port) -> AbstractContextManager[None]:
     """What a save holds for a capture that must not fail: the store lock through the
     journal (recovering a dead holder's transaction), or on a read-only attachment a shared
     lock (live writers excluded; a dead one's transaction read as rolled back)."""
-    core = _arena.port(store)
-    return core.reading() if store.readonly else core.locked(scan=True)
+    return core.reading() if core.readonly else core.locked(scan=True)
 
 
-def _unchanged(store: Store, seqs: list[_Seq]) -> bool:
-    core = _arena.port(store)
+def _unchanged(core: Port, seqs: list[_Seq]) -> bool:
     return all(core.row(s.slot)[GEN] == s.gen and core.row(s.slot)[ID] == s.id for s in seqs)
 
 
-def _regions(store: Store) -> tuple[Any, ...]:
+def _regions(core: Port) -> tuple[Any, ...]:
     """The main-arena arrays of each region, ``[layers, max_tokens, ...]``."""
-    core = _arena.port(store)
     return (core.K, core.V, core.KS, core.VS)
 
 
-def _arrays(store: Store, s: _Seq) -> list[np.ndarray]:
+def _arrays(core: Port, s: _Seq) -> list[np.ndarray]:
     """The stored arrays of a sequence in stream order, as views of shared memory."""
-    core = _arena.port(store)
     out = []
     w = core.wcell(s.slot, s.wbuf)
-    for p in _parts(store.layout, s):
+    for p in _parts(core.layout, s):
         if p.window:
             out.append((core.Kl, core.Vl)[p.region][p.layer][w : w + p.tokens])
         else:
             a = s.encoder_start if p.encoder else s.start
-            out.append(_regions(store)[p.region][p.layer, a : a + p.tokens])
+            out.append(_regions(core)[p.region][p.layer, a : a + p.tokens])
     return out
 
 
-def _header_bytes(store: Store, seqs: list[_Seq], crcs: list[int]) -> bytes:
+def _header_bytes(core: Port, seqs: list[_Seq], crcs: list[int]) -> bytes:
     meta = {
         "format": FORMAT,
         "version": VERSION,
-        "layout": _layout_dict(store.layout),
+        "layout": _layout_dict(core.layout),
         "sequences": [
             {"id": s.id, "length": s.length, "capacity": s.capacity, "window_offset": s.window_offset,
              "encoder_length": s.encoder_length, "finished": s.finished, "recency": s.recency, "clean": s.clean,
@@ -225,7 +227,7 @@ def _crcs(arrays: list[np.ndarray]) -> list[int]:
         return list(ex.map(crc32, arrays))
 
 
-def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress | None) -> int:
+def _write_once(core: Port, f: IO[bytes], seqs: list[_Seq], progress: Progress | None) -> int:
     """Write the snapshot of ``seqs`` to ``f`` (at its position); return the bytes written.
 
     The checksums sit in the header, before the arrays. A file that can be written at an
@@ -233,11 +235,11 @@ def _write_once(store: Store, f: IO[bytes], seqs: list[_Seq], progress: Progress
     crc32 computed meanwhile on a second thread (zlib releases the GIL) over the same bytes,
     then the checksums written into their place: one pass over the data. A stream gets
     the checksums first (a reading pass), then everything in order."""
-    arrays = [a for s in seqs for a in _arrays(store, s)]
+    arrays = [a for s in seqs for a in _arrays(core, s)]
     fd = _seekable_fd(f)
     if fd is None:
-        return _write_parts(f, _header_bytes(store, seqs, _crcs(arrays)), arrays, progress)
-    head = _header_bytes(store, seqs, [0] * len(arrays))
+        return _write_parts(f, _header_bytes(core, seqs, _crcs(arrays)), arrays, progress)
+    head = _header_bytes(core, seqs, [0] * len(arrays))
     at = f.tell() + len(head) - 4 * len(arrays)  # the checksums: the header's last bytes (a fixed-size bin)
     if head[len(head) - 4 * len(arrays) :] != bytes(4 * len(arrays)):
         raise AssertionError("the snapshot header does not end with its checksums")
@@ -352,30 +354,29 @@ def _locked_temp(directory: str, base: str) -> tuple[str, int]:
         os.close(fd)
 
 
-def save(store: Store, target: Any, seq_ids: list[int] | None = None, progress: Progress | None = None) -> int:
+def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Progress | None = None) -> int:
     """Write a snapshot of ``store`` (or of ``seq_ids``) to a path or a binary file object.
 
     Returns the number of bytes written. See the module docstring for the format
     and the guarantees.
     """
-    core = _arena.port(store)
     core.check_open()
     ids = None if seq_ids is None else int_list("save", "seq_ids", seq_ids, _ID_HINT)
     if isinstance(target, (str, bytes, os.PathLike)):
-        return _save_path(store, os.fsdecode(target), ids, progress)
+        return _save_path(core, os.fsdecode(target), ids, progress)
     if not hasattr(target, "write"):
         raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file")
     # a stream cannot be rewound: hold the store lock so no structural change can race
-    with _hold(store):
-        seqs = _capture(store, ids, locked=True)
-        total = _write_once(store, target, seqs, progress)
+    with _hold(core):
+        seqs = _capture(core, ids, locked=True)
+        total = _write_once(core, target, seqs, progress)
     flush = getattr(target, "flush", None)
     if flush is not None:
         flush()  # a buffered pipe or socket would otherwise hold the tail back
     return total
 
 
-def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progress | None) -> int:
+def _save_path(core: Port, path: str, ids: list[int] | None, progress: Progress | None) -> int:
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     remove_stale_temps(directory, base)  # left by saves that were killed mid-way
@@ -391,15 +392,15 @@ def _save_path(store: Store, path: str, ids: list[int] | None, progress: Progres
         with open(fd, "wb", buffering=0) as f:
             for attempt in range(_SAVE_ATTEMPTS):
                 last = attempt == _SAVE_ATTEMPTS - 1
-                with _hold(store) if last else contextlib.nullcontext():
+                with _hold(core) if last else contextlib.nullcontext():
                     try:
-                        seqs = _capture(store, ids, locked=last)
+                        seqs = _capture(core, ids, locked=last)
                     except _Busy:
                         continue
                     f.seek(0)
                     f.truncate()
-                    total = _write_once(store, f, seqs, progress)
-                    if last or _unchanged(store, seqs):
+                    total = _write_once(core, f, seqs, progress)
+                    if last or _unchanged(core, seqs):
                         break
             os.fsync(f.fileno())
             os.replace(tmp, path)  # with the file (and its flock) still open: never judged stale before
@@ -436,7 +437,7 @@ def _save_error(e: OSError, path: str) -> Exception:
 # -- reading -------------------------------------------------------------------
 
 
-def restore(store: Store, source: Any, seq_ids: list[int] | None = None,
+def restore(core: Port, source: Any, seq_ids: list[int] | None = None,
             progress: Progress | None = None) -> list[int]:
     """Restore sequences from a snapshot into ``store``, all or nothing; return their ids.
 
@@ -445,21 +446,19 @@ def restore(store: Store, source: Any, seq_ids: list[int] | None = None,
     A store of another geometry (layers, kv_heads, head_dim, dtype) raises
     LayoutMismatchError; capacity limits may differ.
     """
-    core = _arena.port(store)
     core.check_writable()
     with _open_source(source) as (reader, is_file):
-        return _restore(store, reader, reader.header(), is_file, seq_ids=seq_ids, progress=progress)
+        return _restore(core, reader, reader.header(), is_file, seq_ids=seq_ids, progress=progress)
 
 
-def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, seq_ids: list[int] | None,
+def _restore(core: Port, reader: _Reader, snap: Snapshot, is_file: bool, *, seq_ids: list[int] | None,
              progress: Progress | None) -> list[int]:
     """Restore ``snap`` (its header read already) with the arrays that follow in ``reader``."""
-    core = _arena.port(store)
-    lay = store.layout
+    lay = core.layout
     if snap.layout.geometry != lay.geometry or snap.layout.layer_types != lay.layer_types:
         raise LayoutMismatchError(
             f"{reader.where}: snapshot geometry (layers, kv_heads, head_dim, dtype) {snap.layout.geometry} "
-            f"and layer kinds differ from store {store.name!r}'s {lay.geometry}; restore into a store "
+            f"and layer kinds differ from store {core.name!r}'s {lay.geometry}; restore into a store "
             f"created with the same geometry (shmkv.load creates one)"
         )
     ids = snap.seq_ids
@@ -488,20 +487,20 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
             hits = np.flatnonzero((t[:, ID] == s.id) & (t[:, STATE] == LIVE))
             slot = int(hits[0]) if hits.size else -1
             if slot >= 0:
-                core.check_not_leased_by_other(core.row(slot), s.id, allow_token=_own(store, slot))
+                core.check_not_leased_by_other(core.row(slot), s.id, allow_token=_own(core, slot))
             elif not free_slots:
                 raise CacheFullError(
-                    f"store {store.name!r} has no free sequence slot for sequence {s.id} of {reader.where} "
+                    f"store {core.name!r} has no free sequence slot for sequence {s.id} of {reader.where} "
                     f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
                 )
-            else:  # a new sequence: -1 - the slot it will take, its id's own (see Core._slot_of) if free
+            else:  # a new sequence: -1 - the slot it will take, its id's own (see Core.slot_of) if free
                 own = s.id % lay.max_seqs
                 slot = -1 - (free_slots.pop(free_slots.index(own)) if own in free_set else free_slots.pop(0))
                 free_set.discard(-1 - slot)
             cap = max(1, min(max(s.capacity, s.length), lay.max_tokens))
             if s.length > lay.max_tokens:
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
-                                     f"store {store.name!r}'s max_tokens={lay.max_tokens}")
+                                     f"store {core.name!r}'s max_tokens={lay.max_tokens}")
             try:  # from a file the arrays arrive through the descriptor, which allocates (_stage)
                 start = core.alloc(cap, taken, stage=direct)
             except CacheFullError:
@@ -512,7 +511,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
             if s.encoder_length:
                 if not free_slots:
                     raise CacheFullError(
-                        f"store {store.name!r} has no free slot for the encoder cache of sequence {s.id} "
+                        f"store {core.name!r} has no free slot for the encoder cache of sequence {s.id} "
                         f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
                     )
                 enc_slot[s.id] = free_slots.pop()  # from the end: rows of ids to come stay free
@@ -532,7 +531,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                 p = by_id.get(s.id)
                 for part in _parts(lay, s):
                     nbytes = part.tokens * _token_bytes(lay, part.region)
-                    arr = _regions(store)[part.region]
+                    arr = _regions(core)[part.region]
                     if not (p and nbytes):
                         dest = None
                     elif part.window:
@@ -546,7 +545,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
                     what = (f"sequence {s.id} layer {part.layer} {'encoder ' if part.encoder else ''}"
                             f"{REGION_NAMES[part.region]}")
                     # from a file into the main arena: the kernel copies (no zeroing, no user-space copy)
-                    copy_in = (_pages.file_copier(store, view)
+                    copy_in = (core.file_copier(view)
                                if dest is not None and direct and not part.window else None)
                     fut = reader.array(dest, nbytes, int(snap.checksums[k]), what, pool, copy_in=copy_in)
                     if fut is not None:
@@ -560,7 +559,7 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
         if is_file and not reader.at_end():
             raise reader.fail(f"unexpected data after the last array (byte {reader.offset})")
         for s, _, start in plan:  # written: now the rest of each range
-            _pages.settle(store, start, s.length, next(c for st_, c in taken if st_ == start))
+            core.settle(start, s.length, next(c for st_, c in taken if st_ == start))
         # everything checked: publish
         # one atomic unit: after a crash, every sequence as it was (crash recovery in _store)
         with core.transaction():
@@ -602,14 +601,14 @@ def _restore(store: Store, reader: _Reader, snap: Snapshot, is_file: bool, *, se
     return [p[0].id for p in plan]
 
 
-def _own(store: Store, slot: int) -> int:
-    core = _arena.port(store)
+def _own(core: Port, slot: int) -> int:
     return own_token(core.row(slot))
 
 
-def load_with(create: Callable[..., Store], source: Any, name: str, *, persistent: bool, max_tokens: int | None,
-              max_seqs: int | None, progress: Progress | None, **create_kw: Any) -> Store:
-    """``shmkv.load``: ``create`` (``shmkv.create``) store ``name`` with a snapshot's layout, restore it all."""
+def load_with(create: Callable[..., S], core_of: Callable[[S], Port], source: Any, name: str, *, persistent: bool,
+              max_tokens: int | None, max_seqs: int | None, progress: Progress | None, **create_kw: Any) -> S:
+    """``shmkv.load``: ``create`` (``shmkv.create``) store ``name`` with a snapshot's layout, restore it all
+    into its engine (``core_of``)."""
     with _open_source(source) as (reader, is_file):
         snap = reader.header()
         lay = snap.layout
@@ -624,7 +623,7 @@ def load_with(create: Callable[..., Store], source: Any, name: str, *, persisten
             memory=lay.memory or None, persistent=persistent, **create_kw,
         )
         try:
-            _restore(store, reader, snap, is_file, seq_ids=None, progress=progress)
+            _restore(core_of(store), reader, snap, is_file, seq_ids=None, progress=progress)
         except BaseException:
             store.unlink()
             raise

@@ -25,7 +25,6 @@ from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._snapshot import snapshot as _snapshot
 from shmkv._engine.checks import count
-from shmkv._engine.core import identity, register_client
 from shmkv._engine.header import C_KEY, C_PID, CLIENT_WORDS
 from shmkv._engine.segment import Segment
 from shmkv.store._store import (
@@ -34,6 +33,7 @@ from shmkv.store._store import (
     _check_timeout,
     _remove_at_process_exit,
     _remove_names,
+    engine_of,
 )
 from shmkv.errors import AccessDeniedError, CorruptStoreError, InvalidArgumentError, StoreNotFound
 
@@ -180,7 +180,7 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             del words, raw
             store = Store(name, hseg, dseg, layout, max_clients, creator=True, persistent=persistent,
                           lock_timeout=lock_timeout, live=live)
-            register_client(store)
+            engine_of(store).register_client()
             _liveness.created_keys.add(creator_key)
         except BaseException:
             hseg.unlink()
@@ -198,7 +198,7 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
         hseg.close()
         raise
     if not persistent:
-        _remove_at_process_exit(name, identity(store))
+        _remove_at_process_exit(name, engine_of(store).identity)
     return store
 
 
@@ -351,5 +351,5 @@ def gc(*, include_persistent: bool = False, grace: float = 30.0, snapshot_dirs: 
 def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | None = None,
          max_seqs: int | None = None, progress: Callable[[int, int], None] | None = None, **create_kw: Any) -> Store:
     """Create store ``name`` with a snapshot's layout and restore the whole snapshot into it."""
-    return _snapshot.load_with(create, source, name, persistent=persistent, max_tokens=max_tokens,
+    return _snapshot.load_with(create, engine_of, source, name, persistent=persistent, max_tokens=max_tokens,
                                max_seqs=max_seqs, progress=progress, **create_kw)

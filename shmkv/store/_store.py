@@ -1,23 +1,22 @@
-"""Store: a named KV cache in shared memory, the public handle (``Core`` and ``Arena`` below it;
-create, gc and the rest of the lifecycle: ``_lifecycle``)."""
+"""Store: a named KV cache in shared memory, the public handle. It holds its engine (an
+``_engine.arena.Arena``: mappings, table, lock and journal, cell placement) and delegates to
+it; create, gc and the rest of the lifecycle: ``_lifecycle``."""
 
 from __future__ import annotations
 
 import atexit
 import errno
 import math
-import mmap
 import os
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
 from shmkv._engine import crash as _crash
-from shmkv._engine import futex as _futex
 from shmkv._sequence import group as _group
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
@@ -25,7 +24,6 @@ from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
 from shmkv._snapshot import snapshot as _snapshot
 from shmkv._engine.header import (
-    SEQ_WORDS,
     WBUF,
     CAPACITY,
     GEN,
@@ -47,10 +45,11 @@ from shmkv._engine.header import (
 )
 from shmkv._engine.arena import Arena
 from shmkv._sequence.batch import Batch
-from shmkv._engine.core import register_client
 from shmkv._engine.checks import count
 from shmkv._engine.lease import live_writers, new_token, own_token
 from shmkv._engine.prefix_hash import as_tokens
+from shmkv._engine.header import Layout
+from shmkv._engine.liveness import Liveness
 from shmkv._engine.segment import Segment
 from shmkv._sequence.handle import Sequence, drop_lease
 from shmkv.errors import (
@@ -59,7 +58,6 @@ from shmkv.errors import (
     CorruptStoreError,
     InvalidArgumentError,
     ShmkvError,
-    StoreClosedError,
     StoreNotFound,
 )
 
@@ -107,7 +105,7 @@ class StoreStats:
     evictions: int = 0  # finished sequences evicted to make room
 
 
-class Store(Arena):
+class Store:
     """A handle on a named store. Create with :func:`create`, attach with :func:`attach`.
 
     ``close()`` gives up this handle's leases and client slot, closes its
@@ -120,18 +118,34 @@ class Store(Arena):
     explicitly, also after ``close()``.
     """
 
+    def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
+                 creator: bool, persistent: bool, lock_timeout: float, live: Liveness | None = None) -> None:
+        # The engine (the mappings, the table, the lock and journal, cell placement) does the
+        # work; the store is its public face and delegates. The sequence layer and snapshots
+        # see the engine through its narrow core (``_engine.port.Port``), never the store's privates.
+        self._engine = e = Arena(name, hseg, dseg, layout, max_clients, creator=creator, persistent=persistent,
+                                 lock_timeout=lock_timeout, live=live)
+        self.name = name
+        self.layout = layout
+        self.readonly = e.readonly
+
+    @property
+    def lock_timeout(self) -> float:
+        """Seconds a structural operation waits for the store lock (``LockTimeout`` after)."""
+        return self._engine.lock_timeout
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes in the full layers (K, V, int8 scales), plus its id and position.
 
-        Sliding and chunked layers add ``_kv_bytes(len(bounded))`` per token they keep (see stats()).
+        Sliding and chunked layers add ``kv_bytes(len(bounded))`` per token they keep (see stats()).
         """
-        return self._kv_bytes(len(self._full)) + 16
+        return self._engine.kv_bytes(self.layout.layers - len(self.layout.bounded)) + 16
 
     # -- lifecycle -------------------------------------------------------------
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("read-only" if self.readonly else "read-write")
+        state = "closed" if self._engine.shut else ("read-only" if self.readonly else "read-write")
         lay = self.layout
         return (f"<shmkv.Store {self.name!r} {state} layers={lay.layers} kv_heads={lay.kv_heads} "
                 f"head_dim={lay.head_dim} dtype={lay.dtype} max_tokens={lay.max_tokens}>")
@@ -149,12 +163,13 @@ class Store(Arena):
     @property
     def closed(self) -> bool:
         # closing counts: a handle whose lease close() just dropped says StoreClosedError, not ReadOnlyError
-        return self._closed or "_close_plan" in self.__dict__
+        return self._engine.closed
 
     @property
     def persistent(self) -> bool:
-        self._check_open()
-        return bool(self._hdr[_header.W_PERSISTENT])
+        e = self._engine
+        e.check_open()
+        return bool(e.hdr[_header.W_PERSISTENT])
 
     def close(self) -> None:
         """Give up this handle's leases, close its descriptors and unmap (views the caller still
@@ -172,70 +187,45 @@ class Store(Arena):
         lock_timeout), and a thread that uses the handle afterwards gets StoreClosedError."""
         if self.__dict__.get("_close_done"):
             return
-        quiet = self._lock.quiesce(self.lock_timeout)
+        e = self._engine
+        quiet = e.quiesce(self.lock_timeout)
         try:
             if not self.__dict__.get("_close_done"):  # (another thread closed it while this one waited)
                 self._teardown(remove)
         finally:
             if quiet:
-                self._lock.unquiesce()
+                e.unquiesce()
 
     def _teardown(self, remove: bool | None) -> None:
         """Every step may be cut short by an exception (Ctrl-C): the next close() finishes the job
         (each step is idempotent), and until it is done the finalizer still closes what is left."""
+        e = self._engine
         plan: tuple[bool, bool] | None = self.__dict__.get("_close_plan")
         if plan is None:
             if remove is None:
-                remove = self._creator and not bool(self._hdr[_header.W_PERSISTENT])
-            inherited = self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
+                remove = e.creator and not bool(e.hdr[_header.W_PERSISTENT])
+            inherited = e.inherited()
             plan = self._close_plan = (bool(remove) and not inherited, inherited)
+            e.closed = True  # closing counts: a handle whose lease is dropped next says StoreClosedError
         remove, inherited = plan
-        if not self._closed:
+        if not e.shut:
             if not inherited and not self.readonly:
                 for handle in list(live_writers.values()):
-                    if getattr(handle, "_store", None) is self:
+                    if isinstance(handle, Sequence) and handle.store is self:
                         drop_lease(handle)
                 try:
                     # a store removed meanwhile has no lock file to take (taking it would leave one behind)
-                    if read_identity(self.name) == self._identity:
-                        self._drop_waiters()
+                    if read_identity(self.name) == e.identity:
+                        e.drop_waiters()
                 except Exception:  # closing must not fail because the lock is stuck
                     pass
-            self._unregister_client()  # our client row, and the byte of the liveness file (no lock taken)
-            self._closed = True
-            if not inherited:  # this handle's sleepers in Sequence.wait look again: StoreClosedError
-                for slot in list(self._waiting):
-                    _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
-        self._drop_views()
-        self._live.close()
-        self._lock.close()
-        self._hseg.close()  # unmapped now, unless views (or handles) the caller keeps hold them
-        self._dseg.close()
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if self._creator and not inherited:
-            _exit_removals.pop((self.name, self._identity), None)
+            e.shut_down(wake=not inherited)  # our client row, the liveness byte; this handle's sleepers wake
+        e.release()  # every view this handle holds dropped, the descriptors closed: unmapped now
+        if e.creator and not inherited:
+            _exit_removals.pop((self.name, e.identity), None)
         if remove:
-            _remove_if_same(self.name, self._identity)
+            _remove_if_same(self.name, e.identity)
         self._close_done = True
-
-    def _drop_waiters(self) -> None:
-        """close(): take this handle's sleepers in Sequence.wait off the rows' waiter counts
-        (they end with StoreClosedError without touching the store again)."""
-        if self._waiting and _futex.AVAILABLE and not self.readonly:
-            with self._locked():
-                for slot, n in self._waiting.items():
-                    self._waiters[slot] -= n
-
-    def _drop_views(self) -> None:
-        """Drop every reference this handle holds into its mappings (arrays, memoryviews, and the
-        objects and containers made of them), so that closing the segments unmaps them at once.
-        What the caller still holds (views, Sequence handles) keeps its own pages mapped and valid
-        until it is collected (never a segfault); a closed handle only checks it is closed."""
-        closed = _Closed(self.name)
-        for attr, value in list(vars(self).items()):
-            if _holds_views(value):
-                setattr(self, attr, closed)
 
     def unlink(self) -> None:
         """Remove the store (segments, lock and liveness files) now, if its name still holds the
@@ -246,7 +236,7 @@ class Store(Arena):
         store.unlink()`` removes a created, attached or persistent store (once; then it does nothing).
         """
         self._close(remove=False)
-        _remove_if_same(self.name, self._identity)
+        _remove_if_same(self.name, self._engine.identity)
 
     def transaction(self) -> AbstractContextManager[None]:
         """Hold the store lock across several structural operations (a context manager).
@@ -264,17 +254,18 @@ class Store(Arena):
             ...     store.copy_prefix(a, b, 16)
             ...     store.sequence(b, write=True).truncate(8)
         """
-        return self._locked()
+        return self._engine.locked()
 
     def clients(self) -> list[int]:
         """Pids of the live read-write attachments of the store (one per attachment).
 
         Alive means holding its byte of the liveness file, whatever the PID namespace; the pids
         are for display: each is the pid in its process's own namespace."""
-        self._check_open()
+        e = self._engine
+        e.check_open()
         out = []
-        for pid, key, _flags, _ in self._clients_np.tolist():
-            if pid and key > 0 and self._alive(key):
+        for pid, key, _flags, _ in e.clients_np.tolist():
+            if pid and key > 0 and e.alive(key):
                 out.append(pid)
         return out
 
@@ -313,6 +304,7 @@ class Store(Arena):
             raise
 
     def _create_sequence(self, capacity: int, prefix: Any, tier: Any, _protect: int, made: list[int]) -> Sequence:
+        e = self._engine
         capacity = count("capacity", capacity, minimum=1)
         if capacity > self.layout.max_tokens:
             raise CacheFullError(
@@ -321,25 +313,25 @@ class Store(Arena):
             )
         toks = None if prefix is None else _prompt(prefix)
         token = new_token()
-        client = self._client_key()
-        with self._locked():
-            n, _, donor = self._index.match(toks) if toks is not None else (0, 0, -1)
+        client = e.client_key()
+        with e.locked():
+            n, _, donor = e.index.match(toks) if toks is not None else (0, 0, -1)
             # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
-            next_id, rows = self._hdr[_header.W_NEXT_ID], self.layout.max_seqs
+            next_id, rows = e.hdr[_header.W_NEXT_ID], self.layout.max_seqs
             try:
-                slot, start = self._new_row(max(capacity, n), protect=donor if n else _protect, near=next_id % rows)
+                slot, start = e.new_row(max(capacity, n), protect=donor if n else _protect, near=next_id % rows)
             except CacheFullError:
                 if n == 0:
                     raise
                 n, donor = 0, -1  # only the donor's eviction makes room: a miss, which may evict it
-                slot, start = self._new_row(capacity, protect=_protect, near=next_id % rows)
-            row = self._row(slot)
+                slot, start = e.new_row(capacity, protect=_protect, near=next_id % rows)
+            row = e.row(slot)
             seq_id = next_id + (slot - next_id) % rows  # the next id of that row: ids skip the rows in use
-            self._hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
+            e.hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
             made += (seq_id, token)
-            with self._transaction():  # the row and its prefix: both, or after a crash neither
-                with self._changing(row):
-                    self._new_incarnation(row)
+            with e.transaction():  # the row and its prefix: both, or after a crash neither
+                with e.changing(row):
+                    e.new_incarnation(row)
                     row[ID] = seq_id
                     row[START] = start
                     row[CAPACITY] = max(capacity, n)
@@ -351,26 +343,26 @@ class Store(Arena):
                     row[FLAGS] = 0
                     row[IDX_BLOCKS] = 0
                     row[CLEAN] = -1
-                    self._log_meta(slot)
-                    self._meta[slot, :8] = 0
-                    self._touch(row)
+                    e.log_meta(slot)
+                    e.meta[slot, :8] = 0
+                    e.touch(row)
                     row[LEASE_CLIENT] = client
                     row[LEASE_TOKEN] = token
                     row[LEASE_PID] = os.getpid()
                     row[STATE] = LIVE
                 if n:
-                    self._copy_prefix_rows(donor, slot, n)
+                    e.copy_prefix_rows(donor, slot, n)
                     _crash.point("create.copied")
             if toks is not None:
-                hdr = self._hdr
+                hdr = e.hdr
                 if n:
-                    self._touch(self._row(donor))
+                    e.touch(e.row(donor))
                     hdr[_header.W_PREFIX_HITS] += 1
                     hdr[_header.W_PREFIX_REUSED] += n
                 else:
                     hdr[_header.W_PREFIX_MISSES] += 1
-            seq = Sequence(self, seq_id, slot, write=True, token=token)
-            if self._owes(start, row[CAPACITY]):
+            seq = Sequence(self, e, seq_id, slot, write=True, token=token)
+            if e.owes(start, row[CAPACITY]):
                 # its range is allocated, not pre-faulted (_new_row): a step of the row's seqlock
                 # sends the handle's first write down its checked path, where a prefill (extend)
                 # writes through the descriptor and appends pre-fault the range first
@@ -394,8 +386,9 @@ class Store(Arena):
             >>> store.match_prefix(prompt)   # doctest: +SKIP
             299
         """
-        self._check_open()
-        return self._index.match(_prompt(tokens))[0]
+        e = self._engine
+        e.check_open()
+        return e.index.match(_prompt(tokens))[0]
 
     def sequence(self, seq_id: int, write: bool = False) -> Sequence:
         """A handle on sequence ``seq_id``; ``write=True`` takes its write lease.
@@ -404,12 +397,13 @@ class Store(Arena):
             SequenceNotFound: no live sequence has that id.
             LeaseError: ``write=True`` and a live process (or another handle here) holds the lease.
         """
-        self._check_open()
-        slot = self._slot_of(seq_id)
+        e = self._engine
+        e.check_open()
+        slot = e.slot_of(seq_id)
         if not write:
-            return Sequence(self, int(seq_id), slot, write=False, token=0)
+            return Sequence(self, e, int(seq_id), slot, write=False, token=0)
         token = new_token()
-        client = self._client_key()
+        client = e.client_key()
         try:
             return self._take_lease(int(seq_id), token, client)
         except BaseException:  # KeyboardInterrupt included: no lease is left for a handle never returned
@@ -421,33 +415,35 @@ class Store(Arena):
         reached its caller (an exception after the work, KeyboardInterrupt included): free the new
         sequence, or give up the lease, if the row still holds ``token``. Best effort: the
         exception that got here is what the caller sees."""
+        e = self._engine
         live_writers.pop(token, None)
         try:
-            with self._locked():
-                slot = self._slot_of(seq_id)
-                row = self._row(slot)
+            with e.locked():
+                slot = e.slot_of(seq_id)
+                row = e.row(slot)
                 if row[LEASE_TOKEN] != token:
                     return
                 if free:
-                    self._free_row(slot)
+                    e.free_row(slot)
                 else:
                     row[LEASE_PID] = 0  # what release() does
         except ShmkvError:  # closed, gone, or the lock is busy: nothing more to do here
             pass
 
     def _take_lease(self, seq_id: int, token: int, client: int) -> Sequence:
-        with self._locked():
-            slot = self._slot_of(seq_id)
-            row = self._row(slot)
-            self._check_not_leased_by_other(row, int(seq_id))
+        e = self._engine
+        with e.locked():
+            slot = e.slot_of(seq_id)
+            row = e.row(slot)
+            e.check_not_leased_by_other(row, int(seq_id))
             if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
                 row[FLAGS] &= ~FINISHED
-                self._touch(row)
+                e.touch(row)
             row[LEASE_CLIENT] = client
             row[LEASE_TOKEN] = token
             _crash.point("lease.taken")
             row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands
-        return Sequence(self, int(seq_id), slot, write=True, token=token)
+        return Sequence(self, e, int(seq_id), slot, write=True, token=token)
 
     def forward(self, seq_ids: Any, positions: Any, tokens: Any = None) -> Batch:
         """Start a batch forward: one entry of ``seq_ids``/``positions`` per new token.
@@ -461,19 +457,16 @@ class Store(Arena):
             ...         K, V, mask = batch.put(layer, k[layer], v[layer])
             ...     batch.commit()
         """
-        self._check_writable()
+        e = self._engine
+        e.check_writable()
         return Batch(self, seq_ids, positions, tokens)
 
     def sequences(self) -> list[SequenceInfo]:
         """The live sequences, in id order."""
-        self._check_open()
+        e = self._engine
+        e.check_open()
         out = []
-        if self._hdr[_header.W_UNDO_COUNT] and not self._depth:
-            # a transaction is in the undo log: the rows as its rollback leaves them (_journal, 7)
-            with self._reading():
-                table = [self._settled_row(slot) for slot in range(self.layout.max_seqs)]
-        else:
-            table = [self._table_np[slot].tolist() for slot in np.flatnonzero(self._table_np[:, STATE] == LIVE)]
+        table = e.live_rows()
         asked: dict[int, bool] = {}  # client key -> alive: one question per writer, however many leases
         for r in table:
             if r[STATE] != LIVE:
@@ -481,7 +474,7 @@ class Store(Arena):
             key, alive = r[LEASE_CLIENT], False
             if r[LEASE_PID]:
                 known = asked.get(key)
-                alive = asked[key] = self._alive(key) if known is None else known
+                alive = asked[key] = e.alive(key) if known is None else known
             out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN],
                                     bool(r[FLAGS] & FINISHED)))
         return sorted(out, key=lambda s: s.id)
@@ -495,19 +488,20 @@ class Store(Arena):
         another live process; a write handle of this process on dst sees the new
         content (its uncommitted tokens are dropped).
         """
+        e = self._engine
         n = count("n", n)
         if int(src_id) == int(dst_id):
             raise InvalidArgumentError(f"copy_prefix: src_id and dst_id are both {src_id}; use truncate() instead")
-        with self._locked():
-            s_row = self._row(self._slot_of(src_id))
-            d_slot = self._slot_of(dst_id)
-            d_row = self._row(d_slot)
+        with e.locked():
+            s_row = e.row(e.slot_of(src_id))
+            d_slot = e.slot_of(dst_id)
+            d_row = e.row(d_slot)
             if n > s_row[LENGTH]:
                 raise InvalidArgumentError(
                     f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
                 )
-            self._check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
-            self._copy_prefix_rows(self._slot_of(src_id), d_slot, n, held=True)
+            e.check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
+            e.copy_prefix_rows(e.slot_of(src_id), d_slot, n, held=True)
 
     def lease(self, seq_ids: Iterable[int]) -> list[Sequence]:
         """Write handles on every sequence of ``seq_ids``, in that order: all leases, or none
@@ -559,7 +553,7 @@ class Store(Arena):
         Example:
             >>> store.save("/tmp/cache.shmkv")       # doctest: +SKIP
         """
-        return _snapshot.save(self, path, seq_ids, progress)
+        return _snapshot.save(self._engine, path, seq_ids, progress)
 
     def restore(self, path: Any, seq_ids: list[int] | None = None, *,
                 progress: Callable[[int, int], None] | None = None) -> list[int]:
@@ -570,24 +564,25 @@ class Store(Arena):
             LayoutMismatchError: the snapshot's geometry differs from the store's.
             CacheFullError: the store has no room (the store is unchanged).
         """
-        return _snapshot.restore(self, path, seq_ids, progress)
+        return _snapshot.restore(self._engine, path, seq_ids, progress)
 
     # -- reading ---------------------------------------------------------------
 
     def stats(self) -> StoreStats:
         """Occupancy: sequences, tokens, free cells and bytes."""
-        self._check_open()
-        t = self._table_np
+        e = self._engine
+        e.check_open()
+        t = e.table_np
         live = t[t[:, STATE] == LIVE]
         encoders = t[t[:, STATE] == ENCODER]
-        gaps = self._free_ranges()
+        gaps = e.free_ranges()
         bpt = self.bytes_per_token
         tokens = int(live[:, LENGTH].sum())
         reserved = int(live[:, CAPACITY].sum())
         enc_tokens = int(encoders[:, LENGTH].sum())
-        enc_bpt = self._kv_bytes(self.layout.layers)  # an encoder token has every layer
+        enc_bpt = e.kv_bytes(self.layout.layers)  # an encoder token has every layer
         kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if self.layout.bounded else 0
-        wbytes = self._kv_bytes(len(self.layout.bounded))  # per token the bounded layers keep
+        wbytes = e.kv_bytes(len(self.layout.bounded))  # per token the bounded layers keep
         return StoreStats(
             name=self.name,
             sequences=int(live.shape[0]),
@@ -599,53 +594,24 @@ class Store(Arena):
             largest_free_range=max((s for _, s in gaps), default=0),
             bytes_per_token=bpt,
             bytes_used=tokens * bpt + kept * wbytes + enc_tokens * enc_bpt,
-            bytes_reserved=reserved * bpt + int(live.shape[0]) * 2 * self._wc * wbytes
+            bytes_reserved=reserved * bpt + int(live.shape[0]) * 2 * self.layout.window_cells * wbytes
             + int(encoders[:, CAPACITY].sum()) * enc_bpt,
             encoder_tokens=enc_tokens,
             window_tokens=kept,
             clients=len(self.clients()),
-            generation=int(self._hdr[_header.W_GENERATION]),
+            generation=int(e.hdr[_header.W_GENERATION]),
             finished=int(((live[:, FLAGS] & FINISHED) != 0).sum()),
-            prefix_hits=int(self._hdr[_header.W_PREFIX_HITS]),
-            prefix_misses=int(self._hdr[_header.W_PREFIX_MISSES]),
-            prefix_tokens_reused=int(self._hdr[_header.W_PREFIX_REUSED]),
-            evictions=int(self._hdr[_header.W_EVICTIONS]),
+            prefix_hits=int(e.hdr[_header.W_PREFIX_HITS]),
+            prefix_misses=int(e.hdr[_header.W_PREFIX_MISSES]),
+            prefix_tokens_reused=int(e.hdr[_header.W_PREFIX_REUSED]),
+            evictions=int(e.hdr[_header.W_EVICTIONS]),
         )
 
 
-class _Closed:
-    """What a closed handle holds instead of its views: any use raises StoreClosedError (another
-    thread that was past the handle's open check when it closed gets that, not a TypeError from None)."""
-
-    __slots__ = ("_name",)
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def _raise(self, *args: object, **kwargs: object) -> NoReturn:
-        raise StoreClosedError(f"store {self._name!r} is closed (by another thread?): attach again with "
-                               f"shmkv.attach({self._name!r})")
-
-    __getitem__ = __setitem__ = __len__ = __iter__ = __contains__ = __call__ = __bool__ = _raise
-
-    def __getattr__(self, attr: str) -> NoReturn:
-        self._raise()
-
-
-def _holds_views(value: object, depth: int = 2) -> bool:
-    """Whether ``value`` is, or holds (``depth`` levels down), a view of a mapping."""
-    if isinstance(value, (np.ndarray, memoryview, mmap.mmap)):
-        return True
-    if isinstance(value, _Closed):  # (a close() that is finishing an interrupted one)
-        return False
-    if depth <= 0 or isinstance(value, (str, bytes, int, float, Segment)):
-        return False
-    if isinstance(value, (list, tuple)):
-        return any(_holds_views(v, depth - 1) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_views(v, depth - 1) for v in value.values())
-    fields = getattr(value, "__dict__", None)
-    return isinstance(fields, dict) and any(_holds_views(v, depth - 1) for v in fields.values())
+def engine_of(store: Store) -> Arena:
+    """``store``'s engine: for the lifecycle functions (create registers its client), ``shmkv verify``
+    (the raw header and table) and the pytest plugin (the store's identity)."""
+    return store._engine
 
 
 def _prompt(tokens: Any) -> np.ndarray:
@@ -827,7 +793,7 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         raise
     if not readonly:
         try:
-            register_client(store)
+            store._engine.register_client()
         except BaseException:
             store.close()
             raise

@@ -34,12 +34,11 @@ from typing import Any
 
 import pytest
 
-from shmkv._engine import core as _core
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import segment as _segment
 from shmkv.store._lifecycle import SESSION_ENV, Owners, create, session_tag, store_owners
-from shmkv.store._store import Store, _magic_words, _remove_if_same, attach
+from shmkv.store._store import Store, _magic_words, _remove_if_same, attach, engine_of
 from shmkv.errors import ShmkvError
 from shmkv.testing import ChildProcess, shm_entries, unique_name
 
@@ -135,7 +134,7 @@ def shmkv_store_factory() -> Iterator[Callable[..., Store]]:
 
     yield factory
     for store in made:  # only the store each handle made: a newer one of that name stays
-        name, identity = store.name, _core.identity(store)
+        name, identity = store.name, engine_of(store).identity
         store.close()
         _remove_if_same(name, identity)
 
