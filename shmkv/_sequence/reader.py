@@ -3,16 +3,14 @@ layer's tokens sit, views and copies of them, masks, ``can_resume`` and waiting.
 
 A ``SeqReader`` serves any handle (read or write) and holds no lease. Readers read the
 row's generation, the row, the generation again, and retry while it moved (a structural
-operation in progress: DESIGN.md section 3); after ``_SPIN`` tries they wait it out
-under the store's reading lock. ``Sequence`` delegates to it; the writer part and the
+operation in progress: DESIGN.md section 3); when ``_engine.seqlock.HANDLE``'s tries are used
+up they wait it out under the store's reading lock. ``Sequence`` delegates to it; the writer part and the
 structural operations use its addressing (``span``, ``cells``, ``view``).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -24,6 +22,7 @@ from shmkv._engine.checks import count, ints
 from shmkv._engine.core import _readonly
 from shmkv._engine.header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, WBUF, WIN_OFF
 from shmkv._engine.journal import INCARNATION_SHIFT
+from shmkv._engine.seqlock import HANDLE, seqlocked
 from shmkv._sequence.visibility import attention_mask, visible_from
 from shmkv.errors import InvalidArgumentError, SequenceNotFound, StoreClosedError
 
@@ -31,42 +30,9 @@ if TYPE_CHECKING:
     from shmkv._engine.header import Layout
     from shmkv._engine.port import Port
 
-_SPIN = 2000  # seqlock retries before falling back to the store lock
-
 Arrays = list[np.ndarray]
 Words = tuple[int, int, int, int, int, int, int]  # state, id, start, capacity, length, window offset, buffer
 T = TypeVar("T")
-
-
-def seqlocked(row: memoryview, read: Callable[[], T], reading: Callable[[], AbstractContextManager[None]],
-              settled: Callable[[], T], mine: Callable[[], bool] | None = None) -> T:
-    """The one seqlock read of a sequence row (DESIGN.md section 3): one retry policy, one fallback.
-
-    Structural operations make the row's generation odd while they change it (``Journal``'s
-    ``changing``). ``read()`` runs between two reads of the generation, and its value is
-    returned once the generation was even and the same after it. Up to ``_SPIN`` tries, the
-    CPU given up (``sleep(0)``) between tries after the first 50; then ``settled()`` under
-    ``reading()``: the store lock on a read-write attachment (taking it rolls back what a dead
-    process left half done), a shared lock on a read-only one (which only waits out a live
-    writer: ``settled`` reads the rows as a rollback would leave them).
-
-    ``read`` may see a torn row (it runs while a writer may start): it must not raise on one,
-    and its caller validates what it returns (e.g. that the sequence is live) afterwards.
-    ``mine``: whether this thread holds the store lock; then an odd row is its own open
-    transaction's (``_journal``, 3), read at once under the (re-entrant) lock.
-    """
-    for i in range(_SPIN):
-        g = row[GEN]
-        if not g & 1:
-            value = read()
-            if row[GEN] == g:
-                return value
-        elif not i and mine is not None and mine():
-            break
-        if i > 50:
-            time.sleep(0)
-    with reading():
-        return settled()
 
 
 _Geometry = tuple[int, tuple[int, int], str, bool, list[bool], int]
@@ -185,8 +151,8 @@ class SeqReader:
         """A consistent (start, capacity, length, window offset) of the row (seqlock read)."""
         if self.port.closed:  # check() and live() inlined: seq.length, keys() and views come here
             self.check()
-        state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, self.words, self.reading, self.settled_words,
-                                                               self.port.lock_owned)
+        state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, GEN, self.words, HANDLE, self.settled_words,
+                                                               hold=self.reading, mine=self.port.lock_owned)
         if state != LIVE or sid != self.id or self.row[GEN] >> INCARNATION_SHIFT != self.inc:
             raise self._freed()
         self.wbase = (2 * self.slot + wbuf) * self.wc
@@ -208,7 +174,7 @@ class SeqReader:
             # a dead process's transaction: its rows (and meta records) as the rollback leaves them
             return self.settled_words(), read()
 
-        words, value = seqlocked(self.row, lambda: (self.words(), read()), self.reading, settled)
+        words, value = seqlocked(self.row, GEN, lambda: (self.words(), read()), HANDLE, settled, hold=self.reading)
         self.live(words)
         return value
 
@@ -345,8 +311,8 @@ class SeqReader:
             lo, hi = self.cells(layer, start, woff, self.first(layer, woff), length)
             return words, np.array(self.view("k", layer, lo, hi)), np.array(self.view("v", layer, lo, hi))
 
-        words, k, v = seqlocked(self.row, lambda: copy(self.words()), self.reading,
-                                lambda: copy(self.settled_words()))
+        words, k, v = seqlocked(self.row, GEN, lambda: copy(self.words()), HANDLE,
+                                lambda: copy(self.settled_words()), hold=self.reading)
         self.live(words)
         return k, v
 
@@ -363,8 +329,8 @@ class SeqReader:
             return e[START], e[LENGTH]
 
         # a structural change running all along is waited out: never a silently empty result
-        a, n = seqlocked(self.row, lambda: encoder(self.table_row), self.reading,
-                         lambda: encoder(self.settled_row))
+        a, n = seqlocked(self.row, GEN, lambda: encoder(self.table_row), HANDLE,
+                         lambda: encoder(self.settled_row), hold=self.reading)
         K, V, KS, VS = self.arena
         ks = KS[layer, a : a + n] if KS is not None else None
         vs = VS[layer, a : a + n] if VS is not None else None

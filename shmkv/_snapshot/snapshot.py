@@ -21,12 +21,11 @@ import os
 import re
 import secrets
 import stat
-import time
 import zlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 import msgpack
 import numpy as np
@@ -36,6 +35,7 @@ from shmkv._engine import header as _header
 from shmkv._engine import segment as _segment
 from shmkv._engine.checks import int_list
 from shmkv._engine.lease import own_token
+from shmkv._engine.seqlock import SAVE, seqlocked
 from shmkv._snapshot.format import (
     CHUNK,
     FORMAT,
@@ -100,6 +100,10 @@ class _Busy(Exception):
     """A lock-free capture met a row that a transaction is changing (or a dead one left)."""
 
 
+def _busy() -> NoReturn:
+    raise _Busy
+
+
 def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
     """Each sequence's (start, length, generation) and token ids/positions.
 
@@ -140,28 +144,26 @@ def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
                             core.get_meta(slot), r[WBUF]))
             continue
         row = core.row(slot)
-        for i in range(200):
+
+        def read(row: memoryview = row, slot: int = slot) -> tuple[bool, _Seq]:
             g = row[GEN]
-            if not g & 1:
-                sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
-                flags, recency, clean, wbuf = row[FLAGS], row[RECENCY], row[CLEAN], row[WBUF]
-                meta = core.get_meta(slot)
-                enc = row[ENC_SLOT]
-                erow = core.row(enc - 1) if enc else None
-                e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
-                toks = core.tokens[start : start + length].copy()
-                poss = core.positions[start : start + length].copy()
-                if row[GEN] == g:
-                    if row[STATE] == LIVE:
-                        out.append(_Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
-                                        bool(flags & FINISHED), recency, clean, meta, wbuf))
-                    elif ids is not None:
-                        raise SequenceNotFound(f"store {core.name!r}: sequence {sid} was freed during the save")
-                    break
-            if i > 20:
-                time.sleep(0.0002)  # a structural op (a move, say) is running
-        else:
-            raise _Busy
+            sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
+            flags, recency, clean, wbuf = row[FLAGS], row[RECENCY], row[CLEAN], row[WBUF]
+            meta = core.get_meta(slot)
+            enc = row[ENC_SLOT]
+            erow = core.row(enc - 1) if enc else None
+            e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
+            toks = core.tokens[start : start + length].copy()
+            poss = core.positions[start : start + length].copy()
+            return row[STATE] == LIVE, _Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
+                                            bool(flags & FINISHED), recency, clean, meta, wbuf)
+
+        # a structural op (a move, say) running past SAVE's tries: _Busy, captured again under the lock
+        live, seq = seqlocked(row, GEN, read, SAVE, _busy)
+        if live:
+            out.append(seq)
+        elif ids is not None:
+            raise SequenceNotFound(f"store {core.name!r}: sequence {seq.id} was freed during the save")
     if not locked and core.hdr[_header.W_UNDO_COUNT]:
         raise _Busy  # a transaction began meanwhile: its rows may be in what was read
     if ids is not None and len({s.id for s in out}) != len(out):
