@@ -48,19 +48,9 @@ KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = set()
 # _sequence.handle.Owner); keep it so.
 KNOWN_UPWARD_TYPE_IMPORTS: set[tuple[str, str]] = set()
 
-# Modules over MAX_MODULE_LINES and classes ("module.Class") over
-# MAX_CLASS_LINES today (the limits were 700 / 450 until issue 27).
-KNOWN_LARGE: set[str] = {
-    "_engine.arena.Arena",
-    "_sequence.handle",
-    "_sequence.handle.Sequence",
-    "_sequence.writer.SeqWriter",
-    "_snapshot.snapshot",
-    "remote",
-    "remote.RemoteTier",
-    "store._store",
-    "store._store.Store",
-}
+# Modules over MAX_MODULE_LINES and classes ("module.Class") over MAX_CLASS_LINES. Empty:
+# issue 27 split the last ones (the limits were 700 / 450 until then); keep it so.
+KNOWN_LARGE: set[str] = set()
 
 
 def _name(path: Path) -> str:

@@ -1,6 +1,6 @@
 """The core of a store handle: its mappings, the sequence table and its seqlocks, the store
-lock, crash recovery, clients and leases, closing. ``Arena`` builds on it: that is the engine
-``Store`` (the API) holds.
+lock, crash recovery, clients and leases, closing. ``Pages``, ``Arena`` and ``Engine`` build on it:
+``engine.Engine`` is what ``Store`` (the API) holds.
 
 Concurrency (DESIGN.md section 3; the numbered invariants 1-5 of ARCHITECTURE.md): the
 hot path publishes a sequence's length after its cells; structural operations hold the store

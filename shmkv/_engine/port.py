@@ -4,7 +4,7 @@
 ``waiting``) and ``_snapshot`` (save / restore) work on the shared-memory state of a store
 (its arrays, table rows, locks and cell placing) through a ``Port`` and nothing else: they
 touch no underscore attribute of the engine (tests/test_architecture.py checks it). ``Port``
-is a ``typing.Protocol``: the engine class (``_engine.arena.Arena``, which ``Store`` holds)
+is a ``typing.Protocol``: the engine class (``_engine.engine.Engine``, which ``Store`` holds)
 implements it, and mypy --strict checks that it does wherever an engine is passed as one, so
 a signature here cannot drift from the method it names ("go to definition" on a use lands
 here; the implementation is named in each entry's docstring).
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from shmkv._engine.header import Layout
 
 Arrays = list[np.ndarray]
-Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Arena.rewrite
+Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Engine.rewrite
 
 __all__ = ["Arrays", "Parts", "Port"]
 
@@ -143,7 +143,7 @@ class Port(Protocol):
         """The table row of a live sequence id (SequenceNotFound)."""
         ...
 
-    # -- cells and rows (arena.Arena, pages.Pages; lock held unless said) --------------------
+    # -- cells and rows (arena.Arena, engine.Engine; lock held unless said) -------------------
 
     def relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
         """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (growth)."""

@@ -16,7 +16,7 @@ policy     tries  between tries                when they are used up (``fallback
 HANDLE     2000   spin 51, then sched_yield    the row read under the store's reading lock
                                                (``_sequence.reader.SeqReader``: views, reads)
 SAVE       200    spin 21, then sleep 0.2 ms   ``_Busy``: the save captures again under the
-                                               lock (``_snapshot.snapshot._capture``)
+                                               lock (``_snapshot.save._capture``)
 VERIFY     100    spin                         0: a prefix match misses this donor
                                                (``prefix.PrefixIndex._verify``)
 =========  =====  ===========================  ==========================================

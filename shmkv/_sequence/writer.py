@@ -41,7 +41,8 @@ from shmkv._sequence.reader import SeqReader
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
 
-def _real(dt: np.dtype) -> bool:
+def real(dt: np.dtype) -> bool:
+    """Whether ``dt`` holds real numbers the store takes (floats, ints, bfloat16 bits)."""
     return dt.kind in "fiu" or dt == _quant.BF16
 
 
@@ -196,7 +197,7 @@ class SeqWriter:
                 f"k shape {k.shape} and v shape {v.shape} must both be [n, kv_heads={H}, head_dim={D}] "
                 f"(or [{H}, {D}] for one token)"
             )
-        if not (_real(k.dtype) and _real(v.dtype)):
+        if not (real(k.dtype) and real(v.dtype)):
             raise InvalidArgumentError(
                 f"k dtype {k.dtype} / v dtype {v.dtype}: keys and values must be real numbers (float or int)"
             )
@@ -207,15 +208,6 @@ class SeqWriter:
             _quant.check_finite(k, "k")
             _quant.check_finite(v, "v")
         return k, v
-
-    def check_all_layers(self, what: str, k_all: np.ndarray, v_all: np.ndarray) -> None:
-        """``[layers, n, kv_heads, head_dim]`` K and V of every layer (extend, set_encoder)."""
-        H, D = self.cell
-        if k_all.ndim != 4 or k_all.shape[0] != self.L or k_all.shape[2:] != (H, D) or v_all.shape != k_all.shape:
-            raise InvalidArgumentError(
-                f"{what}: k_all {k_all.shape} and v_all {v_all.shape} must both be "
-                f"[layers={self.L}, n, kv_heads={H}, head_dim={D}]"
-            )
 
     # -- appending ---------------------------------------------------------------------
 
@@ -417,83 +409,3 @@ class SeqWriter:
                 self.index_blocks(self.slot, length)
         except LockTimeout:
             pass
-
-    def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None,
-               in_steps: bool = False) -> int:
-        if not isinstance(in_steps, bool):
-            raise InvalidArgumentError(f"extend: in_steps={in_steps!r} must be True or False")
-        self.need_writer("extend")
-        if any(self.pending):
-            raise InvalidArgumentError(
-                f"extend: sequence {self.id} has uncommitted appends {self.pending}; commit() them first"
-            )
-        k_all = np.asarray(k_all)
-        v_all = np.asarray(v_all)
-        self.check_all_layers("extend", k_all, v_all)
-        n = k_all.shape[1]
-        if tokens is not None:
-            ints("tokens", tokens, n)
-        if positions is not None:
-            ints("positions", positions, n)
-        lay = self.port.layout
-        if in_steps and lay.bounded and n > lay.step:
-            return self.extend_in_steps(k_all, v_all, tokens, positions, lay.step)
-        try:
-            # fresh cells (a prefill): written through the segment's descriptor (no page zeroing)
-            if self.port.write_new(self.start, self.row[LENGTH], self.row[CAPACITY], k_all, v_all):
-                self.pending = [n] * self.L
-            else:
-                for layer in range(self.L):  # (int8: quantized, its non-finite values refused, here)
-                    self.append_checked(layer, k_all[layer], v_all[layer], views=False)
-            return self.commit(tokens, positions)
-        except BaseException:
-            self.pending = [0] * self.L
-            raise
-
-    def extend_in_steps(self, k_all: np.ndarray, v_all: np.ndarray, tokens: Any, positions: Any, step: int) -> int:
-        """extend(in_steps=True) of more tokens than a window buffer takes between commits: room
-        for all of them first (a CacheFullError changes nothing), then a commit every ``step``."""
-        n = k_all.shape[1]
-        tok = None if tokens is None else ints("tokens", tokens, n)
-        pos = None if positions is None else ints("positions", positions, n)
-        row = self.row
-        length = row[LENGTH]
-        if pos is not None:
-            last = int(self.positions[self.start + length - 1]) if length else -1
-            if pos[0] <= last or np.any(np.diff(pos) <= 0):
-                raise InvalidArgumentError(
-                    f"extend: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
-                )
-        if length + n > row[CAPACITY]:
-            self.grow(length + n)
-        try:
-            for a in range(0, n, step):
-                for layer in range(self.L):
-                    self.append(layer, k_all[layer, a : a + step], v_all[layer, a : a + step])
-                self.commit(None if tok is None else tok[a : a + step], None if pos is None else pos[a : a + step])
-        except BaseException:
-            self.pending = [0] * self.L
-            raise
-        return int(length + n)
-
-    def set_encoder(self, k_all: Any, v_all: Any) -> None:
-        self.need_writer("set_encoder")
-        k_all, v_all = np.asarray(k_all), np.asarray(v_all)
-        self.check_all_layers("set_encoder", k_all, v_all)
-        if not (_real(k_all.dtype) and _real(v_all.dtype)):
-            raise InvalidArgumentError(f"set_encoder: dtypes {k_all.dtype}/{v_all.dtype} are not real numbers")
-        if self.dtype == "int8":
-            _quant.check_finite(k_all, "k_all")
-            _quant.check_finite(v_all, "v_all")
-        n = k_all.shape[1]
-        K, V, KS, VS = self.r.arena
-        with self.locked():
-            row = self.row
-            self.r.span_unlocked()
-            with self.changing(row):
-                start = self.set_encoder_row(row, n)
-                for layer in range(self.L):  # the main arena of every layer (K, not Kw)
-                    for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
-                        self.write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
-                _crash.point("set_encoder.written")
-            self.gen = row[GEN]  # our own change: pending decoder tokens stay

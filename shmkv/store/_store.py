@@ -1,57 +1,35 @@
 """Store: a named KV cache in shared memory, the public handle. It holds its engine (an
-``_engine.arena.Arena``: mappings, table, lock and journal, cell placement) and delegates to
+``_engine.engine.Engine``: mappings, table, lock and journal, cell placement) and delegates to
 it; create, gc and the rest of the lifecycle: ``_lifecycle``."""
 
 from __future__ import annotations
 
-import atexit
 import errno
 import math
 import os
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
 from shmkv._sequence import group as _group
 from shmkv._engine import header as _header
-from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
-from shmkv._snapshot import snapshot as _snapshot
-from shmkv._engine.header import (
-    WBUF,
-    CAPACITY,
-    GEN,
-    ID,
-    LEASE_CLIENT,
-    LEASE_PID,
-    LEASE_TOKEN,
-    LENGTH,
-    START,
-    ENC_SLOT,
-    ENCODER,
-    LIVE,
-    STATE,
-    WIN_OFF,
-    CLEAN,
-    FINISHED,
-    FLAGS,
-    IDX_BLOCKS,
-)
-from shmkv._engine.arena import Arena
+from shmkv._snapshot import restore as _restore
+from shmkv._snapshot import save as _save
+from shmkv._engine.engine import Engine
 from shmkv._sequence.batch import Batch
-from shmkv._engine.checks import count
-from shmkv._engine.lease import live_writers, new_token, own_token
-from shmkv._engine.prefix_hash import as_tokens
+from shmkv._engine.lease import live_writers
 from shmkv._engine.header import Layout
 from shmkv._engine.liveness import Liveness
 from shmkv._engine.segment import Segment
 from shmkv._sequence.handle import Sequence, drop_lease
+from shmkv.store import _handles, _records
+from shmkv.store._records import SequenceInfo, StoreStats
+from shmkv.store._removal import exit_removals, read_identity, remove_if_same
 from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
@@ -64,45 +42,6 @@ from shmkv.errors import (
 DEFAULT_MAX_CLIENTS = 128
 DEFAULT_CAPACITY = 256
 SeqId = int  # sequence ids are plain ints in the API; kept as a name for the docs
-
-@dataclass(frozen=True, slots=True)
-class SequenceInfo:
-    """One row of the sequence table, as read at one moment."""
-
-    id: int
-    length: int
-    capacity: int
-    start: int
-    lease_pid: int
-    lease_alive: bool
-    generation: int
-    finished: bool = False  # seq.finish(): a cached prefix, evictable
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStats:
-    """Occupancy of a store at one moment (``store.stats()``)."""
-
-    name: str
-    sequences: int
-    max_seqs: int
-    tokens: int  # committed tokens over all sequences
-    reserved_tokens: int  # cells owned by sequence ranges
-    max_tokens: int
-    free_tokens: int
-    largest_free_range: int
-    bytes_per_token: int  # K and V of every layer, plus token id and position
-    bytes_used: int  # committed tokens x bytes_per_token
-    bytes_reserved: int  # reserved cells x bytes_per_token, plus the sliding/chunked buffers
-    clients: int
-    generation: int
-    window_tokens: int = 0  # tokens the sliding/chunked layers hold, over all sequences (bounded)
-    encoder_tokens: int = 0  # tokens in encoder (cross-attention) caches
-    finished: int = 0  # finished sequences: cached prefixes, evictable
-    prefix_hits: int = 0  # create_sequence(prefix=) calls that reused tokens, by every process
-    prefix_misses: int = 0  # ... that reused none
-    prefix_tokens_reused: int = 0
-    evictions: int = 0  # finished sequences evicted to make room
 
 
 class Store:
@@ -123,7 +62,7 @@ class Store:
         # The engine (the mappings, the table, the lock and journal, cell placement) does the
         # work; the store is its public face and delegates. The sequence layer and snapshots
         # see the engine through its narrow core (``_engine.port.Port``), never the store's privates.
-        self._engine = e = Arena(name, hseg, dseg, layout, max_clients, creator=creator, persistent=persistent,
+        self._engine = e = Engine(name, hseg, dseg, layout, max_clients, creator=creator, persistent=persistent,
                                  lock_timeout=lock_timeout, live=live)
         self.name = name
         self.layout = layout
@@ -222,9 +161,9 @@ class Store:
             e.shut_down(wake=not inherited)  # our client row, the liveness byte; this handle's sleepers wake
         e.release()  # every view this handle holds dropped, the descriptors closed: unmapped now
         if e.creator and not inherited:
-            _exit_removals.pop((self.name, e.identity), None)
+            exit_removals.pop((self.name, e.identity), None)
         if remove:
-            _remove_if_same(self.name, e.identity)
+            remove_if_same(self.name, e.identity)
         self._close_done = True
 
     def unlink(self) -> None:
@@ -236,7 +175,7 @@ class Store:
         store.unlink()`` removes a created, attached or persistent store (once; then it does nothing).
         """
         self._close(remove=False)
-        _remove_if_same(self.name, self._engine.identity)
+        remove_if_same(self.name, self._engine.identity)
 
     def transaction(self) -> AbstractContextManager[None]:
         """Hold the store lock across several structural operations (a context manager).
@@ -261,13 +200,7 @@ class Store:
 
         Alive means holding its byte of the liveness file, whatever the PID namespace; the pids
         are for display: each is the pid in its process's own namespace."""
-        e = self._engine
-        e.check_open()
-        out = []
-        for pid, key, _flags, _ in e.clients_np.tolist():
-            if pid and key > 0 and e.alive(key):
-                out.append(pid)
-        return out
+        return _records.live_clients(self._engine)
 
     # -- sequences -------------------------------------------------------------
 
@@ -295,87 +228,7 @@ class Store:
             >>> n = len(seq)                                              # doctest: +SKIP
             >>> seq.extend(k_all[:, n:], v_all[:, n:], tokens=prompt[n:])  # doctest: +SKIP
         """
-        made: list[int] = []  # (id, lease token) once the inner call has chosen them
-        try:
-            return self._create_sequence(capacity, prefix, tier, _protect, made)
-        except BaseException:  # KeyboardInterrupt included: the caller never gets the handle
-            if made:
-                self._drop_unreturned(made[0], made[1], free=True)
-            raise
-
-    def _create_sequence(self, capacity: int, prefix: Any, tier: Any, _protect: int, made: list[int]) -> Sequence:
-        e = self._engine
-        capacity = count("capacity", capacity, minimum=1)
-        if capacity > self.layout.max_tokens:
-            raise CacheFullError(
-                f"capacity={capacity} exceeds the store's max_tokens={self.layout.max_tokens}: "
-                "ask for less, or create the store with a larger max_tokens="
-            )
-        toks = None if prefix is None else _prompt(prefix)
-        token = new_token()
-        client = e.client_key()
-        with e.locked():
-            n, _, donor = e.index.match(toks) if toks is not None else (0, 0, -1)
-            # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
-            next_id, rows = e.hdr[_header.W_NEXT_ID], self.layout.max_seqs
-            try:
-                slot, start = e.new_row(max(capacity, n), protect=donor if n else _protect, near=next_id % rows)
-            except CacheFullError:
-                if n == 0:
-                    raise
-                n, donor = 0, -1  # only the donor's eviction makes room: a miss, which may evict it
-                slot, start = e.new_row(capacity, protect=_protect, near=next_id % rows)
-            row = e.row(slot)
-            seq_id = next_id + (slot - next_id) % rows  # the next id of that row: ids skip the rows in use
-            e.hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
-            made += (seq_id, token)
-            with e.transaction():  # the row and its prefix: both, or after a crash neither
-                with e.changing(row):
-                    e.new_incarnation(row)
-                    row[ID] = seq_id
-                    row[START] = start
-                    row[CAPACITY] = max(capacity, n)
-                    row[LENGTH] = 0
-                    row[WIN_OFF] = 0
-                    row[WBUF] = 0
-                    row[ENC_SLOT] = 0
-                    _crash.point("create.row")
-                    row[FLAGS] = 0
-                    row[IDX_BLOCKS] = 0
-                    row[CLEAN] = -1
-                    e.log_meta(slot)
-                    e.meta[slot, :8] = 0
-                    e.touch(row)
-                    row[LEASE_CLIENT] = client
-                    row[LEASE_TOKEN] = token
-                    row[LEASE_PID] = os.getpid()
-                    row[STATE] = LIVE
-                if n:
-                    e.copy_prefix_rows(donor, slot, n)
-                    _crash.point("create.copied")
-            if toks is not None:
-                hdr = e.hdr
-                if n:
-                    e.touch(e.row(donor))
-                    hdr[_header.W_PREFIX_HITS] += 1
-                    hdr[_header.W_PREFIX_REUSED] += n
-                else:
-                    hdr[_header.W_PREFIX_MISSES] += 1
-            seq = Sequence(self, e, seq_id, slot, write=True, token=token)
-            if e.owes(start, row[CAPACITY]):
-                # its range is allocated, not pre-faulted (_new_row): a step of the row's seqlock
-                # sends the handle's first write down its checked path, where a prefill (extend)
-                # writes through the descriptor and appends pre-fault the range first
-                row[GEN] += 2
-        if tier is not None:
-            if toks is None:
-                raise InvalidArgumentError("create_sequence: tier= needs prefix= (the prompt's token ids)")
-            try:
-                tier.pull(seq, toks, have=n)  # network I/O: outside the store lock
-            except BaseException:  # (a chunk that cannot be loaded is a miss; this is anything else)
-                seq.free()  # no live, unfinished sequence is left behind
-                raise
-        return seq
+        return _handles.create_sequence(self, self._engine, capacity, prefix=prefix, tier=tier, protect=_protect)
 
     def match_prefix(self, tokens: Any) -> int:
         """Tokens of ``tokens`` that ``create_sequence(prefix=tokens)`` would reuse now.
@@ -388,7 +241,7 @@ class Store:
         """
         e = self._engine
         e.check_open()
-        return e.index.match(_prompt(tokens))[0]
+        return e.index.match(_handles.prompt(tokens))[0]
 
     def sequence(self, seq_id: int, write: bool = False) -> Sequence:
         """A handle on sequence ``seq_id``; ``write=True`` takes its write lease.
@@ -397,53 +250,7 @@ class Store:
             SequenceNotFound: no live sequence has that id.
             LeaseError: ``write=True`` and a live process (or another handle here) holds the lease.
         """
-        e = self._engine
-        e.check_open()
-        slot = e.slot_of(seq_id)
-        if not write:
-            return Sequence(self, e, int(seq_id), slot, write=False, token=0)
-        token = new_token()
-        client = e.client_key()
-        try:
-            return self._take_lease(int(seq_id), token, client)
-        except BaseException:  # KeyboardInterrupt included: no lease is left for a handle never returned
-            self._drop_unreturned(int(seq_id), token, free=False)
-            raise
-
-    def _drop_unreturned(self, seq_id: int, token: int, *, free: bool) -> None:
-        """Undo what create_sequence (``free``) or a lease take-over did for a handle that never
-        reached its caller (an exception after the work, KeyboardInterrupt included): free the new
-        sequence, or give up the lease, if the row still holds ``token``. Best effort: the
-        exception that got here is what the caller sees."""
-        e = self._engine
-        live_writers.pop(token, None)
-        try:
-            with e.locked():
-                slot = e.slot_of(seq_id)
-                row = e.row(slot)
-                if row[LEASE_TOKEN] != token:
-                    return
-                if free:
-                    e.free_row(slot)
-                else:
-                    row[LEASE_PID] = 0  # what release() does
-        except ShmkvError:  # closed, gone, or the lock is busy: nothing more to do here
-            pass
-
-    def _take_lease(self, seq_id: int, token: int, client: int) -> Sequence:
-        e = self._engine
-        with e.locked():
-            slot = e.slot_of(seq_id)
-            row = e.row(slot)
-            e.check_not_leased_by_other(row, int(seq_id))
-            if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
-                row[FLAGS] &= ~FINISHED
-                e.touch(row)
-            row[LEASE_CLIENT] = client
-            row[LEASE_TOKEN] = token
-            _crash.point("lease.taken")
-            row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands
-        return Sequence(self, e, int(seq_id), slot, write=True, token=token)
+        return _handles.open_sequence(self, self._engine, seq_id, write)
 
     def forward(self, seq_ids: Any, positions: Any, tokens: Any = None) -> Batch:
         """Start a batch forward: one entry of ``seq_ids``/``positions`` per new token.
@@ -463,21 +270,7 @@ class Store:
 
     def sequences(self) -> list[SequenceInfo]:
         """The live sequences, in id order."""
-        e = self._engine
-        e.check_open()
-        out = []
-        table = e.live_rows()
-        asked: dict[int, bool] = {}  # client key -> alive: one question per writer, however many leases
-        for r in table:
-            if r[STATE] != LIVE:
-                continue
-            key, alive = r[LEASE_CLIENT], False
-            if r[LEASE_PID]:
-                known = asked.get(key)
-                alive = asked[key] = e.alive(key) if known is None else known
-            out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN],
-                                    bool(r[FLAGS] & FINISHED)))
-        return sorted(out, key=lambda s: s.id)
+        return _records.sequence_infos(self._engine)
 
     def copy_prefix(self, src_id: int, dst_id: int, n: int) -> None:
         """Replace sequence ``dst_id``'s content with the first ``n`` tokens of ``src_id``.
@@ -488,20 +281,7 @@ class Store:
         another live process; a write handle of this process on dst sees the new
         content (its uncommitted tokens are dropped).
         """
-        e = self._engine
-        n = count("n", n)
-        if int(src_id) == int(dst_id):
-            raise InvalidArgumentError(f"copy_prefix: src_id and dst_id are both {src_id}; use truncate() instead")
-        with e.locked():
-            s_row = e.row(e.slot_of(src_id))
-            d_slot = e.slot_of(dst_id)
-            d_row = e.row(d_slot)
-            if n > s_row[LENGTH]:
-                raise InvalidArgumentError(
-                    f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
-                )
-            e.check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
-            e.copy_prefix_rows(e.slot_of(src_id), d_slot, n, held=True)
+        _handles.copy_prefix(self._engine, src_id, dst_id, n)
 
     def lease(self, seq_ids: Iterable[int]) -> list[Sequence]:
         """Write handles on every sequence of ``seq_ids``, in that order: all leases, or none
@@ -553,7 +333,7 @@ class Store:
         Example:
             >>> store.save("/tmp/cache.shmkv")       # doctest: +SKIP
         """
-        return _snapshot.save(self._engine, path, seq_ids, progress)
+        return _save.save(self._engine, path, seq_ids, progress)
 
     def restore(self, path: Any, seq_ids: list[int] | None = None, *,
                 progress: Callable[[int, int], None] | None = None) -> list[int]:
@@ -564,150 +344,22 @@ class Store:
             LayoutMismatchError: the snapshot's geometry differs from the store's.
             CacheFullError: the store has no room (the store is unchanged).
         """
-        return _snapshot.restore(self._engine, path, seq_ids, progress)
+        return _restore.restore(self._engine, path, seq_ids, progress)
 
     # -- reading ---------------------------------------------------------------
 
     def stats(self) -> StoreStats:
         """Occupancy: sequences, tokens, free cells and bytes."""
-        e = self._engine
-        e.check_open()
-        t = e.table_np
-        live = t[t[:, STATE] == LIVE]
-        encoders = t[t[:, STATE] == ENCODER]
-        gaps = e.free_ranges()
-        bpt = self.bytes_per_token
-        tokens = int(live[:, LENGTH].sum())
-        reserved = int(live[:, CAPACITY].sum())
-        enc_tokens = int(encoders[:, LENGTH].sum())
-        enc_bpt = e.kv_bytes(self.layout.layers)  # an encoder token has every layer
-        kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if self.layout.bounded else 0
-        wbytes = e.kv_bytes(len(self.layout.bounded))  # per token the bounded layers keep
-        return StoreStats(
-            name=self.name,
-            sequences=int(live.shape[0]),
-            max_seqs=self.layout.max_seqs,
-            tokens=tokens,
-            reserved_tokens=reserved,
-            max_tokens=self.layout.max_tokens,
-            free_tokens=sum(s for _, s in gaps),
-            largest_free_range=max((s for _, s in gaps), default=0),
-            bytes_per_token=bpt,
-            bytes_used=tokens * bpt + kept * wbytes + enc_tokens * enc_bpt,
-            bytes_reserved=reserved * bpt + int(live.shape[0]) * 2 * self.layout.window_cells * wbytes
-            + int(encoders[:, CAPACITY].sum()) * enc_bpt,
-            encoder_tokens=enc_tokens,
-            window_tokens=kept,
-            clients=len(self.clients()),
-            generation=int(e.hdr[_header.W_GENERATION]),
-            finished=int(((live[:, FLAGS] & FINISHED) != 0).sum()),
-            prefix_hits=int(e.hdr[_header.W_PREFIX_HITS]),
-            prefix_misses=int(e.hdr[_header.W_PREFIX_MISSES]),
-            prefix_tokens_reused=int(e.hdr[_header.W_PREFIX_REUSED]),
-            evictions=int(e.hdr[_header.W_EVICTIONS]),
-        )
+        return _records.store_stats(self._engine, self.bytes_per_token)
 
 
-def engine_of(store: Store) -> Arena:
+def engine_of(store: Store) -> Engine:
     """``store``'s engine: for the lifecycle functions (create registers its client), ``shmkv verify``
     (the raw header and table) and the pytest plugin (the store's identity)."""
     return store._engine
 
 
-def _prompt(tokens: Any) -> np.ndarray:
-    """A prompt's token ids as int64, checked: ids are >= 0 (-1 marks "no id" in the store)."""
-    try:
-        t = as_tokens(tokens)
-    except ValueError as e:
-        raise InvalidArgumentError(f"prefix: {e}; pass the prompt's token ids as a 1-d int sequence") from None
-    if t.size and int(t.min()) < 0:
-        raise InvalidArgumentError(f"prefix: token ids must be >= 0, got {int(t.min())}")
-    return t
-
-
 # -- module-level lifecycle ----------------------------------------------------
-
-
-@_lock.lifecycle_op
-def _remove_names(name: str) -> bool:
-    """Unlink the segments, then the lock and liveness files (never those while a segment exists)."""
-    found = _segment.unlink(_segment.header_name(name))
-    found = _segment.unlink(_segment.data_name(name)) or found
-    for path, what in ((_segment.lock_path(name), "lock file"), (_liveness.live_path(name), "liveness file")):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except PermissionError:
-            raise _segment.denied(os.path.basename(path), what) from None
-    return found
-
-
-def _magic_words(name: str, *which: int) -> tuple[int, ...] | None:
-    """Words ``which`` of ``name``'s header if it has the shmkv magic, else None (no header,
-    not ours to read, too small, or not a shmkv header)."""
-    try:
-        hseg = Segment.open(_segment.header_name(name), readonly=True)
-    except (StoreNotFound, AccessDeniedError):
-        return None
-    try:
-        if hseg.size < _header.FIXED_BYTES:
-            return None
-        words = hseg.array(np.int64, _header.FIXED_BYTES // 8)
-        out = tuple(int(words[w]) for w in which) if int(words[_header.W_MAGIC]) == _header.MAGIC else None
-        del words
-        return out
-    finally:
-        hseg.close()
-
-
-def read_identity(name: str) -> int | None:
-    """The store identity in ``name``'s header, None when there is no readable shmkv header."""
-    words = _magic_words(name, _header.W_IDENTITY)  # (a version-1 header holds 0 there: never ours)
-    return words[0] if words is not None else None
-
-
-def _remove_if_same(name: str, identity: int) -> bool:
-    """Remove store ``name`` only if its header still holds ``identity`` (it is the store we know)."""
-    if identity and read_identity(name) == identity:
-        return _remove_names(name)
-    return False
-
-
-# (name, identity) -> (pid, fork epoch) of the non-persistent stores this process created
-# and has not closed: removed at interpreter exit, by the creating process only (a forked
-# child that exits must not remove them), and only if their identity is unchanged.
-_exit_removals: dict[tuple[str, int], tuple[int, int]] = {}
-
-
-@atexit.register
-def _remove_at_exit() -> None:
-    for (name, identity), (pid, epoch) in list(_exit_removals.items()):
-        if pid == os.getpid() and epoch == _segment.fork_epoch:
-            try:
-                _remove_if_same(name, identity)
-            except Exception:  # exiting: nothing left to report to
-                pass
-    _exit_removals.clear()
-
-
-_mp_exit_pid = 0
-
-
-def _remove_at_process_exit(name: str, identity: int) -> None:
-    """Register a created store for removal when this process exits.
-
-    atexit covers a normal interpreter exit; multiprocessing's fork and forkserver
-    children end with os._exit and run only multiprocessing's own exit finalizers,
-    so the removal is registered there too (once per process; it runs once).
-    """
-    global _mp_exit_pid
-    _exit_removals[(name, identity)] = (os.getpid(), _segment.fork_epoch)
-    if _mp_exit_pid != os.getpid():
-        from multiprocessing import util
-
-        util.Finalize(None, _remove_at_exit, exitpriority=0)
-        _mp_exit_pid = os.getpid()
 
 
 def _lock_open_error(name: str, e: OSError) -> ShmkvError:
