@@ -33,7 +33,7 @@ def verifier(name: str, seconds: float) -> dict[str, int]:
 
     store = shmkv.attach(name, readonly=True)
     out = {"reads": 0, "changed": 0, "gone": 0, "timeouts": 0}
-    t = store._table_np
+    t = store._engine.table_np
     try:
         end = time.monotonic() + seconds
         while time.monotonic() < end:

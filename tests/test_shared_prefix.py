@@ -89,7 +89,7 @@ def test_borrower_equals_a_copy_bit_for_bit(make_store, dtype, kind):
     before = _content(d, 3)
     b = store.create_sequence(capacity=1024, prefix=np.concatenate([prompt, [7, 8]]))
     assert len(b) == PROMPT
-    unit = store._off.page_unit
+    unit = store._engine._off.page_unit
     assert _spans(store) == PROMPT // unit * unit > 0  # borrowed, not copied
     ref = _reference(store, d.id, PROMPT, np.concatenate([prompt, [7, 8]]))
     assert len(ref) == PROMPT and _spans(store) == PROMPT // unit * unit
@@ -110,10 +110,10 @@ def test_bytes_are_held_once(make_store):
     held = os.stat(path).st_blocks
     bs = [store.create_sequence(capacity=1024, prefix=np.concatenate([prompt, [i]])) for i in range(6)]
     grown = (os.stat(path).st_blocks - held) * 512
-    per_token = store.layout.layers * 2 * store._off.cell_bytes
+    per_token = store.layout.layers * 2 * store._engine._off.cell_bytes
     assert grown < 6 * 300 * per_token  # each holds its own tail (capacity - span), never the 800 shared
     st = store.stats()
-    assert st.shared_tokens == 6 * (800 // store._off.page_unit * store._off.page_unit)
+    assert st.shared_tokens == 6 * (800 // store._engine._off.page_unit * store._engine._off.page_unit)
     assert st.bytes_shared == st.shared_tokens * per_token
     for b in bs:
         b.free()
@@ -150,7 +150,7 @@ def test_copy_on_write(make_store, op):
     donor_before = _content(d, 3)
     b = store.create_sequence(capacity=512, prefix=np.concatenate([prompt, [1]]))
     ref = _reference(store, d.id, PROMPT)
-    unit = store._off.page_unit
+    unit = store._engine._off.page_unit
     for s in (b, ref):
         if op == "truncate":
             s.truncate(101)
@@ -216,7 +216,7 @@ def test_donor_gone_keeps_its_borrowers(make_store, how):
     assert _same(_content(b, 3), before)
     free0 = store.stats().free_tokens
     b.free()  # the last borrower: the span's cells are free again
-    unit = store._off.page_unit
+    unit = store._engine._off.page_unit
     assert free0 + 512 + PROMPT // unit * unit == store.stats().free_tokens
 
 
@@ -235,7 +235,7 @@ def test_chains_of_three(make_store):
     ref = _reference(store, b.id, 500)
     assert _same(_content(c, 3), _content(ref, 3))
     rows = {s.id: s for s in store.sequences()}
-    unit = store._off.page_unit
+    unit = store._engine._off.page_unit
     assert store.stats().shared_tokens == 2 * (PROMPT // unit * unit)  # c borrows d's cells: chains resolve
     store.sequence(d.id, write=True).free()
     store.sequence(b.id, write=True).free()
@@ -277,11 +277,11 @@ def test_batch_kv_over_borrowers_is_a_view(make_store):
     store = _store(make_store)
     rng = np.random.default_rng(11)
     _, prompt = _donor(store, rng)
-    unit = store._off.page_unit
+    unit = store._engine._off.page_unit
     seqs = store.create_sequences(4, capacity=64 * unit, prefix=[np.concatenate([prompt, [i]]) for i in range(4)])
     assert store.stats().shared_tokens == 4 * (PROMPT // unit * unit)
     K, V = store.batch_kv(seqs, 1)
-    assert np.shares_memory(K, store._K) and np.shares_memory(V, store._V)
+    assert np.shares_memory(K, store._engine.K) and np.shares_memory(V, store._engine.V)
     for i, s in enumerate(seqs):
         assert np.array_equal(K[i], s.keys(1)) and np.array_equal(V[i], s.values(1))
 

@@ -1,7 +1,7 @@
 """Shared prefix pages, the table side (DESIGN §11, issue 23; the mappings: ``_engine/share.py``).
 
 A reuse of a cached prefix (``create_sequence(prefix=)``) borrows the donor's first ``m`` cells
-(``m`` a multiple of the page unit) instead of copying them: ``_lend`` plans it, ``_borrow``
+(``m`` a multiple of the page unit) instead of copying them: ``lend`` plans it, ``borrow``
 records the span in the new row (a journaled change) and maps it. ``_settle_span`` runs at the
 end of every change of a row that borrows or lends (``Journal._Change``) and keeps shared cells
 unwritten:
@@ -30,29 +30,34 @@ from shmkv._engine.share import max_borrowers
 class Sharing(Pages):
     """The span-keeping part of a store handle (see the module docstring; lock held throughout)."""
 
-    def _alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
-               evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
-               stage: bool = False, align: int = 1) -> int:
+    def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
+              evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
+              stage: bool = False, align: int = 1) -> int:
         raise NotImplementedError  # Arena's
+
+    @property
+    def page_unit(self) -> int:
+        """The fewest cells that fill whole pages in every per-layer array (DESIGN §11)."""
+        return self._off.page_unit
 
     def _copy_cells(self, src: int, dst: int, n: int, kv_from: int = 0) -> None:
         raise NotImplementedError  # Arena's
 
-    def _lend(self, donor: int, n: int) -> tuple[int, int, int]:
+    def lend(self, donor: int, n: int) -> tuple[int, int, int]:
         """(physical first cell, cells, owner row or -1) a reuse of ``n`` tokens of row ``donor``
         may borrow; cells 0 when it must copy (too short, unaligned, no full layer, too many
         borrowers for vm.max_map_count). Chains resolve to the physical cells."""
         u = self._off.page_unit
-        pieces = self._shares.pieces
+        pieces = self.shares.pieces
         if not pieces or n < u:
             return 0, 0, -1
-        d = self._row(donor)
+        d = self.row(donor)
         if d[SPAN_CELLS]:
             phys, have = d[SPAN_PHYS], d[SPAN_CELLS]
         else:
             phys, have = d[START], d[LENGTH]
         m = min(n, have) // u * u
-        t = self._table_np
+        t = self.table_np
         if not m or phys % u or int((t[:, SPAN_CELLS] > 0).sum()) >= max_borrowers(len(pieces)):
             return 0, 0, -1
         if not d[SPAN_CELLS]:
@@ -60,22 +65,22 @@ class Sharing(Pages):
         owner = np.flatnonzero((t[:, STATE] == LIVE) & (t[:, START] == phys) & (t[:, SPAN_CELLS] == 0))
         return phys, m, int(owner[0]) if owner.size else -1
 
-    def _borrow(self, slot: int, phys: int, m: int, owner: int) -> None:
+    def borrow(self, slot: int, phys: int, m: int, owner: int) -> None:
         """Make row ``slot`` (just created, its cells from ``m`` on copied) borrow cells
         [phys, phys + m): punch its own pages there, record the span, map it."""
-        row = self._row(slot)
-        with self._changing(row):
+        row = self.row(slot)
+        with self.changing(row):
             self._spans_odd()  # before the words change: every process re-maps after this transaction
             start = row[START]
-            self._shares.punch(start, m)
+            self.shares.punch(start, m)
             row[SPAN_PHYS] = phys
             row[SPAN_CELLS] = m
             _crash.point("share.borrowed")
-            self._shares.set(slot, (start, phys, m))
+            self.shares.set(slot, (start, phys, m))
         if owner >= 0:
-            o = self._row(owner)
+            o = self.row(owner)
             if not o[FLAGS] & LENT:
-                with self._changing(o):
+                with self.changing(o):
                     o[FLAGS] |= LENT
 
     def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int]) -> None:
@@ -84,12 +89,12 @@ class Sharing(Pages):
         if m and (row[STATE] != LIVE or row[START] != was[1]):
             row[SPAN_PHYS] = row[SPAN_CELLS] = 0
             _crash.point("share.released")
-            self._shares.set(slot, None)
+            self.shares.set(slot, None)
         elif m and row[LENGTH] < m:
             self._unshare(slot, row, row[LENGTH])
         if row[FLAGS] & LENT:
             start = row[START]
-            t = self._table_np
+            t = self.table_np
             lent = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0) & (t[:, SPAN_PHYS] == start), SPAN_CELLS]
             if row[STATE] != LIVE or start != was[1] or not lent.size:
                 row[FLAGS] &= ~LENT  # moved away or nobody borrows any more: its cells are its own again
@@ -103,10 +108,10 @@ class Sharing(Pages):
         span through the descriptor (its own pages there are not mapped here yet)."""
         start, phys, m = row[START], row[SPAN_PHYS], row[SPAN_CELLS]
         m2 = keep // self._off.page_unit * self._off.page_unit
-        pieces = self._shares.pieces
+        pieces = self.shares.pieces
         self._dseg.reserve([(off + (start + m2) * cb, (m - m2) * cb) for off, cb in pieces], populate=False)
         if keep > m2:
-            raw = self._shares.anchor
+            raw = self.shares.anchor
             for off, cb in pieces:
                 src = raw[off + (phys + m2) * cb : off + (phys + keep) * cb]
                 self._dseg.write(off + (start + m2) * cb, memoryview(src))  # type: ignore[arg-type]  # a buffer
@@ -114,22 +119,22 @@ class Sharing(Pages):
         row[SPAN_CELLS] = m2
         if not m2:
             row[SPAN_PHYS] = 0
-        self._shares.set(slot, (start, phys, m2) if m2 else None)
+        self.shares.set(slot, (start, phys, m2) if m2 else None)
 
     def _move_lender(self, slot: int, row: memoryview) -> None:
         """A donor shorter than the cells it lent: its content to a fresh range (its appends go
         there), the lent cells left to their borrowers."""
         start, cap, length = row[START], row[CAPACITY], row[LENGTH]
-        new_start = self._alloc(cap, evict=True, protect=slot, populate=False)
+        new_start = self.alloc(cap, evict=True, protect=slot, populate=False)
         self._copy_cells(start, new_start, length)
         self._fill(new_start, cap)
         _crash.point("share.moved")
         row[START] = new_start
         row[FLAGS] &= ~LENT
 
-    def _shared_cells(self) -> tuple[int, int]:
+    def shared_cells(self) -> tuple[int, int]:
         """(cells borrowed by live rows, distinct physical cells those spans cover)."""
-        t = self._table_np
+        t = self.table_np
         b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0)]
         if not b.size:
             return 0, 0
@@ -140,10 +145,10 @@ class Sharing(Pages):
             end = max(end, phys + m)
         return int(b[:, SPAN_CELLS].sum()), distinct
 
-    def _held_cells(self) -> int:
+    def held_cells(self) -> int:
         """Cells whose K/V pages the live sequences hold: their ranges but the borrowed cells, and
         every span once (a span whose donor is gone is held by its borrowers alone)."""
-        t = self._table_np
+        t = self.table_np
         live = t[t[:, STATE] == LIVE]
         own = zip((live[:, START] + live[:, SPAN_CELLS]).tolist(), (live[:, START] + live[:, CAPACITY]).tolist(),
                   strict=True)
@@ -156,7 +161,7 @@ class Sharing(Pages):
 
     def _spans_taken(self) -> list[tuple[int, int]]:
         """(start, cells) of every live span: taken, whoever else holds the cells."""
-        t = self._table_np
+        t = self.table_np
         b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0)]
         return list(zip(b[:, SPAN_PHYS].tolist(), b[:, SPAN_CELLS].tolist(), strict=True))
 

@@ -14,7 +14,7 @@ a second):
   increment on shared memory; the lock makes the count exact between processes). ``commit``
   reads it after publishing the length and wakes the row when it is nonzero; every
   structural change of a row (truncate, free, copy_prefix into it, a take-over, a restore)
-  does the same at the end of its bracket (``Core._changing``), so waiters see
+  does the same at the end of its bracket (``Journal.changing``), so waiters see
   ``SequenceNotFound`` as soon as the sequence is freed. No commit makes a syscall while
   nobody waits.
 * Read-only attachments cannot raise a count (their mapping cannot be written: DESIGN.md
@@ -53,17 +53,6 @@ if TYPE_CHECKING:
     from shmkv._engine.port import Port
 
 
-class _Store(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def readonly(self) -> bool: ...
-
-    @property
-    def closed(self) -> bool: ...
-
-
 class SeqReader(Protocol):
     """What waiting needs of a sequence's reader part (``_sequence.reader.SeqReader``)."""
 
@@ -71,9 +60,6 @@ class SeqReader(Protocol):
     id: int
     slot: int
     row: memoryview
-
-    @property
-    def store(self) -> _Store: ...
 
     def length(self) -> int: ...
 
@@ -102,7 +88,7 @@ def _register(r: SeqReader) -> bool:
     """Count this thread as a waiter of the row: shared count (read-write attachments) and this
     handle's own. Returns whether the shared count was raised."""
     p = r.port
-    shared = not r.store.readonly and _futex.AVAILABLE
+    shared = not r.port.readonly and _futex.AVAILABLE
     if shared:
         with p.locked():
             p.waiters[r.slot] += 1
@@ -114,7 +100,7 @@ def _register(r: SeqReader) -> bool:
 
 def _unregister(r: SeqReader, shared: bool) -> None:
     p = r.port
-    if r.store.closed:
+    if r.port.closed:
         return  # close() took this handle's counts off the row already
     if not shared:
         left = p.waiting.get(r.slot, 0) - 1
@@ -162,7 +148,7 @@ def wait(r: SeqReader, length: int | None, timeout: float | None, cancel: thread
             if deadline is not None and now >= deadline:
                 want = f"length {target}" if target is not None else f"a change from length {first}"
                 raise WaitTimeout(
-                    f"wait: sequence {r.id} of store {r.store.name!r} did not reach {want} within "
+                    f"wait: sequence {r.id} of store {r.port.name!r} did not reach {want} within "
                     f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
                 )
             left = None if deadline is None else deadline - now
