@@ -379,3 +379,37 @@ def test_chaos_with_sharing(make_store, tmp_path):
         state(loaded)
     finally:
         loaded.unlink()
+
+
+def test_a_reader_thread_beside_borrows_and_unshares(make_store):
+    """Threads of one process share its mappings: a thread reading borrowers while another makes,
+    un-shares and frees them reads every committed token's own K/V."""
+    import threading
+
+    store = _store(make_store)
+    rng = np.random.default_rng(14)
+    d, prompt = _donor(store, rng)
+    want = [np.asarray(d.keys(i)).copy() for i in range(3)]
+    keep = store.create_sequence(capacity=512, prefix=np.concatenate([prompt, [1]]))
+    stop, errors = threading.Event(), []
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                k, _ = store.sequence(keep.id).read(1)
+                if not np.array_equal(k[:PROMPT], want[1]):
+                    errors.append("wrong keys")
+        except BaseException as e:  # (reported below)
+            errors.append(repr(e))
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(40):
+            b = store.create_sequence(capacity=512, prefix=np.concatenate([prompt, [2 + i]]))
+            b.truncate(int(rng.integers(0, PROMPT)))
+            b.free()
+    finally:
+        stop.set()
+        t.join(60)
+    assert not t.is_alive() and errors == []
