@@ -413,3 +413,23 @@ def test_a_reader_thread_beside_borrows_and_unshares(make_store):
         stop.set()
         t.join(60)
     assert not t.is_alive() and errors == []
+
+
+def test_an_odd_span_epoch_with_an_empty_log_ends_at_the_next_lock(make_store):
+    """A holder killed after its frees inside a larger transaction left the log (journal invariant
+    6) leaves the span epoch odd with nothing to roll back: the next lock entry ends it, so every
+    process re-maps and none waits for it forever."""
+    from shmkv._engine import header as _header
+
+    store = _store(make_store)
+    rng = np.random.default_rng(15)
+    d, prompt = _donor(store, rng)
+    b = store.create_sequence(capacity=512, prefix=np.concatenate([prompt, [1]]))
+    hdr = store._engine.hdr
+    hdr[_header.W_SPANS] += 1  # as the dead holder left it
+    assert hdr[_header.W_SPANS] & 1 and not hdr[_header.W_UNDO_COUNT]
+    with store.transaction():
+        pass
+    assert not hdr[_header.W_SPANS] & 1
+    b.truncate(5)  # the spans follow the table again
+    assert _spans(store) == 0 and np.array_equal(b.keys(0), d.keys(0)[:5])
