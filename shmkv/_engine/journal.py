@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 _SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
 _META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
 INCARNATION_SHIFT = 40  # GEN bits 40..: the row's incarnation (invariant 8)
+_W_SPANS = _header.W_SPANS  # (a module constant: read on every lock entry and transaction end)
 
 
 def incarnation(gen: int) -> int:
@@ -124,6 +125,15 @@ class Journal:
 
     def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int]) -> None:
         raise NotImplementedError
+
+    def _spans_current(self, depth: int) -> None:
+        """At a lock entry (lock held): map the table's spans as they are now."""
+        hdr = self.hdr
+        if depth == 1 and not self._depth and hdr[_W_SPANS] & 1 and not hdr[_header.W_UNDO_COUNT]:
+            # odd with nothing in the log: a dead holder's frees inside a larger transaction left
+            # the log (invariant 6) with the spans they changed complete; the change is over
+            hdr[_W_SPANS] += 1
+        self.shares.sync()
 
     def _spans_odd(self) -> None:
         """A transaction is about to change spans (lock held): the span epoch odd until it ends,
@@ -235,9 +245,9 @@ class Journal:
             row[GEN] += 1
         hdr = self.hdr
         hdr[_header.W_GENERATION] += 1
-        e = hdr[_header.W_SPANS]
+        e = hdr[_W_SPANS]
         if e & 1:  # spans changed: even again, after the rows (a reader that saw them sees it moved)
-            hdr[_header.W_SPANS] = e + 1
+            hdr[_W_SPANS] = e + 1
             self.shares.applied = e + 1
         hdr[_header.W_UNDO_COUNT] = 0
         for slot in self._logged:
@@ -334,13 +344,9 @@ class _Entered:
             except BaseException:
                 lock.release()
                 raise
-        if lock.depth == 1 and not j._depth and j.hdr[_header.W_SPANS] & 1 and not j.hdr[_header.W_UNDO_COUNT]:
-            # odd with nothing in the log: a dead holder's frees inside a larger transaction left
-            # the log (invariant 6) with the spans they changed complete; the change is over
-            j.hdr[_header.W_SPANS] += 1
-        if j.hdr[_header.W_SPANS] != j.shares.applied:  # before anything is written (_engine/share.py, 1)
+        if j.hdr[_W_SPANS] != j.shares.applied:  # before anything is written (_engine/share.py, 1)
             try:
-                j.shares.sync()
+                j._spans_current(lock.depth)
             except BaseException:
                 lock.release()
                 raise
@@ -430,22 +436,21 @@ class _Change:
 
     @critical
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        row = self.row
-        if exc_type is None and self.outer and (row[SPAN_CELLS] or row[FLAGS] & LENT):
-            try:
-                self.j._settle_span(self.slot, row, self.was)  # shared cells stay unwritten
-            except BaseException as e:
-                self._close(type(e))
-                raise
-        self._close(exc_type)
-
-    def _close(self, exc_type: object) -> None:
         j, row = self.j, self.row
-        if self.outer and j._free.brackets.pop(self.slot) != (row[STATE], row[START], row[CAPACITY]):
-            j._free.changed(self.was, row, j.hdr)
+        err = None
+        if self.outer:
+            if exc_type is None and (row[SPAN_CELLS] or row[FLAGS] & LENT):
+                try:
+                    j._settle_span(self.slot, row, self.was)  # shared cells stay unwritten
+                except BaseException as e:  # the bracket still ends (rolled back), then it propagates
+                    err, exc_type = e, type(e)
+            if j._free.brackets.pop(self.slot) != (row[STATE], row[START], row[CAPACITY]):
+                j._free.changed(self.was, row, j.hdr)
         j._depth -= 1
         if j._depth == 0:
             if exc_type is None:
                 j._end()
             else:
                 j._rollback()
+        if err is not None:
+            raise err
