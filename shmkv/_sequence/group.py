@@ -188,10 +188,12 @@ def batch_kv(store: Store, seqs: Iterable[Sequence], layer: int, pending: bool,
             out.append(v if bf16 is None else v.view(bf16))
         return out[0], out[1]
     got = []
-    for which in ("k", "v"):
-        rows = [w.r.view(which, layer, lo, hi) for w, (lo, hi) in zip(parts, cells, strict=True)]
+    staged = [w.staged_rows(layer) if pending else None for w in parts]  # int8: pending tokens in mirrors
+    for i, which in enumerate(("k", "v")):
+        rows = [w.r.view(which, layer, lo, hi) if st is None else st[i]
+                for w, (lo, hi), st in zip(parts, cells, staged, strict=True)]
         g = np.empty((b, *rows[0].shape), rows[0].dtype)
-        for i, r in enumerate(rows):
-            g[i] = r
+        for j, r in enumerate(rows):
+            g[j] = r
         got.append(g)
     return got[0], got[1]

@@ -339,7 +339,7 @@ class Sequence:
             self._r.span_unlocked()
             with p.changing(row):
                 p.set_meta(self._slot, packed)
-            self._w.gen = row[GEN]  # our own change: pending tokens stay
+            self._w.moved(row[GEN])  # our own change: pending tokens stay
 
     # -- reading -------------------------------------------------------------
 
@@ -505,7 +505,13 @@ class Sequence:
         float32) they are copies. The same rules as :meth:`keys` say how long the content
         holds. torch is imported here: ``import shmkv`` never imports it.
         """
-        cells = self._w.pending_cells(self._r.layer(layer)) if pending else None
+        layer = self._r.layer(layer)
+        staged = self._w.staged_rows(layer) if pending else None
+        if staged is not None:  # int8: pending tokens are in the write handle's mirror until commit
+            import torch
+
+            return torch.from_numpy(staged[0]), torch.from_numpy(staged[1])
+        cells = self._w.pending_cells(layer) if pending else None
         return self._r.torch_kv(layer, (self._w.Kw, self._w.Vw), cells)
 
 

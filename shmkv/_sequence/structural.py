@@ -71,6 +71,7 @@ class Structural:
             self._changing.__exit__(*exc)
             w = self.w
             w.pending = [0] * w.L
+            w.staged = False  # (an int8 mirror: kept by truncate, else re-read at the next append)
             row = w.row
             w.gen = row[GEN]
             w.cache(row[START], row[CAPACITY], row[WIN_OFF])
@@ -257,5 +258,5 @@ def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
         with w.changing(row):
             cells[:] = a
             row[FLAGS] &= ~NOINDEX  # blocks from IDX_BLOCKS on may be indexable now
-        w.gen = row[GEN]  # our own change: pending tokens stay
+        w.moved(row[GEN])  # our own change: pending tokens stay
         w.index_blocks(w.slot, length)

@@ -78,8 +78,8 @@ class SeqWriter:
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
                  "gen", "id", "index_blocks", "isfull", "lim", "locked", "mirror", "pending", "plain", "positions",
-                 "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "store", "token", "tokens",
-                 "vfrom", "waddr", "waiters", "wc", "wcell", "write")
+                 "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "staged", "start", "store", "token",
+                 "tokens", "vfrom", "waddr", "waiters", "wc", "wcell", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -107,6 +107,7 @@ class SeqWriter:
         self.vfrom: list[int] = []  # per layer: first kept cell
         self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
         self.mirror: Int8Mirror | None = None  # int8 stores: what append returns views of (_sequence/mirror.py)
+        self.staged = False  # int8: the pending tokens are in the mirror only, quantized at commit
 
     # -- addressing --------------------------------------------------------------------
 
@@ -139,13 +140,33 @@ class SeqWriter:
     def drop_pending(self) -> None:
         """Forget this handle's uncommitted tokens (their cells are simply written again)."""
         self.pending = [0] * self.L
+        if self.staged:
+            self.staged = False
+            assert self.mirror is not None
+            self.mirror.clamp(self.row[LENGTH])
 
     def discard(self) -> int:
         """Sequence.discard: drop the pending tokens; returns the most any layer had."""
         n = max(self.pending)
         if n:
-            self.pending = [0] * self.L
+            self.drop_pending()
         return n
+
+    def moved(self, gen: int) -> None:
+        """This handle's own change kept every cell and the pending tokens: now at ``gen``."""
+        if self.mirror is not None:
+            self.mirror.moved(self.gen, gen)
+        self.gen = gen
+
+    def staged_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """int8: copies of ``layer``'s committed and pending tokens from the mirror, when the
+        pending ones are staged there (their cells are written at commit); else None."""
+        p = self.pending[layer]
+        if not (self.staged and p and self.write and self.row[GEN] == self.gen):
+            return None
+        assert self.mirror is not None
+        end = self.row[LENGTH] + p
+        return self.mirror.kv[layer][:end].copy(), self.mirror.vv[layer][:end].copy()
 
     def pending_cells(self, layer: int) -> tuple[int, int] | None:
         """Cells [first held, end of pending) of ``layer`` when this handle has tokens pending there
@@ -180,8 +201,9 @@ class SeqWriter:
             )
         if row[GEN] != self.gen:
             # a structural change we did not make through this handle (e.g. copy_prefix
-            # into it): drop uncommitted tokens, reload the range
+            # into it): drop uncommitted tokens, reload the range (an int8 mirror re-reads the cells)
             self.pending = [0] * self.L
+            self.staged = False
             self.refresh()
             if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
                 _pages.before_appends(self.store, self.start, row[CAPACITY])
@@ -241,14 +263,25 @@ class SeqWriter:
             p = self.pending[layer]
             if length + p + n > self.lim[layer]:
                 return self.append_checked(layer, k, v)
-            s = self.base[layer] + length + p
-            if not self.plain:  # int8, its mirror made by a first (checked) append
-                assert self.mirror is not None
-                if len(ks) == 2:
-                    k, v = k[None], v[None]
-                kv = self.mirror.append(layer, length + p, s, k, v, gen=self.gen)
+            if not self.plain:  # int8: into the mirror, quantized at commit (_sequence/mirror.py)
+                mir = self.mirror
+                assert mir is not None  # (made by a first, checked, append)
+                t0 = length + p
+                end = t0 + n
+                if (mir.gen != self.gen or mir.n[layer] < t0 or end > mir.cap or k.dtype.itemsize > 4
+                        or v.dtype.itemsize > 4):
+                    return self.append_checked(layer, k, v)
+                if n == 1 and len(ks) == 2:
+                    mir.wk[layer][t0] = k  # (a cast: float16 to float32 is exact)
+                    mir.wv[layer][t0] = v
+                else:
+                    mir.wk[layer][t0:end] = k
+                    mir.wv[layer][t0:end] = v
+                mir.n[layer] = end
                 self.pending[layer] = p + n
-                return kv
+                self.staged = True
+                return mir.kv[layer][:end], mir.vv[layer][:end]
+            s = self.base[layer] + length + p
             if n == 1 and len(ks) == 2:
                 self.Kw[layer][s] = k
                 self.Vw[layer][s] = v
@@ -265,7 +298,7 @@ class SeqWriter:
         self.need_writer("append")
         layer = self.r.layer(layer)
         int8 = self.dtype == "int8"
-        k, v = self.kv_arrays(k, v, finite=not int8)
+        k, v = self.kv_arrays(k, v, finite=views)  # int8: refused here (extend: by the quantizer)
         n = k.shape[0]
         length = self.row[LENGTH]
         p = self.pending[layer]
@@ -277,11 +310,17 @@ class SeqWriter:
                 self.compact(layer, end)
         s = self.base[layer] + length + p
         if int8 and views:
-            if self.mirror is None:
-                assert self.KS is not None and self.VS is not None  # int8: every layer has its scales
-                self.mirror = Int8Mirror(Kw=self.Kw, Vw=self.Vw, KS=self.KS, VS=self.VS, cell=self.cell, row=self.row)
-            kv = self.mirror.append(layer, length + p, s, k, v, gen=self.gen)
+            mir = self.mirror
+            if mir is None:
+                K, V, KS, VS = self.r.arena
+                assert KS is not None and VS is not None  # int8: every layer has its scales
+                mir = self.mirror = Int8Mirror(K=K, V=V, KS=KS, VS=VS, cell=self.cell, row=self.row)
+            if mir.gen != self.gen:
+                mir.sync(self.gen, self.start, length, self.pending if self.staged else [0] * self.L)
+            mir.catch_up(layer, self.start, length + p)
+            kv = mir.put(layer, length + p, k, v)
             self.pending[layer] = p + n
+            self.staged = True
             return kv
         if self.plain:
             self.Kw[layer][s : s + n] = k
@@ -339,7 +378,7 @@ class SeqWriter:
                 with self.changing(row):
                     self.relocate(self.slot, row, needed, keep)
             finally:  # our own change (or none): pending tokens stay valid
-                self.gen = row[GEN]
+                self.moved(row[GEN])
                 self.cache(row[START], row[CAPACITY], row[WIN_OFF])
 
     def encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -380,23 +419,34 @@ class SeqWriter:
             if (tokens is not None and np.size(tokens)) or (positions is not None and np.size(positions)):
                 raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
             return length
-        if tokens is None:
-            self.tokens[s : s + n] = -1
-            if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
-                row[FLAGS] |= NOINDEX
-        else:
-            self.tokens[s : s + n] = ints("tokens", tokens, n)
-        if positions is None:
-            if n == 1:
-                P[s] = last + 1
-            else:
-                P[s : s + n] = np.arange(last + 1, last + 1 + n)
-        else:
+        tok = None if tokens is None else ints("tokens", tokens, n)
+        pos = None
+        if positions is not None:
             pos = ints("positions", positions, n)
             if pos[0] <= last or (n > 1 and np.any(np.diff(pos) <= 0)):
                 raise InvalidArgumentError(
                     f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
                 )
+        if self.staged:  # int8: every layer's pending tokens quantized into their cells, in one pass
+            assert self.mirror is not None
+            try:
+                self.mirror.quantize(length, n, s)
+            except InvalidArgumentError:
+                self.drop_pending()
+                raise
+            self.staged = False
+        if tok is None:
+            self.tokens[s : s + n] = -1
+            if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
+                row[FLAGS] |= NOINDEX
+        else:
+            self.tokens[s : s + n] = tok
+        if pos is None:
+            if n == 1:
+                P[s] = last + 1
+            else:
+                P[s : s + n] = np.arange(last + 1, last + 1 + n)
+        else:
             P[s : s + n] = pos
         row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
         if self.waiters[self.slot]:  # a read of shared memory; the syscall only for a sleeper
@@ -437,6 +487,8 @@ class SeqWriter:
         if positions is not None:
             ints("positions", positions, n)
         lay = self.store.layout
+        if self.mirror is not None:  # (cells after the length are written here, not through the mirror)
+            self.mirror.clamp(self.row[LENGTH])
         if in_steps and lay.bounded and n > lay.step:
             return self.extend_in_steps(k_all, v_all, tokens, positions, lay.step)
         try:
@@ -497,4 +549,4 @@ class SeqWriter:
                     for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
                         self.write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
                 _crash.point("set_encoder.written")
-            self.gen = row[GEN]  # our own change: pending decoder tokens stay
+            self.moved(row[GEN])  # our own change: pending decoder tokens stay
