@@ -62,7 +62,8 @@ class Arena(Pages):
                  copy_all_layers=self._copy_all_layers, wcell=self._wcell, kv_bytes=self._kv_bytes,
                  free_row=self._free_row, get_meta=self._get_meta, set_meta=self._set_meta,
                  index_blocks=self._index_blocks, touch=self._touch,
-                 waiters=self._waiters, length_addr0=self._length_addr0, waiting=self._waiting,
+                 waiters=self._waiters, ro_waiters=self._ro_waiters, length_addr0=self._length_addr0,
+                 waiting=self._waiting,
                  hdr=self._hdr, table_np=self._table_np, lock_path=self._lock_path, check_open=self._check_open,
                  check_writable=self._check_writable, slot_of=self._slot_of, alloc=self._alloc,
                  reserve_window=self._reserve_window, drop_encoder=self._drop_encoder, restored=self._restored)

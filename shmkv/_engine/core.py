@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from shmkv._engine.row_waiters import RowWaiters
 from shmkv._engine import dtypes as _dtypes
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
@@ -149,6 +150,7 @@ class Core(Journal):
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
         self._waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
+        self._ro_waiters = RowWaiters(name, layout.max_seqs)  # ... of read-only attachments (_engine/row_waiters.py)
         self._length_addr0 = self._table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
         self._waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
         self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)

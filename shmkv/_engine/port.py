@@ -30,6 +30,8 @@ from typing import Protocol
 
 import numpy as np
 
+from shmkv._engine.row_waiters import RowWaiters
+
 Arrays = list[np.ndarray]
 Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Arena._rewrite
 
@@ -91,6 +93,8 @@ class Port:
     Waiting (``_sequence/waiting.py``):
         waiters: per row, the threads of read-write processes sleeping in ``Sequence.wait``
             (int64 words; changed under ``locked``); a commit wakes the row when nonzero.
+        ro_waiters: the same for read-only attachments' sleepers (``_engine/row_waiters.py``:
+            counts in the liveness file, changed atomically); a commit wakes on either.
         length_addr0: the address of row 0's LENGTH word in this process (a row's is
             ``length_addr0 + slot * 8 * SEQ_WORDS``): its low half is the futex word.
         waiting: this handle's own sleepers per row (``close()`` wakes them).
@@ -144,6 +148,7 @@ class Port:
     touch: Callable[[memoryview], None]
     # waiting
     waiters: memoryview
+    ro_waiters: RowWaiters
     length_addr0: int
     waiting: dict[int, int]
     # for _snapshot (see the module docstring): what it needs beyond the fields above

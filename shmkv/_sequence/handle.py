@@ -31,9 +31,10 @@ from shmkv._engine import arena as _arena
 from shmkv._engine import crash as _crash
 from shmkv._engine import pages as _pages
 from shmkv._engine import segment as _segment
+from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence import rewind as _seq_rewind
 from shmkv._sequence import structural as _seq_structural
-from shmkv._engine.checks import count
+from shmkv._engine.checks import pack_meta, count
 from shmkv._engine.header import (
     CAPACITY,
     ENC_SLOT,
@@ -48,7 +49,7 @@ from shmkv._engine.header import (
 from shmkv._engine.lease import live_writers, release_row
 from shmkv._sequence.reader import SeqReader
 from shmkv._sequence.structural import ShiftFn
-from shmkv._sequence.writer import SeqWriter, pack_meta
+from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -339,7 +340,7 @@ class Sequence:
             self._r.span_unlocked()
             with p.changing(row):
                 p.set_meta(self._slot, packed)
-            self._w.moved(row[GEN])  # our own change: pending tokens stay
+            Int8Mirror.moved(self._w, row[GEN])  # our own change: pending tokens stay
 
     # -- reading -------------------------------------------------------------
 
@@ -506,7 +507,7 @@ class Sequence:
         holds. torch is imported here: ``import shmkv`` never imports it.
         """
         layer = self._r.layer(layer)
-        staged = self._w.staged_rows(layer) if pending else None
+        staged = Int8Mirror.staged_rows(self._w, layer) if pending else None
         if staged is not None:  # int8: pending tokens are in the write handle's mirror until commit
             import torch
 

@@ -36,9 +36,11 @@ store stays int8.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from shmkv._engine.header import CAPACITY
+from shmkv._engine.header import CAPACITY, GEN, LENGTH
 from shmkv._sequence import quant as _quant
 from shmkv.errors import InvalidArgumentError
 
@@ -74,6 +76,33 @@ class Int8Mirror:
         self.scratch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # -- keeping it current ----------------------------------------------------------------
+
+    @classmethod
+    def current(cls, mirror: Int8Mirror | None, arena: tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                np.ndarray | None], row: memoryview, *, gen: int, start: int, length: int,
+                pending: list[int] | None) -> Int8Mirror:
+        """``mirror`` (made if None, from the store's ``arena``: K, V, KS, VS) valid at ``gen``:
+        re-read from the cells at ``start`` if it was made at another (see :meth:`sync`)."""
+        if mirror is None:
+            K, V, KS, VS = arena
+            assert KS is not None and VS is not None  # int8: every layer has its scales
+            mirror = cls(K=K, V=V, KS=KS, VS=VS, cell=(K.shape[2], K.shape[3]), row=row)
+        if mirror.gen != gen:
+            mirror.sync(gen, start, length, pending or [0] * mirror.M.shape[0])
+        return mirror
+
+    def rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of tokens ``[0, end)`` of ``layer`` (pending ones as given)."""
+        return self.kv[layer][:end].copy(), self.vv[layer][:end].copy()
+
+    @staticmethod
+    def staged_rows(w: Any, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Copies of ``layer``'s committed and pending tokens from write handle part ``w``'s
+        mirror, when its pending tokens are staged there (their cells are written at commit);
+        else None (its cells hold what there is)."""
+        p = w.pending[layer]
+        ok = w.staged and p and w.write and w.row[GEN] == w.gen and w.mirror is not None
+        return w.mirror.rows(layer, w.row[LENGTH] + p) if ok else None
 
     def room(self, end: int) -> None:
         """Room for at least ``end`` tokens in every layer (doubling: amortized O(1) a token)."""
@@ -125,11 +154,14 @@ class Int8Mirror:
         self.n = [min(m, n) for m in self.n]
         self.gen = gen
 
-    def moved(self, old: int, gen: int) -> None:
-        """The handle's own change from generation ``old`` to ``gen`` kept every cell and its
-        pending tokens (growth, meta, set_tokens, set_encoder): still valid, if it was."""
-        if self.gen == old:
-            self.gen = gen
+    @staticmethod
+    def moved(w: Any, gen: int) -> None:
+        """Write handle part ``w``'s own change kept every cell and its pending tokens (growth,
+        meta, set_tokens, set_encoder): now at generation ``gen``, its mirror too if it was valid."""
+        m = w.mirror
+        if m is not None and m.gen == w.gen:
+            m.gen = gen
+        w.gen = gen
 
     def clamp(self, length: int) -> None:
         """Pending tokens dropped: only the committed ``[0, length)`` are known (the cells after
@@ -153,11 +185,11 @@ class Int8Mirror:
         self.n[layer] = end
         return self.kv[layer][:end], self.vv[layer][:end]
 
-    def quantize(self, t0: int, n: int, s: int) -> None:
+    def quantize(self, t0: int, n: int, s: int, w: Any) -> None:
         """Commit's pass: the pending tokens ``[t0, t0 + n)`` of every layer quantized into cells
         ``s..`` (codes and scales), then rewritten in the mirror with their dequantized values.
-        Non-finite values raise InvalidArgumentError before anything of their pass is written
-        (the caller drops the pending tokens; the committed ones are untouched)."""
+        Non-finite values raise InvalidArgumentError before anything of their pass is written;
+        the pending tokens of write handle part ``w`` are dropped (the committed ones stay)."""
         L = self.M.shape[0]
         H, D = self.cell
         step = max(1, _PASS_ITEMS // (L * 2 * H * D))
@@ -172,6 +204,7 @@ class Int8Mirror:
             P = self.M[:, :, t0 + a : t0 + a + c]
             bad, scales = _quant.quantize_rows(P, X, A, B)
             if bad >= 0:
+                w.drop_pending()
                 self.refuse(bad, X, t0 + a)
             np.copyto(C, A, casting="unsafe")  # the codes (whole numbers in [-127, 127])
             b = s + a

@@ -35,6 +35,7 @@ from shmkv._engine.header import (
     with_leads,
 )
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
+from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError, NotSupportedError
 
@@ -258,5 +259,5 @@ def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
         with w.changing(row):
             cells[:] = a
             row[FLAGS] &= ~NOINDEX  # blocks from IDX_BLOCKS on may be indexable now
-        w.moved(row[GEN])  # our own change: pending tokens stay
+        Int8Mirror.moved(w, row[GEN])  # our own change: pending tokens stay
         w.index_blocks(w.slot, length)

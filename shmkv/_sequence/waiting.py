@@ -51,6 +51,7 @@ from shmkv.errors import InvalidArgumentError, StoreClosedError, WaitTimeout
 
 if TYPE_CHECKING:
     from shmkv._engine.port import Port
+    from shmkv._engine.row_waiters import RowWaiters
 
 
 class _Store(Protocol):
@@ -77,6 +78,7 @@ class SeqReader(Protocol):
 
     def length(self) -> int: ...
 
+_RO_LOCK = threading.Lock()  # read-only attachments' counts and ``waiting`` against close() in threads
 _CHUNK = 2.0  # seconds a registered waiter sleeps before it looks again (idle: 0.5 wake-ups/s)
 _FIRST_SLEEP = 50e-6  # read-only and fallback waits: sleeps doubling from this
 _MAX_SLEEP = 0.004  # ... up to this
@@ -99,30 +101,42 @@ def address(r: SeqReader) -> int:
 
 
 def _register(r: SeqReader) -> bool:
-    """Count this thread as a waiter of the row: shared count (read-write attachments) and this
-    handle's own. Returns whether the shared count was raised."""
+    """Count this thread as a waiter of the row: shared count (read-write attachments: the
+    header's, under the lock; read-only ones: the liveness file's, atomically) and this handle's
+    own. Returns whether a shared count was raised."""
     p = r.port
-    shared = not r.store.readonly and _futex.AVAILABLE
-    if shared:
+    if not _futex.AVAILABLE:
+        shared = False
+    elif not r.store.readonly:
         with p.locked():
             p.waiters[r.slot] += 1
             p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1
+        return True
     else:
-        p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (only close() reads it: a wake-up)
+        shared = p.ro_waiters.writable
+    with _RO_LOCK:  # (close() takes this handle's counts off the row under it: _store._drop_waiters)
+        if shared:
+            p.ro_waiters.add(r.slot, 1)
+        p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (else only close() reads it: a wake-up)
     return shared
 
 
 def _unregister(r: SeqReader, shared: bool) -> None:
     p = r.port
+    if r.store.readonly or not shared:
+        with _RO_LOCK:
+            if r.store.closed:
+                return  # close() took this handle's counts off the row already
+            if shared:
+                p.ro_waiters.add(r.slot, -1)
+            left = p.waiting.get(r.slot, 0) - 1
+            if left > 0:
+                p.waiting[r.slot] = left
+            else:
+                p.waiting.pop(r.slot, None)
+        return
     if r.store.closed:
         return  # close() took this handle's counts off the row already
-    if not shared:
-        left = p.waiting.get(r.slot, 0) - 1
-        if left > 0:
-            p.waiting[r.slot] = left
-        else:
-            p.waiting.pop(r.slot, None)
-        return
     try:
         with p.locked():
             mine = p.waiting.get(r.slot, 0)
@@ -225,3 +239,12 @@ async def wait_async(r: SeqReader, length: int | None, timeout: float | None) ->
         cancel.set()
         wake_all(r)  # the thread looks again, sees the flag, and ends
         raise
+
+
+def drop_read_only(counts: RowWaiters, waiting: dict[int, int]) -> None:
+    """close() of a read-only attachment (``closed`` true already): its sleepers' counts off the
+    rows; they end with StoreClosedError without touching the store again (a sleeper that
+    looked before holds the lock while it takes its own count off)."""
+    with _RO_LOCK:
+        for slot, n in waiting.items():
+            counts.add(slot, -n)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from shmkv._engine import crash as _crash
@@ -28,7 +27,6 @@ from shmkv._engine.header import (
     LEASE_PID,
     LEASE_TOKEN,
     LENGTH,
-    META_BYTES,
     NOINDEX,
     SEQ_WORDS,
     START,
@@ -46,24 +44,6 @@ def _real(dt: np.dtype) -> bool:
     return dt.kind in "fiu" or dt == _quant.BF16
 
 
-def pack_meta(value: Any) -> bytes:
-    """``seq.meta = value``'s record: ``value`` checked (a dict) and packed (at most META_BYTES)."""
-    if not isinstance(value, dict):
-        raise InvalidArgumentError(f"meta must be a dict, got {type(value).__name__}")
-    try:
-        packed = msgpack.packb(value)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise InvalidArgumentError(
-            f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
-        ) from None
-    if len(packed) > META_BYTES:
-        raise InvalidArgumentError(
-            f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
-            "store an id here and the rest elsewhere"
-        )
-    return bytes(packed)
-
-
 class SeqWriter:
     """A handle's writing state: the lease flag and token, the pending counts of each layer,
     and the per-layer addressing the hot path uses (refreshed after structural changes).
@@ -78,8 +58,8 @@ class SeqWriter:
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
                  "gen", "id", "index_blocks", "isfull", "lim", "locked", "mirror", "pending", "plain", "positions",
-                 "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "staged", "start", "store", "token",
-                 "tokens", "vfrom", "waddr", "waiters", "wc", "wcell", "write")
+                 "r", "relocate", "rewrite", "ro_waiters", "row", "set_encoder_row", "slot", "staged", "start", "store",
+                 "token", "tokens", "vfrom", "waddr", "waiters", "wc", "wcell", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -98,6 +78,7 @@ class SeqWriter:
         self.index_blocks, self.set_encoder_row = p.index_blocks, p.set_encoder
         self.wcell, self.rewrite = p.wcell, p.rewrite
         self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
+        self.ro_waiters = p.ro_waiters.counts  # ... of read-only attachments
         self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
         self.pending = [0] * self.L
         self.gen = -1
@@ -140,9 +121,8 @@ class SeqWriter:
     def drop_pending(self) -> None:
         """Forget this handle's uncommitted tokens (their cells are simply written again)."""
         self.pending = [0] * self.L
-        if self.staged:
+        if self.staged and self.mirror is not None:
             self.staged = False
-            assert self.mirror is not None
             self.mirror.clamp(self.row[LENGTH])
 
     def discard(self) -> int:
@@ -151,22 +131,6 @@ class SeqWriter:
         if n:
             self.drop_pending()
         return n
-
-    def moved(self, gen: int) -> None:
-        """This handle's own change kept every cell and the pending tokens: now at ``gen``."""
-        if self.mirror is not None:
-            self.mirror.moved(self.gen, gen)
-        self.gen = gen
-
-    def staged_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """int8: copies of ``layer``'s committed and pending tokens from the mirror, when the
-        pending ones are staged there (their cells are written at commit); else None."""
-        p = self.pending[layer]
-        if not (self.staged and p and self.write and self.row[GEN] == self.gen):
-            return None
-        assert self.mirror is not None
-        end = self.row[LENGTH] + p
-        return self.mirror.kv[layer][:end].copy(), self.mirror.vv[layer][:end].copy()
 
     def pending_cells(self, layer: int) -> tuple[int, int] | None:
         """Cells [first held, end of pending) of ``layer`` when this handle has tokens pending there
@@ -203,7 +167,6 @@ class SeqWriter:
             # a structural change we did not make through this handle (e.g. copy_prefix
             # into it): drop uncommitted tokens, reload the range (an int8 mirror re-reads the cells)
             self.pending = [0] * self.L
-            self.staged = False
             self.refresh()
             if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
                 _pages.before_appends(self.store, self.start, row[CAPACITY])
@@ -268,15 +231,10 @@ class SeqWriter:
                 assert mir is not None  # (made by a first, checked, append)
                 t0 = length + p
                 end = t0 + n
-                if (mir.gen != self.gen or mir.n[layer] < t0 or end > mir.cap or k.dtype.itemsize > 4
-                        or v.dtype.itemsize > 4):
+                if mir.gen != self.gen or mir.n[layer] < t0 or end > mir.cap or k.itemsize > 4 or v.itemsize > 4:
                     return self.append_checked(layer, k, v)
-                if n == 1 and len(ks) == 2:
-                    mir.wk[layer][t0] = k  # (a cast: float16 to float32 is exact)
-                    mir.wv[layer][t0] = v
-                else:
-                    mir.wk[layer][t0:end] = k
-                    mir.wv[layer][t0:end] = v
+                mir.wk[layer][t0:end] = k  # (a cast: float16 to float32 is exact)
+                mir.wv[layer][t0:end] = v
                 mir.n[layer] = end
                 self.pending[layer] = p + n
                 self.staged = True
@@ -309,16 +267,11 @@ class SeqWriter:
             if end > self.lim[layer]:  # a sliding/chunked layer's buffer is full
                 self.compact(layer, end)
         s = self.base[layer] + length + p
-        if int8 and views:
-            mir = self.mirror
-            if mir is None:
-                K, V, KS, VS = self.r.arena
-                assert KS is not None and VS is not None  # int8: every layer has its scales
-                mir = self.mirror = Int8Mirror(K=K, V=V, KS=KS, VS=VS, cell=self.cell, row=self.row)
-            if mir.gen != self.gen:
-                mir.sync(self.gen, self.start, length, self.pending if self.staged else [0] * self.L)
-            mir.catch_up(layer, self.start, length + p)
-            kv = mir.put(layer, length + p, k, v)
+        if int8 and views:  # into the mirror (made, or brought up to date, first)
+            self.mirror = Int8Mirror.current(self.mirror, self.r.arena, self.row, gen=self.gen, start=self.start,
+                                             length=length, pending=self.pending if self.staged else None)
+            self.mirror.catch_up(layer, self.start, length + p)
+            kv = self.mirror.put(layer, length + p, k, v)
             self.pending[layer] = p + n
             self.staged = True
             return kv
@@ -378,7 +331,7 @@ class SeqWriter:
                 with self.changing(row):
                     self.relocate(self.slot, row, needed, keep)
             finally:  # our own change (or none): pending tokens stay valid
-                self.moved(row[GEN])
+                Int8Mirror.moved(self, row[GEN])
                 self.cache(row[START], row[CAPACITY], row[WIN_OFF])
 
     def encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -427,14 +380,8 @@ class SeqWriter:
                 raise InvalidArgumentError(
                     f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
                 )
-        if self.staged:  # int8: every layer's pending tokens quantized into their cells, in one pass
-            assert self.mirror is not None
-            try:
-                self.mirror.quantize(length, n, s)
-            except InvalidArgumentError:
-                self.drop_pending()
-                raise
-            self.staged = False
+        if self.staged and self.mirror is not None:  # int8: all layers' pending tokens quantized, one pass
+            self.mirror.quantize(length, n, s, self)
         if tok is None:
             self.tokens[s : s + n] = -1
             if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
@@ -449,9 +396,9 @@ class SeqWriter:
         else:
             P[s : s + n] = pos
         row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
-        if self.waiters[self.slot]:  # a read of shared memory; the syscall only for a sleeper
+        if self.waiters[self.slot] or self.ro_waiters[self.slot]:  # the syscall only for a sleeper
             _futex.wake(self.waddr)
-        self.pending = [0] * self.L
+        self.pending, self.staged = [0] * self.L, False
         flags = row[FLAGS]
         if not flags & NOINDEX and ((length + n) // BLOCK > row[IDX_BLOCKS]
                                     or (length < LEAD[-1] and lead_levels(length + n) > leads(flags))):
@@ -549,4 +496,4 @@ class SeqWriter:
                     for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
                         self.write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
                 _crash.point("set_encoder.written")
-            self.moved(row[GEN])  # our own change: pending decoder tokens stay
+            Int8Mirror.moved(self, row[GEN])  # our own change: pending decoder tokens stay

@@ -53,6 +53,7 @@ from shmkv._engine.lease import live_writers, new_token, own_token
 from shmkv._engine.prefix_hash import as_tokens
 from shmkv._engine.segment import Segment
 from shmkv._sequence.handle import Sequence, drop_lease
+from shmkv._sequence.waiting import drop_read_only
 from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
@@ -201,6 +202,8 @@ class Store(Arena):
                         self._drop_waiters()
                 except Exception:  # closing must not fail because the lock is stuck
                     pass
+            elif not inherited:
+                self._drop_waiters()  # (read-only: counts in the liveness file, no lock)
             self._unregister_client()  # our client row, and the byte of the liveness file (no lock taken)
             self._closed = True
             if not inherited:  # this handle's sleepers in Sequence.wait look again: StoreClosedError
@@ -226,6 +229,8 @@ class Store(Arena):
             with self._locked():
                 for slot, n in self._waiting.items():
                     self._waiters[slot] -= n
+        elif self._waiting and _futex.AVAILABLE and self._ro_waiters.writable:
+            drop_read_only(self._ro_waiters, self._waiting)
 
     def _drop_views(self) -> None:
         """Drop every reference this handle holds into its mappings (arrays, memoryviews, and the
