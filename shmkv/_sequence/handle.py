@@ -120,6 +120,9 @@ class Sequence:
         Returns:
             Read-only views ``(keys, values)`` of this layer, ``[length + pending, kv_heads,
             head_dim]``: the committed tokens followed by this handle's pending ones.
+            int8 stores: float32 views of the write handle's own copy, the pending tokens
+            as given until ``commit()`` quantizes them, as stored from then on
+            (``_sequence/mirror.py``).
 
         The tokens become visible to other processes at ``commit()``, once every
         layer has the same number of pending tokens.
