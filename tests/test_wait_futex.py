@@ -188,24 +188,36 @@ def test_a_close_or_removal_in_another_process_does_not_end_a_wait(make_store, w
             store.close()
 
 
-def test_no_wake_up_syscall_while_nobody_waits(make_store, monkeypatch):
+@pytest.mark.parametrize("readonly", [False, True])
+def test_no_wake_up_syscall_while_nobody_waits(make_store, monkeypatch, readonly):
+    """Commits wake a counted waiter (read-write or read-only) with a syscall, and only then; the
+    waiter sleeps in long futex waits, never in a polling loop of short ones."""
     store = make_store(layers=2, kv_heads=2, head_dim=4, dtype="float32")
     seq = store.create_sequence(capacity=16)
     calls: list[int] = []
-    real = _futex.wake
-    monkeypatch.setattr(_futex, "wake", lambda addr: calls.append(addr) or real(addr))
+    sleeps: list[float | None] = []
+    real_wake, real_wait = _futex.wake, _futex.wait
+    monkeypatch.setattr(_futex, "wake", lambda addr: calls.append(addr) or real_wake(addr))
+    monkeypatch.setattr(_futex, "wait", lambda addr, v, t: sleeps.append(t) or real_wait(addr, v, t))
     for _ in range(3):
         seq.extend(*one_token())
     seq.truncate(1)
     assert calls == []
-    reader = store.sequence(seq.id)
-    t = threading.Thread(target=reader.wait, args=(3,))
-    t.start()
-    until_waiters(store, store._slot_of(seq.id), 1)
-    seq.extend(*one_token())
-    seq.extend(*one_token())
-    t.join(60)
+    att = shmkv.attach(store.name, readonly=True) if readonly else store
+    try:
+        reader = att.sequence(seq.id)
+        t = threading.Thread(target=reader.wait, args=(3,))
+        t.start()
+        until_waiters(store, store._slot_of(seq.id), 0 if readonly else 1, readonly=int(readonly))
+        seq.extend(*one_token())
+        seq.extend(*one_token())
+        t.join(60)
+        assert not t.is_alive()
+    finally:
+        if readonly:
+            att.close()
     assert len(calls) >= 2  # a wake-up per commit while it slept
+    assert sleeps and all(s is None or s >= 1.0 for s in sleeps), sleeps  # woken, not polling
 
 
 @pytest.mark.parametrize("readonly", [False, True])
