@@ -9,7 +9,8 @@ from shmkv._sequence.handle import Sequence
 from shmkv._snapshot.format import Snapshot, read_header
 from shmkv.store._doctor import Doctor, doctor
 from shmkv.store._lifecycle import create, gc, list_stores, load, remove
-from shmkv.store._store import SequenceInfo, Store, StoreStats, attach
+from shmkv.store._records import SequenceInfo, StoreStats
+from shmkv.store._store import Store, attach
 from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,

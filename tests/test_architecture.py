@@ -37,35 +37,20 @@ KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 
 # (accessing module, attribute) pairs: code in the accessing module reads or
 # writes an underscore attribute that a class of another module defines. Empty:
-# _sequence (and its parts) and _snapshot reach the store through its narrow core,
-# _port.Port (_arena.port(store)); keep it so.
+# _sequence (and its parts) and _snapshot reach the store's engine through its narrow core,
+# the _engine.port.Port protocol; keep it so.
 KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = set()
 
 
 # Type-only imports ("importer", "imported") of a module that imports the importer at run
-# time: today's lower modules that annotate the handle classes above them.
-KNOWN_UPWARD_TYPE_IMPORTS: set[tuple[str, str]] = {
-    ("_engine.lease", "_sequence.handle"),
-    ("_sequence.batch", "store._store"),
-    ("_sequence.group", "store._store"),
-    ("_sequence.handle", "store._store"),
-    ("_sequence.reader", "store._store"),
-    ("_snapshot.snapshot", "store._store"),
-}
+# time. Empty: issue 27 gave the lower layers Protocols to annotate with instead (the engine's
+# narrow core, _engine.port.Port; the public store as the sequence layer uses it,
+# _sequence.handle.Owner); keep it so.
+KNOWN_UPWARD_TYPE_IMPORTS: set[tuple[str, str]] = set()
 
-# Modules over MAX_MODULE_LINES and classes ("module.Class") over
-# MAX_CLASS_LINES today (the limits were 700 / 450 until issue 27).
-KNOWN_LARGE: set[str] = {
-    "_engine.arena.Arena",
-    "_sequence.handle",
-    "_sequence.handle.Sequence",
-    "_sequence.writer.SeqWriter",
-    "_snapshot.snapshot",
-    "remote",
-    "remote.RemoteTier",
-    "store._store",
-    "store._store.Store",
-}
+# Modules over MAX_MODULE_LINES and classes ("module.Class") over MAX_CLASS_LINES. Empty:
+# issue 27 split the last ones (the limits were 700 / 450 until then); keep it so.
+KNOWN_LARGE: set[str] = set()
 
 
 def _name(path: Path) -> str:

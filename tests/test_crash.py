@@ -36,7 +36,7 @@ def _store_for(make_store, point: str) -> shmkv.Store:
 
 
 def _check_usable(store: shmkv.Store, tmp_path) -> None:
-    gens = store._table_np[:, _header.GEN]
+    gens = store._engine.table_np[:, _header.GEN]
     assert not (gens & 1).any(), gens
     assert cli.verify(store) == []
     for info in store.sequences():
@@ -122,13 +122,13 @@ def test_random_kills_of_a_writer_doing_mixed_operations(make_store):
         child.kill(signal.SIGKILL)
         with store.transaction():  # the next lock holder recovers
             pass
-        gens = store._table_np[:, _header.GEN]
+        gens = store._engine.table_np[:, _header.GEN]
         assert not (gens & 1).any(), f"kill {i}: odd generation"
         assert cli.verify(store) == [], f"kill {i}"
         state(store)  # zero corrupted committed tokens: every cell holds its token's K/V
         ids = [s.id for s in store.sequences()]
         assert len(ids) == len(set(ids))
-        recovered = int(store._hdr[_header.W_RECOVERIES])
+        recovered = int(store._engine.hdr[_header.W_RECOVERIES])
     print(f"{recovered} recoveries in {kills} kills")
     s = store.create_sequence(capacity=4)
     fill(s, [1, 2])
@@ -175,5 +175,5 @@ def test_verify_reports_a_dead_operation_and_repair_rolls_it_back(make_store, tm
     assert r.returncode == 1 and "left 1 row(s) to roll back" in r.stdout and "odd" in r.stdout
     r = subprocess.run([shmkv_bin, "verify", "--repair", store.name], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert int(store._hdr[_header.W_RECOVERIES]) == 1
+    assert int(store._engine.hdr[_header.W_RECOVERIES]) == 1
     state(store)

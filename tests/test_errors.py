@@ -194,7 +194,7 @@ def test_segment_io_errors_are_in_the_tree(make_store, monkeypatch, tmp_path, er
     import os
 
     store = make_store()
-    seg = store._dseg
+    seg = store._engine._dseg
     src = tmp_path / "src"
     src.write_bytes(b"x" * 8192)
 
@@ -230,9 +230,9 @@ def test_copy_in_from_a_file_that_ends_early_is_a_snapshot_error(make_store, mon
     fd = os.open(src, os.O_RDONLY)
     try:
         with pytest.raises(shmkv.SnapshotError, match="ended 3996 bytes early"):
-            store._dseg.copy_in(fd, 0, 0, 4096)
+            store._engine._dseg.copy_in(fd, 0, 0, 4096)
         monkeypatch.setattr(_segment.os, "sendfile", lambda *a: (_ for _ in ()).throw(OSError(22, "EINVAL")))
         with pytest.raises(shmkv.SnapshotError, match="ended 3996 bytes early"):  # the slow path says the same
-            store._dseg.copy_in(fd, 0, 0, 4096)
+            store._engine._dseg.copy_in(fd, 0, 0, 4096)
     finally:
         os.close(fd)

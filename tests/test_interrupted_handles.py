@@ -15,12 +15,12 @@ import pytest
 import shmkv
 from shmkv._engine import core as _core
 from shmkv._engine import segment as _segment
-from shmkv.store import _store
+from shmkv.store import _handles
 
 
 def _interrupting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make the next write handle's construction raise KeyboardInterrupt (the store's work done)."""
-    real, calls = _store.Sequence, []
+    real, calls = _handles.Sequence, []
 
     def sequence(*args, **kwargs):
         if kwargs.get("write") and not calls:
@@ -28,7 +28,7 @@ def _interrupting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_store, "Sequence", sequence)
+    monkeypatch.setattr(_handles, "Sequence", sequence)
     return calls
 
 
@@ -101,7 +101,7 @@ def test_close_interrupted_half_way_is_finished_by_the_next_close(make_store, mo
     store = make_store()
     before = _fds(store.name)
     handle = shmkv.attach(store.name)
-    real, calls, own = _segment.Segment.close, [], handle._hseg
+    real, calls, own = _segment.Segment.close, [], handle._engine._hseg
 
     def interrupted(self):
         if self is own and not calls:  # the handle's header segment, half-way through its close

@@ -155,7 +155,7 @@ def _first_holder(holder: str, store: shmkv.Store, ids: dict, x: shmkv.Sequence,
 
 def _check_after(store: shmkv.Store, ids: dict) -> None:
     """Generations even, verify clean, ids unique, later appends and commits seen."""
-    gens = store._table_np[:, _header.GEN]
+    gens = store._engine.table_np[:, _header.GEN]
     assert not (gens & 1).any(), gens
     assert cli.verify(store) == []
     got_ids = [i.id for i in store.sequences()]
@@ -235,7 +235,7 @@ def test_an_exception_at_every_crash_point_rolls_back(make_store, tmp_path, exc)
         exc.__traceback__ = None  # its frames hold the operation's write handle (and lease)
         del got
         gc.collect()
-        assert store._hdr[_header.W_UNDO_COUNT] == 0 and store._depth == 0, point
+        assert store._engine.hdr[_header.W_UNDO_COUNT] == 0 and store._engine._depth == 0, point
         now = _without(state(store), x.id)
         if point.startswith("compact"):  # commits before the one that compacts are complete
             b_now = next(g for g in now if g[0] == ids["b"])
@@ -314,7 +314,7 @@ def test_a_read_only_save_after_a_crash_records_the_rolled_back_state(make_store
         ro.save(path)
         assert state(ro) == before  # read-only readers see it rolled back too
         assert ro.sequence(ids["b"]).meta == {}  # its meta record as well (was LockTimeout)
-    assert store._hdr[_header.W_UNDO_COUNT] == 1  # nobody rolled it back: the reader could not
+    assert store._engine.hdr[_header.W_UNDO_COUNT] == 1  # nobody rolled it back: the reader could not
     loaded = shmkv.load(path, name=unique_name("jl"))
     try:
         assert state(loaded) == before
@@ -358,8 +358,8 @@ def test_sigints_never_leave_the_lock_held(make_store):
                     assert out.startswith("caught"), out
                 if out != "paused 0 0":
                     held.append((i, out))
-                store._lock.acquire(10.0)
-                store._lock.release()
+                store._engine._lock.acquire(10.0)
+                store._engine._lock.release()
                 child.stdin.write("go\n")
                 child.stdin.flush()
         child.stdin.close()
@@ -404,7 +404,7 @@ def test_a_ctrl_c_on_the_lock_path_is_raised_once_the_lock_is_given_up(make_stor
     lands_on_the_lock_path = _interrupts.critical(lambda: signal.raise_signal(signal.SIGINT))
     with pytest.raises(KeyboardInterrupt), store.transaction():
         lands_on_the_lock_path()
-        assert _interrupts.deferred == [signal.SIGINT] and store._lock.is_held  # noted, not raised
-    assert not store._lock.is_held and _interrupts.deferred == []
+        assert _interrupts.deferred == [signal.SIGINT] and store._engine._lock.is_held  # noted, not raised
+    assert not store._engine._lock.is_held and _interrupts.deferred == []
     with pytest.raises(KeyboardInterrupt):  # elsewhere it is raised at once, as always
         signal.raise_signal(signal.SIGINT)

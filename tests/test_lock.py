@@ -33,7 +33,7 @@ def wait_for(path: str, child: ChildProcess, timeout: float = 30.0) -> None:
 def hold_lock(name: str, ready: str, readonly: bool = False) -> None:
     """Attach, take the structural lock, say so, and keep it until killed."""
     store = shmkv.attach(name, readonly=readonly)
-    with store._lock.held(shared=readonly):
+    with store._engine._lock.held(shared=readonly):
         open(ready, "w").close()
         time.sleep(600)
 
@@ -43,7 +43,7 @@ def try_lock(name: str, timeout: float, shared: bool = False) -> str:
     exclusive or shared, came within ``timeout`` (flock needs no write access)."""
     store = shmkv.attach(name, readonly=True)
     try:
-        with store._lock.held(timeout, shared=shared):
+        with store._engine._lock.held(timeout, shared=shared):
             return "acquired"
     except shmkv.LockTimeout:
         return "timeout"
@@ -90,13 +90,13 @@ def test_sigkilled_holder_releases_the_lock(store, tmp_path, method):
     try:
         wait_for(ready, child)
         with pytest.raises(shmkv.LockTimeout):
-            store._lock.acquire(0.2)
+            store._engine._lock.acquire(0.2)
         child.kill(signal.SIGKILL)
-        with store._lock.held(10.0):  # the kernel released the dead holder's flock
-            assert store._lock.is_held
+        with store._engine._lock.held(10.0):  # the kernel released the dead holder's flock
+            assert store._engine._lock.is_held
     finally:
         child.kill()
-    assert not store._lock.is_held
+    assert not store._engine._lock.is_held
 
 
 def test_lock_timeout_is_raised_and_names_the_setting(store, tmp_path):
@@ -115,7 +115,7 @@ def test_lock_timeout_is_raised_and_names_the_setting(store, tmp_path):
             with pytest.raises(shmkv.LockTimeout):
                 other.create_sequence(capacity=4)  # a structural operation waits no longer either
             with pytest.raises(shmkv.LockTimeout):
-                other._lock.acquire(0)  # zero: one try
+                other._engine._lock.acquire(0)  # zero: one try
         finally:
             child.kill()
             other.close()
@@ -131,9 +131,9 @@ def test_reentrant_within_a_thread_and_across_attachments(store):
                 seq = store.create_sequence(capacity=4)  # a structural operation inside: takes it again
                 with second.transaction():  # another attachment, same process: re-entrant, no deadlock
                     seq.truncate(0)
-                assert store._lock.is_held
-            assert store._lock.is_held
-        assert not store._lock.is_held and not second._lock.is_held
+                assert store._engine._lock.is_held
+            assert store._engine._lock.is_held
+        assert not store._engine._lock.is_held and not second._engine._lock.is_held
         # released for real: another process gets it at once
         assert start_in_process(try_lock, store.name, 0.0, timeout=60).result() == "acquired"
     finally:
@@ -142,7 +142,7 @@ def test_reentrant_within_a_thread_and_across_attachments(store):
 
 def test_release_without_hold_is_an_error(store):
     with pytest.raises(RuntimeError, match="not held"):
-        store._lock.release()
+        store._engine._lock.release()
 
 
 def test_exclusion_between_threads(store):
@@ -156,11 +156,11 @@ def test_exclusion_between_threads(store):
 
     def b() -> None:
         try:
-            store._lock.acquire(0.2)
+            store._engine._lock.acquire(0.2)
         except shmkv.LockTimeout:
             result.append("timeout")
         else:
-            store._lock.release()
+            store._engine._lock.release()
             result.append("acquired")
 
     ta = threading.Thread(target=a)
@@ -220,13 +220,13 @@ def test_exclusion_between_processes(store, tmp_path, method):
 
 def test_forked_child_has_its_own_descriptor(store):
     store.create_sequence(capacity=4).release()  # the lock has been used (and its file opened) here
-    parent_fd = store._lock._fd
+    parent_fd = store._engine._lock._fd
     with store.transaction():
         # fork while holding: a child sharing our descriptor would "acquire" at once
         assert start_in_process(try_lock, store.name, 0.3, start_method="fork", timeout=60).result() == "timeout"
 
         def in_child(s: shmkv.Store) -> tuple[bool, str]:
-            lk = store._lock  # the inherited handle's lock, re-opened on first use in the child
+            lk = store._engine._lock  # the inherited handle's lock, re-opened on first use in the child
             try:
                 lk.acquire(0.3)
             except shmkv.LockTimeout:
@@ -240,7 +240,7 @@ def test_forked_child_has_its_own_descriptor(store):
         assert outcome == "timeout" and reopened
     reopened, outcome = start_in_process(_run_with_store, in_child, start_method="fork", timeout=60).result()
     assert outcome == "acquired" and reopened
-    assert parent_fd == store._lock._fd and store._lock._pid == os.getpid()
+    assert parent_fd == store._engine._lock._fd and store._engine._lock._pid == os.getpid()
 
 
 def _run_with_store(fn):  # fork only: the closure and the inherited store come along
@@ -257,10 +257,10 @@ def test_inherited_descriptor_does_not_keep_a_dead_holders_lock(store, tmp_path)
         with open(gpid_path) as f:
             gpid = int(f.read())
         with pytest.raises(shmkv.LockTimeout):
-            store._lock.acquire(0.2)
+            store._engine._lock.acquire(0.2)
         child.kill(signal.SIGKILL)  # the holder dies; its forked child lives on
         os.kill(gpid, 0)  # still alive
-        with store._lock.held(10.0):
+        with store._engine._lock.held(10.0):
             pass
     finally:
         child.kill()
@@ -279,17 +279,17 @@ def test_readers_share_a_lock_on_a_readonly_attachment(store, tmp_path):
         ro = shmkv.attach(store.name, readonly=True)
         try:
             # the reader's descriptor is read-only: no write access needed
-            assert (os.O_ACCMODE & _fcntl_flags(ro._lock._fd)) == os.O_RDONLY
-            with ro._lock.held(0.5, shared=True):  # a second shared holder gets in
+            assert (os.O_ACCMODE & _fcntl_flags(ro._engine._lock._fd)) == os.O_RDONLY
+            with ro._engine._lock.held(0.5, shared=True):  # a second shared holder gets in
                 pass
         finally:
             ro.close()
         assert start_in_process(try_lock, store.name, 0.2, True, timeout=60).result() == "acquired"
         with pytest.raises(shmkv.LockTimeout):  # a writer waits for the readers
-            store._lock.acquire(0.2)
+            store._engine._lock.acquire(0.2)
     finally:
         reader.kill()
-    with store._lock.held(10.0):
+    with store._engine._lock.held(10.0):
         pass
 
 
@@ -306,7 +306,7 @@ def test_closing_a_handle_while_holding_keeps_the_lock_until_release(store):
         assert start_in_process(try_lock, store.name, 0.2, timeout=60).result() == "timeout"
     assert start_in_process(try_lock, store.name, 0.0, timeout=60).result() == "acquired"
     with pytest.raises(shmkv.StoreClosedError):
-        second._lock.acquire(1)
+        second._engine._lock.acquire(1)
 
 
 def test_lock_file_lives_as_long_as_the_segments(tmp_path):

@@ -136,15 +136,15 @@ def test_views_are_zero_copy(store):
     """The README's claim: append, keys, values and kv hand out the shared memory itself."""
     seq = store.create_sequence(capacity=8)
     k, v = seq.append(0, np.ones((2, 4)), np.ones((2, 4)))
-    assert np.shares_memory(k, store._K) and np.shares_memory(v, store._V)
+    assert np.shares_memory(k, store._engine.K) and np.shares_memory(v, store._engine.V)
     seq.append(1, np.ones((2, 4)), np.ones((2, 4)))
     seq.commit()
     for view in (seq.keys(0), seq.values(1), *seq.kv(1)):
         assert view.base is not None and not view.flags.owndata
-        assert np.shares_memory(view, store._K) or np.shares_memory(view, store._V)
+        assert np.shares_memory(view, store._engine.K) or np.shares_memory(view, store._engine.V)
     ro = shmkv.attach(store.name, readonly=True)
     try:
-        assert np.shares_memory(ro.sequence(seq.id).keys(0), ro._K)  # another mapping, no copy
+        assert np.shares_memory(ro.sequence(seq.id).keys(0), ro._engine.K)  # another mapping, no copy
     finally:
         ro.close()
 

@@ -117,7 +117,7 @@ def test_a_full_index_never_fails_a_commit_after_it_published(make_store):
     """Issue 22: RuntimeError("prefix index full") escaped commit after LENGTH was published when
     the index had no empty entry (its occupancy count drifted, or it was scribbled on)."""
     st = make_store(max_tokens=256, max_seqs=4)
-    t = np.frombuffer(st._index._t, np.int64).reshape(-1, 4)
+    t = np.frombuffer(st._engine.index._t, np.int64).reshape(-1, 4)
     t[:] = [1, 999, 0, 0]  # every entry taken, none valid (no live sequence 999), count says 0
     p = P(2, 40)
     a = plain(st, p)  # commits 40 tokens: two whole blocks go into the index
@@ -296,7 +296,7 @@ def test_truncate_recommit_and_anonymous_blocks(make_store):
 
 def test_probe_chain_wraps_around_the_table(make_store):
     st = make_store(max_tokens=512, max_seqs=8)
-    mask = st._index._slots - 1
+    mask = st._engine.index._slots - 1
     rng = np.random.default_rng(5)
     found = []
     while len(found) < 6:

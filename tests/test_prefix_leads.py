@@ -103,8 +103,8 @@ def test_leads_survive_an_index_rebuild_and_a_snapshot(st, make_store, tmp_path)
     prompts = [P(10 + i, 6 + i) for i in range(6)]
     for p in prompts:
         serve(st, p)[0].finish()
-    with st._locked():  # what a create does when the index fills: only valid entries are kept
-        kept = st._index.rebuild()
+    with st._engine.locked():  # what a create does when the index fills: only valid entries are kept
+        kept = st._engine.index.rebuild()
     assert kept == 3 + 3 + 4 + 4 + 4 + 4  # leads 1, 2, 4 of 6 and 7 tokens; 1, 2, 4, 8 of 8..11
     for p in prompts:
         assert st.match_prefix(np.concatenate([p, [1]])) == len(p)

@@ -45,7 +45,7 @@ def test_int8_error_bound(make_store, seed):
         assert codes.dtype == np.int8 and scales.dtype == np.float32 and scales.shape == (n, H)
         assert not codes.flags.writeable and not scales.flags.writeable
         # zero-copy: the raw views are the shared memory itself
-        assert np.shares_memory(codes, store._K)
+        assert np.shares_memory(codes, store._engine.K)
         absmax = np.abs(k[layer].astype(np.float32)).max(-1).astype(np.float64)
         np.testing.assert_allclose(scales, absmax / 127, rtol=2.0**-22)  # absmax / 127, to an ulp
         assert np.all(scales.astype(np.float64) * 127.5 >= absmax)  # never so low that codes clip
@@ -67,7 +67,7 @@ def test_bfloat16_error_bound(make_store, seed, monkeypatch):
         want = k[layer].astype(np.float64)
         assert np.all(np.abs(got - want) <= np.abs(want) * 2.0**-8)
         if _quant.BF16 is not None:
-            assert np.shares_memory(seq.keys(layer), store._K)  # zero-copy view
+            assert np.shares_memory(seq.keys(layer), store._engine.K)  # zero-copy view
         else:
             assert seq.keys(layer).dtype == np.float32
     # round to nearest even, against an independent reference on a few values

@@ -155,7 +155,7 @@ def test_create_sequence_big_chunks_stream_from_shared_memory(make_store, server
     def joined(parts):  # pragma: no cover - the test fails if a big value is joined
         raise AssertionError("a chunk over 256 KiB was joined into one bytes object")
 
-    monkeypatch.setattr(remote, "_joined", joined)
+    monkeypatch.setattr(remote._wire, "joined", joined)
     big = dict(layers=4, kv_heads=4, head_dim=64, dtype=dtype, max_tokens=2048, max_seqs=4)
     a, b = make_store(**big), make_store(**big)
     toks, k, v = prompt(3 * 256 + 10, layers=4, heads=4, dim=64)
@@ -291,9 +291,9 @@ def _with_valid_checksum(blob: bytes, layout, mutate) -> bytes:
     from shmkv import remote
 
     b = bytearray(blob)
-    _, _, _, hlen, _ = remote._FIXED.unpack_from(b, 0)
-    mutate(*remote._Geometry(layout, C).arrays(b, remote._payload_offset(hlen), C))
-    remote._CRC.pack_into(b, len(b) - remote._CRC.size, zlib.crc32(memoryview(b)[: -remote._CRC.size]))
+    _, _, _, hlen, _ = remote._wire.FIXED.unpack_from(b, 0)
+    mutate(*remote._wire.Geometry(layout, C).arrays(b, remote._wire.payload_offset(hlen), C))
+    remote._wire.CRC.pack_into(b, len(b) - remote._wire.CRC.size, zlib.crc32(memoryview(b)[: -remote._wire.CRC.size]))
     return bytes(b)
 
 
@@ -343,7 +343,7 @@ def test_create_sequence_in_many_round_trips(make_store, server, client, tiers, 
 
     monkeypatch.setattr(remote, "_BATCH_BYTES", 1)
     monkeypatch.setattr(remote, "_GROUP_BYTES", 1)
-    monkeypatch.setattr(remote, "_JOIN_BYTES", 0)
+    monkeypatch.setattr(remote._wire, "_JOIN_BYTES", 0)
     a, b = make_store(**{**LAYOUT, "dtype": dtype}), make_store(**{**LAYOUT, "dtype": dtype})
     toks, k, v = prompt(200)
     sa = prefill(a, toks, k, v)

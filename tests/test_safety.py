@@ -28,9 +28,9 @@ import shmkv.cli
 from shmkv._engine import header as _header
 from shmkv.store import _lifecycle
 from shmkv._engine import segment as _segment
-from shmkv._snapshot import snapshot as _snapshot
+from shmkv._snapshot import save as _save
 from shmkv._snapshot import format as _snapshot_format
-from shmkv.store import _store
+from shmkv.store import _removal
 from shmkv.cli import verify
 from shmkv.testing import run_in_process, start_in_process, unique_name
 
@@ -162,7 +162,7 @@ def test_dropping_the_creators_handle_keeps_the_store_until_exit(method):
 
 def test_dropping_a_handle_in_process_keeps_the_store(make_store):
     store = make_store()
-    name, identity = store.name, store._identity
+    name, identity = store.name, store._engine.identity
     seq = store.create_sequence(capacity=4)
     seq.extend(*_kv(2, 2), tokens=[4, 5])
     seq_id = seq.id
@@ -171,7 +171,7 @@ def test_dropping_a_handle_in_process_keeps_the_store(make_store):
     assert _exists(name)
     with shmkv.attach(name, readonly=True) as ro:
         assert ro.sequence(seq_id).tokens.tolist() == [4, 5]
-    assert _store._remove_if_same(name, identity)
+    assert _removal.remove_if_same(name, identity)
 
 
 def test_gc_never_judges_a_store_of_another_format_version():
@@ -426,7 +426,7 @@ def test_full_snapshot_file_system_is_cache_full_and_keeps_the_old_file(make_sto
     def no_space(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(_snapshot.os, "fsync", no_space)
+    monkeypatch.setattr(_save.os, "fsync", no_space)
     with pytest.raises(shmkv.CacheFullError, match="previous snapshot"):
         store.save(path)
     assert path.read_bytes() == old and sorted(os.listdir(tmp_path)) == ["s.shmkv"]
@@ -473,7 +473,7 @@ def _snapshot_file(store, tmp_path):
 
 
 def _scribbled_client_table(store, tmp_path):
-    row = store._clients_np[-1]
+    row = store._engine.clients_np[-1]
     saved = row.copy()
     row[0] = 1 << 40
     try:
@@ -608,8 +608,8 @@ def test_cli_bad_values_are_usage_errors(store, tmp_path, argv, says, capsys):
 
 def test_identity_is_in_the_header_and_differs_per_store(make_store):
     a, b = make_store(), make_store()
-    assert a._identity and b._identity and a._identity != b._identity
-    assert _store.read_identity(a.name) == a._identity
-    words = np.frombuffer(a._hseg.mm, np.int64, 64)
-    assert int(words[_header.W_IDENTITY]) == a._identity
+    assert a._engine.identity and b._engine.identity and a._engine.identity != b._engine.identity
+    assert _removal.read_identity(a.name) == a._engine.identity
+    words = np.frombuffer(a._engine._hseg.mm, np.int64, 64)
+    assert int(words[_header.W_IDENTITY]) == a._engine.identity
     del words

@@ -174,7 +174,7 @@ def test_the_checksum_is_zlibs_crc32_whichever_computes_it(make_store, tmp_path,
     a snapshot written with one loads with the other (issue 16)."""
     import zlib
 
-    from shmkv._snapshot import snapshot as _snapshot
+    from shmkv._snapshot import save as _save
     from shmkv._snapshot import format as _snapshot_format
 
     rng = np.random.default_rng(6)
@@ -187,7 +187,7 @@ def test_the_checksum_is_zlibs_crc32_whichever_computes_it(make_store, tmp_path,
     before = _content(store)
     fast, plain = tmp_path / "fast.shmkv", tmp_path / "plain.shmkv"
     store.save(fast)
-    for module in (_snapshot, _snapshot_format):
+    for module in (_save, _snapshot_format):
         monkeypatch.setattr(module, "crc32", zlib.crc32)
     store.save(plain)
     assert fast.read_bytes() == plain.read_bytes()

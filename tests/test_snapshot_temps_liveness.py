@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._snapshot import snapshot as _snapshot
+from shmkv._snapshot import save as _save
 from test_liveness import drivers  # noqa: F401  (the fixture)
 
 
@@ -32,7 +32,7 @@ def test_a_save_in_another_pid_namespace_keeps_its_temporary_file(make_store, dr
     (temp,) = [f for f in os.listdir(tmp_path) if ".tmp-" in f]
     assert temp.startswith(".snap.shmkv.tmp-1-")  # pid 1: its own namespace's
 
-    assert _snapshot.remove_stale_temps(str(tmp_path)) == []  # gc(snapshot_dirs=)'s judgement
+    assert _save.remove_stale_temps(str(tmp_path)) == []  # gc(snapshot_dirs=)'s judgement
     store.save(path)  # a save of the same path here cleans stale temps first: this one is live
     assert temp in os.listdir(tmp_path)
     result = inner.ask("save_resume", name=store.name)
@@ -50,7 +50,7 @@ def test_a_dead_writers_temporary_file_is_removed_whatever_its_pid(tmp_path):
     # (our own pid below, or pid 1: a live process of this namespace) and it is still stale
     for pid in (os.getpid(), 1):
         (tmp_path / f".s.shmkv.tmp-{pid}-0-0123abcd").write_bytes(b"half a snapshot")
-    assert sorted(os.path.basename(p) for p in _snapshot.remove_stale_temps(str(tmp_path))) == [
+    assert sorted(os.path.basename(p) for p in _save.remove_stale_temps(str(tmp_path))) == [
         ".s.shmkv.tmp-1-0-0123abcd", f".s.shmkv.tmp-{os.getpid()}-0-0123abcd"]
     assert os.listdir(tmp_path) == []
 

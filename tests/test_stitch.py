@@ -120,14 +120,14 @@ def test_over_a_store_layer(make_store):
     are whole pages, so a layer's cells from two places stitch into one array (DESIGN §11)."""
     for dtype in ("float32", "float16", "bfloat16", "int8"):
         st = make_store(layers=3, kv_heads=2, head_dim=8, dtype=dtype, max_tokens=4096, max_seqs=4)
-        off, u = st._off, st._off.page_unit
+        off, u = st._engine._off, st._engine._off.page_unit
         assert off.layer_stride % PAGE == 0 and off.scale_stride % PAGE == 0
         assert (u * off.cell_bytes) % PAGE == 0 and (u * 2 * 4 * (dtype == "int8")) % PAGE == 0
         rng = np.random.default_rng(0)
-        K = st._K
+        K = st._engine.K
         raw = K.view(np.uint8) if K.dtype != np.uint8 else K
         raw[...] = rng.integers(0, 127, raw.shape, dtype=np.uint8)  # every cell of every layer
-        fd = st._dseg._fd
+        fd = st._engine._dseg._fd
         for layer in range(3):
             base = off.k_off + layer * off.layer_stride
             pieces = [(base + 2 * u * off.cell_bytes, u * off.cell_bytes), (base + 0, 5 * off.cell_bytes)]
@@ -136,7 +136,7 @@ def test_over_a_store_layer(make_store):
         if dtype == "int8":
             base = off.ks_off + off.scale_stride
             s = stitch.Stitch(fd, [(base + u * 8, u * 8), (base, 8)]).array(np.float32, (u + 1, 2))
-            np.testing.assert_array_equal(s, np.concatenate([st._KS[1, u : 2 * u], st._KS[1, :1]]))
+            np.testing.assert_array_equal(s, np.concatenate([st._engine.KS[1, u : 2 * u], st._engine.KS[1, :1]]))
         del a
         st.close()
 

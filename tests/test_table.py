@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine import core as _core
 from shmkv._engine.header import ID, LIVE, STATE
 
 
 def _row_of(store: shmkv.Store, seq_id: int) -> int:
-    t = _core.table_rows(store)
+    t = store._engine.table_np
     rows = np.flatnonzero((t[:, ID] == seq_id) & (t[:, STATE] == LIVE))
     assert rows.size == 1
     return int(rows[0])

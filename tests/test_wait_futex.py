@@ -29,9 +29,10 @@ def until_waiters(store: shmkv.Store, slot: int, n: int, child=None, timeout: fl
     """Until ``n`` waiters of read-write attachments (and ``readonly`` of read-only ones: their
     count in the liveness file) sleep on row ``slot`` (the shared counts a registered waiter raises)."""
     t_end = time.monotonic() + timeout
-    while store._waiters[slot] != n or store._ro_waiters.counts[slot] != readonly:
+    while store._engine.waiters[slot] != n or store._engine.ro_waiters.counts[slot] != readonly:
         assert child is None or child.process.is_alive(), "the waiting child died"
-        assert time.monotonic() < t_end, (f"{store._waiters[slot]} + {store._ro_waiters.counts[slot]} read-only "
+        e = store._engine
+        assert time.monotonic() < t_end, (f"{e.waiters[slot]} + {e.ro_waiters.counts[slot]} read-only "
                                           f"waiters, not {n} + {readonly}, after {timeout} s")
         time.sleep(0.001)
 
@@ -43,7 +44,7 @@ def test_a_waiter_in_another_process_is_woken(make_store, method, event, timeout
     store = make_store(layers=2, kv_heads=2, head_dim=4, dtype="float32")
     seq = store.create_sequence(capacity=8)
     seq.extend(*one_token(), tokens=[1])
-    slot = store._slot_of(seq.id)
+    slot = store._engine.slot_of(seq.id)
     length = None if event == "truncate" else 2  # truncate: a wait for any change
     child = start_in_process(wait_read_write, store.name, seq.id, length, timeout, start_method=method, timeout=180)
     try:
@@ -59,7 +60,7 @@ def test_a_waiter_in_another_process_is_woken(make_store, method, event, timeout
         child.kill()
     want = {"commit": ("ok", 2), "truncate": ("ok", 0), "free": ("error", "SequenceNotFound")}[event]
     assert got == want
-    assert store._waiters[slot] == 0  # the waiter took itself off the count
+    assert store._engine.waiters[slot] == 0  # the waiter took itself off the count
 
 
 @pytest.mark.parametrize("method", START_METHODS)
@@ -70,7 +71,7 @@ def test_a_read_only_waiter_in_another_process_is_counted_and_woken(make_store, 
     store = make_store(layers=2, kv_heads=2, head_dim=4, dtype="float32")
     seq = store.create_sequence(capacity=8)
     seq.extend(*one_token(), tokens=[1])
-    slot = store._slot_of(seq.id)
+    slot = store._engine.slot_of(seq.id)
     length = None if event == "truncate" else 2
     child = start_in_process(wait_read_write, store.name, seq.id, length, 600.0, True, start_method=method,
                              timeout=180)
@@ -86,13 +87,13 @@ def test_a_read_only_waiter_in_another_process_is_counted_and_woken(make_store, 
     finally:
         child.kill()
     assert got == {"commit": ("ok", 2), "truncate": ("ok", 0), "free": ("error", "SequenceNotFound")}[event]
-    assert store._ro_waiters.counts[slot] == 0 and store._waiters[slot] == 0
+    assert store._engine.ro_waiters.counts[slot] == 0 and store._engine.waiters[slot] == 0
 
 
 def test_many_waiters_on_one_row_all_wake_on_one_commit(make_store):
     store = make_store(layers=2, kv_heads=2, head_dim=4, dtype="float32")
     seq = store.create_sequence(capacity=8)
-    slot = store._slot_of(seq.id)
+    slot = store._engine.slot_of(seq.id)
     children = [start_in_process(wait_read_write, store.name, seq.id, 1, 600.0, ro, start_method="fork", timeout=180)
                 for ro in (False, False, False, True, True)]
     results: list[int] = []
@@ -114,7 +115,7 @@ def test_many_waiters_on_one_row_all_wake_on_one_commit(make_store):
             c.kill()
         ro_store.close()
     assert got == [("ok", 1)] * 5 and results == [1] * 6
-    assert store._waiters[slot] == 0 and store._ro_waiters.counts[slot] == 0
+    assert store._engine.waiters[slot] == 0 and store._engine.ro_waiters.counts[slot] == 0
 
 
 def test_wait_times_out_while_registered(make_store):
@@ -122,14 +123,14 @@ def test_wait_times_out_while_registered(make_store):
     seq = store.create_sequence(capacity=8)
     with pytest.raises(shmkv.WaitTimeout, match=r"timeout=0\.05"):
         seq.wait(1, timeout=0.05)
-    assert store._waiters[store._slot_of(seq.id)] == 0
+    assert store._engine.waiters[store._engine.slot_of(seq.id)] == 0
 
 
 @pytest.mark.parametrize("readonly", [False, True])
 def test_close_wakes_the_handles_own_waiters(make_store, readonly):
     store = make_store(layers=2, kv_heads=2, head_dim=4, dtype="float32", persistent=True)
     seq = store.create_sequence(capacity=8)
-    slot = store._slot_of(seq.id)
+    slot = store._engine.slot_of(seq.id)
     other = shmkv.attach(store.name, readonly=readonly)
     try:
         reader = other.sequence(seq.id)
@@ -150,7 +151,8 @@ def test_close_wakes_the_handles_own_waiters(make_store, readonly):
             t.join(60)
             assert not t.is_alive()
         assert len(errors) == 2 and all(isinstance(e, shmkv.StoreClosedError) for e in errors), errors
-        assert store._waiters[slot] == 0 and store._ro_waiters.counts[slot] == 0  # close took them off the row
+        e = store._engine
+        assert e.waiters[slot] == 0 and e.ro_waiters.counts[slot] == 0  # close took them off the row
     finally:
         other.close()
 
@@ -164,7 +166,7 @@ def test_a_close_or_removal_in_another_process_does_not_end_a_wait(make_store, w
     give up passes a timeout; a waiter's own handle, closed, ends it (test above)."""
     store = make_store(layers=2, kv_heads=2, head_dim=4, dtype="float32", persistent=True)
     seq = store.create_sequence(capacity=8)
-    slot = store._slot_of(seq.id)
+    slot = store._engine.slot_of(seq.id)
     att = shmkv.attach(store.name, readonly=readonly)
     results: list[int] = []
     t = threading.Thread(target=lambda: results.append(att.sequence(seq.id).wait(1, timeout=600)))
@@ -174,11 +176,11 @@ def test_a_close_or_removal_in_another_process_does_not_end_a_wait(make_store, w
         child = start_in_process(close_or_remove, store.name, what, start_method="spawn", timeout=180)
         assert child.result() == what
         assert t.is_alive() and not results  # still waiting, still counted
-        assert store._waiters[slot] + store._ro_waiters.counts[slot] == 1
+        assert store._engine.waiters[slot] + store._engine.ro_waiters.counts[slot] == 1
         seq.extend(*one_token())
         t.join(60)
         assert results == [1]
-        assert store._waiters[slot] + store._ro_waiters.counts[slot] == 0
+        assert store._engine.waiters[slot] + store._engine.ro_waiters.counts[slot] == 0
     finally:
         if t.is_alive():
             seq.extend(*one_token())
@@ -208,7 +210,7 @@ def test_no_wake_up_syscall_while_nobody_waits(make_store, monkeypatch, readonly
         reader = att.sequence(seq.id)
         t = threading.Thread(target=reader.wait, args=(3,))
         t.start()
-        until_waiters(store, store._slot_of(seq.id), 0 if readonly else 1, readonly=int(readonly))
+        until_waiters(store, store._engine.slot_of(seq.id), 0 if readonly else 1, readonly=int(readonly))
         seq.extend(*one_token())
         seq.extend(*one_token())
         t.join(60)
@@ -224,10 +226,10 @@ def test_no_wake_up_syscall_while_nobody_waits(make_store, monkeypatch, readonly
 def test_wait_async_cancellation_ends_its_thread(make_store, readonly):
     store = make_store(layers=2, kv_heads=2, head_dim=4, dtype="float32")
     seq = store.create_sequence(capacity=8)
-    slot = store._slot_of(seq.id)
+    slot = store._engine.slot_of(seq.id)
     att = shmkv.attach(store.name, readonly=True) if readonly else store
     reader = att.sequence(seq.id)
-    counts = store._ro_waiters.counts if readonly else store._waiters
+    counts = store._engine.ro_waiters.counts if readonly else store._engine.waiters
 
     async def main() -> None:
         task = asyncio.create_task(reader.wait_async(5))
@@ -245,7 +247,7 @@ def test_wait_async_cancellation_ends_its_thread(make_store, readonly):
             assert time.monotonic() < t_end, "the waiting thread did not end after the cancellation"
             time.sleep(0.001)
         assert counts[slot] == 0
-        assert store._waiters[slot] == 0
+        assert store._engine.waiters[slot] == 0
         seq.extend(*one_token())  # the row works on: no waiter left behind
         assert reader.wait(1, timeout=5) == 1
     finally:

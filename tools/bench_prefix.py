@@ -106,7 +106,7 @@ def _stitched_read(reps: int) -> tuple[float, float]:
         mine = store.create_sequence(capacity=own)
         mine.extend(rng.standard_normal((L, own, H, D)).astype(np.float16),
                     rng.standard_normal((L, own, H, D)).astype(np.float16))
-        dbase, fd = store._dbase, store._dseg._fd  # the data segment's address and descriptor
+        dbase, fd = store._engine._dbase, store._engine._dseg._fd  # the data segment's address and descriptor
         cb = H * D * 2
 
         def pieces(layer: int) -> list[tuple[int, int]]:
@@ -148,7 +148,7 @@ def _prefix_sharing(requests: int) -> tuple[float, float, float, float]:
     store = shmkv.create(unique_name("bm"), layers=L, kv_heads=H, head_dim=D, dtype="float16",
                          max_tokens=(requests + 1) * (system_n + own + 64), max_seqs=requests + 4)
     try:
-        fd = store._dseg._fd  # the data segment: its allocated blocks are the memory it holds
+        fd = store._engine._dseg._fd  # the data segment: its allocated blocks are the memory it holds
         empty = os.fstat(fd).st_blocks * 512
         rng = np.random.default_rng(5)
         system = rng.integers(0, 30_000, system_n)

@@ -1,5 +1,6 @@
 """The core of a store handle: its mappings, the sequence table and its seqlocks, the store
-lock, crash recovery, clients and leases. ``Store`` (the API) builds on it through ``Arena``.
+lock, crash recovery, clients and leases, closing. ``Pages``, ``Arena`` and ``Engine`` build on it:
+``engine.Engine`` is what ``Store`` (the API) holds.
 
 Concurrency (DESIGN.md section 3; the numbered invariants 1-5 of ARCHITECTURE.md): the
 hot path publishes a sequence's length after its cells; structural operations hold the store
@@ -14,14 +15,15 @@ lock and keep a row's seqlock generation odd while they change it.
 
 from __future__ import annotations
 
+import mmap
 import os
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from shmkv._engine.row_waiters import RowWaiters
 from shmkv._engine import dtypes as _dtypes
+from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
@@ -34,6 +36,7 @@ from shmkv._engine.journal import Journal
 from shmkv._engine.lease import live_writers
 from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.prefix import PrefixIndex
+from shmkv._engine.row_waiters import RowWaiters
 from shmkv._engine.segment import Segment
 from shmkv.errors import (
     CorruptStoreError,
@@ -65,8 +68,8 @@ def _close_segments(hseg: Segment, dseg: Segment, live: _liveness.Liveness) -> N
 class Core(Journal):
     """What a store handle holds and the rules for touching it (see the module docstring).
 
-    ``Store`` is the public face; ``Sequence``, ``_snapshot`` and ``_batch`` reach the
-    shared-memory state through it."""
+    ``Store`` is the public face and holds it; ``Sequence``, ``_snapshot`` and ``Batch`` reach
+    the shared-memory state through it as a ``port.Port``."""
 
     def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
                  creator: bool, persistent: bool, lock_timeout: float,
@@ -75,30 +78,31 @@ class Core(Journal):
         self.layout = layout
         self.readonly = hseg.readonly
         self.lock_timeout = float(lock_timeout)
-        self._creator = creator
+        self.creator = creator
         self._persistent = persistent
         self._pid = os.getpid()
         self._fork_epoch = _segment.fork_epoch
-        self._closed = False
+        self.shut = False  # closed for use: check_open raises (the last steps of close() set it)
+        self.closed = False  # close() has begun: what Store.closed says, and what handles check
         self._hseg, self._dseg = hseg, dseg
-        self._lock_path = _segment.lock_path(name)
-        self._lock = _lock.StoreLock(self._lock_path, name, readonly=hseg.readonly)
+        self.lock_path = _segment.lock_path(name)
+        self._lock = _lock.StoreLock(self.lock_path, name, readonly=hseg.readonly)
         try:
             self._live = live if live is not None else _liveness.Liveness(name, hseg.readonly)
         except BaseException:
             self._lock.close()
             raise
-        self._identity = int(hseg.array(np.int64, 1, 8 * _header.W_IDENTITY)[0])
+        self.identity = int(hseg.array(np.int64, 1, 8 * _header.W_IDENTITY)[0])
         off = self._off = _header.offsets(layout, max_clients)
         hmm, dmm = hseg.mm, dseg.mm
         assert hmm is not None and dmm is not None
         self._max_clients = max_clients
-        self._hdr = _words(hseg.mm, 0, _header.FIXED_BYTES // 8)
+        self.hdr = _words(hseg.mm, 0, _header.FIXED_BYTES // 8)
         self._table = _words(hseg.mm, off.seq_off, layout.max_seqs * SEQ_WORDS)
-        self._table_np = np.frombuffer(hmm, np.int64, layout.max_seqs * SEQ_WORDS, off.seq_off).reshape(
+        self.table_np = np.frombuffer(hmm, np.int64, layout.max_seqs * SEQ_WORDS, off.seq_off).reshape(
             layout.max_seqs, SEQ_WORDS
         )
-        self._clients_np = np.frombuffer(hmm, np.int64, max_clients * CLIENT_WORDS, off.client_off).reshape(
+        self.clients_np = np.frombuffer(hmm, np.int64, max_clients * CLIENT_WORDS, off.client_off).reshape(
             max_clients, CLIENT_WORDS
         )
         dt = _dtypes.storage(layout.dtype)
@@ -108,19 +112,19 @@ class Core(Journal):
         # over np.frombuffer (it holds the mmap's export), never np.ndarray over the mmap: close()
         # would unmap under live views (tests/test_lifecycle.py::test_a_view_outliving_close...)
         dbuf = np.frombuffer(dmm, np.uint8)
-        self._K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
-        self._V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
-        self._tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
-        self._positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
+        self.K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
+        self.V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
+        self.tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
+        self.positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
         self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
-        self._meta = np.frombuffer(hmm, np.uint8, layout.max_seqs * _header.META_RECORD, off.meta_off).reshape(
+        self.meta = np.frombuffer(hmm, np.uint8, layout.max_seqs * _header.META_RECORD, off.meta_off).reshape(
             layout.max_seqs, _header.META_RECORD)
-        self._index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
-                                  self._tokens, self._positions, self._hashes, layout=layout)
+        self.index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
+                                  self.tokens, self.positions, self._hashes, layout=layout)
         # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
         # layer's view is its window region instead: a buffer of window_cells per slot.
-        self._Kl = list(self._K)
-        self._Vl = list(self._V)
+        self.Kl = list(self.K)
+        self.Vl = list(self.V)
         self._full = [i for i in range(L) if i not in layout.bounded]
         self._wc = layout.window_cells
         nb, WT = len(layout.bounded), 2 * layout.max_seqs * layout.window_cells  # two buffers a slot
@@ -128,18 +132,18 @@ class Core(Journal):
             self._WK = np.frombuffer(dmm, dt, nb * WT * H * D, off.wk_off).reshape(nb, WT, H, D)
             self._WV = np.frombuffer(dmm, dt, nb * WT * H * D, off.wv_off).reshape(nb, WT, H, D)
             for j, layer in enumerate(layout.bounded):
-                self._Kl[layer], self._Vl[layer] = self._WK[j], self._WV[j]
+                self.Kl[layer], self.Vl[layer] = self._WK[j], self._WV[j]
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
         s_strides = (off.scale_stride, H * 4, 4)
-        self._KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
-        self._VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
+        self.KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
+        self.VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
         # what every Sequence handle reads through: built once here, not per handle (a handle
         # is made per request; fewer objects keep store.sequence(id) cheap)
-        self._Kr = [_readonly(a) for a in self._Kl]
-        self._Vr = [_readonly(a) for a in self._Vl]
-        self._KSl = list(self._KS) if self._KS is not None else None
-        self._VSl = list(self._VS) if self._VS is not None else None
+        self.Kr = [_readonly(a) for a in self.Kl]
+        self.Vr = [_readonly(a) for a in self.Vl]
+        self.KSl = list(self.KS) if self.KS is not None else None
+        self.VSl = list(self.VS) if self.VS is not None else None
         self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
         self._rows: dict[int, memoryview] = {}  # slot -> its row (see _row)
         self._row_slot: dict[int, int] = {}  # id(row) -> slot
@@ -149,10 +153,10 @@ class Core(Journal):
         self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
-        self._waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
-        self._ro_waiters = RowWaiters(name, layout.max_seqs)  # ... of read-only attachments (_engine/row_waiters.py)
-        self._length_addr0 = self._table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
-        self._waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
+        self.waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
+        self.ro_waiters = RowWaiters(name, layout.max_seqs)  # ... of read-only attachments (_engine/row_waiters.py)
+        self.length_addr0 = self.table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
+        self.waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
         self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._depth = 0
@@ -161,30 +165,84 @@ class Core(Journal):
         self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
         # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
         self._owed: list[tuple[int, int]] = []
-        self._dbase = self._tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
+        self._dbase = self.tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Core] | None = \
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)
         self._finalizer.atexit = False  # at exit the process closes them anyway
 
-    def _check_open(self) -> None:
-        if self._closed:
+    def check_open(self) -> None:
+        if self.shut:
             raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
 
-    def _check_writable(self) -> None:
-        self._check_open()
+    def check_writable(self) -> None:
+        self.check_open()
         if self.readonly:
             raise ReadOnlyError(
                 f"store {self.name!r} is attached read-only: attach with shmkv.attach({self.name!r}) to modify it"
             )
 
+    # -- closing (Store.close runs these steps; each may be cut short and run again) ----------
+
+    def lock_owned(self) -> bool:
+        """Whether the calling thread holds the store lock (its own transaction's rows are odd)."""
+        return self._lock.owned()
+
+    def quiesce(self, timeout: float) -> bool:
+        """Wait out another thread's hold of the store lock before closing (see StoreLock.quiesce)."""
+        return self._lock.quiesce(timeout)
+
+    def unquiesce(self) -> None:
+        self._lock.unquiesce()
+
+    def inherited(self) -> bool:
+        """Whether this handle came to this process by fork (its leases and client row are the parent's)."""
+        return self._fork_epoch != _segment.fork_epoch or self._pid != os.getpid()
+
+    def drop_waiters(self) -> None:
+        """Take this handle's sleepers in Sequence.wait off the rows' waiter counts (they end
+        with StoreClosedError without touching the store again)."""
+        if self.waiting and _futex.AVAILABLE and not self.readonly:
+            with self.locked():
+                for slot, n in self.waiting.items():
+                    self.waiters[slot] -= n
+        elif self.waiting and self.ro_waiters.writable:  # read-only: their counts in the liveness file
+            self.ro_waiters.drop(self.waiting)
+
+    def shut_down(self, wake: bool) -> None:
+        """Give up the client row (and its byte of the liveness file: no lock taken) and refuse
+        further use; ``wake``: this handle's sleepers in Sequence.wait look again and see
+        StoreClosedError."""
+        self.unregister_client()
+        self.shut = True
+        if wake:
+            for slot in list(self.waiting):
+                _futex.wake(self.length_addr0 + slot * 8 * SEQ_WORDS)
+
+    def release(self) -> None:
+        """Drop every reference this handle holds into its mappings (arrays, memoryviews, and the
+        objects and containers made of them), then close the descriptors, so that closing the
+        segments unmaps them at once. What the caller still holds (views, Sequence handles)
+        keeps its own pages mapped and valid until it is collected (never a segfault); a closed
+        handle only checks it is closed."""
+        closed = Closed(self.name)
+        for attr, value in list(vars(self).items()):
+            if _holds_views(value):
+                setattr(self, attr, closed)
+        self._live.close()
+        self._lock.close()
+        self._hseg.close()  # unmapped now, unless views (or handles) the caller keeps hold them
+        self._dseg.close()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
     # -- clients ---------------------------------------------------------------
 
-    def _register_client(self) -> None:
+    def register_client(self) -> None:
         """Take a client slot (its byte of the liveness file) and write its row. Holding the byte
         makes the row ours alone; the store lock is taken for recovery (attach is a way in)."""
-        with self._locked(scan=True):  # an attach is a cold entry: it repairs any odd generation
-            rows = self._clients_np
+        with self.locked(scan=True):  # an attach is a cold entry: it repairs any odd generation
+            rows = self.clients_np
             for i in range(self._max_clients):
                 pid, key = int(rows[i, C_PID]), int(rows[i, C_KEY])
                 if not 0 <= pid <= _segment.MAX_PID or key < 0:
@@ -198,41 +256,41 @@ class Core(Journal):
     def _fill_client_row(self) -> None:
         live = self._live
         key = live.key or live.register(self._max_clients)
-        row = self._clients_np[_liveness.slot_of(key)]
+        row = self.clients_np[_liveness.slot_of(key)]
         row[C_KEY] = key
         row[C_FLAGS] = 1
         row[C_PID] = os.getpid()  # for display only: a pid means nothing in another PID namespace
 
-    def _client_key(self) -> int:
+    def client_key(self) -> int:
         """This attachment's client key, for a lease; a forked child registers a slot of its own
         first (the parent's descriptor was dropped at fork, see liveness)."""
         live = self._live
         if live.key and live.pid == os.getpid():
             return live.key
-        with self._locked():
+        with self.locked():
             live.reopen_in_child()
             if not live.key:
                 self._fill_client_row()
         return live.key
 
-    def _alive(self, key: int) -> bool:
+    def alive(self, key: int) -> bool:
         """Whether client key ``key`` (a lease's, the creator's) is alive: its byte is locked."""
         slot = _liveness.slot_of(key)
         if key <= 0 or slot >= self._max_clients:
             return False
-        return self._live.alive(key, int(self._clients_np[slot, C_KEY]))
+        return self._live.alive(key, int(self.clients_np[slot, C_KEY]))
 
-    def _unregister_client(self) -> None:
+    def unregister_client(self) -> None:
         live = self._live
         if live.key and live.pid == os.getpid():
-            row = self._clients_np[_liveness.slot_of(live.key)]
+            row = self.clients_np[_liveness.slot_of(live.key)]
             if int(row[C_KEY]) == live.key:
                 row[:] = 0  # ours while we hold the byte: no lock needed
         live.close()
 
     # -- the sequence table ----------------------------------------------------
 
-    def _slot_of(self, seq_id: object) -> int:
+    def slot_of(self, seq_id: object) -> int:
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
             raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
         seq_id = int(seq_id)
@@ -248,18 +306,18 @@ class Core(Journal):
             b = slot * SEQ_WORDS
             if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
                 return slot
-        t = self._table_np
+        t = self.table_np
         hits = np.flatnonzero((t[:, ID] == seq_id) & (t[:, STATE] == LIVE))
         if hits.size:
             if len(self._slot_hint) > 4 * self.layout.max_seqs:
                 self._slot_hint.clear()
             self._slot_hint[seq_id] = int(hits[0])
-        if hits.size == 0 and self._hdr[_header.W_UNDO_COUNT] and not self._depth:
+        if hits.size == 0 and self.hdr[_header.W_UNDO_COUNT] and not self._depth:
             # a transaction is in the undo log (a dead writer's, or a live one's): look at the
             # rows as its rollback would leave them (_journal, invariant 7)
-            with self._reading():
+            with self.reading():
                 for slot in range(self.layout.max_seqs):
-                    w = self._settled_row(slot)
+                    w = self.settled_row(slot)
                     if w[ID] == seq_id and w[STATE] == LIVE:
                         return slot
         if hits.size == 0:
@@ -269,8 +327,18 @@ class Core(Journal):
             )
         return int(hits[0])
 
-    def _row(self, slot: int) -> memoryview:
-        """Row ``slot`` of the sequence table (one memoryview a slot, reused: _journal's _changing knows it)."""
+    def live_rows(self) -> list[list[int]]:
+        """The words of the table's rows that hold live sequences, as one read sees them (while
+        a transaction is in the undo log: as its rollback leaves them, ``_journal`` 7)."""
+        if self.hdr[_header.W_UNDO_COUNT] and not self._depth:
+            with self.reading():
+                table = [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
+        else:
+            table = [self.table_np[slot].tolist() for slot in np.flatnonzero(self.table_np[:, STATE] == LIVE)]
+        return [r for r in table if r[STATE] == LIVE]
+
+    def row(self, slot: int) -> memoryview:
+        """Row ``slot`` of the sequence table (one memoryview a slot, reused: the journal's changing() knows it)."""
         row = self._rows.get(slot)
         if row is None:
             row = self._table[slot * SEQ_WORDS : (slot + 1) * SEQ_WORDS]
@@ -289,9 +357,9 @@ class Core(Journal):
         key = row[LEASE_CLIENT]
         if key in _liveness.own_keys:
             return pid, row[LEASE_TOKEN] in live_writers
-        return pid, self._alive(key)
+        return pid, self.alive(key)
 
-    def _check_not_leased_by_other(self, row: memoryview, seq_id: int, allow_token: int = 0) -> None:
+    def check_not_leased_by_other(self, row: memoryview, seq_id: int, allow_token: int = 0) -> None:
         pid, alive = self._lease_holder(row)
         if alive and not (allow_token and row[LEASE_TOKEN] == allow_token):
             own = row[LEASE_CLIENT] in _liveness.own_keys
@@ -316,21 +384,36 @@ class _RowViews:
         return v
 
 
-def register_client(store: Core) -> None:
-    """Enter this process in ``store``'s client table (create and attach, read-write)."""
-    store._register_client()
+class Closed:
+    """What a closed handle holds instead of its views: any use raises StoreClosedError (another
+    thread that was past the handle's open check when it closed gets that, not a TypeError from None)."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _raise(self, *args: object, **kwargs: object) -> NoReturn:
+        raise StoreClosedError(f"store {self._name!r} is closed (by another thread?): attach again with "
+                               f"shmkv.attach({self._name!r})")
+
+    __getitem__ = __setitem__ = __len__ = __iter__ = __contains__ = __call__ = __bool__ = _raise
+
+    def __getattr__(self, attr: str) -> NoReturn:
+        self._raise()
 
 
-def identity(store: Core) -> int:
-    """The identity word ``store``'s header held when it was opened."""
-    return store._identity
-
-
-def header_words(store: Core) -> memoryview:
-    """``store``'s fixed header as int64 words (``_header.W_*`` index it): for shmkv verify."""
-    return store._hdr
-
-
-def table_rows(store: Core) -> np.ndarray:
-    """``store``'s sequence table, one int64 row of SEQ_WORDS per slot (a live view): for shmkv verify."""
-    return store._table_np
+def _holds_views(value: object, depth: int = 2) -> bool:
+    """Whether ``value`` is, or holds (``depth`` levels down), a view of a mapping."""
+    if isinstance(value, (np.ndarray, memoryview, mmap.mmap)):
+        return True
+    if isinstance(value, Closed):  # (a close() that is finishing an interrupted one)
+        return False
+    if depth <= 0 or isinstance(value, (str, bytes, int, float, Segment)):
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_holds_views(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_views(v, depth - 1) for v in value.values())
+    fields = getattr(value, "__dict__", None)
+    return isinstance(fields, dict) and any(_holds_views(v, depth - 1) for v in fields.values())

@@ -5,7 +5,7 @@ The free ranges are the gaps between the ranges of the rows in use: the table is
 and nothing about them is stored in shared memory (recovery has nothing to rebuild). Each
 process keeps the gaps it derived, with the value of the store's allocation counter (header
 word ``W_ALLOCS``) at that time. Every change of a row's (state, start, capacity) bumps the
-counter, in the bracket that makes it (``Core._changing``, lock held), and recovery bumps it
+counter, in the bracket that makes it (``Journal.changing``, lock held), and recovery bumps it
 too. So a cache whose counter value is current is exact; this process's own changes update
 the gaps as they bump the counter (they stay current), and another process's change makes
 the next use derive them again.
@@ -45,7 +45,7 @@ class FreeRanges:
 
     def changed(self, was: tuple[int, int, int], row: memoryview, hdr: memoryview) -> None:
         """The outermost bracket of a row ends with its range or state changed from ``was``
-        (lock held; ``Core._changing`` keeps ``brackets``, inlined: it is on the truncate path):
+        (lock held; ``Journal.changing`` keeps ``brackets``, inlined: it is on the truncate path):
         bump the counter, and follow the change when the gaps were current."""
         now = (row[STATE], row[START], row[CAPACITY])
         current = self.tag == hdr[_header.W_ALLOCS]

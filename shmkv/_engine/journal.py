@@ -43,7 +43,7 @@ Invariants (each names the function that keeps it):
     rows leave the log when done (``_forget``), even again, so neither a rollback nor a
     recovery resurrects a row whose cells were then reused.
 7.  Readers that cannot roll back (read-only attachments) read a logged row as the rollback
-    would leave it (``_settled_row``), under a shared lock that excludes live writers.
+    would leave it (``settled_row``), under a shared lock that excludes live writers.
 8.  A row made live gets a new incarnation in its generation's bits 40.. (``new_incarnation``,
     from a header clock): handles remember it, so a handle on a freed sequence never reads
     another one that a restore gave the same id (``SeqReader.live`` checks it).
@@ -96,9 +96,9 @@ class Journal:
     readonly: bool
     lock_timeout: float
     layout: Layout
-    _hdr: memoryview
+    hdr: memoryview
     _table: memoryview
-    _table_np: np.ndarray
+    table_np: np.ndarray
     _undo_np: np.ndarray
     _undo: Any
     _meta_w: np.ndarray
@@ -108,50 +108,50 @@ class Journal:
     _slot_hint: dict[int, int]
     _depth: int
     _logged: dict[int, memoryview]
-    _free: FreeRanges  # this process's free ranges (_engine/free_ranges.py): kept by _changing
-    _waiters: memoryview  # Sequence.wait's sleepers per row (woken when a transaction ends)
-    _ro_waiters: RowWaiters  # ... of read-only attachments
-    _length_addr0: int
+    _free: FreeRanges  # this process's free ranges (_engine/free_ranges.py): kept by changing
+    waiters: memoryview  # Sequence.wait's sleepers per row (woken when a transaction ends)
+    ro_waiters: RowWaiters  # ... of read-only attachments
+    length_addr0: int
 
-    def _row(self, slot: int) -> memoryview:
+    def row(self, slot: int) -> memoryview:
         raise NotImplementedError
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         raise NotImplementedError
 
-    def _check_writable(self) -> None:
+    def check_writable(self) -> None:
         raise NotImplementedError
 
     # -- the one way in ------------------------------------------------------------------
 
-    def _locked(self, scan: bool = False) -> _Entered:
+    def locked(self, scan: bool = False) -> _Entered:
         """The store lock, the one way into it for anything that changes or captures structure
         (a context manager). The outermost entry first rolls back what a dead holder left
         (invariant 5); ``scan``: also repair odd generations the count does not cover."""
         return _Entered(self, scan)
 
-    def _reading(self) -> _Reading:
+    def reading(self) -> _Reading:
         """What a reader that must wait out a structural change holds: the store lock through
-        ``_locked`` on a read-write attachment (which also recovers), a shared lock on a
+        ``locked`` on a read-write attachment (which also recovers), a shared lock on a
         read-only one (no write access needed; LockTimeout after lock_timeout). Rows are then
-        read with ``_settled_row`` (invariant 7)."""
+        read with ``settled_row`` (invariant 7)."""
         return _Reading(self)
 
-    def _settled_row(self, slot: int) -> list[int]:
-        """Row ``slot``'s words as a rollback would leave them (under ``_reading``): the logged
+    def settled_row(self, slot: int) -> list[int]:
+        """Row ``slot``'s words as a rollback would leave them (under ``reading``): the logged
         words while a dead process's transaction is in the log; the row itself otherwise, and
         while this process's own transaction is open."""
         if not self._depth:
-            for i in range(self._hdr[_header.W_UNDO_COUNT]):
+            for i in range(self.hdr[_header.W_UNDO_COUNT]):
                 if self._undo_np[i, 0] & _SLOT_MASK == slot:
                     logged: list[int] = self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()
                     return logged
-        words: list[int] = self._table_np[slot].tolist()
+        words: list[int] = self.table_np[slot].tolist()
         return words
 
     def _settled_meta(self, slot: int) -> np.ndarray:
-        """Row ``slot``'s meta record (bytes) as a rollback would leave it (see _settled_row)."""
-        for i in range(self._hdr[_header.W_UNDO_COUNT]):
+        """Row ``slot``'s meta record (bytes) as a rollback would leave it (see settled_row)."""
+        for i in range(self.hdr[_header.W_UNDO_COUNT]):
             e = self._undo_np[i]
             if e[0] & _SLOT_MASK == slot and e[0] & _META_LOGGED:
                 logged: np.ndarray = e[1 + SEQ_WORDS :].view(np.uint8)
@@ -161,19 +161,19 @@ class Journal:
 
     # -- journaled transactions ------------------------------------------------------------
 
-    def _transaction(self) -> _Txn:
+    def transaction(self) -> _Txn:
         """A journaled transaction (lock held): every row changed inside it commits together,
         or rolls back together on an exception or after a crash."""
         return _Txn(self)
 
-    def _changing(self, row: memoryview) -> _Change:
+    def changing(self, row: memoryview) -> _Change:
         """Change ``row`` (lock held): it is logged and its generation made odd, once per
         transaction, and it joins the open transaction (a transaction of its own if none)."""
         return _Change(self, row)
 
     def _log_row(self, slot: int, row: memoryview) -> None:
         """Append row ``slot``'s words to the undo log (invariant 2)."""
-        hdr = self._hdr
+        hdr = self.hdr
         k = hdr[_header.W_UNDO_COUNT]
         entry = self._undo[k]  # memoryview copies: a few hundred ns, on the speculative-decoding path
         entry[0] = slot
@@ -183,9 +183,9 @@ class Journal:
             hdr[_header.W_UNDO_PID] = os.getpid()
         hdr[_header.W_UNDO_COUNT] = k + 1  # published after the entry
 
-    def _log_meta(self, slot: int) -> None:
-        """Add the meta record of ``slot`` (logged by _changing) to its undo entry, once."""
-        for i in range(self._hdr[_header.W_UNDO_COUNT]):
+    def log_meta(self, slot: int) -> None:
+        """Add the meta record of ``slot`` (logged by changing) to its undo entry, once."""
+        for i in range(self.hdr[_header.W_UNDO_COUNT]):
             e = self._undo[i]
             if e[0] & _SLOT_MASK == slot:
                 if not e[0] & _META_LOGGED:
@@ -196,7 +196,7 @@ class Journal:
     def _forget(self, *slots: int) -> None:
         """A free inside a larger transaction is complete: its rows leave the log, their
         generation even again (invariant 6)."""
-        hdr = self._hdr
+        hdr = self.hdr
         for slot in slots:
             row = self._logged.pop(slot, None)
             if row is None:
@@ -211,16 +211,16 @@ class Journal:
 
     def _wake(self, slot: int) -> None:
         """Wake whoever sleeps in Sequence.wait on row ``slot`` (its generation moved)."""
-        if self._waiters[slot] or self._ro_waiters.counts[slot]:
-            _futex.wake(self._length_addr0 + slot * 8 * SEQ_WORDS)
+        if self.waiters[slot] or self.ro_waiters.counts[slot]:
+            _futex.wake(self.length_addr0 + slot * 8 * SEQ_WORDS)
 
     @critical
     def _end(self) -> None:
         """Commit the outermost transaction: its rows even, then the log empty (invariants 3, 4)."""
         for row in self._logged.values():
             row[GEN] += 1
-        self._hdr[_header.W_GENERATION] += 1
-        self._hdr[_header.W_UNDO_COUNT] = 0
+        self.hdr[_header.W_GENERATION] += 1
+        self.hdr[_header.W_UNDO_COUNT] = 0
         for slot in self._logged:
             self._wake(slot)
         self._logged.clear()
@@ -235,16 +235,16 @@ class Journal:
     def _put_back(self) -> int:
         """Every logged row as it was, with an even generation above any it had; then the log
         empty. Returns the rows put back."""
-        hdr = self._hdr
+        hdr = self.hdr
         k = hdr[_header.W_UNDO_COUNT]
-        t = self._table_np
+        t = self.table_np
         for i in range(k):
             entry = self._undo_np[i]
             slot, has_meta = int(entry[0]) & _SLOT_MASK, bool(int(entry[0]) & _META_LOGGED)
             if not 0 <= slot < self.layout.max_seqs:
                 continue
             gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
-            row = self._row(slot)
+            row = self.row(slot)
             row[GEN] = gen  # odd while it is put back
             words = entry[1 : 1 + SEQ_WORDS].tolist()
             for w, v in enumerate(words):
@@ -266,13 +266,13 @@ class Journal:
         make odd generations even (invariant 5). Returns the rows put back."""
         self._depth = 0
         self._logged.clear()
-        hdr = self._hdr
+        hdr = self.hdr
         k = hdr[_header.W_UNDO_COUNT]
         if k:
             self._put_back()
-        odd = np.flatnonzero(self._table_np[:, GEN] & 1) if scan or k else ()
+        odd = np.flatnonzero(self.table_np[:, GEN] & 1) if scan or k else ()
         for slot in list(odd):
-            self._row(int(slot))[GEN] += 1  # a bracket left open with no entry (a store of an older shmkv)
+            self.row(int(slot))[GEN] += 1  # a bracket left open with no entry (a store of an older shmkv)
             self._wake(int(slot))
         if len(odd):
             self._free.unknown(hdr)
@@ -281,15 +281,15 @@ class Journal:
             hdr[_header.W_GENERATION] += 1
         return int(k)
 
-    def _new_incarnation(self, row: memoryview) -> None:
+    def new_incarnation(self, row: memoryview) -> None:
         """Give ``row`` (changing: odd) a new incarnation (invariant 8)."""
-        hdr = self._hdr
+        hdr = self.hdr
         hdr[_header.W_BIRTHS] += 1
         row[GEN] = (hdr[_header.W_BIRTHS] << INCARNATION_SHIFT) | 1
 
 
 class _Entered:
-    """``Journal._locked()``: the one way into the store lock (a class, not a generator: see
+    """``Journal.locked()``: the one way into the store lock (a class, not a generator: see
     ``_lock``'s note on Ctrl-C)."""
 
     __slots__ = ("j", "scan")
@@ -300,10 +300,10 @@ class _Entered:
     @critical
     def __enter__(self) -> None:
         j = self.j
-        j._check_writable()
+        j.check_writable()
         lock = j._lock
         lock.acquire(j.lock_timeout)
-        if lock.depth == 1 and (self.scan or j._hdr[_header.W_UNDO_COUNT] or j._depth):
+        if lock.depth == 1 and (self.scan or j.hdr[_header.W_UNDO_COUNT] or j._depth):
             try:
                 j._recover(self.scan)
             except BaseException:
@@ -316,7 +316,7 @@ class _Entered:
 
 
 class _Reading:
-    """``Journal._reading()``."""
+    """``Journal.reading()``."""
 
     __slots__ = ("entered", "j")
 
@@ -327,7 +327,7 @@ class _Reading:
     @critical
     def __enter__(self) -> None:
         j = self.j
-        j._check_open()
+        j.check_open()
         if not j.readonly:
             self.entered = _Entered(j, False)
             self.entered.__enter__()
@@ -340,7 +340,7 @@ class _Reading:
 
 
 class _Txn:
-    """``Journal._transaction()``: a journaled transaction around several row changes."""
+    """``Journal.transaction()``: a journaled transaction around several row changes."""
 
     __slots__ = ("j",)
 
@@ -363,7 +363,7 @@ class _Txn:
 
 
 class _Change:
-    """``Journal._changing(row)``: one row's change inside the open transaction (or its own).
+    """``Journal.changing(row)``: one row's change inside the open transaction (or its own).
     It also keeps this process's free-range cache (``_engine/free_ranges.py``: the row's range
     and state before its outermost bracket, compared at its end; inlined, on the truncate path)."""
 
@@ -393,7 +393,7 @@ class _Change:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         j, row = self.j, self.row
         if self.outer and j._free.brackets.pop(self.slot) != (row[STATE], row[START], row[CAPACITY]):
-            j._free.changed(self.was, row, j._hdr)
+            j._free.changed(self.was, row, j.hdr)
         j._depth -= 1
         if j._depth == 0:
             if exc_type is None:

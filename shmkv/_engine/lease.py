@@ -13,16 +13,13 @@ from __future__ import annotations
 import os
 import secrets
 import weakref
-from typing import TYPE_CHECKING
 
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import LEASE_PID, LEASE_TOKEN
 
-if TYPE_CHECKING:
-    from shmkv._sequence.handle import Sequence
-
-# token -> live write handle, for every Sequence handle holding a lease in this process.
-live_writers: weakref.WeakValueDictionary[int, Sequence] = weakref.WeakValueDictionary()
+# token -> live write handle (a ``Sequence``: whoever needs one checks with isinstance, as this
+# module sits below the sequence layer), for every handle holding a lease in this process.
+live_writers: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 
 
 def new_token() -> int:

@@ -34,7 +34,7 @@ honoured by polling ``LOCK_NB`` with short sleeps (flock has no timeout); no
 timeout (``None`` or negative) blocks in the kernel.
 
 The lock file is created with the store and removed only after its segments
-(``_store._remove_names``): never while they exist, or a waiter on the old inode
+(``store._removal.remove_names``): never while they exist, or a waiter on the old inode
 and a newcomer on a new one would both "hold" it.
 
 Lifecycle lock: filelock on a separate file, ``skv_<name>.life``, serializes

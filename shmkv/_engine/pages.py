@@ -26,8 +26,7 @@ import numpy as np
 from shmkv._engine.core import Core
 from shmkv._engine.intervals import add_interval, covers, take_interval
 
-__all__ = ["Pages", "add_interval", "before_appends", "covers", "file_copier", "settle", "take_interval",
-           "write_new"]
+__all__ = ["Pages", "add_interval", "covers", "take_interval"]
 
 
 class Pages(Core):
@@ -64,7 +63,7 @@ class Pages(Core):
         if not covers(self._reserved[False], start, start + count):
             self._dseg.check_room(self._cell_ranges(start, count))
 
-    def _settle(self, start: int, length: int, count: int) -> None:
+    def settle(self, start: int, length: int, count: int) -> None:
         """After a restore wrote the arrays of cells [start, start + length) of a staged range of
         ``count`` cells: reserve the rest (token ids, positions, the cells after ``length``),
         pre-faulted for the writes through the mapping that follow."""
@@ -104,7 +103,12 @@ class Pages(Core):
         for a, b in take_interval(self._owed, start, start + count):
             self._dseg.populate(self._cell_ranges(a, b - a))
 
-    def _owes(self, start: int, count: int) -> bool:
+    def before_appends(self, start: int, count: int) -> None:
+        """A write handle's first write other than extend: pre-fault what is owed of its range."""
+        if self.owes(start, count):
+            self._fill(start, count)
+
+    def owes(self, start: int, count: int) -> bool:
         """Whether any cell of [start, start + count) is owed (see _reserve)."""
         spans = self._owed
         i = bisect.bisect_left(spans, (start + count, -1))
@@ -123,7 +127,7 @@ class Pages(Core):
         if src.nbytes:
             self._dseg.write(dst.ctypes.data - self._dbase, memoryview(src).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
 
-    def _file_copier(self, dst: np.ndarray) -> Callable[[int, int, int, int], None]:
+    def file_copier(self, dst: np.ndarray) -> Callable[[int, int, int, int], None]:
         base, seg = dst.ctypes.data - self._dbase, self._dseg
 
         def copy(pos: int, fd: int, offset: int, n: int) -> None:
@@ -132,7 +136,7 @@ class Pages(Core):
             seg.copy_in(fd, offset, base + pos, n)
         return copy
 
-    def _write_new(self, start: int, length: int, cap: int, k_all: np.ndarray, v_all: np.ndarray) -> bool:
+    def write_new(self, start: int, length: int, cap: int, k_all: np.ndarray, v_all: np.ndarray) -> bool:
         """Sequence.extend into fresh cells: K and V of tokens [length, length + n) of the
         range at ``start`` written through the descriptor, then the rest of the range
         pre-faulted for the appends that follow. False (nothing written) when this path does
@@ -140,19 +144,19 @@ class Pages(Core):
         lay = self.layout
         n = k_all.shape[1]
         a = start + length
-        if (lay.bounded or self._KS is not None or lay.dtype == "bfloat16" or not n or length + n > cap
+        if (lay.bounded or self.KS is not None or lay.dtype == "bfloat16" or not n or length + n > cap
                 or k_all.dtype.kind not in "fiu" or v_all.dtype.kind not in "fiu" or not self._fresh(a, n)):
-            if self._owes(start, cap):
+            if self.owes(start, cap):
                 self._fill(start, cap)  # the appends that write instead go through the mapping
             return False
-        for arrs, src in ((self._Kl, k_all), (self._Vl, v_all)):
+        for arrs, src in ((self.Kl, k_all), (self.Vl, v_all)):
             for layer in range(lay.layers):
                 self._put(arrs[layer][a : a + n], src[layer])
         take_interval(self._owed, a, a + n)  # written: the commit's token ids first-touch their few pages
         self._fill(start, cap)
         return True
 
-    def _reserve_window(self, slot: int) -> None:
+    def reserve_window(self, slot: int) -> None:
         """Reserve a slot's buffer in every bounded layer (its size never changes)."""
         off, wc = self._off, self._wc
         if not wc:
@@ -160,26 +164,3 @@ class Pages(Core):
         cb = off.cell_bytes
         self._dseg.reserve([(base + j * off.w_stride + 2 * slot * wc * cb, 2 * wc * cb)  # both buffers
                             for base in (off.wk_off, off.wv_off) for j in range(len(self.layout.bounded))])
-
-
-def write_new(store: Pages, start: int, length: int, cap: int, kv: tuple[np.ndarray, np.ndarray]) -> bool:
-    """``Sequence.extend``'s way into fresh cells (see Pages._write_new)."""
-    return store._write_new(start, length, cap, *kv)
-
-
-def file_copier(store: Pages, dst: np.ndarray) -> Callable[[int, int, int, int], None]:
-    """A restore's way to fill ``dst`` (a C-contiguous view of the data segment) from a file:
-    ``copy(pos, fd, offset, n)`` copies n bytes of file ``fd`` at ``offset`` to byte ``pos``
-    of dst in the kernel (Segment.copy_in)."""
-    return store._file_copier(dst)
-
-
-def before_appends(store: Pages, start: int, count: int) -> None:
-    """A write handle's first write other than extend: pre-fault what is owed of its range."""
-    if store._owes(start, count):
-        store._fill(start, count)
-
-
-def settle(store: Pages, start: int, length: int, count: int) -> None:
-    """A restore wrote cells [start, start + length) of the staged range (see Pages._settle)."""
-    store._settle(start, length, count)

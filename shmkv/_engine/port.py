@@ -1,59 +1,46 @@
-"""``Port``: the narrow core of a store, the one way the sequence layer and snapshots reach it.
+"""``Port``: the narrow core of a store's engine, the one way the sequence layer and snapshots reach it.
 
-``Sequence`` and its parts (``_seq_reader``, ``_seq_writer``, ``_seq_structural``) and
-``_snapshot`` (save / restore) work on the shared-memory state of a store (its arrays, table
-rows, locks and cell placing) through a ``Port`` and nothing else: they touch no underscore
-attribute of ``Store``, ``Arena`` or ``Core`` (tests/test_architecture.py checks it).
-``_arena.port(store)`` gives a store's port; the store builds it itself (``Arena._open_port``),
-so a name added here never shows on the public ``shmkv.Store``.
+``Sequence`` and its parts (``_sequence.reader``, ``writer``, ``structural``, ``rewind``,
+``waiting``) and ``_snapshot`` (save / restore) work on the shared-memory state of a store
+(its arrays, table rows, locks and cell placing) through a ``Port`` and nothing else: they
+touch no underscore attribute of the engine (tests/test_architecture.py checks it). ``Port``
+is a ``typing.Protocol``: the engine class (``_engine.engine.Engine``, which ``Store`` holds)
+implements it, and mypy --strict checks that it does wherever an engine is passed as one, so
+a signature here cannot drift from the method it names ("go to definition" on a use lands
+here; the implementation is named in each entry's docstring).
 
-Its fields are the store's own arrays and bound methods, not wrappers: a part copies what
-its hot path uses into its own slots once, and append/commit/truncate call the store's
-methods with no layer in between. The store holds its port weakly (``_arena.port``): the
-handles keep it, and it is made again when none is left. Not frozen: its ``__init__`` is on
-``store.sequence(id)``'s path then, and a frozen one costs twice as much (its fields are
-never assigned after it). What each one does is said where it is defined
-(``_core.Core``, ``_arena.Arena``); the lock a method needs is said there too.
+The hot path stays as fast as a dataclass of bound methods: a part copies what its hot path
+uses (arrays, bound methods) into its own slots once per handle, and append/commit/truncate
+call the engine's methods with no layer in between.
 
-This module holds the type only (no import of ``_core`` or ``_arena``: no circle).
-
-The last group of fields is what ``_snapshot`` needs beyond the others; the sequence layer
-does not use them.
+This module holds the type only (no import of ``core`` or ``arena``: no circle).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from shmkv._engine.row_waiters import RowWaiters
+if TYPE_CHECKING:
+    from shmkv._engine.header import Layout
+    from shmkv._engine.row_waiters import RowWaiters
 
 Arrays = list[np.ndarray]
-Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Arena._rewrite
+Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Engine.rewrite
 
-__all__ = ["Arrays", "Port"]
-
-
-class SetEncoder(Protocol):
-    """``Arena._set_encoder``: a restore passes the range and row it staged."""
-
-    def __call__(self, parent: memoryview, n: int, start: int | None = ..., slot: int | None = ...) -> int: ...
+__all__ = ["Arrays", "Parts", "Port"]
 
 
-class CheckLease(Protocol):
-    """``Core._check_not_leased_by_other``: a restore allows its own lease token."""
+class Port(Protocol):
+    """What the sequence layer and ``_snapshot`` may use of one store's engine (see the module
+    docstring). The lock each method needs is said where it is defined.
 
-    def __call__(self, row: memoryview, seq_id: int, allow_token: int = ...) -> None: ...
-
-
-@dataclass(slots=True, kw_only=True, weakref_slot=True)
-class Port:
-    """What the sequence layer and ``_snapshot`` may use of one store handle (see the module
-    docstring).
+    Facts of the handle:
+        name, layout, readonly: the store's name, its Layout, whether attached read-only.
+        closed: close() has begun (handles then raise StoreClosedError).
 
     Arrays (the data segment; views, never copies):
         K, V: main-arena keys and values ``[layers, max_tokens, kv_heads, head_dim]``
@@ -63,32 +50,6 @@ class Port:
         Kr, Vr: read-only views of ``Kl``, ``Vl`` (what read handles return slices of).
         KSl, VSl: per-layer ``KS``, ``VS`` (None on float stores).
         tokens, positions: token ids and positions, one int64 per cell.
-
-    The table, the locks and crash recovery (``_core.Core``):
-        row: row ``slot`` of the sequence table as int64 words (one memoryview a slot).
-        settled_row: a row's words as a rollback would leave them (under ``reading``).
-        locked: the one way into the store lock (``_journal``: recovers a dead holder's
-            transaction; ``locked(scan=True)`` also repairs odd generations).
-        reading: what a reader waiting out a change holds (``locked``, or a shared lock
-            on a read-only attachment).
-        lock_owned: whether the calling thread holds the store lock (its own transaction's
-            rows are odd: it reads them as they are, under the lock, without spinning).
-        changing: a change of one row inside the open journaled transaction (lock held).
-        transaction: a journaled transaction of several rows (committed together, rolled
-            back together on an exception or after a crash).
-        new_incarnation: a row made live gets a new incarnation (changing).
-        check_not_leased_by_other: LeaseError if a live holder other than us has the lease.
-
-    Cells and rows (``_arena.Arena``, lock held):
-        relocate: give a sequence more cells, keeping its first ones (growth).
-        rewrite: new content for a sequence where no row points (truncate, remove, ...).
-        set_encoder: a fresh encoder range for a sequence; copy_all_layers fills it.
-        wcell: first cell of a slot's window buffer 0 or 1.
-        kv_bytes: bytes of K and V (and scales) of one token in n layers.
-        free_row: free a sequence's row and cells.
-        get_meta, set_meta: a sequence's packed metadata.
-        index_blocks: put completed 16-token blocks into the prefix index.
-        touch: mark a use (LRU eviction of finished sequences).
 
     Waiting (``_sequence/waiting.py``):
         waiters: per row, the threads of read-write processes sleeping in ``Sequence.wait``
@@ -100,17 +61,15 @@ class Port:
         waiting: this handle's own sleepers per row (``close()`` wakes them).
 
     For ``_snapshot``:
-        hdr: the fixed header as int64 words (``_header.W_*``: next id, undo count, ...).
+        hdr: the fixed header as int64 words (``header.W_*``: next id, undo count, ...).
         table_np: the sequence table as an int64 array ``[max_seqs, SEQ_WORDS]`` (a live view).
-        lock_path: the store lock's file (a save takes it shared, a restore exclusively).
-        check_open, check_writable: StoreClosedError / ReadOnlyError, as the API raises them.
-        slot_of: the table row of a live sequence id (SequenceNotFound).
-        alloc: first-fit a range of cells and reserve its pages (``Arena._alloc``'s keywords).
-        reserve_window: reserve a slot's window buffers.
-        drop_encoder: free a sequence's encoder row.
-        restored: a restored row's prefix-cache state, recency and index entries.
+        lock_path: the store lock's file.
     """
 
+    name: str
+    layout: Layout
+    readonly: bool
+    closed: bool
     # arrays
     K: np.ndarray
     V: np.ndarray
@@ -124,41 +83,150 @@ class Port:
     VSl: Arrays | None
     tokens: np.ndarray
     positions: np.ndarray
-    # the table, the locks, crash recovery
-    row: Callable[[int], memoryview]
-    settled_row: Callable[[int], list[int]]
-    locked: Callable[..., AbstractContextManager[None]]
-    reading: Callable[[], AbstractContextManager[None]]
-    lock_owned: Callable[[], bool]
-    changing: Callable[[memoryview], AbstractContextManager[None]]
-    transaction: Callable[[], AbstractContextManager[None]]
-    new_incarnation: Callable[[memoryview], None]
-    check_not_leased_by_other: CheckLease
-    # cells and rows
-    relocate: Callable[[int, memoryview, int, int], None]
-    rewrite: Callable[[int, Parts, Parts], tuple[int, int]]
-    set_encoder: SetEncoder
-    copy_all_layers: Callable[[int, int, int], None]
-    wcell: Callable[[int, int], int]
-    kv_bytes: Callable[[int], int]
-    free_row: Callable[[int], None]
-    get_meta: Callable[[int], bytes]
-    set_meta: Callable[[int, bytes], None]
-    index_blocks: Callable[[int, int], None]
-    touch: Callable[[memoryview], None]
     # waiting
     waiters: memoryview
     ro_waiters: RowWaiters
     length_addr0: int
     waiting: dict[int, int]
-    # for _snapshot (see the module docstring): what it needs beyond the fields above
+    # for _snapshot
     hdr: memoryview
     table_np: np.ndarray
     lock_path: str
-    check_open: Callable[[], None]
-    check_writable: Callable[[], None]
-    slot_of: Callable[[object], int]
-    alloc: Callable[..., int]  # (capacity, taken=None, *, all_layers=False, ...): keywords grow (issue 16)
-    reserve_window: Callable[[int], None]
-    drop_encoder: Callable[[memoryview], None]
-    restored: Callable[[int, bool, int, bytes], None]
+
+    # -- the table, the locks, crash recovery (core.Core, journal.Journal) ------------------
+
+    def row(self, slot: int) -> memoryview:
+        """Row ``slot`` of the sequence table as int64 words (one memoryview a slot)."""
+        ...
+
+    def settled_row(self, slot: int) -> list[int]:
+        """A row's words as a rollback would leave them (under ``reading``)."""
+        ...
+
+    def locked(self, scan: bool = False) -> AbstractContextManager[None]:
+        """The one way into the store lock (recovers a dead holder's transaction; ``scan``:
+        also repairs odd generations)."""
+        ...
+
+    def reading(self) -> AbstractContextManager[None]:
+        """What a reader waiting out a change holds (``locked``, or a shared lock on a
+        read-only attachment)."""
+        ...
+
+    def lock_owned(self) -> bool:
+        """Whether the calling thread holds the store lock (its own transaction's rows are odd:
+        it reads them as they are, under the lock, without spinning)."""
+        ...
+
+    def changing(self, row: memoryview) -> AbstractContextManager[None]:
+        """A change of one row inside the open journaled transaction (lock held)."""
+        ...
+
+    def transaction(self) -> AbstractContextManager[None]:
+        """A journaled transaction of several rows (committed together, rolled back together
+        on an exception or after a crash)."""
+        ...
+
+    def new_incarnation(self, row: memoryview) -> None:
+        """A row made live gets a new incarnation (changing)."""
+        ...
+
+    def check_not_leased_by_other(self, row: memoryview, seq_id: int, allow_token: int = 0) -> None:
+        """LeaseError if a live holder other than us (or than ``allow_token``) has the lease."""
+        ...
+
+    def check_open(self) -> None:
+        """StoreClosedError, as the API raises it."""
+        ...
+
+    def check_writable(self) -> None:
+        """StoreClosedError / ReadOnlyError, as the API raises them."""
+        ...
+
+    def slot_of(self, seq_id: object) -> int:
+        """The table row of a live sequence id (SequenceNotFound)."""
+        ...
+
+    # -- cells and rows (arena.Arena, engine.Engine; lock held unless said) -------------------
+
+    def relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
+        """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (growth)."""
+        ...
+
+    def rewrite(self, slot: int, full: Parts, window: Parts, capacity: int | None = None,
+                protect: int = -1) -> tuple[int, int]:
+        """New content for a sequence where no row points (truncate, remove, ...)."""
+        ...
+
+    def set_encoder(self, parent: memoryview, n: int, start: int | None = None, slot: int | None = None) -> int:
+        """A fresh encoder range for a sequence; ``copy_all_layers`` fills it."""
+        ...
+
+    def copy_all_layers(self, src: int, dst: int, n: int) -> None:
+        """Copy n cells of every layer's main-arena K/V (and scales): encoder ranges."""
+        ...
+
+    def drop_encoder(self, parent: memoryview) -> None:
+        """Free a sequence's encoder row."""
+        ...
+
+    def wcell(self, slot: int, wbuf: int) -> int:
+        """First cell of a slot's window buffer 0 or 1 (no lock)."""
+        ...
+
+    def kv_bytes(self, layers: int) -> int:
+        """Bytes of K and V (and scales) of one token in ``layers`` layers (no lock)."""
+        ...
+
+    def free_row(self, slot: int) -> None:
+        """Free a sequence's row and cells."""
+        ...
+
+    def get_meta(self, slot: int) -> bytes:
+        """A sequence's packed metadata (the caller checks the row's seqlock)."""
+        ...
+
+    def set_meta(self, slot: int, packed: bytes) -> None:
+        """Write a sequence's packed metadata (row changing)."""
+        ...
+
+    def index_blocks(self, slot: int, upto: int, adopt: bool = False) -> None:
+        """Put completed 16-token blocks into the prefix index."""
+        ...
+
+    def touch(self, row: memoryview) -> None:
+        """Mark a use (LRU eviction of finished sequences)."""
+        ...
+
+    def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
+              evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
+              stage: bool = False) -> int:
+        """First-fit a range of cells and reserve its pages."""
+        ...
+
+    def reserve_window(self, slot: int) -> None:
+        """Reserve a slot's window buffers."""
+        ...
+
+    def restored(self, slot: int, finished: bool, clean: int, meta: bytes) -> None:
+        """A restored row's prefix-cache state, recency and index entries."""
+        ...
+
+    # -- pages: writes into fresh cells (pages.Pages; no lock) -------------------------------
+
+    def before_appends(self, start: int, count: int) -> None:
+        """A write handle's first write other than extend: pre-fault what is owed of its range."""
+        ...
+
+    def write_new(self, start: int, length: int, cap: int, k_all: np.ndarray, v_all: np.ndarray) -> bool:
+        """``Sequence.extend`` into fresh cells through the descriptor; False when that path
+        does not apply (nothing written)."""
+        ...
+
+    def file_copier(self, dst: np.ndarray) -> Callable[[int, int, int, int], None]:
+        """A restore's way to fill ``dst`` from a file in the kernel: ``copy(pos, fd, offset, n)``."""
+        ...
+
+    def settle(self, start: int, length: int, count: int) -> None:
+        """A restore wrote cells [start, start + length) of a staged range of ``count`` cells."""
+        ...

@@ -67,11 +67,17 @@ from shmkv._engine.header import (
     Layout,
 )
 from shmkv._engine.prefix_hash import BLOCK, LEAD, ROOT, as_tokens, block_hashes, lead_hash, lead_levels
+from shmkv._engine.seqlock import VERIFY, seqlocked
 
 DUP = 4  # holders kept a hash
 DISPLACED = 1 << 62  # in an entry's block word: it replaced an older holder of its hash
 LEADMARK = 1 << 61  # in an entry's block word: a lead entry, j in the low bits
 _LEAD_LEVEL = {j: i + 1 for i, j in enumerate(LEAD)}
+
+
+def _miss() -> int:
+    """A donor whose row stayed odd through VERIFY's tries: not a donor now."""
+    return 0
 
 
 class PrefixIndex:
@@ -398,10 +404,8 @@ class PrefixIndex:
         read under its seqlock; 0 if fewer than ``floor`` (a stale or colliding entry)."""
         r = self._rows
         b = slot * SEQ_WORDS
-        for _ in range(100):
-            g = r[b + GEN]
-            if g & 1:
-                continue
+
+        def read() -> int:
             if r[b + STATE] != LIVE or r[b + ID] != sid:
                 return 0
             if r[b + ENC_SLOT]:
@@ -416,11 +420,10 @@ class PrefixIndex:
             ok[floor:] &= self._positions[start + floor : start + end] == np.arange(floor, end)
             bad = np.flatnonzero(~ok)
             n = int(bad[0]) if bad.size else end
-            if r[b + GEN] != g:
-                continue
             if n < floor:
                 return 0
             if self._bounded and woff > self._layout.resume_from(n):
                 return 0  # its sliding/chunked layers no longer hold what a resume at n needs
             return n
-        return 0
+
+        return seqlocked(r, b + GEN, read, VERIFY, _miss)  # a row changing all along: a miss

@@ -28,11 +28,15 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 
 from shmkv._engine import futex as _futex
 from shmkv._engine import liveness as _liveness
 
 _PAGE = mmap.PAGESIZE
+# this process's changes of read-only counts, and of a handle's ``waiting`` with them, against a
+# close() in another thread (``_sequence/waiting.py``, ``RowWaiters.drop``)
+LOCK = threading.Lock()
 
 
 def file_bytes(rows: int) -> int:
@@ -85,3 +89,11 @@ class RowWaiters:
     def add(self, row: int, delta: int) -> None:
         """Change row ``row``'s count by ``delta``, atomically between processes (``writable``)."""
         _futex.atomic_add(self.addr0 + 4 * row, delta)
+
+    def drop(self, waiting: dict[int, int]) -> None:
+        """close() of a read-only attachment (closed already): its sleepers (``waiting``: row ->
+        threads) off the counts; they end with StoreClosedError without touching the store
+        again (a sleeper that looked before holds ``LOCK`` while it takes its own count off)."""
+        with LOCK:
+            for row, n in waiting.items():
+                self.add(row, -n)

@@ -21,14 +21,14 @@ from shmkv._sequence.visibility import attention_mask
 from shmkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from shmkv.store._store import Store
+    from shmkv._sequence.handle import Owner
 
 
 class Batch:
     """The new tokens of several sequences for one forward pass. Use as a context manager
     (or call ``close()``) so an uncommitted batch drops its pending tokens."""
 
-    def __init__(self, store: Store, seq_ids: Any, positions: Any, tokens: Any = None) -> None:
+    def __init__(self, store: Owner, seq_ids: Any, positions: Any, tokens: Any = None) -> None:
         ids = np.asarray(seq_ids)
         pos = np.asarray(positions)
         if ids.ndim != 1 or pos.shape != ids.shape or (ids.size and (ids.dtype.kind not in "iu"

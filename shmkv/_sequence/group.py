@@ -24,10 +24,10 @@ from shmkv.errors import InvalidArgumentError, ReadOnlyError
 
 if TYPE_CHECKING:
     from shmkv._sequence.handle import Sequence
-    from shmkv.store._store import Store
+    from shmkv._sequence.handle import Owner
 
 
-def create_sequences(store: Store, n: int, capacity: int, prefix: Iterable[Any] | None = None) -> list[Sequence]:
+def create_sequences(store: Owner, n: int, capacity: int, prefix: Iterable[Any] | None = None) -> list[Sequence]:
     """``store.create_sequences``: ``n`` new sequences (write handles), every one or none."""
     n = count("n", n)
     prompts = None if prefix is None else list(prefix)
@@ -46,7 +46,7 @@ def create_sequences(store: Store, n: int, capacity: int, prefix: Iterable[Any] 
     return made
 
 
-def lease(store: Store, seq_ids: Iterable[int]) -> list[Sequence]:
+def lease(store: Owner, seq_ids: Iterable[int]) -> list[Sequence]:
     """``store.lease``: write handles on every sequence of ``seq_ids``, in that order, or none."""
     ids = int_list("lease", "seq_ids", seq_ids)
     if len(set(ids)) != len(ids):
@@ -62,7 +62,7 @@ def lease(store: Store, seq_ids: Iterable[int]) -> list[Sequence]:
     return taken
 
 
-def regather(store: Store, seqs: list[Sequence], rows: Iterable[int]) -> list[Sequence]:
+def regather(store: Owner, seqs: list[Sequence], rows: Iterable[int]) -> list[Sequence]:
     """``store.regather``: handles whose row i holds what ``seqs[rows[i]]`` holds."""
     seqs = list(seqs)
     rows = int_list("regather", "rows", rows)
@@ -138,7 +138,7 @@ def regather(store: Store, seqs: list[Sequence], rows: Iterable[int]) -> list[Se
     return [s for s in out if s is not None]
 
 
-def batch_kv(store: Store, seqs: Iterable[Sequence], layer: int, pending: bool,
+def batch_kv(store: Owner, seqs: Iterable[Sequence], layer: int, pending: bool,
              writable: bool) -> tuple[np.ndarray, np.ndarray]:
     """``store.batch_kv``: keys and values ``[B, T, kv_heads, head_dim]`` of one layer of ``seqs``.
 

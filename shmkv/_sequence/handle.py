@@ -10,26 +10,26 @@ across those, or use ``read(layer)``, which copies under the seqlock.
 Views are read-only: committed cells are immutable.
 
 ``Sequence`` is the public face; the work is done by its parts, each in its own module:
-``_seq_reader.SeqReader`` (seqlocked reads, cell addressing, views, masks, waiting),
-``_seq_writer.SeqWriter`` (the lease holder's pending tokens, append, commit, extend,
-growth, compaction, encoding) and ``_seq_structural`` (truncate, shift_left, remove).
-They reach the store through its narrow core only, ``_port.Port`` (``_arena.port(store)``):
-this module and the parts touch no underscore attribute of the store.
+``reader.SeqReader`` (seqlocked reads, cell addressing, views, masks, waiting),
+``writer.SeqWriter`` (the lease holder's pending tokens, append, commit, extend,
+growth, compaction, encoding) and ``structural`` (truncate, shift_left, remove).
+They reach the store's engine through its narrow core only, the ``_engine.port.Port`` protocol
+that the store hands each handle: this module and the parts touch no underscore attribute of the
+engine, and the public store (``Owner``: ``seq.store``, fork, pickling) only through its API.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import numpy as np
 
-from shmkv._engine import arena as _arena
 from shmkv._engine import crash as _crash
-from shmkv._engine import pages as _pages
+from shmkv._sequence import bulk as _bulk
 from shmkv._engine import segment as _segment
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence import rewind as _seq_rewind
@@ -48,17 +48,43 @@ from shmkv._engine.header import (
 )
 from shmkv._engine.lease import live_writers, release_row
 from shmkv._sequence.reader import SeqReader
+from shmkv._sequence.reads import Reads
 from shmkv._sequence.structural import ShiftFn
 from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from shmkv.store._store import Store
+    from shmkv._engine.header import Layout
+    from shmkv._engine.port import Port
 
-__all__ = ["Sequence", "ShiftFn", "drop_lease", "writer_for", "writer_part"]
+__all__ = ["Owner", "Sequence", "ShiftFn", "drop_lease", "writer_for", "writer_part"]
 
 
-class Sequence:
+class Owner(Protocol):
+    """The public store as the sequence layer uses it: what ``seq.store`` is, what a fork and
+    the group operations call (``store.Store`` implements it; mypy checks that it does)."""
+
+    name: str
+    layout: Layout
+    readonly: bool
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+    def sequence(self, seq_id: int, write: bool = False) -> Sequence: ...
+
+    def create_sequence(self, capacity: int = ..., *, prefix: Any = ..., tier: Any = ...,
+                        _protect: int = ...) -> Sequence: ...
+
+    def copy_prefix(self, src_id: int, dst_id: int, n: int) -> None: ...
+
+    def transaction(self) -> AbstractContextManager[None]: ...
+
+
+class Sequence(Reads):
     """A handle on one sequence. Get one from ``store.create_sequence()`` or ``store.sequence(id)``.
 
     A write handle holds the sequence's lease: it alone appends, commits and
@@ -66,15 +92,15 @@ class Sequence:
     the committed tokens.
     """
 
-    def __init__(self, store: Store, seq_id: int, slot: int, *, write: bool, token: int) -> None:
+    def __init__(self, store: Owner, port: Port, seq_id: int, slot: int, *, write: bool, token: int) -> None:
         self._store = store
         self.id = int(seq_id)
         self._slot = slot
-        self._p = p = _arena.port(store)
+        self._p = p = port
         self._row = row = p.row(slot)
         self._token = token
         self._epoch = _segment.fork_epoch
-        self._r = r = SeqReader(store, p, self.id, slot, row)
+        self._r = r = SeqReader(p, self.id, slot, row)
         self._w = w = SeqWriter(r, write=write, token=token, epoch=self._epoch)
         # The per-token hot path: the writer's own methods, with no call layer in between
         # (the class's append/commit below say what they do, for help() and the docs).
@@ -94,7 +120,7 @@ class Sequence:
             return f"<shmkv.Sequence id={self.id} {kind} (unavailable)>"
 
     @property
-    def store(self) -> Store:
+    def store(self) -> Owner:
         """The store this sequence lives in (through this handle's attachment)."""
         return self._store
 
@@ -138,16 +164,7 @@ class Sequence:
         decode step reads them with :meth:`encoder_kv`, with no mask. Kept until the
         sequence is freed, carried by ``fork`` and by snapshots.
         """
-        self._w.set_encoder(k_all, v_all)
-
-    def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """The encoder keys and values of ``layer`` ``[n, kv_heads, head_dim]`` (read-only views;
-        int8: dequantized copies); empty when none was set."""
-        return self._r.encoder_kv(layer)
-
-    @property
-    def encoder_length(self) -> int:
-        return self._r.encoder_length()
+        _bulk.set_encoder(self._w, k_all, v_all)
 
     def commit(self, tokens: Any = None, positions: Any = None) -> int:
         """Publish the pending tokens of every layer; return the new length.
@@ -169,7 +186,7 @@ class Sequence:
                 first (``CacheFullError`` changes nothing), then they are committed
                 ``layout.step`` at a time (other processes may see the first steps meanwhile).
         """
-        return self._w.extend(k_all, v_all, tokens, positions, in_steps)
+        return _bulk.extend(self._w, k_all, v_all, tokens, positions, in_steps=in_steps)
 
     def discard(self) -> int:
         """Drop this handle's pending (uncommitted) tokens on every layer, e.g. after a forward
@@ -318,7 +335,7 @@ class Sequence:
             child._w.refresh()
             # the refresh above takes the child's first append off the checked path, which is
             # where a new range's pages are pre-faulted: do it here (not on the per-token path)
-            _pages.before_appends(st, child._w.start, child._row[CAPACITY])
+            p.before_appends(child._w.start, child._row[CAPACITY])
         return child
 
     @property
@@ -345,184 +362,11 @@ class Sequence:
                 p.set_meta(self._slot, packed)
             Int8Mirror.moved(self._w, row[GEN])  # our own change: pending tokens stay
 
-    # -- reading -------------------------------------------------------------
 
-    @property
-    def length(self) -> int:
-        """Committed tokens (what every process sees)."""
-        return int(self._r.span()[2])
-
-    def __len__(self) -> int:
-        return self.length
-
-    @property
-    def capacity(self) -> int:
-        return int(self._r.span()[1])
-
-    @property
-    def pending(self) -> int:
-        """Tokens appended to every layer by this handle and not yet committed."""
-        return min(self._w.pending)
-
-    @property
-    def remaining_capacity(self) -> int:
-        """Tokens that fit before the sequence must grow (moving if needed)."""
-        _, cap, length, _ = self._r.span()
-        return int(cap - length - max(self._w.pending))
-
-    @property
-    def is_full(self) -> bool:
-        return self.remaining_capacity <= 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the committed tokens (K and V of the layers that hold them, ids, positions)."""
-        _, _, length, woff = self._r.span()
-        st = self._store
-        return length * st.bytes_per_token + (length - woff) * self._p.kv_bytes(len(st.layout.bounded))
-
-    @property
-    def writable(self) -> bool:
-        """Whether this handle holds the write lease."""
-        return self._w.write
-
-    @property
-    def lease_pid(self) -> int:
-        return int(self._row[LEASE_PID])
-
-    def keys(self, layer: int) -> np.ndarray:
-        """Committed keys ``layer`` holds, ``[n, kv_heads, head_dim]``: a read-only zero-copy
-        view; for int8 stores a dequantized float32 copy (bfloat16: a copy unless ml_dtypes).
-
-        ``n`` is the length on full layers; sliding and chunked layers hold only the most
-        recent tokens (``held_positions(layer)`` gives their positions).
-        """
-        r = self._r
-        lo, hi, _, _ = r.held(r.layer(layer))
-        return r.view("k", layer, lo, hi)
-
-    def values(self, layer: int) -> np.ndarray:
-        """Committed values of ``layer``; see :meth:`keys`."""
-        r = self._r
-        lo, hi, _, _ = r.held(r.layer(layer))
-        return r.view("v", layer, lo, hi)
-
-    def kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(keys(layer), values(layer))`` taken at the same length."""
-        return self._r.kv(self._r.layer(layer))
-
-    def held_positions(self, layer: int) -> np.ndarray:
-        """Positions of the committed tokens ``layer`` holds (rows of ``keys(layer)``)."""
-        return self._r.held_positions(self._r.layer(layer))
-
-    def mask(self, layer: int, query_positions: Any) -> np.ndarray:
-        """Additive float32 attention mask ``[q, n]`` for new tokens at ``query_positions``.
-
-        Columns are what ``append(layer, ...)`` returned: the tokens ``layer`` holds,
-        then this handle's pending ones (at the positions ``commit()`` would give them
-        by default). 0 where the layer's kind lets the query see the key, -inf elsewhere:
-        full ``p' <= p``; sliding ``p - window < p' <= p``; chunked
-        ``p - p % chunk <= p' <= p``.
-        """
-        r = self._r
-        return r.mask(layer, query_positions, self._w.pending[r.layer(layer)])
-
-    def can_resume(self, pos: int) -> bool:
-        """Whether a new token at position ``pos`` finds every token it needs in every layer.
-
-        It needs, per layer, each earlier position its kind lets it see; the sequence
-        must hold them all (positions 0..pos-1 with none missing), and ``pos`` must not
-        skip past the last committed position + 1.
-        """
-        return self._r.can_resume(pos)
-
-    def raw_keys(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Stored keys of ``layer`` without any decoding: ``(codes, scales)`` zero-copy views.
-
-        ``codes`` is the storage array (int8 codes, bfloat16 bits as uint16, or the
-        floats); ``scales`` the int8 float32 scales ``[length, kv_heads]``, else None.
-        """
-        return self._r.raw("k", layer)
-
-    def raw_values(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Stored values of ``layer``; see :meth:`raw_keys`."""
-        return self._r.raw("v", layer)
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """Token ids of the committed tokens (read-only view; -1 where none was given)."""
-        return self._r.committed(ids=True)
-
-    @property
-    def positions(self) -> np.ndarray:
-        """Positions of the committed tokens (read-only view)."""
-        return self._r.committed(ids=False)
-
-    def head(self, layer: int, head: int, begin: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of one KV head over tokens ``[begin, end)``: views ``[n, head_dim]``."""
-        return self._r.head(self.kv(layer), head, begin, end)
-
-    def iter_tokens(self, layer: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
-        """Yield ``(token_id, position, k, v)`` for each committed token of ``layer``."""
-        return self._r.iter_tokens(layer)
-
-    def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of the committed keys and values of ``layer``, consistent even while
-        structural operations run (seqlock: retried, then taken under the lock)."""
-        return self._r.read(layer)
-
-    # -- waiting for tokens, torch tensors (issue 18) ---------------------------
-
-    def wait(self, length: int | None = None, timeout: float | None = None) -> int:
-        """Block until the committed length reaches ``length``; return the length then.
-
-        ``length=None`` waits until the length differs from what it is at the call (a
-        commit, or a truncate). The thread sleeps in the kernel (futex(2)) on the row's
-        length word: on a read-write attachment the commit wakes it (as fast as a pipe
-        would), and an idle waiter costs a wake-up every 2 s. A read-only attachment
-        cannot register as a waiter: it looks again after sleeps growing from 50 us to
-        4 ms (see ``shmkv/_sequence/waiting.py``). Works on read handles.
-
-        Raises:
-            WaitTimeout: ``timeout`` seconds passed first (the message gives the length).
-            SequenceNotFound: the sequence is freed (before or while waiting).
-            StoreClosedError: the store handle is closed.
-
-        Example:
-            >>> n = seq.wait(len(seq) + 16, timeout=5.0)    # doctest: +SKIP
-        """
-        return self._r.wait(length, timeout)
-
-    async def wait_async(self, length: int | None = None, timeout: float | None = None) -> int:
-        """:meth:`wait` for asyncio: the wait runs on a thread of its own, never blocking the
-        event loop; cancelling the task wakes and ends that thread."""
-        return await self._r.wait_async(length, timeout)
-
-    def torch_kv(self, layer: int, pending: bool = False) -> tuple[Any, Any]:
-        """Committed keys and values of ``layer`` as torch tensors ``[n, kv_heads, head_dim]``;
-        ``pending=True``: this handle's pending tokens too (the cells ``append`` returned).
-
-        On a read-write attachment, for float32, float16, float64 and bfloat16 (its stored
-        uint16 bits viewed as ``torch.bfloat16``), the tensors are zero-copy: **writing
-        into them writes the shared cache** that every process reads. On a read-only
-        attachment (its mapping cannot be written) and for int8 stores (dequantized to
-        float32) they are copies. The same rules as :meth:`keys` say how long the content
-        holds. torch is imported here: ``import shmkv`` never imports it.
-        """
-        layer = self._r.layer(layer)
-        staged = Int8Mirror.staged_rows(self._w, layer) if pending else None
-        if staged is not None:  # int8: pending tokens are in the write handle's mirror until commit
-            import torch
-
-            return torch.from_numpy(staged[0]), torch.from_numpy(staged[1])
-        cells = self._w.pending_cells(layer) if pending else None
-        return self._r.torch_kv(layer, (self._w.Kw, self._w.Vw), cells)
-
-
-def writer_for(store: Store, seq_id: int) -> Sequence | None:
+def writer_for(store: Owner, seq_id: int) -> Sequence | None:
     """This process's live write handle on ``seq_id`` through ``store``, if any."""
     for handle in list(live_writers.values()):
-        if handle.store is store and handle.id == seq_id and handle.writable:
+        if isinstance(handle, Sequence) and handle.store is store and handle.id == seq_id and handle.writable:
             return handle
     return None
 
@@ -537,5 +381,5 @@ def drop_lease(handle: Sequence) -> None:
     handle._drop_lease()
 
 
-def _unpickle_sequence(store: Store, seq_id: int) -> Sequence:
+def _unpickle_sequence(store: Owner, seq_id: int) -> Sequence:
     return store.sequence(seq_id)

@@ -32,7 +32,7 @@ from shmkv.errors import InvalidArgumentError
 def rewind(w: SeqWriter, n: Any, k_window: Any, v_window: Any) -> None:
     """Sequence.rewind (its docstring tells the contract)."""
     n = count("n", n)
-    lay = w.store.layout
+    lay = w.port.layout
     nb = len(lay.bounded)
     k = np.asarray(k_window)
     v = np.asarray(v_window)

@@ -112,7 +112,7 @@ def check_resumable(w: SeqWriter, row: memoryview, new_len: int, what: str) -> N
     woff = row[WIN_OFF]
     if not woff:
         return  # (the layers hold every token: nothing to check, and this is on truncate's path)
-    lay = w.store.layout
+    lay = w.port.layout
     keep = lay.keep
     if lay.bounded and new_len and new_len - woff < keep:
         raise NotSupportedError(
@@ -170,7 +170,7 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
             )
         if begin == end:
             return
-        lay = w.store.layout
+        lay = w.port.layout
         P = w.positions
         moved = length - end
         woff = row[WIN_OFF]

@@ -14,7 +14,7 @@ a second):
   increment on shared memory; the lock makes the count exact between processes). ``commit``
   reads it after publishing the length and wakes the row when it is nonzero; every
   structural change of a row (truncate, free, copy_prefix into it, a take-over, a restore)
-  does the same at the end of its bracket (``Core._changing``), so waiters see
+  does the same at the end of its bracket (``Journal.changing``), so waiters see
   ``SequenceNotFound`` as soon as the sequence is freed. No commit makes a syscall while
   nobody waits.
 * Read-only attachments cannot raise a count (their mapping cannot be written: DESIGN.md
@@ -45,24 +45,13 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shmkv._engine import futex as _futex
+from shmkv._engine import row_waiters as _row_waiters
 from shmkv._engine.checks import count
 from shmkv._engine.header import LENGTH, SEQ_WORDS
 from shmkv.errors import InvalidArgumentError, StoreClosedError, WaitTimeout
 
 if TYPE_CHECKING:
     from shmkv._engine.port import Port
-    from shmkv._engine.row_waiters import RowWaiters
-
-
-class _Store(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def readonly(self) -> bool: ...
-
-    @property
-    def closed(self) -> bool: ...
 
 
 class SeqReader(Protocol):
@@ -73,12 +62,8 @@ class SeqReader(Protocol):
     slot: int
     row: memoryview
 
-    @property
-    def store(self) -> _Store: ...
-
     def length(self) -> int: ...
 
-_RO_LOCK = threading.Lock()  # read-only attachments' counts and ``waiting`` against close() in threads
 _CHUNK = 2.0  # seconds a registered waiter sleeps before it looks again (idle: 0.5 wake-ups/s)
 _FIRST_SLEEP = 50e-6  # read-only and fallback waits: sleeps doubling from this
 _MAX_SLEEP = 0.004  # ... up to this
@@ -107,14 +92,14 @@ def _register(r: SeqReader) -> bool:
     p = r.port
     if not _futex.AVAILABLE:
         shared = False
-    elif not r.store.readonly:
+    elif not p.readonly:
         with p.locked():
             p.waiters[r.slot] += 1
             p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1
         return True
     else:
         shared = p.ro_waiters.writable
-    with _RO_LOCK:  # (close() takes this handle's counts off the row under it: _store._drop_waiters)
+    with _row_waiters.LOCK:  # (close() takes this handle's counts off the row under it: RowWaiters.drop)
         if shared:
             p.ro_waiters.add(r.slot, 1)
         p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (else only close() reads it: a wake-up)
@@ -123,9 +108,9 @@ def _register(r: SeqReader) -> bool:
 
 def _unregister(r: SeqReader, shared: bool) -> None:
     p = r.port
-    if r.store.readonly or not shared:
-        with _RO_LOCK:
-            if r.store.closed:
+    if p.readonly or not shared:
+        with _row_waiters.LOCK:
+            if p.closed:
                 return  # close() took this handle's counts off the row already
             if shared:
                 p.ro_waiters.add(r.slot, -1)
@@ -135,7 +120,7 @@ def _unregister(r: SeqReader, shared: bool) -> None:
             else:
                 p.waiting.pop(r.slot, None)
         return
-    if r.store.closed:
+    if p.closed:
         return  # close() took this handle's counts off the row already
     try:
         with p.locked():
@@ -176,7 +161,7 @@ def wait(r: SeqReader, length: int | None, timeout: float | None, cancel: thread
             if deadline is not None and now >= deadline:
                 want = f"length {target}" if target is not None else f"a change from length {first}"
                 raise WaitTimeout(
-                    f"wait: sequence {r.id} of store {r.store.name!r} did not reach {want} within "
+                    f"wait: sequence {r.id} of store {r.port.name!r} did not reach {want} within "
                     f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
                 )
             left = None if deadline is None else deadline - now
@@ -239,12 +224,3 @@ async def wait_async(r: SeqReader, length: int | None, timeout: float | None) ->
         cancel.set()
         wake_all(r)  # the thread looks again, sees the flag, and ends
         raise
-
-
-def drop_read_only(counts: RowWaiters, waiting: dict[int, int]) -> None:
-    """close() of a read-only attachment (``closed`` true already): its sleepers' counts off the
-    rows; they end with StoreClosedError without touching the store again (a sleeper that
-    looked before holds the lock while it takes its own count off)."""
-    with _RO_LOCK:
-        for slot, n in waiting.items():
-            counts.add(slot, -n)

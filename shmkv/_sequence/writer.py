@@ -15,7 +15,6 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import futex as _futex
-from shmkv._engine import pages as _pages
 from shmkv._sequence import quant as _quant
 from shmkv._engine import segment as _segment
 from shmkv._engine.checks import ints
@@ -40,7 +39,8 @@ from shmkv._sequence.reader import SeqReader
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
 
-def _real(dt: np.dtype) -> bool:
+def real(dt: np.dtype) -> bool:
+    """Whether ``dt`` holds real numbers the store takes (floats, ints, bfloat16 bits)."""
     return dt.kind in "fiu" or dt == _quant.BF16
 
 
@@ -57,14 +57,14 @@ class SeqWriter:
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
-                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "mirror", "pending", "plain", "positions",
-                 "r", "relocate", "rewrite", "ro_waiters", "row", "set_encoder_row", "slot", "staged", "start", "store",
-                 "token", "tokens", "vfrom", "waddr", "waiters", "wc", "wcell", "write")
+                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "mirror", "pending", "plain", "port",
+                 "positions", "r", "relocate", "rewrite", "ro_waiters", "row", "set_encoder_row", "slot", "staged",
+                 "start", "token", "tokens", "vfrom", "waddr", "waiters", "wc", "wcell", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
         p = r.port
-        self.store = r.store
+        self.port = p  # the store's engine (its narrow core)
         self.id, self.slot, self.row = r.id, r.slot, r.row
         self.L, self.cell, self.dtype, self.plain = r.L, r.cell, r.dtype, r.plain
         self.isfull, self.wc = r.isfull, r.wc
@@ -144,7 +144,7 @@ class SeqWriter:
     def need_writer(self, what: str) -> None:
         """Refuse ``what`` unless this handle holds the lease, here and now; reload the range
         after a structural change made by someone else (then pending tokens are dropped)."""
-        if self.store.closed:
+        if self.port.closed:
             self.r.check()  # raises
         if not self.write:
             raise ReadOnlyError(
@@ -169,7 +169,7 @@ class SeqWriter:
             self.pending = [0] * self.L
             self.refresh()
             if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
-                _pages.before_appends(self.store, self.start, row[CAPACITY])
+                self.port.before_appends(self.start, row[CAPACITY])
 
     def kv_arrays(self, k: Any, v: Any, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts).
@@ -182,7 +182,7 @@ class SeqWriter:
                 f"k shape {k.shape} and v shape {v.shape} must both be [n, kv_heads={H}, head_dim={D}] "
                 f"(or [{H}, {D}] for one token)"
             )
-        if not (_real(k.dtype) and _real(v.dtype)):
+        if not (real(k.dtype) and real(v.dtype)):
             raise InvalidArgumentError(
                 f"k dtype {k.dtype} / v dtype {v.dtype}: keys and values must be real numbers (float or int)"
             )
@@ -193,15 +193,6 @@ class SeqWriter:
             _quant.check_finite(k, "k")
             _quant.check_finite(v, "v")
         return k, v
-
-    def check_all_layers(self, what: str, k_all: np.ndarray, v_all: np.ndarray) -> None:
-        """``[layers, n, kv_heads, head_dim]`` K and V of every layer (extend, set_encoder)."""
-        H, D = self.cell
-        if k_all.ndim != 4 or k_all.shape[0] != self.L or k_all.shape[2:] != (H, D) or v_all.shape != k_all.shape:
-            raise InvalidArgumentError(
-                f"{what}: k_all {k_all.shape} and v_all {v_all.shape} must both be "
-                f"[layers={self.L}, n, kv_heads={H}, head_dim={D}]"
-            )
 
     # -- appending ---------------------------------------------------------------------
 
@@ -265,7 +256,7 @@ class SeqWriter:
             if end > self.row[CAPACITY]:
                 self.grow(end)
             if end > self.lim[layer]:  # a sliding/chunked layer's buffer is full
-                self.compact(layer, end)
+                compact(self, layer, end)
         s = self.base[layer] + length + p
         if int8 and views:  # into the mirror (made, or brought up to date, first)
             self.mirror = Int8Mirror.current(self.mirror, self.r.arena, self.row, gen=self.gen, start=self.start,
@@ -286,38 +277,9 @@ class SeqWriter:
         first = self.vfrom[layer]
         return self.r.view("k", layer, first, s + n), self.r.view("v", layer, first, s + n)
 
-    def compact(self, layer: int, end: int) -> None:
-        """Make room in the window buffers: keep the last ``keep`` committed tokens (and
-        every layer's pending ones) at the buffer's start. A structural change."""
-        lay = self.store.layout
-        keep_n = lay.keep
-        with self.locked():
-            row = self.row
-            length, woff = row[LENGTH], row[WIN_OFF]
-            new_off = max(woff, length - keep_n)
-            if end - new_off > self.wc:
-                raise CacheFullError(
-                    f"append: {end - length} new tokens on sliding/chunked layer {layer} exceed the "
-                    f"{self.wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
-                    f"or create the store with a larger memory= (now {lay.step})"
-                )
-            with self.changing(row):
-                # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
-                wb = row[WBUF]
-                a0, b0 = self.wcell(self.slot, wb) + new_off - woff, self.wcell(self.slot, 1 - wb)
-                for lay_i in lay.bounded:
-                    n = length - new_off + self.pending[lay_i]
-                    for arr in (self.Kw[lay_i], self.Vw[lay_i]):
-                        np.copyto(arr[b0 : b0 + n], arr[a0 : a0 + n])
-                _crash.point("compact.copied")
-                row[WBUF] = 1 - wb
-                row[WIN_OFF] = new_off
-            self.gen = row[GEN]
-            self.cache(row[START], row[CAPACITY], new_off)
-
     def grow(self, needed: int) -> None:
         """Give the sequence room for ``needed`` tokens (a structural change; pending tokens stay)."""
-        st = self.store
+        st = self.port
         if needed > st.layout.max_tokens:  # refused before anything moves or grows
             raise CacheFullError(
                 f"sequence {self.id} would hold {needed} tokens, more than store {st.name!r}'s "
@@ -416,84 +378,32 @@ class SeqWriter:
         except LockTimeout:
             pass
 
-    def extend(self, k_all: Any, v_all: Any, tokens: Any = None, positions: Any = None,
-               in_steps: bool = False) -> int:
-        if not isinstance(in_steps, bool):
-            raise InvalidArgumentError(f"extend: in_steps={in_steps!r} must be True or False")
-        self.need_writer("extend")
-        if any(self.pending):
-            raise InvalidArgumentError(
-                f"extend: sequence {self.id} has uncommitted appends {self.pending}; commit() them first"
+
+def compact(w: SeqWriter, layer: int, end: int) -> None:
+    """Make room in ``w``'s window buffers (sliding/chunked layers): keep the last ``keep``
+    committed tokens (and every layer's pending ones) at the buffer's start. A structural change."""
+    lay = w.port.layout
+    keep_n = lay.keep
+    with w.locked():
+        row = w.row
+        length, woff = row[LENGTH], row[WIN_OFF]
+        new_off = max(woff, length - keep_n)
+        if end - new_off > w.wc:
+            raise CacheFullError(
+                f"append: {end - length} new tokens on sliding/chunked layer {layer} exceed the "
+                f"{w.wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
+                f"or create the store with a larger memory= (now {lay.step})"
             )
-        k_all = np.asarray(k_all)
-        v_all = np.asarray(v_all)
-        self.check_all_layers("extend", k_all, v_all)
-        n = k_all.shape[1]
-        if tokens is not None:
-            ints("tokens", tokens, n)
-        if positions is not None:
-            ints("positions", positions, n)
-        lay = self.store.layout
-        if self.mirror is not None:  # (cells after the length are written here, not through the mirror)
-            self.mirror.clamp(self.row[LENGTH])
-        if in_steps and lay.bounded and n > lay.step:
-            return self.extend_in_steps(k_all, v_all, tokens, positions, lay.step)
-        try:
-            # fresh cells (a prefill): written through the segment's descriptor (no page zeroing)
-            if _pages.write_new(self.store, self.start, self.row[LENGTH], self.row[CAPACITY], (k_all, v_all)):
-                self.pending = [n] * self.L
-            else:
-                for layer in range(self.L):  # (int8: quantized, its non-finite values refused, here)
-                    self.append_checked(layer, k_all[layer], v_all[layer], views=False)
-            return self.commit(tokens, positions)
-        except BaseException:
-            self.pending = [0] * self.L
-            raise
-
-    def extend_in_steps(self, k_all: np.ndarray, v_all: np.ndarray, tokens: Any, positions: Any, step: int) -> int:
-        """extend(in_steps=True) of more tokens than a window buffer takes between commits: room
-        for all of them first (a CacheFullError changes nothing), then a commit every ``step``."""
-        n = k_all.shape[1]
-        tok = None if tokens is None else ints("tokens", tokens, n)
-        pos = None if positions is None else ints("positions", positions, n)
-        row = self.row
-        length = row[LENGTH]
-        if pos is not None:
-            last = int(self.positions[self.start + length - 1]) if length else -1
-            if pos[0] <= last or np.any(np.diff(pos) <= 0):
-                raise InvalidArgumentError(
-                    f"extend: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
-                )
-        if length + n > row[CAPACITY]:
-            self.grow(length + n)
-        try:
-            for a in range(0, n, step):
-                for layer in range(self.L):
-                    self.append(layer, k_all[layer, a : a + step], v_all[layer, a : a + step])
-                self.commit(None if tok is None else tok[a : a + step], None if pos is None else pos[a : a + step])
-        except BaseException:
-            self.pending = [0] * self.L
-            raise
-        return int(length + n)
-
-    def set_encoder(self, k_all: Any, v_all: Any) -> None:
-        self.need_writer("set_encoder")
-        k_all, v_all = np.asarray(k_all), np.asarray(v_all)
-        self.check_all_layers("set_encoder", k_all, v_all)
-        if not (_real(k_all.dtype) and _real(v_all.dtype)):
-            raise InvalidArgumentError(f"set_encoder: dtypes {k_all.dtype}/{v_all.dtype} are not real numbers")
-        if self.dtype == "int8":
-            _quant.check_finite(k_all, "k_all")
-            _quant.check_finite(v_all, "v_all")
-        n = k_all.shape[1]
-        K, V, KS, VS = self.r.arena
-        with self.locked():
-            row = self.row
-            self.r.span_unlocked()
-            with self.changing(row):
-                start = self.set_encoder_row(row, n)
-                for layer in range(self.L):  # the main arena of every layer (K, not Kw)
-                    for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
-                        self.write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
-                _crash.point("set_encoder.written")
-            Int8Mirror.moved(self, row[GEN])  # our own change: pending decoder tokens stay
+        with w.changing(row):
+            # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
+            wb = row[WBUF]
+            a0, b0 = w.wcell(w.slot, wb) + new_off - woff, w.wcell(w.slot, 1 - wb)
+            for lay_i in lay.bounded:
+                n = length - new_off + w.pending[lay_i]
+                for arr in (w.Kw[lay_i], w.Vw[lay_i]):
+                    np.copyto(arr[b0 : b0 + n], arr[a0 : a0 + n])
+            _crash.point("compact.copied")
+            row[WBUF] = 1 - wb
+            row[WIN_OFF] = new_off
+        w.gen = row[GEN]
+        w.cache(row[START], row[CAPACITY], new_off)

@@ -29,7 +29,9 @@ Format (version 1), a stream of msgpack objects that any msgpack reader walks:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import stat
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +53,8 @@ CHUNK = 64 << 20
 # 16M tokens. Anything larger is refused before it is buffered further.
 MAX_HEADER = 256 << 20
 MAX_ID = (1 << 62) - 1  # sequence ids (the next id, id + 1, must fit an int64 word)
+ID_HINT = " (sequence ids: Sequence.id)"  # what save's and restore's seq_ids= errors add
+Progress = Callable[[int, int], None]  # a save's or a restore's callback: (bytes done, bytes total)
 
 try:  # ISA-L's CRC-32 (extra "fast": pip install 'shmkv[fast]'): zlib's very values, about 5x faster
     from isal.isal_zlib import crc32 as _crc32
@@ -80,6 +84,20 @@ class _Seq:
     clean: int = -1  # tokens [0, clean) may be given as a prefix (-1: all); see _header CLEAN
     meta: bytes = b""  # seq.meta, packed
     wbuf: int = 0  # its active window buffer (see _header WBUF)
+
+
+def seekable_fd(f: IO[bytes]) -> int | None:
+    """``f``'s descriptor when it is a file that os.pwrite can write at an offset (not one opened
+    for appending: there Linux's pwrite ignores the offset and appends)."""
+    try:
+        if not f.seekable():
+            return None
+        fd = f.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+        return None
+    return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
 def _layout_dict(layout: Layout) -> dict[str, Any]:
@@ -237,7 +255,7 @@ class _Reader:
         With a ``pool`` and a ``dest``, the crc is checked on the pool (overlapping
         the next read) and the returned future raises SnapshotError on a mismatch.
         ``copy_in(pos, fd, offset, n)``, for a file source: copies the file's bytes at
-        ``offset`` to ``dest[pos:]`` itself (in the kernel, see _pages.file_copier).
+        ``offset`` to ``dest[pos:]`` itself (in the kernel, see Pages.file_copier).
         """
         deferred = pool is not None and dest is not None
         c = 0

@@ -21,12 +21,11 @@ from typing import Any
 import numpy as np
 
 from shmkv import __version__
-from shmkv._engine import core as _core
 from shmkv._engine import header as _header
 from shmkv._engine import segment as _segment
 from shmkv.store._lifecycle import Owners, gc, list_stores, remove, store_owners
 from shmkv.store._lifecycle import load as load_snapshot
-from shmkv.store._store import Store, attach
+from shmkv.store._store import Store, attach, engine_of
 from shmkv.cli._args import count_arg, ids_arg, seconds_arg
 from shmkv.errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
 
@@ -107,13 +106,13 @@ def verify(store: Store) -> list[str]:
     """Check the header's invariants; return the problems found (empty: all good)."""
     problems = []
     lay = store.layout
-    hdr = _core.header_words(store)
+    hdr = engine_of(store).hdr
     pending = int(hdr[_header.W_UNDO_COUNT])
     if pending:
         pid = int(hdr[_header.W_UNDO_PID])
         problems.append(f"a structural operation of pid {pid} left {pending} row(s) to roll back (it died, or is "
                         "running now): `shmkv verify --repair NAME` (or any structural operation) rolls it back")
-    t = _core.table_rows(store).copy()
+    t = engine_of(store).table_np.copy()
     live = t[t[:, _header.STATE] == _header.LIVE]
     if not np.isin(t[:, _header.STATE], (0, _header.LIVE, _header.ENCODER)).all():
         problems.append("a sequence slot has an unknown state")

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from shmkv.cli import _model
-from shmkv._snapshot import snapshot as _snapshot
+from shmkv._snapshot import save as _save
 from shmkv.store import _doctor
 from shmkv.store._lifecycle import create
 from shmkv.store._store import attach
@@ -231,4 +231,4 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
             except FileNotFoundError:
                 pass
             # an interrupted save's temporary file (its writer is dead: joined above)
-            _snapshot.remove_stale_temps(os.path.dirname(snapshot) or ".", os.path.basename(snapshot))
+            _save.remove_stale_temps(os.path.dirname(snapshot) or ".", os.path.basename(snapshot))

@@ -67,7 +67,8 @@ def _cmd_push(a: argparse.Namespace) -> int:
 
 
 def _cmd_tier(a: argparse.Namespace) -> int:
-    from shmkv.remote import RemoteTier, _redact, _with_client
+    from shmkv.remote import RemoteTier, _with_client
+    from shmkv.remote._client import redact
 
     tier = RemoteTier(a.url, namespace=a.namespace or "default", cluster=a.cluster, timeout=a.timeout)
     pattern = f"{a.namespace}:shmkv:*" if a.namespace else "*:shmkv:*"
@@ -75,7 +76,7 @@ def _cmd_tier(a: argparse.Namespace) -> int:
         summary = _with_client(tier, lambda r: _scan(r, pattern))
     finally:
         tier.close()
-    url = _redact(a.url) + (" (cluster)" if a.cluster else "")
+    url = redact(a.url) + (" (cluster)" if a.cluster else "")
     if a.json:
         print(json.dumps({"url": url, **summary}))
         return 0
@@ -139,13 +140,13 @@ def _layout_of(head: bytes) -> dict[str, Any] | None:
     """The layout fingerprint in a chunk's header, or None if it cannot be read."""
     import msgpack
 
-    from shmkv.remote import _FIXED, _MAGIC
+    from shmkv.remote._wire import FIXED, MAGIC
 
     try:
-        magic, _, _, hlen, _ = _FIXED.unpack_from(head, 0)
-        if magic != _MAGIC:
+        magic, _, _, hlen, _ = FIXED.unpack_from(head, 0)
+        if magic != MAGIC:
             return None
-        hdr = msgpack.unpackb(head[_FIXED.size : _FIXED.size + hlen])
+        hdr = msgpack.unpackb(head[FIXED.size : FIXED.size + hlen])
         fp = hdr["fp"]
         return fp if isinstance(fp, dict) else None
     except Exception:  # a damaged or foreign value: shown as unknown

@@ -16,29 +16,7 @@ The fingerprint (16 hex) covers the format version, the layout (layers,
 kv_heads, head_dim, dtype, layer kinds, window, chunk) and ``chunk_tokens``:
 a store of another layout asks for other keys and never sees these chunks.
 
-Value. Exactly one key per chunk, holding header and bytes together, so an
-eviction by Redis never leaves half a chunk (LMCache keeps metadata and bytes
-under two keys and documents that race):
-
-    ======  ====  ==============================================================
-    offset  size  field
-    ======  ====  ==============================================================
-    0       4     magic ``b"SKVR"``
-    4       2     format version (``FORMAT_VERSION``), little-endian
-    6       2     zero
-    8       4     header length ``h``
-    12      4     zero
-    16      h     msgpack map: ``fp`` (the layout fingerprint as a map), ``start``
-                  (first token index = first position), ``n`` (tokens),
-                  ``tokens`` (their ids, int64 little-endian); then zeros up to
-                  ``p = 16 + h`` rounded up to 16 (the payload is aligned)
-    p       ...   K ``[layers, n, kv_heads, head_dim]`` in the storage encoding
-                  (int8 codes, bfloat16 bits, or the floats), then V the same;
-                  int8 only: K scales ``[layers, n, kv_heads]`` float32, V scales
-    end-4   4     crc32 of every byte before it (a trailer: push computes it while
-                  the K/V bytes go out straight from shared memory, uncopied; values
-                  up to 256 KiB, and every value on a Redis Cluster, are joined first)
-    ======  ====  ==============================================================
+Value: one key per chunk, header and bytes together (the layout of a value: ``_wire``).
 
 A chunk is loaded only if magic, version, checksum, fingerprint, start, length
 and token ids (against the prompt's) all agree; otherwise it is a miss, never
@@ -53,37 +31,35 @@ chunks of a long sequence no longer exist there (``push`` raises
 
 from __future__ import annotations
 
-import hashlib
-import re
-import struct
 import threading
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-import msgpack
 import numpy as np
 
-from shmkv._engine import dtypes as _dtypes
 from shmkv._sequence import quant as _quant
-from shmkv._engine.header import Layout
 from shmkv._engine.prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
 from shmkv.errors import InvalidArgumentError, NotSupportedError, RemoteError, ShmkvError
+from shmkv.remote._client import check_settings, connect, is_redis_error, redact
+from shmkv.remote._wire import (
+    FORMAT_VERSION,
+    Geometry,
+    Unsound,
+    fingerprint,
+    joined,
+    same_codes,
+    stream_set,
+    unpack,
+    value_parts,
+)
 
-__all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats"]
+__all__ = ["FORMAT_VERSION", "RemoteTier", "TierStats", "fingerprint"]
 
-FORMAT_VERSION = 1
-_MAGIC = b"SKVR"
-_FIXED = struct.Struct("<4sHHII")  # magic, version, zero, header length, zero
-_CRC = struct.Struct("<I")  # the trailer: crc32 of everything before it
-_NS = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _BATCH_BYTES = 16 << 20  # bytes of chunks a pull's pipeline carries at once (two in flight bound its memory)
 _GROUP_BYTES = 64 << 20  # bytes of chunks a push sends in one round trip
-_JOIN_BYTES = 256 << 10  # values up to this size are joined and sent in one write
 _EXISTS_BATCH = 4096
 
 
@@ -99,74 +75,6 @@ class TierStats:
     damaged: int = 0  # failed magic, checksum, length or token ids: a miss, deleted
     foreign: int = 0  # another layout or format version under our key: a miss, deleted
     errors: int = 0  # connection errors and timeouts (a pull degraded, a push raised)
-
-
-def _redact(url: str) -> str:
-    """The URL without its password (messages and repr must not print it)."""
-    try:
-        u = urlsplit(url)
-        if u.password is None:
-            return url
-        host = u.hostname or ""
-        if u.port is not None:
-            host = f"{host}:{u.port}"
-        user = f"{u.username}:***@" if u.username else ":***@"
-        return urlunsplit((u.scheme, user + host, u.path, u.query, u.fragment))
-    except ValueError:
-        return "<unparsable url>"
-
-
-def fingerprint(layout: Any, chunk_tokens: int) -> dict[str, Any]:
-    """The layout as stored in every chunk header (and hashed into every key)."""
-    return {
-        "format": FORMAT_VERSION,
-        "hash_version": HASH_VERSION,
-        "layers": int(layout.layers),
-        "kv_heads": int(layout.kv_heads),
-        "head_dim": int(layout.head_dim),
-        "dtype": str(layout.dtype),
-        "layer_types": list(layout.layer_types),
-        "window": int(layout.window),
-        "chunk": int(layout.chunk),
-        "chunk_tokens": int(chunk_tokens),
-    }
-
-
-def _fp_hex(fp: dict[str, Any]) -> str:
-    packed = msgpack.packb(sorted(fp.items()))
-    return hashlib.blake2b(packed, digest_size=8, person=b"shmkv-layout-v1").hexdigest()
-
-
-class _Geometry:
-    """Byte geometry of one chunk for one layout (computed once per layout and tier)."""
-
-    def __init__(self, layout: Layout, chunk_tokens: int) -> None:
-        self.layout = layout
-        self.fp = fingerprint(layout, chunk_tokens)
-        self.fp_hex = _fp_hex(self.fp)
-        self.L, self.H, self.D = layout.layers, layout.kv_heads, layout.head_dim
-        self.int8 = layout.dtype == "int8"
-        self.code = _dtypes.storage(layout.dtype).newbyteorder("<")  # the wire is little-endian
-        self.full = not layout.bounded
-
-    def payload_bytes(self, n: int) -> int:
-        b = 2 * self.L * n * self.H * self.D * self.code.itemsize
-        return b + (2 * self.L * n * self.H * 4 if self.int8 else 0)
-
-    def arrays(self, buf: Any, off: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """K, V (and int8 scales) as arrays over ``buf`` from ``off`` (zero-copy)."""
-        shape = (self.L, n, self.H, self.D)
-        cnt = self.L * n * self.H * self.D
-        k = np.frombuffer(buf, self.code, cnt, off).reshape(shape)
-        off += cnt * self.code.itemsize
-        v = np.frombuffer(buf, self.code, cnt, off).reshape(shape)
-        off += cnt * self.code.itemsize
-        if not self.int8:
-            return k, v, None, None
-        scnt = self.L * n * self.H
-        ks = np.frombuffer(buf, "<f4", scnt, off).reshape(shape[:3])
-        vs = np.frombuffer(buf, "<f4", scnt, off + 4 * scnt).reshape(shape[:3])
-        return k, v, ks, vs
 
 
 class RemoteTier:
@@ -194,35 +102,20 @@ class RemoteTier:
 
     def __init__(self, url: str, *, namespace: str = "default", chunk_tokens: int = 256,
                  cluster: bool = False, timeout: float = 2.0) -> None:
-        if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-            raise InvalidArgumentError(
-                f"url={_redact(url) if isinstance(url, str) else url!r} must look like redis://host:port/db "
-                "(rediss:// for TLS, unix:///path.sock)"
-            )
-        if not isinstance(namespace, str) or not _NS.fullmatch(namespace):
-            raise InvalidArgumentError(
-                f"namespace={namespace!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
-            )
-        if (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, (int, np.integer))
-                or chunk_tokens < BLOCK or chunk_tokens % BLOCK):
-            raise InvalidArgumentError(
-                f"chunk_tokens={chunk_tokens!r} must be a positive multiple of {BLOCK} (the prefix hash's block)"
-            )
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds > 0")
+        check_settings(url, namespace, chunk_tokens, timeout)
         self.url = url
         self.namespace = namespace
         self.chunk_tokens = int(chunk_tokens)
         self.cluster = bool(cluster)
         self.timeout = float(timeout)
         self._client: Any = None
-        self._geo: dict[Any, _Geometry] = {}
+        self._geo: dict[Any, Geometry] = {}
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(TierStats.__slots__, 0)
 
     def __repr__(self) -> str:
         kind = " cluster" if self.cluster else ""
-        return (f"<shmkv.RemoteTier {_redact(self.url)}{kind} namespace={self.namespace!r} "
+        return (f"<shmkv.RemoteTier {redact(self.url)}{kind} namespace={self.namespace!r} "
                 f"chunk_tokens={self.chunk_tokens}>")
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -232,25 +125,7 @@ class RemoteTier:
 
     def _redis(self) -> Any:
         if self._client is None:
-            try:
-                import redis
-                from redis.backoff import NoBackoff
-                from redis.retry import Retry
-            except ImportError as e:  # pragma: no cover - depends on the environment
-                raise NotSupportedError(
-                    "the remote tier needs redis-py: pip install 'shmkv[redis]'"
-                ) from e
-            # One immediate retry (a pooled connection gone stale after a server restart),
-            # no backoff: a tier that is down must degrade a pull at once, not in seconds.
-            kw: dict[str, Any] = {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout,
-                                  "retry": Retry(NoBackoff(), 1)}
-            if self.cluster:
-                from redis.cluster import RedisCluster
-
-                # RedisCluster connects in its constructor (to learn the slots): errors are ours to map
-                self._client = self._call(lambda: RedisCluster.from_url(self.url, **kw))
-            else:
-                self._client = redis.Redis.from_url(self.url, **kw)
+            self._client = connect(self.url, self.cluster, self.timeout, self._call)
         return self._client
 
     def _call(self, fn: Any) -> Any:
@@ -260,11 +135,11 @@ class RemoteTier:
         except RemoteError:
             raise
         except Exception as e:
-            if not _is_redis_error(e):
+            if not is_redis_error(e):
                 raise
             self._stats["errors"] += 1
             raise RemoteError(
-                f"Redis tier {_redact(self.url)}{' (cluster)' if self.cluster else ''} failed: "
+                f"Redis tier {redact(self.url)}{' (cluster)' if self.cluster else ''} failed: "
                 f"{type(e).__name__}: {e}; check that the server is up and reachable, or raise "
                 f"RemoteTier(timeout=) (now {self.timeout} s)"
             ) from e
@@ -291,13 +166,13 @@ class RemoteTier:
 
     # -- names -----------------------------------------------------------------
 
-    def _geometry(self, layout: Any) -> _Geometry:
+    def _geometry(self, layout: Any) -> Geometry:
         g = self._geo.get(layout)
         if g is None:
-            g = self._geo[layout] = _Geometry(layout, self.chunk_tokens)
+            g = self._geo[layout] = Geometry(layout, self.chunk_tokens)
         return g
 
-    def _keys(self, geo: _Geometry, tokens: np.ndarray, chunks: int) -> list[str]:
+    def _keys(self, geo: Geometry, tokens: np.ndarray, chunks: int) -> list[str]:
         """Keys of the first ``chunks`` chunks of ``tokens``."""
         per = self.chunk_tokens // BLOCK
         hashes = block_hashes(tokens, limit=chunks * per)
@@ -392,7 +267,7 @@ class RemoteTier:
         written = 0
         for g in range(0, len(missing), per):
             batch = missing[g : g + per]
-            items = [(keys[i], *self._parts(geo, raw, toks, i * C, C)) for i in batch]
+            items = [(keys[i], *value_parts(geo, raw, toks, i * C, C)) for i in batch]
             # Committed cells are immutable until a structural change (truncate, remove, ...);
             # if one ran meanwhile, the tokens or the length changed: stop, upload nothing more.
             # (The bytes are read while they are sent: a change during the send is not seen.)
@@ -403,69 +278,16 @@ class RemoteTier:
             if self.cluster:
                 pipe = r.pipeline(transaction=False)
                 for key, parts, _ in items:
-                    pipe.set(key, _joined(parts), nx=True)
+                    pipe.set(key, joined(parts), nx=True)
                 oks = self._call(pipe.execute)
             else:
-                oks = self._call(lambda items=items: self._stream_set(r, items))
+                oks = self._call(lambda items=items: stream_set(r, items))
             for (_, _, size), ok in zip(items, oks, strict=True):
                 if ok:
                     written += 1
                     self._stats["chunks_pushed"] += 1
                     self._stats["bytes_pushed"] += size
         return written
-
-    @staticmethod
-    def _parts(geo: _Geometry, raw: list[Any], toks: np.ndarray, s: int, n: int) -> tuple[list[Any], int]:
-        """The value of the chunk of tokens [s, s + n) without its crc trailer, as a list of
-        bytes-like parts (the K/V parts are zero-copy views of the store), and the value's size."""
-        hdr = msgpack.packb({"fp": geo.fp, "start": s, "n": n, "tokens": toks[s : s + n].astype("<i8").tobytes()})
-        off = _payload_offset(len(hdr))
-        parts: list[Any] = [_FIXED.pack(_MAGIC, FORMAT_VERSION, 0, len(hdr), 0) + hdr
-                            + bytes(off - _FIXED.size - len(hdr))]
-        kv = [(kc, vc) for (kc, _), (vc, _) in raw]
-        for which in (0, 1):  # K of every layer, then V of every layer: [layers, n, kv_heads, head_dim]
-            parts += [_bytes_view(x[which][s : s + n]) for x in kv]
-        if geo.int8:
-            scales = [(ksc, vsc) for (_, ksc), (_, vsc) in raw]
-            for which in (0, 1):
-                parts += [_bytes_view(x[which][s : s + n]) for x in scales]
-        return parts, off + geo.payload_bytes(n) + _CRC.size
-
-    def _stream_set(self, r: Any, items: list[tuple[str, list[Any], int]]) -> list[bool]:
-        """SET NX of each value straight from its parts (no copy of the K/V bytes), on one
-        connection, all sent before the replies are read (a pipeline). The crc32 trailer is
-        computed while the parts go out."""
-        pool = r.connection_pool
-        for attempt in (0, 1):
-            try:
-                conn = pool.get_connection()
-            except TypeError:  # redis-py < 5.1 wants a command name
-                conn = pool.get_connection("SET")
-            try:
-                for key, parts, size in items:
-                    kb = key.encode()
-                    conn.send_packed_command([b"*4\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(kb), kb, size)],
-                                             check_health=False)
-                    if size <= _JOIN_BYTES:  # small: one write (a joined copy: cheaper than many sends)
-                        value = _joined(parts)
-                        conn.send_packed_command([value + b"\r\n$2\r\nNX\r\n"], check_health=False)
-                        continue
-                    crc = 0
-                    for part in parts:
-                        crc = zlib.crc32(part, crc)
-                        conn.send_packed_command([part], check_health=False)
-                    conn.send_packed_command([_CRC.pack(crc) + b"\r\n$2\r\nNX\r\n"], check_health=False)
-                return [conn.read_response() is not None for _ in items]
-            except BaseException as e:
-                conn.disconnect()  # replies may be left unread: this connection is done
-                import redis.exceptions as rx
-
-                # a pooled connection gone stale (server restarted): once more on a new one (SET NX repeats safely)
-                if attempt or not isinstance(e, rx.ConnectionError):
-                    raise
-            finally:
-                pool.release(conn)
-        raise AssertionError("unreachable")
 
     # -- pull --------------------------------------------------------------------
 
@@ -510,7 +332,7 @@ class RemoteTier:
             warnings.warn(f"{e}; continuing with the {len(seq)} tokens held locally", RuntimeWarning, stacklevel=2)
             return len(seq) - have
 
-    def _pull(self, geo: _Geometry, seq: Any, t: np.ndarray, keys: list[str], *, first: int, have: int,
+    def _pull(self, geo: Geometry, seq: Any, t: np.ndarray, keys: list[str], *, first: int, have: int,
               cap: int) -> int:
         C = self.chunk_tokens
         r = self._redis()
@@ -535,8 +357,12 @@ class RemoteTier:
                     nxt = ex.submit(fetch, j + 1)
                 for i, blob in zip(batch, blobs, strict=True):
                     s = i * C
-                    arrays = self._unpack(geo, blob, keys[i], t, s) if blob is not None else None
-                    if arrays is None:
+                    if blob is None:
+                        return pos - have
+                    try:
+                        arrays = unpack(geo, blob, t, s, C)
+                    except Unsound as e:
+                        self._discard(keys[i], e.what)
                         return pos - have
                     a, b = pos - s, min(s + C, cap) - s  # the part of the chunk after what we hold
                     if not self._load(geo, seq, arrays, keys[i], t, s=s, a=a, b=b):
@@ -549,7 +375,7 @@ class RemoteTier:
                         return pos - have
         return pos - have
 
-    def _load(self, geo: _Geometry, seq: Any, arrays: Any, key: str, t: np.ndarray, *, s: int, a: int,
+    def _load(self, geo: Geometry, seq: Any, arrays: Any, key: str, t: np.ndarray, *, s: int, a: int,
               b: int) -> bool:
         """Append tokens ``[s + a, s + b)`` of a checked chunk to ``seq``; False if it cannot be loaded.
 
@@ -575,7 +401,7 @@ class RemoteTier:
             return False
         except ShmkvError:  # the store's side (full, lock timeout): the chunk stays in Redis
             return False
-        if ks is not None and not self._same_codes(seq, arrays, s + a, a, b):
+        if ks is not None and not same_codes(seq, arrays, s + a, a, b):
             seq.truncate(s + a)  # never keep a value that differs from the pushed one
             return False
         return True
@@ -587,56 +413,8 @@ class RemoteTier:
         try:
             self._redis().delete(key)
         except Exception as e:
-            if not _is_redis_error(e):
+            if not is_redis_error(e):
                 raise
-
-    @staticmethod
-    def _same_codes(seq: Any, arrays: Any, at: int, a: int, b: int) -> bool:
-        k, v, _, _ = arrays
-        for li in range(k.shape[0]):
-            if not (np.array_equal(seq.raw_keys(li)[0][at : at + b - a], k[li, a:b])
-                    and np.array_equal(seq.raw_values(li)[0][at : at + b - a], v[li, a:b])):
-                return False
-        return True
-
-    def _unpack(self, geo: _Geometry, blob: bytes, key: str, t: np.ndarray, s: int) -> Any:
-        """The chunk's arrays if it is sound and ours; else None (counted, deleted)."""
-        C = self.chunk_tokens
-        what = "damaged"
-        try:
-            magic, version, _, hlen, _ = _FIXED.unpack_from(blob, 0)
-            if magic != _MAGIC:
-                raise ValueError("magic")
-            if version != FORMAT_VERSION:
-                what = "foreign"
-                raise ValueError("version")
-            if len(blob) < _FIXED.size + _CRC.size or (
-                    zlib.crc32(memoryview(blob)[: -_CRC.size]) != _CRC.unpack_from(blob, len(blob) - _CRC.size)[0]):
-                raise ValueError("checksum")
-            hdr = msgpack.unpackb(memoryview(blob)[_FIXED.size : _FIXED.size + hlen])
-            if hdr.get("fp") != geo.fp:
-                what = "foreign"
-                raise ValueError("layout")
-            off = _payload_offset(hlen)
-            if (hdr.get("start") != s or hdr.get("n") != C or len(blob) != off + geo.payload_bytes(C) + _CRC.size
-                    or hdr.get("tokens") != t[s : s + C].tobytes()):
-                raise ValueError("start, length or token ids")
-            return geo.arrays(blob, off, C)
-        except (ValueError, TypeError, KeyError, struct.error, msgpack.UnpackException, AttributeError):
-            self._discard(key, what)
-            return None
-
-
-def _bytes_view(a: np.ndarray) -> memoryview:
-    """A contiguous array's bytes, zero-copy."""
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
-
-
-def _joined(parts: list[Any]) -> bytes:
-    """A value in one piece: its parts and the crc32 trailer."""
-    body = b"".join(parts)
-    return body + _CRC.pack(zlib.crc32(body))
-
 
 class _Inline:
     """ThreadPoolExecutor's submit and with, run at once in this thread (one batch: no thread)."""
@@ -656,20 +434,8 @@ class _Inline:
         return f
 
 
-def _payload_offset(hlen: int) -> int:
-    return -(-(_FIXED.size + hlen) // 16) * 16
-
-
 def _make_tier(url: str, namespace: str, chunk_tokens: int, cluster: bool, timeout: float) -> RemoteTier:
     return RemoteTier(url, namespace=namespace, chunk_tokens=chunk_tokens, cluster=cluster, timeout=timeout)
-
-
-def _is_redis_error(e: BaseException) -> bool:
-    try:
-        import redis.exceptions as rx
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(e, (rx.RedisError, rx.RedisClusterException, OSError))
 
 
 def _with_client(tier: RemoteTier, fn: Callable[[Any], Any]) -> Any:

@@ -1,8 +1,8 @@
 """The module-level lifecycle of stores: create, list, remove, gc, load.
 
-The ``Store`` handle itself, ``attach`` (a store pickles as a call to it), and
-what a handle needs to close and remove its store (``read_identity``,
-``_remove_if_same``, the exit removals) are in ``_store``.
+The ``Store`` handle itself and ``attach`` (a store pickles as a call to it) are in
+``_store``; what removes a store only while it is the one a handle knows (``read_identity``,
+``remove_if_same``, the exit removals) in ``_removal``.
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from shmkv._engine import row_waiters as _row_waiters
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
-from shmkv._snapshot import snapshot as _snapshot
+from shmkv._snapshot import restore as _restore
+from shmkv._snapshot import save as _save
 from shmkv._engine.checks import count
-from shmkv._engine.core import identity, register_client
 from shmkv._engine.header import C_KEY, C_PID, CLIENT_WORDS
 from shmkv._engine.segment import Segment
 from shmkv.store._store import (
     DEFAULT_MAX_CLIENTS,
     Store,
     _check_timeout,
-    _remove_at_process_exit,
-    _remove_names,
+    engine_of,
 )
+from shmkv.store._removal import remove_at_process_exit, remove_names
 from shmkv.errors import AccessDeniedError, CorruptStoreError, InvalidArgumentError, StoreNotFound
 
 
@@ -182,7 +182,7 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             del words, raw
             store = Store(name, hseg, dseg, layout, max_clients, creator=True, persistent=persistent,
                           lock_timeout=lock_timeout, live=live)
-            register_client(store)
+            engine_of(store).register_client()
             _liveness.created_keys.add(creator_key)
         except BaseException:
             hseg.unlink()
@@ -200,7 +200,7 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
         hseg.close()
         raise
     if not persistent:
-        _remove_at_process_exit(name, identity(store))
+        remove_at_process_exit(name, engine_of(store).identity)
     return store
 
 
@@ -217,7 +217,7 @@ def remove(name: str) -> None:
         StoreNotFound: nothing of that name existed.
     """
     _segment.check_name(name)
-    if not _remove_names(name):
+    if not remove_names(name):
         raise StoreNotFound(f"no store named {name!r} to remove (`shmkv ls` lists them)")
 
 
@@ -310,11 +310,11 @@ def _collect(name: str, include_persistent: bool, grace: float) -> bool:
     if owners is Unjudged.UNREADABLE:
         mtime = _segment.segment_mtime(_segment.header_name(name))
         if mtime is not None and time.time() - mtime > grace:
-            _remove_names(name)
+            remove_names(name)
             return True
         return False
     if isinstance(owners, Owners) and owners.collectable(include_persistent):
-        _remove_names(name)
+        remove_names(name)
         return True
     return False
 
@@ -346,12 +346,12 @@ def gc(*, include_persistent: bool = False, grace: float = 30.0, snapshot_dirs: 
                     _lock.remove_orphan(f[len(pre) : -len(suf)], os.path.join(_segment.SHM_DIR, f))
     if snapshot_dirs:
         for directory in [snapshot_dirs] if isinstance(snapshot_dirs, (str, os.PathLike)) else snapshot_dirs:
-            _snapshot.remove_stale_temps(os.fspath(directory))
+            _save.remove_stale_temps(os.fspath(directory))
     return removed
 
 
 def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | None = None,
          max_seqs: int | None = None, progress: Callable[[int, int], None] | None = None, **create_kw: Any) -> Store:
     """Create store ``name`` with a snapshot's layout and restore the whole snapshot into it."""
-    return _snapshot.load_with(create, source, name, persistent=persistent, max_tokens=max_tokens,
+    return _restore.load_with(create, engine_of, source, name, persistent=persistent, max_tokens=max_tokens,
                                max_seqs=max_seqs, progress=progress, **create_kw)

@@ -34,12 +34,12 @@ from typing import Any
 
 import pytest
 
-from shmkv._engine import core as _core
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import segment as _segment
 from shmkv.store._lifecycle import SESSION_ENV, Owners, create, session_tag, store_owners
-from shmkv.store._store import Store, _magic_words, _remove_if_same, attach
+from shmkv.store._removal import magic_words, remove_if_same
+from shmkv.store._store import Store, attach, engine_of
 from shmkv.errors import ShmkvError
 from shmkv.testing import ChildProcess, shm_entries, unique_name
 
@@ -75,7 +75,7 @@ def _judged(name: str, session: int) -> tuple[int, str] | None:
 
     Ours: created with this session's tag, by this very process or by one that is dead.
     """
-    words = _magic_words(name, _header.W_SESSION, _header.W_IDENTITY, _header.W_CREATOR_PID,
+    words = magic_words(name, _header.W_SESSION, _header.W_IDENTITY, _header.W_CREATOR_PID,
                          _header.W_CREATOR_CLIENT)
     if words is None:
         return None
@@ -115,7 +115,7 @@ def _shmkv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
             if judged is not None:
                 leaked.append(name)
                 try:
-                    _remove_if_same(name, judged[0])
+                    remove_if_same(name, judged[0])
                 except ShmkvError:
                     pass
     if leaked:
@@ -135,9 +135,9 @@ def shmkv_store_factory() -> Iterator[Callable[..., Store]]:
 
     yield factory
     for store in made:  # only the store each handle made: a newer one of that name stays
-        name, identity = store.name, _core.identity(store)
+        name, identity = store.name, engine_of(store).identity
         store.close()
-        _remove_if_same(name, identity)
+        remove_if_same(name, identity)
 
 
 @pytest.fixture

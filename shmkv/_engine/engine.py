@@ -1,0 +1,183 @@
+"""The engine a ``Store`` holds: the top of the chain ``Journal`` (the one way into the lock,
+journaled transactions, crash recovery) -> ``Core`` (mappings, table, clients, leases,
+closing) -> ``Pages`` (reservation, writes through the descriptor) -> ``Arena`` (where cells
+go: free ranges, allocation, eviction, rows, encoder ranges) -> ``Engine``: the cell moves of
+a sequence (copy_prefix between rows, growth, the fresh ranges truncate/remove/shift_left
+rewrite into), all under the store lock and never over cells a row points to (journal
+invariant 1). One object over one set of mappings: the parts are modules, not members, so the
+hot path calls their methods with no hop. It implements ``port.Port``, the narrow core the
+sequence layer and snapshots see.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shmkv._engine import crash as _crash
+from shmkv._engine.arena import Arena
+from shmkv._engine.header import (
+    CAPACITY,
+    CLEAN,
+    FLAGS,
+    ID,
+    IDX_BLOCKS,
+    LENGTH,
+    NOINDEX,
+    START,
+    WBUF,
+    WIN_OFF,
+    leads,
+    with_leads,
+)
+from shmkv._engine.intervals import take_interval
+from shmkv._engine.prefix_hash import lead_levels
+from shmkv.errors import CacheFullError, NotSupportedError
+
+__all__ = ["Engine"]
+
+
+class Engine(Arena):
+    """A store's engine (see the module docstring): this class adds the cell moves."""
+
+    def copy_all_layers(self, src: int, dst: int, n: int) -> None:
+        """Copy n cells of every layer's main-arena K/V (and scales): encoder ranges."""
+        for arr in (self.K, self.V, self.KS, self.VS):
+            if arr is not None and n:
+                for layer in range(self.layout.layers):
+                    np.copyto(arr[layer, dst : dst + n], arr[layer, src : src + n])
+
+    def _copy_window(self, a: int, b: int, n: int) -> None:
+        """Copy n cells from cell a to cell b of every bounded layer's window array."""
+        if n <= 0 or a == b:
+            return
+        for layer in self.layout.bounded:
+            for arr in (self.Kl[layer], self.Vl[layer]):
+                np.copyto(arr[b : b + n], arr[a : a + n])
+
+    def rewrite(self, slot: int, full: list[tuple[int, int, int]], window: list[tuple[int, int, int]],
+                 capacity: int | None = None, protect: int = -1) -> tuple[int, int]:
+        """New content for a sequence, written where no row points (crash recovery, rule 1):
+        ``full`` parts (src token, dst token, n) into a fresh range of ``capacity`` cells (default:
+        the same), ``window`` parts (src, dst, n) as offsets into the slot's active and other window
+        buffers. Returns (new start, new WBUF) for the caller to switch the row to (lock held)."""
+        row = self.row(slot)
+        start, wb = row[START], row[WBUF]
+        cap = row[CAPACITY] if capacity is None else capacity
+        new_start = self.alloc(cap, evict=True, protect=protect, populate=False)
+        for src, dst, n in full:
+            self._copy_cells(start + src, new_start + dst, n)
+        self._fill(new_start, cap)
+        a0, b0 = self.wcell(slot, wb), self.wcell(slot, 1 - wb)
+        for src, dst, n in window:
+            self._copy_window(a0 + src, b0 + dst, n)
+        return new_start, 1 - wb
+
+    def _copy_cells(self, src: int, dst: int, n: int) -> None:
+        """Copy n cells of every layer, token id and position (lock held; overlap-safe)."""
+        if n <= 0 or src == dst:
+            return
+        # into fresh cells (a new range): through the descriptor, which skips zeroing them
+        fresh = self._fresh(dst, n) and (src + n <= dst or dst + n <= src)
+        # one layer at a time: a 4-D slice over all layers spans overlapping address
+        # extents, and numpy would then copy through a temporary (half the bandwidth)
+        for arrs in ([self.Kl[i] for i in self._full], [self.Vl[i] for i in self._full], self.KS, self.VS):
+            for layer in arrs if arrs is not None else ():
+                if fresh:
+                    self._put(layer[dst : dst + n], layer[src : src + n])
+                else:
+                    np.copyto(layer[dst : dst + n], layer[src : src + n])
+        if fresh:
+            take_interval(self._owed, dst, dst + n)
+        self.tokens[dst : dst + n] = self.tokens[src : src + n]
+        self.positions[dst : dst + n] = self.positions[src : src + n]
+        self._hashes[dst : dst + n] = self._hashes[src : src + n]
+
+    def copy_prefix_rows(self, s_slot: int, d_slot: int, n: int, *, held: bool = False) -> None:
+        """copy_prefix between rows (lock held, ids checked): dst's content becomes src's first
+        n tokens, and dst's whole blocks join the prefix index.
+
+        Sliding/chunked layers: ``held=False`` (a reused prefix) copies only what a next token
+        needs (``keep`` tokens); ``held=True`` (``Store.copy_prefix``, so ``fork`` and
+        ``regather``) every token src holds below n, so a copy of a whole sequence holds exactly
+        what src holds on every layer (a batch of copies stays one ``[B, T]`` batch, and a crop
+        the source could take, the copy can take too: tests/test_rewind.py, and beam search on
+        sliding models in tests/test_transformers_windows.py)."""
+        s_row, d_row = self.row(s_slot), self.row(d_slot)
+        s_off = s_row[WIN_OFF]
+        need = self.layout.resume_from(n)  # the oldest token a next token needs on bounded layers
+        if self.layout.bounded and s_off > need:
+            raise NotSupportedError(
+                f"copy_prefix: the sliding/chunked layers of sequence {s_row[ID]} hold tokens {s_off}.. only; "
+                f"a prefix of n={n} needs tokens from {need} on"
+            )
+        # what the next tokens need (or, held=True, everything), from what src holds
+        lo = s_off if held else max(s_off, n - self.layout.keep, 0)
+        src_win = self.wcell(s_slot, s_row[WBUF]) + lo - s_off
+        with self.changing(d_row):
+            if d_row[LENGTH] == 0 and n <= d_row[CAPACITY]:
+                # dst holds nothing committed: its own cells and window buffer are free to write
+                self._copy_cells(s_row[START], d_row[START], n)
+                self._copy_window(src_win, self.wcell(d_slot, d_row[WBUF]), n - lo)
+                _crash.point("copy_prefix.copied")
+            else:  # never over dst's committed cells: a fresh range and dst's other window buffer
+                # never evict the operation's own rows (a finished, unleased src or dst is a candidate)
+                new_start = self.alloc(max(n, d_row[CAPACITY]), evict=True, protect=(s_slot, d_slot),
+                                        populate=False)
+                self._copy_cells(s_row[START], new_start, n)
+                self._fill(new_start, max(n, d_row[CAPACITY]))
+                wb = 1 - d_row[WBUF]
+                self._copy_window(src_win, self.wcell(d_slot, wb), n - lo)
+                _crash.point("copy_prefix.copied")
+                d_row[START], d_row[CAPACITY], d_row[WBUF] = new_start, max(n, d_row[CAPACITY]), wb
+            d_row[WIN_OFF] = lo if self.layout.bounded else 0
+            d_row[LENGTH] = n
+            clean = s_row[CLEAN]
+            d_row[CLEAN] = -1 if clean < 0 or clean >= n else clean
+            # the copied hashes are valid for src's indexed blocks: dst's entries start from them
+            d_row[IDX_BLOCKS] = min(s_row[IDX_BLOCKS], n // 16)
+            d_row[FLAGS] = with_leads(d_row[FLAGS], min(leads(s_row[FLAGS]), lead_levels(n))) & ~NOINDEX
+            self.index_blocks(d_slot, n, adopt=True)
+
+    def relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
+        """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).
+
+        Tried in order: grow in place into the free cells after the range;
+        slide down into free cells before it (plus any after); move to a free
+        range elsewhere. Sizes tried: twice the capacity, then exactly ``needed``.
+        """
+        start, cap = row[START], row[CAPACITY]
+        new_cap = min(max(needed, 2 * cap), self.layout.max_tokens)
+        gaps = self.free_ranges()
+        before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
+        after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
+        for want in dict.fromkeys((new_cap, needed)):
+            if cap + after[1] >= want:
+                self._reserve(start + cap, want - cap)
+                row[CAPACITY] = want
+                _crash.point("grow.extended")
+                return
+            new_start = max(before[0], start + cap + after[1] - want)
+            if before[1] + cap + after[1] >= want and new_start + keep <= start:
+                # slide down into free cells before it, never over its own committed cells
+                self._reserve(new_start, want)
+                self._copy_cells(start, new_start, keep)  # (no overlap: the condition above)
+                _crash.point("grow.slid")
+                row[START], row[CAPACITY] = new_start, want
+                return
+        for want in dict.fromkeys((new_cap, needed)):
+            try:
+                new_start = self.alloc(want, evict=want == needed, protect=protect, populate=False)
+            except CacheFullError:
+                continue
+            self._copy_cells(start, new_start, keep)
+            self._fill(new_start, want)  # the appends that made it grow go on there
+            _crash.point("grow.copied")
+            row[START] = new_start
+            _crash.point("grow.switched")
+            row[CAPACITY] = want
+            return
+        raise CacheFullError(
+            f"store {self.name!r}: sequence {row[ID]} needs {needed} token cells and no free range "
+            f"is that large ({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free): "
+            "free or truncate sequences, or create the store with a larger max_tokens="
+        )

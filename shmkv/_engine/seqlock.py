@@ -1,0 +1,76 @@
+"""The one seqlock read of the sequence table, with the retry policy as a parameter.
+
+A structural operation makes a row's generation odd for the whole change and even (higher)
+when its journaled transaction ends (ARCHITECTURE.md invariant 4; ``journal.Journal.changing``).
+A lock-free reader reads the generation, what it needs, and the generation again; it keeps
+what it read only if the generation was even and the same both times, and tries again
+otherwise (invariant 5). ``read()`` may therefore see a torn row: it must not raise on one,
+and its caller validates what it returns (e.g. that the sequence is live) afterwards.
+
+How long a reader keeps trying and what it does when it gives up depends on who reads; each
+reader names its policy here, and ``seqlocked`` is the loop they all run:
+
+=========  =====  ===========================  ==========================================
+policy     tries  between tries                when they are used up (``fallback``)
+=========  =====  ===========================  ==========================================
+HANDLE     2000   spin 51, then sched_yield    the row read under the store's reading lock
+                                               (``_sequence.reader.SeqReader``: views, reads)
+SAVE       200    spin 21, then sleep 0.2 ms   ``_Busy``: the save captures again under the
+                                               lock (``_snapshot.save._capture``)
+VERIFY     100    spin                         0: a prefix match misses this donor
+                                               (``prefix.PrefixIndex._verify``)
+=========  =====  ===========================  ==========================================
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["HANDLE", "SAVE", "VERIFY", "Retry", "seqlocked"]
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """A seqlock reader's retry policy (see the module docstring)."""
+
+    tries: int  # reads of an odd or moved generation before the fallback
+    spin: int  # tries made back to back; each one after them first sleeps ``pause``
+    pause: float  # seconds (0: give the CPU up, sched_yield)
+
+
+HANDLE = Retry(tries=2000, spin=51, pause=0.0)
+SAVE = Retry(tries=200, spin=21, pause=0.0002)
+VERIFY = Retry(tries=100, spin=100, pause=0.0)
+
+
+def seqlocked(words: memoryview, gen: int, read: Callable[[], T], policy: Retry, fallback: Callable[[], T], *,
+              hold: Callable[[], AbstractContextManager[None]] | None = None,
+              mine: Callable[[], bool] | None = None) -> T:
+    """``read()`` between two reads of the generation word ``words[gen]`` (a row's GEN), returned
+    once the generation was even and the same after it; after ``policy.tries`` tries,
+    ``fallback()`` (under ``hold()`` when given: a lock that waits the change out).
+
+    ``mine``: whether this thread holds the store lock; then an odd row met at the first try is
+    its own open transaction's (``journal``, invariant 3): the fallback at once, no spinning.
+    """
+    spin, pause = policy.spin, policy.pause
+    for i in range(policy.tries):
+        g = words[gen]
+        if not g & 1:
+            value = read()
+            if words[gen] == g:
+                return value
+        elif not i and mine is not None and mine():
+            break
+        if i >= spin:
+            time.sleep(pause)
+    if hold is None:
+        return fallback()
+    with hold():
+        return fallback()

@@ -1,0 +1,405 @@
+"""Saving a snapshot: a msgpack stream of a store's sequences (the format and its checked
+reader: ``format``; loading it back: ``restore``).
+
+Saving writes each array straight from shared memory (no packb of arrays).
+A sequence is captured at its committed length; appends beyond it go on
+untouched. A structural change of a sequence during the save (seen through its
+seqlock generation) restarts the file, and the last attempt holds the store
+lock. A path target is written to a temporary file in the same directory,
+fsynced, renamed into place and the directory fsynced: a crash leaves the old
+file or the new one. Temporary files of saves that died are judged by their
+writer's flock (``remove_stale_temps``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import secrets
+import zlib
+from contextlib import AbstractContextManager
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, TYPE_CHECKING, Any, NoReturn
+
+import msgpack
+import numpy as np
+
+from shmkv._engine import header as _header
+from shmkv._engine import segment as _segment
+from shmkv._engine.checks import int_list
+from shmkv._engine.seqlock import SAVE, seqlocked
+from shmkv._snapshot.format import (
+    seekable_fd,
+    ID_HINT,
+    Progress,
+    CHUNK,
+    FORMAT,
+    crc32,
+    VERSION,
+    _Seq,
+    _layout_dict,
+    _parts,
+)
+from shmkv._engine.header import (
+    CAPACITY,
+    CLEAN,
+    ENC_SLOT,
+    FINISHED,
+    FLAGS,
+    GEN,
+    ID,
+    LENGTH,
+    LIVE,
+    RECENCY,
+    START,
+    STATE,
+    WBUF,
+    WIN_OFF,
+)
+from shmkv.errors import (
+    AccessDeniedError,
+    CacheFullError,
+    InvalidArgumentError,
+    SequenceNotFound,
+    ShmkvError,
+    SnapshotError,
+)
+
+if TYPE_CHECKING:
+    from shmkv._engine.port import Port
+
+_SAVE_ATTEMPTS = 4
+
+
+# -- saving ------------------------------------------------------------------
+
+
+class _Busy(Exception):
+    """A lock-free capture met a row that a transaction is changing (or a dead one left)."""
+
+
+def _busy() -> NoReturn:
+    raise _Busy
+
+
+def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
+    """Each sequence's (start, length, generation) and token ids/positions.
+
+    ``locked`` (the store lock through the journal, or a read-only attachment's shared
+    lock): the rows as a rollback would leave them (``settled_row``: a dead process's
+    transaction is never captured). Else seqlocked, and ``_Busy`` when a row stays odd:
+    a transaction is open (its rows stay odd until it ends), so the caller saves again
+    under the lock."""
+    t = core.table_np
+    if locked:
+        rows = {slot: core.settled_row(slot) for slot in range(len(t))}
+        if ids is None:
+            slots = [s for s, r in rows.items() if r[STATE] == LIVE]
+        else:
+            slots = []
+            for i in ids:
+                hit = [s for s, r in rows.items() if r[STATE] == LIVE and r[ID] == i]
+                if not hit:
+                    raise SequenceNotFound(f"store {core.name!r} has no sequence {i!r}: it was freed or never "
+                                           "created (store.sequences() lists the live ones)")
+                slots.append(hit[0])
+    elif core.hdr[_header.W_UNDO_COUNT]:
+        raise _Busy  # a transaction is open (or a dead one is in the log): save under the lock
+    elif ids is None:
+        slots = [int(i) for i in np.flatnonzero(t[:, STATE] == LIVE)]
+    else:
+        slots = [core.slot_of(i) for i in ids]
+    out = []
+    for slot in slots:
+        if locked:
+            r = rows[slot]
+            enc = r[ENC_SLOT]
+            e_start, e_len = (rows[enc - 1][START], rows[enc - 1][LENGTH]) if enc else (0, 0)
+            start, length = r[START], r[LENGTH]
+            out.append(_Seq(r[ID], length, r[CAPACITY], start, r[GEN], slot,
+                            core.tokens[start : start + length].copy(), core.positions[start : start + length].copy(),
+                            r[WIN_OFF], e_len, e_start, bool(r[FLAGS] & FINISHED), r[RECENCY], r[CLEAN],
+                            core.get_meta(slot), r[WBUF]))
+            continue
+        row = core.row(slot)
+
+        def read(row: memoryview = row, slot: int = slot) -> tuple[bool, _Seq]:
+            g = row[GEN]
+            sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
+            flags, recency, clean, wbuf = row[FLAGS], row[RECENCY], row[CLEAN], row[WBUF]
+            meta = core.get_meta(slot)
+            enc = row[ENC_SLOT]
+            erow = core.row(enc - 1) if enc else None
+            e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
+            toks = core.tokens[start : start + length].copy()
+            poss = core.positions[start : start + length].copy()
+            return row[STATE] == LIVE, _Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
+                                            bool(flags & FINISHED), recency, clean, meta, wbuf)
+
+        # a structural op (a move, say) running past SAVE's tries: _Busy, captured again under the lock
+        live, seq = seqlocked(row, GEN, read, SAVE, _busy)
+        if live:
+            out.append(seq)
+        elif ids is not None:
+            raise SequenceNotFound(f"store {core.name!r}: sequence {seq.id} was freed during the save")
+    if not locked and core.hdr[_header.W_UNDO_COUNT]:
+        raise _Busy  # a transaction began meanwhile: its rows may be in what was read
+    if ids is not None and len({s.id for s in out}) != len(out):
+        raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice")
+    return sorted(out, key=lambda s: s.id)
+
+
+def _hold(core: Port) -> AbstractContextManager[None]:
+    """What a save holds for a capture that must not fail: the store lock through the
+    journal (recovering a dead holder's transaction), or on a read-only attachment a shared
+    lock (live writers excluded; a dead one's transaction read as rolled back)."""
+    return core.reading() if core.readonly else core.locked(scan=True)
+
+
+def _unchanged(core: Port, seqs: list[_Seq]) -> bool:
+    return all(core.row(s.slot)[GEN] == s.gen and core.row(s.slot)[ID] == s.id for s in seqs)
+
+
+def _regions(core: Port) -> tuple[Any, ...]:
+    """The main-arena arrays of each region, ``[layers, max_tokens, ...]``."""
+    return (core.K, core.V, core.KS, core.VS)
+
+
+def _arrays(core: Port, s: _Seq) -> list[np.ndarray]:
+    """The stored arrays of a sequence in stream order, as views of shared memory."""
+    out = []
+    w = core.wcell(s.slot, s.wbuf)
+    for p in _parts(core.layout, s):
+        if p.window:
+            out.append((core.Kl, core.Vl)[p.region][p.layer][w : w + p.tokens])
+        else:
+            a = s.encoder_start if p.encoder else s.start
+            out.append(_regions(core)[p.region][p.layer, a : a + p.tokens])
+    return out
+
+
+def _header_bytes(core: Port, seqs: list[_Seq], crcs: list[int]) -> bytes:
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "layout": _layout_dict(core.layout),
+        "sequences": [
+            {"id": s.id, "length": s.length, "capacity": s.capacity, "window_offset": s.window_offset,
+             "encoder_length": s.encoder_length, "finished": s.finished, "recency": s.recency, "clean": s.clean,
+             "meta": s.meta,
+             "tokens": s.tokens.astype("<i8").tobytes(), "positions": s.positions.astype("<i8").tobytes()}  # type: ignore[union-attr]  # captured: never None
+            for s in seqs
+        ],
+        "chunk": CHUNK,
+    }
+    meta_crc = zlib.crc32(msgpack.packb(meta))
+    meta["meta_crc"] = meta_crc
+    meta["checksums"] = np.asarray(crcs, "<u4").tobytes()
+    out: bytes = msgpack.packb(meta)
+    return out
+
+
+def _crcs(arrays: list[np.ndarray]) -> list[int]:
+    """crc32 of each array; on two threads when it is worth it (zlib releases the GIL)."""
+    if sum(a.nbytes for a in arrays) < (8 << 20):
+        return [crc32(a) for a in arrays]
+    with ThreadPoolExecutor(2) as ex:
+        return list(ex.map(crc32, arrays))
+
+
+def _write_once(core: Port, f: IO[bytes], seqs: list[_Seq], progress: Progress | None) -> int:
+    """Write the snapshot of ``seqs`` to ``f`` (at its position); return the bytes written.
+
+    The checksums sit in the header, before the arrays. A file that can be written at an
+    offset (a path target) gets a header with zero checksums first, then the arrays, their
+    crc32 computed meanwhile on a second thread (zlib releases the GIL) over the same bytes,
+    then the checksums written into their place: one pass over the data. A stream gets
+    the checksums first (a reading pass), then everything in order."""
+    arrays = [a for s in seqs for a in _arrays(core, s)]
+    fd = seekable_fd(f)
+    if fd is None:
+        return _write_parts(f, _header_bytes(core, seqs, _crcs(arrays)), arrays, progress)
+    head = _header_bytes(core, seqs, [0] * len(arrays))
+    at = f.tell() + len(head) - 4 * len(arrays)  # the checksums: the header's last bytes (a fixed-size bin)
+    if head[len(head) - 4 * len(arrays) :] != bytes(4 * len(arrays)):
+        raise AssertionError("the snapshot header does not end with its checksums")
+    with ThreadPoolExecutor(1) as pool:
+        sums = [pool.submit(crc32, a) for a in arrays]  # in stream order, beside the writes
+        try:
+            total = _write_parts(f, head, arrays, progress)
+        finally:
+            crcs = [s.result() for s in sums]
+    if arrays:
+        f.flush()  # a buffered file: the header must be in the file before its checksums go in
+        os.pwrite(fd, np.asarray(crcs, "<u4").tobytes(), at)
+    return total
+
+
+def _write_parts(f: IO[bytes], head: bytes, arrays: list[np.ndarray], progress: Progress | None) -> int:
+    """The header, then each array as msgpack bins of at most CHUNK bytes."""
+    total = len(head) + sum(a.nbytes + 5 * -(-a.nbytes // CHUNK) for a in arrays)
+    done = len(head)
+    f.write(head)
+    if progress:
+        progress(done, total)
+    for a in arrays:
+        if not a.nbytes:
+            continue
+        mv = memoryview(a).cast("B")  # type: ignore[arg-type]  # straight from shared memory
+        for pos in range(0, a.nbytes, CHUNK):
+            part = mv[pos : pos + CHUNK]
+            f.write(b"\xc6" + len(part).to_bytes(4, "big"))
+            f.write(part)
+            done += len(part) + 5
+            if progress:
+                progress(done, total)
+    return total
+
+
+
+_TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<pid>\d+)(?:-(?P<start>\d+))?-[0-9a-f]{8}")
+
+
+def remove_stale_temps(directory: str, base: str | None = None) -> list[str]:
+    """Remove the temporary files (``.BASE.tmp-PID-START-XXXX``) of saves whose writer died
+    (killed mid-way); a live writer's file is kept. Only files we own. Returns the removed paths.
+
+    Liveness is a kernel fact (DESIGN section 3), not the pid in the name (another PID
+    namespace's, or reused): a writer holds a flock on its file until it is renamed into place
+    (:func:`_save_path`), so a file whose flock can be taken has no live writer."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for f in names:
+        m = _TEMP_RE.fullmatch(f)
+        if m is None or (base is not None and m["base"] != base):
+            continue
+        path = os.path.join(directory, f)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone, another user's, or a symlink: not ours to judge
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: its writer is alive
+            os.unlink(path)  # (a writer that opened it but had not locked it yet notices: _locked_temp)
+            removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _locked_temp(directory: str, base: str) -> tuple[str, int]:
+    """A new temporary file for a save to ``directory/base``, opened and flocked (its liveness,
+    see :func:`remove_stale_temps`); made again if a stale-temp sweep removed it before the lock."""
+    pid = os.getpid()
+    while True:
+        tmp = os.path.join(directory,
+                           f".{base}.tmp-{pid}-{_segment.process_start_time(pid)}-{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else holds a file this new...
+            if os.stat(tmp, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return tmp, fd
+        except BlockingIOError:
+            pass  # ... but a sweep may have locked it to judge it: then it unlinks it
+        except FileNotFoundError:
+            pass  # removed by a sweep between the open and the lock
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Progress | None = None) -> int:
+    """Write a snapshot of ``store`` (or of ``seq_ids``) to a path or a binary file object.
+
+    Returns the number of bytes written. See the module docstring for the format
+    and the guarantees.
+    """
+    core.check_open()
+    ids = None if seq_ids is None else int_list("save", "seq_ids", seq_ids, ID_HINT)
+    if isinstance(target, (str, bytes, os.PathLike)):
+        return _save_path(core, os.fsdecode(target), ids, progress)
+    if not hasattr(target, "write"):
+        raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file")
+    # a stream cannot be rewound: hold the store lock so no structural change can race
+    with _hold(core):
+        seqs = _capture(core, ids, locked=True)
+        total = _write_once(core, target, seqs, progress)
+    flush = getattr(target, "flush", None)
+    if flush is not None:
+        flush()  # a buffered pipe or socket would otherwise hold the tail back
+    return total
+
+
+def _save_path(core: Port, path: str, ids: list[int] | None, progress: Progress | None) -> int:
+    directory = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path)
+    remove_stale_temps(directory, base)  # left by saves that were killed mid-way
+    try:
+        tmp, fd = _locked_temp(directory, base)  # flocked until renamed into place: this save is alive
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"cannot save to {path!r}: directory {directory!r} does not exist") from None
+    except PermissionError:
+        raise AccessDeniedError(f"cannot save to {path!r}: no write permission in {directory!r}") from None
+    except OSError as e:
+        raise _save_error(e, path) from None
+    try:
+        with open(fd, "wb", buffering=0) as f:
+            for attempt in range(_SAVE_ATTEMPTS):
+                last = attempt == _SAVE_ATTEMPTS - 1
+                with _hold(core) if last else contextlib.nullcontext():
+                    try:
+                        seqs = _capture(core, ids, locked=last)
+                    except _Busy:
+                        continue
+                    f.seek(0)
+                    f.truncate()
+                    total = _write_once(core, f, seqs, progress)
+                    if last or _unchanged(core, seqs):
+                        break
+            os.fsync(f.fileno())
+            os.replace(tmp, path)  # with the file (and its flock) still open: never judged stale before
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, FileNotFoundError) and not isinstance(e, ShmkvError):
+            raise SnapshotError(f"cannot save to {path!r}: the temporary file {tmp!r} was removed while the save "
+                                "ran (by hand, or by a program that does not honour its lock): save again") from None
+        if isinstance(e, OSError) and not isinstance(e, ShmkvError):
+            raise _save_error(e, path) from None
+        raise
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return total
+
+
+def _save_error(e: OSError, path: str) -> Exception:
+    if isinstance(e, IsADirectoryError):
+        return InvalidArgumentError(f"cannot save to {path!r}: it is a directory; name a file in it")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return CacheFullError(
+            f"cannot save to {path!r}: {os.strerror(e.errno)} on its file system; the previous snapshot "
+            "(if any) is kept: free space there, or save elsewhere"
+        )
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return CacheFullError(f"cannot save to {path!r}: {os.strerror(e.errno)}: close files or raise `ulimit -n`")
+    return e
+
+
+__all__ = ["remove_stale_temps", "save"]

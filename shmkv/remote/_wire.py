@@ -1,0 +1,219 @@
+"""The value of a chunk in Redis, and how values are sent (``RemoteTier``'s wire).
+
+Value. Exactly one key per chunk, holding header and bytes together, so an
+eviction by Redis never leaves half a chunk (LMCache keeps metadata and bytes
+under two keys and documents that race):
+
+    ======  ====  ==============================================================
+    offset  size  field
+    ======  ====  ==============================================================
+    0       4     magic ``b"SKVR"``
+    4       2     format version (``FORMAT_VERSION``), little-endian
+    6       2     zero
+    8       4     header length ``h``
+    12      4     zero
+    16      h     msgpack map: ``fp`` (the layout fingerprint as a map), ``start``
+                  (first token index = first position), ``n`` (tokens),
+                  ``tokens`` (their ids, int64 little-endian); then zeros up to
+                  ``p = 16 + h`` rounded up to 16 (the payload is aligned)
+    p       ...   K ``[layers, n, kv_heads, head_dim]`` in the storage encoding
+                  (int8 codes, bfloat16 bits, or the floats), then V the same;
+                  int8 only: K scales ``[layers, n, kv_heads]`` float32, V scales
+    end-4   4     crc32 of every byte before it (a trailer: push computes it while
+                  the K/V bytes go out straight from shared memory, uncopied; values
+                  up to 256 KiB, and every value on a Redis Cluster, are joined first)
+    ======  ====  ==============================================================
+
+A value that fails any check raises ``Unsound`` naming what it is (``damaged``, or
+``foreign``: another layout or format version under our key); the tier counts it, deletes it
+and treats it as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from shmkv._engine import dtypes as _dtypes
+from shmkv._engine.header import Layout
+from shmkv._engine.prefix_hash import HASH_VERSION
+
+__all__ = ["CRC", "FIXED", "FORMAT_VERSION", "MAGIC", "Geometry", "Unsound", "fingerprint", "joined", "payload_offset",
+           "same_codes", "stream_set", "unpack", "value_parts"]
+
+FORMAT_VERSION = 1
+MAGIC = b"SKVR"
+FIXED = struct.Struct("<4sHHII")  # magic, version, zero, header length, zero
+CRC = struct.Struct("<I")  # the trailer: crc32 of everything before it
+_JOIN_BYTES = 256 << 10  # values up to this size are joined and sent in one write
+
+
+class Unsound(ValueError):
+    """A value that is not a sound chunk of ours: ``what`` is ``damaged`` or ``foreign``."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+def fingerprint(layout: Any, chunk_tokens: int) -> dict[str, Any]:
+    """The layout as stored in every chunk header (and hashed into every key)."""
+    return {
+        "format": FORMAT_VERSION,
+        "hash_version": HASH_VERSION,
+        "layers": int(layout.layers),
+        "kv_heads": int(layout.kv_heads),
+        "head_dim": int(layout.head_dim),
+        "dtype": str(layout.dtype),
+        "layer_types": list(layout.layer_types),
+        "window": int(layout.window),
+        "chunk": int(layout.chunk),
+        "chunk_tokens": int(chunk_tokens),
+    }
+
+
+def fp_hex(fp: dict[str, Any]) -> str:
+    packed = msgpack.packb(sorted(fp.items()))
+    return hashlib.blake2b(packed, digest_size=8, person=b"shmkv-layout-v1").hexdigest()
+
+
+class Geometry:
+    """Byte geometry of one chunk for one layout (computed once per layout and tier)."""
+
+    def __init__(self, layout: Layout, chunk_tokens: int) -> None:
+        self.layout = layout
+        self.fp = fingerprint(layout, chunk_tokens)
+        self.fp_hex = fp_hex(self.fp)
+        self.L, self.H, self.D = layout.layers, layout.kv_heads, layout.head_dim
+        self.int8 = layout.dtype == "int8"
+        self.code = _dtypes.storage(layout.dtype).newbyteorder("<")  # the wire is little-endian
+        self.full = not layout.bounded
+
+    def payload_bytes(self, n: int) -> int:
+        b = 2 * self.L * n * self.H * self.D * self.code.itemsize
+        return b + (2 * self.L * n * self.H * 4 if self.int8 else 0)
+
+    def arrays(self, buf: Any, off: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """K, V (and int8 scales) as arrays over ``buf`` from ``off`` (zero-copy)."""
+        shape = (self.L, n, self.H, self.D)
+        cnt = self.L * n * self.H * self.D
+        k = np.frombuffer(buf, self.code, cnt, off).reshape(shape)
+        off += cnt * self.code.itemsize
+        v = np.frombuffer(buf, self.code, cnt, off).reshape(shape)
+        off += cnt * self.code.itemsize
+        if not self.int8:
+            return k, v, None, None
+        scnt = self.L * n * self.H
+        ks = np.frombuffer(buf, "<f4", scnt, off).reshape(shape[:3])
+        vs = np.frombuffer(buf, "<f4", scnt, off + 4 * scnt).reshape(shape[:3])
+        return k, v, ks, vs
+
+
+def value_parts(geo: Geometry, raw: list[Any], toks: np.ndarray, s: int, n: int) -> tuple[list[Any], int]:
+    """The value of the chunk of tokens [s, s + n) without its crc trailer, as a list of
+    bytes-like parts (the K/V parts are zero-copy views of the store), and the value's size."""
+    hdr = msgpack.packb({"fp": geo.fp, "start": s, "n": n, "tokens": toks[s : s + n].astype("<i8").tobytes()})
+    off = payload_offset(len(hdr))
+    parts: list[Any] = [FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(hdr), 0) + hdr
+                        + bytes(off - FIXED.size - len(hdr))]
+    kv = [(kc, vc) for (kc, _), (vc, _) in raw]
+    for which in (0, 1):  # K of every layer, then V of every layer: [layers, n, kv_heads, head_dim]
+        parts += [bytes_view(x[which][s : s + n]) for x in kv]
+    if geo.int8:
+        scales = [(ksc, vsc) for (_, ksc), (_, vsc) in raw]
+        for which in (0, 1):
+            parts += [bytes_view(x[which][s : s + n]) for x in scales]
+    return parts, off + geo.payload_bytes(n) + CRC.size
+
+
+def stream_set(r: Any, items: list[tuple[str, list[Any], int]]) -> list[bool]:
+    """SET NX of each value straight from its parts (no copy of the K/V bytes), on one
+    connection, all sent before the replies are read (a pipeline). The crc32 trailer is
+    computed while the parts go out."""
+    pool = r.connection_pool
+    for attempt in (0, 1):
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py < 5.1 wants a command name
+            conn = pool.get_connection("SET")
+        try:
+            for key, parts, size in items:
+                kb = key.encode()
+                conn.send_packed_command([b"*4\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(kb), kb, size)],
+                                         check_health=False)
+                if size <= _JOIN_BYTES:  # small: one write (a joined copy: cheaper than many sends)
+                    value = joined(parts)
+                    conn.send_packed_command([value + b"\r\n$2\r\nNX\r\n"], check_health=False)
+                    continue
+                crc = 0
+                for part in parts:
+                    crc = zlib.crc32(part, crc)
+                    conn.send_packed_command([part], check_health=False)
+                conn.send_packed_command([CRC.pack(crc) + b"\r\n$2\r\nNX\r\n"], check_health=False)
+            return [conn.read_response() is not None for _ in items]
+        except BaseException as e:
+            conn.disconnect()  # replies may be left unread: this connection is done
+            import redis.exceptions as rx
+
+            # a pooled connection gone stale (server restarted): once more on a new one (SET NX repeats safely)
+            if attempt or not isinstance(e, rx.ConnectionError):
+                raise
+        finally:
+            pool.release(conn)
+    raise AssertionError("unreachable")
+
+
+def same_codes(seq: Any, arrays: Any, at: int, a: int, b: int) -> bool:
+    k, v, _, _ = arrays
+    for li in range(k.shape[0]):
+        if not (np.array_equal(seq.raw_keys(li)[0][at : at + b - a], k[li, a:b])
+                and np.array_equal(seq.raw_values(li)[0][at : at + b - a], v[li, a:b])):
+            return False
+    return True
+
+
+def unpack(geo: Geometry, blob: bytes, t: np.ndarray, s: int, C: int) -> Any:
+    """The arrays of the chunk of tokens [s, s + C) of ``t`` in ``blob``, checked: magic,
+    version, checksum, fingerprint, start, length and token ids. ``Unsound`` if any differs."""
+    what = "damaged"
+    try:
+        magic, version, _, hlen, _ = FIXED.unpack_from(blob, 0)
+        if magic != MAGIC:
+            raise ValueError("magic")
+        if version != FORMAT_VERSION:
+            what = "foreign"
+            raise ValueError("version")
+        if len(blob) < FIXED.size + CRC.size or (
+                zlib.crc32(memoryview(blob)[: -CRC.size]) != CRC.unpack_from(blob, len(blob) - CRC.size)[0]):
+            raise ValueError("checksum")
+        hdr = msgpack.unpackb(memoryview(blob)[FIXED.size : FIXED.size + hlen])
+        if hdr.get("fp") != geo.fp:
+            what = "foreign"
+            raise ValueError("layout")
+        off = payload_offset(hlen)
+        if (hdr.get("start") != s or hdr.get("n") != C or len(blob) != off + geo.payload_bytes(C) + CRC.size
+                or hdr.get("tokens") != t[s : s + C].tobytes()):
+            raise ValueError("start, length or token ids")
+        return geo.arrays(blob, off, C)
+    except (ValueError, TypeError, KeyError, struct.error, msgpack.UnpackException, AttributeError) as e:
+        raise Unsound(what) from e
+
+
+def bytes_view(a: np.ndarray) -> memoryview:
+    """A contiguous array's bytes, zero-copy."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+
+
+def joined(parts: list[Any]) -> bytes:
+    """A value in one piece: its parts and the crc32 trailer."""
+    body = b"".join(parts)
+    return body + CRC.pack(zlib.crc32(body))
+
+
+def payload_offset(hlen: int) -> int:
+    return -(-(FIXED.size + hlen) // 16) * 16

@@ -1,0 +1,208 @@
+"""How a store makes sequence handles: ``create_sequence`` (its row, its prefix copied in from
+a donor, a remote tier's chunks), ``sequence`` (a read handle, or a write lease taken over),
+undoing either for a handle that never reached its caller, and ``copy_prefix``.
+
+``store._store.Store`` keeps the public methods (and their documentation) and calls these
+with its engine; everything here goes through the engine's public API (``_engine.engine.Engine``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from shmkv._engine import crash as _crash
+from shmkv._engine import header as _header
+from shmkv._engine.engine import Engine
+from shmkv._engine.checks import count
+from shmkv._engine.header import (
+    CAPACITY,
+    CLEAN,
+    ENC_SLOT,
+    FINISHED,
+    FLAGS,
+    GEN,
+    ID,
+    IDX_BLOCKS,
+    LEASE_CLIENT,
+    LEASE_PID,
+    LEASE_TOKEN,
+    LENGTH,
+    LIVE,
+    START,
+    STATE,
+    WBUF,
+    WIN_OFF,
+)
+from shmkv._engine.lease import live_writers, new_token, own_token
+from shmkv._engine.prefix_hash import as_tokens
+from shmkv._sequence.handle import Owner, Sequence
+from shmkv.errors import CacheFullError, InvalidArgumentError, ShmkvError
+
+__all__ = ["copy_prefix", "create_sequence", "open_sequence", "prompt"]
+
+
+def prompt(tokens: Any) -> np.ndarray:
+    """A prompt's token ids as int64, checked: ids are >= 0 (-1 marks "no id" in the store)."""
+    try:
+        t = as_tokens(tokens)
+    except ValueError as e:
+        raise InvalidArgumentError(f"prefix: {e}; pass the prompt's token ids as a 1-d int sequence") from None
+    if t.size and int(t.min()) < 0:
+        raise InvalidArgumentError(f"prefix: token ids must be >= 0, got {int(t.min())}")
+    return t
+
+
+def create_sequence(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, protect: int) -> Sequence:
+    """``Store.create_sequence`` (``protect``: a row no eviction may take, e.g. a fork's parent)."""
+    made: list[int] = []  # (id, lease token) once the inner call has chosen them
+    try:
+        return _create(store, e, capacity, prefix=prefix, tier=tier, protect=protect, made=made)
+    except BaseException:  # KeyboardInterrupt included: the caller never gets the handle
+        if made:
+            _drop_unreturned(e, made[0], made[1], free=True)
+        raise
+
+
+def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, protect: int,
+            made: list[int]) -> Sequence:
+    capacity = count("capacity", capacity, minimum=1)
+    if capacity > e.layout.max_tokens:
+        raise CacheFullError(
+            f"capacity={capacity} exceeds the store's max_tokens={e.layout.max_tokens}: "
+            "ask for less, or create the store with a larger max_tokens="
+        )
+    toks = None if prefix is None else prompt(prefix)
+    token = new_token()
+    client = e.client_key()
+    with e.locked():
+        n, _, donor = e.index.match(toks) if toks is not None else (0, 0, -1)
+        # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
+        next_id, rows = e.hdr[_header.W_NEXT_ID], e.layout.max_seqs
+        try:
+            slot, start = e.new_row(max(capacity, n), protect=donor if n else protect, near=next_id % rows)
+        except CacheFullError:
+            if n == 0:
+                raise
+            n, donor = 0, -1  # only the donor's eviction makes room: a miss, which may evict it
+            slot, start = e.new_row(capacity, protect=protect, near=next_id % rows)
+        row = e.row(slot)
+        seq_id = next_id + (slot - next_id) % rows  # the next id of that row: ids skip the rows in use
+        e.hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
+        made += (seq_id, token)
+        with e.transaction():  # the row and its prefix: both, or after a crash neither
+            with e.changing(row):
+                e.new_incarnation(row)
+                row[ID] = seq_id
+                row[START] = start
+                row[CAPACITY] = max(capacity, n)
+                row[LENGTH] = 0
+                row[WIN_OFF] = 0
+                row[WBUF] = 0
+                row[ENC_SLOT] = 0
+                _crash.point("create.row")
+                row[FLAGS] = 0
+                row[IDX_BLOCKS] = 0
+                row[CLEAN] = -1
+                e.log_meta(slot)
+                e.meta[slot, :8] = 0
+                e.touch(row)
+                row[LEASE_CLIENT] = client
+                row[LEASE_TOKEN] = token
+                row[LEASE_PID] = os.getpid()
+                row[STATE] = LIVE
+            if n:
+                e.copy_prefix_rows(donor, slot, n)
+                _crash.point("create.copied")
+        if toks is not None:
+            hdr = e.hdr
+            if n:
+                e.touch(e.row(donor))
+                hdr[_header.W_PREFIX_HITS] += 1
+                hdr[_header.W_PREFIX_REUSED] += n
+            else:
+                hdr[_header.W_PREFIX_MISSES] += 1
+        seq = Sequence(store, e, seq_id, slot, write=True, token=token)
+        if e.owes(start, row[CAPACITY]):
+            # its range is allocated, not pre-faulted (_new_row): a step of the row's seqlock
+            # sends the handle's first write down its checked path, where a prefill (extend)
+            # writes through the descriptor and appends pre-fault the range first
+            row[GEN] += 2
+    if tier is not None:
+        if toks is None:
+            raise InvalidArgumentError("create_sequence: tier= needs prefix= (the prompt's token ids)")
+        try:
+            tier.pull(seq, toks, have=n)  # network I/O: outside the store lock
+        except BaseException:  # (a chunk that cannot be loaded is a miss; this is anything else)
+            seq.free()  # no live, unfinished sequence is left behind
+            raise
+    return seq
+
+
+def open_sequence(store: Owner, e: Engine, seq_id: int, write: bool) -> Sequence:
+    """``Store.sequence``: a read handle, or a write handle that takes the lease."""
+    e.check_open()
+    slot = e.slot_of(seq_id)
+    if not write:
+        return Sequence(store, e, int(seq_id), slot, write=False, token=0)
+    token = new_token()
+    client = e.client_key()
+    try:
+        return _take_lease(store, e, int(seq_id), token, client)
+    except BaseException:  # KeyboardInterrupt included: no lease is left for a handle never returned
+        _drop_unreturned(e, int(seq_id), token, free=False)
+        raise
+
+
+def _drop_unreturned(e: Engine, seq_id: int, token: int, *, free: bool) -> None:
+    """Undo what create_sequence (``free``) or a lease take-over did for a handle that never
+    reached its caller (an exception after the work, KeyboardInterrupt included): free the new
+    sequence, or give up the lease, if the row still holds ``token``. Best effort: the
+    exception that got here is what the caller sees."""
+    live_writers.pop(token, None)
+    try:
+        with e.locked():
+            slot = e.slot_of(seq_id)
+            row = e.row(slot)
+            if row[LEASE_TOKEN] != token:
+                return
+            if free:
+                e.free_row(slot)
+            else:
+                row[LEASE_PID] = 0  # what release() does
+    except ShmkvError:  # closed, gone, or the lock is busy: nothing more to do here
+        pass
+
+
+def _take_lease(store: Owner, e: Engine, seq_id: int, token: int, client: int) -> Sequence:
+    with e.locked():
+        slot = e.slot_of(seq_id)
+        row = e.row(slot)
+        e.check_not_leased_by_other(row, int(seq_id))
+        if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
+            row[FLAGS] &= ~FINISHED
+            e.touch(row)
+        row[LEASE_CLIENT] = client
+        row[LEASE_TOKEN] = token
+        _crash.point("lease.taken")
+        row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands
+    return Sequence(store, e, int(seq_id), slot, write=True, token=token)
+
+
+def copy_prefix(e: Engine, src_id: int, dst_id: int, n: int) -> None:
+    """``Store.copy_prefix``: dst's content replaced with src's first ``n`` tokens."""
+    n = count("n", n)
+    if int(src_id) == int(dst_id):
+        raise InvalidArgumentError(f"copy_prefix: src_id and dst_id are both {src_id}; use truncate() instead")
+    with e.locked():
+        s_row = e.row(e.slot_of(src_id))
+        d_slot = e.slot_of(dst_id)
+        d_row = e.row(d_slot)
+        if n > s_row[LENGTH]:
+            raise InvalidArgumentError(
+                f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
+            )
+        e.check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
+        e.copy_prefix_rows(e.slot_of(src_id), d_slot, n, held=True)

@@ -1,0 +1,102 @@
+"""Removing a store, and only the store we know: its names unlinked (segments, then the lock
+and liveness files), a store's identity word read without attaching, removal only while a name
+still holds the identity a handle saw (ARCHITECTURE.md invariant 11), and the creator's removal
+at interpreter or multiprocessing-child exit."""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+import numpy as np
+
+from shmkv._engine import header as _header
+from shmkv._engine import liveness as _liveness
+from shmkv._engine import lock as _lock
+from shmkv._engine import segment as _segment
+from shmkv._engine.segment import Segment
+from shmkv.errors import AccessDeniedError, StoreNotFound
+
+__all__ = ["exit_removals", "magic_words", "read_identity", "remove_at_process_exit", "remove_if_same", "remove_names"]
+
+
+@_lock.lifecycle_op
+def remove_names(name: str) -> bool:
+    """Unlink the segments, then the lock and liveness files (never those while a segment exists)."""
+    found = _segment.unlink(_segment.header_name(name))
+    found = _segment.unlink(_segment.data_name(name)) or found
+    for path, what in ((_segment.lock_path(name), "lock file"), (_liveness.live_path(name), "liveness file")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except PermissionError:
+            raise _segment.denied(os.path.basename(path), what) from None
+    return found
+
+
+def magic_words(name: str, *which: int) -> tuple[int, ...] | None:
+    """Words ``which`` of ``name``'s header if it has the shmkv magic, else None (no header,
+    not ours to read, too small, or not a shmkv header)."""
+    try:
+        hseg = Segment.open(_segment.header_name(name), readonly=True)
+    except (StoreNotFound, AccessDeniedError):
+        return None
+    try:
+        if hseg.size < _header.FIXED_BYTES:
+            return None
+        words = hseg.array(np.int64, _header.FIXED_BYTES // 8)
+        out = tuple(int(words[w]) for w in which) if int(words[_header.W_MAGIC]) == _header.MAGIC else None
+        del words
+        return out
+    finally:
+        hseg.close()
+
+
+def read_identity(name: str) -> int | None:
+    """The store identity in ``name``'s header, None when there is no readable shmkv header."""
+    words = magic_words(name, _header.W_IDENTITY)  # (a version-1 header holds 0 there: never ours)
+    return words[0] if words is not None else None
+
+
+def remove_if_same(name: str, identity: int) -> bool:
+    """Remove store ``name`` only if its header still holds ``identity`` (it is the store we know)."""
+    if identity and read_identity(name) == identity:
+        return remove_names(name)
+    return False
+
+
+# (name, identity) -> (pid, fork epoch) of the non-persistent stores this process created
+# and has not closed: removed at interpreter exit, by the creating process only (a forked
+# child that exits must not remove them), and only if their identity is unchanged.
+exit_removals: dict[tuple[str, int], tuple[int, int]] = {}
+
+
+@atexit.register
+def _remove_at_exit() -> None:
+    for (name, identity), (pid, epoch) in list(exit_removals.items()):
+        if pid == os.getpid() and epoch == _segment.fork_epoch:
+            try:
+                remove_if_same(name, identity)
+            except Exception:  # exiting: nothing left to report to
+                pass
+    exit_removals.clear()
+
+
+_mp_exit_pid = 0
+
+
+def remove_at_process_exit(name: str, identity: int) -> None:
+    """Register a created store for removal when this process exits.
+
+    atexit covers a normal interpreter exit; multiprocessing's fork and forkserver
+    children end with os._exit and run only multiprocessing's own exit finalizers,
+    so the removal is registered there too (once per process; it runs once).
+    """
+    global _mp_exit_pid
+    exit_removals[(name, identity)] = (os.getpid(), _segment.fork_epoch)
+    if _mp_exit_pid != os.getpid():
+        from multiprocessing import util
+
+        util.Finalize(None, _remove_at_exit, exitpriority=0)
+        _mp_exit_pid = os.getpid()
