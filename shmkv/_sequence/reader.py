@@ -78,6 +78,8 @@ class SeqReader:
     row      this sequence's row of the table (int64 memoryview; ``_engine.header`` columns)
     inc      the row's incarnation when this handle was made (a freed row's is stale)
     wbase    first cell of the row's active window buffer as the latest ``span`` saw it
+    reading  the port's reading lock, and ``owned`` its lock_owned: bound once, passed to every
+             seqlocked read (``_engine.seqlock``)
     ======== ================================================================================
 
     The writer's (``SeqWriter``) beyond these:
@@ -95,14 +97,14 @@ class SeqReader:
     cached   (start, capacity, window offset, window base) that base/lim/vfrom were computed for
     pending  per layer: tokens appended and not yet committed
     gen      the row generation this handle's addressing was computed at
-    wcell    first cell of a slot's window buffer 0 or 1 (the port's); ``rewrite``: its cell moves
+    port     the store's engine (its narrow core, ``_engine.port.Port``): the structural calls
+             (``locked``, ``changing``, ``wcell``, ``rewrite``, ``relocate``) go through it
     waddr    address of the row's futex word (the low half of LENGTH) for ``Sequence.wait``
     ======== ================================================================================
     """
 
-    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "inc", "isfull", "locked", "plain",
-                 "port", "positions", "reading", "row", "settled_row", "slot", "table_row", "tokens", "wbase",
-                 "wc")
+    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "inc", "isfull", "owned", "plain",
+                 "port", "positions", "reading", "row", "slot", "tokens", "wbase", "wc")
 
     def __init__(self, port: Port, seq_id: int, slot: int, row: memoryview) -> None:
         self.port = port
@@ -116,8 +118,8 @@ class SeqReader:
         self.KS, self.VS = port.KSl, port.VSl  # int8 scales per layer, else None
         self.arena = (port.K, port.V, port.KS, port.VS)  # main-arena K, V (and scales) of every layer: encoders
         self.tokens, self.positions = port.tokens, port.positions
-        self.reading, self.locked = port.reading, port.locked
-        self.settled_row, self.table_row = port.settled_row, port.row
+        # bound once here: every seqlocked read passes them (the rest of the port is called through it)
+        self.reading, self.owned = port.reading, port.lock_owned
 
     # -- the row ---------------------------------------------------------------------
 
@@ -135,7 +137,7 @@ class SeqReader:
 
     def settled_words(self) -> Words:
         """The row's words under ``reading`` (read-only attachments see a dead operation rolled back)."""
-        r = self.settled_row(self.slot)
+        r = self.port.settled_row(self.slot)
         return r[STATE], r[ID], r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF], r[WBUF]
 
     def live(self, words: Words) -> tuple[int, int, int, int]:
@@ -152,7 +154,7 @@ class SeqReader:
         if self.port.closed:  # check() and live() inlined: seq.length, keys() and views come here
             self.check()
         state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, GEN, self.words, HANDLE, self.settled_words,
-                                                               hold=self.reading, mine=self.port.lock_owned)
+                                                               hold=self.reading, mine=self.owned)
         if state != LIVE or sid != self.id or self.row[GEN] >> INCARNATION_SHIFT != self.inc:
             raise self._freed()
         self.wbase = (2 * self.slot + wbuf) * self.wc
@@ -329,8 +331,8 @@ class SeqReader:
             return e[START], e[LENGTH]
 
         # a structural change running all along is waited out: never a silently empty result
-        a, n = seqlocked(self.row, GEN, lambda: encoder(self.table_row), HANDLE,
-                         lambda: encoder(self.settled_row), hold=self.reading)
+        a, n = seqlocked(self.row, GEN, lambda: encoder(self.port.row), HANDLE,
+                         lambda: encoder(self.port.settled_row), hold=self.reading)
         K, V, KS, VS = self.arena
         ks = KS[layer, a : a + n] if KS is not None else None
         vs = VS[layer, a : a + n] if VS is not None else None
@@ -338,7 +340,7 @@ class SeqReader:
 
     def encoder_length(self) -> int:
         enc = self.row[ENC_SLOT]
-        return int(self.table_row(enc - 1)[LENGTH]) if enc else 0
+        return int(self.port.row(enc - 1)[LENGTH]) if enc else 0
 
     def torch_kv(self, layer: int, writable: tuple[Arrays, Arrays],
                  cells: tuple[int, int] | None = None) -> tuple[Any, Any]:
