@@ -1,0 +1,63 @@
+"""Child-process functions of tests/test_share_attack.py (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+import shmkv
+from shmkv._engine.header import START
+from shmkv.store._store import engine_of
+
+
+def kv(seed: int, layers: int, n: int, heads: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic K/V for tokens of one writer (the parent rebuilds them for its reference)."""
+    r = np.random.default_rng(seed)
+    shape = (layers, n, heads, dim)
+    return r.standard_normal(shape).astype(np.float32), r.standard_normal(shape).astype(np.float32)
+
+
+def free_and_reuse(name: str, free_id: int, capacity: int, seed: int, n: int) -> tuple[int, int]:
+    """In a child: free sequence ``free_id`` (a borrower), create a new sequence of ``capacity``
+    (it lands on the freed cells) and write ``n`` tokens of K/V ``seed`` into it. Returns (id,
+    first cell of its range)."""
+    store = shmkv.attach(name)
+    try:
+        store.sequence(free_id, write=True).free()
+        lay = store.layout
+        g = store.create_sequence(capacity=capacity)
+        k, v = kv(seed, lay.layers, n, lay.kv_heads, lay.head_dim)
+        g.extend(k, v, tokens=np.arange(5000, 5000 + n))
+        eng = engine_of(store)
+        start = int(eng.row(eng.slot_of(g.id))[START])
+        g.release()
+        return g.id, start
+    finally:
+        store.close()
+
+
+def borrow_and_free(name: str, prompt: list[int]) -> int:
+    """In a child: create a borrower of ``prompt`` (shared tokens must occur), then free it."""
+    store = shmkv.attach(name)
+    try:
+        f = store.create_sequence(capacity=1024, prefix=prompt)
+        shared = store.stats().shared_tokens
+        f.free()
+        return shared
+    finally:
+        store.close()
+
+
+def digest(name: str, seq_id: int, readonly: bool) -> tuple[str, int]:
+    """In a child: sha256 of every layer's keys and values of a sequence, and its length."""
+    store = shmkv.attach(name, readonly=readonly)
+    try:
+        s = store.sequence(seq_id)
+        h = hashlib.sha256()
+        for layer in range(store.layout.layers):
+            h.update(s.keys(layer).tobytes())
+            h.update(s.values(layer).tobytes())
+        return h.hexdigest(), len(s)
+    finally:
+        store.close()
