@@ -27,7 +27,8 @@ PROMPT = 300
 
 
 def _store(make_store, dtype="float16", **kw):
-    return make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=32, **kw)
+    args = dict(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=32)
+    return make_store(**{**args, **kw})
 
 
 def _with_borrower(store, seed=1):
@@ -238,3 +239,156 @@ def test_a_reader_in_another_pid_namespace_reads_the_borrower(make_store, readon
                          capture_output=True, text=True, timeout=60, check=True)
     h, n = out.stdout.split()
     assert (h, int(n)) == digest(store.name, d.id, True)
+
+
+# -- one process, three readers (rw attachment, ro attachment, the writer's own store object) while
+# a writer borrows, copies on write, frees, reuses cells, removes and forks ------------------------
+
+
+def _kv_of(tokens) -> tuple[np.ndarray, np.ndarray]:
+    """K/V that are a function of each token id (exact in float16): any cell read can be checked."""
+    t = np.asarray(tokens, np.int64)[None, :, None, None]
+    k = ((t * 7 + np.arange(D)) % 128 + np.arange(L)[:, None, None, None] * 0.25 + np.zeros((1, 1, H, 1)))
+    return k.astype(np.float32), -k.astype(np.float32)
+
+
+def _verify(seq) -> bool | None:
+    """Whether a seqlocked copy of every layer holds the K/V of the sequence's token ids (None:
+    the length changed between the two reads)."""
+    toks = np.array(seq.tokens)
+    ek, ev = _kv_of(toks)
+    for layer in range(L):
+        k, v = seq.read(layer)
+        if len(k) != len(toks):
+            return None
+        if not (np.array_equal(k, ek[layer].astype(np.float16)) and np.array_equal(v, ev[layer].astype(np.float16))):
+            return False
+    return True
+
+
+def _writer(store, ops: int, rng) -> int:
+    prompt = np.arange(1000, 1300)
+    spans = 0
+    for _ in range(ops):
+        live = [s.id for s in store.sequences() if s.id != 1]
+        op = 1 if len(live) > 16 else int(rng.integers(0, 5))
+        if op == 0 or len(live) < 2:  # a borrower (shares when the match covers a page unit)
+            toks = np.r_[prompt[: rng.integers(20, 300)], 9000 + rng.integers(0, 1000, 5)]
+            f = store.create_sequence(capacity=512, prefix=toks)
+            k, v = _kv_of(toks[len(f):])
+            f.extend(k, v, tokens=toks[len(f):])
+            f.release()
+        elif op == 1:  # free one, and a new sequence likely on its cells
+            store.sequence(int(rng.choice(live)), write=True).free()
+            toks = 5000 + rng.integers(0, 3000, rng.integers(10, 400))
+            g = store.create_sequence(capacity=512)
+            k, v = _kv_of(toks)
+            g.extend(k, v, tokens=toks)
+            g.release()
+        elif op == 2:  # truncate (copy-on-write inside a span) and extend
+            s = store.sequence(int(rng.choice(live)), write=True)
+            s.truncate(int(rng.integers(0, len(s) + 1)))
+            toks = 7000 + rng.integers(0, 1000, rng.integers(1, 50))
+            k, v = _kv_of(toks)
+            s.extend(k, v, tokens=toks)
+            s.release()
+        elif op == 3:
+            s = store.sequence(int(rng.choice(live)), write=True)
+            if len(s) > 10:
+                s.remove(int(rng.integers(0, 5)), int(rng.integers(5, 10)))
+            s.release()
+        else:
+            s = store.sequence(int(rng.choice(live)))
+            if len(s):
+                s.fork().release()
+        spans += store.stats().shared_tokens > 0
+    return spans
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_threads_reading_while_spans_come_and_go(make_store, seed):
+    import threading
+
+    store = _store(make_store, max_tokens=32768)
+    prompt = np.arange(1000, 1300)
+    d = store.create_sequence(capacity=512, prefix=prompt)
+    k, v = _kv_of(prompt)
+    d.extend(k, v, tokens=prompt)
+    d.finish()
+    done = threading.Event()
+    results: list[dict[str, int]] = []
+
+    def reader(mode: str) -> None:
+        s = store if mode == "same" else shmkv.attach(store.name, readonly=mode == "ro")
+        got = {"ok": 0, "bad": 0}
+        try:
+            while not done.is_set() or not got["ok"]:
+                for info in s.sequences():
+                    try:
+                        r = _verify(s.sequence(info.id))
+                    except shmkv.SequenceNotFound:
+                        continue
+                    if r is not None:
+                        got["ok" if r else "bad"] += 1
+        finally:
+            if s is not store:
+                s.close()
+            results.append(got)
+
+    threads = [threading.Thread(target=reader, args=(m,), daemon=True) for m in ("rw", "ro", "same")]
+    for t in threads:
+        t.start()
+    try:
+        spans = _writer(store, 300, np.random.default_rng(seed))
+    finally:
+        done.set()
+        for t in threads:
+            t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert spans > 10  # the attack ran over shared pages
+    assert len(results) == 3 and all(r["ok"] for r in results)
+    assert sum(r["bad"] for r in results) == 0, results
+
+
+# -- the Hugging Face adapter over borrowed rows -------------------------------------------------------
+
+
+def test_hf_generate_over_a_borrowed_system_prompt_equals_dynamic_cache(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from shmkv.transformers import ShmkvCache, cache_kwargs
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   initializer_range=0.2, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.float32).eval()
+    gen = {"do_sample": False, "max_new_tokens": 8, "return_dict_in_generate": True}
+
+    def generate(ids, cache=None):
+        args = dict(gen)
+        if cache is not None:
+            args.update(cache_kwargs(model, cache))
+        with torch.no_grad():
+            return model.generate(ids, **args).sequences
+
+    from shmkv.testing import unique_name
+
+    owner = ShmkvCache.from_config(cfg, unique_name("hfa"), dtype="float32")
+    try:
+        store = owner.store
+        g = torch.Generator().manual_seed(1)
+        system = torch.randint(3, 96, (1, 100), generator=g)  # 100 tokens: 3 page units of 32 cells
+        first = ShmkvCache.for_prompt(store, system)
+        first.finish(generate(system, first))
+        prompts = [torch.cat([system, torch.randint(3, 96, (1, 7), generator=g)], 1) for _ in range(3)]
+        assert len({p[0, 100].item() for p in prompts}) == 3  # (each request's own tokens from 100 on)
+        caches = [ShmkvCache.for_prompt(store, p) for p in prompts]
+        assert all(c.get_seq_length() == 100 for c in caches)
+        assert store.stats().shared_tokens >= 3 * 96  # every request borrows the system prompt's pages
+        for p, c in zip(prompts, caches, strict=True):
+            assert torch.equal(generate(p, c), generate(p, transformers.DynamicCache()))
+        for c in caches:
+            c.free()
+    finally:
+        owner.close()
