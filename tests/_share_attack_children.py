@@ -61,3 +61,29 @@ def digest(name: str, seq_id: int, readonly: bool) -> tuple[str, int]:
         return h.hexdigest(), len(s)
     finally:
         store.close()
+
+
+def kv_of(tokens: np.ndarray, layers: int, heads: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """K/V that are a function of each token id (exact in float16): any cell read can be checked."""
+    t = np.asarray(tokens, np.int64)[None, :, None, None]
+    k = ((t * 7 + np.arange(dim)) % 128 + np.arange(layers)[:, None, None, None] * 0.25 + np.zeros((1, 1, heads, 1)))
+    return k.astype(np.float32), -k.astype(np.float32)
+
+
+def crash_op(name: str, op: str, donor: int, borrower: int) -> None:
+    """In a child run with SHMKV_CRASH_AT set: the operation that reaches the share.* point (the
+    child is SIGKILLed there)."""
+    store = shmkv.attach(name)
+    lay = store.layout
+    if op == "borrow":
+        toks = np.r_[np.arange(1000, 1200), [4242]]
+        f = store.create_sequence(capacity=512, prefix=toks)
+        k, v = kv_of(toks[len(f):], lay.layers, lay.kv_heads, lay.head_dim)
+        f.extend(k, v, tokens=toks[len(f):])
+    elif op == "unshare":
+        store.sequence(borrower, write=True).truncate(101)
+    elif op == "release":
+        store.sequence(borrower, write=True).free()
+    elif op == "move":
+        store.sequence(donor, write=True).truncate(20)
+    raise SystemExit(f"op {op} did not reach its crash point")

@@ -14,10 +14,11 @@ import sys
 
 import numpy as np
 import pytest
-from _share_attack_children import digest, free_and_reuse, kv
+from _share_attack_children import digest, free_and_reuse, kv, kv_of
 
 import shmkv
 from shmkv._engine import share
+from shmkv.cli import verify
 from shmkv._engine.header import START
 from shmkv.store._store import engine_of
 from shmkv.testing import run_in_process
@@ -247,9 +248,7 @@ def test_a_reader_in_another_pid_namespace_reads_the_borrower(make_store, readon
 
 def _kv_of(tokens) -> tuple[np.ndarray, np.ndarray]:
     """K/V that are a function of each token id (exact in float16): any cell read can be checked."""
-    t = np.asarray(tokens, np.int64)[None, :, None, None]
-    k = ((t * 7 + np.arange(D)) % 128 + np.arange(L)[:, None, None, None] * 0.25 + np.zeros((1, 1, H, 1)))
-    return k.astype(np.float32), -k.astype(np.float32)
+    return kv_of(tokens, L, H, D)
 
 
 def _verify(seq) -> bool | None:
@@ -392,3 +391,54 @@ def test_hf_generate_over_a_borrowed_system_prompt_equals_dynamic_cache(tmp_path
             c.free()
     finally:
         owner.close()
+
+
+# -- SIGKILL inside every share.* unit, with other processes' mappings of the spans -------------------
+
+
+@pytest.mark.parametrize(("point", "op"), [("share.borrowed", "borrow"), ("share.unshared", "unshare"),
+                                           ("share.released", "release"), ("share.moved", "move")])
+def test_a_kill_inside_a_share_unit_leaves_every_read_right(make_store, point, op):
+    """A child is SIGKILLed inside a share.* unit. A read-only attachment (which mapped the spans
+    before) reads every sequence right both before anyone recovers (the dead unit read as rolled
+    back) and after; this process then recovers, writes, borrows again, and reads right too."""
+    store = _store(make_store)
+    prompt = np.arange(1000, 1300)
+    d = store.create_sequence(capacity=512, prefix=prompt)
+    k, v = _kv_of(prompt)
+    d.extend(k, v, tokens=prompt)
+    d.finish()
+    f = store.create_sequence(capacity=512, prefix=np.r_[prompt[:250], [77]])
+    k, v = _kv_of([77])
+    f.extend(k, v, tokens=[77])
+    f.release()
+    assert store.stats().shared_tokens >= 240
+    ro = shmkv.attach(store.name, readonly=True)
+    try:
+        def all_right(s) -> int:
+            n = 0
+            for info in s.sequences():
+                assert _verify(s.sequence(info.id)) is True, info
+                n += 1
+            return n
+
+        assert all_right(ro) == 2
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_attack_children import crash_op; "
+                "crash_op(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))")
+        env = {**os.environ, "SHMKV_CRASH_AT": point}
+        proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), store.name, op, str(d.id),
+                               str(f.id)], env=env, capture_output=True, timeout=60)
+        assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+        assert all_right(ro) == 2  # before recovery: the dead unit's rows as a rollback leaves them
+        toks = np.r_[prompt[:200], [88, 89]]
+        g = store.create_sequence(capacity=512, prefix=toks)  # recovers, borrows
+        k, v = _kv_of(toks[len(g):])
+        g.extend(k, v, tokens=toks[len(g):])
+        fw = store.sequence(f.id, write=True)
+        fw.truncate(99)  # copy-on-write after the recovery
+        k, v = _kv_of(np.arange(3000, 3040))
+        fw.extend(k, v, tokens=np.arange(3000, 3040))
+        assert all_right(store) == 3 and all_right(ro) == 3
+        assert verify(store) == []
+    finally:
+        ro.close()
