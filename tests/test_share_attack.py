@@ -7,6 +7,7 @@ on donors and borrowers. (Attacks that failed: /work/atk2-findings, not here.)""
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import shutil
 import subprocess
@@ -442,3 +443,78 @@ def test_a_kill_inside_a_share_unit_leaves_every_read_right(make_store, point, o
         assert verify(store) == []
     finally:
         ro.close()
+
+
+# -- allocation and eviction under pressure: spans never overlap what others write ---------------------
+
+
+def _invariants(store) -> str | None:
+    """No two live ranges overlap; a span's cells are in no live range but their owner's (the row
+    at the span's first cell, borrowing nothing, at least that long: it never writes them)."""
+    from shmkv._engine.header import CAPACITY, ID, LENGTH, LIVE, SPAN_CELLS, SPAN_PHYS, STATE
+
+    t = engine_of(store).table_np
+    live = t[t[:, STATE] == LIVE]
+    ranges = sorted((int(r[START]), int(r[START] + r[CAPACITY]), int(r[ID])) for r in live)
+    for (_, a1, i), (b0, _, j) in itertools.pairwise(ranges):
+        if a1 > b0:
+            return f"the ranges of sequences {i} and {j} overlap"
+    for r in live[live[:, SPAN_CELLS] > 0]:
+        p, m = int(r[SPAN_PHYS]), int(r[SPAN_CELLS])
+        for x in live:
+            xs, xe = int(x[START]), int(x[START] + x[CAPACITY])
+            if x[ID] == r[ID] or xe <= p or xs >= p + m:
+                continue
+            if not (xs == p and not x[SPAN_CELLS] and x[LENGTH] >= m):
+                return f"span [{p}, {p + m}) of {r[ID]} overlaps sequence {x[ID]} [{xs}, {xe}) of length {x[LENGTH]}"
+    return None
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_a_full_store_evicting_donors_and_borrowers_keeps_every_cell(make_store, seed):
+    """A store of 3,072 cells: borrowers of two prompts created, truncated (copy-on-write), freed,
+    removed from, shifted, finished and evicted at random; after every operation the table's
+    invariants hold and every cell of every sequence holds its token's K/V."""
+    rng = np.random.default_rng(seed)
+    store = _store(make_store, max_tokens=3072, max_seqs=24)
+    prompts = [np.arange(1000, 1400), np.arange(2000, 2300)]
+    spans = 0
+    for it in range(300):
+        live = [s.id for s in store.sequences()]
+        op = int(rng.integers(0, 7))
+        s = None
+        try:
+            if op <= 2 or not live:
+                p = prompts[int(rng.integers(0, 2))]
+                toks = np.r_[p[: rng.integers(1, len(p))], 9000 + rng.integers(0, 1000, rng.integers(1, 40))]
+                s = store.create_sequence(capacity=int(rng.integers(len(toks), len(toks) + 64)), prefix=toks)
+                k, v = _kv_of(toks[len(s):])
+                s.extend(k, v, tokens=toks[len(s):])
+                s.finish() if rng.random() < 0.7 else s.release()
+            elif op == 3:
+                s = store.sequence(int(rng.choice(live)), write=True)
+                s.truncate(int(rng.integers(0, len(s) + 1)))
+                toks = 7000 + rng.integers(0, 999, rng.integers(1, 60))
+                k, v = _kv_of(toks)
+                s.extend(k, v, tokens=toks)
+                s.finish() if rng.random() < 0.5 else s.release()
+            elif op == 4:
+                store.sequence(int(rng.choice(live)), write=True).free()
+            elif op == 5:
+                s = store.sequence(int(rng.choice(live)), write=True)
+                if len(s) > 10:
+                    s.remove(int(rng.integers(0, 5)), int(rng.integers(5, 10)))
+                s.finish()
+            else:
+                s = store.sequence(int(rng.choice(live)), write=True)
+                if len(s) > 5:
+                    s.shift_left(int(rng.integers(1, 5)))
+                s.release()
+        except shmkv.CacheFullError:
+            if s is not None:
+                s.release()
+        spans += store.stats().shared_tokens > 0
+        assert _invariants(store) is None, (it, _invariants(store))
+        for info in store.sequences():
+            assert _verify(store.sequence(info.id)) is True, (it, info)
+    assert spans > 100 and store.stats().evictions > 50
