@@ -518,3 +518,40 @@ def test_a_full_store_evicting_donors_and_borrowers_keeps_every_cell(make_store,
         for info in store.sequences():
             assert _verify(store.sequence(info.id)) is True, (it, info)
     assert spans > 100 and store.stats().evictions > 50
+
+
+# -- the remote tier pushes the logical content of a borrower, and of cells reused after one ---------
+
+
+def test_remote_push_of_borrowers_and_of_cells_reused_after_one(make_store):
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("redis-server is needed: CI must run this", pytrace=False)
+        pytest.skip("needs redis-server")
+    pytest.importorskip("redis")
+    from shmkv.remote import RemoteTier
+    from shmkv.testing._redis import RedisServer
+
+    server = RedisServer()
+    tier = RemoteTier(server.url, namespace="atk", chunk_tokens=64)
+    try:
+        store = _store(make_store)
+        _, f = _with_borrower(store)
+        f.release()
+        assert tier.push(store, f.id) == PROMPT // 64  # the borrower's chunks: its logical content
+        # another process frees the borrower and writes a new prompt on its cells; pushed from here
+        gid, _ = run_in_process(free_and_reuse, store.name, f.id, 1024, 7, 200, timeout=60)
+        assert tier.push(store, gid) == 200 // 64
+        other = _store(make_store)
+        for toks, seed, n in ((np.arange(1000, 1000 + PROMPT), 1, PROMPT), (np.arange(5000, 5200), 7, 200)):
+            got = other.create_sequence(capacity=1024, prefix=np.r_[toks, [1]], tier=tier)
+            whole = n // 64 * 64
+            assert len(got) == whole
+            ref = _reference(make_store, "float16", seed, n)
+            for layer in range(L):
+                assert got.keys(layer).tobytes() == ref.keys(layer)[:whole].tobytes()
+                assert got.values(layer).tobytes() == ref.values(layer)[:whole].tobytes()
+            got.free()
+    finally:
+        tier.close()
+        server.stop()
