@@ -555,3 +555,60 @@ def test_remote_push_of_borrowers_and_of_cells_reused_after_one(make_store):
     finally:
         tier.close()
         server.stop()
+
+
+@pytest.mark.parametrize(("point", "op"), [("share.borrowed", "borrow"), ("share.unshared", "unshare"),
+                                           ("share.released", "release"), ("share.moved", "move")])
+def test_ctrl_c_inside_a_share_unit_rolls_it_back(make_store, point, op):
+    """KeyboardInterrupt raised inside a share.* unit (as a Ctrl-C there would be): the unit is
+    rolled back, every cell reads right here and in a read-only attachment, and the same
+    operation then succeeds."""
+    from shmkv._engine import crash
+
+    store = _store(make_store)
+    prompt = np.arange(1000, 1300)
+    d = store.create_sequence(capacity=512, prefix=prompt)
+    k, v = _kv_of(prompt)
+    d.extend(k, v, tokens=prompt)
+    d.finish()
+    f = store.create_sequence(capacity=512, prefix=np.r_[prompt[:250], [77]])
+    k, v = _kv_of([77])
+    f.extend(k, v, tokens=[77])
+    ro = shmkv.attach(store.name, readonly=True)
+    dw = store.sequence(d.id, write=True)
+
+    def run() -> None:
+        if op == "borrow":
+            toks = np.r_[prompt[:200], [4242]]
+            g = store.create_sequence(capacity=512, prefix=toks)
+            k, v = _kv_of(toks[len(g):])
+            g.extend(k, v, tokens=toks[len(g):])
+        elif op == "unshare":
+            f.truncate(101)
+        elif op == "release":
+            f.free()
+        else:
+            dw.truncate(20)
+
+    try:
+        for s in (store, ro):
+            for info in s.sequences():
+                assert _verify(s.sequence(info.id)) is True
+        before = sorted(i.id for i in store.sequences())
+        crash.arm(point, KeyboardInterrupt())
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                run()
+        finally:
+            crash.disarm()
+        assert sorted(i.id for i in store.sequences()) == before  # rolled back
+        for s in (store, ro):
+            for info in s.sequences():
+                assert _verify(s.sequence(info.id)) is True
+        assert verify(store) == []
+        run()  # and now it goes through
+        for s in (store, ro):
+            for info in s.sequences():
+                assert _verify(s.sequence(info.id)) is True
+    finally:
+        ro.close()
