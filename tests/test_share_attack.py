@@ -612,3 +612,40 @@ def test_ctrl_c_inside_a_share_unit_rolls_it_back(make_store, point, op):
                 assert _verify(s.sequence(info.id)) is True
     finally:
         ro.close()
+
+
+def test_at_the_mapping_cap_reuses_copy_and_read_right(make_store, monkeypatch):
+    """With a budget of 3 borrowers (share.MAP_BUDGET lowered: 2 mappings x 6 arrays each), the
+    4th and 5th reuses copy; every reuse reads right; a freed borrower makes room for a sharing one."""
+    monkeypatch.setattr(share, "MAP_BUDGET", 3 * 2 * 2 * L)
+    store = _store(make_store)
+    prompt = np.arange(1000, 1300)
+    d = store.create_sequence(capacity=512, prefix=prompt)
+    k, v = _kv_of(prompt)
+    d.extend(k, v, tokens=prompt)
+    d.finish()
+    fs, shared = [], []
+    for i in range(5):
+        fs.append(store.create_sequence(capacity=512, prefix=np.r_[prompt, [i]]))
+        shared.append(store.stats().shared_tokens)
+    assert shared == [296, 592, 888, 888, 888]
+    for f in fs:
+        assert _verify(f) is True
+    fs[0].free()
+    store.create_sequence(capacity=512, prefix=np.r_[prompt, [9]])
+    assert store.stats().shared_tokens == 888
+    for info in store.sequences():
+        assert _verify(store.sequence(info.id)) is True
+
+
+def test_a_removed_store_leaves_borrower_views_readable(make_store):
+    store = _store(make_store, persistent=True)
+    d, f = _with_borrower(store)
+    want = _content(d)
+    ro = shmkv.attach(store.name, readonly=True)
+    views = [(ro.sequence(f.id).keys(i), ro.sequence(f.id).values(i)) for i in range(L)]
+    ro.close()
+    shmkv.remove(store.name)
+    assert [(k.tobytes(), v.tobytes()) for k, v in views] == want
+    with pytest.raises(shmkv.StoreNotFound):
+        shmkv.attach(store.name)
