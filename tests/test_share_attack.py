@@ -649,3 +649,37 @@ def test_a_removed_store_leaves_borrower_views_readable(make_store):
     assert [(k.tobytes(), v.tobytes()) for k, v in views] == want
     with pytest.raises(shmkv.StoreNotFound):
         shmkv.attach(store.name)
+
+
+@pytest.mark.parametrize("case", [
+    (3, 3, 40, "float16", 3001, 700),  # page unit 256, arrays not a whole number of pages
+    (2, 3, 40, "int8", 9001, 2100),  # page unit 1,024 (scales of 12 bytes a cell)
+    (5, 1, 8, "float32", 2999, 1100),
+    (2, 2, 8, "bfloat16", 4097, 1500),
+    (1, 5, 24, "float64", 1000, 300),
+])
+def test_odd_layouts_share_and_equal_copies(make_store, case):
+    """Layouts whose arrays are no whole number of pages and large page units: a borrower truncated
+    into its span (copy-on-write) and extended equals the same done with copies, bit for bit."""
+    layers, heads, dim, dtype, max_tokens, n = case
+    out = []
+    for sharing in (True, False):
+        share.ENABLED = sharing
+        try:
+            store = make_store(layers=layers, kv_heads=heads, head_dim=dim, dtype=dtype, max_tokens=max_tokens,
+                               max_seqs=8)
+            r = np.random.default_rng(0)
+            k, v = r.standard_normal((2, layers, n, heads, dim))
+            p = np.arange(n)
+            d = store.create_sequence(capacity=n, prefix=p)
+            d.extend(k, v, tokens=p)
+            d.finish()
+            f = store.create_sequence(capacity=n + 5, prefix=np.r_[p, [1]])
+            assert len(f) == n
+            assert (store.stats().shared_tokens > 0) == sharing
+            f.truncate(n - 3)
+            f.extend(k[:, :7], v[:, :7])
+            out.append([(f.keys(i).tobytes(), f.values(i).tobytes(), d.keys(i).tobytes()) for i in range(layers)])
+        finally:
+            share.ENABLED = True
+    assert _same(out[0], out[1])
