@@ -87,3 +87,11 @@ def crash_op(name: str, op: str, donor: int, borrower: int) -> None:
     elif op == "move":
         store.sequence(donor, write=True).truncate(20)
     raise SystemExit(f"op {op} did not reach its crash point")
+
+
+def read_inherited_after(store: shmkv.Store, conn: object) -> tuple[bytes, ...]:
+    """In a fork child: with the parent's mappings inherited (its spans mapped), wait until the
+    parent has freed the borrower and written a new sequence on its cells; read that sequence."""
+    gid = conn.recv()  # type: ignore[attr-defined]
+    g = store.sequence(gid)
+    return tuple(g.keys(layer).tobytes() + g.values(layer).tobytes() for layer in range(store.layout.layers))

@@ -683,3 +683,34 @@ def test_odd_layouts_share_and_equal_copies(make_store, case):
         finally:
             share.ENABLED = True
     assert _same(out[0], out[1])
+
+
+def test_a_fork_child_with_inherited_spans_reads_cells_its_parent_reused(make_store):
+    """The parent maps a borrower's span, forks (the child inherits the mappings and the epoch),
+    then frees the borrower and writes a new sequence on its cells: the child reads the new bytes."""
+    import multiprocessing as mp
+
+    from _share_attack_children import read_inherited_after
+
+    from shmkv.testing import start_in_process
+
+    store = _store(make_store)
+    d, f = _with_borrower(store)
+    assert _same(_content(f), _content(d))
+    eng = engine_of(store)
+    f_start = int(eng.row(eng.slot_of(f.id))[START])
+    recv, send = mp.get_context("fork").Pipe(duplex=False)
+    child = start_in_process(read_inherited_after, store, recv, start_method="fork", timeout=60)
+    try:
+        f.free()
+        g = store.create_sequence(capacity=1024)
+        assert int(eng.row(eng.slot_of(g.id))[START]) == f_start
+        k, v = kv(7, L, 200, H, D)
+        g.extend(k, v)
+        send.send(g.id)
+        got = child.result()
+    finally:
+        send.close()
+        recv.close()
+    want = _content(_reference(make_store, "float16", 7, 200))
+    assert got == tuple(a + b for a, b in want) and _same(_content(g), want)
