@@ -95,3 +95,34 @@ def read_inherited_after(store: shmkv.Store, conn: object) -> tuple[bytes, ...]:
     gid = conn.recv()  # type: ignore[attr-defined]
     g = store.sequence(gid)
     return tuple(g.keys(layer).tobytes() + g.values(layer).tobytes() for layer in range(store.layout.layers))
+
+
+def borrow_truncate_compare() -> bool:
+    """Standalone (run in a private /dev/shm): a borrower of 3,000 tokens of 8 x 128 float16,
+    truncated into its span and extended, and a second borrower, equal the same with copies."""
+    from shmkv._engine import share
+    from shmkv.testing import unique_name
+
+    layers, heads, dim = 3, 8, 128
+    r = np.random.default_rng(0)
+    k = r.standard_normal((layers, 3000, heads, dim))
+    p = np.arange(3000)
+    out = []
+    for sharing in (True, False):
+        share.ENABLED = sharing
+        st = shmkv.create(unique_name("hp"), layers=layers, kv_heads=heads, head_dim=dim, dtype="float16",
+                          max_tokens=16384, max_seqs=32)
+        try:
+            d = st.create_sequence(capacity=3000, prefix=p)
+            d.extend(k, -k, tokens=p)
+            d.finish()
+            f = st.create_sequence(capacity=3100, prefix=np.r_[p, [1]])
+            f.truncate(2299)
+            f.extend(k[:, :50], -k[:, :50])
+            g = st.create_sequence(capacity=3100, prefix=np.r_[p, [2]])
+            assert (st.stats().shared_tokens > 0) == sharing
+            out.append([(f.keys(i).tobytes(), g.keys(i).tobytes(), d.keys(i).tobytes()) for i in range(layers)])
+        finally:
+            st.close()
+    share.ENABLED = True
+    return out[0] == out[1]

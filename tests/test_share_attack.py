@@ -714,3 +714,18 @@ def test_a_fork_child_with_inherited_spans_reads_cells_its_parent_reused(make_st
         recv.close()
     want = _content(_reference(make_store, "float16", 7, 200))
     assert got == tuple(a + b for a, b in want) and _same(_content(g), want)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_transparent_huge_pages_on_dev_shm():
+    """/dev/shm mounted with huge=always (2 MiB pages; spans remapped and punched at 4 KiB): a
+    private tmpfs in a private mount namespace, nothing else's /dev/shm touched."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_attack_children import "
+            "borrow_truncate_compare; sys.exit(0 if borrow_truncate_compare() else 1)")
+    script = (f"mount -t tmpfs -o size=512m,huge=always tmpfs /dev/shm && "
+              f"exec {sys.executable} -c '{code}' {os.path.dirname(os.path.abspath(__file__))}")
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=120)
+    if "mount:" in out.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {out.stderr.strip()[:200]}")
+    assert out.returncode == 0, out.stderr[-2000:]
