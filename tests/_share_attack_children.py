@@ -126,3 +126,24 @@ def borrow_truncate_compare() -> bool:
             st.close()
     share.ENABLED = True
     return out[0] == out[1]
+
+
+def cow_and_reuse(name: str, borrower: int) -> int:
+    """In a child (run with SHMKV_SHARE=0): check the borrower's prefix, truncate it into its span
+    (copy-on-write), extend it, and reuse the prompt (a copy here). Returns shared_tokens after."""
+    st = shmkv.attach(name)
+    try:
+        lay = st.layout
+        prompt = np.arange(1000, 1300)
+        f = st.sequence(borrower, write=True)
+        want = kv_of(prompt[: len(f)], lay.layers, lay.kv_heads, lay.head_dim)[0][0].astype(np.float16)
+        assert f.keys(0).tobytes() == want.tobytes()
+        f.truncate(101)
+        t = np.arange(4000, 4050)
+        k, v = kv_of(t, lay.layers, lay.kv_heads, lay.head_dim)
+        f.extend(k, v, tokens=t)
+        f.release()
+        st.create_sequence(capacity=1024, prefix=np.r_[prompt, [2]]).release()
+        return int(st.stats().shared_tokens)
+    finally:
+        st.close()

@@ -729,3 +729,25 @@ def test_transparent_huge_pages_on_dev_shm():
     if "mount:" in out.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {out.stderr.strip()[:200]}")
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_process_with_sharing_off_reads_and_copies_on_write_borrowers(make_store):
+    """SHMKV_SHARE=0 in one process: it still follows the spans others made (reads them, copies on
+    write when it truncates one), and its own reuses copy."""
+    store = _store(make_store)
+    prompt = np.arange(1000, 1300)
+    d = store.create_sequence(capacity=1024, prefix=prompt)
+    k, v = _kv_of(prompt)
+    d.extend(k, v, tokens=prompt)
+    d.finish()
+    f = store.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
+    f.release()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_attack_children import cow_and_reuse; "
+            "print(cow_and_reuse(sys.argv[2], int(sys.argv[3])))")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), store.name, str(f.id)],
+                         env={**os.environ, "SHMKV_SHARE": "0"}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) == 96 == store.stats().shared_tokens  # f keeps 96 cells shared; the reuse copied
+    assert len(store.sequences()) == 3
+    for info in store.sequences():
+        assert _verify(store.sequence(info.id)) is True
