@@ -379,3 +379,57 @@ def test_chaos_with_sharing(make_store, tmp_path):
         state(loaded)
     finally:
         loaded.unlink()
+
+
+def test_a_reader_thread_beside_borrows_and_unshares(make_store):
+    """Threads of one process share its mappings: a thread reading borrowers while another makes,
+    un-shares and frees them reads every committed token's own K/V."""
+    import threading
+
+    store = _store(make_store)
+    rng = np.random.default_rng(14)
+    d, prompt = _donor(store, rng)
+    want = [np.asarray(d.keys(i)).copy() for i in range(3)]
+    keep = store.create_sequence(capacity=512, prefix=np.concatenate([prompt, [1]]))
+    stop, errors = threading.Event(), []
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                k, _ = store.sequence(keep.id).read(1)
+                if not np.array_equal(k[:PROMPT], want[1]):
+                    errors.append("wrong keys")
+        except BaseException as e:  # (reported below)
+            errors.append(repr(e))
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(40):
+            b = store.create_sequence(capacity=512, prefix=np.concatenate([prompt, [2 + i]]))
+            b.truncate(int(rng.integers(0, PROMPT)))
+            b.free()
+    finally:
+        stop.set()
+        t.join(60)
+    assert not t.is_alive() and errors == []
+
+
+def test_an_odd_span_epoch_with_an_empty_log_ends_at_the_next_lock(make_store):
+    """A holder killed after its frees inside a larger transaction left the log (journal invariant
+    6) leaves the span epoch odd with nothing to roll back: the next lock entry ends it, so every
+    process re-maps and none waits for it forever."""
+    from shmkv._engine import header as _header
+
+    store = _store(make_store)
+    rng = np.random.default_rng(15)
+    d, prompt = _donor(store, rng)
+    b = store.create_sequence(capacity=512, prefix=np.concatenate([prompt, [1]]))
+    hdr = store._engine.hdr
+    hdr[_header.W_SPANS] += 1  # as the dead holder left it
+    assert hdr[_header.W_SPANS] & 1 and not hdr[_header.W_UNDO_COUNT]
+    with store.transaction():
+        pass
+    assert not hdr[_header.W_SPANS] & 1
+    b.truncate(5)  # the spans follow the table again
+    assert _spans(store) == 0 and np.array_equal(b.keys(0), d.keys(0)[:5])

@@ -331,15 +331,14 @@ class Core(Journal):
             )
         return int(hits[0])
 
-    def live_rows(self) -> list[list[int]]:
-        """The words of the table's rows that hold live sequences, as one read sees them (while
-        a transaction is in the undo log: as its rollback leaves them, ``_journal`` 7)."""
+    def listed_rows(self) -> list[list[int]]:
+        """The words of the table's rows a listing reads (``store.sequences()``): the live ones as
+        they are; while a transaction is in the undo log, every row as its rollback leaves it
+        (``journal`` 7): the caller keeps those whose STATE is LIVE."""
         if self.hdr[_header.W_UNDO_COUNT] and not self._depth:
             with self.reading():
-                table = [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
-        else:
-            table = [self.table_np[slot].tolist() for slot in np.flatnonzero(self.table_np[:, STATE] == LIVE)]
-        return [r for r in table if r[STATE] == LIVE]
+                return [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
+        return [self.table_np[slot].tolist() for slot in np.flatnonzero(self.table_np[:, STATE] == LIVE)]
 
     def row(self, slot: int) -> memoryview:
         """Row ``slot`` of the sequence table (one memoryview a slot, reused: the journal's changing() knows it)."""

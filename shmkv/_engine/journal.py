@@ -334,6 +334,10 @@ class _Entered:
             except BaseException:
                 lock.release()
                 raise
+        if lock.depth == 1 and not j._depth and j.hdr[_header.W_SPANS] & 1 and not j.hdr[_header.W_UNDO_COUNT]:
+            # odd with nothing in the log: a dead holder's frees inside a larger transaction left
+            # the log (invariant 6) with the spans they changed complete; the change is over
+            j.hdr[_header.W_SPANS] += 1
         if j.hdr[_header.W_SPANS] != j.shares.applied:  # before anything is written (_engine/share.py, 1)
             try:
                 j.shares.sync()

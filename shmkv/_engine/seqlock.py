@@ -59,17 +59,21 @@ def seqlocked(words: memoryview, gen: int, read: Callable[[], T], policy: Retry,
     ``mine``: whether this thread holds the store lock; then an odd row met at the first try is
     its own open transaction's (``journal``, invariant 3): the fallback at once, no spinning.
     """
-    spin, pause = policy.spin, policy.pause
-    for i in range(policy.tries):
-        g = words[gen]
-        if not g & 1:
-            value = read()
-            if words[gen] == g:
-                return value
-        elif not i and mine is not None and mine():
-            break
-        if i >= spin:
-            time.sleep(pause)
+    g = words[gen]  # the first try, on its own: what nearly every read is (no row changing)
+    if not g & 1:
+        value = read()
+        if words[gen] == g:
+            return value
+    if not (g & 1 and mine is not None and mine()):
+        spin, pause = policy.spin, policy.pause
+        for i in range(1, policy.tries):
+            if i > spin:
+                time.sleep(pause)
+            g = words[gen]
+            if not g & 1:
+                value = read()
+                if words[gen] == g:
+                    return value
     if hold is None:
         return fallback()
     with hold():

@@ -196,20 +196,20 @@ class Shares:
         ``_SPIN`` tries (the store lock, whose entry syncs; a read-only attachment's shared
         lock, then ``settled`` rows: a dead writer's transaction as its rollback leaves it)."""
         hdr = self.hdr
-        with self.lock:
-            for i in range(_SPIN):
-                e = hdr[_header.W_SPANS]
-                if e == self.applied:
-                    return
-                if not e & 1:
+        for i in range(_SPIN):  # (the lock only around a re-map: a spinning reader never holds it)
+            e = hdr[_header.W_SPANS]
+            if e == self.applied:
+                return
+            if not e & 1:
+                with self.lock:
                     self.apply(self.wanted())
                     if hdr[_header.W_SPANS] == e:
                         self.applied = e
                         return
-                if reading is None:
-                    break
-                if i > 50:
-                    time.sleep(0)
+            if reading is None:
+                break
+            if i > 50:
+                time.sleep(0)
         if reading is not None:
             with reading():  # a read-write attachment's lock entry synced; a read-only one:
                 if hdr[_header.W_SPANS] != self.applied:

@@ -109,11 +109,11 @@ def set_encoder(w: SeqWriter, k_all: Any, v_all: Any) -> None:
         _quant.check_finite(v_all, "v_all")
     n = k_all.shape[1]
     K, V, KS, VS = w.r.arena
-    with w.locked():
+    with w.port.locked():
         row = w.row
         w.r.span_unlocked()
-        with w.changing(row):
-            start = w.set_encoder_row(row, n)
+        with w.port.changing(row):
+            start = w.port.set_encoder(row, n)
             for layer in range(w.L):  # the main arena of every layer (K, not Kw)
                 for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
                     w.write_rows(arrs[layer], None if scales is None else scales[layer], start, x)

@@ -78,6 +78,8 @@ class SeqReader:
     row      this sequence's row of the table (int64 memoryview; ``_engine.header`` columns)
     inc      the row's incarnation when this handle was made (a freed row's is stale)
     wbase    first cell of the row's active window buffer as the latest ``span`` saw it
+    reading  the port's reading lock, and ``owned`` its lock_owned: bound once, passed to every
+             seqlocked read (``_engine.seqlock``)
     ======== ================================================================================
 
     The writer's (``SeqWriter``) beyond these:
@@ -95,14 +97,14 @@ class SeqReader:
     cached   (start, capacity, window offset, window base) that base/lim/vfrom were computed for
     pending  per layer: tokens appended and not yet committed
     gen      the row generation this handle's addressing was computed at
-    wcell    first cell of a slot's window buffer 0 or 1 (the port's); ``rewrite``: its cell moves
+    port     the store's engine (its narrow core, ``_engine.port.Port``): the structural calls
+             (``locked``, ``changing``, ``wcell``, ``rewrite``, ``relocate``) go through it
     waddr    address of the row's futex word (the low half of LENGTH) for ``Sequence.wait``
     ======== ================================================================================
     """
 
-    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "inc", "isfull", "locked", "plain",
-                 "port", "positions", "reading", "row", "settled_row", "shares", "slot", "table_row", "tokens",
-                 "wbase", "wc")
+    __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "inc", "isfull", "owned", "plain",
+                 "port", "positions", "reading", "row", "shares", "slot", "tokens", "wbase", "wc")
 
     def __init__(self, port: Port, seq_id: int, slot: int, row: memoryview) -> None:
         self.port = port
@@ -116,9 +118,9 @@ class SeqReader:
         self.KS, self.VS = port.KSl, port.VSl  # int8 scales per layer, else None
         self.arena = (port.K, port.V, port.KS, port.VS)  # main-arena K, V (and scales) of every layer: encoders
         self.tokens, self.positions = port.tokens, port.positions
-        self.reading, self.locked = port.reading, port.locked
-        self.settled_row, self.table_row = port.settled_row, port.row
-        self.shares = port.shares
+        # bound once here: every seqlocked read passes them (the rest of the port is called through it)
+        self.reading, self.owned = port.reading, port.lock_owned
+        self.shares = port.shares  # shared prefix pages: the mapping a read needs current (mapped)
 
     # -- the row ---------------------------------------------------------------------
 
@@ -136,7 +138,7 @@ class SeqReader:
 
     def settled_words(self) -> Words:
         """The row's words under ``reading`` (read-only attachments see a dead operation rolled back)."""
-        r = self.settled_row(self.slot)
+        r = self.port.settled_row(self.slot)
         return r[STATE], r[ID], r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF], r[WBUF]
 
     def live(self, words: Words) -> tuple[int, int, int, int]:
@@ -156,7 +158,7 @@ class SeqReader:
         while True:
             e = sh.applied
             if sh.hdr[W_SPANS] != e:
-                sh.sync(self.reading, self.settled_row)
+                sh.sync(self.reading, self.port.settled_row)
                 continue
             value = read()
             if sh.hdr[W_SPANS] == e and sh.applied == e:
@@ -168,11 +170,10 @@ class SeqReader:
             self.check()
         sh = self.shares
         e = sh.applied
-        words = seqlocked(self.row, GEN, self.words, HANDLE, self.settled_words, hold=self.reading,
-                          mine=self.port.lock_owned)
+        words = seqlocked(self.row, GEN, self.words, HANDLE, self.settled_words, hold=self.reading, mine=self.owned)
         if sh.hdr[W_SPANS] != e or sh.applied != e:  # spans changed meanwhile, or not mapped yet
             words = self.mapped(lambda: seqlocked(self.row, GEN, self.words, HANDLE, self.settled_words,
-                                                  hold=self.reading, mine=self.port.lock_owned))
+                                                  hold=self.reading, mine=self.owned))
         state, sid, start, cap, length, woff, wbuf = words
         if state != LIVE or sid != self.id or self.row[GEN] >> INCARNATION_SHIFT != self.inc:
             raise self._freed()
@@ -350,8 +351,8 @@ class SeqReader:
             return e[START], e[LENGTH]
 
         # a structural change running all along is waited out: never a silently empty result
-        a, n = self.mapped(lambda: seqlocked(self.row, GEN, lambda: encoder(self.table_row), HANDLE,
-                                             lambda: encoder(self.settled_row), hold=self.reading))
+        a, n = self.mapped(lambda: seqlocked(self.row, GEN, lambda: encoder(self.port.row), HANDLE,
+                                             lambda: encoder(self.port.settled_row), hold=self.reading))
         K, V, KS, VS = self.arena
         ks = KS[layer, a : a + n] if KS is not None else None
         vs = VS[layer, a : a + n] if VS is not None else None
@@ -359,7 +360,7 @@ class SeqReader:
 
     def encoder_length(self) -> int:
         enc = self.row[ENC_SLOT]
-        return int(self.table_row(enc - 1)[LENGTH]) if enc else 0
+        return int(self.port.row(enc - 1)[LENGTH]) if enc else 0
 
     def torch_kv(self, layer: int, writable: tuple[Arrays, Arrays],
                  cells: tuple[int, int] | None = None) -> tuple[Any, Any]:

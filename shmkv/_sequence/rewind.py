@@ -68,7 +68,7 @@ def rewind(w: SeqWriter, n: Any, k_window: Any, v_window: Any) -> None:
             _crash.point("rewind.truncated")
         else:
             wb = row[WBUF]
-            b0 = w.wcell(w.slot, 1 - wb)  # the other buffer: no row points there
+            b0 = w.port.wcell(w.slot, 1 - wb)  # the other buffer: no row points there
             for i, layer in enumerate(lay.bounded):
                 w.Kw[layer][b0 : b0 + m] = k[i]
                 w.Vw[layer][b0 : b0 + m] = v[i]

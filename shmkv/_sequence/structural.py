@@ -49,7 +49,7 @@ class Structural:
 
     def __init__(self, w: SeqWriter) -> None:
         self.w = w
-        self._locked = w.locked()
+        self._locked = w.port.locked()
         self._changing: AbstractContextManager[None] | None = None
 
     @critical  # the lock path (see _lock: a Ctrl-C here is raised at the release)
@@ -57,7 +57,7 @@ class Structural:
         self._locked.__enter__()
         try:
             self.w.r.span_unlocked()
-            self._changing = self.w.changing(self.w.row)
+            self._changing = self.w.port.changing(self.w.row)
             self._changing.__enter__()
         except BaseException:
             self._locked.__exit__(None, None, None)
@@ -148,7 +148,7 @@ def shift_left(w: SeqWriter, n: int) -> None:
             return
         woff = row[WIN_OFF]
         keep_from = max(n, woff)  # the oldest token the window buffers keep
-        new_start, wb = w.rewrite(w.slot, [(n, 0, length - n)], [(keep_from - woff, 0, length - keep_from)])
+        new_start, wb = w.port.rewrite(w.slot, [(n, 0, length - n)], [(keep_from - woff, 0, length - keep_from)])
         _crash.point("shift_left.copied")
         row[START], row[WBUF] = new_start, wb
         row[WIN_OFF] = max(0, woff - n)
@@ -200,9 +200,9 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
                 new_keys.append(out)
         # the result goes where no row points (a fresh range, the other window buffer), then the
         # row switches to it: a crash at any point leaves the sequence as it was
-        new_start, wb = w.rewrite(w.slot, [(0, 0, begin), (end, begin, moved)],
+        new_start, wb = w.port.rewrite(w.slot, [(0, 0, begin), (end, begin, moved)],
                                   [(0, 0, begin - woff), (end - woff, begin - woff, moved)])
-        new_wbase = w.wcell(w.slot, wb)
+        new_wbase = w.port.wcell(w.slot, wb)
         if moved:
             P[new_start + begin : new_start + begin + moved] += delta
             for layer, keys in enumerate(new_keys):
@@ -236,7 +236,7 @@ def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
         raise InvalidArgumentError(f"set_tokens: token ids must be >= 0, got {int(a[neg[0]])} at "
                                    f"tokens[{int(neg[0])}] (-1 is what commit() records without tokens=)")
     n = a.size
-    with w.locked():
+    with w.port.locked():
         row = w.row
         start, _, length, _ = w.r.span_unlocked()
         if begin + n > length:
@@ -254,8 +254,8 @@ def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
             )
         if not n:
             return
-        with w.changing(row):
+        with w.port.changing(row):
             cells[:] = a
             row[FLAGS] &= ~NOINDEX  # blocks from IDX_BLOCKS on may be indexable now
         w.gen = row[GEN]  # our own change: pending tokens stay
-        w.index_blocks(w.slot, length)
+        w.port.index_blocks(w.slot, length)

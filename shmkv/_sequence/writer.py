@@ -76,10 +76,9 @@ class SeqWriter:
 
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
-    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "changing", "dtype", "epoch",
-                 "gen", "id", "index_blocks", "isfull", "lim", "locked", "mirror", "pending", "plain", "port",
-                 "positions", "r", "relocate", "rewrite", "row", "set_encoder_row", "slot", "start", "token", "tokens",
-                 "vfrom", "waddr", "waiters", "wc", "wcell", "write")
+    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch", "gen", "id",
+                 "isfull", "lim", "mirror", "pending", "plain", "port", "positions", "r", "row", "slot", "start",
+                 "token", "tokens", "vfrom", "waddr", "waiters", "wc", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -94,9 +93,6 @@ class SeqWriter:
         self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
         self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
         self.tokens, self.positions = r.tokens, r.positions
-        self.locked, self.changing, self.relocate = p.locked, p.changing, p.relocate
-        self.index_blocks, self.set_encoder_row = p.index_blocks, p.set_encoder
-        self.wcell, self.rewrite = p.wcell, p.rewrite
         self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
         self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
         self.pending = [0] * self.L
@@ -290,7 +286,7 @@ class SeqWriter:
         every layer's pending ones) at the buffer's start. A structural change."""
         lay = self.port.layout
         keep_n = lay.keep
-        with self.locked():
+        with self.port.locked():
             row = self.row
             length, woff = row[LENGTH], row[WIN_OFF]
             new_off = max(woff, length - keep_n)
@@ -300,10 +296,10 @@ class SeqWriter:
                     f"{self.wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
                     f"or create the store with a larger memory= (now {lay.step})"
                 )
-            with self.changing(row):
+            with self.port.changing(row):
                 # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
                 wb = row[WBUF]
-                a0, b0 = self.wcell(self.slot, wb) + new_off - woff, self.wcell(self.slot, 1 - wb)
+                a0, b0 = self.port.wcell(self.slot, wb) + new_off - woff, self.port.wcell(self.slot, 1 - wb)
                 for lay_i in lay.bounded:
                     n = length - new_off + self.pending[lay_i]
                     for arr in (self.Kw[lay_i], self.Vw[lay_i]):
@@ -324,11 +320,11 @@ class SeqWriter:
                 "a larger max_tokens= (nothing was written)"
             )
         keep = self.row[LENGTH] + max(self.pending)
-        with self.locked():
+        with self.port.locked():
             row = self.row
             try:
-                with self.changing(row):
-                    self.relocate(self.slot, row, needed, keep)
+                with self.port.changing(row):
+                    self.port.relocate(self.slot, row, needed, keep)
             finally:  # our own change (or none): pending tokens stay valid
                 self.gen = row[GEN]
                 self.cache(row[START], row[CAPACITY], row[WIN_OFF])
@@ -405,7 +401,7 @@ class SeqWriter:
         are committed whatever happens here: a lock timeout only delays the indexing to the next
         completed block (or lead)."""
         try:
-            with self.locked():
-                self.index_blocks(self.slot, length)
+            with self.port.locked():
+                self.port.index_blocks(self.slot, length)
         except LockTimeout:
             pass

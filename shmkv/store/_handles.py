@@ -1,6 +1,7 @@
 """How a store makes sequence handles: ``create_sequence`` (its row, its prefix copied in from
-a donor, a remote tier's chunks), ``sequence`` (a read handle, or a write lease taken over),
-undoing either for a handle that never reached its caller, and ``copy_prefix``.
+a donor, a remote tier's chunks), ``sequence(id, write=True)`` (a write lease taken over; a read
+handle ``Store.sequence`` makes itself), undoing either for a handle that never reached its
+caller, and ``copy_prefix``.
 
 ``store._store.Store`` keeps the public methods (and their documentation) and calls these
 with its engine; everything here goes through the engine's public API (``_engine.engine.Engine``).
@@ -43,7 +44,7 @@ from shmkv._engine.prefix_hash import as_tokens
 from shmkv._sequence.handle import Owner, Sequence
 from shmkv.errors import CacheFullError, InvalidArgumentError, ShmkvError
 
-__all__ = ["copy_prefix", "create_sequence", "open_sequence", "prompt"]
+__all__ = ["copy_prefix", "create_sequence", "prompt", "take_lease"]
 
 
 def prompt(tokens: Any) -> np.ndarray:
@@ -151,12 +152,10 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
     return seq
 
 
-def open_sequence(store: Owner, e: Engine, seq_id: int, write: bool) -> Sequence:
-    """``Store.sequence``: a read handle, or a write handle that takes the lease."""
+def take_lease(store: Owner, e: Engine, seq_id: int) -> Sequence:
+    """``Store.sequence(seq_id, write=True)``: a write handle that takes the lease."""
     e.check_open()
-    slot = e.slot_of(seq_id)
-    if not write:
-        return Sequence(store, e, int(seq_id), slot, write=False, token=0)
+    e.slot_of(seq_id)  # SequenceNotFound before anything else
     token = new_token()
     client = e.client_key()
     try:

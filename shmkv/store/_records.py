@@ -83,7 +83,7 @@ def sequence_infos(e: Engine) -> list[SequenceInfo]:
     """``Store.sequences``: the live sequences, in id order."""
     e.check_open()
     out = []
-    table = e.live_rows()
+    table = e.listed_rows()
     asked: dict[int, bool] = {}  # client key -> alive: one question per writer, however many leases
     for r in table:
         if r[STATE] != LIVE:

@@ -250,7 +250,11 @@ class Store:
             SequenceNotFound: no live sequence has that id.
             LeaseError: ``write=True`` and a live process (or another handle here) holds the lease.
         """
-        return _handles.open_sequence(self, self._engine, seq_id, write)
+        e = self._engine
+        if write:
+            return _handles.take_lease(self, e, seq_id)
+        e.check_open()  # a read handle: made here, with no call layer (store.sequence(id) is hot)
+        return Sequence(self, e, int(seq_id), e.slot_of(seq_id), write=False, token=0)
 
     def forward(self, seq_ids: Any, positions: Any, tokens: Any = None) -> Batch:
         """Start a batch forward: one entry of ``seq_ids``/``positions`` per new token.
