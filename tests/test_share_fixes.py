@@ -9,7 +9,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 import shmkv
 from shmkv.store._store import engine_of
@@ -81,3 +80,46 @@ def test_06_fork_while_a_thread_holds_the_span_lock(make_store):
         assert _reap(pid) == 0
     finally:
         reader.close()
+
+
+def _start(store, seq_id):
+    return next(s.start for s in store.sequences() if s.id == seq_id)
+
+
+def _content(seq, layers=L):
+    return [(np.asarray(seq.keys(i)).tobytes(), np.asarray(seq.values(i)).tobytes()) for i in range(layers)] + [
+        seq.tokens.tobytes()]
+
+
+def test_07_a_live_donor_rolls_back_one_token_in_place(make_store):
+    """A leased donor lends all but its last page unit: B (same prompt + 1) borrows less than
+    A's length, and A's speculative rollback by one token neither moves nor copies it."""
+    st = _store(make_store, max_tokens=2048)
+    u = engine_of(st).page_unit
+    a, p = _donor(st, n=38 * u, capacity=512, finish=False)  # a whole number of units, still leased
+    b = st.create_sequence(capacity=512, prefix=np.r_[p, [1]])
+    assert len(b) == 38 * u and st.stats().shared_tokens == 37 * u
+    start = _start(st, a.id)
+    a.truncate(38 * u - 1)
+    assert _start(st, a.id) == start
+
+
+def test_07_a_donor_in_a_full_store_truncates_below_its_loans(make_store):
+    """No free range to move to: the donor's truncate does not raise CacheFullError; its
+    borrowers copy the cells it will write again, and both read their own tokens after."""
+    st = _store(make_store, max_tokens=2048)
+    a, p = _donor(st, n=304, capacity=512)
+    a = st.sequence(a.id, write=True)  # taken back: it may truncate and write again
+    b = st.create_sequence(capacity=512, prefix=np.r_[p, [1]])
+    assert st.stats().shared_tokens > 100
+    b_before = _content(b)
+    while st.stats().largest_free_range:  # the rest of the store in use
+        st.create_sequence(capacity=st.stats().largest_free_range)
+    a.truncate(100)
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((L, 200, H, D))
+    a.extend(k, k)
+    assert _content(b) == b_before
+    assert np.array_equal(np.asarray(a.keys(0))[100:], k[0].astype(np.float16))
+    assert st.stats().shared_tokens <= 100
+
