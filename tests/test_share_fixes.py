@@ -9,8 +9,10 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import shmkv
+from shmkv._engine import share
 from shmkv.store._store import engine_of
 
 L, H, D = 3, 4, 64
@@ -122,4 +124,23 @@ def test_07_a_donor_in_a_full_store_truncates_below_its_loans(make_store):
     assert _content(b) == b_before
     assert np.array_equal(np.asarray(a.keys(0))[100:], k[0].astype(np.float16))
     assert st.stats().shared_tokens <= 100
+
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+def test_04_no_aligned_range_copies_instead_of_evicting(make_store, monkeypatch, sharing):
+    """int8 3x40: a page unit of 1,024 cells. A 2,100-token donor and a request of capacity
+    2,105 in a 5,003-cell store: only an unaligned range (at cell 2,100) fits; the request takes
+    it and copies the prefix, evicting nothing (as before shared pages; sharing off: no
+    alignment at all)."""
+    monkeypatch.setattr(share, "ENABLED", sharing)
+    n = 2100
+    st = make_store(layers=2, kv_heads=3, head_dim=40, dtype="int8", max_tokens=5003, max_seqs=8)
+    assert engine_of(st).page_unit == 1024
+    d, p = _donor(st, n=n, capacity=n, first=0)
+    want = _content(d, 2)
+    f = st.create_sequence(capacity=n + 5, prefix=np.r_[p, [1]])
+    assert len(f) == n and st.stats().evictions == 0
+    assert d.id in [i.id for i in st.sequences()]
+    assert _content(f, 2) == want and _content(d, 2) == want
 

@@ -16,6 +16,8 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import header as _header
+from shmkv._engine import share
+from shmkv._engine.arena import fits
 from shmkv._engine.engine import Engine
 from shmkv._engine.checks import count
 from shmkv._engine.header import (
@@ -86,8 +88,14 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
         next_id, rows = e.hdr[_header.W_NEXT_ID], e.layout.max_seqs
         # a prompt's sequence starts on a page unit: it may lend its pages, or borrow (DESIGN §11;
         # a range shorter than a unit never lends: no alignment waste)
-        align = e.page_unit if toks is not None and max(capacity, n) >= e.page_unit else 1
+        # (not when sharing is off: ENABLED false or nothing to share)
+        sharing = share.ENABLED and bool(e.shares.pieces)
+        align = e.page_unit if sharing and toks is not None and max(capacity, n) >= e.page_unit else 1
         phys, m, owner = e.lend(donor, n) if n else (0, 0, -1)
+        if align > 1 and not fits(e, max(capacity, n), align) and fits(e, max(capacity, n), 1):
+            # only an unaligned range fits: take it and copy the prefix rather than evict
+            # anything to borrow or lend (atk2 finding 04; tests/test_share_fixes.py)
+            align, phys, m, owner = 1, 0, 0, -1
         try:
             slot, start = e.new_row(max(capacity, n), protect=donor if n else protect, near=next_id % rows,
                                     align=align, skip=m)
