@@ -144,3 +144,28 @@ def test_04_no_aligned_range_copies_instead_of_evicting(make_store, monkeypatch,
     assert d.id in [i.id for i in st.sequences()]
     assert _content(f, 2) == want and _content(d, 2) == want
 
+
+
+def test_05_stats_and_info_count_a_span_once_when_its_donor_is_gone(make_store, capsys):
+    """int8 4x64 (page unit 256): 4 borrowers of a 300-token donor read a 256-cell span and hold
+    44 cells each; the donor freed, the span's one copy is still held (by them): 432 cells."""
+    from shmkv.cli import main
+
+    st = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=16384, max_seqs=32)
+    assert engine_of(st).page_unit == 256
+    d, p = _donor(st, n=300)
+    for i in range(4):
+        st.create_sequence(capacity=1024, prefix=np.r_[p, [i]])
+    s = st.stats()
+    assert (s.shared_tokens, s.span_cells) == (4 * 256, 256)
+    kv = s.bytes_per_token - 16
+    assert s.bytes_held == (300 + 4 * 44) * kv + 1500 * 16  # the donor holds the span
+    d.free()
+    s = st.stats()
+    assert (s.tokens, s.shared_tokens, s.span_cells) == (1200, 4 * 256, 256)
+    assert s.bytes_held == (256 + 4 * 44) * kv + 1200 * 16
+    assert main(["info", st.name]) == 0
+    out = capsys.readouterr().out
+    assert f"sharing ratio {s.bytes_used / s.bytes_held:.2f}" in out
+    assert f"{256 * kv / 2**20:.2f} MiB held once" in out
+

@@ -190,6 +190,22 @@ class Sharing(Pages):
             end = max(end, b)
         return held
 
+    def committed_held(self) -> int:
+        """Cells whose committed K/V the live sequences hold: every row's own committed cells
+        past its span, and every span's committed part once, however many rows read it and
+        whether or not its donor still lives (atk2 finding 05)."""
+        t = self.table_np
+        live = t[t[:, STATE] == LIVE]
+        span = np.minimum(live[:, SPAN_CELLS], live[:, LENGTH])
+        parts = list(zip((live[:, START] + span).tolist(), (live[:, START] + live[:, LENGTH]).tolist(), strict=True))
+        b = span > 0
+        parts += zip(live[b, SPAN_PHYS].tolist(), (live[b, SPAN_PHYS] + span[b]).tolist(), strict=True)
+        held, end = 0, -1
+        for a, z in sorted(parts):
+            held += max(0, z - max(a, end))
+            end = max(end, z)
+        return held
+
     def _spans_taken(self) -> list[tuple[int, int]]:
         """(start, cells) of every live span: taken, whoever else holds the cells."""
         t = self.table_np
