@@ -169,3 +169,31 @@ def test_05_stats_and_info_count_a_span_once_when_its_donor_is_gone(make_store, 
     assert f"sharing ratio {s.bytes_used / s.bytes_held:.2f}" in out
     assert f"{256 * kv / 2**20:.2f} MiB held once" in out
 
+
+
+def test_01_a_range_punched_by_another_attachment_is_reserved_again(make_store):
+    """Attachment C reserved cells R (a sequence created and freed there); attachment B's
+    borrower at R punches R's pages out and is freed (the holes stay). C's next sequence at R
+    allocates them again (fallocate) before anything writes: on a full /dev/shm that is a
+    CacheFullError, never a SIGBUS at the first append."""
+    st = _store(make_store)
+    _, p = _donor(st, n=300, capacity=1024)
+    c = shmkv.attach(st.name)
+    try:
+        fd = engine_of(st)._dseg.fileno()
+        x = c.create_sequence(capacity=1024)
+        r = _start(c, x.id)
+        x.free()
+        before = os.fstat(fd).st_blocks
+        f = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
+        assert _start(st, f.id) == r and st.stats().shared_tokens > 0
+        f.free()
+        assert os.fstat(fd).st_blocks < before  # the borrower's punched pages: holes
+        y = c.create_sequence(capacity=1024)
+        assert _start(c, y.id) == r
+        assert os.fstat(fd).st_blocks == before  # reserved again before any write
+        k = np.ones((L, 10, H, D))
+        y.extend(k, k)
+        assert np.array_equal(np.asarray(y.keys(0)), k[0].astype(np.float16))
+    finally:
+        c.close()
