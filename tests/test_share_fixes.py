@@ -197,3 +197,32 @@ def test_01_a_range_punched_by_another_attachment_is_reserved_again(make_store):
         assert np.array_equal(np.asarray(y.keys(0)), k[0].astype(np.float16))
     finally:
         c.close()
+
+
+def test_03_fork_and_copy_prefix_borrow(make_store):
+    """fork() and store.copy_prefix() into an empty sequence on a page unit borrow the source's
+    whole units (a live source: all but its last unit) and read exactly the source's tokens;
+    writes after them stay each sequence's own."""
+    st = _store(make_store)
+    u = engine_of(st).page_unit
+    d, _ = _donor(st, n=300, capacity=1024, finish=False)
+    want = _content(d)
+    child = d.fork()
+    assert st.stats().shared_tokens == (300 - u) // u * u
+    assert _content(child) == want
+    dst = st.create_sequence(capacity=1024, prefix=[5, 6, 7])  # a miss, on a page unit
+    st.copy_prefix(d.id, dst.id, 200)
+    assert st.stats().shared_tokens == (300 - u) // u * u + 200 // u * u
+    assert _content(dst) == [(k[: 200 * len(k) // 300], v[: 200 * len(v) // 300]) for k, v in want[:L]] + [
+        want[L][: 200 * 8]]
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((L, 50, H, D))
+    child.truncate(100)  # into its span: copy-on-write
+    child.extend(k, k)
+    dst.extend(k, k)
+    d.extend(-k, -k)
+    assert _content(d)[0][0][: len(want[0][0])] == want[0][0]
+    assert np.array_equal(np.asarray(child.keys(0))[100:], k[0].astype(np.float16))
+    assert np.array_equal(np.asarray(dst.keys(0))[200:], k[0].astype(np.float16))
+    assert np.array_equal(np.asarray(d.keys(0))[300:], -k[0].astype(np.float16))
+    assert np.asarray(child.keys(0))[:100].tobytes() == want[0][0][: 100 * H * D * 2]

@@ -33,6 +33,7 @@ from shmkv._engine.header import (
     LEASE_PID,
     LEASE_TOKEN,
     LENGTH,
+    LENT,
     LIVE,
     SPAN_CELLS,
     SPAN_PHYS,
@@ -90,7 +91,9 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
         # a range shorter than a unit never lends: no alignment waste)
         # (not when sharing is off: ENABLED false or nothing to share)
         sharing = share.ENABLED and bool(e.shares.pieces)
-        align = e.page_unit if sharing and toks is not None and max(capacity, n) >= e.page_unit else 1
+        # (a fork's child too, ``protect``: its parent's row; it borrows through copy_prefix)
+        align = e.page_unit if sharing and (toks is not None or protect >= 0) and max(capacity, n) >= e.page_unit \
+            else 1
         phys, m, owner = e.lend(donor, n) if n else (0, 0, -1)
         if align > 1 and not fits(e, max(capacity, n), align) and fits(e, max(capacity, n), 1):
             # only an unaligned range fits: take it and copy the prefix rather than evict
@@ -222,4 +225,14 @@ def copy_prefix(e: Engine, src_id: int, dst_id: int, n: int) -> None:
                 f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
             )
         e.check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
-        e.copy_prefix_rows(e.slot_of(src_id), d_slot, n, held=True)
+        s_slot = e.slot_of(src_id)
+        phys, m, owner = 0, 0, -1
+        if (share.ENABLED and not d_row[LENGTH] and not d_row[SPAN_CELLS] and not d_row[FLAGS] & LENT
+                and n <= d_row[CAPACITY] and not d_row[START] % e.page_unit):
+            # an empty dst on a page unit borrows src's whole units, as a reused prompt does
+            # (fork and regather: atk2 finding 03; tests/test_share_fixes.py)
+            phys, m, owner = e.lend(s_slot, n)
+        with e.transaction():  # the copy and the borrow: both, or after a crash neither
+            e.copy_prefix_rows(s_slot, d_slot, n, held=True, share=m)
+            if m:
+                e.borrow(d_slot, phys, m, owner)
