@@ -23,9 +23,11 @@ def wait_for_commit(name: str, seq_id: int, ready_path: str) -> tuple[int, int]:
         store.close()
 
 
-def wait_read_write(name: str, seq_id: int, length: int | None, timeout: float | None) -> tuple[str, int | str]:
-    """Attach read-write (a registered futex waiter), wait; ("ok", length) or ("error", its class name)."""
-    store = shmkv.attach(name)
+def wait_read_write(name: str, seq_id: int, length: int | None, timeout: float | None,
+                    readonly: bool = False) -> tuple[str, int | str]:
+    """Attach (read-write, or read-only: a registered futex waiter either way), wait; ("ok", length)
+    or ("error", its class name)."""
+    store = shmkv.attach(name, readonly=readonly)
     try:
         seq = store.sequence(seq_id)
         try:
@@ -34,3 +36,12 @@ def wait_read_write(name: str, seq_id: int, length: int | None, timeout: float |
             return "error", type(e).__name__
     finally:
         store.close()
+
+
+def close_or_remove(name: str, what: str) -> str:
+    """Attach read-write and close again ("close"), or remove the store by name ("remove")."""
+    if what == "remove":
+        shmkv.remove(name)
+    else:
+        shmkv.attach(name).close()
+    return what

@@ -56,7 +56,7 @@ def test_doctor_here():
     assert d["max_map_count"] == int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
     from shmkv._engine.stitch import CACHE_LIMIT  # what is left once a full cache of stitched views is mapped
 
-    assert d["stores_mappable"] == (d["max_map_count"] - d["maps_in_use"] - 2 * CACHE_LIMIT) // 2
+    assert d["stores_mappable"] == (d["max_map_count"] - d["maps_in_use"] - 2 * CACHE_LIMIT) // _doctor.MAPS_PER_STORE
     assert d["proc_matches_pid_namespace"] is True
     assert d["pid_namespace"] == os.readlink("/proc/self/ns/pid")
     for name, e in d["extras"].items():  # what the doctor says about each extra is what importing finds

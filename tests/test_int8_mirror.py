@@ -17,32 +17,33 @@ SEED = 2424
 L, H, D = 3, 2, 16
 
 
-def _reference(seq: shmkv.Sequence, layer: int, pending: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Committed cells dequantized, then this step's pending inputs quantized and dequantized."""
-    out = []
-    for i, raw in enumerate((seq.raw_keys(layer), seq.raw_values(layer))):
-        codes, scales = raw
-        assert scales is not None
-        parts = [_quant.dequantize_int8(codes, scales)]
-        for x in pending:
-            parts.append(_quant.dequantize_int8(*_quant.quantize_int8(x[i])))
-        out.append(np.concatenate(parts))
-    return out[0], out[1]
+def _dequantized(x: np.ndarray) -> np.ndarray:
+    return _quant.dequantize_int8(*_quant.quantize_int8(x))
 
 
-def _step(seq: shmkv.Sequence, rng: np.random.Generator, n: int) -> None:
-    """Append n tokens to every layer (in one or two appends), checking every returned view."""
+def _step(seq: shmkv.Sequence, rng: np.random.Generator, n: int, dtype: type = np.float32) -> None:
+    """Append n tokens to every layer (in one or two appends), checking every returned view:
+    before the commit, the committed tokens dequantized and the pending ones as given; after
+    it, the dequantization of the shared cells, which hold the pending ones quantized."""
+    views = []
     for layer in range(L):
+        committed = seq.keys(layer), seq.values(layer)  # int8: dequantized copies of the cells
         pending: list[np.ndarray] = []
         for part in ([n] if n < 2 else [1, n - 1]):
-            kv = (rng.standard_normal((2, part, H, D)) * rng.uniform(0.01, 50)).astype(np.float32)
+            kv = (rng.standard_normal((2, part, H, D)) * rng.uniform(0.01, 50)).astype(dtype)
             pending.append(kv)
             k, v = seq.append(layer, kv[0], kv[1])
-            want_k, want_v = _reference(seq, layer, pending)
-            np.testing.assert_array_equal(k, want_k)
-            np.testing.assert_array_equal(v, want_v)
+            for i, got in enumerate((k, v)):
+                want = np.concatenate([committed[i], *(x[i].astype(np.float32) for x in pending)])
+                np.testing.assert_array_equal(got, want)
             assert k.dtype == np.float32 and not k.flags.writeable
+        views.append((k, v, np.concatenate(pending, axis=1).astype(np.float32)))
     seq.commit()
+    for layer, (k, v, new) in enumerate(views):
+        np.testing.assert_array_equal(k, seq.keys(layer))
+        np.testing.assert_array_equal(v, seq.values(layer))
+        np.testing.assert_array_equal(k[-n:], _dequantized(new[0]))  # the same codes as quantize_int8's
+        np.testing.assert_array_equal(v[-n:], _dequantized(new[1]))
 
 
 def test_int8_append_views_equal_the_dequantized_cells_at_every_step(make_store):
@@ -53,7 +54,7 @@ def test_int8_append_views_equal_the_dequantized_cells_at_every_step(make_store)
     donor = store.create_sequence(capacity=64)
     donor.extend(*rng.standard_normal((2, L, 40, H, D)).astype(np.float32))
     for step in range(120):
-        _step(seq, rng, int(rng.integers(1, 4)))
+        _step(seq, rng, int(rng.integers(1, 4)), np.float16 if step % 3 == 1 else np.float32)
         if step % 7 == 3:
             seq.truncate(max(0, seq.length - int(rng.integers(1, 5))))  # speculative rollback
         if step % 31 == 17:
@@ -117,20 +118,79 @@ def test_any_float_input_to_an_int8_store_without_a_warning(make_store, dtype):
     store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=64)
     seq = store.create_sequence(capacity=16)
     seq.extend(x[0, :, :4], x[1, :, :4])
-    for layer in range(L):
-        k, _ = seq.append(layer, x[0, layer, 4:], x[1, layer, 4:])
+    views = [seq.append(layer, x[0, layer, 4:], x[1, layer, 4:])[0] for layer in range(L)]
+    seq.commit()
+    for layer, k in enumerate(views):  # after the commit: the dequantized cells
         want = _quant.dequantize_int8(*_quant.quantize_int8(exact[0, layer].astype(np.float32)))
         np.testing.assert_array_equal(k, want)
         bound = np.abs(exact[0, layer]).max(axis=-1, keepdims=True) / 254
         assert np.all(np.abs(k - exact[0, layer]) <= bound * (1 + 2.0**-15) + 2.0**-148)
-    seq.commit()
     for value in (np.inf, -np.inf, np.nan, 1e39):  # 1e39: beyond float32 (only float64 holds it)
         if value == 1e39 and dtype != "float64":
             continue
         bad = x[0, 0, :2].copy()
         bad[1, 0, 3] = value
+        # refused by append, or (float16 and float32 on a write handle's fast path) by the commit
         with pytest.raises(shmkv.InvalidArgumentError, match="NaN or infinity"):
             seq.append(0, x[0, 0, :2], bad)  # in v: k is fine
+            for layer in range(1, L):
+                seq.append(layer, x[0, layer, :2], x[0, layer, :2])
+            seq.commit()
+        assert seq.length == 6 and seq.pending == 0
         with pytest.raises(shmkv.InvalidArgumentError, match="NaN or infinity"):
             seq.extend(np.stack([bad] * L), np.stack([bad] * L))
     assert seq.length == 6 and seq.pending == 0
+    k, _ = seq.append(0, x[0, 0, :2], x[0, 0, :2])  # and the handle writes on
+    np.testing.assert_array_equal(k[:6], seq.keys(0))
+
+
+def test_int8_pending_tokens_live_in_the_mirror_until_commit(make_store):
+    """Pending int8 tokens are quantized at commit: until then torch_kv/batch_kv(pending=True)
+    show them as given (as append's views do), the shared cells are not read for them, and the
+    handle's own changes between append and commit (meta, growth) keep them."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(SEED + 4)
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=1024, max_seqs=4)
+    seq = store.create_sequence(capacity=4)
+    _step(seq, rng, 3)
+    kv = (rng.standard_normal((2, L, 3, H, D)) * 7).astype(np.float16)
+    views = []
+    for layer in range(L):
+        views.append(seq.append(layer, kv[0, layer], kv[1, layer]))  # grows past capacity 4 on layer 0
+        if layer == 0:
+            seq.meta = {"request": 7}  # our own change: the pending tokens stay
+    for layer in range(L):
+        want_k = np.concatenate([seq.keys(layer), kv[0, layer].astype(np.float32)])
+        tk, tv = seq.torch_kv(layer, pending=True)
+        np.testing.assert_array_equal(tv.numpy(), views[layer][1])
+        np.testing.assert_array_equal(tk.numpy(), want_k)
+        np.testing.assert_array_equal(views[layer][0], want_k)
+        bk, _ = store.batch_kv([seq], layer, pending=True)
+        np.testing.assert_array_equal(bk[0], want_k)
+    assert seq.commit() == 6 and seq.meta == {"request": 7}
+    for layer in range(L):
+        k, v = views[layer]
+        np.testing.assert_array_equal(k, seq.keys(layer))
+        np.testing.assert_array_equal(v, seq.values(layer))
+        np.testing.assert_array_equal(k[3:], _dequantized(kv[0, layer].astype(np.float32)))
+        assert torch.equal(seq.torch_kv(layer)[0], torch.from_numpy(seq.keys(layer)))
+
+
+def test_int8_commit_refuses_non_finite_pending_tokens_and_keeps_the_committed(make_store):
+    rng = np.random.default_rng(SEED + 5)
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=1024, max_seqs=4)
+    seq = store.create_sequence(capacity=64)
+    _step(seq, rng, 2)
+    before = [seq.keys(layer) for layer in range(L)]
+    for layer in range(L):
+        k = rng.standard_normal((H, D)).astype(np.float32)
+        if layer == 2:
+            k[1, 5] = np.nan
+        seq.append(layer, k, k)  # the fast path: refused at commit, not here
+    with pytest.raises(shmkv.InvalidArgumentError, match=r"layer 2, token 2 \(head 1\) holds nan"):
+        seq.commit()
+    assert seq.length == 2 and seq.pending == 0
+    for layer in range(L):
+        np.testing.assert_array_equal(seq.keys(layer), before[layer])
+    _step(seq, rng, 1)  # and the handle writes on
+    assert seq.length == 3

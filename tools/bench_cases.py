@@ -791,8 +791,8 @@ def _pipe_waiter(rounds: int, ctrl: Any, wake: Any, out: Any) -> None:
         out.put(("woke", time.perf_counter()))
 
 
-def _idle_waiter(name: str, seq_id: int, ready: Any) -> None:
-    store = shmkv.attach(name)
+def _idle_waiter(name: str, seq_id: int, ready: Any, readonly: bool = False) -> None:
+    store = shmkv.attach(name, readonly=readonly)
     seq = store.sequence(seq_id)
     ready.set()
     try:
@@ -867,18 +867,25 @@ def bench_wait(quick: bool) -> Figures:
         res["wait_wakeup_readonly_us"] = statistics.median(lat["ro"]) * 1e6
         res["pipe_wakeup_us"] = statistics.median(lat["pipe"]) * 1e6
         res["wait_vs_pipe"] = res["wait_wakeup_us"] / res["pipe_wakeup_us"]
-        # an idle waiter: its wake-ups a second, counted by the kernel (context switches)
-        ready = ctx.Event()
-        p = ctx.Process(target=_idle_waiter, args=(name, seq.id, ready), name="idle-waiter")
-        p.start()
-        procs.append(p)
-        if not ready.wait(120):
-            raise RuntimeError("the idle waiter did not start")
-        time.sleep(0.5)  # into its wait
+        res["wait_readonly_vs_pipe"] = res["wait_wakeup_readonly_us"] / res["pipe_wakeup_us"]
+        # idle waiters (read-write, read-only): their wake-ups a second, counted by the kernel
+        # (context switches)
+        idle = {}
+        for ro in (False, True):
+            ready = ctx.Event()
+            p = ctx.Process(target=_idle_waiter, args=(name, seq.id, ready, ro), name=f"idle-waiter-{ro}")
+            p.start()
+            procs.append(p)
+            if not ready.wait(120):
+                raise RuntimeError("the idle waiter did not start")
+            idle[ro] = p
+        time.sleep(0.5)  # into their waits
         span = 2.0 if quick else 5.0
-        before, t0 = _switches(p.pid), time.perf_counter()
+        before, t0 = {ro: _switches(p.pid) for ro, p in idle.items()}, time.perf_counter()
         time.sleep(span)
-        res["idle_waiter_wakeups_per_s"] = (_switches(p.pid) - before) / (time.perf_counter() - t0)
+        t = time.perf_counter() - t0
+        res["idle_waiter_wakeups_per_s"] = (_switches(idle[False].pid) - before[False]) / t
+        res["idle_readonly_waiter_wakeups_per_s"] = (_switches(idle[True].pid) - before[True]) / t
         seq.free()  # ends its wait (SequenceNotFound)
         _reap(procs)
     finally:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import numpy as np
 
+from shmkv._engine.header import META_BYTES
 from shmkv.errors import InvalidArgumentError
 
 
@@ -40,3 +42,21 @@ def ints(name: str, values: Any, n: int) -> np.ndarray:
             f"{name} must be {n} ints (one per pending token), got shape {a.shape} dtype {a.dtype}"
         )
     return a.astype(np.int64, copy=False)
+
+
+def pack_meta(value: Any) -> bytes:
+    """``seq.meta = value``'s record: ``value`` checked (a dict) and packed (at most META_BYTES)."""
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"meta must be a dict, got {type(value).__name__}")
+    try:
+        packed = msgpack.packb(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidArgumentError(
+            f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
+        ) from None
+    if len(packed) > META_BYTES:
+        raise InvalidArgumentError(
+            f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
+            "store an id here and the rest elsewhere"
+        )
+    return bytes(packed)

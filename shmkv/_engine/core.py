@@ -36,6 +36,7 @@ from shmkv._engine.journal import Journal
 from shmkv._engine.lease import live_writers
 from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.prefix import PrefixIndex
+from shmkv._engine.row_waiters import RowWaiters
 from shmkv._engine.segment import Segment
 from shmkv._engine.share import Shares
 from shmkv.errors import (
@@ -154,6 +155,7 @@ class Core(Journal):
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
         self.waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
+        self.ro_waiters = RowWaiters(name, layout.max_seqs)  # ... of read-only attachments (_engine/row_waiters.py)
         self.length_addr0 = self.table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
         self.waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
         self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
@@ -213,6 +215,8 @@ class Core(Journal):
             with self.locked():
                 for slot, n in self.waiting.items():
                     self.waiters[slot] -= n
+        elif self.waiting and self.ro_waiters.writable:  # read-only: their counts in the liveness file
+            self.ro_waiters.drop(self.waiting)
 
     def shut_down(self, wake: bool) -> None:
         """Give up the client row (and its byte of the liveness file: no lock taken) and refuse

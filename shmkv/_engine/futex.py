@@ -74,3 +74,21 @@ def wake(addr: int) -> int:
     """Wake every sleeper on the word at ``addr``; returns how many were woken."""
     r = _syscall(_SYS_FUTEX, addr, FUTEX_WAKE, _INT_MAX, None, None, 0)
     return max(int(r), 0)
+
+
+FUTEX_WAKE_OP = 5
+_FUTEX_OP_ADD = 1
+
+
+def atomic_add(addr: int, delta: int) -> None:
+    """Add ``delta`` (-2048..2047) to the 32-bit word at ``addr`` atomically, between processes.
+
+    Python has no atomic read-modify-write on shared memory; the kernel's ``FUTEX_WAKE_OP``
+    has one: it applies an operation to its second word atomically and then wakes sleepers on
+    either word (none here: both wake counts are 0). The word must be in a mapping opened for
+    writing."""
+    op = _FUTEX_OP_ADD << 28 | (delta & 0xFFF) << 12  # FUTEX_OP_ADD, oparg (12 bits, signed)
+    r = _syscall(_SYS_FUTEX, addr, FUTEX_WAKE_OP, 0, None, addr, op)
+    if r < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"futex wake-op: {os.strerror(e)}")

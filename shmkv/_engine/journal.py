@@ -73,6 +73,7 @@ from shmkv._engine.lock import StoreLock
 if TYPE_CHECKING:
     from shmkv._engine.free_ranges import FreeRanges
     from shmkv._engine.header import Layout
+    from shmkv._engine.row_waiters import RowWaiters
     from shmkv._engine.share import Shares
 
 _SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
@@ -110,6 +111,7 @@ class Journal:
     _logged: dict[int, memoryview]
     _free: FreeRanges  # this process's free ranges (_engine/free_ranges.py): kept by changing
     waiters: memoryview  # Sequence.wait's sleepers per row (woken when a transaction ends)
+    ro_waiters: RowWaiters  # ... of read-only attachments
     length_addr0: int
     shares: Shares  # what this process has mapped of the table's spans (_engine/share.py)
 
@@ -225,7 +227,7 @@ class Journal:
 
     def _wake(self, slot: int) -> None:
         """Wake whoever sleeps in Sequence.wait on row ``slot`` (its generation moved)."""
-        if self.waiters[slot]:
+        if self.waiters[slot] or self.ro_waiters.counts[slot]:
             _futex.wake(self.length_addr0 + slot * 8 * SEQ_WORDS)
 
     @critical
@@ -241,8 +243,7 @@ class Journal:
             self.shares.applied = e + 1
         hdr[_header.W_UNDO_COUNT] = 0
         for slot in self._logged:
-            if self.waiters[slot]:
-                self._wake(slot)
+            self._wake(slot)
         self._logged.clear()
 
     @critical

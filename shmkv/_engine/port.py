@@ -26,6 +26,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from shmkv._engine.header import Layout
+    from shmkv._engine.row_waiters import RowWaiters
     from shmkv._engine.share import Shares
 
 Arrays = list[np.ndarray]
@@ -54,6 +55,8 @@ class Port(Protocol):
     Waiting (``_sequence/waiting.py``):
         waiters: per row, the threads of read-write processes sleeping in ``Sequence.wait``
             (int64 words; changed under ``locked``); a commit wakes the row when nonzero.
+        ro_waiters: the same for read-only attachments' sleepers (``_engine/row_waiters.py``:
+            counts in the liveness file, changed atomically); a commit wakes on either.
         length_addr0: the address of row 0's LENGTH word in this process (a row's is
             ``length_addr0 + slot * 8 * SEQ_WORDS``): its low half is the futex word.
         waiting: this handle's own sleepers per row (``close()`` wakes them).
@@ -83,6 +86,7 @@ class Port(Protocol):
     positions: np.ndarray
     # waiting
     waiters: memoryview
+    ro_waiters: RowWaiters
     length_addr0: int
     waiting: dict[int, int]
     # for _snapshot

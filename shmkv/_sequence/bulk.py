@@ -16,6 +16,7 @@ from shmkv._engine import crash as _crash
 from shmkv._engine.checks import ints
 from shmkv._engine.header import CAPACITY, GEN, LENGTH
 from shmkv._sequence import quant as _quant
+from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.writer import real
 from shmkv.errors import InvalidArgumentError
 
@@ -54,6 +55,8 @@ def extend(w: SeqWriter, k_all: Any, v_all: Any, tokens: Any = None, positions: 
     if positions is not None:
         ints("positions", positions, n)
     lay = w.port.layout
+    if w.mirror is not None:  # (cells after the length are written here, not through the mirror)
+        w.mirror.clamp(w.row[LENGTH])
     if in_steps and lay.bounded and n > lay.step:
         return extend_in_steps(w, k_all, v_all, tokens, positions, step=lay.step)
     try:
@@ -118,4 +121,4 @@ def set_encoder(w: SeqWriter, k_all: Any, v_all: Any) -> None:
                 for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
                     w.write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
             _crash.point("set_encoder.written")
-        w.gen = row[GEN]  # our own change: pending decoder tokens stay
+        Int8Mirror.moved(w, row[GEN])  # our own change: pending decoder tokens stay

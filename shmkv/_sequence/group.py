@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence import quant as _quant
 from shmkv._engine.checks import count, int_list
 from shmkv._sequence.handle import writer_part
@@ -188,10 +189,12 @@ def batch_kv(store: Owner, seqs: Iterable[Sequence], layer: int, pending: bool,
             out.append(v if bf16 is None else v.view(bf16))
         return out[0], out[1]
     got = []
-    for which in ("k", "v"):
-        rows = [w.r.view(which, layer, lo, hi) for w, (lo, hi) in zip(parts, cells, strict=True)]
+    staged = [Int8Mirror.staged_rows(w, layer) if pending else None for w in parts]  # int8: pending in mirrors
+    for i, which in enumerate(("k", "v")):
+        rows = [w.r.view(which, layer, lo, hi) if st is None else st[i]
+                for w, (lo, hi), st in zip(parts, cells, staged, strict=True)]
         g = np.empty((b, *rows[0].shape), rows[0].dtype)
-        for i, r in enumerate(rows):
-            g[i] = r
+        for j, r in enumerate(rows):
+            g[j] = r
         got.append(g)
     return got[0], got[1]

@@ -31,9 +31,10 @@ import numpy as np
 from shmkv._engine import crash as _crash
 from shmkv._sequence import bulk as _bulk
 from shmkv._engine import segment as _segment
+from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence import rewind as _seq_rewind
 from shmkv._sequence import structural as _seq_structural
-from shmkv._engine.checks import count
+from shmkv._engine.checks import pack_meta, count
 from shmkv._engine.header import (
     CAPACITY,
     ENC_SLOT,
@@ -49,7 +50,7 @@ from shmkv._engine.lease import live_writers, release_row
 from shmkv._sequence.reader import SeqReader
 from shmkv._sequence.reads import Reads
 from shmkv._sequence.structural import ShiftFn
-from shmkv._sequence.writer import SeqWriter, pack_meta
+from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -145,6 +146,9 @@ class Sequence(Reads):
         Returns:
             Read-only views ``(keys, values)`` of this layer, ``[length + pending, kv_heads,
             head_dim]``: the committed tokens followed by this handle's pending ones.
+            int8 stores: float32 views of the write handle's own copy, the pending tokens
+            as given until ``commit()`` quantizes them, as stored from then on
+            (``_sequence/mirror.py``).
 
         The tokens become visible to other processes at ``commit()``, once every
         layer has the same number of pending tokens.
@@ -356,7 +360,7 @@ class Sequence(Reads):
             self._r.span_unlocked()
             with p.changing(row):
                 p.set_meta(self._slot, packed)
-            self._w.gen = row[GEN]  # our own change: pending tokens stay
+            Int8Mirror.moved(self._w, row[GEN])  # our own change: pending tokens stay
 
 
 def writer_for(store: Owner, seq_id: int) -> Sequence | None:

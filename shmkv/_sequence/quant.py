@@ -115,6 +115,48 @@ def _as_f32(x: np.ndarray, out: np.ndarray, what: str, whole: np.ndarray) -> flo
     return _F32_MAX
 
 
+def as_f32(x: np.ndarray, out: np.ndarray) -> None:
+    """Finite ``x`` (any real dtype, checked by the caller) into the C-contiguous float32
+    ``out``: exact for float16 (see _as_f32), a cast otherwise, never a warning."""
+    _as_f32(x, out, "x", x)
+
+
+def quantize_rows(P: np.ndarray, X: np.ndarray, A: np.ndarray, B: np.ndarray) -> tuple[int, np.ndarray]:
+    """Rows of ``head_dim`` float32 values ``P`` (any strides) quantized in one pass of whole-array
+    numpy calls: ``P`` copied into ``X``, the float codes (whole numbers in [-127, 127]) into
+    ``A``, each row's divisor repeated along the row into ``B`` (all three C-contiguous float32
+    scratch of ``P``'s shape), so ``A * B`` is the dequantization. Returns ``(-1, scales [rows])``,
+    the same codes and scales as :func:`quantize_into`; or ``(row, empty)`` for the first row
+    holding NaN or infinity, before anything but the scratch is written.
+
+    Contiguous scratch because numpy's binary operations on a strided operand (the mirror's
+    cells of every layer) cost three times a copy of it; the divisor is repeated into ``B``
+    rather than broadcast, since a broadcast operand makes numpy loop over rows of
+    ``head_dim`` values."""
+    D = P.shape[-1]
+    np.copyto(X, P)
+    np.abs(X, out=A)
+    A2 = A.reshape(-1, D)
+    R = A2.shape[0]
+    am = A2.ravel().take(A2.argmax(axis=1) + _row_offsets(R, D))  # NaN: argmax finds it
+    i = int(am.argmax())
+    if not am[i] <= _F32_MAX:  # NaN or infinity
+        return i, am[:0]
+    B2 = B.reshape(R, D)
+    if am[am.argmin()] > _NORMAL:  # normal scales: no clip needed (see _encode)
+        scale: np.ndarray = am / np.float32(127)
+        np.copyto(B2, scale[:, None])
+        np.divide(X, B, out=A)
+        np.rint(A, out=A)
+        return -1, scale
+    scale = _scales(am)
+    np.copyto(B2, np.where(scale > 0, scale, np.float32(1))[:, None])
+    np.divide(X, B, out=A)
+    np.rint(A, out=A)
+    np.clip(A, -127, 127, out=A)
+    return -1, scale
+
+
 @functools.lru_cache(maxsize=64)
 def _row_offsets(rows: int, width: int) -> np.ndarray:
     return np.arange(rows, dtype=np.intp) * width

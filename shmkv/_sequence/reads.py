@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shmkv._engine.header import LEASE_PID
+from shmkv._sequence.mirror import Int8Mirror
 
 if TYPE_CHECKING:
     from shmkv._engine.port import Port
@@ -205,5 +206,11 @@ class Reads:
         float32) they are copies. The same rules as :meth:`keys` say how long the content
         holds. torch is imported here: ``import shmkv`` never imports it.
         """
-        cells = self._w.pending_cells(self._r.layer(layer)) if pending else None
+        layer = self._r.layer(layer)
+        staged = Int8Mirror.staged_rows(self._w, layer) if pending else None
+        if staged is not None:  # int8: pending tokens are in the write handle's mirror until commit
+            import torch
+
+            return torch.from_numpy(staged[0]), torch.from_numpy(staged[1])
+        cells = self._w.pending_cells(layer) if pending else None
         return self._r.torch_kv(layer, (self._w.Kw, self._w.Vw), cells)

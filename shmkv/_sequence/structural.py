@@ -35,6 +35,7 @@ from shmkv._engine.header import (
     with_leads,
 )
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
+from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError, NotSupportedError
 
@@ -71,6 +72,7 @@ class Structural:
             self._changing.__exit__(*exc)
             w = self.w
             w.pending = [0] * w.L
+            w.staged = False  # (an int8 mirror: kept by truncate, else re-read at the next append)
             row = w.row
             w.gen = row[GEN]
             w.cache(row[START], row[CAPACITY], row[WIN_OFF])
@@ -257,5 +259,5 @@ def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
         with w.port.changing(row):
             cells[:] = a
             row[FLAGS] &= ~NOINDEX  # blocks from IDX_BLOCKS on may be indexable now
-        w.gen = row[GEN]  # our own change: pending tokens stay
+        Int8Mirror.moved(w, row[GEN])  # our own change: pending tokens stay
         w.port.index_blocks(w.slot, length)

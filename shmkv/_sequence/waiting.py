@@ -45,6 +45,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shmkv._engine import futex as _futex
+from shmkv._engine import row_waiters as _row_waiters
 from shmkv._engine.checks import count
 from shmkv._engine.header import LENGTH, SEQ_WORDS
 from shmkv.errors import InvalidArgumentError, StoreClosedError, WaitTimeout
@@ -85,30 +86,42 @@ def address(r: SeqReader) -> int:
 
 
 def _register(r: SeqReader) -> bool:
-    """Count this thread as a waiter of the row: shared count (read-write attachments) and this
-    handle's own. Returns whether the shared count was raised."""
+    """Count this thread as a waiter of the row: shared count (read-write attachments: the
+    header's, under the lock; read-only ones: the liveness file's, atomically) and this handle's
+    own. Returns whether a shared count was raised."""
     p = r.port
-    shared = not r.port.readonly and _futex.AVAILABLE
-    if shared:
+    if not _futex.AVAILABLE:
+        shared = False
+    elif not p.readonly:
         with p.locked():
             p.waiters[r.slot] += 1
             p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1
+        return True
     else:
-        p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (only close() reads it: a wake-up)
+        shared = p.ro_waiters.writable
+    with _row_waiters.LOCK:  # (close() takes this handle's counts off the row under it: RowWaiters.drop)
+        if shared:
+            p.ro_waiters.add(r.slot, 1)
+        p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (else only close() reads it: a wake-up)
     return shared
 
 
 def _unregister(r: SeqReader, shared: bool) -> None:
     p = r.port
-    if r.port.closed:
-        return  # close() took this handle's counts off the row already
-    if not shared:
-        left = p.waiting.get(r.slot, 0) - 1
-        if left > 0:
-            p.waiting[r.slot] = left
-        else:
-            p.waiting.pop(r.slot, None)
+    if p.readonly or not shared:
+        with _row_waiters.LOCK:
+            if p.closed:
+                return  # close() took this handle's counts off the row already
+            if shared:
+                p.ro_waiters.add(r.slot, -1)
+            left = p.waiting.get(r.slot, 0) - 1
+            if left > 0:
+                p.waiting[r.slot] = left
+            else:
+                p.waiting.pop(r.slot, None)
         return
+    if p.closed:
+        return  # close() took this handle's counts off the row already
     try:
         with p.locked():
             mine = p.waiting.get(r.slot, 0)

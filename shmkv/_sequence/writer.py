@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from shmkv._engine import crash as _crash
@@ -27,7 +26,6 @@ from shmkv._engine.header import (
     LEASE_PID,
     LEASE_TOKEN,
     LENGTH,
-    META_BYTES,
     NOINDEX,
     SEQ_WORDS,
     START,
@@ -46,24 +44,6 @@ def real(dt: np.dtype) -> bool:
     return dt.kind in "fiu" or dt == _quant.BF16
 
 
-def pack_meta(value: Any) -> bytes:
-    """``seq.meta = value``'s record: ``value`` checked (a dict) and packed (at most META_BYTES)."""
-    if not isinstance(value, dict):
-        raise InvalidArgumentError(f"meta must be a dict, got {type(value).__name__}")
-    try:
-        packed = msgpack.packb(value)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise InvalidArgumentError(
-            f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
-        ) from None
-    if len(packed) > META_BYTES:
-        raise InvalidArgumentError(
-            f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
-            "store an id here and the rest elsewhere"
-        )
-    return bytes(packed)
-
-
 class SeqWriter:
     """A handle's writing state: the lease flag and token, the pending counts of each layer,
     and the per-layer addressing the hot path uses (refreshed after structural changes).
@@ -77,8 +57,8 @@ class SeqWriter:
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch", "gen", "id",
-                 "isfull", "lim", "mirror", "pending", "plain", "port", "positions", "r", "row", "slot", "start",
-                 "token", "tokens", "vfrom", "waddr", "waiters", "wc", "write")
+                 "isfull", "lim", "mirror", "pending", "plain", "port", "positions", "r", "ro_waiters", "row", "slot",
+                 "staged", "start", "token", "tokens", "vfrom", "waddr", "waiters", "wc", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -94,6 +74,7 @@ class SeqWriter:
         self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
         self.tokens, self.positions = r.tokens, r.positions
         self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
+        self.ro_waiters = p.ro_waiters.counts  # ... of read-only attachments
         self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
         self.pending = [0] * self.L
         self.gen = -1
@@ -103,6 +84,7 @@ class SeqWriter:
         self.vfrom: list[int] = []  # per layer: first kept cell
         self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
         self.mirror: Int8Mirror | None = None  # int8 stores: what append returns views of (_sequence/mirror.py)
+        self.staged = False  # int8: the pending tokens are in the mirror only, quantized at commit
 
     # -- addressing --------------------------------------------------------------------
 
@@ -135,12 +117,15 @@ class SeqWriter:
     def drop_pending(self) -> None:
         """Forget this handle's uncommitted tokens (their cells are simply written again)."""
         self.pending = [0] * self.L
+        if self.staged and self.mirror is not None:
+            self.staged = False
+            self.mirror.clamp(self.row[LENGTH])
 
     def discard(self) -> int:
         """Sequence.discard: drop the pending tokens; returns the most any layer had."""
         n = max(self.pending)
         if n:
-            self.pending = [0] * self.L
+            self.drop_pending()
         return n
 
     def pending_cells(self, layer: int) -> tuple[int, int] | None:
@@ -176,7 +161,7 @@ class SeqWriter:
             )
         if row[GEN] != self.gen:
             # a structural change we did not make through this handle (e.g. copy_prefix
-            # into it): drop uncommitted tokens, reload the range
+            # into it): drop uncommitted tokens, reload the range (an int8 mirror re-reads the cells)
             self.pending = [0] * self.L
             self.refresh()
             if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
@@ -228,14 +213,20 @@ class SeqWriter:
             p = self.pending[layer]
             if length + p + n > self.lim[layer]:
                 return self.append_checked(layer, k, v)
-            s = self.base[layer] + length + p
-            if not self.plain:  # int8, its mirror made by a first (checked) append
-                assert self.mirror is not None
-                if len(ks) == 2:
-                    k, v = k[None], v[None]
-                kv = self.mirror.append(layer, length + p, s, k, v, gen=self.gen)
+            if not self.plain:  # int8: into the mirror, quantized at commit (_sequence/mirror.py)
+                mir = self.mirror
+                assert mir is not None  # (made by a first, checked, append)
+                t0 = length + p
+                end = t0 + n
+                if mir.gen != self.gen or mir.n[layer] < t0 or end > mir.cap or k.itemsize > 4 or v.itemsize > 4:
+                    return self.append_checked(layer, k, v)
+                mir.wk[layer][t0:end] = k  # (a cast: float16 to float32 is exact)
+                mir.wv[layer][t0:end] = v
+                mir.n[layer] = end
                 self.pending[layer] = p + n
-                return kv
+                self.staged = True
+                return mir.kv[layer][:end], mir.vv[layer][:end]
+            s = self.base[layer] + length + p
             if n == 1 and len(ks) == 2:
                 self.Kw[layer][s] = k
                 self.Vw[layer][s] = v
@@ -252,7 +243,7 @@ class SeqWriter:
         self.need_writer("append")
         layer = self.r.layer(layer)
         int8 = self.dtype == "int8"
-        k, v = self.kv_arrays(k, v, finite=not int8)
+        k, v = self.kv_arrays(k, v, finite=views)  # int8: refused here (extend: by the quantizer)
         n = k.shape[0]
         length = self.row[LENGTH]
         p = self.pending[layer]
@@ -261,14 +252,15 @@ class SeqWriter:
             if end > self.row[CAPACITY]:
                 self.grow(end)
             if end > self.lim[layer]:  # a sliding/chunked layer's buffer is full
-                self.compact(layer, end)
+                compact(self, layer, end)
         s = self.base[layer] + length + p
-        if int8 and views:
-            if self.mirror is None:
-                assert self.KS is not None and self.VS is not None  # int8: every layer has its scales
-                self.mirror = Int8Mirror(Kw=self.Kw, Vw=self.Vw, KS=self.KS, VS=self.VS, cell=self.cell, row=self.row)
-            kv = self.mirror.append(layer, length + p, s, k, v, gen=self.gen)
+        if int8 and views:  # into the mirror (made, or brought up to date, first)
+            self.mirror = Int8Mirror.current(self.mirror, self.r.arena, self.row, gen=self.gen, start=self.start,
+                                             length=length, pending=self.pending if self.staged else None)
+            self.mirror.catch_up(layer, self.start, length + p)
+            kv = self.mirror.put(layer, length + p, k, v)
             self.pending[layer] = p + n
+            self.staged = True
             return kv
         if self.plain:
             self.Kw[layer][s : s + n] = k
@@ -280,35 +272,6 @@ class SeqWriter:
             return k[:0], v[:0]
         first = self.vfrom[layer]
         return self.r.view("k", layer, first, s + n), self.r.view("v", layer, first, s + n)
-
-    def compact(self, layer: int, end: int) -> None:
-        """Make room in the window buffers: keep the last ``keep`` committed tokens (and
-        every layer's pending ones) at the buffer's start. A structural change."""
-        lay = self.port.layout
-        keep_n = lay.keep
-        with self.port.locked():
-            row = self.row
-            length, woff = row[LENGTH], row[WIN_OFF]
-            new_off = max(woff, length - keep_n)
-            if end - new_off > self.wc:
-                raise CacheFullError(
-                    f"append: {end - length} new tokens on sliding/chunked layer {layer} exceed the "
-                    f"{self.wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
-                    f"or create the store with a larger memory= (now {lay.step})"
-                )
-            with self.port.changing(row):
-                # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
-                wb = row[WBUF]
-                a0, b0 = self.port.wcell(self.slot, wb) + new_off - woff, self.port.wcell(self.slot, 1 - wb)
-                for lay_i in lay.bounded:
-                    n = length - new_off + self.pending[lay_i]
-                    for arr in (self.Kw[lay_i], self.Vw[lay_i]):
-                        np.copyto(arr[b0 : b0 + n], arr[a0 : a0 + n])
-                _crash.point("compact.copied")
-                row[WBUF] = 1 - wb
-                row[WIN_OFF] = new_off
-            self.gen = row[GEN]
-            self.cache(row[START], row[CAPACITY], new_off)
 
     def grow(self, needed: int) -> None:
         """Give the sequence room for ``needed`` tokens (a structural change; pending tokens stay)."""
@@ -326,7 +289,7 @@ class SeqWriter:
                 with self.port.changing(row):
                     self.port.relocate(self.slot, row, needed, keep)
             finally:  # our own change (or none): pending tokens stay valid
-                self.gen = row[GEN]
+                Int8Mirror.moved(self, row[GEN])
                 self.cache(row[START], row[CAPACITY], row[WIN_OFF])
 
     def encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -367,28 +330,33 @@ class SeqWriter:
             if (tokens is not None and np.size(tokens)) or (positions is not None and np.size(positions)):
                 raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
             return length
-        if tokens is None:
-            self.tokens[s : s + n] = -1
-            if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
-                row[FLAGS] |= NOINDEX
-        else:
-            self.tokens[s : s + n] = ints("tokens", tokens, n)
-        if positions is None:
-            if n == 1:
-                P[s] = last + 1
-            else:
-                P[s : s + n] = np.arange(last + 1, last + 1 + n)
-        else:
+        tok = None if tokens is None else ints("tokens", tokens, n)
+        pos = None
+        if positions is not None:
             pos = ints("positions", positions, n)
             if pos[0] <= last or (n > 1 and np.any(np.diff(pos) <= 0)):
                 raise InvalidArgumentError(
                     f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
                 )
+        if self.staged and self.mirror is not None:  # int8: all layers' pending tokens quantized, one pass
+            self.mirror.quantize(length, n, s, self)
+        if tok is None:
+            self.tokens[s : s + n] = -1
+            if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
+                row[FLAGS] |= NOINDEX
+        else:
+            self.tokens[s : s + n] = tok
+        if pos is None:
+            if n == 1:
+                P[s] = last + 1
+            else:
+                P[s : s + n] = np.arange(last + 1, last + 1 + n)
+        else:
             P[s : s + n] = pos
         row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
-        if self.waiters[self.slot]:  # a read of shared memory; the syscall only for a sleeper
+        if self.waiters[self.slot] or self.ro_waiters[self.slot]:  # the syscall only for a sleeper
             _futex.wake(self.waddr)
-        self.pending = [0] * self.L
+        self.pending, self.staged = [0] * self.L, False
         flags = row[FLAGS]
         if not flags & NOINDEX and ((length + n) // BLOCK > row[IDX_BLOCKS]
                                     or (length < LEAD[-1] and lead_levels(length + n) > leads(flags))):
@@ -405,3 +373,33 @@ class SeqWriter:
                 self.port.index_blocks(self.slot, length)
         except LockTimeout:
             pass
+
+
+def compact(w: SeqWriter, layer: int, end: int) -> None:
+    """Make room in ``w``'s window buffers (sliding/chunked layers): keep the last ``keep``
+    committed tokens (and every layer's pending ones) at the buffer's start. A structural change."""
+    lay = w.port.layout
+    keep_n = lay.keep
+    with w.port.locked():
+        row = w.row
+        length, woff = row[LENGTH], row[WIN_OFF]
+        new_off = max(woff, length - keep_n)
+        if end - new_off > w.wc:
+            raise CacheFullError(
+                f"append: {end - length} new tokens on sliding/chunked layer {layer} exceed the "
+                f"{w.wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
+                f"or create the store with a larger memory= (now {lay.step})"
+            )
+        with w.port.changing(row):
+            # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
+            wb = row[WBUF]
+            a0, b0 = w.port.wcell(w.slot, wb) + new_off - woff, w.port.wcell(w.slot, 1 - wb)
+            for lay_i in lay.bounded:
+                n = length - new_off + w.pending[lay_i]
+                for arr in (w.Kw[lay_i], w.Vw[lay_i]):
+                    np.copyto(arr[b0 : b0 + n], arr[a0 : a0 + n])
+            _crash.point("compact.copied")
+            row[WBUF] = 1 - wb
+            row[WIN_OFF] = new_off
+        w.gen = row[GEN]
+        w.cache(row[START], row[CAPACITY], new_off)

@@ -332,7 +332,7 @@ def _cmd_snapshot(a: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(a: argparse.Namespace) -> int:
-    from shmkv.store._doctor import doctor
+    from shmkv.store._doctor import MAPS_PER_STORE, doctor
 
     d = doctor(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, tokens=a.tokens)
     if a.json:
@@ -347,7 +347,8 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
           f"{lay['head_dim']} {lay['dtype']} ({d.bytes_per_token} bytes a token)")
     if d.max_map_count is not None:
         print(f"mappings     vm.max_map_count {d.max_map_count}, {d.maps_in_use} in use by this process: room to "
-              f"attach about {d.stores_mappable} more stores (2 mappings each) beside 16384 for stitched views")
+              f"attach about {d.stores_mappable} more stores ({MAPS_PER_STORE} mappings each) beside 16384 for "
+              "stitched views")
     print(f"liveness     PID namespace {d.pid_namespace} "
           f"({'the initial one' if d.initial_pid_namespace else 'not the initial one: a container'}); "
           + ("liveness is a kernel lock: processes in other PID namespaces (containers sharing this /dev/shm) are "

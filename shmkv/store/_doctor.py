@@ -33,9 +33,10 @@ MiB = 1 << 20
 # Llama-3-8B's (32 layers, 8 KV heads of 128, bfloat16: 128 KiB a token).
 DEFAULT_LAYOUT: dict[str, Any] = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
 
-# Each attached store maps its two segments (header and data): checked by
+# Each attached store maps its two segments (header and data) and its read-only waiters'
+# counts (the liveness file's content, _engine/row_waiters.py): checked by
 # tests/test_doctor.py::test_maps_per_store.
-MAPS_PER_STORE = 2
+MAPS_PER_STORE = 3
 
 # Below this much free /dev/shm no store is worth making (a small store's header
 # and a few sequences): doctor reports it as a problem.
@@ -69,7 +70,7 @@ class Doctor:
     use) is not empty; ``notes`` are worth knowing but block nothing.
 
     ``stores_mappable``: how many more stores this process could attach under
-    ``vm.max_map_count`` (two mappings each) once its cache of stitched views (shared
+    ``vm.max_map_count`` (three mappings each) once its cache of stitched views (shared
     prefix pages, at most ``2 * CACHE_LIMIT`` = 16,384 mappings) is full.
 
     Sizes are bytes. ``tokens_fit`` is how many tokens of ``layout`` (K and V of every

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import header as _header
+from shmkv._engine import row_waiters as _row_waiters
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
@@ -170,6 +171,7 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             _prepare_lock_file(name, mode)
             # the creator holds slot 0 before the magic is published: no attacher can take it first
             live = _liveness.prepare(name, mode)
+            _row_waiters.prepare(live.fd, layout.max_seqs)  # read-only waiters' counts (zeroed)
             creator_key = live.take(0)
             hseg.reserve([(0, off.header_bytes)])
             words = hseg.array(np.int64, _header.FIXED_BYTES // 8)

@@ -158,6 +158,8 @@ class Store:
                         e.drop_waiters()
                 except Exception:  # closing must not fail because the lock is stuck
                     pass
+            elif not inherited:
+                e.drop_waiters()  # (read-only: counts in the liveness file, no lock)
             e.shut_down(wake=not inherited)  # our client row, the liveness byte; this handle's sleepers wake
         e.release()  # every view this handle holds dropped, the descriptors closed: unmapped now
         if e.creator and not inherited:
