@@ -297,6 +297,12 @@ class Arena(Sharing):
         return slot, fit
 
 
+def fits(arena: Arena, capacity: int, align: int) -> bool:
+    """Whether a free row and ``capacity`` free cells starting on a multiple of ``align`` exist
+    now, without evicting anything."""
+    return bool((arena.table_np[:, STATE] == 0).any()) and _first_fit(arena.free_ranges(), capacity, align) is not None
+
+
 def _first_fit(gaps: list[tuple[int, int]], capacity: int, align: int) -> int | None:
     """The first start, a multiple of ``align``, of ``capacity`` cells inside one of ``gaps``."""
     for start, size in gaps:

@@ -164,6 +164,7 @@ class Core(Journal):
         self._logged: dict[int, memoryview] = {}
         # cell intervals this process reserved (see Pages._reserve): [full layers, all layers]
         self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+        self._reserved_at = -1  # the span epoch that record is valid at (Pages._record)
         # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
         self._owed: list[tuple[int, int]] = []
         self._dbase = self.tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0

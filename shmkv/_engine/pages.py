@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from shmkv._engine import header as _header
 from shmkv._engine.core import Core
 from shmkv._engine.intervals import add_interval, covers, take_interval
 
@@ -32,18 +33,31 @@ __all__ = ["Pages", "add_interval", "covers", "take_interval"]
 class Pages(Core):
     """Reservation and fresh-range writes of a store handle (see the module docstring)."""
 
+    def _record(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This process's reservation record, dropped when the span epoch moved: a borrow in any
+        process (or one rolled back) punches its range's pages out, in a transaction that moves
+        the epoch, and a range recorded here might be one of them. Re-reserving allocated pages
+        is one cheap fallocate; writing into a hole on a full /dev/shm is a SIGBUS (atk2
+        finding 01; tests/test_share_fixes.py)."""
+        e = self.hdr[_header.W_SPANS]
+        if e != self._reserved_at:
+            for spans in self._reserved:
+                spans.clear()
+            self._reserved_at = e
+        return self._reserved
+
     def _reserve(self, start: int, count: int, all_layers: bool = False, populate: bool = True) -> None:
         """Reserve the pages of cells [start, start + count) (all layers' for an encoder range).
 
-        Pages, once allocated, stay (shmkv never punches holes), so cells this process has
-        reserved before are skipped: a fresh range written by copy_prefix or a move (crash
+        Pages, once allocated, stay (but for a borrower's punched span: ``_record``), so cells
+        this process has reserved before are skipped: a fresh range written by copy_prefix or a move (crash
         recovery never writes over committed cells) is often one reserved by an earlier move.
 
         ``populate=False`` (full layers only) allocates without pre-faulting: the cells are
         then *owed* (``_owed``) until written through the descriptor (``_put``, which skips
         the zeroing a pre-fault does, see Segment.write) or pre-faulted by ``_fill`` before
         writes through the mapping. Either way no SIGBUS: the pages exist."""
-        done = self._reserved[all_layers]
+        done = self._record()[all_layers]
         if covers(done, start, start + count):
             if populate:
                 self._fill(start, count)
@@ -60,14 +74,14 @@ class Pages(Core):
         """A range a restore fills through the descriptor: the room is checked now; the writes
         allocate the pages of the arrays they fill (a full /dev/shm is then CacheFullError from
         the write, in cells no row points to) and ``_settle`` the rest."""
-        if not covers(self._reserved[False], start, start + count):
+        if not covers(self._record()[False], start, start + count):
             self._dseg.check_room(self._cell_ranges(start, count))
 
     def settle(self, start: int, length: int, count: int) -> None:
         """After a restore wrote the arrays of cells [start, start + length) of a staged range of
         ``count`` cells: reserve the rest (token ids, positions, the cells after ``length``),
         pre-faulted for the writes through the mapping that follow."""
-        done = self._reserved[False]
+        done = self._record()[False]
         if not covers(done, start, start + count):
             self._dseg.reserve(self._cell_ranges(start, length, kv=False))
             if count > length:

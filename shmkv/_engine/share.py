@@ -40,6 +40,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -94,6 +95,19 @@ class ShareError(ShmkvError, OSError):
 
 Want = dict[int, tuple[int, int, int]]  # slot -> (start, physical start, cells)
 
+# Every live Shares, so a forked child can replace their locks: a thread of the parent may have
+# held one at the fork (inside sync/apply), and the child's copy would stay held by a thread it
+# does not have, hanging its first read (atk2 finding 06; tests/test_share_fixes.py).
+_LIVE: weakref.WeakSet[Shares] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for shares in list(_LIVE):
+        shares.lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class Shares:
     """What one store handle has mapped of the table's spans (see the module docstring).
@@ -114,6 +128,7 @@ class Shares:
         self.applied = -1  # the epoch whose table this process has mapped (-1: nothing yet)
         self.cur: Want = {}
         self.lock = threading.RLock()
+        _LIVE.add(self)
 
     def __del__(self) -> None:
         fd, self.fd = getattr(self, "fd", -1), -1

@@ -22,9 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from shmkv._engine import crash as _crash
-from shmkv._engine.header import CAPACITY, FLAGS, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
+from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
 from shmkv._engine.pages import Pages
 from shmkv._engine.share import max_borrowers
+from shmkv.errors import CacheFullError
 
 
 class Sharing(Pages):
@@ -61,9 +62,20 @@ class Sharing(Pages):
         if not m or phys % u or int((t[:, SPAN_CELLS] > 0).sum()) >= max_borrowers(len(pieces)):
             return 0, 0, -1
         if not d[SPAN_CELLS]:
-            return phys, m, donor
-        owner = np.flatnonzero((t[:, STATE] == LIVE) & (t[:, START] == phys) & (t[:, SPAN_CELLS] == 0))
-        return phys, m, int(owner[0]) if owner.size else -1
+            owner = donor
+        else:
+            found = np.flatnonzero((t[:, STATE] == LIVE) & (t[:, START] == phys) & (t[:, SPAN_CELLS] == 0))
+            owner = int(found[0]) if found.size else -1
+        if owner >= 0:
+            o = self.row(owner)
+            if not o[FLAGS] & FINISHED:
+                # A live (leased, decoding) owner may still roll back: never lend its last page
+                # unit, so a speculative truncate by less than a unit never moves it (atk2
+                # finding 07; tests/test_share_fixes.py).
+                m = min(m, max(0, o[LENGTH] - u) // u * u)
+                if not m:
+                    return 0, 0, -1
+        return phys, m, owner
 
     def borrow(self, slot: int, phys: int, m: int, owner: int) -> None:
         """Make row ``slot`` (just created, its cells from ``m`` on copied) borrow cells
@@ -102,12 +114,13 @@ class Sharing(Pages):
                 self._move_lender(slot, row)
         self._free.tag = -1  # the spans changed what is free: derived again
 
-    def _unshare(self, slot: int, row: memoryview, keep: int) -> None:
-        """Copy-on-write: the borrower keeps tokens [0, keep) (keep < its span); its span shrinks
-        to the whole page units below ``keep`` and the rest gets private pages, filled from the
-        span through the descriptor (its own pages there are not mapped here yet)."""
+    def _unshare(self, slot: int, row: memoryview, keep: int, upto: int | None = None) -> None:
+        """Copy-on-write: the borrower keeps tokens [0, keep) (keep <= its span); its span shrinks
+        to the whole page units below ``upto`` (default ``keep``) and the rest gets private
+        pages, filled from the span through the descriptor (its own pages there are not mapped
+        here yet)."""
         start, phys, m = row[START], row[SPAN_PHYS], row[SPAN_CELLS]
-        m2 = keep // self._off.page_unit * self._off.page_unit
+        m2 = min(keep if upto is None else upto, keep) // self._off.page_unit * self._off.page_unit
         pieces = self.shares.pieces
         self._dseg.reserve([(off + (start + m2) * cb, (m - m2) * cb) for off, cb in pieces], populate=False)
         if keep > m2:
@@ -125,12 +138,30 @@ class Sharing(Pages):
         """A donor shorter than the cells it lent: its content to a fresh range (its appends go
         there), the lent cells left to their borrowers."""
         start, cap, length = row[START], row[CAPACITY], row[LENGTH]
-        new_start = self.alloc(cap, evict=True, protect=slot, populate=False)
+        try:
+            new_start = self.alloc(cap, evict=True, protect=slot, populate=False)
+        except CacheFullError:
+            self._shrink_borrowers(start, length)  # no room to move: its borrowers copy instead
+            return
         self._copy_cells(start, new_start, length)
         self._fill(new_start, cap)
         _crash.point("share.moved")
         row[START] = new_start
         row[FLAGS] &= ~LENT
+
+    def _shrink_borrowers(self, phys: int, length: int) -> None:
+        """A lender at ``phys`` fell to ``length`` and cannot move (no free range): every row
+        borrowing more than the whole page units below ``length`` gets private copies of the
+        rest (it needs memory, not cells: its own range is its own), so the lender's next
+        appends write cells nobody borrows (atk2 finding 07: a truncate never fails for want of
+        room because of sharing)."""
+        u = self._off.page_unit
+        keep = length // u * u
+        t = self.table_np
+        for b in np.flatnonzero((t[:, STATE] == LIVE) & (t[:, SPAN_PHYS] == phys) & (t[:, SPAN_CELLS] > keep)):
+            brow = self.row(int(b))
+            with self.changing(brow):
+                self._unshare(int(b), brow, min(brow[LENGTH], brow[SPAN_CELLS]), keep)
 
     def shared_cells(self) -> tuple[int, int]:
         """(cells borrowed by live rows, distinct physical cells those spans cover)."""
@@ -157,6 +188,22 @@ class Sharing(Pages):
         for a, b in sorted(parts):
             held += max(0, b - max(a, end))
             end = max(end, b)
+        return held
+
+    def committed_held(self) -> int:
+        """Cells whose committed K/V the live sequences hold: every row's own committed cells
+        past its span, and every span's committed part once, however many rows read it and
+        whether or not its donor still lives (atk2 finding 05)."""
+        t = self.table_np
+        live = t[t[:, STATE] == LIVE]
+        span = np.minimum(live[:, SPAN_CELLS], live[:, LENGTH])
+        parts = list(zip((live[:, START] + span).tolist(), (live[:, START] + live[:, LENGTH]).tolist(), strict=True))
+        b = span > 0
+        parts += zip(live[b, SPAN_PHYS].tolist(), (live[b, SPAN_PHYS] + span[b]).tolist(), strict=True)
+        held, end = 0, -1
+        for a, z in sorted(parts):
+            held += max(0, z - max(a, end))
+            end = max(end, z)
         return held
 
     def _spans_taken(self) -> list[tuple[int, int]]:

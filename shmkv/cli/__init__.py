@@ -93,8 +93,9 @@ def _print_info(d: dict[str, Any]) -> None:
           f"{st['prefix_tokens_reused']} tokens reused; {st['finished']} finished (cached, evictable), "
           f"{st['evictions']} evicted")
     if st["shared_tokens"]:  # shared prefix pages (DESIGN §11): bytes read from another sequence's pages
-        held = st["bytes_used"] - st["bytes_shared"]
-        print(f"  shared prefix pages: {st['shared_tokens']} tokens, {st['bytes_shared'] / 2**20:.2f} MiB held once "
+        held, once = st["bytes_held"], st["span_cells"] * (st["bytes_per_token"] - 16)
+        print(f"  shared prefix pages: {st['shared_tokens']} tokens read from {st['span_cells']} cells, "
+              f"{once / 2**20:.2f} MiB held once; {held / 2**20:.2f} MiB held "
               f"(sharing ratio {st['bytes_used'] / held if held > 0 else 0:.2f}: bytes used / bytes held)")
     if d["sequences"]:
         print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} {'state':<9} first tokens")

@@ -16,6 +16,8 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import header as _header
+from shmkv._engine import share
+from shmkv._engine.arena import fits
 from shmkv._engine.engine import Engine
 from shmkv._engine.checks import count
 from shmkv._engine.header import (
@@ -31,6 +33,7 @@ from shmkv._engine.header import (
     LEASE_PID,
     LEASE_TOKEN,
     LENGTH,
+    LENT,
     LIVE,
     SPAN_CELLS,
     SPAN_PHYS,
@@ -86,8 +89,16 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
         next_id, rows = e.hdr[_header.W_NEXT_ID], e.layout.max_seqs
         # a prompt's sequence starts on a page unit: it may lend its pages, or borrow (DESIGN §11;
         # a range shorter than a unit never lends: no alignment waste)
-        align = e.page_unit if toks is not None and max(capacity, n) >= e.page_unit else 1
+        # (not when sharing is off: ENABLED false or nothing to share)
+        sharing = share.ENABLED and bool(e.shares.pieces)
+        # (a fork's child too, ``protect``: its parent's row; it borrows through copy_prefix)
+        align = e.page_unit if sharing and (toks is not None or protect >= 0) and max(capacity, n) >= e.page_unit \
+            else 1
         phys, m, owner = e.lend(donor, n) if n else (0, 0, -1)
+        if align > 1 and not fits(e, max(capacity, n), align) and fits(e, max(capacity, n), 1):
+            # only an unaligned range fits: take it and copy the prefix rather than evict
+            # anything to borrow or lend (atk2 finding 04; tests/test_share_fixes.py)
+            align, phys, m, owner = 1, 0, 0, -1
         try:
             slot, start = e.new_row(max(capacity, n), protect=donor if n else protect, near=next_id % rows,
                                     align=align, skip=m)
@@ -214,4 +225,14 @@ def copy_prefix(e: Engine, src_id: int, dst_id: int, n: int) -> None:
                 f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
             )
         e.check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
-        e.copy_prefix_rows(e.slot_of(src_id), d_slot, n, held=True)
+        s_slot = e.slot_of(src_id)
+        phys, m, owner = 0, 0, -1
+        if (share.ENABLED and not d_row[LENGTH] and not d_row[SPAN_CELLS] and not d_row[FLAGS] & LENT
+                and n <= d_row[CAPACITY] and not d_row[START] % e.page_unit):
+            # an empty dst on a page unit borrows src's whole units, as a reused prompt does
+            # (fork and regather: atk2 finding 03; tests/test_share_fixes.py)
+            phys, m, owner = e.lend(s_slot, n)
+        with e.transaction():  # the copy and the borrow: both, or after a crash neither
+            e.copy_prefix_rows(s_slot, d_slot, n, held=True, share=m)
+            if m:
+                e.borrow(d_slot, phys, m, owner)

@@ -67,6 +67,8 @@ class StoreStats:
     evictions: int = 0  # finished sequences evicted to make room
     shared_tokens: int = 0  # tokens sequences read from another's pages (shared prefix pages, DESIGN §11)
     bytes_shared: int = 0  # K/V bytes those tokens would take as copies: held once, by the span
+    span_cells: int = 0  # distinct physical cells the spans cover (a span counted once)
+    bytes_held: int = 0  # what bytes_used really holds: a span's committed bytes once (ratio: used / held)
 
 
 def live_clients(e: Engine) -> list[int]:
@@ -112,8 +114,11 @@ def store_stats(e: Engine, bytes_per_token: int) -> StoreStats:
     enc_bpt = e.kv_bytes(e.layout.layers)  # an encoder token has every layer
     kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if e.layout.bounded else 0
     wbytes = e.kv_bytes(len(e.layout.bounded))  # per token the bounded layers keep
-    shared, _ = e.shared_cells()
+    shared, span_cells = e.shared_cells()
     held = e.held_cells() if shared else reserved  # a span's cells count once
+    bytes_used = tokens * bpt + kept * wbytes + enc_tokens * enc_bpt
+    # the K/V of tokens read from a span are held once, by the span (also when its donor is gone)
+    bytes_held = bytes_used - (tokens - e.committed_held()) * (bpt - 16) if shared else bytes_used
     return StoreStats(
         name=e.name,
         sequences=int(live.shape[0]),
@@ -124,7 +129,7 @@ def store_stats(e: Engine, bytes_per_token: int) -> StoreStats:
         free_tokens=sum(s for _, s in gaps),
         largest_free_range=max((s for _, s in gaps), default=0),
         bytes_per_token=bpt,
-        bytes_used=tokens * bpt + kept * wbytes + enc_tokens * enc_bpt,
+        bytes_used=bytes_used,
         bytes_reserved=held * (bpt - 16) + reserved * 16 + int(live.shape[0]) * 2 * e.layout.window_cells * wbytes
         + int(encoders[:, CAPACITY].sum()) * enc_bpt,
         encoder_tokens=enc_tokens,
@@ -138,4 +143,6 @@ def store_stats(e: Engine, bytes_per_token: int) -> StoreStats:
         evictions=int(e.hdr[_header.W_EVICTIONS]),
         shared_tokens=shared,
         bytes_shared=shared * (bpt - 16),
+        span_cells=span_cells,
+        bytes_held=bytes_held,
     )

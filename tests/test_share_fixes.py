@@ -1,0 +1,228 @@
+"""Regression tests for what an attack found in shared prefix pages (issue 23, atk2 findings
+in the lead's notes: one test per finding, named by its number)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shmkv
+from shmkv._engine import share
+from shmkv.store._store import engine_of
+
+L, H, D = 3, 4, 64
+
+
+def _store(make_store, **kw):
+    args = dict(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=16384, max_seqs=32)
+    args.update(kw)
+    return make_store(**args)
+
+
+def _donor(store, n=300, capacity=1024, first=1000, finish=True):
+    prompt = np.arange(first, first + n)
+    d = store.create_sequence(capacity=capacity, prefix=prompt)
+    rng = np.random.default_rng(n)
+    shape = (store.layout.layers, n - len(d), store.layout.kv_heads, store.layout.head_dim)
+    d.extend(rng.standard_normal(shape), rng.standard_normal(shape), tokens=prompt[len(d):])
+    if finish:
+        d.finish()
+    return d, prompt
+
+
+def _reap(pid: int, timeout: float = 20.0) -> int | None:
+    """The child's exit code, or None when it did not end in ``timeout`` (then it is killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def test_06_fork_while_a_thread_holds_the_span_lock(make_store):
+    """A child forked while another thread is inside Shares.sync/apply (holding the span lock)
+    reads after the span epoch moved: it gets a fresh lock, not the held copy."""
+    st = _store(make_store)
+    d, p = _donor(st)
+    want = np.asarray(d.keys(0)).copy()
+    reader = shmkv.attach(st.name, readonly=True)
+    try:
+        reader.sequence(d.id).keys(0)
+        st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])  # the span epoch moves
+        inside, leave = threading.Event(), threading.Event()
+
+        def syncing() -> None:
+            with engine_of(reader).shares.lock:  # where a thread is during sync/apply
+                inside.set()
+                leave.wait(30)
+
+        t = threading.Thread(target=syncing)
+        t.start()
+        try:
+            assert inside.wait(10)
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                code = 1
+                try:
+                    code = 0 if np.array_equal(np.asarray(reader.sequence(d.id).keys(0)), want) else 2
+                finally:
+                    os._exit(code)
+        finally:
+            leave.set()
+            t.join()
+        assert _reap(pid) == 0
+    finally:
+        reader.close()
+
+
+def _start(store, seq_id):
+    return next(s.start for s in store.sequences() if s.id == seq_id)
+
+
+def _content(seq, layers=L):
+    return [(np.asarray(seq.keys(i)).tobytes(), np.asarray(seq.values(i)).tobytes()) for i in range(layers)] + [
+        seq.tokens.tobytes()]
+
+
+def test_07_a_live_donor_rolls_back_one_token_in_place(make_store):
+    """A leased donor lends all but its last page unit: B (same prompt + 1) borrows less than
+    A's length, and A's speculative rollback by one token neither moves nor copies it."""
+    st = _store(make_store, max_tokens=2048)
+    u = engine_of(st).page_unit
+    a, p = _donor(st, n=38 * u, capacity=512, finish=False)  # a whole number of units, still leased
+    b = st.create_sequence(capacity=512, prefix=np.r_[p, [1]])
+    assert len(b) == 38 * u and st.stats().shared_tokens == 37 * u
+    start = _start(st, a.id)
+    a.truncate(38 * u - 1)
+    assert _start(st, a.id) == start
+
+
+def test_07_a_donor_in_a_full_store_truncates_below_its_loans(make_store):
+    """No free range to move to: the donor's truncate does not raise CacheFullError; its
+    borrowers copy the cells it will write again, and both read their own tokens after."""
+    st = _store(make_store, max_tokens=2048)
+    a, p = _donor(st, n=304, capacity=512)
+    a = st.sequence(a.id, write=True)  # taken back: it may truncate and write again
+    b = st.create_sequence(capacity=512, prefix=np.r_[p, [1]])
+    assert st.stats().shared_tokens > 100
+    b_before = _content(b)
+    while st.stats().largest_free_range:  # the rest of the store in use
+        st.create_sequence(capacity=st.stats().largest_free_range)
+    a.truncate(100)
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((L, 200, H, D))
+    a.extend(k, k)
+    assert _content(b) == b_before
+    assert np.array_equal(np.asarray(a.keys(0))[100:], k[0].astype(np.float16))
+    assert st.stats().shared_tokens <= 100
+
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+def test_04_no_aligned_range_copies_instead_of_evicting(make_store, monkeypatch, sharing):
+    """int8 3x40: a page unit of 1,024 cells. A 2,100-token donor and a request of capacity
+    2,105 in a 5,003-cell store: only an unaligned range (at cell 2,100) fits; the request takes
+    it and copies the prefix, evicting nothing (as before shared pages; sharing off: no
+    alignment at all)."""
+    monkeypatch.setattr(share, "ENABLED", sharing)
+    n = 2100
+    st = make_store(layers=2, kv_heads=3, head_dim=40, dtype="int8", max_tokens=5003, max_seqs=8)
+    assert engine_of(st).page_unit == 1024
+    d, p = _donor(st, n=n, capacity=n, first=0)
+    want = _content(d, 2)
+    f = st.create_sequence(capacity=n + 5, prefix=np.r_[p, [1]])
+    assert len(f) == n and st.stats().evictions == 0
+    assert d.id in [i.id for i in st.sequences()]
+    assert _content(f, 2) == want and _content(d, 2) == want
+
+
+
+def test_05_stats_and_info_count_a_span_once_when_its_donor_is_gone(make_store, capsys):
+    """int8 4x64 (page unit 256): 4 borrowers of a 300-token donor read a 256-cell span and hold
+    44 cells each; the donor freed, the span's one copy is still held (by them): 432 cells."""
+    from shmkv.cli import main
+
+    st = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=16384, max_seqs=32)
+    assert engine_of(st).page_unit == 256
+    d, p = _donor(st, n=300)
+    for i in range(4):
+        st.create_sequence(capacity=1024, prefix=np.r_[p, [i]])
+    s = st.stats()
+    assert (s.shared_tokens, s.span_cells) == (4 * 256, 256)
+    kv = s.bytes_per_token - 16
+    assert s.bytes_held == (300 + 4 * 44) * kv + 1500 * 16  # the donor holds the span
+    d.free()
+    s = st.stats()
+    assert (s.tokens, s.shared_tokens, s.span_cells) == (1200, 4 * 256, 256)
+    assert s.bytes_held == (256 + 4 * 44) * kv + 1200 * 16
+    assert main(["info", st.name]) == 0
+    out = capsys.readouterr().out
+    assert f"sharing ratio {s.bytes_used / s.bytes_held:.2f}" in out
+    assert f"{256 * kv / 2**20:.2f} MiB held once" in out
+
+
+
+def test_01_a_range_punched_by_another_attachment_is_reserved_again(make_store):
+    """Attachment C reserved cells R (a sequence created and freed there); attachment B's
+    borrower at R punches R's pages out and is freed (the holes stay). C's next sequence at R
+    allocates them again (fallocate) before anything writes: on a full /dev/shm that is a
+    CacheFullError, never a SIGBUS at the first append."""
+    st = _store(make_store)
+    _, p = _donor(st, n=300, capacity=1024)
+    c = shmkv.attach(st.name)
+    try:
+        fd = engine_of(st)._dseg.fileno()
+        x = c.create_sequence(capacity=1024)
+        r = _start(c, x.id)
+        x.free()
+        before = os.fstat(fd).st_blocks
+        f = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
+        assert _start(st, f.id) == r and st.stats().shared_tokens > 0
+        f.free()
+        assert os.fstat(fd).st_blocks < before  # the borrower's punched pages: holes
+        y = c.create_sequence(capacity=1024)
+        assert _start(c, y.id) == r
+        assert os.fstat(fd).st_blocks == before  # reserved again before any write
+        k = np.ones((L, 10, H, D))
+        y.extend(k, k)
+        assert np.array_equal(np.asarray(y.keys(0)), k[0].astype(np.float16))
+    finally:
+        c.close()
+
+
+def test_03_fork_and_copy_prefix_borrow(make_store):
+    """fork() and store.copy_prefix() into an empty sequence on a page unit borrow the source's
+    whole units (a live source: all but its last unit) and read exactly the source's tokens;
+    writes after them stay each sequence's own."""
+    st = _store(make_store)
+    u = engine_of(st).page_unit
+    d, _ = _donor(st, n=300, capacity=1024, finish=False)
+    want = _content(d)
+    child = d.fork()
+    assert st.stats().shared_tokens == (300 - u) // u * u
+    assert _content(child) == want
+    dst = st.create_sequence(capacity=1024, prefix=[5, 6, 7])  # a miss, on a page unit
+    st.copy_prefix(d.id, dst.id, 200)
+    assert st.stats().shared_tokens == (300 - u) // u * u + 200 // u * u
+    assert _content(dst) == [(k[: 200 * len(k) // 300], v[: 200 * len(v) // 300]) for k, v in want[:L]] + [
+        want[L][: 200 * 8]]
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((L, 50, H, D))
+    child.truncate(100)  # into its span: copy-on-write
+    child.extend(k, k)
+    dst.extend(k, k)
+    d.extend(-k, -k)
+    assert _content(d)[0][0][: len(want[0][0])] == want[0][0]
+    assert np.array_equal(np.asarray(child.keys(0))[100:], k[0].astype(np.float16))
+    assert np.array_equal(np.asarray(dst.keys(0))[200:], k[0].astype(np.float16))
+    assert np.array_equal(np.asarray(d.keys(0))[300:], -k[0].astype(np.float16))
+    assert np.asarray(child.keys(0))[:100].tobytes() == want[0][0][: 100 * H * D * 2]
