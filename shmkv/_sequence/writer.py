@@ -26,9 +26,11 @@ from shmkv._engine.header import (
     LEASE_PID,
     LEASE_TOKEN,
     LENGTH,
+    LIVE,
     NOINDEX,
     SEQ_WORDS,
     START,
+    STATE,
     WBUF,
     WIN_OFF,
     leads,
@@ -57,8 +59,8 @@ class SeqWriter:
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch", "gen", "id",
-                 "isfull", "lim", "mirror", "pending", "plain", "port", "positions", "r", "ro_waiters", "row", "slot",
-                 "staged", "start", "token", "tokens", "vfrom", "waddr", "waiters", "wc", "write")
+                 "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions", "r", "ro_waiters",
+                 "row", "slot", "staged", "start", "token", "tokens", "vfrom", "waddr", "waiters", "wc", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -78,6 +80,7 @@ class SeqWriter:
         self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
         self.pending = [0] * self.L
         self.gen = -1
+        self.length = -1  # the committed length this handle knows (kept())
         self.start = 0
         self.base: list[int] = []  # per layer: cell of token 0
         self.lim: list[int] = []  # per layer: token index limit
@@ -92,6 +95,7 @@ class SeqWriter:
         g = self.row[GEN]
         start, cap, _, woff = self.r.span()
         self.gen = g if not g & 1 else -1
+        self.length = self.row[LENGTH]
         self.cache(start, cap, woff)
 
     def cache(self, start: int, cap: int, woff: int) -> None:
@@ -159,7 +163,10 @@ class SeqWriter:
                 f"{what}: the lease on sequence {self.id} was taken over (pid {row[LEASE_PID]}); "
                 "this handle is now read-only"
             )
-        if row[GEN] != self.gen:
+        if row[GEN] != self.gen and kept(self, row):
+            g = row[GEN]  # another process lent from us or copied our borrowed cells: all cells stay
+            Int8Mirror.moved(self, g if not g & 1 else -1)
+        elif row[GEN] != self.gen:
             # a structural change we did not make through this handle (e.g. copy_prefix
             # into it): drop uncommitted tokens, reload the range (an int8 mirror re-reads the cells)
             self.pending = [0] * self.L
@@ -354,6 +361,7 @@ class SeqWriter:
         else:
             P[s : s + n] = pos
         row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
+        self.length = length + n
         if self.waiters[self.slot] or self.ro_waiters[self.slot]:  # the syscall only for a sleeper
             _futex.wake(self.waddr)
         self.pending, self.staged = [0] * self.L, False
@@ -373,6 +381,16 @@ class SeqWriter:
                 self.port.index_blocks(self.slot, length)
         except LockTimeout:
             pass
+
+
+def kept(w: SeqWriter, row: memoryview) -> bool:
+    """Whether a change someone else made to ``w``'s row left its range and length where they
+    were: another process borrowed from it (the LENT flag) or gave its borrowed cells private
+    copies (``Sharing._unshare``). Its pending tokens, in cells past the length, stay valid then:
+    a decode step is not lost because another request borrowed from this one mid-step."""
+    c = w.cached
+    return (c is not None and row[STATE] == LIVE and row[START] == w.start and row[CAPACITY] == c[1]
+            and row[WIN_OFF] == c[2] and row[LENGTH] == w.length)
 
 
 def compact(w: SeqWriter, layer: int, end: int) -> None:
