@@ -200,7 +200,9 @@ def test_no_wake_up_syscall_while_nobody_waits(make_store, monkeypatch, readonly
     sleeps: list[float | None] = []
     real_wake, real_wait = _futex.wake, _futex.wait
     monkeypatch.setattr(_futex, "wake", lambda addr: calls.append(addr) or real_wake(addr))
-    monkeypatch.setattr(_futex, "wait", lambda addr, v, t: sleeps.append(t) or real_wait(addr, v, t))
+    asleep = threading.Event()  # the waiter is in a futex wait (counted is not enough: it may not sleep yet)
+    monkeypatch.setattr(_futex, "wait",
+                        lambda addr, v, t: sleeps.append(t) or asleep.set() or real_wait(addr, v, t))
     for _ in range(3):
         seq.extend(*one_token())
     seq.truncate(1)
@@ -211,6 +213,7 @@ def test_no_wake_up_syscall_while_nobody_waits(make_store, monkeypatch, readonly
         t = threading.Thread(target=reader.wait, args=(3,))
         t.start()
         until_waiters(store, store._engine.slot_of(seq.id), 0 if readonly else 1, readonly=int(readonly))
+        assert asleep.wait(30)
         seq.extend(*one_token())
         seq.extend(*one_token())
         t.join(60)
