@@ -26,9 +26,11 @@ from shmkv._engine.header import (
     LEASE_PID,
     LEASE_TOKEN,
     LENGTH,
+    LENT,
     LIVE,
     NOINDEX,
     SEQ_WORDS,
+    SPAN_CELLS,
     START,
     STATE,
     WBUF,
@@ -385,12 +387,14 @@ class SeqWriter:
 
 def kept(w: SeqWriter, row: memoryview) -> bool:
     """Whether a change someone else made to ``w``'s row left its range and length where they
-    were: another process borrowed from it (the LENT flag) or gave its borrowed cells private
-    copies (``Sharing._unshare``). Its pending tokens, in cells past the length, stay valid then:
-    a decode step is not lost because another request borrowed from this one mid-step."""
+    were, on a row that lends or borrows: another process borrowed from it (the LENT flag) or
+    gave its borrowed cells private copies (``Sharing._unshare``). Its pending tokens, in cells
+    past the length, stay valid then: a decode step is not lost because another request
+    borrowed from this one mid-step."""
     c = w.cached
-    return (c is not None and row[STATE] == LIVE and row[START] == w.start and row[CAPACITY] == c[1]
-            and row[WIN_OFF] == c[2] and row[LENGTH] == w.length)
+    return (c is not None and (row[FLAGS] & LENT != 0 or row[SPAN_CELLS] > 0) and row[STATE] == LIVE
+            and row[START] == w.start and row[CAPACITY] == c[1] and row[WIN_OFF] == c[2]
+            and row[LENGTH] == w.length)
 
 
 def compact(w: SeqWriter, layer: int, end: int) -> None:
