@@ -124,3 +124,51 @@ def test_close_twice_from_two_threads_at_once(make_store):
             t.join(timeout=60)
         assert errors == [] and h.closed
     assert store.clients() == [store.clients()[0]]
+
+
+def test_a_liveness_question_racing_close_keeps_its_descriptor(make_store, monkeypatch):
+    """``clients()``/``sequences()`` ask the liveness file without the store lock: a close() in
+    another thread waits for a question in progress (its descriptor stays open: a closed number could
+    be reused by another file, which would answer for the wrong store), and a question after the close
+    raises StoreClosedError, not a ValueError from descriptor -1 (failed once in .ci/run)."""
+    from shmkv._engine import liveness
+
+    store = make_store()
+    lv = liveness.Liveness(store.name, False)
+    key = liveness.new_key(3)  # a slot nobody holds: not alive
+    entered, go = threading.Event(), threading.Event()
+    answers: list[object] = []
+    real = liveness.byte_held
+
+    def held_slowly(fd: int, slot: int) -> bool:
+        entered.set()
+        assert go.wait(60)
+        return real(fd, slot)  # raises if close() took the descriptor meanwhile
+
+    def ask() -> None:
+        try:
+            answers.append(lv.alive(key, key))
+        except BaseException as e:
+            answers.append(e)
+
+    monkeypatch.setattr(liveness, "byte_held", held_slowly)
+    asker = threading.Thread(target=ask)
+    asker.start()
+    assert entered.wait(60)
+    closer = threading.Thread(target=lv.close)
+    closer.start()
+    closer.join(timeout=0.2)
+    still_waiting = closer.is_alive()
+    go.set()
+    asker.join(timeout=60)
+    closer.join(timeout=60)
+    assert not asker.is_alive() and not closer.is_alive()
+    assert still_waiting, "close() took the descriptor from under a question in progress"
+    assert answers == [False]
+    monkeypatch.setattr(liveness, "byte_held", real)
+    try:
+        lv.alive(key, key)
+    except shmkv.StoreClosedError:
+        pass
+    else:
+        raise AssertionError("a question after close() did not raise StoreClosedError")

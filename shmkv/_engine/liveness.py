@@ -44,10 +44,11 @@ import fcntl
 import os
 import secrets
 import struct
+import threading
 import weakref
 
 from shmkv._engine import segment as _segment
-from shmkv.errors import AccessDeniedError, CacheFullError, CorruptStoreError, StoreNotFound
+from shmkv.errors import AccessDeniedError, CacheFullError, CorruptStoreError, StoreClosedError, StoreNotFound
 
 LIVE_SUFFIX = ".live"
 SLOT_BITS = 20  # max_clients is at most 1 << 20
@@ -144,12 +145,19 @@ class Liveness:
     """One attachment's descriptor of a store's liveness file, and the slot it holds (if any).
 
     ``register(rows)`` takes the first free byte; ``alive(key, rows)`` asks a key;
-    ``close()`` releases the byte (closing the descriptor)."""
+    ``close()`` releases the byte (closing the descriptor).
 
-    __slots__ = ("__weakref__", "fd", "key", "name", "pid", "readonly")
+    ``alive`` runs without the store lock (``clients()``, ``sequences()``), so another thread's
+    ``close()`` may race it: ``_guard`` keeps the descriptor open for the whole question (a closed
+    number could be reused by another open file, whose answer would be a lie), and a question after
+    close raises StoreClosedError."""
+
+    __slots__ = ("__weakref__", "_guard", "closed", "fd", "key", "name", "pid", "readonly")
 
     def __init__(self, name: str, readonly: bool, *, mode: int | None = None) -> None:
         self.name, self.readonly = name, readonly
+        self._guard = threading.Lock()
+        self.closed = False
         self.fd = _open_file(name, readonly, mode)
         self.pid = os.getpid()
         self.key = 0  # 0: holds no slot
@@ -194,17 +202,22 @@ class Liveness:
             return True  # one of this process's attachments (its own byte is invisible to its own F_GETLK)
         if row_key != key:
             return False  # the slot was taken again: the key's holder is dead
-        if self.fd < 0 or self.pid != os.getpid():
-            self.reopen_in_child()
-        return byte_held(self.fd, slot_of(key))
+        with self._guard:
+            if self.closed:
+                raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
+            if self.fd < 0 or self.pid != os.getpid():
+                self.reopen_in_child()
+            return byte_held(self.fd, slot_of(key))
 
     def close(self) -> None:
         """Release the slot (closing the descriptor drops the lock)."""
         own_keys.discard(self.key)
         self.key = 0
-        fd, self.fd = self.fd, -1
-        if fd >= 0 and self.pid == os.getpid():
-            os.close(fd)
+        with self._guard:
+            self.closed = True
+            fd, self.fd = self.fd, -1
+            if fd >= 0 and self.pid == os.getpid():
+                os.close(fd)
         _open.discard(self)
 
     def __del__(self) -> None:
@@ -220,6 +233,7 @@ def _after_fork_in_child() -> None:
     own_keys.clear()
     created_keys.clear()
     for lv in list(_open):
+        lv._guard = threading.Lock()  # (another thread of the parent may have held it at fork)
         # the parent's lock must die with the parent: drop our copy of its description
         if lv.fd >= 0:
             try:
