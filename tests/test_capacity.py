@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import shmkv
+from shmkv._sequence.room import make_room
 
 
 def test_filling_the_store_keeps_committed_tokens(make_store):
@@ -51,21 +52,27 @@ def test_store_larger_than_dev_shm_fails_cleanly_when_written(make_store):
     st = os.statvfs("/dev/shm")
     shm_size = st.f_blocks * st.f_frsize
     # a store whose arena is twice the size of /dev/shm: creating it is fine
-    # (pages are not allocated), reserving a range larger than /dev/shm is not
+    # (pages are not allocated), and so are capacities larger than /dev/shm (a range's pages are
+    # allocated as its writes need them); allocating more pages than /dev/shm holds is not
     per_token = 2 * 1 * 8 * 128 * 2  # K and V of 1 layer, 8 heads, 128 dims, float16
     max_tokens = 2 * shm_size // per_token
     store = make_store(layers=1, kv_heads=8, head_dim=128, dtype="float16", max_tokens=max_tokens, max_seqs=2)
     seq = store.create_sequence(capacity=16)
     seq.extend(np.ones((1, 16, 8, 128)), np.ones((1, 16, 8, 128)))
+    seq._w.grow(max_tokens - 200)  # the growth an append triggers: cells, not pages
+    assert seq.capacity == max_tokens - 200
     with pytest.raises(shmkv.CacheFullError, match="/dev/shm"):
-        # the growth an append triggers, asked for more cells than /dev/shm holds
-        # (an append of that many tokens would need the memory in this process first):
-        # ENOSPC from posix_fallocate, no SIGBUS
-        seq._w.grow(max_tokens - 1)
-    with pytest.raises(shmkv.CacheFullError, match="/dev/shm"):
-        store.create_sequence(capacity=max_tokens - 100)
-    assert seq.length == 16 and seq.capacity == 16
+        # the room an append of that many tokens makes first (the append itself would need
+        # the memory in this process): ENOSPC from posix_fallocate, no SIGBUS
+        make_room(seq._w, max_tokens - 200)
+    other = store.create_sequence(capacity=100)  # its pages: none yet
+    assert seq.length == 16
     np.testing.assert_array_equal(seq.keys(0), np.ones((16, 8, 128)))
+    for s in (seq, other):  # both append after the failure
+        s.append(0, np.full((8, 128), 2.0, np.float16), np.full((8, 128), 3.0, np.float16))
+        s.commit()
+    assert seq.length == 17 and other.length == 1
+    np.testing.assert_array_equal(seq.values(0)[16], np.full((8, 128), 3.0))
 
 
 def test_reserved_intervals_merge():

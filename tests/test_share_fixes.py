@@ -13,6 +13,7 @@ import pytest
 
 import shmkv
 from shmkv._engine import share
+from shmkv._sequence.room import chunk
 from shmkv.store._store import engine_of
 
 L, H, D = 3, 4, 64
@@ -172,29 +173,41 @@ def test_05_stats_and_info_count_a_span_once_when_its_donor_is_gone(make_store, 
 
 
 def test_01_a_range_punched_by_another_attachment_is_reserved_again(make_store):
-    """Attachment C reserved cells R (a sequence created and freed there); attachment B's
+    """Attachment C reserved cells R (a sequence written and freed there); attachment B's
     borrower at R punches R's pages out and is freed (the holes stay). C's next sequence at R
-    allocates them again (fallocate) before anything writes: on a full /dev/shm that is a
-    CacheFullError, never a SIGBUS at the first append."""
+    allocates them again (fallocate, a chunk ahead of its first append: _sequence/room.py)
+    before anything writes: on a full /dev/shm that is a CacheFullError, never a SIGBUS at
+    the first append. (C's record of what it reserved is stale: the borrow moved the span epoch.)"""
     st = _store(make_store)
     _, p = _donor(st, n=300, capacity=1024)
     c = shmkv.attach(st.name)
     try:
         fd = engine_of(st)._dseg.fileno()
         x = c.create_sequence(capacity=1024)
+        full = np.ones((L, 1024, H, D))
+        x.extend(full, full)  # C allocates all of R
         r = _start(c, x.id)
         x.free()
         before = os.fstat(fd).st_blocks
         f = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
-        assert _start(st, f.id) == r and st.stats().shared_tokens > 0
+        m = st.stats().shared_tokens
+        assert _start(st, f.id) == r and m > 0
         f.free()
-        assert os.fstat(fd).st_blocks < before  # the borrower's punched pages: holes
+        holes = os.fstat(fd).st_blocks
+        assert holes < before  # the borrower's punched pages: holes
         y = c.create_sequence(capacity=1024)
         assert _start(c, y.id) == r
-        assert os.fstat(fd).st_blocks == before  # reserved again before any write
+        one = np.ones((H, D), np.float16)
+        for layer in range(L):
+            y.append(layer, one, one)
+        cells = chunk(1024, engine_of(st).page_unit)
+        assert cells <= m  # (the chunk lies inside the old holes)
+        # allocated before the write: the whole chunk's K/V pages, not only the token's own page
+        assert (os.fstat(fd).st_blocks - holes) * 512 >= cells * 2 * L * H * D * 2
+        y.commit()
         k = np.ones((L, 10, H, D))
         y.extend(k, k)
-        assert np.array_equal(np.asarray(y.keys(0)), k[0].astype(np.float16))
+        assert np.array_equal(np.asarray(y.keys(0)), np.ones((11, H, D), np.float16))
     finally:
         c.close()
 

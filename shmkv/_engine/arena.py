@@ -99,8 +99,9 @@ class Arena(Sharing):
 
     def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
                evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
-               stage: bool = False, align: int = 1) -> int:
-        """First-fit a range of ``capacity`` cells (lock held); reserve its pages.
+               stage: bool = False, align: int = 1, fill: int | None = None) -> int:
+        """First-fit a range of ``capacity`` cells (lock held); reserve the pages of its first
+        ``fill`` cells (default: all; the rest as writes need them, pages.py).
 
         ``evict``: evict finished sequences (least recently used first, never row ``protect``,
         or the rows of a tuple) when no free range is large enough. ``populate``: see _reserve;
@@ -111,10 +112,11 @@ class Arena(Sharing):
             gaps = self.free_ranges(taken)
             fit = _first_fit(gaps, capacity, align)
         if fit is not None:
+            held = capacity if fill is None else min(fill, capacity)
             if stage:
-                self._stage(fit, capacity)
+                self._stage(fit, held)
             else:
-                self._reserve(fit, capacity, all_layers, populate)
+                self._reserve(fit, held, all_layers, populate)
             return fit
         raise CacheFullError(
             f"store {self.name!r} has no free range of {capacity} token cells "
@@ -270,11 +272,13 @@ class Arena(Sharing):
             parent[ENC_SLOT] = 0
 
     def new_row(self, capacity: int, protect: int = -1, near: int = 0, align: int = 1,
-                skip: int = 0) -> tuple[int, int]:
-        """A free table row (the first at or after row ``near``) and a reserved range for a new
-        sequence (lock held), evicting finished sequences other than row ``protect`` when there
-        is no room. ``align``: the range starts on a multiple of it (a page unit: a donor or a
-        borrower of shared pages); ``skip``: its first cells' K/V pages are borrowed, not reserved."""
+                skip: int = 0, *, fill: int = 0) -> tuple[int, int]:
+        """A free table row (the first at or after row ``near``) and a range for a new sequence
+        (lock held), evicting finished sequences other than row ``protect`` when there is no
+        room. ``align``: the range starts on a multiple of it (a page unit: a donor or a
+        borrower of shared pages); ``fill``: the pages of its first cells are reserved now (what
+        its creator writes), the rest as its writes need them (pages.py); ``skip``: its first
+        cells' K/V pages are borrowed, not reserved."""
         has_row = bool((self.table_np[:, STATE] == 0).any())
         fit = _first_fit(self.free_ranges(), capacity, align)
         if not has_row or fit is None:
@@ -284,15 +288,16 @@ class Arena(Sharing):
         slot = self._free_slot("a new sequence", near=near)
         # allocated, not pre-faulted: a prefill (extend) writes it through the descriptor and
         # pre-faults the rest then (_write_new); a first append pre-faults it all (before_appends)
+        fill = max(min(fill, capacity), skip)
         if fit is None and skip:
-            fit = self.alloc(capacity, populate=False, align=align, stage=True)  # (only checks the room)
-            self._page_unit_reserve(fit, capacity, skip)
+            fit = self.alloc(capacity, populate=False, align=align, stage=True, fill=fill)  # (only checks the room)
+            self._page_unit_reserve(fit, fill, skip)
         elif fit is None:
-            fit = self.alloc(capacity, populate=False, align=align)
+            fit = self.alloc(capacity, populate=False, align=align, fill=fill)
         elif skip:
-            self._page_unit_reserve(fit, capacity, skip)
+            self._page_unit_reserve(fit, fill, skip)
         else:  # the free ranges were just scanned: no second scan on the create path
-            self._reserve(fit, capacity, populate=False)
+            self._reserve(fit, fill, populate=False)
         self.reserve_window(slot)
         return slot, fit
 

@@ -64,7 +64,8 @@ class Engine(Arena):
         row = self.row(slot)
         start, wb = row[START], row[WBUF]
         cap = row[CAPACITY] if capacity is None else capacity
-        new_start = self.alloc(cap, evict=True, protect=protect, populate=False)
+        new_start = self.alloc(cap, evict=True, protect=protect, populate=False,
+                               fill=max((dst + n for _, dst, n in full), default=0))  # pages for what it copies
         for src, dst, n in full:
             self._copy_cells(start + src, new_start + dst, n)
         self._fill(new_start, cap)
@@ -121,13 +122,15 @@ class Engine(Arena):
         with self.changing(d_row):
             if d_row[LENGTH] == 0 and n <= d_row[CAPACITY]:
                 # dst holds nothing committed: its own cells and window buffer are free to write
+                # (their pages allocated first: a range has them only as its writes need them)
+                self._page_unit_reserve(d_row[START], n, share)
                 self._copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)
                 self._copy_window(src_win, self.wcell(d_slot, d_row[WBUF]), n - lo)
                 _crash.point("copy_prefix.copied")
             else:  # never over dst's committed cells: a fresh range and dst's other window buffer
                 # never evict the operation's own rows (a finished, unleased src or dst is a candidate)
                 new_start = self.alloc(max(n, d_row[CAPACITY]), evict=True, protect=(s_slot, d_slot),
-                                        populate=False)
+                                        populate=False, fill=n)
                 self._copy_cells(s_row[START], new_start, n)
                 self._fill(new_start, max(n, d_row[CAPACITY]))
                 wb = 1 - d_row[WBUF]
@@ -156,8 +159,7 @@ class Engine(Arena):
         before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
         after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
         for want in dict.fromkeys((new_cap, needed)):
-            if cap + after[1] >= want:
-                self._reserve(start + cap, want - cap)
+            if cap + after[1] >= want:  # (the new cells' pages: as the appends need them, pages.py)
                 row[CAPACITY] = want
                 _crash.point("grow.extended")
                 return
@@ -165,14 +167,14 @@ class Engine(Arena):
             if before[1] + cap + after[1] >= want and new_start + keep <= start and not row[FLAGS] & LENT:
                 # slide down into free cells before it, never over its own committed cells (nor
                 # over cells it lent: tests/test_crash.py::test_random_kills...[shared] found it)
-                self._reserve(new_start, want)
+                self._reserve(new_start, keep)
                 self._copy_cells(start, new_start, keep)  # (no overlap: the condition above)
                 _crash.point("grow.slid")
                 row[START], row[CAPACITY] = new_start, want
                 return
         for want in dict.fromkeys((new_cap, needed)):
             try:
-                new_start = self.alloc(want, evict=want == needed, protect=protect, populate=False)
+                new_start = self.alloc(want, evict=want == needed, protect=protect, populate=False, fill=keep)
             except CacheFullError:
                 continue
             self._copy_cells(start, new_start, keep)

@@ -2,7 +2,14 @@
 segment's descriptor into fresh ranges (a prefill, a load, a move; ``Arena`` places the cells).
 
 A range's pages are allocated (posix_fallocate: a full /dev/shm is CacheFullError, never a
-SIGBUS) before anything is written. What fills it decides the rest:
+SIGBUS) before anything is written into them, and only ahead of what is written (memory on
+demand, issue 23's ``prefix_memory_ratio``): a range's capacity is reserved as cells (address
+space, ``max_tokens``), its pages as its content needs them. A new range gets pages for the
+cells its creator writes (a reused prefix); ``write_new`` for an extend's tokens, exactly;
+appends through the mapping a chunk at a time (``room``, from the write handle's checked path
+when a token would cross what it knows is allocated: ``_sequence/room.py``); a move or a
+rewrite for the cells it copies. Pages once allocated stay (but for a borrower's punched span:
+``_record``). What fills them decides the rest:
 
 * appends write through the mapping: the pages are pre-faulted first (MADV_POPULATE_WRITE,
   which zeroes them), so the hot path never takes a page fault;
@@ -57,6 +64,8 @@ class Pages(Core):
         then *owed* (``_owed``) until written through the descriptor (``_put``, which skips
         the zeroing a pre-fault does, see Segment.write) or pre-faulted by ``_fill`` before
         writes through the mapping. Either way no SIGBUS: the pages exist."""
+        if count <= 0:
+            return
         done = self._record()[all_layers]
         if covers(done, start, start + count):
             if populate:
@@ -69,6 +78,12 @@ class Pages(Core):
             add_interval(self._owed, start, start + count)
         else:
             take_interval(self._owed, start, start + count)
+
+    def room(self, start: int, lo: int, hi: int) -> None:
+        """Allocate and pre-fault the pages of cells [start + lo, start + hi) before a write
+        handle's appends write them through the mapping (CacheFullError, nothing written, when
+        /dev/shm or memory is full; ``_sequence/room.py`` decides the chunk)."""
+        self._reserve(start + lo, hi - lo)
 
     def _stage(self, start: int, count: int) -> None:
         """A range a restore fills through the descriptor: the room is checked now; the writes
@@ -152,23 +167,31 @@ class Pages(Core):
 
     def write_new(self, start: int, length: int, cap: int, k_all: np.ndarray, v_all: np.ndarray) -> bool:
         """Sequence.extend into fresh cells: K and V of tokens [length, length + n) of the
-        range at ``start`` written through the descriptor, then the rest of the range
-        pre-faulted for the appends that follow. False (nothing written) when this path does
-        not apply: cells touched before, sliding/chunked layers, a quantized dtype, growth."""
+        range at ``start`` written through the descriptor into pages allocated for exactly them,
+        then what is owed of the range pre-faulted for the appends that follow. False (nothing
+        written) when this path does not apply: cells touched before, sliding/chunked layers, a
+        quantized dtype, growth."""
         lay = self.layout
         n = k_all.shape[1]
         a = start + length
         if (lay.bounded or self.KS is not None or lay.dtype == "bfloat16" or not n or length + n > cap
-                or k_all.dtype.kind not in "fiu" or v_all.dtype.kind not in "fiu" or not self._fresh(a, n)):
-            if self.owes(start, cap):
-                self._fill(start, cap)  # the appends that write instead go through the mapping
-            return False
+                or k_all.dtype.kind not in "fiu" or v_all.dtype.kind not in "fiu"):
+            return self._not_new(start, cap)
+        self._reserve(a, n, populate=False)  # exactly its pages (a full /dev/shm: nothing written)
+        if not self._fresh(a, n):
+            return self._not_new(start, cap)
         for arrs, src in ((self.Kl, k_all), (self.Vl, v_all)):
             for layer in range(lay.layers):
                 self._put(arrs[layer][a : a + n], src[layer])
         take_interval(self._owed, a, a + n)  # written: the commit's token ids first-touch their few pages
         self._fill(start, cap)
         return True
+
+    def _not_new(self, start: int, cap: int) -> bool:
+        """write_new does not apply: the appends that write instead go through the mapping."""
+        if self.owes(start, cap):
+            self._fill(start, cap)
+        return False
 
     def reserve_window(self, slot: int) -> None:
         """Reserve a slot's buffer in every bounded layer (its size never changes)."""

@@ -203,8 +203,8 @@ class Port(Protocol):
 
     def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
               evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
-              stage: bool = False) -> int:
-        """First-fit a range of cells and reserve its pages."""
+              stage: bool = False, fill: int | None = None) -> int:
+        """First-fit a range of cells and reserve the pages of its first ``fill`` (default: all)."""
         ...
 
     def reserve_window(self, slot: int) -> None:
@@ -216,6 +216,16 @@ class Port(Protocol):
         ...
 
     # -- pages: writes into fresh cells (pages.Pages; no lock) -------------------------------
+
+    @property
+    def page_unit(self) -> int:
+        """The fewest cells that fill whole pages in every per-layer array (sharing.Sharing)."""
+        ...
+
+    def room(self, start: int, lo: int, hi: int) -> None:
+        """Allocate and pre-fault the pages of cells [start + lo, start + hi) before appends
+        write them (pages.Pages; CacheFullError when /dev/shm is full)."""
+        ...
 
     def before_appends(self, start: int, count: int) -> None:
         """A write handle's first write other than extend: pre-fault what is owed of its range."""

@@ -33,7 +33,7 @@ class Sharing(Pages):
 
     def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
               evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
-              stage: bool = False, align: int = 1) -> int:
+              stage: bool = False, align: int = 1, fill: int | None = None) -> int:
         raise NotImplementedError  # Arena's
 
     @property
@@ -139,7 +139,7 @@ class Sharing(Pages):
         there), the lent cells left to their borrowers."""
         start, cap, length = row[START], row[CAPACITY], row[LENGTH]
         try:
-            new_start = self.alloc(cap, evict=True, protect=slot, populate=False)
+            new_start = self.alloc(cap, evict=True, protect=slot, populate=False, fill=length)
         except CacheFullError:
             self._shrink_borrowers(start, length)  # no room to move: its borrowers copy instead
             return
@@ -212,10 +212,10 @@ class Sharing(Pages):
         b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0)]
         return list(zip(b[:, SPAN_PHYS].tolist(), b[:, SPAN_CELLS].tolist(), strict=True))
 
-    def _page_unit_reserve(self, start: int, capacity: int, skip: int) -> None:
-        """Reserve a borrower's new range: every array's pages but those of its first ``skip``
-        cells in the shared arrays (token ids, positions and hashes are reserved in full)."""
-        self._reserve(start + skip, capacity - skip, populate=False)
+    def _page_unit_reserve(self, start: int, count: int, skip: int) -> None:
+        """Reserve the first ``count`` cells of a borrower's range: every array's pages but those
+        of its first ``skip`` cells in the shared arrays (token ids, positions and hashes of all)."""
+        self._reserve(start + skip, count - skip, populate=False)
         off = self._off
         self._dseg.reserve([(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off,
                                                                      off.hashes_off)], populate=False)

@@ -40,6 +40,7 @@ from shmkv._engine.header import (
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
+from shmkv._sequence.room import limits, make_room
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
 
@@ -62,7 +63,8 @@ class SeqWriter:
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch", "gen", "id",
                  "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions", "r", "ro_waiters",
-                 "row", "slot", "staged", "start", "token", "tokens", "vfrom", "waddr", "waiters", "wc", "write")
+                 "room", "row", "slot", "staged", "start", "token", "tokens", "vfrom", "waddr", "waiters", "wc",
+                 "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -87,6 +89,7 @@ class SeqWriter:
         self.base: list[int] = []  # per layer: cell of token 0
         self.lim: list[int] = []  # per layer: token index limit
         self.vfrom: list[int] = []  # per layer: first kept cell
+        self.room = 0  # tokens [0, room) of the range have their pages (_sequence/room.py)
         self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
         self.mirror: Int8Mirror | None = None  # int8 stores: what append returns views of (_sequence/mirror.py)
         self.staged = False  # int8: the pending tokens are in the mirror only, quantized at commit
@@ -111,13 +114,12 @@ class SeqWriter:
         key = (start, cap, woff, wbase)
         if key == self.cached:
             return  # (a truncate within the range, the speculative-decoding step, changes none of them)
+        if self.cached is None or self.cached[0] != start:  # a new range: what is written has pages
+            self.room = self.row[LENGTH] + max(self.pending)
         self.cached = key
         base = wbase - woff
         self.base = [start if f else base for f in self.isfull]  # cell of token 0
-        # token index limit: the range's capacity bounds every layer (token ids and positions
-        # need a cell even where only sliding/chunked layers hold K/V), the buffer bounds those
-        wlim = min(woff + self.wc, cap)
-        self.lim = [cap if f else wlim for f in self.isfull]
+        self.lim = limits(self, cap, woff)  # token index limits: capacity, window buffer, room
         self.vfrom = [start if f else wbase for f in self.isfull]  # first kept cell
 
     def drop_pending(self) -> None:
@@ -260,6 +262,8 @@ class SeqWriter:
         if end > self.lim[layer]:
             if end > self.row[CAPACITY]:
                 self.grow(end)
+            if end > self.room:  # the pages after the room: allocated before the write
+                make_room(self, end)
             if end > self.lim[layer]:  # a sliding/chunked layer's buffer is full
                 compact(self, layer, end)
         s = self.base[layer] + length + p

@@ -101,7 +101,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
             align, phys, m, owner = 1, 0, 0, -1
         try:
             slot, start = e.new_row(max(capacity, n), protect=donor if n else protect, near=next_id % rows,
-                                    align=align, skip=m)
+                                    align=align, skip=m, fill=n)  # pages for what it copies (pages.py)
         except CacheFullError:
             if n == 0:
                 raise

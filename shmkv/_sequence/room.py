@@ -1,0 +1,75 @@
+"""A write handle's room: the pages its appends write into, allocated a chunk at a time.
+
+A range's capacity is reserved as cells, its pages only as writes need them
+(``_engine/pages.py``). A write handle knows a token index, ``room``, below which its range's
+pages are allocated (every array's: K/V, token ids, positions, hashes, int8 scales); its
+per-layer limits (``SeqWriter.lim``) stop there, so the append fast path stays one
+comparison and a token that would cross the room goes down the checked path, which calls
+``make_room`` first: the next chunk's pages are allocated and pre-faulted (CacheFullError,
+nothing written, when /dev/shm is full), then the append writes.
+
+The room starts, for a new handle or a range that moved, at what is written (the committed
+and pending tokens: their pages exist); pages once allocated stay, so it only grows while the
+range stays where it is (a borrow punches only cells below the borrower's length, never
+written again: ``_engine/share.py``).
+
+The chunk: at least ``MIN_CHUNK`` cells and a page unit, and an eighth of the capacity, so a
+decode pays one allocation per many tokens (at most about eight over a range's capacity) and
+holds at most an eighth of its capacity beyond what it wrote.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from shmkv._engine.header import CAPACITY, LENGTH
+from shmkv._engine.port import Port
+
+__all__ = ["MIN_CHUNK", "Roomed", "chunk", "limits", "make_room"]
+
+MIN_CHUNK = 64  # cells
+
+
+class Roomed(Protocol):
+    """What of a write handle (``SeqWriter``) these functions use."""
+
+    port: Port
+    row: memoryview
+    start: int
+    room: int
+    wc: int
+    isfull: list[bool]
+    lim: list[int]
+    cached: tuple[int, int, int, int] | None
+
+
+def chunk(capacity: int, page_unit: int) -> int:
+    """Cells allocated at a time ahead of a write handle's appends (see the module docstring)."""
+    return max(MIN_CHUNK, page_unit, capacity // 8)
+
+
+def limits(w: Roomed, cap: int, woff: int) -> list[int]:
+    """The token index limit of each layer: the capacity bounds every layer (token ids and
+    positions need a cell even where only sliding/chunked layers hold K/V), the window buffer
+    bounds those, and the room (pages allocated) bounds them all."""
+    room = w.room
+    full = min(cap, room)
+    win = min(woff + w.wc, cap, room)
+    return [full if f else win for f in w.isfull]
+
+
+def make_room(w: Roomed, end: int) -> None:
+    """Allocate the pages for tokens up to ``end`` (within the capacity) and the chunk after
+    them, before an append writes there (CacheFullError from here: nothing written)."""
+    row = w.row
+    cap = row[CAPACITY]
+    lo = max(w.room, row[LENGTH])
+    if end <= lo:
+        w.room = lo
+    else:
+        hi = min(cap, max(end, lo + chunk(cap, w.port.page_unit)))
+        w.port.room(w.start, lo, hi)
+        w.room = hi
+    c = w.cached
+    if c is not None:
+        w.lim = limits(w, c[1], c[2])
