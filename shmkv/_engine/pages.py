@@ -94,15 +94,16 @@ class Pages(Core):
 
     def settle(self, start: int, length: int, count: int) -> None:
         """After a restore wrote the arrays of cells [start, start + length) of a staged range of
-        ``count`` cells: reserve the rest (token ids, positions, the cells after ``length``),
-        pre-faulted for the writes through the mapping that follow."""
+        ``count`` cells: reserve the rest of those cells' pages (token ids, positions), pre-faulted
+        for the writes through the mapping that follow (the cells after ``length``: as the
+        appends need them, see the module docstring)."""
         done = self._record()[False]
-        if not covers(done, start, start + count):
+        if not length:
+            return
+        if not covers(done, start, start + length):
             self._dseg.reserve(self._cell_ranges(start, length, kv=False))
-            if count > length:
-                self._dseg.reserve(self._cell_ranges(start + length, count - length))
-            add_interval(done, start, start + count)
-            take_interval(self._owed, start, start + count)
+            add_interval(done, start, start + length)
+            take_interval(self._owed, start, start + length)
         else:
             take_interval(self._owed, start, start + length)
             self._fill(start, count)

@@ -127,10 +127,10 @@ def _restore(core: Port, reader: _Reader, snap: Snapshot, is_file: bool, *, seq_
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
                                      f"store {core.name!r}'s max_tokens={lay.max_tokens}")
             try:  # from a file the arrays arrive through the descriptor, which allocates (_stage)
-                start = core.alloc(cap, taken, stage=direct)
+                start = core.alloc(cap, taken, stage=direct, fill=s.length)  # the rest: as writes need it
             except CacheFullError:
                 cap = max(1, s.length)
-                start = core.alloc(cap, taken, stage=direct)
+                start = core.alloc(cap, taken, stage=direct, fill=s.length)  # the rest: as writes need it
             taken.append((start, cap))
             plan.append((s, slot, start))
             if s.encoder_length:
