@@ -23,11 +23,12 @@ store = shmkv.create(name, layers=32, kv_heads=8, head_dim=128, dtype="bfloat16"
 seq = store.create_sequence(capacity=256)                                              # 32 MiB: fits
 seq.extend(np.ones((32, 100, 8, 128), np.float32), np.ones((32, 100, 8, 128), np.float32), tokens=range(100))
 seq.release()
+big = store.create_sequence(capacity=512)          # 64 MiB of cells: fine (pages are allocated as written)
 try:
-    store.create_sequence(capacity=512)                                                # 64 MiB more: does not
+    big.extend(np.ones((32, 500, 8, 128), np.float32), np.ones((32, 500, 8, 128), np.float32))  # 62.5 MiB: no
     print("no error", flush=True)
 except shmkv.CacheFullError as e:
-    print("full:", e, flush=True)
+    print("full:", e, len(big), flush=True)
 print("ready", seq.id, flush=True)
 sys.stdin.readline()                                                                   # until the reader is done
 store.close()
@@ -51,7 +52,10 @@ def test_one_store_two_processes_in_a_private_64mib_shm():
     try:
         full = p.stdout.readline()  # pipes, not sleeps: the creator says when it is ready
         ready = p.stdout.readline().split()
-        assert full.startswith("full:"), full + p.stderr.read()
+        if not full.startswith("full:"):
+            p.kill()  # (it waits for our newline: its stderr ends only once it is gone)
+            pytest.fail(full + p.communicate()[1])
+        assert full.split()[-1] == "0", full  # the extend that did not fit wrote nothing
         assert "enlarge /dev/shm" in full and "--shm-size" in full, full  # the message names the fix
         assert ready[:1] == ["ready"], ready
         assert name not in shmkv.list_stores()  # the machine's /dev/shm never sees it

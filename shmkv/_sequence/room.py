@@ -8,10 +8,11 @@ comparison and a token that would cross the room goes down the checked path, whi
 ``make_room`` first: the next chunk's pages are allocated and pre-faulted (CacheFullError,
 nothing written, when /dev/shm is full), then the append writes.
 
-The room starts, for a new handle or a range that moved, at what is written (the committed
-and pending tokens: their pages exist); pages once allocated stay, so it only grows while the
-range stays where it is (a borrow punches only cells below the borrower's length, never
-written again: ``_engine/share.py``).
+The room starts, for a new handle, a range that moved or any change made by someone else
+(``SeqWriter.refresh``), at what is written (the committed and pending tokens: their pages
+exist); pages once allocated stay, so it only grows while the handle's own changes keep the
+range where it is (a borrow punches only cells below the borrower's length, never written
+again: ``_engine/share.py``).
 
 The chunk: at least ``MIN_CHUNK`` cells and a page unit, and an eighth of the capacity, so a
 decode pays one allocation per many tokens (at most about eight over a range's capacity) and

@@ -101,6 +101,7 @@ class SeqWriter:
         start, cap, _, woff = self.r.span()
         self.gen = g if not g & 1 else -1
         self.length = self.row[LENGTH]
+        self.cached = None  # someone else's change: the room too is what is written (_sequence/room.py)
         self.cache(start, cap, woff)
 
     def cache(self, start: int, cap: int, woff: int) -> None:
