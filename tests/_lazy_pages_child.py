@@ -39,7 +39,8 @@ def main() -> None:
     seq = store.create_sequence(capacity=CAP)
     out["created"] = True
     seq.extend(ks[:, :100], vs[:, :100], tokens=np.arange(100))
-    out["chunk"] = chunk(CAP, engine_of(store).page_unit)
+    e = engine_of(store)
+    out["chunk"] = chunk(CAP, e.page_unit, e.kv_bytes(L))
     ballast = "/dev/shm/ballast"  # leave room for 1.5 chunks: one chunk of appends fits, the next does not
     fd = os.open(ballast, os.O_CREAT | os.O_RDWR, 0o600)
     os.posix_fallocate(fd, 0, free_bytes() - int(1.5 * int(out["chunk"]) * (store.bytes_per_token + 8)))

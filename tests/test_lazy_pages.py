@@ -25,6 +25,11 @@ CAP = 8192
 KV_CELL = 2 * L * H * D * 2  # K and V of every layer
 
 
+def _chunk(store, capacity: int) -> int:
+    e = engine_of(store)
+    return chunk(capacity, e.page_unit, e.kv_bytes(e.layout.layers))
+
+
 def _held(store) -> int:
     return os.fstat(engine_of(store)._dseg.fileno()).st_blocks * 512
 
@@ -46,8 +51,7 @@ def _bounds(cells: list[int]) -> tuple[int, int]:
 def test_large_capacities_hold_pages_only_for_what_is_written_plus_a_chunk(make_store):
     st = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=6 * CAP, max_seqs=8)
     empty = _held(st)
-    u = engine_of(st).page_unit
-    step = chunk(CAP, u)
+    step = _chunk(st, CAP)
     assert step < CAP // 4
     # prefills only: the extend's tokens, exactly
     pre = []
@@ -99,7 +103,7 @@ def test_growth_and_a_move_allocate_only_what_they_copy(make_store):
     # the old range (64 cells, written), the blocker's 16, and in the new range at most what
     # was copied plus a chunk: never the whole new capacity's pages
     held = _held(st) - empty
-    _, most = _bounds([64, 16, 200 + chunk(a.capacity, engine_of(st).page_unit)])
+    _, most = _bounds([64, 16, 200 + _chunk(st, a.capacity)])
     assert held <= most
 
 
@@ -159,8 +163,17 @@ def test_a_loaded_snapshot_holds_pages_for_its_tokens_and_appends_after_them(mak
                 s.commit()
             for layer in range(L):
                 np.testing.assert_array_equal(s.keys(layer), np.concatenate([k[layer], extra[layer]]))
-        step = chunk(CAP, engine_of(loaded).page_unit)
+        step = _chunk(loaded, CAP)
         _, most = _bounds([70 + step, 500 + step])
         assert _held(loaded) <= most
     finally:
         loaded.close()
+
+
+def test_the_chunk_is_a_few_cells_at_least_an_eighth_of_the_capacity_and_at_most_64_mib():
+    assert chunk(100, 8, 2048) == 64  # a small range: 64 cells
+    assert chunk(100, 256, 2048) == 256  # at least a page unit (int8 scales' pages)
+    assert chunk(8192, 8, 2048) == 1024  # an eighth of the capacity ...
+    llama = 32 * 2 * 8 * 128 * 2  # 128 KiB a token
+    assert chunk(131072, 8, llama) == 512  # ... up to 64 MiB of pages at a time
+    assert chunk(131072, 8, llama) * llama == 64 << 20

@@ -200,7 +200,8 @@ def test_01_a_range_punched_by_another_attachment_is_reserved_again(make_store):
         one = np.ones((H, D), np.float16)
         for layer in range(L):
             y.append(layer, one, one)
-        cells = chunk(1024, engine_of(st).page_unit)
+        e = engine_of(st)
+        cells = chunk(1024, e.page_unit, e.kv_bytes(L))
         assert cells <= m  # (the chunk lies inside the old holes)
         # allocated before the write: the whole chunk's K/V pages, not only the token's own page
         assert (os.fstat(fd).st_blocks - holes) * 512 >= cells * 2 * L * H * D * 2

@@ -14,9 +14,11 @@ exist); pages once allocated stay, so it only grows while the handle's own chang
 range where it is (a borrow punches only cells below the borrower's length, never written
 again: ``_engine/share.py``).
 
-The chunk: at least ``MIN_CHUNK`` cells and a page unit, and an eighth of the capacity, so a
-decode pays one allocation per many tokens (at most about eight over a range's capacity) and
-holds at most an eighth of its capacity beyond what it wrote.
+The chunk: at least ``MIN_CHUNK`` cells and a page unit, and an eighth of the capacity up to
+``MAX_CHUNK_BYTES``, so a decode pays one allocation per many tokens (at most about eight over
+a range's capacity, more for one of several GiB), holds at most an eighth of its capacity
+beyond what it wrote, and never stalls a step for more than 64 MiB of fresh pages (the kernel
+zeroes each page it allocates: about 4 ms a 16 MiB here, see tools/bench.py decode's first pass).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from typing import Protocol
 from shmkv._engine.header import CAPACITY, LENGTH
 from shmkv._engine.port import Port
 
-__all__ = ["MIN_CHUNK", "Roomed", "chunk", "limits", "make_room"]
+__all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "Roomed", "chunk", "limits", "make_room"]
 
 MIN_CHUNK = 64  # cells
+MAX_CHUNK_BYTES = 64 << 20
 
 
 class Roomed(Protocol):
@@ -44,9 +47,10 @@ class Roomed(Protocol):
     cached: tuple[int, int, int, int] | None
 
 
-def chunk(capacity: int, page_unit: int) -> int:
-    """Cells allocated at a time ahead of a write handle's appends (see the module docstring)."""
-    return max(MIN_CHUNK, page_unit, capacity // 8)
+def chunk(capacity: int, page_unit: int, cell_bytes: int) -> int:
+    """Cells allocated at a time ahead of a write handle's appends, for a range of ``capacity``
+    cells of ``cell_bytes`` bytes each (see the module docstring)."""
+    return max(MIN_CHUNK, page_unit, min(capacity // 8, MAX_CHUNK_BYTES // max(cell_bytes, 1)))
 
 
 def limits(w: Roomed, cap: int, woff: int) -> list[int]:
@@ -68,7 +72,8 @@ def make_room(w: Roomed, end: int) -> None:
     if end <= lo:
         w.room = lo
     else:
-        hi = min(cap, max(end, lo + chunk(cap, w.port.page_unit)))
+        p = w.port
+        hi = min(cap, max(end, lo + chunk(cap, p.page_unit, p.kv_bytes(p.layout.layers))))
         w.port.room(w.start, lo, hi)
         w.room = hi
     c = w.cached
