@@ -180,19 +180,6 @@ class SeqReader:
         self.wbase = (2 * self.slot + wbuf) * self.wc
         return start, cap, length, woff
 
-    def extent(self) -> tuple[int, int, int, int]:
-        """``span()`` without bringing this process's mapping of shared prefix pages up to date:
-        for what reads no cells (``seq.length``, ``capacity``: a speculative step asks the length
-        before each truncate). A read of cells goes through ``span``."""
-        if self.port.closed:
-            self.check()
-        state, sid, start, cap, length, woff, wbuf = seqlocked(self.row, GEN, self.words, HANDLE, self.settled_words,
-                                                               hold=self.reading, mine=self.owned)
-        if state != LIVE or sid != self.id or self.row[GEN] >> INCARNATION_SHIFT != self.inc:
-            raise self._freed()
-        self.wbase = (2 * self.slot + wbuf) * self.wc
-        return start, cap, length, woff
-
     def span_unlocked(self) -> tuple[int, int, int, int]:
         """The row's span with the store lock held (nothing changes it meanwhile)."""
         row = self.row  # live(words()) inlined: every structural op (a truncate per speculative step)
@@ -411,3 +398,17 @@ class SeqReader:
 
     async def wait_async(self, length: int | None, timeout: float | None) -> int:
         return await _waiting.wait_async(self, length, timeout)
+
+
+def extent(r: SeqReader) -> tuple[int, int, int, int]:
+    """``r.span()`` without bringing this process's mapping of shared prefix pages up to date:
+    for what reads no cells (``seq.length``, ``capacity``: a speculative step asks the length
+    before each truncate). A read of cells goes through ``span``."""
+    if r.port.closed:
+        r.check()
+    state, sid, start, cap, length, woff, wbuf = seqlocked(r.row, GEN, r.words, HANDLE, r.settled_words,
+                                                           hold=r.reading, mine=r.owned)
+    if state != LIVE or sid != r.id or r.row[GEN] >> INCARNATION_SHIFT != r.inc:
+        raise r._freed()
+    r.wbase = (2 * r.slot + wbuf) * r.wc
+    return start, cap, length, woff
