@@ -226,3 +226,54 @@ def test_03_fork_and_copy_prefix_borrow(make_store):
     assert np.array_equal(np.asarray(dst.keys(0))[200:], k[0].astype(np.float16))
     assert np.array_equal(np.asarray(d.keys(0))[300:], -k[0].astype(np.float16))
     assert np.asarray(child.keys(0))[:100].tobytes() == want[0][0][: 100 * H * D * 2]
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_path, start_method, readonly):
+    """A child whose own mappings fill vm.max_map_count (all but 4) while a new borrower B
+    appears: its sync maps what it can; B's span, refused, leaves B unreadable there and every
+    read path of B raises ShareError naming the limit and the fix (never zeros nor a copy of
+    holes: prefix reuse, copy_prefix and fork from B, shared or copied, included), while the
+    donor, an unrelated row and a borrower mapped before read right. Its mappings freed, the
+    next read maps B and gives its bytes bit for bit (a save and a reuse from B too)."""
+    import multiprocessing as mp
+
+    from _share_map_children import content, near_the_limit
+
+    from shmkv.testing import start_in_process
+
+    st = _store(make_store)
+    d, p = _donor(st)
+    c, _ = _donor(st, n=100, first=5000)
+    b0 = st.create_sequence(capacity=1024, prefix=np.r_[p, [7]])
+    ctx = mp.get_context(start_method)
+    got, ready = ctx.Queue(), ctx.Event()
+    child = start_in_process(near_the_limit, st.name, readonly, str(tmp_path / "b.snap"), got, ready,
+                             start_method=start_method, timeout=120)
+    try:
+        assert ready.wait(60)
+        b = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
+        rng = np.random.default_rng(2)
+        k = rng.standard_normal((L, 40, H, D))
+        b.extend(k, -k, tokens=np.arange(1, 41))  # B alone holds these: reuses from it take B
+        b.finish()
+        assert st.stats().shared_tokens >= 2 * 296
+        got.put((d.id, c.id, b0.id, b.id))
+        out = child.result()
+    finally:
+        child.kill()
+        got.close()
+    assert out["unmapped"] == [engine_of(st).slot_of(b.id)]
+    assert out["others"] == {i: content(st, i) for i in (d.id, c.id, b0.id)}
+    assert set(out["paths"].values()) == {"refused"}, out["paths"]
+    assert len(out["paths"]) == (11 if readonly else 20)
+    want = content(st, b.id)
+    assert out["after"] == want and out["after_unmapped"] == []
+    assert np.array_equal(np.asarray(b.keys(0))[:296], np.asarray(d.keys(0))[:296])  # the donor's bytes
+    loaded = _store(make_store)
+    loaded.restore(str(tmp_path / "b.snap"))
+    assert content(loaded, b.id) == want
+    if not readonly:
+        assert out["reused"] == (len(b), want)
+    assert {s.id for s in st.sequences()} == {d.id, c.id, b0.id, b.id}  # the refused ones left nothing

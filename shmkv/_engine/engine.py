@@ -78,6 +78,8 @@ class Engine(Arena):
         scales from cell ``kv_from`` on only (the cells before it are borrowed: _engine/sharing.py)."""
         if n <= 0 or src == dst:
             return
+        if self.shares.unmapped and n > kv_from:  # never copy holes as cells (_engine/share.py)
+            self.shares.cells_readable(src + kv_from, src + n, "a copy of its cells")
         tok_src, tok_dst, tok_n = src, dst, n
         src, dst, n = src + kv_from, dst + kv_from, n - kv_from
         # into fresh cells (a new range): through the descriptor, which skips zeroing them

@@ -62,7 +62,8 @@ class SeqWriter:
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch", "gen", "id",
                  "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions", "r", "ro_waiters",
-                 "row", "slot", "staged", "start", "token", "tokens", "vfrom", "waddr", "waiters", "wc", "write")
+                 "row", "slot", "staged", "start", "token", "tokens", "unmapped", "vfrom", "waddr", "waiters", "wc",
+                 "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -77,6 +78,7 @@ class SeqWriter:
         self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
         self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
         self.tokens, self.positions = r.tokens, r.positions
+        self.unmapped = r.shares.unmapped  # rows whose shared pages are not mapped here (read: refused)
         self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
         self.ro_waiters = p.ro_waiters.counts  # ... of read-only attachments
         self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
@@ -207,7 +209,7 @@ class SeqWriter:
         # below is what need_writer/layer/kv_arrays do, inlined for the common case.
         row = self.row
         if ((self.plain or self.mirror is not None) and self.write and row[LEASE_TOKEN] == self.token
-                and row[GEN] == self.gen
+                and row[GEN] == self.gen and not self.unmapped
                 and self.epoch == _segment.fork_epoch and type(layer) is int and 0 <= layer < self.L
                 and type(k) is np.ndarray and type(v) is np.ndarray and k.dtype.kind == "f"
                 and v.dtype.kind == "f"):
@@ -253,6 +255,8 @@ class SeqWriter:
         layer = self.r.layer(layer)
         int8 = self.dtype == "int8"
         k, v = self.kv_arrays(k, v, finite=views)  # int8: refused here (extend: by the quantizer)
+        if views and self.unmapped:
+            self.r.readable()  # the views would show its borrowed cells: holes in this process
         n = k.shape[0]
         length = self.row[LENGTH]
         p = self.pending[layer]
