@@ -277,3 +277,61 @@ def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_pat
     if not readonly:
         assert out["reused"] == (len(b), want)
     assert {s.id for s in st.sequences()} == {d.id, c.id, b0.id, b.id}  # the refused ones left nothing
+
+
+def _refusing(monkeypatch, fail):
+    """share._mmap refusing (ENOMEM, as at vm.max_map_count) the calls ``fail(i)`` names (1-based)."""
+    import ctypes
+    import errno
+
+    real, calls = share._mmap, []
+
+    def mmap(*args):
+        calls.append(args)
+        if fail(len(calls)):
+            ctypes.set_errno(errno.ENOMEM)
+            return share._FAILED
+        return real(*args)
+
+    monkeypatch.setattr(share, "_mmap", mmap)
+    return calls
+
+
+@pytest.mark.parametrize("revert_fails", [False, True])
+def test_02_a_span_refused_halfway_is_put_back_or_undone_before_reuse(make_store, monkeypatch, revert_fails):
+    """The kernel refuses B's third array: the two mapped before it go back to B's own pages
+    (or, when that is refused too, B's cells stay marked and are put back before any other row
+    is read there). B raises on reads until a retry maps it; then, B freed and its cells
+    reused by G, this attachment reads G's bytes, not the donor's."""
+    st = _store(make_store)
+    d, p = _donor(st)
+    ro = shmkv.attach(st.name, readonly=True)
+    try:
+        sh = engine_of(ro).shares
+        want_d = _content(ro.sequence(d.id))
+        b = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
+        # the sync: arrays 1, 2 mapped, 3 refused, 1 and 2 put back (or refused: calls >= 3); then
+        # every retry (at each read) refused
+        calls = _refusing(monkeypatch, lambda i: i >= 3 if revert_fails else i == 3 or i > 5)
+        rb = ro.sequence(b.id)
+        assert len(rb) == 300  # not a read of cells: no error
+        with pytest.raises(share.ShareError, match="vm.max_map_count"):
+            rb.keys(0)
+        assert len(calls) == (5 if revert_fails else 6)
+        slot = engine_of(st).slot_of(b.id)
+        assert list(sh.unmapped) == [slot] and list(sh.dirty) == ([slot] if revert_fails else [])
+        assert _content(ro.sequence(d.id)) == want_d
+        monkeypatch.undo()
+        if not revert_fails:
+            assert _content(rb) == _content(b)
+        start = _start(st, b.id)
+        b.free()
+        g = st.create_sequence(capacity=1024)
+        assert _start(st, g.id) == start
+        rng = np.random.default_rng(5)
+        k = rng.standard_normal((L, 300, H, D))
+        g.extend(k, -k)
+        assert _content(ro.sequence(g.id)) == _content(g)
+        assert not sh.unmapped and not sh.dirty
+    finally:
+        ro.close()
