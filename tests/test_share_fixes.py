@@ -315,7 +315,7 @@ def test_02_a_span_refused_halfway_is_put_back_or_undone_before_reuse(make_store
         calls = _refusing(monkeypatch, lambda i: i >= 3 if revert_fails else i == 3 or i > 5)
         rb = ro.sequence(b.id)
         assert len(rb) == 300  # not a read of cells: no error
-        with pytest.raises(share.ShareError, match="vm.max_map_count"):
+        with pytest.raises(share.ShareError, match=r"vm\.max_map_count"):
             rb.keys(0)
         assert len(calls) == (5 if revert_fails else 6)
         slot = engine_of(st).slot_of(b.id)
