@@ -44,3 +44,45 @@ def test_a_borrow_from_a_donor_mid_step_keeps_its_pending_tokens(make_store, dty
                 np.testing.assert_array_equal(donor.keys(layer)[n], kv[layer, n].astype(np.float16))
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_borrower_unshared_by_its_donor_mid_step_keeps_its_pending_tokens(make_store, dtype: str) -> None:
+    """The donor truncates below the cells it lent in a full store (no range to move to): its
+    borrower gets private copies of them (another attachment's change of the borrower's row,
+    which leaves its range and length where they were, and its span 0). The borrower's writer,
+    mid-step, keeps its pending tokens (an attack on 730ba4e: ``kept`` asked whether the row
+    borrows after the change, when it no longer did)."""
+    L, H, D = 3, 2, 64
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=2048 if dtype == "float16" else 8192,
+                       max_seqs=8)
+    other = shmkv.attach(store.name)  # the donor's process
+    try:
+        u = store._engine.page_unit
+        n = 3 * u
+        rng = np.random.default_rng(2)
+        kv = rng.standard_normal((L, n + 2, H, D)).astype(np.float32)
+        toks = rng.integers(0, 30_000, n + 2)
+        donor = other.create_sequence(capacity=n + 64, prefix=toks[:1])
+        donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
+        donor.finish()
+        donor = other.sequence(donor.id, write=True)
+        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
+        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
+        ref = [b.keys(layer).copy() for layer in range(L)]
+        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
+            other.create_sequence(capacity=other.stats().largest_free_range)
+        b.append(0, kv[0, n], kv[0, n])  # mid-step
+        donor.truncate(1)  # below every lent cell: the borrower's whole span becomes its own
+        assert store.stats().shared_tokens == 0
+        for layer in range(1, L):
+            b.append(layer, kv[layer, n], kv[layer, n])
+        b.commit(tokens=toks[n : n + 1])
+        assert len(b) == n + 1
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer)[:n], ref[layer])
+        if dtype == "float16":
+            for layer in range(L):
+                np.testing.assert_array_equal(b.keys(layer)[n], kv[layer, n].astype(np.float16))
+    finally:
+        other.close()

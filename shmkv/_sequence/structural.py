@@ -27,6 +27,7 @@ from shmkv._engine.header import (
     IDX_BLOCKS,
     LENGTH,
     NOINDEX,
+    SPAN_CELLS,
     START,
     WBUF,
     WIN_OFF,
@@ -75,6 +76,7 @@ class Structural:
             w.staged = False  # (an int8 mirror: kept by truncate, else re-read at the next append)
             row = w.row
             w.gen = row[GEN]
+            w.borrowed = row[SPAN_CELLS]
             w.cache(row[START], row[CAPACITY], row[WIN_OFF])
         finally:
             self._locked.__exit__(*exc)

@@ -60,10 +60,10 @@ class SeqWriter:
 
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
-    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch", "gen", "id",
-                 "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions", "r", "ro_waiters",
-                 "row", "slot", "staged", "start", "token", "tokens", "unmapped", "vfrom", "waddr", "waiters", "wc",
-                 "write")
+    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "borrowed", "cached", "cell", "dtype", "epoch",
+                 "gen", "id", "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions", "r",
+                 "ro_waiters", "row", "slot", "staged", "start", "token", "tokens", "unmapped", "vfrom", "waddr",
+                 "waiters", "wc", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -85,6 +85,7 @@ class SeqWriter:
         self.pending = [0] * self.L
         self.gen = -1
         self.length = -1  # the committed length this handle knows (kept())
+        self.borrowed = 0  # the row's borrowed cells (SPAN_CELLS) at this handle's generation (kept())
         self.start = 0
         self.base: list[int] = []  # per layer: cell of token 0
         self.lim: list[int] = []  # per layer: token index limit
@@ -100,6 +101,7 @@ class SeqWriter:
         start, cap, _, woff = self.r.span()
         self.gen = g if not g & 1 else -1
         self.length = self.row[LENGTH]
+        self.borrowed = self.row[SPAN_CELLS]
         self.cache(start, cap, woff)
 
     def cache(self, start: int, cap: int, woff: int) -> None:
@@ -394,9 +396,11 @@ def kept(w: SeqWriter, row: memoryview) -> bool:
     were, on a row that lends or borrows: another process borrowed from it (the LENT flag) or
     gave its borrowed cells private copies (``Sharing._unshare``). Its pending tokens, in cells
     past the length, stay valid then: a decode step is not lost because another request
-    borrowed from this one mid-step."""
+    borrowed from this one mid-step. (A row that borrowed at the handle's generation and no
+    longer does was given private copies of all its borrowed cells: tests/test_share_midstep.py.)"""
     c = w.cached
-    return (c is not None and (row[FLAGS] & LENT != 0 or row[SPAN_CELLS] > 0) and row[STATE] == LIVE
+    return (c is not None and (row[FLAGS] & LENT != 0 or row[SPAN_CELLS] > 0 or w.borrowed > 0)
+            and row[STATE] == LIVE
             and row[START] == w.start and row[CAPACITY] == c[1] and row[WIN_OFF] == c[2]
             and row[LENGTH] == w.length)
 
@@ -428,4 +432,5 @@ def compact(w: SeqWriter, layer: int, end: int) -> None:
             row[WBUF] = 1 - wb
             row[WIN_OFF] = new_off
         w.gen = row[GEN]
+        w.borrowed = row[SPAN_CELLS]
         w.cache(row[START], row[CAPACITY], new_off)
