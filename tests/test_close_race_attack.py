@@ -13,6 +13,8 @@ import pytest
 
 import shmkv
 from shmkv.cli import verify
+from shmkv.errors import WaitTimeout
+from shmkv.store._store import engine_of
 from shmkv.testing import start_in_process
 
 L, H, D = 2, 2, 64
@@ -80,7 +82,10 @@ def test_close_racing_reads_of_borrowers_raises_only_store_closed(make_store, tm
         elif j == 3:
             checked(seq.read(i % L)[0], i % L, "read")
         elif j == 4:
-            seq.wait(len(b), timeout=0.01)
+            try:
+                seq.wait(len(b) + 1, timeout=0.005)  # nobody commits to B: it sleeps, counted
+            except WaitTimeout:
+                pass
         elif j == 5:
             h.save(str(tmp_path / f"s{threading.get_ident()}.snap"), seq_ids=[b.id])
         elif j == 6:
@@ -123,3 +128,53 @@ def test_close_racing_reads_of_borrowers_raises_only_store_closed(make_store, tm
         n = child.result()
     assert n > 0 and ends == ["closed"] * 4 * TRIALS
     assert verify(store) == []
+    eng = engine_of(store)  # every wait's count came off its row, once (no leak, no double drop)
+    assert not any(eng.waiters) and not any(eng.ro_waiters.counts), (list(eng.waiters), list(eng.ro_waiters.counts))
+
+
+def test_a_read_only_wait_counted_as_close_drops_the_counts_leaks_none(make_store, monkeypatch):
+    """A read-only wait that counts itself on the row (the liveness file's count) just after a
+    close() in another thread took this handle's counts off: the count must not stay raised
+    (every later commit of the row would make a wake-up syscall for nobody). Found by the attack
+    above (a count of 1 to 4 left on the borrower's row)."""
+    from shmkv._sequence import waiting
+
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=512, max_seqs=8)
+    s = store.create_sequence(capacity=8)
+    s.extend(*_kv(1, 2))
+    h = shmkv.attach(store.name, readonly=True)
+    seq = h.sequence(s.id)
+    e = engine_of(h)
+    assert e.ro_waiters.writable
+    dropped, registered = threading.Event(), threading.Event()
+    real_register, real_drop = waiting._register, e.drop_waiters
+
+    def register(r):  # the waiter, between its first look at the length and its count
+        assert dropped.wait(60)
+        try:
+            return real_register(r)
+        finally:
+            registered.set()
+
+    def drop_waiters():  # close(), between taking the counts off and unmapping
+        real_drop()
+        dropped.set()
+        assert registered.wait(60)
+
+    monkeypatch.setattr(waiting, "_register", register)
+    monkeypatch.setattr(e, "drop_waiters", drop_waiters)
+    got: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            seq.wait(len(s) + 1, timeout=30)
+        except BaseException as err:
+            got.append(err)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    h.close()
+    t.join(60)
+    assert not t.is_alive()
+    assert len(got) == 1 and isinstance(got[0], shmkv.StoreClosedError), got
+    assert not any(engine_of(store).ro_waiters.counts)
