@@ -229,16 +229,14 @@ class SeqReader:
         return 0 if self.isfull[layer] else woff
 
     def readable(self) -> None:
-        """Raise ShareError if this row borrows shared prefix pages this process could not map
-        (``Shares.unmapped``: near ``vm.max_map_count``); its cells here are holes, never read."""
+        """ShareError if this row's shared prefix pages are not mapped here (``Shares.unmapped``)."""
         if self.shares.unmapped:
             self.shares.readable(self.slot, f"sequence {self.id} of store {self.port.name!r}")
 
     def held(self, layer: int) -> tuple[int, int, int, int]:
         """(first cell, end cell, first token index, main-arena start) of what ``layer`` holds."""
         start, _, length, woff = self.span()
-        if self.shares.unmapped:
-            self.readable()
+        self.readable()
         first = self.first(layer, woff)
         lo, hi = self.cells(layer, start, woff, first, length)
         return lo, hi, first, start
@@ -344,8 +342,7 @@ class SeqReader:
         words, k, v = self.mapped(lambda: seqlocked(self.row, GEN, lambda: copy(self.words()), HANDLE,
                                                     lambda: copy(self.settled_words()), hold=self.reading))
         self.live(words)
-        if self.shares.unmapped:
-            self.readable()  # (what was copied may be holes)
+        self.readable()  # (what was copied may be holes: never returned)
         return k, v
 
     def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
