@@ -271,3 +271,31 @@ def test_a_crash_while_copies_get_their_entries(make_store):
     s, n = serve(st, q)
     assert n == len(system)
     check(s, q, st.layout)
+
+
+@pytest.mark.parametrize("system_n", [40, 6])  # past two whole blocks; below one block (a lead)
+def test_a_copy_that_went_on_inside_a_block_is_matched_in_full(st, system_n):
+    """A copy that holds more of a prompt than its source only inside a partial block has no entry
+    there (nothing of its own completed a block): the match finds it through its source, which
+    stands for it, in every process."""
+    system = P(1, system_n)
+    d, _ = serve(st, system)
+    d.finish()
+    p = np.concatenate([system, P(2, 5) + 30_000])
+    s, n = serve(st, p)
+    assert n == system_n
+    s.finish()
+    assert st.match_prefix(p) == len(p) - 1
+    assert st.match_prefix(np.concatenate([p, [9]])) == len(p)
+    assert run_in_process(_match_readonly, st.name, p.tolist()) == len(p) - 1
+    s2, n2 = serve(st, np.concatenate([p, [3, 4]]))
+    assert n2 == len(p)
+    check(s2, np.concatenate([p, [3, 4]]), st.layout)
+
+
+def _match_readonly(name: str, prompt: list[int]) -> int:
+    s = shmkv.attach(name, readonly=True)
+    try:
+        return s.match_prefix(prompt)
+    finally:
+        s.close()

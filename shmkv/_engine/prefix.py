@@ -79,11 +79,11 @@ from shmkv._engine.header import (
     Layout,
 )
 from shmkv._engine.prefix_hash import BLOCK, LEAD, ROOT, as_tokens, block_hashes, lead_hash, lead_levels
+from shmkv._engine.prefix_scan import LEADMARK, copies, table_holders
 from shmkv._engine.seqlock import VERIFY, seqlocked
 
 DUP = 4  # holders kept a hash
 DISPLACED = 1 << 62  # in an entry's block word: it replaced an older holder of its hash
-LEADMARK = 1 << 61  # in an entry's block word: a lead entry, j in the low bits
 COVERS = DISPLACER | STANDIN  # row FLAGS: its entries may stand for other holders
 _LEAD_LEVEL = {j: i + 1 for i, j in enumerate(LEAD)}
 
@@ -249,7 +249,7 @@ class PrefixIndex:
             return 0
         taken = 0
         rows = np.frombuffer(r, np.int64).reshape(-1, SEQ_WORDS)
-        for n, (k, slot, count) in enumerate(_table_holders(rows, self._hashes, need, exclude)):
+        for n, (k, slot, count) in enumerate(table_holders(rows, self._hashes, need, exclude)):
             if n == 1:
                 _crash.point("free.rehomed")  # one holder has its entry, the others not yet
             taken += self.insert(need[k][0], int(rows[slot, ID]), slot, need[k][1], displaced=count > 1)
@@ -269,29 +269,8 @@ class PrefixIndex:
         return out
 
     def rebuild(self) -> int:
-        """Drop invalid entries (lock held); return the entries kept. Validity is judged in numpy
-        over the whole table; only the kept entries are re-inserted one by one."""
-        e = np.frombuffer(self._t, np.int64).reshape(-1, INDEX_WORDS).copy()
-        rows = np.frombuffer(self._rows, np.int64).reshape(-1, SEQ_WORDS)
-        h, sid, slot, marked = e.T
-        blk = marked & ~DISPLACED
-        lead = (blk & LEADMARK) != 0
-        j = np.where(lead, blk & ~LEADMARK, 0)  # a lead's length
-        blk = np.where(lead, 0, blk)
-        ok = (h != 0) & (slot >= 0) & (slot < len(rows))
-        r = rows[np.where(ok, slot, 0)]
-        ok &= (r[:, STATE] == LIVE) & (r[:, ID] == sid)
-        have = (r[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
-        level = np.searchsorted(np.array(LEAD), j, side="right")  # lead j is the level-th
-        ok &= np.where(lead, np.isin(j, LEAD) & (level <= have),
-                       (blk >= 0) & (blk < r[:, IDX_BLOCKS]))
-        cell = np.where(ok, r[:, START] + np.where(lead, j - 1, (blk + 1) * BLOCK - 1), 0)
-        ok &= (cell >= 0) & (cell < len(self._hashes))
-        ok &= self._hashes[np.where(ok, cell, 0)] == h
-        np.frombuffer(self._t, np.int64)[:] = 0
-        for hh, ss, sl, bb in e[ok].tolist():
-            self.insert(hh, ss, sl, bb & ~DISPLACED, displaced=bool(bb & DISPLACED))
-        return int(ok.sum())
+        """Drop invalid entries (lock held); return the entries kept (see _rebuild)."""
+        return _rebuild(self)
 
     def full(self, used: int) -> bool:
         return 4 * used >= 3 * self._slots
@@ -380,7 +359,7 @@ class PrefixIndex:
         # check (stale, or its sliding/chunked layers moved on): then the next, then shorter prefixes
         tried: set[tuple[int, int]] = set()
         while lo > 0:
-            found = self._best(t, limit, best, lo * BLOCK, tried)
+            found = self._best(t, limit, best, lo * BLOCK, tried, key=(hs[lo - 1], lo - 1))
             if found[0]:
                 return found
             lo -= 1
@@ -392,25 +371,38 @@ class PrefixIndex:
         recent first), each verified and extended token by token; then shorter leads."""
         for lvl in range(lead_levels(limit), 0, -1):
             j = LEAD[lvl - 1]
-            found = self._best(t, limit, self.holders(lead_hash(t, j)), j, set())
+            h = lead_hash(t, j)
+            found = self._best(t, limit, self.holders(h), j, set(), key=(h, LEADMARK | j))
             if found[0]:
                 return found
         return 0, 0, -1
 
     def _best(self, t: np.ndarray, limit: int, holders: list[tuple[int, int]], floor: int,
-              tried: set[tuple[int, int]]) -> tuple[int, int, int]:
-        """The holder (most recent first, each tried once) whose verified match is longest."""
-        n_best, id_best, slot_best = 0, 0, -1
-        for sid, slot in sorted(holders, key=lambda x: -self._rows[x[1] * SEQ_WORDS + RECENCY]):
+              tried: set[tuple[int, int]], *, key: tuple[int, int]) -> tuple[int, int, int]:
+        """The holder (most recent first, each tried once) whose verified match is longest. When
+        it stops short of ``limit`` and a holder stands for copies (STANDIN), the rows holding
+        ``key`` (hash, block) whose next token is ``t``'s are tried too: a copy that went on past
+        its source inside a block has no entry to be found by."""
+        r = self._rows
+        best = self._longest(t, limit, sorted(holders, key=lambda x: -r[x[1] * SEQ_WORDS + RECENCY]), floor,
+                             tried, best=(0, 0, -1))
+        if best[0] < limit and any(r[x[1] * SEQ_WORDS + FLAGS] & STANDIN for x in holders):
+            best = self._longest(t, limit, copies(r, self._hashes, self._tokens, key, t=t, n=best[0]), floor,
+                                 tried, best=best)
+        return best
+
+    def _longest(self, t: np.ndarray, limit: int, cands: list[tuple[int, int]], floor: int,
+                 tried: set[tuple[int, int]], *, best: tuple[int, int, int]) -> tuple[int, int, int]:
+        for sid, slot in cands:
             if (sid, slot) in tried:
                 continue
             tried.add((sid, slot))
             n = self._verify(t, limit, sid, slot, floor)
-            if n > n_best:
-                n_best, id_best, slot_best = n, sid, slot
+            if n > best[0]:
+                best = n, sid, slot
                 if n >= limit:
                     break  # nobody can give more
-        return n_best, id_best, slot_best
+        return best
 
     def _verify(self, t: np.ndarray, limit: int, sid: int, slot: int, floor: int) -> int:
         """Tokens of ``t`` (at most ``limit``) that sequence ``sid`` holds at positions 0..n-1,
@@ -442,30 +434,27 @@ class PrefixIndex:
         return seqlocked(r, b + GEN, read, VERIFY, _miss)  # a row changing all along: a miss
 
 
-def _table_holders(rows: np.ndarray, hashes: np.ndarray, need: list[tuple[int, int]],
-                   exclude: int) -> list[tuple[int, int, int]]:
-    """For each (hash, block or LEADMARK | j) of ``need`` that a live row other than ``exclude``
-    holds, (its index in ``need``, the most recent such row, how many there are): one pass over
-    the table. A row holds block blk when it indexed it and the hash sits at the block's last
-    cell; lead j when it has that many leads and the hash sits at cell j - 1."""
-    live = rows[:, STATE] == LIVE
-    if 0 <= exclude < len(rows):
-        live[exclude] = False
-    cand = np.flatnonzero(live)
-    if not cand.size:
-        return []
-    hs = np.array([h for h, _ in need], np.int64)
-    mark = np.array([b for _, b in need], np.int64)
-    lead = (mark & LEADMARK) != 0
-    j = np.where(lead, mark & ~LEADMARK, 0)
-    nblk = np.where(lead, 0, mark)
-    level = np.searchsorted(np.array(LEAD), j, side="right")
-    c = rows[cand]
-    have = (c[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
-    ok = np.where(lead[None, :], have[:, None] >= level[None, :], c[:, IDX_BLOCKS][:, None] > nblk[None, :])
-    cells = c[:, START][:, None] + np.where(lead, j - 1, (nblk + 1) * BLOCK - 1)[None, :]
-    ok &= (cells >= 0) & (cells < len(hashes))
-    ok &= hashes[np.where(ok, cells, 0)] == hs[None, :]
-    recency = np.where(ok, c[:, RECENCY][:, None], -1)
-    return [(k, int(cand[int(np.argmax(recency[:, k]))]), int(ok[:, k].sum()))
-            for k in np.flatnonzero(ok.any(axis=0)).tolist()]
+def _rebuild(index: PrefixIndex) -> int:
+    """PrefixIndex.rebuild: validity is judged in numpy over the whole table; only the kept
+    entries are re-inserted one by one."""
+    e = np.frombuffer(index._t, np.int64).reshape(-1, INDEX_WORDS).copy()
+    rows = np.frombuffer(index._rows, np.int64).reshape(-1, SEQ_WORDS)
+    h, sid, slot, marked = e.T
+    blk = marked & ~DISPLACED
+    lead = (blk & LEADMARK) != 0
+    j = np.where(lead, blk & ~LEADMARK, 0)  # a lead's length
+    blk = np.where(lead, 0, blk)
+    ok = (h != 0) & (slot >= 0) & (slot < len(rows))
+    r = rows[np.where(ok, slot, 0)]
+    ok &= (r[:, STATE] == LIVE) & (r[:, ID] == sid)
+    have = (r[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
+    level = np.searchsorted(np.array(LEAD), j, side="right")  # lead j is the level-th
+    ok &= np.where(lead, np.isin(j, LEAD) & (level <= have),
+                   (blk >= 0) & (blk < r[:, IDX_BLOCKS]))
+    cell = np.where(ok, r[:, START] + np.where(lead, j - 1, (blk + 1) * BLOCK - 1), 0)
+    ok &= (cell >= 0) & (cell < len(index._hashes))
+    ok &= index._hashes[np.where(ok, cell, 0)] == h
+    np.frombuffer(index._t, np.int64)[:] = 0
+    for hh, ss, sl, bb in e[ok].tolist():
+        index.insert(hh, ss, sl, bb & ~DISPLACED, displaced=bool(bb & DISPLACED))
+    return int(ok.sum())
