@@ -21,7 +21,7 @@ SHARED = dict(LAYOUT, head_dim=128)
 
 
 def layout_for(point: str) -> dict:
-    return BOUNDED if point.startswith("compact") else SHARED if point.startswith("share") else LAYOUT
+    return BOUNDED if point.startswith(("compact", "rewind")) else SHARED if point.startswith("share") else LAYOUT
 
 
 def kv(tokens: Any, layers: int = 2, head_dim: int = 4) -> tuple[np.ndarray, np.ndarray]:
@@ -123,6 +123,10 @@ def op(store: shmkv.Store, point: str, ids: dict[str, int], snap: str) -> None:
         s = store.sequence(b, write=True)
         for t in range(230, 262):  # the sliding layer's window buffer fills and compacts
             fill(s, [t])
+    elif kind == "rewind":  # B (tokens 200..229): back to n with the sliding layer's window given
+        n = 20 if point == "rewind.copied" else 28  # before what the window holds: a copy; within: a cut
+        k, v = kv(np.arange(n - 3, n) + 200, head_dim=d)
+        store.sequence(b, write=True).rewind(n, k[1:], v[1:])
     elif kind == "set_encoder":
         s = store.sequence(b, write=True)
         s.set_encoder(*kv(np.arange(600, 606), head_dim=d))

@@ -102,7 +102,7 @@ def test_killed_at_every_crash_point(make_store, tmp_path, point):
 
 def test_every_structural_operation_has_a_crash_point():
     ops = {"create", "free", "truncate", "grow", "copy_prefix", "fork", "remove", "shift_left", "compact",
-           "set_encoder", "restore", "lease", "finish", "share"}
+           "set_encoder", "restore", "lease", "finish", "share", "rewind"}
     assert ops == {p.split(".")[0] for p in _crash.POINTS}
     pkg = pathlib.Path(_crash.__file__).parent.parent  # the package: points sit in every subpackage
     src = "".join(f.read_text() for f in pkg.rglob("*.py"))

@@ -34,9 +34,7 @@ from shmkv.store import _lifecycle
 from shmkv.testing import unique_name
 
 HERE = os.path.dirname(__file__)
-# the points whose operation _crash_children.op runs; rewind.copied (seq.rewind, issue 25) has its own
-# crash test (tests/test_rewind.py) and is not in this matrix yet
-POINTS = tuple(p for p in _crash.POINTS if p != "rewind.copied")
+POINTS = _crash.POINTS  # every one: _crash_children.op runs an operation through each
 HOLDERS = ("transaction", "create_sequence", "create_sequence_prefix", "truncate", "copy_prefix", "restore",
            "save", "save_readonly", "read_readonly", "lease_takeover", "attach_verify", "verify_repair", "gc")
 

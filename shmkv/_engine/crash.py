@@ -40,6 +40,8 @@ POINTS = (
     "share.unshared",  # copy-on-write: private copies of what a borrower keeps written, span not shrunk
     "share.released",  # a borrower freed or moved: its span dropped (the last one: its cells free)
     "share.moved",  # a donor truncated into cells it lent: copied to a fresh range, not switched
+    "rewind.copied",  # seq.rewind: the new window written into the other buffer, the row not switched
+    "rewind.truncated",  # seq.rewind within what the window holds: the length changed, the index not
 )
 
 _spec = os.environ.get("SHMKV_CRASH_AT", "")

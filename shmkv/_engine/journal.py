@@ -59,7 +59,6 @@ tests kill (or interrupt) a process at every step of every operation.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -115,6 +114,7 @@ class Journal:
     ro_waiters: RowWaiters  # ... of read-only attachments
     length_addr0: int
     shares: Shares  # what this process has mapped of the table's spans (_engine/share.py)
+    _reserved_at: int  # the span epoch this process's reservation record is valid at (Pages._record)
 
     def row(self, slot: int) -> memoryview:
         raise NotImplementedError
@@ -141,10 +141,12 @@ class Journal:
         """A transaction is about to change spans (lock held): the span epoch odd until it ends,
         so every other process re-maps after it (``_engine/share.py``); this one is current."""
         hdr = self.hdr
-        e = hdr[_header.W_SPANS]
+        e = hdr[_W_SPANS]
         if not e & 1:
-            hdr[_header.W_SPANS] = e + 1
+            hdr[_W_SPANS] = e + 1
             self.shares.applied = e + 1
+            if self._reserved_at == e:  # this process's own punches keep its record exact (Pages._record)
+                self._reserved_at = e + 1
         self._free.tag = -1  # spans hold cells: the gaps are derived again
         hdr[_header.W_ALLOCS] += 1
 
@@ -206,7 +208,7 @@ class Journal:
         entry[1 : 1 + SEQ_WORDS] = row
         # the meta record is logged only by what changes it (_log_meta): most operations do not
         if k == 0:  # who: for `shmkv verify`'s report (recovery itself needs no pid: it holds the lock)
-            hdr[_header.W_UNDO_PID] = os.getpid()
+            hdr[_header.W_UNDO_PID] = self._lock.pid  # (the lock is held: this process's pid, no system call)
         hdr[_header.W_UNDO_COUNT] = k + 1  # published after the entry
 
     def log_meta(self, slot: int) -> None:
@@ -251,6 +253,8 @@ class Journal:
         if e & 1:  # spans changed: even again, after the rows (a reader that saw them sees it moved)
             hdr[_W_SPANS] = e + 1
             self.shares.applied = e + 1
+            if self._reserved_at == e:  # (see _spans_odd)
+                self._reserved_at = e + 1
         hdr[_header.W_UNDO_COUNT] = 0
         for slot in self._logged:
             self._wake(slot)
@@ -338,8 +342,8 @@ class _Entered:
         j = self.j
         j.check_writable()
         lock = j._lock
-        lock.acquire(j.lock_timeout)
-        if lock.depth == 1 and (self.scan or j.hdr[_header.W_UNDO_COUNT] or j._depth):
+        depth = lock.acquire(j.lock_timeout)  # (lock.depth would ask getpid again: ~0.3 us)
+        if depth == 1 and (self.scan or j.hdr[_header.W_UNDO_COUNT] or j._depth):
             try:
                 j._recover(self.scan)
             except BaseException:
@@ -347,7 +351,7 @@ class _Entered:
                 raise
         if j.hdr[_W_SPANS] != j.shares.applied:  # before anything is written (_engine/share.py, 1)
             try:
-                j._spans_current(lock.depth)
+                j._spans_current(depth)
             except BaseException:
                 lock.release()
                 raise
@@ -427,10 +431,11 @@ class _Change:
                 raise
             j._logged[slot] = row
             row[GEN] += 1  # odd: readers wait (invariant 3)
-        if row[SPAN_CELLS]:  # a borrower: its span may change (_engine/sharing.py)
-            j._spans_odd()
-        elif row[FLAGS] & LENT:
-            j._free.tag = -1
+        if j.hdr[_W_SPANS]:  # (0: no span ever in this store, so no row borrows or lends: the common case)
+            if row[SPAN_CELLS]:  # a borrower: its span may change (_engine/sharing.py)
+                j._spans_odd()
+            elif row[FLAGS] & LENT:
+                j._free.tag = -1
         self.slot = slot
         self.outer = j._free.brackets.setdefault(slot, was := (row[STATE], row[START], row[CAPACITY])) is was
         self.was = was
@@ -440,7 +445,7 @@ class _Change:
         j, row = self.j, self.row
         err = None
         if self.outer:
-            if exc_type is None and (row[SPAN_CELLS] or row[FLAGS] & LENT):
+            if exc_type is None and j.hdr[_W_SPANS] and (row[SPAN_CELLS] or row[FLAGS] & LENT):
                 try:
                     j._settle_span(self.slot, row, self.was)  # shared cells stay unwritten
                 except BaseException as e:  # the bracket still ends (rolled back), then it propagates

@@ -183,11 +183,12 @@ class StoreLock:
         )
 
     @critical
-    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT, *, shared: bool = False) -> None:
+    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT, *, shared: bool = False) -> int:
         """Take the lock (re-entrant); raise LockTimeout after ``timeout`` s (None or < 0: wait).
 
-        Returns with the lock held, or raises with it not held (a Ctrl-C included: see the
-        module docstring)."""
+        Returns with the lock held (the holds this process now has: 1 for the outermost, what
+        ``depth`` would say, without its fork check), or raises with it not held (a Ctrl-C
+        included: see the module docstring)."""
         if self._closed:
             raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
         if self._pid != os.getpid():
@@ -229,6 +230,7 @@ class StoreLock:
         state.depth += 1
         if deferred:  # a Ctrl-C while we took it: give it back, then raise it
             self.release()
+        return state.depth
 
     @critical
     def _flock(self, fd: int, op: int, deadline: float | None, timeout: float | None) -> None:
@@ -285,6 +287,12 @@ class StoreLock:
         state = self._state
         return (state is not None and self._pid == os.getpid() and state.depth > 0
                 and bool(state.rlock._is_owned()))  # type: ignore[attr-defined]  # RLock's owner check
+
+    @property
+    def pid(self) -> int:
+        """The process this lock was opened in; while the lock is held, the calling one (acquire
+        opens it again in a forked child): no getpid system call on the structural path."""
+        return self._pid
 
     @property
     def depth(self) -> int:

@@ -398,3 +398,17 @@ class SeqReader:
 
     async def wait_async(self, length: int | None, timeout: float | None) -> int:
         return await _waiting.wait_async(self, length, timeout)
+
+
+def extent(r: SeqReader) -> tuple[int, int, int, int]:
+    """``r.span()`` without bringing this process's mapping of shared prefix pages up to date:
+    for what reads no cells (``seq.length``, ``capacity``: a speculative step asks the length
+    before each truncate). A read of cells goes through ``span``."""
+    if r.port.closed:
+        r.check()
+    state, sid, start, cap, length, woff, wbuf = seqlocked(r.row, GEN, r.words, HANDLE, r.settled_words,
+                                                           hold=r.reading, mine=r.owned)
+    if state != LIVE or sid != r.id or r.row[GEN] >> INCARNATION_SHIFT != r.inc:
+        raise r._freed()
+    r.wbase = (2 * r.slot + wbuf) * r.wc
+    return start, cap, length, woff

@@ -14,6 +14,7 @@ import numpy as np
 
 from shmkv._engine.header import LEASE_PID
 from shmkv._sequence.mirror import Int8Mirror
+from shmkv._sequence.reader import extent as _extent
 
 if TYPE_CHECKING:
     from shmkv._engine.port import Port
@@ -46,14 +47,14 @@ class Reads:
     @property
     def length(self) -> int:
         """Committed tokens (what every process sees)."""
-        return int(self._r.span()[2])
+        return int(_extent(self._r)[2])
 
     def __len__(self) -> int:
         return self.length
 
     @property
     def capacity(self) -> int:
-        return int(self._r.span()[1])
+        return int(_extent(self._r)[1])
 
     @property
     def pending(self) -> int:
@@ -63,7 +64,7 @@ class Reads:
     @property
     def remaining_capacity(self) -> int:
         """Tokens that fit before the sequence must grow (moving if needed)."""
-        _, cap, length, _ = self._r.span()
+        _, cap, length, _ = _extent(self._r)
         return int(cap - length - max(self._w.pending))
 
     @property
@@ -73,7 +74,7 @@ class Reads:
     @property
     def nbytes(self) -> int:
         """Bytes held by the committed tokens (K and V of the layers that hold them, ids, positions)."""
-        _, _, length, woff = self._r.span()
+        _, _, length, woff = _extent(self._r)
         p = self._p
         bounded = len(p.layout.bounded)  # (the full layers' bytes: store.bytes_per_token)
         return length * (p.kv_bytes(p.layout.layers - bounded) + 16) + (length - woff) * p.kv_bytes(bounded)
