@@ -86,3 +86,50 @@ def test_a_borrower_unshared_by_its_donor_mid_step_keeps_its_pending_tokens(make
                 np.testing.assert_array_equal(b.keys(layer)[n], kv[layer, n].astype(np.float16))
     finally:
         other.close()
+
+
+def test_a_commit_without_token_ids_flags_its_row_under_the_store_lock(make_store) -> None:
+    """An id-less commit marks its row NOINDEX. FLAGS also holds LENT and STANDIN, which another
+    process sets on this leased row under the store lock (a borrow from it, a copy of it): the
+    writer's read-modify-write must wait for the lock, or it can write back flags without the
+    other's bit (a donor that forgot it lent writes over its borrowers' cells)."""
+    import threading
+
+    from shmkv._engine.header import FLAGS, LENT, NOINDEX
+
+    store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
+    seq = store.create_sequence(capacity=64)
+    k = np.ones((2, 3, 2, 8), np.float32)
+    seq.extend(k, k, tokens=[1, 2, 3])  # pages in place: the next commit needs nothing structural
+    row = store._engine.row(store._engine.slot_of(seq.id))
+    assert not row[FLAGS] & NOINDEX
+    inside, go = threading.Event(), threading.Event()
+    done: list[object] = []
+
+    def holder() -> None:  # what another process's borrow does: LENT set under the lock
+        with store.transaction():
+            inside.set()
+            assert go.wait(60)
+            row[FLAGS] |= LENT
+
+    def commit() -> None:
+        try:
+            done.append(seq.extend(k[:, :1], k[:, :1]))  # no token ids
+        except BaseException as e:
+            done.append(e)
+
+    h = threading.Thread(target=holder)
+    h.start()
+    assert inside.wait(60)
+    c = threading.Thread(target=commit)
+    c.start()
+    c.join(timeout=0.3)
+    waited = c.is_alive()
+    go.set()
+    h.join(timeout=60)
+    c.join(timeout=60)
+    assert not h.is_alive() and not c.is_alive()
+    assert done and not isinstance(done[0], BaseException), done
+    assert waited, "the id-less commit wrote FLAGS while another held the store lock"
+    assert row[FLAGS] & NOINDEX and row[FLAGS] & LENT
+    row[FLAGS] &= ~LENT  # (the test's own mark: nothing was lent)

@@ -23,6 +23,7 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
+from shmkv._engine.intervals import add_interval, covers
 from shmkv._engine.pages import Pages
 from shmkv._engine.share import max_borrowers
 from shmkv.errors import CacheFullError
@@ -214,8 +215,15 @@ class Sharing(Pages):
 
     def _page_unit_reserve(self, start: int, capacity: int, skip: int) -> None:
         """Reserve a borrower's new range: every array's pages but those of its first ``skip``
-        cells in the shared arrays (token ids, positions and hashes are reserved in full)."""
-        self._reserve(start + skip, capacity - skip, populate=False)
+        cells in the shared arrays (token ids, positions and hashes are reserved in full). One
+        reservation (one check of the room) on the create path: what ``_reserve(start + skip,
+        capacity - skip, populate=False)`` does, with the first cells' small arrays added."""
         off = self._off
-        self._dseg.reserve([(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off,
-                                                                     off.hashes_off)], populate=False)
+        small = [(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off, off.hashes_off)]
+        done = self._record()[False]
+        if covers(done, start + skip, start + capacity):
+            self._dseg.reserve(small, populate=False)
+            return
+        self._dseg.reserve(self._cell_ranges(start + skip, capacity - skip) + small, populate=False)
+        add_interval(done, start + skip, start + capacity)
+        add_interval(self._owed, start + skip, start + capacity)

@@ -357,8 +357,6 @@ class SeqWriter:
             self.mirror.quantize(length, n, s, self)
         if tok is None:
             self.tokens[s : s + n] = -1
-            if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
-                row[FLAGS] |= NOINDEX
         else:
             self.tokens[s : s + n] = tok
         if pos is None:
@@ -374,8 +372,11 @@ class SeqWriter:
             _futex.wake(self.waddr)
         self.pending, self.staged = [0] * self.L, False
         flags = row[FLAGS]
-        if not flags & NOINDEX and ((length + n) // BLOCK > row[IDX_BLOCKS]
-                                    or (length < LEAD[-1] and lead_levels(length + n) > leads(flags))):
+        if flags & NOINDEX:
+            pass
+        elif tok is None:  # cells without ids cannot be found by the prefix index
+            unindexable(self, row)
+        elif (length + n) // BLOCK > row[IDX_BLOCKS] or (length < LEAD[-1] and lead_levels(length + n) > leads(flags)):
             self.index_committed(length + n)
         return length + n
 
@@ -389,6 +390,19 @@ class SeqWriter:
                 self.port.index_blocks(self.slot, length)
         except LockTimeout:
             pass
+
+
+def unindexable(w: SeqWriter, row: memoryview) -> None:
+    """Flag ``w``'s row NOINDEX (its blocks from IDX_BLOCKS on have cells without token ids) under
+    the store lock: FLAGS also holds LENT and STANDIN, which other processes set under it on this
+    leased row (a borrow from it, a copy of it), and an unlocked read-modify-write could drop
+    theirs (a donor that forgot it lent would write over its borrowers' cells). A lock timeout
+    leaves the flag unset: index_blocks finds the -1 ids at the next block and sets it then."""
+    try:
+        with w.port.locked():
+            row[FLAGS] |= NOINDEX
+    except LockTimeout:
+        pass
 
 
 def kept(w: SeqWriter, row: memoryview) -> bool:
