@@ -65,6 +65,10 @@ def prepare(store: shmkv.Store, point: str, ids: dict[str, int]) -> None:
         s.release()  # (op finds it: the one sequence of 35 tokens)
         if point == "share.moved":  # A taken back (no longer finished) before: the op only truncates
             store.sequence(ids["a"], write=True).release()
+    if point == "free.rehomed":  # a copy of C's 20 tokens: C's index entries stand for its own
+        s = store.create_sequence(capacity=32, prefix=np.concatenate([np.arange(400, 420), [7]]))
+        assert len(s) == 20
+        s.release()
     if point == "grow.slid":  # C gets a neighbour after it and 64 free cells before it: it slides
         d = store.create_sequence(capacity=32)  # (created first: it takes the cells right after C)
         fill(d, np.arange(800, 805))

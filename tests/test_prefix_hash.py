@@ -55,3 +55,40 @@ def test_pinned_value():
 def test_bad_tokens(bad):
     with pytest.raises(ValueError, match="token ids"):
         as_tokens(bad)
+
+
+def _by_definition(toks: np.ndarray) -> list[int]:
+    out, h = [], ROOT
+    raw = np.asarray(toks).astype("<i8").tobytes()
+    for i in range(len(toks) // BLOCK):
+        d = hashlib.blake2b(h.to_bytes(8, "little") + raw[i * 8 * BLOCK : (i + 1) * 8 * BLOCK],
+                            digest_size=8, person=b"shmkv-prefix-v1").digest()
+        h = int.from_bytes(d, "little") & (2**63 - 1)
+        out.append(h)
+    return out
+
+
+def test_recent_prompts_shortcut_gives_the_same_values():
+    """block_hashes reuses the hashes of a recent prompt's common whole-block prefix (issue 23: a
+    server hashes the same system prompt again and again): every value stays the definition's,
+    for prompts that share any prefix with recent ones, diverge inside a block, or stop early."""
+    rng = np.random.default_rng(11)
+    system = rng.integers(0, 50_000, 40 * BLOCK)
+    seen = [system, rng.integers(0, 50_000, 300)]
+    for trial in range(120):
+        base = seen[int(rng.integers(0, len(seen)))]
+        k = int(rng.integers(0, len(base) + 1))
+        toks = np.concatenate([base[:k], rng.integers(0, 50_000, int(rng.integers(0, 5 * BLOCK)))])
+        if trial % 5 == 0 and len(toks):
+            toks[int(rng.integers(0, len(toks)))] += 1  # one token differs somewhere
+        want = _by_definition(toks)
+        assert block_hashes(toks) == want, trial
+        limit = int(rng.integers(0, len(want) + 2))
+        assert block_hashes(toks, limit=limit) == want[:limit], trial
+        if want:
+            assert block_hashes(toks[BLOCK:], parent=want[0]) == want[1:], trial
+        seen.append(toks)
+    # the list returned is the caller's own: changing it changes nothing remembered
+    hs = block_hashes(system)
+    hs[0] = 1
+    assert block_hashes(system) == _by_definition(system)

@@ -240,3 +240,112 @@ def test_03_fork_and_copy_prefix_borrow(make_store):
     assert np.array_equal(np.asarray(dst.keys(0))[200:], k[0].astype(np.float16))
     assert np.array_equal(np.asarray(d.keys(0))[300:], -k[0].astype(np.float16))
     assert np.asarray(child.keys(0))[:100].tobytes() == want[0][0][: 100 * H * D * 2]
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_path, start_method, readonly):
+    """A child whose own mappings fill vm.max_map_count (all but 4) while a new borrower B
+    appears: its sync maps what it can; B's span, refused, leaves B unreadable there and every
+    read path of B raises ShareError naming the limit and the fix (never zeros nor a copy of
+    holes: prefix reuse, copy_prefix and fork from B, shared or copied, included), while the
+    donor, an unrelated row and a borrower mapped before read right. Its mappings freed, the
+    next read maps B and gives its bytes bit for bit (a save and a reuse from B too)."""
+    import multiprocessing as mp
+
+    from _share_map_children import content, near_the_limit
+
+    from shmkv.testing import start_in_process
+
+    st = _store(make_store)
+    d, p = _donor(st)
+    c, _ = _donor(st, n=100, first=5000)
+    b0 = st.create_sequence(capacity=1024, prefix=np.r_[p, [7]])
+    ctx = mp.get_context(start_method)
+    got, ready = ctx.Queue(), ctx.Event()
+    child = start_in_process(near_the_limit, st.name, readonly, str(tmp_path / "b.snap"), got, ready,
+                             start_method=start_method, timeout=120)
+    try:
+        assert ready.wait(60)
+        b = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
+        rng = np.random.default_rng(2)
+        k = rng.standard_normal((L, 40, H, D))
+        b.extend(k, -k, tokens=np.arange(1, 41))  # B alone holds these: reuses from it take B
+        b.finish()
+        assert st.stats().shared_tokens >= 2 * 296
+        got.put((d.id, c.id, b0.id, b.id))
+        out = child.result()
+    finally:
+        child.kill()
+        got.close()
+    assert out["unmapped"] == [engine_of(st).slot_of(b.id)]
+    assert out["others"] == {i: content(st, i) for i in (d.id, c.id, b0.id)}
+    assert set(out["paths"].values()) == {"refused"}, out["paths"]
+    assert len(out["paths"]) == (11 if readonly else 20)
+    want = content(st, b.id)
+    assert out["after"] == want and out["after_unmapped"] == []
+    assert np.array_equal(np.asarray(b.keys(0))[:296], np.asarray(d.keys(0))[:296])  # the donor's bytes
+    loaded = _store(make_store)
+    loaded.restore(str(tmp_path / "b.snap"))
+    assert content(loaded, b.id) == want
+    if not readonly:
+        assert out["reused"] == (len(b), want)
+    assert {s.id for s in st.sequences()} == {d.id, c.id, b0.id, b.id}  # the refused ones left nothing
+
+
+def _refusing(monkeypatch, fail):
+    """share._mmap refusing (ENOMEM, as at vm.max_map_count) the calls ``fail(i)`` names (1-based)."""
+    import ctypes
+    import errno
+
+    real, calls = share._mmap, []
+
+    def mmap(*args):
+        calls.append(args)
+        if fail(len(calls)):
+            ctypes.set_errno(errno.ENOMEM)
+            return share._FAILED
+        return real(*args)
+
+    monkeypatch.setattr(share, "_mmap", mmap)
+    return calls
+
+
+@pytest.mark.parametrize("revert_fails", [False, True])
+def test_02_a_span_refused_halfway_is_put_back_or_undone_before_reuse(make_store, monkeypatch, revert_fails):
+    """The kernel refuses B's third array: the two mapped before it go back to B's own pages
+    (or, when that is refused too, B's cells stay marked and are put back before any other row
+    is read there). B raises on reads until a retry maps it; then, B freed and its cells
+    reused by G, this attachment reads G's bytes, not the donor's."""
+    st = _store(make_store)
+    d, p = _donor(st)
+    ro = shmkv.attach(st.name, readonly=True)
+    try:
+        sh = engine_of(ro).shares
+        want_d = _content(ro.sequence(d.id))
+        b = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
+        # the sync: arrays 1, 2 mapped, 3 refused, 1 and 2 put back (or refused: calls >= 3); then
+        # every retry (at each read) refused
+        calls = _refusing(monkeypatch, lambda i: i >= 3 if revert_fails else i == 3 or i > 5)
+        rb = ro.sequence(b.id)
+        assert len(rb) == 300  # not a read of cells: no error
+        with pytest.raises(share.ShareError, match=r"vm\.max_map_count"):
+            rb.keys(0)
+        assert len(calls) == (5 if revert_fails else 6)
+        slot = engine_of(st).slot_of(b.id)
+        assert list(sh.unmapped) == [slot] and list(sh.dirty) == ([slot] if revert_fails else [])
+        assert (_content(ro.sequence(d.id)) == want_d) is True  # (a bool: a diff of bytes takes minutes)
+        monkeypatch.undo()
+        if not revert_fails:
+            assert (_content(rb) == _content(b)) is True
+        start = _start(st, b.id)
+        b.free()
+        g = st.create_sequence(capacity=1024)
+        assert _start(st, g.id) == start
+        rng = np.random.default_rng(5)
+        k = rng.standard_normal((L, 300, H, D))
+        g.extend(k, -k)
+        assert (_content(ro.sequence(g.id)) == _content(g)) is True
+        assert not sh.unmapped and not sh.dirty
+    finally:
+        ro.close()

@@ -44,3 +44,92 @@ def test_a_borrow_from_a_donor_mid_step_keeps_its_pending_tokens(make_store, dty
                 np.testing.assert_array_equal(donor.keys(layer)[n], kv[layer, n].astype(np.float16))
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_borrower_unshared_by_its_donor_mid_step_keeps_its_pending_tokens(make_store, dtype: str) -> None:
+    """The donor truncates below the cells it lent in a full store (no range to move to): its
+    borrower gets private copies of them (another attachment's change of the borrower's row,
+    which leaves its range and length where they were, and its span 0). The borrower's writer,
+    mid-step, keeps its pending tokens (an attack on 730ba4e: ``kept`` asked whether the row
+    borrows after the change, when it no longer did)."""
+    L, H, D = 3, 2, 64
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=2048 if dtype == "float16" else 8192,
+                       max_seqs=8)
+    other = shmkv.attach(store.name)  # the donor's process
+    try:
+        u = store._engine.page_unit
+        n = 3 * u
+        rng = np.random.default_rng(2)
+        kv = rng.standard_normal((L, n + 2, H, D)).astype(np.float32)
+        toks = rng.integers(0, 30_000, n + 2)
+        donor = other.create_sequence(capacity=n + 64, prefix=toks[:1])
+        donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
+        donor.finish()
+        donor = other.sequence(donor.id, write=True)
+        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
+        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
+        ref = [b.keys(layer).copy() for layer in range(L)]
+        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
+            other.create_sequence(capacity=other.stats().largest_free_range)
+        b.append(0, kv[0, n], kv[0, n])  # mid-step
+        donor.truncate(1)  # below every lent cell: the borrower's whole span becomes its own
+        assert store.stats().shared_tokens == 0
+        for layer in range(1, L):
+            b.append(layer, kv[layer, n], kv[layer, n])
+        b.commit(tokens=toks[n : n + 1])
+        assert len(b) == n + 1
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer)[:n], ref[layer])
+        if dtype == "float16":
+            for layer in range(L):
+                np.testing.assert_array_equal(b.keys(layer)[n], kv[layer, n].astype(np.float16))
+    finally:
+        other.close()
+
+
+def test_a_commit_without_token_ids_flags_its_row_under_the_store_lock(make_store) -> None:
+    """An id-less commit marks its row NOINDEX. FLAGS also holds LENT and STANDIN, which another
+    process sets on this leased row under the store lock (a borrow from it, a copy of it): the
+    writer's read-modify-write must wait for the lock, or it can write back flags without the
+    other's bit (a donor that forgot it lent writes over its borrowers' cells)."""
+    import threading
+
+    from shmkv._engine.header import FLAGS, LENT, NOINDEX
+
+    store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
+    seq = store.create_sequence(capacity=64)
+    k = np.ones((2, 3, 2, 8), np.float32)
+    seq.extend(k, k, tokens=[1, 2, 3])  # pages in place: the next commit needs nothing structural
+    row = store._engine.row(store._engine.slot_of(seq.id))
+    assert not row[FLAGS] & NOINDEX
+    inside, go = threading.Event(), threading.Event()
+    done: list[object] = []
+
+    def holder() -> None:  # what another process's borrow does: LENT set under the lock
+        with store.transaction():
+            inside.set()
+            assert go.wait(60)
+            row[FLAGS] |= LENT
+
+    def commit() -> None:
+        try:
+            done.append(seq.extend(k[:, :1], k[:, :1]))  # no token ids
+        except BaseException as e:
+            done.append(e)
+
+    h = threading.Thread(target=holder)
+    h.start()
+    assert inside.wait(60)
+    c = threading.Thread(target=commit)
+    c.start()
+    c.join(timeout=0.3)
+    waited = c.is_alive()
+    go.set()
+    h.join(timeout=60)
+    c.join(timeout=60)
+    assert not h.is_alive() and not c.is_alive()
+    assert done and not isinstance(done[0], BaseException), done
+    assert waited, "the id-less commit wrote FLAGS while another held the store lock"
+    assert row[FLAGS] & NOINDEX and row[FLAGS] & LENT
+    row[FLAGS] &= ~LENT  # (the test's own mark: nothing was lent)

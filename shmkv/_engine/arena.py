@@ -26,8 +26,12 @@ from shmkv._engine.header import (
     IDX_BLOCKS,
     NOINDEX,
     RECENCY,
+    LEADS_MASK,
+    STANDIN,
+    leads,
 )
-from shmkv._engine.prefix_hash import LEAD
+from shmkv._engine.prefix import COVERS
+from shmkv._engine.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError
 from shmkv._engine.sharing import Sharing
 
@@ -177,6 +181,9 @@ class Arena(Sharing):
         row = self.row(slot)
         enc = row[ENC_SLOT] - 1
         lost = self.index.displaced_by(slot)
+        if lost:  # holders its entries stood for get entries of their own first (a crash meanwhile:
+            # it still holds the rest, still marked)
+            self.hdr[_header.W_INDEX_USED] += self.index.rehome(lost, exclude=slot)
         with self.changing(row):
             self.drop_encoder(row)
             _crash.point("free.row")
@@ -191,8 +198,6 @@ class Arena(Sharing):
             self.meta[slot, :8] = 0
         # complete: out of the undo log, so the unit's later use of its cells stays safe (rule 4)
         self._forget(slot, *([enc] if enc >= 0 else []))
-        if lost:  # holders this one displaced from the index get their entries back if need be
-            self.hdr[_header.W_INDEX_USED] += self.index.rehome(lost)
 
     def set_meta(self, slot: int, packed: bytes) -> None:
         """Write a sequence's packed metadata (lock held, row changing)."""
@@ -214,19 +219,38 @@ class Arena(Sharing):
         self.hdr[_header.W_CLOCK] = clock
         row[RECENCY] = clock
 
-    def index_blocks(self, slot: int, upto: int, adopt: bool = False) -> None:
+    def index_blocks(self, slot: int, upto: int, source: int = -1) -> None:
         """Index the sequence's whole blocks up to token ``upto`` (lock held); set NOINDEX when a
-        block cannot be (a token id -1, tokens moved by remove or shift_left). ``adopt``: also
-        add entries for its blocks [0, IDX_BLOCKS), whose hashes came with copied cells."""
+        block cannot be (a token id -1, tokens moved by remove or shift_left). ``source``: the row
+        its blocks [0, IDX_BLOCKS) and leads were just copied from, hashes included (copy_prefix):
+        they get no entries of their own; the source's entries stand for them (STANDIN), and give
+        them theirs when it stops holding them (``unindexing``, ``free_row``; see _prefix)."""
         row = self.row(slot)
         hdr = self.hdr
-        if self.index.full(hdr[_header.W_INDEX_USED] + upto // 16 + len(LEAD)):
+        if source >= 0 and (row[IDX_BLOCKS] or row[FLAGS] & LEADS_MASK):
+            src = self.row(source)
+            if not src[FLAGS] & STANDIN:
+                src[FLAGS] |= STANDIN  # (not logged: a rolled-back copy leaves a harmless mark)
+        if self.index.full(hdr[_header.W_INDEX_USED] + max(0, upto // 16 - row[IDX_BLOCKS]) + len(LEAD)):
             hdr[_header.W_INDEX_USED] = self.index.rebuild()
-        if adopt:
-            hdr[_header.W_INDEX_USED] += self.index.adopt(slot)
         hdr[_header.W_INDEX_USED] += self.index.index_blocks(slot, upto)
         if row[IDX_BLOCKS] < upto // 16:
             row[FLAGS] |= NOINDEX
+
+    def unindexing(self, slot: int, n: int) -> None:
+        """Row ``slot`` is about to keep only its first ``n`` tokens' blocks and leads in the index,
+        or none (``n`` 0: freed, rewritten) (lock held, before the row changes): the holders its
+        lost entries stood for (COVERS) get entries of their own first."""
+        row = self.row(slot)
+        flags = row[FLAGS]
+        if not flags & COVERS:
+            return
+        nb, lv = n // 16, lead_levels(n)
+        if nb >= row[IDX_BLOCKS] and lv >= leads(flags):
+            return
+        lost = self.index.displaced_by(slot, nb, lv)
+        if lost:
+            self.hdr[_header.W_INDEX_USED] += self.index.rehome(lost, exclude=slot)
 
     def restored(self, slot: int, finished: bool, clean: int, meta: bytes) -> None:
         """A sequence a snapshot restore just published (lock held; called oldest use first):

@@ -215,8 +215,8 @@ class Core(Journal):
             with self.locked():
                 for slot, n in self.waiting.items():
                     self.waiters[slot] -= n
-        elif self.waiting and self.ro_waiters.writable:  # read-only: their counts in the liveness file
-            self.ro_waiters.drop(self.waiting)
+        elif self.readonly and self.ro_waiters.writable:  # read-only: their counts in the liveness file
+            self.ro_waiters.drop(self.waiting)  # (``waiting`` read under its lock: a count raised just now too)
 
     def shut_down(self, wake: bool) -> None:
         """Give up the client row (and its byte of the liveness file: no lock taken) and refuse

@@ -21,6 +21,7 @@ POINTS = (
     "create.row",  # create_sequence: the new row half written
     "create.copied",  # create_sequence(prefix=): the prefix copied in, row not yet switched
     "free.row",  # free / eviction: the row half cleared
+    "free.rehomed",  # freeing a row whose index entries stand for copies' (STANDIN): one copy has its own
     "truncate.row",  # truncate: the length changed, the rest not
     "grow.extended",  # growth in place: CAPACITY switched, the unit not finished
     "grow.slid",  # growth by a slide down into free cells before it: copied, the row not switched

@@ -79,6 +79,8 @@ class Engine(Arena):
         scales from cell ``kv_from`` on only (the cells before it are borrowed: _engine/sharing.py)."""
         if n <= 0 or src == dst:
             return
+        if self.shares.unmapped and n > kv_from:  # never copy holes as cells (_engine/share.py)
+            self.shares.cells_readable(src + kv_from, src + n, "a copy of its cells")
         tok_src, tok_dst, tok_n = src, dst, n
         src, dst, n = src + kv_from, dst + kv_from, n - kv_from
         # into fresh cells (a new range): through the descriptor, which skips zeroing them
@@ -128,6 +130,7 @@ class Engine(Arena):
                 self._copy_window(src_win, self.wcell(d_slot, d_row[WBUF]), n - lo)
                 _crash.point("copy_prefix.copied")
             else:  # never over dst's committed cells: a fresh range and dst's other window buffer
+                self.unindexing(d_slot, 0)  # its content goes: rows its entries stood for get theirs
                 # never evict the operation's own rows (a finished, unleased src or dst is a candidate)
                 new_start = self.alloc(max(n, d_row[CAPACITY]), evict=True, protect=(s_slot, d_slot),
                                         populate=False, fill=n)
@@ -144,7 +147,7 @@ class Engine(Arena):
             # the copied hashes are valid for src's indexed blocks: dst's entries start from them
             d_row[IDX_BLOCKS] = min(s_row[IDX_BLOCKS], n // 16)
             d_row[FLAGS] = with_leads(d_row[FLAGS], min(leads(s_row[FLAGS]), lead_levels(n))) & ~NOINDEX
-            self.index_blocks(d_slot, n, adopt=True)
+            self.index_blocks(d_slot, n, source=s_slot)  # src's entries stand for dst's copied blocks
 
     def relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
         """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).

@@ -90,6 +90,7 @@ Sequence row (int64 words)::
                    bit 1 NOINDEX: blocks from IDX_BLOCKS on cannot be indexed (a token id -1, or
                    tokens moved by remove/shift_left) until a truncate below them;
                    bit 2 DISPLACER: an index entry of this row replaced an older holder (see _prefix);
+                   bit 4 STANDIN: its index entries stand for rows copied from it (see _prefix);
                    bits 8..10 LEADS: how many of its leads (first 1, 2, 4, 8 tokens: _prefix_hash.LEAD)
                    are in the prefix index
     12 RECENCY     the recency clock's value at the last use (create, reuse as donor, finish)
@@ -154,8 +155,7 @@ W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS = 5, 6, 7, 8, 9
 W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_CLIENT = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
 W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
-W_INDEX_USED = 38
-W_UNDO_COUNT, W_UNDO_PID, W_BIRTHS, W_RECOVERIES, W_ALLOCS, W_SPANS = 40, 41, 42, 43, 44, 45
+W_INDEX_USED, W_UNDO_COUNT, W_UNDO_PID, W_BIRTHS, W_RECOVERIES, W_ALLOCS, W_SPANS = 38, 40, 41, 42, 43, 44, 45
 W_IDENTITY, W_SESSION = 20, 21
 FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
@@ -163,7 +163,7 @@ LAYER_KINDS_OFF = 512
 # sequence row columns
 STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_CLIENT, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
 FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF, SPAN_PHYS, SPAN_CELLS = 11, 12, 13, 14, 15, 16, 17
-FINISHED, NOINDEX, DISPLACER, LENT = 1, 2, 4, 8  # FLAGS bits
+FINISHED, NOINDEX, DISPLACER, LENT, STANDIN = 1, 2, 4, 8, 16  # FLAGS bits
 LEADS_SHIFT, LEADS_MASK = 8, 7 << 8  # FLAGS bits 8..10: leads indexed (0..len(LEAD))
 
 

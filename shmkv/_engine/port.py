@@ -193,8 +193,12 @@ class Port(Protocol):
         """Write a sequence's packed metadata (row changing)."""
         ...
 
-    def index_blocks(self, slot: int, upto: int, adopt: bool = False) -> None:
+    def index_blocks(self, slot: int, upto: int, source: int = -1) -> None:
         """Put completed 16-token blocks into the prefix index."""
+        ...
+
+    def unindexing(self, slot: int, n: int) -> None:
+        """Before a row keeps fewer blocks in the prefix index: rows its entries stood for get theirs."""
         ...
 
     def touch(self, row: memoryview) -> None:

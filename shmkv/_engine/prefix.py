@@ -33,6 +33,16 @@ DISPLACER), and freeing a row with such entries passes the mark on: to the hash'
 entries if there are any, else to a live holder found in the sequence table, which gets the
 entry back (``displaced_by`` / ``rehome``).
 
+A sequence whose prefix was copied from another's (a reuse: ``create_sequence(prefix=)``, also
+``copy_prefix`` and ``fork``) gets no entries for the blocks and leads it copied (inserting one per
+block was most of the time of a create over a cached prefix, issue 23): it holds the same hashes
+as its source, which is marked STANDIN (its entries stand for theirs, as if each were DISPLACED).
+Before a row that stands for others stops holding blocks (freed or evicted: ``Arena.free_row``;
+truncated, rewritten by remove, shift_left, copy_prefix or a restore: ``Arena.unindexing``), the
+holders of what it loses get entries (``rehome``, which finds them in the sequence table): so every
+block a live row has indexed keeps a valid entry or one that stands for it, and a crash half-way
+leaves the row still holding (and standing for) what is not yet rehomed.
+
 Concurrency: entries change only under the store lock. Readers (``match_prefix`` on any
 attachment, read-only too) take no lock: they may see a torn or stale entry, so every hit is
 verified against the holder's stored token ids and positions, under the holder row's seqlock,
@@ -44,6 +54,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shmkv._engine import crash as _crash
 from shmkv._engine.header import (
     CLEAN,
     DISPLACER,
@@ -62,16 +73,18 @@ from shmkv._engine.header import (
     RECENCY,
     SEQ_WORDS,
     START,
+    STANDIN,
     STATE,
     WIN_OFF,
     Layout,
 )
 from shmkv._engine.prefix_hash import BLOCK, LEAD, ROOT, as_tokens, block_hashes, lead_hash, lead_levels
+from shmkv._engine.prefix_scan import LEADMARK, copies, table_holders
 from shmkv._engine.seqlock import VERIFY, seqlocked
 
 DUP = 4  # holders kept a hash
 DISPLACED = 1 << 62  # in an entry's block word: it replaced an older holder of its hash
-LEADMARK = 1 << 61  # in an entry's block word: a lead entry, j in the low bits
+COVERS = DISPLACER | STANDIN  # row FLAGS: its entries may stand for other holders
 _LEAD_LEVEL = {j: i + 1 for i, j in enumerate(LEAD)}
 
 
@@ -182,53 +195,64 @@ class PrefixIndex:
             i = (i + 1) & mask
         return -1
 
-    def displaced_by(self, slot: int) -> list[tuple[int, int]]:
-        """(hash, block) of the entries of the sequence in ``slot`` that replaced an older holder
-        (lock held; asked before the row is freed). Nothing to look up for a row never DISPLACER."""
+    def displaced_by(self, slot: int, blocks: int = 0, levels: int = 0) -> list[tuple[int, int]]:
+        """(hash, block) of the entries of the sequence in ``slot`` that may stand for other holders
+        (lock held; asked before the row stops holding them): those that replaced an older holder
+        (DISPLACED) of a DISPLACER row, and all of a STANDIN row's (rows copied from it have no
+        entries of their own for what they copied). Only its blocks from ``blocks`` on and its leads
+        past the first ``levels`` (what a truncate to fewer tokens takes away; 0, 0: all of them)."""
         r = self._rows
         b = slot * SEQ_WORDS
-        if not r[b + FLAGS] & DISPLACER:
+        flags = r[b + FLAGS]
+        if not flags & COVERS:
             return []
-        start, sid, out = r[b + START], r[b + ID], []
-        for blk in range(r[b + IDX_BLOCKS]):
+        start, sid, nb = r[b + START], r[b + ID], r[b + IDX_BLOCKS]
+        lead_js = LEAD[levels : leads(flags)]
+        if flags & STANDIN:  # all of them: no lookups (rehome finds who else has an entry)
+            if start < 0 or start + nb * BLOCK > len(self._hashes):
+                return []
+            out = [(int(h), blk) for blk, h in enumerate(
+                self._hashes[start + (blocks + 1) * BLOCK - 1 : start + nb * BLOCK : BLOCK].tolist(), blocks)]
+            return out + [(int(self._hashes[start + j - 1]), LEADMARK | j) for j in lead_js]
+        out = []
+        for blk in range(blocks, nb):
             h = int(self._hashes[start + (blk + 1) * BLOCK - 1])
             i = self._entry(h, sid, blk)
             if i >= 0 and self._t[i * INDEX_WORDS + 3] & DISPLACED:
                 out.append((h, blk))
-        for j in LEAD[: leads(r[b + FLAGS])]:  # leads are displaced like blocks (a shared first token)
+        for j in lead_js:  # leads are displaced like blocks (a shared first token)
             h = int(self._hashes[start + j - 1])
             i = self._entry(h, sid, LEADMARK | j)
             if i >= 0 and self._t[i * INDEX_WORDS + 3] & DISPLACED:
                 out.append((h, LEADMARK | j))
         return out
 
-    def rehome(self, lost: list[tuple[int, int]]) -> int:
-        """After the row that held ``lost`` (from displaced_by) is freed (lock held): each hash's
-        mark goes to its other valid entries, or, when none is left, a live holder without an entry
-        (found in the sequence table; the most recent) gets one, marked. Returns slots taken."""
-        t, r, taken = self._t, self._rows, 0
-        rows = np.frombuffer(r, np.int64).reshape(-1, SEQ_WORDS)
+    def rehome(self, lost: list[tuple[int, int]], exclude: int = -1) -> int:
+        """The row that held ``lost`` (from displaced_by) is about to stop holding them, or has
+        (lock held; ``exclude``: that row, still live): each hash's mark goes to its other valid
+        entries, or, when none is left, a live holder without an entry (found in the sequence
+        table; the most recent) gets one, marked when it is not the only one. Returns slots taken.
+
+        Called before the row changes (Arena.free_row, Arena.unindexing): a crash half-way leaves
+        the row holding what is not yet rehomed, still marked."""
+        t, r = self._t, self._rows
+        need = []
         for h, blk in lost:
-            kept = self._valid_entries(h)
+            kept = [i for i in self._valid_entries(h) if t[i * INDEX_WORDS + 2] != exclude]
             for i in kept:
-                t[i * INDEX_WORDS + 3] |= DISPLACED
+                if not t[i * INDEX_WORDS + 3] & DISPLACED:
+                    t[i * INDEX_WORDS + 3] |= DISPLACED
                 r[t[i * INDEX_WORDS + 2] * SEQ_WORDS + FLAGS] |= DISPLACER
-            if kept:
-                continue
-            if blk & LEADMARK:  # holders of the lead: rows with that many leads, hash at cell j - 1
-                j = blk & ~LEADMARK
-                have = (rows[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
-                live = np.flatnonzero((rows[:, STATE] == LIVE) & (have >= _LEAD_LEVEL[j]))
-                cells = rows[live, START] + j - 1
-            else:
-                live = np.flatnonzero((rows[:, STATE] == LIVE) & (rows[:, IDX_BLOCKS] > blk))
-                cells = rows[live, START] + (blk + 1) * BLOCK - 1
-            ok = (cells >= 0) & (cells < len(self._hashes))
-            live, cells = live[ok], cells[ok]
-            live = live[self._hashes[cells] == h]
-            if live.size:
-                slot = int(live[np.argmax(rows[live, RECENCY])])
-                taken += self.insert(h, int(rows[slot, ID]), slot, blk, displaced=live.size > 1)
+            if not kept:
+                need.append((h, blk))
+        if not need:
+            return 0
+        taken = 0
+        rows = np.frombuffer(r, np.int64).reshape(-1, SEQ_WORDS)
+        for n, (k, slot, count) in enumerate(table_holders(rows, self._hashes, need, exclude)):
+            if n == 1:
+                _crash.point("free.rehomed")  # one holder has its entry, the others not yet
+            taken += self.insert(need[k][0], int(rows[slot, ID]), slot, need[k][1], displaced=count > 1)
         return taken
 
     def _valid_entries(self, h: int) -> list[int]:
@@ -245,29 +269,8 @@ class PrefixIndex:
         return out
 
     def rebuild(self) -> int:
-        """Drop invalid entries (lock held); return the entries kept. Validity is judged in numpy
-        over the whole table; only the kept entries are re-inserted one by one."""
-        e = np.frombuffer(self._t, np.int64).reshape(-1, INDEX_WORDS).copy()
-        rows = np.frombuffer(self._rows, np.int64).reshape(-1, SEQ_WORDS)
-        h, sid, slot, marked = e.T
-        blk = marked & ~DISPLACED
-        lead = (blk & LEADMARK) != 0
-        j = np.where(lead, blk & ~LEADMARK, 0)  # a lead's length
-        blk = np.where(lead, 0, blk)
-        ok = (h != 0) & (slot >= 0) & (slot < len(rows))
-        r = rows[np.where(ok, slot, 0)]
-        ok &= (r[:, STATE] == LIVE) & (r[:, ID] == sid)
-        have = (r[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
-        level = np.searchsorted(np.array(LEAD), j, side="right")  # lead j is the level-th
-        ok &= np.where(lead, np.isin(j, LEAD) & (level <= have),
-                       (blk >= 0) & (blk < r[:, IDX_BLOCKS]))
-        cell = np.where(ok, r[:, START] + np.where(lead, j - 1, (blk + 1) * BLOCK - 1), 0)
-        ok &= (cell >= 0) & (cell < len(self._hashes))
-        ok &= self._hashes[np.where(ok, cell, 0)] == h
-        np.frombuffer(self._t, np.int64)[:] = 0
-        for hh, ss, sl, bb in e[ok].tolist():
-            self.insert(hh, ss, sl, bb & ~DISPLACED, displaced=bool(bb & DISPLACED))
-        return int(ok.sum())
+        """Drop invalid entries (lock held); return the entries kept (see _rebuild)."""
+        return _rebuild(self)
 
     def full(self, used: int) -> bool:
         return 4 * used >= 3 * self._slots
@@ -332,17 +335,6 @@ class PrefixIndex:
             taken += self.insert(h, sid, slot, LEADMARK | j)
         return taken
 
-    def adopt(self, slot: int) -> int:
-        """Index entries for the blocks [0, IDX_BLOCKS) of ``slot`` whose hashes were copied in
-        with its cells (copy_prefix; lock held); returns slots taken."""
-        r = self._rows
-        b = slot * SEQ_WORDS
-        start, sid = r[b + START], r[b + ID]
-        return sum(self.insert(int(self._hashes[start + (blk + 1) * BLOCK - 1]), sid, slot, blk)
-                   for blk in range(r[b + IDX_BLOCKS])) + sum(
-            self.insert(int(self._hashes[start + j - 1]), sid, slot, LEADMARK | j)
-            for j in LEAD[: leads(r[b + FLAGS])])
-
     def match(self, tokens: object, limit: int | None = None) -> tuple[int, int, int]:
         """The longest verified prefix of ``tokens`` some sequence holds from position 0.
 
@@ -367,7 +359,7 @@ class PrefixIndex:
         # check (stale, or its sliding/chunked layers moved on): then the next, then shorter prefixes
         tried: set[tuple[int, int]] = set()
         while lo > 0:
-            found = self._best(t, limit, best, lo * BLOCK, tried)
+            found = self._best(t, limit, best, lo * BLOCK, tried, key=(hs[lo - 1], lo - 1))
             if found[0]:
                 return found
             lo -= 1
@@ -379,25 +371,38 @@ class PrefixIndex:
         recent first), each verified and extended token by token; then shorter leads."""
         for lvl in range(lead_levels(limit), 0, -1):
             j = LEAD[lvl - 1]
-            found = self._best(t, limit, self.holders(lead_hash(t, j)), j, set())
+            h = lead_hash(t, j)
+            found = self._best(t, limit, self.holders(h), j, set(), key=(h, LEADMARK | j))
             if found[0]:
                 return found
         return 0, 0, -1
 
     def _best(self, t: np.ndarray, limit: int, holders: list[tuple[int, int]], floor: int,
-              tried: set[tuple[int, int]]) -> tuple[int, int, int]:
-        """The holder (most recent first, each tried once) whose verified match is longest."""
-        n_best, id_best, slot_best = 0, 0, -1
-        for sid, slot in sorted(holders, key=lambda x: -self._rows[x[1] * SEQ_WORDS + RECENCY]):
+              tried: set[tuple[int, int]], *, key: tuple[int, int]) -> tuple[int, int, int]:
+        """The holder (most recent first, each tried once) whose verified match is longest. When
+        it stops short of ``limit`` and a holder stands for copies (STANDIN), the rows holding
+        ``key`` (hash, block) whose next token is ``t``'s are tried too: a copy that went on past
+        its source inside a block has no entry to be found by."""
+        r = self._rows
+        best = self._longest(t, limit, sorted(holders, key=lambda x: -r[x[1] * SEQ_WORDS + RECENCY]), floor,
+                             tried, best=(0, 0, -1))
+        if best[0] < limit and any(r[x[1] * SEQ_WORDS + FLAGS] & STANDIN for x in holders):
+            best = self._longest(t, limit, copies(r, self._hashes, self._tokens, key, t=t, n=best[0]), floor,
+                                 tried, best=best)
+        return best
+
+    def _longest(self, t: np.ndarray, limit: int, cands: list[tuple[int, int]], floor: int,
+                 tried: set[tuple[int, int]], *, best: tuple[int, int, int]) -> tuple[int, int, int]:
+        for sid, slot in cands:
             if (sid, slot) in tried:
                 continue
             tried.add((sid, slot))
             n = self._verify(t, limit, sid, slot, floor)
-            if n > n_best:
-                n_best, id_best, slot_best = n, sid, slot
+            if n > best[0]:
+                best = n, sid, slot
                 if n >= limit:
                     break  # nobody can give more
-        return n_best, id_best, slot_best
+        return best
 
     def _verify(self, t: np.ndarray, limit: int, sid: int, slot: int, floor: int) -> int:
         """Tokens of ``t`` (at most ``limit``) that sequence ``sid`` holds at positions 0..n-1,
@@ -427,3 +432,29 @@ class PrefixIndex:
             return n
 
         return seqlocked(r, b + GEN, read, VERIFY, _miss)  # a row changing all along: a miss
+
+
+def _rebuild(index: PrefixIndex) -> int:
+    """PrefixIndex.rebuild: validity is judged in numpy over the whole table; only the kept
+    entries are re-inserted one by one."""
+    e = np.frombuffer(index._t, np.int64).reshape(-1, INDEX_WORDS).copy()
+    rows = np.frombuffer(index._rows, np.int64).reshape(-1, SEQ_WORDS)
+    h, sid, slot, marked = e.T
+    blk = marked & ~DISPLACED
+    lead = (blk & LEADMARK) != 0
+    j = np.where(lead, blk & ~LEADMARK, 0)  # a lead's length
+    blk = np.where(lead, 0, blk)
+    ok = (h != 0) & (slot >= 0) & (slot < len(rows))
+    r = rows[np.where(ok, slot, 0)]
+    ok &= (r[:, STATE] == LIVE) & (r[:, ID] == sid)
+    have = (r[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
+    level = np.searchsorted(np.array(LEAD), j, side="right")  # lead j is the level-th
+    ok &= np.where(lead, np.isin(j, LEAD) & (level <= have),
+                   (blk >= 0) & (blk < r[:, IDX_BLOCKS]))
+    cell = np.where(ok, r[:, START] + np.where(lead, j - 1, (blk + 1) * BLOCK - 1), 0)
+    ok &= (cell >= 0) & (cell < len(index._hashes))
+    ok &= index._hashes[np.where(ok, cell, 0)] == h
+    np.frombuffer(index._t, np.int64)[:] = 0
+    for hh, ss, sl, bb in e[ok].tolist():
+        index.insert(hh, ss, sl, bb & ~DISPLACED, displaced=bool(bb & DISPLACED))
+    return int(ok.sum())

@@ -37,9 +37,54 @@ _MASK63 = (1 << 63) - 1
 ROOT = PrefixHash(0x5348_4D4B_565F_5246)  # "SHMKV_RF": the hash of the empty prefix
 
 
+_BASE = hashlib.blake2b(digest_size=8, person=_PERSON)  # copied: cheaper than a new personalised one
+
+# The whole blocks of the last few prompts hashed from ROOT in this process, most recent first, with
+# their hashes: a server sees the same system prompt again and again, and a create over a cached
+# 2,048-token prefix would otherwise spend a third of its time hashing it (issue 23). A prompt
+# takes the hashes of its longest common whole-block prefix with one of them (the same tokens after
+# ROOT: the same values) and hashes only the rest.
+_RECENT: list[tuple[bytes, list[PrefixHash]]] = []
+_RECENT_MAX = 8
+
+
 def _h(parent: int, block: bytes) -> PrefixHash:
-    d = hashlib.blake2b(parent.to_bytes(8, "little") + block, digest_size=8, person=_PERSON).digest()
-    return PrefixHash((int.from_bytes(d, "little") & _MASK63) or 1)  # 0 is reserved for "empty"
+    d = _BASE.copy()
+    d.update(parent.to_bytes(8, "little"))
+    d.update(block)
+    return PrefixHash((int.from_bytes(d.digest(), "little") & _MASK63) or 1)  # 0 is reserved for "empty"
+
+
+def _recent(raw: bytes, t: np.ndarray, n: int) -> list[PrefixHash]:
+    """The hashes of the longest whole-block prefix of ``raw`` (``t``'s first ``n`` blocks) that a
+    recent prompt shares."""
+    step = BLOCK * 8
+    best: list[PrefixHash] = []
+    for old_raw, old_hs in list(_RECENT):  # (a copy: another thread may add one meanwhile)
+        k, b = min(len(old_hs), n), len(best)
+        # to beat the best so far, it must share the block after it (and the first: one compare each)
+        if k <= b or old_raw[b * step : (b + 1) * step] != raw[b * step : (b + 1) * step] or (
+                b and old_raw[:step] != raw[:step]):
+            continue
+        if old_raw[: k * step] == raw[: k * step]:
+            c = k
+        else:
+            bad = np.flatnonzero(np.frombuffer(old_raw, "<i8", k * BLOCK) != t[: k * BLOCK])
+            c = int(bad[0]) // BLOCK
+        if c > b:
+            best = old_hs[:c]
+            if c == n:
+                break
+    return best
+
+
+def _remember(raw: bytes, hs: list[PrefixHash]) -> None:
+    for i, (old_raw, _) in enumerate(list(_RECENT)):
+        if len(old_raw) <= len(raw) and raw.startswith(old_raw):
+            del _RECENT[i : i + 1]  # this one holds it all and more
+            break
+    _RECENT.insert(0, (raw, hs))
+    del _RECENT[_RECENT_MAX:]
 
 
 def as_tokens(tokens: object) -> np.ndarray:
@@ -61,13 +106,15 @@ def block_hashes(tokens: object, parent: int = ROOT, limit: int | None = None) -
     t = as_tokens(tokens)
     n = len(t) // BLOCK if limit is None else min(limit, len(t) // BLOCK)
     raw = t[: n * BLOCK].tobytes()
-    out: list[PrefixHash] = []
-    h = parent
     step = BLOCK * 8
-    for i in range(n):
+    out: list[PrefixHash] = _recent(raw, t, n) if parent == ROOT and n else []
+    h, known = (out[-1] if out else parent), len(out)
+    for i in range(known, n):
         h = _h(h, raw[i * step : (i + 1) * step])
         out.append(h)
-    return out
+    if parent == ROOT and n > known:
+        _remember(raw, out)
+    return list(out)
 
 
 # The lead of a prefix: its first j tokens for j in LEAD, each named by lead_hash, so a prefix

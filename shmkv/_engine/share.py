@@ -36,6 +36,7 @@ a quarter of ``vm.max_map_count``; beyond it a reuse copies as before.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import header as _header
-from shmkv._engine.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
+from shmkv._engine.header import ID, SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
 from shmkv._engine.intervals import take_interval
 from shmkv._engine.stitch import _FAILED, _MAP_FIXED, _MAP_SHARED, _PROT_READ, _PROT_WRITE, _libc, _mmap
 from shmkv.errors import ShmkvError
@@ -90,7 +91,14 @@ def max_borrowers(arrays: int) -> int:
 
 
 class ShareError(ShmkvError, OSError):
-    """The kernel refused to map a shared span (out of ``vm.max_map_count``?)."""
+    """The kernel refused to map a shared span (out of ``vm.max_map_count``?), or a read needs
+    one this process could not map. ``clean``: a refused re-map left the arrays as they were."""
+
+    clean = True
+
+
+_FIX = ("raise the limit (sysctl -w vm.max_map_count=262144), let this process hold fewer mappings "
+        "(drop views, close other stores), or run with SHMKV_SHARE=0 (reuses copy instead of sharing)")
 
 
 Want = dict[int, tuple[int, int, int]]  # slot -> (start, physical start, cells)
@@ -126,7 +134,13 @@ class Shares:
         self.prot = _PROT_READ | (0 if readonly else _PROT_WRITE)
         self.reserved, self.owed = reserved, owed
         self.applied = -1  # the epoch whose table this process has mapped (-1: nothing yet)
-        self.cur: Want = {}
+        self.cur: Want = {}  # spans mapped here
+        # spans wanted and not mapped here (the kernel refused: vm.max_map_count): their rows
+        # are unreadable in this process until a retry maps them (readable); ``dirty``: of those,
+        # the ones whose cells may show neither their own pages nor the span (a revert failed)
+        self.unmapped: Want = {}
+        self.dirty: set[int] = set()
+        self.refused = ShareError(errno.ENOMEM, os.strerror(errno.ENOMEM))  # the last refusal
         self.lock = threading.RLock()
         _LIVE.add(self)
 
@@ -139,22 +153,33 @@ class Shares:
 
     def remap(self, start: int, phys: int, m: int) -> None:
         """Cells [start, start + m) of every shared array show cells [phys, phys + m) (``phys ==
-        start``: their own pages again)."""
+        start``: their own pages again). On a refusal (ShareError) the arrays mapped before it
+        are put back to their own pages (``err.clean``: they were; False: they may not be)."""
         if m <= 0:
             return
         with self.lock:
             if self.fd < 0:
                 return
-            for off, cb in self.pieces:
-                n = m * cb
-                addr = self.base + off + start * cb
-                got = _mmap(addr, n, self.prot, _MAP_SHARED | _MAP_FIXED, self.fd, off + phys * cb)
-                if got in (None, _FAILED) or got != addr:
-                    no = ctypes.get_errno()
-                    raise ShareError(no, f"cannot map {n} bytes of shared prefix pages: {os.strerror(no)} "
-                                     "(too many mappings? see vm.max_map_count)")
+            done = self._map(start, phys, m, self.pieces)
             for spans in (*self.reserved, self.owed):
                 take_interval(spans, start, start + m)  # its own pages may be holes now: reserve again
+            if done < len(self.pieces):
+                no = ctypes.get_errno()
+                n = m * self.pieces[done][1]
+                clean = phys == start or self._map(start, start, m, self.pieces[:done]) == done
+                err = ShareError(no, f"cannot map {n} bytes of shared prefix pages: {os.strerror(no)} "
+                                 "(too many mappings? see vm.max_map_count)")
+                err.clean = clean
+                raise err
+
+    def _map(self, start: int, phys: int, m: int, pieces: list[tuple[int, int]]) -> int:
+        """Map cells [phys, phys + m) at cells [start, start + m) of each of ``pieces``; how many were."""
+        for i, (off, cb) in enumerate(pieces):
+            addr = self.base + off + start * cb
+            got = _mmap(addr, m * cb, self.prot, _MAP_SHARED | _MAP_FIXED, self.fd, off + phys * cb)
+            if got in (None, _FAILED) or got != addr:
+                return i
+        return len(pieces)
 
     def punch(self, start: int, m: int) -> None:
         """Give back the memory of cells [start, start + m)'s own pages in every shared array."""
@@ -180,27 +205,80 @@ class Shares:
         return out
 
     def apply(self, want: Want) -> None:
-        """Map what ``want`` says, undoing what is mapped and no longer wanted."""
+        """Map what ``want`` says, undoing what is mapped and no longer wanted. A span the kernel
+        refuses (``vm.max_map_count``) leaves its row ``unmapped`` here, not the others."""
         with self.lock:
-            cur = self.cur
+            cur, un = self.cur, self.unmapped
             for slot, (start, phys, m) in list(cur.items()):
                 if want.get(slot) != (start, phys, m):
-                    self.remap(start, start, m)
+                    self.remap(start, start, m)  # (raises only if its own pages cannot come back)
                     del cur[slot]
-            for slot, (start, phys, m) in want.items():
+            for slot, (start, phys, m) in list(un.items()):
+                if want.get(slot) != (start, phys, m):
+                    if slot in self.dirty:
+                        self.remap(start, start, m)
+                        self.dirty.discard(slot)
+                    del un[slot]
+            for slot, span in want.items():
                 if slot not in cur:
-                    self.remap(start, phys, m)
-                    cur[slot] = (start, phys, m)
+                    self.place(slot, span)
+
+    def place(self, slot: int, span: tuple[int, int, int]) -> bool:
+        """Map ``slot``'s wanted span; if the kernel refuses, leave the row ``unmapped`` (its
+        cells here are its own punched pages, holes: never read as the row's) and return False."""
+        try:
+            self.remap(*span)
+        except ShareError as err:
+            self.unmapped[slot] = span
+            if not err.clean:
+                self.dirty.add(slot)
+            self.refused = err
+            return False
+        self.unmapped.pop(slot, None)
+        self.dirty.discard(slot)
+        self.cur[slot] = span
+        return True
 
     def set(self, slot: int, span: tuple[int, int, int] | None) -> None:
-        """This process's own change of one row's span (lock held, epoch odd): map it now."""
+        """This process's own change of one row's span (lock held, epoch odd): map it now (a
+        refusal raises ShareError: the transaction rolls back)."""
         with self.lock:
             old = self.cur.pop(slot, None)
             if old is not None:
                 self.remap(old[0], old[0], old[2])
-            if span is not None:
-                self.remap(*span)
-                self.cur[slot] = span
+            was = self.unmapped.pop(slot, None)
+            if was is not None and slot in self.dirty:
+                self.remap(was[0], was[0], was[2])
+            self.dirty.discard(slot)
+            if span is not None and not self.place(slot, span):
+                no = self.refused.errno or errno.ENOMEM
+                raise ShareError(no, f"this process (pid {os.getpid()}) cannot map a span of {span[2]} shared "
+                                 f"prefix cells ({os.strerror(no)}: too many memory mappings for "
+                                 f"vm.max_map_count={_max_map_count()}); {_FIX}")
+
+    # -- reads of rows whose span is not mapped here ------------------------------------------
+
+    def readable(self, slot: int, what: str) -> None:
+        """Raise ShareError unless ``slot``'s cells show what the table says in this process (a
+        row ``unmapped`` here is mapped again first, if the kernel lets it now). ``what``: the
+        sequence, for the message. Callers test ``unmapped`` first (empty: nothing to do)."""
+        with self.lock:
+            span = self.unmapped.get(slot)
+            if span is None or self.place(slot, span):
+                return
+            err = self.refused
+        raise ShareError(
+            errno.ENOMEM,
+            f"{what} borrows {span[2]} cells of shared prefix pages that this process (pid {os.getpid()}) "
+            f"cannot map ({os.strerror(err.errno or errno.ENOMEM)}: it holds too many memory mappings for "
+            f"vm.max_map_count={_max_map_count()}); {_FIX}. Its cells were not read; the next read tries again")
+
+    def cells_readable(self, lo: int, hi: int, why: str) -> None:
+        """Raise ShareError if main-arena cells [lo, hi) overlap a span not mapped here (a copy
+        of a row's cells through this process's mapping: copy_prefix, a prefix reuse, a move)."""
+        for slot, (start, _, m) in list(self.unmapped.items()):
+            if lo < start + m and start < hi:
+                self.readable(slot, f"sequence {int(self.table[slot, ID])} (read by {why})")
 
     # -- following the table -----------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
+from shmkv._engine.intervals import add_interval, covers
 from shmkv._engine.pages import Pages
 from shmkv._engine.share import max_borrowers
 from shmkv.errors import CacheFullError
@@ -214,8 +215,15 @@ class Sharing(Pages):
 
     def _page_unit_reserve(self, start: int, count: int, skip: int) -> None:
         """Reserve the first ``count`` cells of a borrower's range: every array's pages but those
-        of its first ``skip`` cells in the shared arrays (token ids, positions and hashes of all)."""
-        self._reserve(start + skip, count - skip, populate=False)
+        of its first ``skip`` cells in the shared arrays (token ids, positions and hashes of all).
+        One reservation (one check of the room) on the create path: what ``_reserve(start + skip,
+        count - skip, populate=False)`` does, with the first cells' small arrays added."""
         off = self._off
-        self._dseg.reserve([(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off,
-                                                                     off.hashes_off)], populate=False)
+        small = [(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off, off.hashes_off)]
+        done = self._record()[False]
+        if count <= skip or covers(done, start + skip, start + count):
+            self._dseg.reserve(small, populate=False)
+            return
+        self._dseg.reserve(self._cell_ranges(start + skip, count - skip) + small, populate=False)
+        add_interval(done, start + skip, start + count)
+        add_interval(self._owed, start + skip, start + count)

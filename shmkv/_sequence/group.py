@@ -164,6 +164,7 @@ def batch_kv(store: Owner, seqs: Iterable[Sequence], layer: int, pending: bool,
     layer = w0.r.layer(layer)
     cells: list[tuple[int, int]] = []
     for w in parts:
+        w.r.readable()  # (a row whose shared pages this process could not map: ShareError)
         c = w.pending_cells(layer) if pending else None  # None: no pending tokens, the committed ones
         if c is None:
             lo, hi, _, _ = w.r.held(layer)

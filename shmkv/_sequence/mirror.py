@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine.header import CAPACITY, GEN, LENGTH
+from shmkv._engine.header import CAPACITY, GEN, LENGTH, SPAN_CELLS
 from shmkv._sequence import quant as _quant
 from shmkv.errors import InvalidArgumentError
 
@@ -162,6 +162,7 @@ class Int8Mirror:
         if m is not None and m.gen == w.gen:
             m.gen = gen
         w.gen = gen
+        w.borrowed = w.row[SPAN_CELLS]
 
     def clamp(self, length: int) -> None:
         """Pending tokens dropped: only the committed ``[0, length)`` are known (the cells after

@@ -228,9 +228,15 @@ class SeqReader:
         """Index of the oldest token ``layer`` holds."""
         return 0 if self.isfull[layer] else woff
 
+    def readable(self) -> None:
+        """ShareError if this row's shared prefix pages are not mapped here (``Shares.unmapped``)."""
+        if self.shares.unmapped:
+            self.shares.readable(self.slot, f"sequence {self.id} of store {self.port.name!r}")
+
     def held(self, layer: int) -> tuple[int, int, int, int]:
         """(first cell, end cell, first token index, main-arena start) of what ``layer`` holds."""
         start, _, length, woff = self.span()
+        self.readable()
         first = self.first(layer, woff)
         lo, hi = self.cells(layer, start, woff, first, length)
         return lo, hi, first, start
@@ -336,6 +342,7 @@ class SeqReader:
         words, k, v = self.mapped(lambda: seqlocked(self.row, GEN, lambda: copy(self.words()), HANDLE,
                                                     lambda: copy(self.settled_words()), hold=self.reading))
         self.live(words)
+        self.readable()  # (what was copied may be holes: never returned)
         return k, v
 
     def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -373,6 +380,7 @@ class SeqReader:
             lo, hi, _, _ = self.held(layer)
         else:
             self.check()
+            self.readable()
             lo, hi = cells
         out = []
         for which, arrays in (("k", writable[0]), ("v", writable[1])):

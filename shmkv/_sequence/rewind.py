@@ -78,4 +78,4 @@ def rewind(w: SeqWriter, n: Any, k_window: Any, v_window: Any) -> None:
             row[LENGTH] = n
         if n == 0:
             row[WIN_OFF] = 0
-        unindex_from(row, n)
+        unindex_from(w, row, n)

@@ -27,6 +27,7 @@ from shmkv._engine.header import (
     IDX_BLOCKS,
     LENGTH,
     NOINDEX,
+    SPAN_CELLS,
     START,
     WBUF,
     WIN_OFF,
@@ -34,6 +35,7 @@ from shmkv._engine.header import (
     leads,
     with_leads,
 )
+from shmkv._engine.prefix import COVERS
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.writer import SeqWriter
@@ -75,6 +77,7 @@ class Structural:
             w.staged = False  # (an int8 mirror: kept by truncate, else re-read at the next append)
             row = w.row
             w.gen = row[GEN]
+            w.borrowed = row[SPAN_CELLS]
             w.cache(row[START], row[CAPACITY], row[WIN_OFF])
         finally:
             self._locked.__exit__(*exc)
@@ -86,9 +89,12 @@ def structural(w: SeqWriter, what: str) -> Structural:
     return Structural(w)
 
 
-def unindex_from(row: memoryview, n: int) -> None:
+def unindex_from(w: SeqWriter, row: memoryview, n: int) -> None:
     """The sequence keeps only its first n tokens (lock held): blocks past them leave the index
-    (their entries become invalid), and a taint past them is gone."""
+    (their entries become invalid; holders they stood for get their own first), and a taint past
+    them is gone."""
+    if row[FLAGS] & COVERS:
+        w.port.unindexing(w.slot, n)
     row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
     if n < LEAD[-1] and row[FLAGS] & LEADS_MASK:  # (the truncate hot path skips this)
         row[FLAGS] = with_leads(row[FLAGS], min(leads(row[FLAGS]), lead_levels(n)))
@@ -134,7 +140,7 @@ def truncate(w: SeqWriter, n: int) -> None:
         _crash.point("truncate.row")
         if n == 0:
             row[WIN_OFF] = 0
-        unindex_from(row, n)
+        unindex_from(w, row, n)
     if keep_mirror:
         assert w.mirror is not None
         w.mirror.keep(n, w.gen)
@@ -150,6 +156,8 @@ def shift_left(w: SeqWriter, n: int) -> None:
             return
         woff = row[WIN_OFF]
         keep_from = max(n, woff)  # the oldest token the window buffers keep
+        if row[FLAGS] & COVERS:  # (before the row's hashes move) holders its entries stood for get theirs
+            w.port.unindexing(w.slot, 0)
         new_start, wb = w.port.rewrite(w.slot, [(n, 0, length - n)], [(keep_from - woff, 0, length - keep_from)])
         _crash.point("shift_left.copied")
         row[START], row[WBUF] = new_start, wb
@@ -200,6 +208,8 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
                         f"it must return float keys shaped {src.shape}"
                     )
                 new_keys.append(out)
+        if row[FLAGS] & COVERS:  # (before the row's hashes move) holders its entries stood for get theirs
+            w.port.unindexing(w.slot, begin)
         # the result goes where no row points (a fresh range, the other window buffer), then the
         # row switches to it: a crash at any point leaves the sequence as it was
         new_start, wb = w.port.rewrite(w.slot, [(0, 0, begin), (end, begin, moved)],

@@ -100,6 +100,8 @@ def _register(r: SeqReader) -> bool:
     else:
         shared = p.ro_waiters.writable
     with _row_waiters.LOCK:  # (close() takes this handle's counts off the row under it: RowWaiters.drop)
+        if p.closed:  # close() began: its drop may be over, a count raised now would stay raised
+            raise StoreClosedError(f"store {p.name!r} is closed; sequence {r.id} is unusable")
         if shared:
             p.ro_waiters.add(r.slot, 1)
         p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (else only close() reads it: a wake-up)

@@ -61,10 +61,10 @@ class SeqWriter:
 
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
-    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch", "gen", "id",
-                 "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions", "r", "ro_waiters",
-                 "room", "row", "slot", "staged", "start", "token", "tokens", "vfrom", "waddr", "waiters", "wc",
-                 "write")
+    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "borrowed", "cached", "cell", "dtype", "epoch",
+                 "gen", "id", "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions", "r",
+                 "ro_waiters", "room", "row", "slot", "staged", "start", "token", "tokens", "unmapped", "vfrom",
+                 "waddr", "waiters", "wc", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -79,12 +79,14 @@ class SeqWriter:
         self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
         self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
         self.tokens, self.positions = r.tokens, r.positions
+        self.unmapped = r.shares.unmapped  # rows whose shared pages are not mapped here (read: refused)
         self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
         self.ro_waiters = p.ro_waiters.counts  # ... of read-only attachments
         self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
         self.pending = [0] * self.L
         self.gen = -1
         self.length = -1  # the committed length this handle knows (kept())
+        self.borrowed = 0  # the row's borrowed cells (SPAN_CELLS) at this handle's generation (kept())
         self.start = 0
         self.base: list[int] = []  # per layer: cell of token 0
         self.lim: list[int] = []  # per layer: token index limit
@@ -101,6 +103,7 @@ class SeqWriter:
         start, cap, _, woff = self.r.span()
         self.gen = g if not g & 1 else -1
         self.length = self.row[LENGTH]
+        self.borrowed = self.row[SPAN_CELLS]
         self.cached = None  # someone else's change: the room too is what is written (_sequence/room.py)
         self.cache(start, cap, woff)
 
@@ -210,7 +213,7 @@ class SeqWriter:
         # below is what need_writer/layer/kv_arrays do, inlined for the common case.
         row = self.row
         if ((self.plain or self.mirror is not None) and self.write and row[LEASE_TOKEN] == self.token
-                and row[GEN] == self.gen
+                and row[GEN] == self.gen and not self.unmapped
                 and self.epoch == _segment.fork_epoch and type(layer) is int and 0 <= layer < self.L
                 and type(k) is np.ndarray and type(v) is np.ndarray and k.dtype.kind == "f"
                 and v.dtype.kind == "f"):
@@ -256,6 +259,8 @@ class SeqWriter:
         layer = self.r.layer(layer)
         int8 = self.dtype == "int8"
         k, v = self.kv_arrays(k, v, finite=views)  # int8: refused here (extend: by the quantizer)
+        if views and self.unmapped:
+            self.r.readable()  # the views would show its borrowed cells: holes in this process
         n = k.shape[0]
         length = self.row[LENGTH]
         p = self.pending[layer]
@@ -356,8 +361,6 @@ class SeqWriter:
             self.mirror.quantize(length, n, s, self)
         if tok is None:
             self.tokens[s : s + n] = -1
-            if not row[FLAGS] & NOINDEX:  # cells without ids cannot be found by the prefix index
-                row[FLAGS] |= NOINDEX
         else:
             self.tokens[s : s + n] = tok
         if pos is None:
@@ -373,8 +376,11 @@ class SeqWriter:
             _futex.wake(self.waddr)
         self.pending, self.staged = [0] * self.L, False
         flags = row[FLAGS]
-        if not flags & NOINDEX and ((length + n) // BLOCK > row[IDX_BLOCKS]
-                                    or (length < LEAD[-1] and lead_levels(length + n) > leads(flags))):
+        if flags & NOINDEX:
+            pass
+        elif tok is None:  # cells without ids cannot be found by the prefix index
+            unindexable(self, row)
+        elif (length + n) // BLOCK > row[IDX_BLOCKS] or (length < LEAD[-1] and lead_levels(length + n) > leads(flags)):
             self.index_committed(length + n)
         return length + n
 
@@ -390,14 +396,29 @@ class SeqWriter:
             pass
 
 
+def unindexable(w: SeqWriter, row: memoryview) -> None:
+    """Flag ``w``'s row NOINDEX (its blocks from IDX_BLOCKS on have cells without token ids) under
+    the store lock: FLAGS also holds LENT and STANDIN, which other processes set under it on this
+    leased row (a borrow from it, a copy of it), and an unlocked read-modify-write could drop
+    theirs (a donor that forgot it lent would write over its borrowers' cells). A lock timeout
+    leaves the flag unset: index_blocks finds the -1 ids at the next block and sets it then."""
+    try:
+        with w.port.locked():
+            row[FLAGS] |= NOINDEX
+    except LockTimeout:
+        pass
+
+
 def kept(w: SeqWriter, row: memoryview) -> bool:
     """Whether a change someone else made to ``w``'s row left its range and length where they
     were, on a row that lends or borrows: another process borrowed from it (the LENT flag) or
     gave its borrowed cells private copies (``Sharing._unshare``). Its pending tokens, in cells
     past the length, stay valid then: a decode step is not lost because another request
-    borrowed from this one mid-step."""
+    borrowed from this one mid-step. (A row that borrowed at the handle's generation and no
+    longer does was given private copies of all its borrowed cells: tests/test_share_midstep.py.)"""
     c = w.cached
-    return (c is not None and (row[FLAGS] & LENT != 0 or row[SPAN_CELLS] > 0) and row[STATE] == LIVE
+    return (c is not None and (row[FLAGS] & LENT != 0 or row[SPAN_CELLS] > 0 or w.borrowed > 0)
+            and row[STATE] == LIVE
             and row[START] == w.start and row[CAPACITY] == c[1] and row[WIN_OFF] == c[2]
             and row[LENGTH] == w.length)
 
@@ -429,4 +450,5 @@ def compact(w: SeqWriter, layer: int, end: int) -> None:
             row[WBUF] = 1 - wb
             row[WIN_OFF] = new_off
         w.gen = row[GEN]
+        w.borrowed = row[SPAN_CELLS]
         w.cache(row[START], row[CAPACITY], new_off)

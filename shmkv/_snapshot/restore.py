@@ -196,6 +196,8 @@ def _restore(core: Port, reader: _Reader, snap: Snapshot, is_file: bool, *, seq_
                 core.positions[start : start + s.length] = s.positions
                 slot = existing if existing >= 0 else -1 - existing
                 row = core.row(slot)
+                if existing >= 0:  # its content goes: holders its index entries stood for get theirs
+                    core.unindexing(slot, 0)
                 with core.changing(row):
                     if existing < 0:
                         core.new_incarnation(row)  # a handle on a freed sequence of that id stays dead

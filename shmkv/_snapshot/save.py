@@ -149,6 +149,8 @@ def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
         raise _Busy  # a transaction began meanwhile: its rows may be in what was read
     if core.hdr[_header.W_SPANS] != core.shares.applied:  # shared prefix pages mapped as the rows say
         core.shares.sync(core.reading, core.settled_row)
+    for s in out if core.shares.unmapped else ():  # never a row whose shared pages are holes here
+        core.shares.readable(s.slot, f"sequence {s.id} of store {core.name!r} (saving it)")
     if ids is not None and len({s.id for s in out}) != len(out):
         raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice")
     return sorted(out, key=lambda s: s.id)

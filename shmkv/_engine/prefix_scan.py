@@ -1,0 +1,65 @@
+"""The prefix index's searches of the sequence table (``_engine/prefix.py``): which live rows hold
+a prefix hash, found from their hashes region rather than from index entries (the rows copied
+from a source that stands for them have none: see _prefix, STANDIN). One numpy pass each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shmkv._engine.header import (FLAGS, ID, IDX_BLOCKS, LEADS_MASK, LEADS_SHIFT, LENGTH, LIVE, RECENCY, SEQ_WORDS,
+                                  START, STATE)
+from shmkv._engine.prefix_hash import BLOCK, LEAD
+
+LEADMARK = 1 << 61  # in an entry's block word: a lead entry, j in the low bits
+
+
+def table_holders(rows: np.ndarray, hashes: np.ndarray, need: list[tuple[int, int]],
+                   exclude: int, every: bool = False) -> list[tuple[int, int, int]]:
+    """For each (hash, block or LEADMARK | j) of ``need`` that a live row other than ``exclude``
+    holds, (its index in ``need``, the most recent such row, how many there are): one pass over
+    the table. A row holds block blk when it indexed it and the hash sits at the block's last
+    cell; lead j when it has that many leads and the hash sits at cell j - 1. ``every``: (index,
+    row, 1) for every such row."""
+    live = rows[:, STATE] == LIVE
+    if 0 <= exclude < len(rows):
+        live[exclude] = False
+    cand = np.flatnonzero(live)
+    if not cand.size:
+        return []
+    hs = np.array([h for h, _ in need], np.int64)
+    mark = np.array([b for _, b in need], np.int64)
+    lead = (mark & LEADMARK) != 0
+    j = np.where(lead, mark & ~LEADMARK, 0)
+    nblk = np.where(lead, 0, mark)
+    level = np.searchsorted(np.array(LEAD), j, side="right")
+    c = rows[cand]
+    have = (c[:, FLAGS] & LEADS_MASK) >> LEADS_SHIFT
+    ok = np.where(lead[None, :], have[:, None] >= level[None, :], c[:, IDX_BLOCKS][:, None] > nblk[None, :])
+    cells = c[:, START][:, None] + np.where(lead, j - 1, (nblk + 1) * BLOCK - 1)[None, :]
+    ok &= (cells >= 0) & (cells < len(hashes))
+    ok &= hashes[np.where(ok, cells, 0)] == hs[None, :]
+    if every:
+        return [(int(k), int(cand[i]), 1) for i, k in zip(*np.nonzero(ok), strict=True)]
+    recency = np.where(ok, c[:, RECENCY][:, None], -1)
+    return [(k, int(cand[int(np.argmax(recency[:, k]))]), int(ok[:, k].sum()))
+            for k in np.flatnonzero(ok.any(axis=0)).tolist()]
+
+
+def copies(r: memoryview, hashes: np.ndarray, tokens: np.ndarray, key: tuple[int, int], *, t: np.ndarray,
+            n: int) -> list[tuple[int, int]]:
+    """(id, slot) of the live rows holding ``key`` (hash, block or LEADMARK | j) whose token n is
+    ``t[n]``, most recent first (read without the lock: each is verified under its seqlock)."""
+    if n >= len(t):
+        return []
+    rows = np.frombuffer(r, np.int64).reshape(-1, SEQ_WORDS)
+    got = table_holders(rows, hashes, [key], -1, every=True)
+    if not got:
+        return []
+    slots = np.array([s for _, s, _ in got], np.int64)
+    cell = rows[slots, START] + n
+    ok = (rows[slots, LENGTH] > n) & (cell >= 0) & (cell < len(tokens))
+    ok[ok] &= tokens[cell[ok]] == t[n]
+    slots = slots[ok]
+    slots = slots[np.argsort(-rows[slots, RECENCY], kind="stable")]
+    return [(int(rows[s, ID]), int(s)) for s in slots.tolist()]
