@@ -133,3 +133,50 @@ def test_a_commit_without_token_ids_flags_its_row_under_the_store_lock(make_stor
     assert waited, "the id-less commit wrote FLAGS while another held the store lock"
     assert row[FLAGS] & NOINDEX and row[FLAGS] & LENT
     row[FLAGS] &= ~LENT  # (the test's own mark: nothing was lent)
+
+
+def test_a_speculative_step_without_token_ids_takes_no_lock_to_commit(make_store) -> None:
+    """A truncate keeps NOINDEX while its last kept token has no id (a decode without ids, as the
+    Hugging Face adapter's, rolled back): the next id-less commit then flags nothing and takes no
+    lock (it cost every speculative step a lock, 20% of truncate_step_us). A truncate back into
+    tokens with ids clears it, and the next completed block is indexed again."""
+    import threading
+
+    from shmkv._engine.header import FLAGS, NOINDEX
+
+    store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
+    seq = store.create_sequence(capacity=64)
+    k = np.ones((2, 1, 2, 8), np.float32)
+    ids = list(range(100, 120))
+    for t in ids:
+        seq.extend(k, k, tokens=[t])
+    for _ in range(4):
+        seq.extend(k, k)  # no ids: tokens 20..23
+    row = store._engine.row(store._engine.slot_of(seq.id))
+    assert row[FLAGS] & NOINDEX
+    seq.truncate(22)
+    assert row[FLAGS] & NOINDEX
+    inside, go = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with store.transaction():
+            inside.set()
+            assert go.wait(60)
+
+    h = threading.Thread(target=holder)
+    h.start()
+    try:
+        assert inside.wait(60)
+        c = threading.Thread(target=lambda: seq.extend(k, k))
+        c.start()
+        c.join(timeout=30)
+        assert not c.is_alive(), "an id-less commit after a speculative truncate waited for the store lock"
+    finally:
+        go.set()
+        h.join(timeout=60)
+    assert len(seq) == 23 and row[FLAGS] & NOINDEX
+    seq.truncate(20)  # back into tokens with ids: looked at again
+    assert not row[FLAGS] & NOINDEX
+    more = list(range(120, 132))
+    seq.extend(np.ones((2, 12, 2, 8), np.float32), np.ones((2, 12, 2, 8), np.float32), tokens=more)
+    assert store.match_prefix([*ids, *more, 7]) == 32

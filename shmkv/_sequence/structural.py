@@ -101,8 +101,12 @@ def unindex_from(w: SeqWriter, row: memoryview, n: int) -> None:
     clean = row[CLEAN]
     if clean >= 0 and n <= clean:
         row[CLEAN] = -1
-    if row[CLEAN] < 0:
-        row[FLAGS] &= ~NOINDEX  # the next completed block is looked at again
+    if row[CLEAN] < 0 and row[FLAGS] & NOINDEX and (n == 0 or w.tokens[row[START] + n - 1] >= 0):
+        # the next completed block is looked at again. Kept while the last kept token has no id
+        # (a decode without ids, as the Hugging Face adapter's, rolled back by a speculative step):
+        # its block still cannot be indexed, and the next id-less commit need not take the lock
+        # to flag it again (writer.unindexable)
+        row[FLAGS] &= ~NOINDEX
 
 
 def taint(row: memoryview, n: int) -> None:
