@@ -349,3 +349,43 @@ def test_02_a_span_refused_halfway_is_put_back_or_undone_before_reuse(make_store
         assert not sh.unmapped and not sh.dirty
     finally:
         ro.close()
+
+
+def test_02_read_checks_before_it_copies(make_store, monkeypatch):
+    """``read()`` of a row left unmapped here checks before it copies (review of 02ee588): it
+    checked only after the copy, so a copy of the holes passed when another thread mapped the
+    row again meanwhile (what the wrapped ``mapped`` does here after the copy)."""
+    from shmkv._sequence.reader import SeqReader
+
+    st = _store(make_store)
+    _, p = _donor(st)
+    real_mmap = share._mmap
+    ro = shmkv.attach(st.name, readonly=True)
+    try:
+        sh = engine_of(ro).shares
+        b = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
+        want = np.asarray(b.keys(0)).copy()
+        assert np.abs(want[:296]).max() > 0
+        _refusing(monkeypatch, lambda i: True)
+        rb = ro.sequence(b.id)
+        with pytest.raises(share.ShareError):
+            rb.keys(0)  # the sync refused: B is unmapped in this attachment
+        slot = engine_of(st).slot_of(b.id)
+        assert list(sh.unmapped) == [slot]
+        real_mapped = SeqReader.mapped
+
+        def mapped_then_another_thread_maps(self, read):
+            value = real_mapped(self, read)
+            monkeypatch.setattr(share, "_mmap", real_mmap)  # the kernel allows it now:
+            sh.readable(slot, "B")  # another thread's read maps B again
+            return value
+
+        monkeypatch.setattr(SeqReader, "mapped", mapped_then_another_thread_maps)
+        try:
+            k, _ = rb.read(0)
+        except share.ShareError:
+            pass  # refused before anything was copied: right
+        else:
+            assert (np.asarray(k) == want).all(), "read() returned the holes of an unmapped row as data"
+    finally:
+        ro.close()

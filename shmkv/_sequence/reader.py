@@ -334,6 +334,7 @@ class SeqReader:
         self.check()
 
         def copy(words: Words) -> tuple[Words, np.ndarray, np.ndarray]:
+            self.readable()  # before the copy, after mapped()'s sync (not after it: holes, see test_02_read)
             _, _, start, _, length, woff, wbuf = words
             self.wbase = (2 * self.slot + wbuf) * self.wc
             lo, hi = self.cells(layer, start, woff, self.first(layer, woff), length)
@@ -342,7 +343,6 @@ class SeqReader:
         words, k, v = self.mapped(lambda: seqlocked(self.row, GEN, lambda: copy(self.words()), HANDLE,
                                                     lambda: copy(self.settled_words()), hold=self.reading))
         self.live(words)
-        self.readable()  # (what was copied may be holes: never returned)
         return k, v
 
     def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
