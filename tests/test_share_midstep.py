@@ -8,6 +8,10 @@ worker's commit raised 'layers have different pending token counts [0, 1, 1, 1]'
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
 import numpy as np
 import pytest
 
@@ -88,13 +92,36 @@ def test_a_borrower_unshared_by_its_donor_mid_step_keeps_its_pending_tokens(make
         other.close()
 
 
+@contextlib.contextmanager
+def _lock_held_in_another_thread(store: shmkv.Store, then: Callable[[], None] | None = None) -> Iterator[None]:
+    """The store lock held by another thread of this process for the ``with`` block (a lock
+    holder, as another process would be); ``then()`` runs under it at the block's end, before
+    the release."""
+    inside, go = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with store.transaction():
+            inside.set()
+            assert go.wait(60)
+            if then is not None:
+                then()
+
+    h = threading.Thread(target=holder)
+    h.start()
+    try:
+        assert inside.wait(60)
+        yield
+    finally:
+        go.set()
+        h.join(timeout=60)
+        assert not h.is_alive()
+
+
 def test_a_commit_without_token_ids_flags_its_row_under_the_store_lock(make_store) -> None:
     """An id-less commit marks its row NOINDEX. FLAGS also holds LENT and STANDIN, which another
     process sets on this leased row under the store lock (a borrow from it, a copy of it): the
     writer's read-modify-write must wait for the lock, or it can write back flags without the
     other's bit (a donor that forgot it lent writes over its borrowers' cells)."""
-    import threading
-
     from shmkv._engine.header import FLAGS, LENT, NOINDEX
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
@@ -103,14 +130,7 @@ def test_a_commit_without_token_ids_flags_its_row_under_the_store_lock(make_stor
     seq.extend(k, k, tokens=[1, 2, 3])  # pages in place: the next commit needs nothing structural
     row = store._engine.row(store._engine.slot_of(seq.id))
     assert not row[FLAGS] & NOINDEX
-    inside, go = threading.Event(), threading.Event()
     done: list[object] = []
-
-    def holder() -> None:  # what another process's borrow does: LENT set under the lock
-        with store.transaction():
-            inside.set()
-            assert go.wait(60)
-            row[FLAGS] |= LENT
 
     def commit() -> None:
         try:
@@ -118,17 +138,16 @@ def test_a_commit_without_token_ids_flags_its_row_under_the_store_lock(make_stor
         except BaseException as e:
             done.append(e)
 
-    h = threading.Thread(target=holder)
-    h.start()
-    assert inside.wait(60)
+    def lend() -> None:  # what another process's borrow does: LENT set under the lock
+        row[FLAGS] |= LENT
+
     c = threading.Thread(target=commit)
-    c.start()
-    c.join(timeout=0.3)
-    waited = c.is_alive()
-    go.set()
-    h.join(timeout=60)
+    with _lock_held_in_another_thread(store, then=lend):
+        c.start()
+        c.join(timeout=0.3)
+        waited = c.is_alive()
     c.join(timeout=60)
-    assert not h.is_alive() and not c.is_alive()
+    assert not c.is_alive()
     assert done and not isinstance(done[0], BaseException), done
     assert waited, "the id-less commit wrote FLAGS while another held the store lock"
     assert row[FLAGS] & NOINDEX and row[FLAGS] & LENT
@@ -140,8 +159,6 @@ def test_a_speculative_step_without_token_ids_takes_no_lock_to_commit(make_store
     Hugging Face adapter's, rolled back): the next id-less commit then flags nothing and takes no
     lock (it cost every speculative step a lock, 20% of truncate_step_us). A truncate back into
     tokens with ids clears it, and the next completed block is indexed again."""
-    import threading
-
     from shmkv._engine.header import FLAGS, NOINDEX
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
@@ -156,24 +173,11 @@ def test_a_speculative_step_without_token_ids_takes_no_lock_to_commit(make_store
     assert row[FLAGS] & NOINDEX
     seq.truncate(22)
     assert row[FLAGS] & NOINDEX
-    inside, go = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with store.transaction():
-            inside.set()
-            assert go.wait(60)
-
-    h = threading.Thread(target=holder)
-    h.start()
-    try:
-        assert inside.wait(60)
+    with _lock_held_in_another_thread(store):
         c = threading.Thread(target=lambda: seq.extend(k, k))
         c.start()
         c.join(timeout=30)
         assert not c.is_alive(), "an id-less commit after a speculative truncate waited for the store lock"
-    finally:
-        go.set()
-        h.join(timeout=60)
     assert len(seq) == 23 and row[FLAGS] & NOINDEX
     seq.truncate(20)  # back into tokens with ids: looked at again
     assert not row[FLAGS] & NOINDEX
