@@ -27,7 +27,7 @@ KEYS = {"ok", "problems", "notes", "system", "machine", "supported_platform", "p
         "shm_path", "shm_fs", "shm_size", "shm_free", "shm_writable", "layout", "bytes_per_token", "tokens_fit",
         "max_map_count", "maps_in_use", "stores_mappable", "pid_namespace", "initial_pid_namespace",
         "proc_matches_pid_namespace", "cross_namespace_liveness", "extras"}
-EXTRAS = {"torch", "transformers", "ml_dtypes", "redis", "isal"}
+EXTRAS = {"torch", "transformers", "ml_dtypes", "redis", "isal", "numba"}
 
 needs_unshare = pytest.mark.skipif(available() is not None, reason=str(available()))
 

@@ -57,7 +57,8 @@ class Int8Mirror:
     only: token ``t`` of every layer is cell ``start + t``); ``row``: the sequence's table row
     (its capacity bounds the mirror)."""
 
-    __slots__ = ("K", "KS", "M", "V", "VS", "cap", "cell", "gen", "kv", "n", "row", "scratch", "vv", "wk", "wv")
+    __slots__ = ("K", "KS", "M", "V", "VS", "cap", "cell", "flat", "gen", "jit", "kv", "n", "put16", "row", "scratch",
+                 "vv", "wk", "wv")
 
     def __init__(self, *, K: np.ndarray, V: np.ndarray, KS: np.ndarray, VS: np.ndarray, cell: tuple[int, int],
                  row: memoryview) -> None:
@@ -74,6 +75,9 @@ class Int8Mirror:
         self.n = [0] * L  # tokens [0, n) of each layer mirrored (pending ones as given)
         self.gen = -2  # the row generation the mirror is valid at
         self.scratch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.jit = _quant.kernels()  # the compiled loops (numba), or None: numpy's calls
+        self.flat = _flat(K, V, KS, VS) if self.jit is not None else None
+        self.put16 = None if self.jit is None else self.jit.put_f16  # append's float16 (writer.append)
 
     # -- keeping it current ----------------------------------------------------------------
 
@@ -191,6 +195,14 @@ class Int8Mirror:
         ``s..`` (codes and scales), then rewritten in the mirror with their dequantized values.
         Non-finite values raise InvalidArgumentError before anything of their pass is written;
         the pending tokens of write handle part ``w`` are dropped (the committed ones stay)."""
+        if self.flat is not None:  # one compiled pass over every layer's rows
+            kf, vf, ksf, vsf, kstride, sstride = self.flat
+            bad = self.jit.commit_rows(self.M, t0, n, kf, vf, ksf, vsf, kstride, sstride, s)
+            if bad >= 0:  # (the rows before it: written in cells past the length, and dropped here)
+                X = self.M[:, :, t0 : t0 + n].copy()
+                w.drop_pending()
+                self.refuse(bad, X, t0)
+            return
         L = self.M.shape[0]
         H, D = self.cell
         step = max(1, _PASS_ITEMS // (L * 2 * H * D))
@@ -229,3 +241,19 @@ class Int8Mirror:
             f"{value[0] if value.size else 'a non-finite value'}: int8 storage cannot represent NaN or "
             "infinity (nothing was committed; the pending tokens are dropped)"
         )
+
+
+def _flat(K: np.ndarray, V: np.ndarray, KS: np.ndarray, VS: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                             np.ndarray, int, int] | None:
+    """The store's codes and scales as flat arrays from layer 0's first cell (the compiled commit
+    addresses layer ``l``, cell ``c``, head ``h`` itself: layers are a page-aligned stride
+    apart, so ``K`` is not one contiguous array), with the layer strides in values; None if
+    the layout is not the one this addressing assumes."""
+    L, T, H, D = K.shape
+    if (K.strides[1:] != (H * D, D, 1) or V.strides != K.strides or KS.strides[1:] != (4 * H, 4)
+            or VS.strides != KS.strides or KS.strides[0] % 4):
+        return None
+    kstride, sstride = K.strides[0], KS.strides[0] // 4
+    ast = np.lib.stride_tricks.as_strided
+    nk, ns = (L - 1) * kstride + T * H * D, (L - 1) * sstride + T * H
+    return (ast(K, (nk,), (1,)), ast(V, (nk,), (1,)), ast(KS, (ns,), (4,)), ast(VS, (ns,), (4,)), kstride, sstride)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +42,49 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _CHUNK_ITEMS = 1 << 15
 # values quantized per pass: the scratch (128 KiB a buffer) stays in cache
 _FEW_ROWS = 64  # rows of head_dim values: below it a decode step's path (see _encode)
+
+
+_JIT: Any = None  # the compiled loops (quant_jit) once loaded; False: numba missing or SHMKV_NUMBA=0
+
+
+def kernels() -> Any:
+    """The compiled int8 loops (module ``quant_jit``, numba: ``pip install 'shmkv[fast]'``), or
+    None without numba or with ``SHMKV_NUMBA=0`` in the environment. Loaded on the first
+    quantization in the process, never by ``import shmkv``; the same results as the numpy path
+    below, bit for bit (tests/test_quant_jit.py)."""
+    global _JIT
+    if _JIT is None:
+        _JIT = False
+        if os.environ.get("SHMKV_NUMBA", "1") != "0":
+            try:
+                from shmkv._sequence import quant_jit
+            except ImportError:  # the extra is not installed (or numba cannot load with this numpy)
+                pass
+            else:
+                _JIT = quant_jit
+    return _JIT or None
+
+
+def _jit_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int | None:
+    """``quantize_into`` by a compiled loop: -1, or the first row holding a non-finite value
+    (rows before it written); None when no loop applies (numba missing, another dtype, arrays
+    not C-contiguous)."""
+    J = kernels()
+    if J is None or not (x.flags.c_contiguous and codes.flags.c_contiguous and scales.flags.c_contiguous):
+        return None
+    dt = x.dtype
+    if dt == np.float16:
+        f, src = J.quantize_f16, x.view(np.int16)
+    elif dt == np.float32:
+        f, src = J.quantize_f32, x
+    elif dt == np.float64:
+        f, src = J.quantize_f64, x
+    elif dt == BF16:
+        f, src = J.quantize_bf16, x.view(np.uint16)
+    else:
+        return None
+    D = x.shape[-1]
+    return int(f(src.reshape(-1, D), codes.reshape(-1, D), scales.reshape(-1)))
 
 
 def check_finite(x: np.ndarray, what: str) -> None:
@@ -207,6 +252,12 @@ def quantize_into(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, *, what:
     n = x.shape[0]
     if not n:
         return
+    bad = _jit_rows(x, codes, scales)
+    if bad is not None:
+        if bad >= 0:
+            check_finite(x, what)  # raises, naming the value
+            raise InvalidArgumentError(f"{what}: row {bad} holds a non-finite value (nothing was committed)")
+        return
     D = x.shape[-1]
     step = max(1, _CHUNK_ITEMS // max(x[0].size, 1))
     buf = np.empty((min(step, n), *x.shape[1:]), np.float32)
@@ -222,42 +273,6 @@ def quantize_into(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, *, what:
         scale = _encode(f.reshape(-1, D), error, limit, scratch)
         np.copyto(codes[a:b], f, casting="unsafe")
         scales[a:b] = scale.reshape(scales[a:b].shape)
-
-
-def quantize_pair(k: np.ndarray, v: np.ndarray, *, kc: np.ndarray, vc: np.ndarray, ks: np.ndarray,
-                  vs: np.ndarray, mirror: np.ndarray) -> None:
-    """An int8 append's encoding: ``k`` and ``v`` [n, kv_heads, head_dim] quantized together
-    (one pass of float32 arithmetic over both: a decode step's one token costs a dozen numpy
-    calls, not two dozen) into codes ``kc``, ``vc`` and scales ``ks``, ``vs``; their
-    dequantized values into ``mirror`` [2, n, kv_heads, head_dim], exactly what
-    :func:`dequantize_int8` gives for them. Non-finite input raises InvalidArgumentError
-    before anything of its chunk is written (see quantize_into)."""
-    n = k.shape[0]
-    H, D = k.shape[1:]
-    step = max(1, _CHUNK_ITEMS // max(2 * k[0].size, 1))
-    buf = np.empty((2, min(step, n), H, D), np.float32)
-    scratch = np.empty(buf.size, np.float32)
-
-    def error() -> None:
-        check_finite(k, "k")
-        check_finite(v, "v")
-
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        f = buf if b - a == buf.shape[1] else np.empty((2, b - a, H, D), np.float32)  # C-contiguous
-        if k.dtype == v.dtype == np.float16:  # both converted in one pass (three calls, not six)
-            np.copyto(f[0].view(np.int32), k[a:b].view(np.int16))
-            np.copyto(f[1].view(np.int32), v[a:b].view(np.int16))
-            _f16_bits_to_f32(f)
-            limit = _F16_MAX
-        else:
-            limit = min(_as_f32(k[a:b], f[0], "k", k), _as_f32(v[a:b], f[1], "v", v))
-        scale = _encode(f.reshape(-1, D), error, limit, scratch).reshape(2, b - a, H)
-        np.copyto(kc[a:b], f[0], casting="unsafe")
-        np.copyto(vc[a:b], f[1], casting="unsafe")
-        ks[a:b] = scale[0]
-        vs[a:b] = scale[1]
-        np.multiply(f, scale[..., None], out=mirror[:, a:b])
 
 
 def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -44,6 +44,10 @@ from shmkv._sequence.room import limits, make_room
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
 
+_F16 = np.dtype(np.float16)
+_I16 = np.dtype(np.int16)
+
+
 def real(dt: np.dtype) -> bool:
     """Whether ``dt`` holds real numbers the store takes (floats, ints, bfloat16 bits)."""
     return dt.kind in "fiu" or dt == _quant.BF16
@@ -235,8 +239,12 @@ class SeqWriter:
                 end = t0 + n
                 if mir.gen != self.gen or mir.n[layer] < t0 or end > mir.cap or k.itemsize > 4 or v.itemsize > 4:
                     return self.append_checked(layer, k, v)
-                mir.wk[layer][t0:end] = k  # (a cast: float16 to float32 is exact)
-                mir.wv[layer][t0:end] = v
+                put = mir.put16  # numba's float16 conversion (numpy's cast, bit for bit, at twice its speed)
+                if put is not None and k.dtype == v.dtype == _F16 and k.flags.c_contiguous and v.flags.c_contiguous:
+                    put(k.view(_I16), v.view(_I16), mir.M, layer, t0)
+                else:
+                    mir.wk[layer][t0:end] = k  # (a cast: float16 to float32 is exact)
+                    mir.wv[layer][t0:end] = v
                 mir.n[layer] = end
                 self.pending[layer] = p + n
                 self.staged = True

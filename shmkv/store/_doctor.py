@@ -52,6 +52,7 @@ EXTRAS: dict[str, str] = {
     "ml_dtypes": "pip install 'shmkv[bf16]'",
     "redis": "pip install 'shmkv[redis]'",
     "isal": "pip install 'shmkv[fast]'",
+    "numba": "pip install 'shmkv[fast]'",
 }
 
 

@@ -1,0 +1,315 @@
+"""Compiled int8 loops (numba, the optional extra ``shmkv[fast]``): the same codes, scales and
+dequantized values as the numpy path of :mod:`shmkv._sequence.quant`, bit for bit, in one pass
+over each row instead of a dozen whole-array numpy calls.
+
+Why: numpy's float16 -> float32 cast has no SIMD loop in the numpy builds measured here (about
+1.4 ns a value even into a cache-sized buffer, a float16 memcpy 0.4 ns), and the numpy path
+quantizes in about a dozen passes over its data (abs, argmax, divide, rint, clip, cast, ...).
+A compiled loop converts, finds the absmax, divides, rounds and stores each row while it is in
+registers. Imported only by :func:`shmkv._sequence.quant.kernels`, the first time an int8 store
+quantizes or dequantizes (``import shmkv`` never imports numba).
+
+Exactly the numpy path's arithmetic (tests/test_quant_jit.py compares both with a reference):
+
+* float16 is converted with the same integer trick as ``quant._f16_bits_to_f32`` (exact for
+  every finite value, subnormals included), and infinity or NaN come out as themselves;
+  bfloat16's bits shifted into a float32's; float64 rounded to float32 (``np.float32(x)`` is
+  numpy's cast) after its magnitude is checked against float32's largest in float64;
+* ``scale = absmax / float32(127)`` in float32; rows whose absmax is at most ``_NORMAL`` take
+  ``_scales``' subnormal rules (at least the smallest float32 step, stepped up until
+  ``absmax <= 127.5 * scale`` holds in float64) and are clipped to [-127, 127];
+* ``q = rint(x / scale)`` (IEEE float32 division, round half to even), the code ``int8(q)``,
+  the dequantized value ``q * scale`` (or ``q * 1`` for an all-zero row, as numpy's path).
+
+No ``fastmath`` (it would allow reassociation and reciprocal division) and
+``error_model="numpy"`` (no zero-division checks: the division is never by zero).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_NORMAL = float(np.finfo(np.float32).tiny) * 127.5
+_TINY_BITS = 1  # the smallest float32 subnormal's bits
+_C127 = np.float32(127)
+_ONE = np.float32(1)
+_ZERO = np.float32(0)
+
+_jit = njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)
+_inline = njit(inline="always", cache=True, nogil=True, error_model="numpy", boundscheck=False)
+
+
+def _bitcast_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover
+    """The float32 whose bits are the low 32 bits of the integer ``bits`` (a bit cast, no
+    conversion; numba widens int32 arithmetic to int64, whose low 32 bits are the same)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        v = args[0]
+        if v.type.width != 32:
+            v = builder.trunc(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+_f32: Any = intrinsic(_bitcast_f32)
+
+
+@_inline
+def _f16(t: Any) -> Any:  # pragma: no cover
+    """The float32 value of the float16 bits ``t`` (an int32, sign-extended): numpy's cast, bit
+    for bit (infinity, NaN and its payload, -0.0 too), without a branch (the loops calling it
+    vectorize). Normal numbers: the exponent re-biased in the integers (+112, +224 for infinity
+    and NaN); zero and subnormals (exponent 0): ``mantissa * 2^-24``, a normal float32. No
+    float32 subnormal is ever an operand: the CPU takes ~100 cycles for one (quant's
+    _f16_bits_to_f32 multiplies them)."""
+    i32 = np.int32  # (every step cast back: numba widens int32 arithmetic to int64, 2x slower)
+    u = i32(t & i32(0x7FFF))
+    e31 = i32(i32(i32(u & i32(0x7C00)) + i32(0x400)) >> i32(15))  # 1 for infinity and NaN
+    bits = i32(i32(i32(u << i32(13)) + i32(0x38000000)) + i32(e31 * i32(0x38000000)))
+    f = _f32(i32(bits | i32(i32(t & i32(0x8000)) << i32(16))))
+    g = np.float32(t & np.int32(0x3FF)) * np.float32(2.0**-24)
+    g = -g if t < 0 else g
+    return g if (t & np.int32(0x7C00)) == 0 else f
+
+
+# Kernels take positional arguments only (numba), hence the PLR0917 exceptions.
+# Every inner loop indexes a row slice by its loop variable only: an index ``a + j`` with a
+# runtime ``a`` keeps numba's negative-index wraparound in the loop, which then does not
+# vectorize (4.5x slower, measured on the commit's loop).
+
+
+@_inline
+def _f16_row(src: np.ndarray, buf: np.ndarray) -> None:  # pragma: no cover
+    """float16 bits ``src`` (int16 row) into float32 ``buf``: numpy's cast, bit for bit."""
+    for j in range(src.size):
+        buf[j] = _f16(np.int32(src[j]))
+
+
+@_inline
+def _absmax(bits: np.ndarray, tmp: np.ndarray, tmpi: np.ndarray) -> Any:  # pragma: no cover
+    """The largest magnitude of the float32 row whose bits are ``bits`` (int32): infinity if
+    the row holds infinity or NaN. One integer max (the bits of non-negative floats sort as
+    their values do, NaN's above infinity's), which vectorizes where a float max does not."""
+    m = np.int32(0)
+    for j in range(bits.size):  # (int32 casts: numba's int64 arithmetic here runs 2.3x slower)
+        m = np.int32(max(m, np.int32(bits[j] & np.int32(0x7FFFFFFF))))
+    if m >= np.int32(0x7F800000):
+        return np.inf
+    tmpi[0] = m
+    return tmp[0]
+
+
+@_inline
+def _f16_absmax(src: np.ndarray) -> Any:  # pragma: no cover
+    """_absmax of a float16 row from its bits (int16): their magnitudes sort as the values do,
+    and a max over them vectorizes better than one over the converted row (measured: 0.1 ns a
+    value, against 0.5)."""
+    m = np.int32(0)
+    for j in range(src.size):
+        m = np.int32(max(m, np.int32(np.int32(src[j]) & np.int32(0x7FFF))))
+    if m >= np.int32(0x7C00):  # infinity or NaN
+        return np.inf
+    if m < np.int32(0x400):  # zero or subnormal
+        return np.float32(m) * np.float32(2.0**-24)
+    return _f32((m << 13) + np.int32(0x38000000))
+
+
+@_jit
+def _row_scale(am: float, tmp: np.ndarray, tmpi: np.ndarray) -> np.float32:  # pragma: no cover
+    """``quant._scales`` for one row's float32 absmax ``am``, at most _NORMAL."""
+    amf = np.float32(am)
+    if not amf > _ZERO:
+        return _ZERO
+    s = amf / _C127
+    tmpi[0] = 1  # the smallest float32 subnormal
+    s = max(s, tmp[0])
+    for _ in range(4):  # stepped up until absmax <= 127.5 * scale (in float64)
+        if np.float64(amf) > 127.5 * np.float64(s):
+            tmp[0] = s
+            tmpi[0] += 1  # nextafter towards infinity, for a positive float32
+            s = tmp[0]
+        else:
+            break
+    return s
+
+
+@_jit
+def _code_low(row: np.ndarray, am: float, codes: np.ndarray, tmp: np.ndarray, tmpi: np.ndarray,  # noqa: PLR0917
+              back: bool) -> np.float32:  # pragma: no cover
+    """A row whose scale is subnormal or zero into ``codes`` (and, if ``back``, its dequantized
+    values into ``row``): clipped, divided by 1 for a zero row, as numpy's path. Rare: a call of
+    its own, out of the common loop."""
+    s = _row_scale(am, tmp, tmpi)
+    safe = s if s > _ZERO else _ONE
+    for j in range(row.size):
+        q = np.rint(row[j] / safe)
+        q = min(max(q, np.float32(-127)), np.float32(127))
+        codes[j] = np.int8(q)
+        if back:
+            row[j] = q * safe
+    return s
+
+
+@_inline
+def _code(row: np.ndarray, am: float, codes: np.ndarray, tmp: np.ndarray,
+          tmpi: np.ndarray) -> np.float32:  # pragma: no cover
+    """Finite ``row`` (float32, absmax ``am``) into ``codes``; returns its scale."""
+    if am > _NORMAL:
+        s = np.float32(am) / _C127
+        for j in range(row.size):
+            codes[j] = np.int8(np.rint(row[j] / s))
+        return s
+    return _code_low(row, am, codes, tmp, tmpi, False)
+
+
+@_jit
+def quantize_f16(src: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:  # pragma: no cover
+    """Rows of float16 bits ``src`` (int16, C-contiguous [R, D]) into ``codes`` (int8 [R, D]) and
+    ``scales`` (float32 [R]); returns -1, or the first row holding infinity or NaN (the rows
+    before it written). Each value converted in the loop that divides it (no buffer)."""
+    R, D = src.shape
+    buf = np.empty(D, np.float32)
+    tmp = np.empty(1, np.float32)
+    tmpi = tmp.view(np.int32)
+    for r in range(R):
+        row = src[r]
+        am = _f16_absmax(row)
+        if not am <= _F32_MAX:
+            return r
+        cd = codes[r]
+        if am > _NORMAL:
+            sc = np.float32(am) / _C127
+            for j in range(D):
+                cd[j] = np.int8(np.rint(_f16(np.int32(row[j])) / sc))
+        else:
+            _f16_row(row, buf)
+            sc = _code_low(buf, am, cd, tmp, tmpi, False)
+        scales[r] = sc
+    return -1
+
+
+@_jit
+def quantize_bf16(src: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:  # pragma: no cover
+    """As quantize_f16, for bfloat16 bits (uint16): a float32's upper half."""
+    R, D = src.shape
+    buf = np.empty(D, np.float32)
+    bufi = buf.view(np.int32)
+    tmp = np.empty(1, np.float32)
+    tmpi = tmp.view(np.int32)
+    for r in range(R):
+        row = src[r]
+        for j in range(D):
+            bufi[j] = np.int32(row[j]) << 16
+        am = _absmax(bufi, tmp, tmpi)
+        if not am <= _F32_MAX:
+            return r
+        scales[r] = _code(buf, am, codes[r], tmp, tmpi)
+    return -1
+
+
+@_jit
+def quantize_f32(src: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:  # pragma: no cover
+    """As quantize_f16, for float32 rows."""
+    R = src.shape[0]
+    bits = src.view(np.int32)
+    tmp = np.empty(1, np.float32)
+    tmpi = tmp.view(np.int32)
+    for r in range(R):
+        am = _absmax(bits[r], tmp, tmpi)
+        if not am <= _F32_MAX:
+            return r
+        scales[r] = _code(src[r], am, codes[r], tmp, tmpi)
+    return -1
+
+
+_F32_MAX_BITS64 = int(np.float64(_F32_MAX).view(np.int64))
+
+
+@_jit
+def quantize_f64(src: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:  # pragma: no cover
+    """As quantize_f16, for float64 rows: each row's magnitudes checked against float32's
+    largest in float64 (on the bits: an integer max, which vectorizes; NaN's bits sort above
+    infinity's), then rounded to float32 as numpy casts."""
+    R, D = src.shape
+    bits = src.view(np.int64)
+    buf = np.empty(D, np.float32)
+    bufi = buf.view(np.int32)
+    tmp = np.empty(1, np.float32)
+    tmpi = tmp.view(np.int32)
+    for r in range(R):
+        b64 = bits[r]
+        w = np.int64(0)
+        for j in range(D):
+            b = b64[j] & np.int64(0x7FFFFFFFFFFFFFFF)
+            w = max(w, b)
+        if w > _F32_MAX_BITS64:  # beyond float32's range, infinity or NaN
+            return r
+        row = src[r]
+        for j in range(D):
+            buf[j] = np.float32(row[j])
+        am = _absmax(bufi, tmp, tmpi)
+        scales[r] = _code(buf, am, codes[r], tmp, tmpi)
+    return -1
+
+
+@_jit
+def put_f16(kb: np.ndarray, vb: np.ndarray, M: np.ndarray, layer: int, t0: int) -> None:  # pragma: no cover
+    """An append's float16 ``k``, ``v`` (int16 bits, C-contiguous, ``n`` tokens) into the mirror
+    ``M`` [layers, 2, cap, H, D] at tokens ``t0..`` of ``layer``: numpy's cast, bit for bit."""
+    HD = M.shape[3] * M.shape[4]
+    n = kb.size // HD
+    Mk = M[layer, 0, t0 : t0 + n].reshape(n * HD)
+    Mv = M[layer, 1, t0 : t0 + n].reshape(n * HD)
+    _f16_row(kb.reshape(kb.size), Mk)
+    _f16_row(vb.reshape(vb.size), Mv)
+
+
+@_jit
+def commit_rows(M: np.ndarray, t0: int, n: int, K: np.ndarray, V: np.ndarray,  # noqa: PLR0917 (numba: positional)
+                KS: np.ndarray, VS: np.ndarray, kstride: int, sstride: int, s: int) -> int:  # pragma: no cover
+    """A commit's pass (``Int8Mirror.quantize``): the mirror's pending tokens ``[t0, t0 + n)`` of
+    every layer quantized into cells ``s..``: codes into the flat int8 ``K``/``V`` (layer ``l``,
+    cell ``c``, head ``h`` at ``l * kstride + (c * H + h) * D``), scales into the flat float32
+    ``KS``/``VS`` (``l * sstride + c * H + h``), and the mirror rewritten with the dequantized
+    values. Returns -1, or the first row (in ``[L, 2, n, H]`` order) holding NaN or infinity,
+    left as it was (the rows before it are written: cells past the committed length, and
+    mirror values of pending tokens that the caller then drops)."""
+    L, _, cap, H, D = M.shape
+    M1 = M.reshape(M.size)
+    Mi = M1.view(np.int32)
+    tmp = np.empty(1, np.float32)
+    tmpi = tmp.view(np.int32)
+    r = 0
+    for lw in range(L * 2):
+        lay = lw // 2
+        codes = K if lw % 2 == 0 else V
+        scales = KS if lw % 2 == 0 else VS
+        for t in range(n):
+            for h in range(H):
+                a = ((lw * cap + t0 + t) * H + h) * D
+                m = _absmax(Mi[a : a + D], tmp, tmpi)
+                if not m <= _F32_MAX:
+                    return r
+                c = lay * kstride + ((s + t) * H + h) * D
+                row = M1[a : a + D]
+                cd = codes[c : c + D]
+                if m > _NORMAL:
+                    sc = np.float32(m) / _C127
+                    for j in range(D):
+                        q = np.rint(row[j] / sc)
+                        cd[j] = np.int8(q)
+                        row[j] = q * sc  # what dequantize_int8 gives for it
+                else:
+                    sc = _code_low(row, m, cd, tmp, tmpi, True)
+                scales[lay * sstride + (s + t) * H + h] = sc
+                r += 1
+    return -1
