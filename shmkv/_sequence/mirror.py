@@ -6,12 +6,14 @@ its append cost a dozen numpy calls per array (9.5x). The write handle keeps ins
 process-local float32 array ``[layers, 2 (K, V), tokens, kv_heads, head_dim]``:
 
 * ``append`` writes the new tokens' values into it, as given (cast to float32), and returns
-  read-only views of it: O(new tokens), one cast per array;
-* ``commit`` quantizes the pending tokens of every layer in one vectorised pass
-  (:meth:`Int8Mirror.quantize`: about a dozen numpy calls for all layers together), writes
-  codes and scales into the shared cells, and only then publishes the length; it rewrites
-  those mirror cells with their dequantized values, bit for bit what a reader's ``keys()``
-  gives.
+  read-only views of it: O(new tokens), one cast per array (float16 input: one compiled
+  call for both, with numba: ``quant_jit.put_f16``);
+* ``commit`` quantizes the pending tokens of every layer in one pass
+  (:meth:`Int8Mirror.quantize`: one compiled call, ``quant_jit.commit_rows``, with numba;
+  else about a dozen numpy calls for all layers together), writes codes and scales into
+  the shared cells, and only then publishes the length; it rewrites those mirror cells
+  with their dequantized values, what a reader's ``keys()`` gives (equal to it; the sign
+  of a zero may differ, -0.0 where a tiny negative value rounded to code 0).
 
 So a view ``append`` returned shows the committed tokens dequantized and the pending ones
 exact (as given, in float32) until their commit; from the commit on, it equals the

@@ -1,5 +1,9 @@
 """Encodings of the compact storage dtypes.
 
+int8 quantizes in compiled loops when numba is installed (``shmkv[fast]``: module
+``quant_jit``, loaded by :func:`kernels` on first use), else in the numpy calls below: the
+same codes, scales and dequantized values either way, bit for bit.
+
 int8: each (token, head) row of ``head_dim`` values is stored as int8 with one
 float32 scale, ``scale = absmax / 127`` and ``q = round(x / scale)`` (round half
 to even, numpy's rule), so ``|q * scale - x| <= scale / 2 = absmax / 254``, up to
@@ -58,8 +62,8 @@ def kernels() -> Any:
         if os.environ.get("SHMKV_NUMBA", "1") != "0":
             try:
                 from shmkv._sequence import quant_jit
-            except ImportError:  # the extra is not installed (or numba cannot load with this numpy)
-                pass
+            except Exception:  # not installed (ImportError), or a numba that cannot load or cache here:
+                pass  # the numpy path, same results
             else:
                 _JIT = quant_jit
     return _JIT or None
@@ -79,7 +83,7 @@ def _jit_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int | Non
         f, src = J.quantize_f32, x
     elif dt == np.float64:
         f, src = J.quantize_f64, x
-    elif dt == BF16:
+    elif BF16 is not None and dt == BF16:
         f, src = J.quantize_bf16, x.view(np.uint16)
     else:
         return None
