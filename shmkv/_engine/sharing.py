@@ -93,7 +93,7 @@ class Sharing(Pages):
         if owner >= 0:
             o = self.row(owner)
             if not o[FLAGS] & LENT:
-                with self.changing(o):
+                with self.changing(o, foreign=True):  # a decoding owner commits meanwhile (journal 10)
                     o[FLAGS] |= LENT
 
     def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int]) -> None:
@@ -161,7 +161,7 @@ class Sharing(Pages):
         t = self.table_np
         for b in np.flatnonzero((t[:, STATE] == LIVE) & (t[:, SPAN_PHYS] == phys) & (t[:, SPAN_CELLS] > keep)):
             brow = self.row(int(b))
-            with self.changing(brow):
+            with self.changing(brow, foreign=True):  # a decoding borrower commits meanwhile (journal 10)
                 self._unshare(int(b), brow, min(brow[LENGTH], brow[SPAN_CELLS]), keep)
 
     def shared_cells(self) -> tuple[int, int]:
