@@ -30,12 +30,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import llvmlite.binding as _llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _NORMAL = float(np.finfo(np.float32).tiny) * 127.5
+_normal32 = np.float32(_NORMAL)
+if float(_normal32) <= _NORMAL:
+    _normal32 = np.nextafter(_normal32, np.float32(np.inf))
+_NORMAL_BITS = int(np.array(_normal32).view(np.int32))  # absmax > _NORMAL <=> its bits >= these
+_INF_BITS = 0x7F800000  # absmax bits at least these: infinity or NaN
 _TINY_BITS = 1  # the smallest float32 subnormal's bits
 _C127 = np.float32(127)
 _ONE = np.float32(1)
@@ -63,22 +69,57 @@ def _bitcast_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover
 _f32: Any = intrinsic(_bitcast_f32)
 
 
+def _half_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover
+    """The float32 value of the float16 whose bits are the int16 ``bits``: LLVM's ``fpext half``,
+    one vcvtph2ps for 8 values on a CPU with F16C."""
+    if bits != types.int16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+_h2f: Any = intrinsic(_half_to_f32)
+# F16C (x86-64 since 2012): the CPU converts float16, 0.1 ns a value; without it LLVM would call
+# a runtime helper numba may not link, so the integer conversion below is used instead
+_F16C = "f16c" in _llvm.get_host_cpu_features().flatten()
+
+
 @_inline
 def _f16(t: Any) -> Any:  # pragma: no cover
-    """The float32 value of the float16 bits ``t`` (an int32, sign-extended): numpy's cast, bit
-    for bit (infinity, NaN and its payload, -0.0 too), without a branch (the loops calling it
-    vectorize). Normal numbers: the exponent re-biased in the integers (+112, +224 for infinity
-    and NaN); zero and subnormals (exponent 0): ``mantissa * 2^-24``, a normal float32. No
-    float32 subnormal is ever an operand: the CPU takes ~100 cycles for one (quant's
-    _f16_bits_to_f32 multiplies them)."""
+    """The float32 value of the float16 bits ``t`` (int16): numpy's cast, bit for bit, for every
+    non-NaN value (-0.0 and subnormals too); a NaN stays a NaN (F16C sets a signalling NaN's
+    quiet bit: every NaN is refused before it is stored)."""
+    if _F16C:
+        return _h2f(t)
+    return _f16_soft(t)
+
+
+@_inline
+def _f16_soft(t: Any) -> Any:  # pragma: no cover
+    """_f16 without F16C, with integers and no branch (the loops calling it vectorize): normal
+    numbers get their exponent re-biased (+112, +224 for infinity and NaN); zero and subnormals
+    (exponent 0) are ``mantissa * 2^-24``, a normal float32. No float32 subnormal is ever an
+    operand: the CPU takes ~100 cycles for one (quant's _f16_bits_to_f32 multiplies them)."""
     i32 = np.int32  # (every step cast back: numba widens int32 arithmetic to int64, 2x slower)
-    u = i32(t & i32(0x7FFF))
+    w = i32(t)  # sign-extended
+    u = i32(w & i32(0x7FFF))
     e31 = i32(i32(i32(u & i32(0x7C00)) + i32(0x400)) >> i32(15))  # 1 for infinity and NaN
     bits = i32(i32(i32(u << i32(13)) + i32(0x38000000)) + i32(e31 * i32(0x38000000)))
-    f = _f32(i32(bits | i32(i32(t & i32(0x8000)) << i32(16))))
-    g = np.float32(t & np.int32(0x3FF)) * np.float32(2.0**-24)
-    g = -g if t < 0 else g
-    return g if (t & np.int32(0x7C00)) == 0 else f
+    f = _f32(i32(bits | i32(i32(w & i32(0x8000)) << i32(16))))
+    g = np.float32(w & np.int32(0x3FF)) * np.float32(2.0**-24)
+    g = -g if w < 0 else g
+    return g if (w & np.int32(0x7C00)) == 0 else f
+
+
+@_jit
+def f16_to_f32(src: np.ndarray, out: np.ndarray, soft: bool) -> None:  # pragma: no cover
+    """float16 bits ``src`` (int16, 1-D) into float32 ``out``: _f16, or with ``soft`` the
+    conversion used on CPUs without F16C (here so that tests check both on any machine)."""
+    for j in range(src.size):
+        out[j] = _f16_soft(src[j]) if soft else _f16(src[j])
 
 
 # Kernels take positional arguments only (numba), hence the PLR0917 exceptions.
@@ -91,21 +132,19 @@ def _f16(t: Any) -> Any:  # pragma: no cover
 def _f16_row(src: np.ndarray, buf: np.ndarray) -> None:  # pragma: no cover
     """float16 bits ``src`` (int16 row) into float32 ``buf``: numpy's cast, bit for bit."""
     for j in range(src.size):
-        buf[j] = _f16(np.int32(src[j]))
+        buf[j] = _f16(src[j])
 
 
 @_inline
-def _absmax(bits: np.ndarray, tmp: np.ndarray, tmpi: np.ndarray) -> Any:  # pragma: no cover
-    """The largest magnitude of the float32 row whose bits are ``bits`` (int32): infinity if
-    the row holds infinity or NaN. One integer max (the bits of non-negative floats sort as
-    their values do, NaN's above infinity's), which vectorizes where a float max does not."""
+def _absbits(bits: np.ndarray) -> Any:  # pragma: no cover
+    """The bits (int32) of the largest magnitude of the float32 row whose bits are ``bits``: at
+    least _INF_BITS if the row holds infinity or NaN. One integer max (the bits of non-negative
+    floats sort as their values do, NaN's above infinity's), which vectorizes where a float max
+    does not; the caller compares bits, not floats (no float64 round trip: 1.5x faster)."""
     m = np.int32(0)
     for j in range(bits.size):  # (int32 casts: numba's int64 arithmetic here runs 2.3x slower)
         m = np.int32(max(m, np.int32(bits[j] & np.int32(0x7FFFFFFF))))
-    if m >= np.int32(0x7F800000):
-        return np.inf
-    tmpi[0] = m
-    return tmp[0]
+    return m
 
 
 @_inline
@@ -160,15 +199,14 @@ def _code_low(row: np.ndarray, am: float, codes: np.ndarray, tmp: np.ndarray, tm
 
 
 @_inline
-def _code(row: np.ndarray, am: float, codes: np.ndarray, tmp: np.ndarray,
-          tmpi: np.ndarray) -> np.float32:  # pragma: no cover
-    """Finite ``row`` (float32, absmax ``am``) into ``codes``; returns its scale."""
-    if am > _NORMAL:
-        s = np.float32(am) / _C127
+def _code(row: np.ndarray, mb: Any, codes: np.ndarray, tmp: np.ndarray, tmpi: np.ndarray) -> Any:  # pragma: no cover
+    """Finite ``row`` (float32, absmax bits ``mb``) into ``codes``; returns its scale."""
+    if mb >= _NORMAL_BITS:
+        s = _f32(mb) / _C127
         for j in range(row.size):
-            codes[j] = np.int8(np.rint(row[j] / s))
+            codes[j] = np.int8(np.int32(np.rint(row[j] / s)))
         return s
-    return _code_low(row, am, codes, tmp, tmpi, False)
+    return _code_low(row, _f32(mb), codes, tmp, tmpi, False)
 
 
 @_jit
@@ -189,7 +227,7 @@ def quantize_f16(src: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:
         if am > _NORMAL:
             sc = np.float32(am) / _C127
             for j in range(D):
-                cd[j] = np.int8(np.rint(_f16(np.int32(row[j])) / sc))
+                cd[j] = np.int8(np.int32(np.rint(_f16(row[j]) / sc)))
         else:
             _f16_row(row, buf)
             sc = _code_low(buf, am, cd, tmp, tmpi, False)
@@ -209,10 +247,10 @@ def quantize_bf16(src: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int
         row = src[r]
         for j in range(D):
             bufi[j] = np.int32(row[j]) << 16
-        am = _absmax(bufi, tmp, tmpi)
-        if not am <= _F32_MAX:
+        mb = _absbits(bufi)
+        if mb >= _INF_BITS:
             return r
-        scales[r] = _code(buf, am, codes[r], tmp, tmpi)
+        scales[r] = _code(buf, mb, codes[r], tmp, tmpi)
     return -1
 
 
@@ -224,10 +262,10 @@ def quantize_f32(src: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:
     tmp = np.empty(1, np.float32)
     tmpi = tmp.view(np.int32)
     for r in range(R):
-        am = _absmax(bits[r], tmp, tmpi)
-        if not am <= _F32_MAX:
+        mb = _absbits(bits[r])
+        if mb >= _INF_BITS:
             return r
-        scales[r] = _code(src[r], am, codes[r], tmp, tmpi)
+        scales[r] = _code(src[r], mb, codes[r], tmp, tmpi)
     return -1
 
 
@@ -256,8 +294,7 @@ def quantize_f64(src: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:
         row = src[r]
         for j in range(D):
             buf[j] = np.float32(row[j])
-        am = _absmax(bufi, tmp, tmpi)
-        scales[r] = _code(buf, am, codes[r], tmp, tmpi)
+        scales[r] = _code(buf, _absbits(bufi), codes[r], tmp, tmpi)
     return -1
 
 
@@ -296,20 +333,20 @@ def commit_rows(M: np.ndarray, t0: int, n: int, K: np.ndarray, V: np.ndarray,  #
         for t in range(n):
             for h in range(H):
                 a = ((lw * cap + t0 + t) * H + h) * D
-                m = _absmax(Mi[a : a + D], tmp, tmpi)
-                if not m <= _F32_MAX:
+                mb = _absbits(Mi[a : a + D])
+                if mb >= _INF_BITS:
                     return r
                 c = lay * kstride + ((s + t) * H + h) * D
                 row = M1[a : a + D]
                 cd = codes[c : c + D]
-                if m > _NORMAL:
-                    sc = np.float32(m) / _C127
+                if mb >= _NORMAL_BITS:
+                    sc = _f32(mb) / _C127
                     for j in range(D):
                         q = np.rint(row[j] / sc)
-                        cd[j] = np.int8(q)
+                        cd[j] = np.int8(np.int32(q))
                         row[j] = q * sc  # what dequantize_int8 gives for it
                 else:
-                    sc = _code_low(row, m, cd, tmp, tmpi, True)
+                    sc = _code_low(row, _f32(mb), cd, tmp, tmpi, True)
                 scales[lay * sstride + (s + t) * H + h] = sc
                 r += 1
     return -1
