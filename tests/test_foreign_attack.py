@@ -1,0 +1,185 @@
+"""Attacks on journal invariant 10 (f3f8d03): a transaction that changes another writer's row
+(a borrow marking its decoding donor LENT, a donor's truncate giving a decoding borrower private
+copies: ``changing(row, foreign=True)``) must never undo what that row's lease holder does
+without the lock meanwhile, whichever way the transaction ends (an exception at a crash point,
+a SIGKILL and another process's recovery), and whoever reads meanwhile (a read-only attachment's
+``settled_row``, ``store.sequences()``, a snapshot).
+
+What the lease holder writes without the lock: its pending tokens' cells, then LENGTH (commit),
+and LEASE_PID = 0 (release). The first two findings here:
+
+* a rolled-back borrow dropped the donor's pending decode step (``writer.kept`` only kept it
+  while the row still lent or borrowed; after the rollback it did neither, and the commit
+  silently returned the old length);
+* a rolled-back borrow gave a released lease back (the rollback restored the logged LEASE_PID:
+  no other process could take the sequence until the releasing one exited).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmkv
+from shmkv._engine import crash
+from shmkv._engine.header import FLAGS, LEASE_PID, LENT
+
+L, H, D = 3, 2, 64
+
+
+def _kv(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((L, n, H, D)).astype(np.float32), rng.integers(0, 30_000, n)
+
+
+def _donor(store: shmkv.Store, kv: np.ndarray, toks: np.ndarray, n: int, capacity: int) -> shmkv.Sequence:
+    donor = store.create_sequence(capacity=capacity, prefix=toks[:1])
+    donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
+    return donor
+
+
+def _expected_keys(store: shmkv.Store, kv: np.ndarray, n: int) -> list[np.ndarray]:
+    """Keys of ``kv[:, :n]`` as the store's dtype stores them (a sequence of its own, freed)."""
+    ref = store.create_sequence(capacity=n)
+    try:
+        ref.extend(kv[:, :n], kv[:, :n])
+        return [ref.keys(layer).copy() for layer in range(L)]
+    finally:
+        ref.free()
+
+
+def _raise_at(point: str, before: Any = None, count: int = 1):
+    """A crash.point replacement: at the ``count``-th ``point``, run ``before()`` then raise."""
+    left = [count]
+
+    def hook(name: str) -> None:
+        if name == point:
+            left[0] -= 1
+            if left[0] == 0:
+                if before is not None:
+                    before()
+                raise RuntimeError(f"the operation fails at {point}")
+
+    return hook
+
+
+# -- 2. a lease released during a rolled-back borrow stays released ----------------------------
+
+
+def _take_lease(name: str, seq_id: int, out: Any) -> None:  # a child: the next decode worker
+    try:
+        s = shmkv.attach(name)
+        try:
+            s.sequence(seq_id, write=True).release()
+            out.put("taken")
+        finally:
+            s.close()
+    except BaseException as e:  # reported, not raised: the parent asserts on it
+        out.put(f"{type(e).__name__}: {e}")
+
+
+def _in_child(ctx: Any, target: Any, *args: Any) -> str:
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    p.start()
+    try:
+        got: str = q.get(timeout=120)
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return got
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_lease_released_during_a_rolled_back_borrow_stays_released(make_store, monkeypatch, method: str) -> None:
+    """The tokenizer prefills a donor and releases it (for a decode worker) while another
+    request's create borrows from it and then fails: the rollback restored the logged
+    LEASE_PID, and every other process got LeaseError ('leased by live process') until the
+    tokenizer exited."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=16384, max_seqs=8)
+    other = shmkv.attach(store.name)
+    try:
+        n = 3 * store._engine.page_unit
+        kv, toks = _kv(12, n)
+        donor = _donor(store, kv, toks, n, n + 64)
+        monkeypatch.setattr(crash, "point", _raise_at("create.copied", donor.release))
+        with pytest.raises(RuntimeError, match=r"create\.copied"):
+            other.create_sequence(capacity=n + 64, prefix=toks[:n])
+        monkeypatch.setattr(crash, "point", crash._noop)
+        drow = store._engine.row(store._engine.slot_of(donor.id))
+        assert drow[LEASE_PID] == 0
+        assert [s.lease_pid for s in other.sequences() if s.id == donor.id] == [0]
+        assert _in_child(mp.get_context(method), _take_lease, store.name, donor.id) == "taken"
+    finally:
+        other.close()
+
+
+def _borrow_and_die(name: str, prefix: list[int], capacity: int, at: Any, go: Any) -> None:  # a child
+    def pause_then_die(point: str) -> None:
+        if point == "create.copied":
+            at.set()
+            go.wait(120)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    crash.point = pause_then_die
+    shmkv.attach(name).create_sequence(capacity=capacity, prefix=prefix)
+
+
+def _read_only_view(name: str, seq_id: int, out: Any) -> None:  # a child: an inspector
+    try:
+        ro = shmkv.attach(name, readonly=True)
+        try:
+            info = [(s.length, s.lease_pid) for s in ro.sequences() if s.id == seq_id]
+            out.put(f"{len(ro.sequence(seq_id))} {info}")
+        finally:
+            ro.close()
+    except BaseException as e:
+        out.put(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_requester_killed_after_its_borrow_leaves_the_donors_step_and_release(make_store, method: str) -> None:
+    """A requester (a ``method`` child) is SIGKILLed inside its create, after marking the
+    decoding donor LENT. Meanwhile the donor commits the step it had pending and its writer
+    releases the lease (a tokenizer handing over). An inspector (read-only, another process:
+    rows as the rollback will leave them) sees the committed length and no lease; the next
+    decode worker (a third process, whose lock entry rolls the dead create back) takes the
+    lease; the committed step is there with its values."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=16384, max_seqs=8)
+    n = 3 * store._engine.page_unit
+    kv, toks = _kv(13, n + 1)
+    want = _expected_keys(store, kv, n + 1)
+    donor = _donor(store, kv, toks, n, n + 64)
+    drow = store._engine.row(store._engine.slot_of(donor.id))
+    for layer in range(L):
+        donor.append(layer, kv[layer, n], kv[layer, n])
+    ctx = mp.get_context(method)
+    at, go = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_borrow_and_die, args=(store.name, toks[:n].tolist(), n + 64, at, go))
+    child.start()
+    try:
+        assert at.wait(120), "the child never reached its borrow"
+        assert drow[FLAGS] & LENT
+        assert donor.commit(tokens=toks[n : n + 1]) == n + 1
+        donor.release()
+    finally:
+        go.set()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert child.exitcode == -signal.SIGKILL
+    assert drow[LEASE_PID] == 0 and len(donor) == n + 1  # not rolled back yet: nobody took the lock
+    assert _in_child(ctx, _read_only_view, store.name, donor.id) == f"{n + 1} [({n + 1}, 0)]"
+    assert _in_child(ctx, _take_lease, store.name, donor.id) == "taken"  # (its lock entry recovers)
+    assert not drow[FLAGS] & LENT and drow[LEASE_PID] == 0
+    assert len(donor) == n + 1 and store.stats().sequences == 1
+    for layer in range(L):
+        np.testing.assert_array_equal(donor.keys(layer), want[layer])
