@@ -68,6 +68,47 @@ def _raise_at(point: str, before: Any = None, count: int = 1):
     return hook
 
 
+# -- 1. the donor's pending step survives a rolled-back borrow -----------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("appended_before", [1, L])
+def test_a_rolled_back_borrow_keeps_the_donors_pending_step(make_store, monkeypatch, dtype: str,
+                                                            appended_before: int) -> None:
+    """The donor appended ``appended_before`` layers of its next token; another attachment's
+    create borrows from it (LENT) and fails after the borrow; the donor then appends the other
+    layers and commits: the step is there, with its token id and its values. (On main the
+    rollback moved the row's generation with LENT gone, ``kept`` said no, and the pending
+    tokens were dropped: a commit with no token pending, or one layer short.)"""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=8)
+    other = shmkv.attach(store.name)  # the requester's process
+    try:
+        n = 3 * store._engine.page_unit
+        kv, toks = _kv(11, n + 1)
+        want = _expected_keys(store, kv, n + 1)
+        donor = _donor(store, kv, toks, n, n + 64)
+        drow = store._engine.row(store._engine.slot_of(donor.id))
+        for layer in range(appended_before):
+            donor.append(layer, kv[layer, n], kv[layer, n])
+        seen: list[bool] = []
+        monkeypatch.setattr(crash, "point", _raise_at("create.copied", lambda: seen.append(bool(drow[FLAGS] & LENT))))
+        with pytest.raises(RuntimeError, match=r"create\.copied"):
+            other.create_sequence(capacity=n + 64, prefix=toks[:n])
+        monkeypatch.setattr(crash, "point", crash._noop)
+        assert seen == [True], "the borrow this test is about did not happen"
+        assert not drow[FLAGS] & LENT
+        for layer in range(appended_before, L):
+            donor.append(layer, kv[layer, n], kv[layer, n])
+        assert donor.commit(tokens=toks[n : n + 1]) == n + 1
+        assert len(other.sequence(donor.id)) == n + 1
+        assert int(donor.tokens[n]) == int(toks[n])
+        for layer in range(L):
+            np.testing.assert_array_equal(donor.keys(layer), want[layer])
+        assert store.match_prefix([*toks[: n + 1].tolist(), 1]) >= n  # still a donor
+    finally:
+        other.close()
+
+
 # -- 2. a lease released during a rolled-back borrow stays released ----------------------------
 
 

@@ -26,7 +26,6 @@ from shmkv._engine.header import (
     LEASE_PID,
     LEASE_TOKEN,
     LENGTH,
-    LENT,
     LIVE,
     NOINDEX,
     SEQ_WORDS,
@@ -410,17 +409,18 @@ def unindexable(w: SeqWriter, row: memoryview) -> None:
 
 
 def kept(w: SeqWriter, row: memoryview) -> bool:
-    """Whether a change someone else made to ``w``'s row left its range and length where they
-    were, on a row that lends or borrows: another process borrowed from it (the LENT flag) or
-    gave its borrowed cells private copies (``Sharing._unshare``). Its pending tokens, in cells
-    past the length, stay valid then: a decode step is not lost because another request
-    borrowed from this one mid-step. (A row that borrowed at the handle's generation and no
-    longer does was given private copies of all its borrowed cells: tests/test_share_midstep.py.)"""
+    """Whether a change someone else made to ``w``'s row left its range, window buffer and
+    length where they were: another process borrowed from it (the LENT flag), gave its
+    borrowed cells private copies (``Sharing._unshare``), or did either and rolled it back
+    (an exception, or a recovery after its death: the flag or the span is back as it was,
+    the generation moved on; journal invariant 10). Its pending tokens, in cells past the
+    length, stay valid then: a decode step is not lost because another request borrowed from
+    this one mid-step. (Every other change by someone else moves the range, the buffer or the
+    length, or takes the lease: tests/test_share_midstep.py, tests/test_foreign_attack.py.)"""
     c = w.cached
-    return (c is not None and (row[FLAGS] & LENT != 0 or row[SPAN_CELLS] > 0 or w.borrowed > 0)
-            and row[STATE] == LIVE
+    return (c is not None and row[STATE] == LIVE
             and row[START] == w.start and row[CAPACITY] == c[1] and row[WIN_OFF] == c[2]
-            and row[LENGTH] == w.length)
+            and row[LENGTH] == w.length and (2 * w.slot + row[WBUF]) * w.wc == c[3])
 
 
 def compact(w: SeqWriter, layer: int, end: int) -> None:
