@@ -27,7 +27,7 @@ import pytest
 
 import shmkv
 from shmkv._engine import crash
-from shmkv._engine.header import FLAGS, LEASE_PID, LENT
+from shmkv._engine.header import FLAGS, LEASE_PID, LENT, SPAN_CELLS
 
 L, H, D = 3, 2, 64
 
@@ -53,8 +53,9 @@ def _expected_keys(store: shmkv.Store, kv: np.ndarray, n: int) -> list[np.ndarra
         ref.free()
 
 
-def _raise_at(point: str, before: Any = None, count: int = 1):
-    """A crash.point replacement: at the ``count``-th ``point``, run ``before()`` then raise."""
+def _raise_at(point: str, before: Any = None, count: int = 1, fail: bool = True):
+    """A crash.point replacement: at the ``count``-th ``point``, run ``before()`` then raise
+    (``fail``; else carry on)."""
     left = [count]
 
     def hook(name: str) -> None:
@@ -63,7 +64,8 @@ def _raise_at(point: str, before: Any = None, count: int = 1):
             if left[0] == 0:
                 if before is not None:
                     before()
-                raise RuntimeError(f"the operation fails at {point}")
+                if fail:
+                    raise RuntimeError(f"the operation fails at {point}")
 
     return hook
 
@@ -224,3 +226,146 @@ def test_a_requester_killed_after_its_borrow_leaves_the_donors_step_and_release(
     assert len(donor) == n + 1 and store.stats().sequences == 1
     for layer in range(L):
         np.testing.assert_array_equal(donor.keys(layer), want[layer])
+
+
+# -- 3. a commit that completes a block during another process's borrow ------------------------
+
+
+def _borrow_then_end(name: str, prefix: list[int], capacity: int, events: tuple[Any, Any], end: str) -> None:  # a child
+    at, go = events
+    def pause_then_end(point: str) -> None:
+        if point == "create.copied":
+            at.set()
+            go.wait(120)
+            if end == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("the request fails after its borrow")
+
+    crash.point = pause_then_end
+    s = shmkv.attach(name)
+    try:
+        s.create_sequence(capacity=capacity, prefix=prefix)
+    except RuntimeError:
+        os._exit(3)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("end", ["raise", "kill"])
+def test_a_commit_completing_a_block_during_a_borrow_is_kept_and_indexed(make_store, monkeypatch, end: str) -> None:
+    """The donor's commit completes a 16-token block while another process's create holds the
+    store lock with the donor's row logged (LENT): the commit publishes its length, then waits
+    for the lock to index the block. The create then fails (``raise``: its own rollback) or
+    dies (``kill``: the donor's own lock entry recovers it). The block is committed, indexed
+    (a later request reuses it) and its values are there."""
+    from shmkv._sequence.writer import SeqWriter
+
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=16384, max_seqs=8)
+    n = 3 * store._engine.page_unit
+    assert n % 16 == 0
+    kv, toks = _kv(14, n + 17)
+    want = _expected_keys(store, kv, n + 16)
+    donor = _donor(store, kv, toks, n, n + 64)
+    drow = store._engine.row(store._engine.slot_of(donor.id))
+    for layer in range(L):
+        donor.append(layer, kv[layer, n : n + 16], kv[layer, n : n + 16])
+    published = mp.get_context("fork").Event()  # (a threading.Event would do: one process)
+    index = SeqWriter.index_committed
+
+    def index_after_publish(self: SeqWriter, length: int) -> None:
+        published.set()  # the length is out; the lock comes next
+        index(self, length)
+
+    monkeypatch.setattr(SeqWriter, "index_committed", index_after_publish)
+    ctx = mp.get_context("fork")
+    at, go = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_borrow_then_end, args=(store.name, toks[:n].tolist(), n + 64, (at, go), end))
+    child.start()
+    got: list[object] = []
+    import threading
+
+    committer = threading.Thread(target=lambda: got.append(donor.commit(tokens=toks[n : n + 16])))
+    try:
+        assert at.wait(120), "the child never reached its borrow"
+        assert drow[FLAGS] & LENT
+        committer.start()
+        assert published.wait(120), "the commit never published its length"
+        assert drow[FLAGS] & LENT  # the borrow's transaction is still open
+    finally:
+        go.set()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        if committer.ident is not None:
+            committer.join(120)
+    assert child.exitcode == (-signal.SIGKILL if end == "kill" else 3)
+    assert got == [n + 16]
+    assert len(donor) == n + 16 and not drow[FLAGS] & LENT
+    assert store.match_prefix(toks[: n + 17].tolist()) == n + 16  # indexed after the rollback
+    for layer in range(L):
+        np.testing.assert_array_equal(donor.keys(layer), want[layer])
+    b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 17])
+    assert len(b) == n + 16
+    for layer in range(L):
+        np.testing.assert_array_equal(b.keys(layer), want[layer])
+
+
+# -- 4. a donor's failed truncate after unsharing one of two decoding borrowers ------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_truncate_unsharing_two_borrowers_keeps_both_borrowers_steps(make_store, monkeypatch, dtype: str,
+                                                                       fails: bool) -> None:
+    """The donor truncates below what it lent in a full store: each of its two decoding
+    borrowers gets private copies (two foreign changes in one transaction). At the second,
+    both borrowers commit a step and append every layer of the next one (the first after its
+    unshare is complete, the second in the middle of its own); then the truncate fails
+    (``fails``: rolled back) or completes. Both keep the committed step and commit the pending
+    one, with their values. (On main the first borrower's second append, its span gone and the
+    row still odd, dropped the layer before: 'different pending token counts'.)"""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype,
+                       max_tokens=2048 if dtype == "float16" else 8192, max_seqs=8)
+    other = shmkv.attach(store.name)  # the donor's process
+    try:
+        n = 3 * store._engine.page_unit
+        kv, toks = _kv(15, n + 2)
+        want = _expected_keys(store, kv, n + 2)
+        donor = _donor(other, kv, toks, n, n + 64)
+        donor.finish()
+        donor = other.sequence(donor.id, write=True)
+        bs = [store.create_sequence(capacity=n + 64, prefix=toks[: n + 1]) for _ in range(2)]
+        m = len(bs[0])
+        assert len(bs[1]) == m and store.stats().shared_tokens >= 2 * store._engine.page_unit, "no borrow"
+        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
+            other.create_sequence(capacity=other.stats().largest_free_range)
+        for b in bs:
+            for layer in range(L):
+                b.append(layer, kv[layer, m : n], kv[layer, m : n])
+        spans: list[list[int]] = []
+
+        def commit_both() -> None:
+            spans.append([int(store._engine.row(store._engine.slot_of(b.id))[SPAN_CELLS]) for b in bs])
+            for b in bs:
+                assert b.commit(tokens=toks[m:n]) == n
+                for layer in range(L):
+                    b.append(layer, kv[layer, n : n + 2], kv[layer, n : n + 2])
+
+        monkeypatch.setattr(crash, "point", _raise_at("share.unshared", commit_both, count=2, fail=fails))
+        if fails:
+            with pytest.raises(RuntimeError, match=r"share\.unshared"):
+                donor.truncate(1)
+        else:
+            donor.truncate(1)
+        monkeypatch.setattr(crash, "point", crash._noop)
+        assert spans and sorted(spans[0])[0] < m, f"the first unshare did not complete: spans {spans}"
+        assert len(donor) == (n if fails else 1)
+        assert (store.stats().shared_tokens > 0) == fails  # the spans back, or private copies
+        for b in bs:
+            assert len(b) == n and len(other.sequence(b.id)) == n
+            assert b.commit(tokens=toks[n : n + 2]) == n + 2
+            for layer in range(L):
+                np.testing.assert_array_equal(b.keys(layer), want[layer])
+                np.testing.assert_array_equal(other.sequence(b.id).keys(layer), want[layer])
+    finally:
+        other.close()
