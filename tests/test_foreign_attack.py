@@ -369,3 +369,45 @@ def test_a_truncate_unsharing_two_borrowers_keeps_both_borrowers_steps(make_stor
                 np.testing.assert_array_equal(other.sequence(b.id).keys(layer), want[layer])
     finally:
         other.close()
+
+
+# -- 5. what a borrower's appends show after its donor gave it private copies --------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_borrower_unshared_by_its_donor_appends_over_its_own_prefix(make_store, dtype: str) -> None:
+    """The donor (another attachment) truncates below what it lent in a full store, so its
+    decoding borrower gets private copies, then writes new tokens into the cells it had lent.
+    The borrower's next append returns views of its whole sequence for attention: they show its
+    own prefix, not the donor's new tokens. (On main the borrower's attachment kept its stale
+    mapping of the donor's pages: need_writer accepted the change as ``kept`` without mapping
+    the table, and append's views, and an int8 mirror filled from them, read the donor's new
+    tokens, a mirror for good.)"""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype,
+                       max_tokens=2048 if dtype == "float16" else 8192, max_seqs=8)
+    other = shmkv.attach(store.name)  # the donor's process
+    try:
+        n = 3 * store._engine.page_unit
+        kv, toks = _kv(16, n + 1)
+        want = _expected_keys(store, kv, n + 1)
+        donor = _donor(other, kv, toks, n, n + 64)
+        donor.finish()
+        donor = other.sequence(donor.id, write=True)
+        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
+        m = len(b)
+        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
+        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
+            other.create_sequence(capacity=other.stats().largest_free_range)
+        donor.truncate(1)  # its borrower's span becomes private copies
+        assert other.stats().shared_tokens == 0
+        junk = np.full((L, n - 1, H, D), 7.0, np.float32)
+        donor.extend(junk, junk)  # into the cells it had lent
+        for layer in range(L):  # the rest of the prompt and one token: the views show the prefix
+            k, v = b.append(layer, kv[layer, m:], kv[layer, m:])
+            np.testing.assert_array_equal(k[:m], want[layer][:m])
+            np.testing.assert_array_equal(v[:m], want[layer][:m])
+        assert b.commit(tokens=toks[m:]) == n + 1
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer), want[layer])
+    finally:
+        other.close()

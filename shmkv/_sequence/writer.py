@@ -34,6 +34,7 @@ from shmkv._engine.header import (
     STATE,
     WBUF,
     WIN_OFF,
+    W_SPANS,
     leads,
 )
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
@@ -172,6 +173,7 @@ class SeqWriter:
             )
         if row[GEN] != self.gen and kept(self, row):
             g = row[GEN]  # another process lent from us or copied our borrowed cells: all cells stay
+            remap(self)  # (but where they show)
             Int8Mirror.moved(self, g if not g & 1 else -1)
         elif row[GEN] != self.gen:
             # a structural change we did not make through this handle (e.g. copy_prefix
@@ -421,6 +423,16 @@ def kept(w: SeqWriter, row: memoryview) -> bool:
     return (c is not None and row[STATE] == LIVE
             and row[START] == w.start and row[CAPACITY] == c[1] and row[WIN_OFF] == c[2]
             and row[LENGTH] == w.length and (2 * w.slot + row[WBUF]) * w.wc == c[3])
+
+
+def remap(w: SeqWriter) -> None:
+    """After a kept() change: a borrower given private copies stops showing the donor's pages in
+    this attachment before append's views (or an int8 mirror) read them, as the donor writes
+    there next. Without waiting: while the change is open (the span epoch odd) the donor cannot
+    write yet, and a later need_writer (the generation moved again) maps it."""
+    shares = w.r.shares
+    if shares.applied != shares.hdr[W_SPANS]:
+        shares.sync()
 
 
 def compact(w: SeqWriter, layer: int, end: int) -> None:
