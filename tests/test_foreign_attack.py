@@ -411,3 +411,35 @@ def test_a_borrower_unshared_by_its_donor_appends_over_its_own_prefix(make_store
             np.testing.assert_array_equal(b.keys(layer), want[layer])
     finally:
         other.close()
+
+
+@pytest.mark.xfail(strict=True, reason="a process's span mapping follows the table only when it next syncs: a donor "
+                   "that shrank its borrowers (Sharing._shrink_borrowers) writes its cells at once, under views "
+                   "the borrower's attachments already hold (fix belongs in _engine/sharing.py)")
+def test_a_borrowers_views_taken_mid_step_keep_its_prefix_when_its_donor_writes(make_store) -> None:
+    """As test_a_borrower_unshared_by_its_donor_appends_over_its_own_prefix, with the views
+    taken before the donor's truncate: the borrower appended layer 0 of its step (the views
+    attention runs on), then its donor truncates in a full store (private copies for the
+    borrower, its commit kept) and writes into the cells it had lent. The borrower's views
+    show the donor's new tokens until its attachment maps the table again: attention of a
+    step whose commit then succeeds reads another sequence's keys."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
+    other = shmkv.attach(store.name)  # the donor's process
+    try:
+        n = 3 * store._engine.page_unit
+        kv, toks = _kv(17, n + 1)
+        donor = _donor(other, kv, toks, n, n + 64)
+        donor.finish()
+        donor = other.sequence(donor.id, write=True)
+        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
+        m = len(b)
+        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
+        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
+            other.create_sequence(capacity=other.stats().largest_free_range)
+        k, _ = b.append(0, kv[0, m:], kv[0, m:])  # mid-step: attention of layer 0 runs on k
+        want = np.asarray(k[:m]).copy()
+        donor.truncate(1)
+        donor.extend(np.full((L, n - 1, H, D), 7.0, np.float32), np.full((L, n - 1, H, D), 7.0, np.float32))
+        np.testing.assert_array_equal(k[:m], want)
+    finally:
+        other.close()
