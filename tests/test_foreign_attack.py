@@ -28,6 +28,7 @@ import pytest
 import shmkv
 from shmkv._engine import crash
 from shmkv._engine.header import FLAGS, LEASE_PID, LENT, SPAN_CELLS
+from shmkv.testing import unique_name
 
 L, H, D = 3, 2, 64
 
@@ -443,3 +444,105 @@ def test_a_borrowers_views_taken_mid_step_keep_its_prefix_when_its_donor_writes(
         np.testing.assert_array_equal(k[:m], want)
     finally:
         other.close()
+
+
+# -- 6. a donor killed between two unshares; an inspector reads meanwhile ------------------------
+
+
+def _truncate_and_die(name: str, donor_id: int, at: Any, go: Any) -> None:  # a child: the donor's process
+    left = [2]
+
+    def pause_then_die(point: str) -> None:
+        if point == "share.unshared":
+            left[0] -= 1
+            if left[0] == 0:  # the first borrower's unshare complete, the second's copied
+                at.set()
+                go.wait(120)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    s = shmkv.attach(name)
+    donor = s.sequence(donor_id, write=True)
+    crash.point = pause_then_die
+    donor.truncate(1)
+    os._exit(0)  # (not reached)
+
+
+def _inspect(name: str, ids: list[int], out: Any) -> None:  # a child: a read-only inspector
+    try:
+        ro = shmkv.attach(name, readonly=True)
+        try:
+            seqs = [ro.sequence(i) for i in ids]
+            out.put([(len(s), [s.keys(layer).tobytes() for layer in range(L)]) for s in seqs])
+        finally:
+            ro.close()
+    except BaseException as e:
+        out.put(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_donor_killed_between_two_unshares_leaves_its_borrowers_steps(make_store, tmp_path, method: str) -> None:
+    """The donor's process (a ``method`` child) truncates below what it lent in a full store and
+    is SIGKILLed between its two borrowers' unshares. The borrowers' writer commits a step on
+    both meanwhile; then a read-only inspector (another process: rows as the rollback leaves
+    them, the spans mapped as they were) reads both at their committed length with their
+    values, and a read-only attachment's snapshot holds them; the borrowers' next lock entry
+    rolls the truncate back, and both decode on."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
+    n = 3 * store._engine.page_unit
+    kv, toks = _kv(18, n + 2)
+    want = _expected_keys(store, kv, n + 2)
+    donor = _donor(store, kv, toks, n, n + 64)
+    donor.finish()
+    bs = [store.create_sequence(capacity=n + 64, prefix=toks[: n + 1]) for _ in range(2)]
+    m = len(bs[0])
+    assert store.stats().shared_tokens >= 2 * store._engine.page_unit, "the borrows did not happen"
+    while store.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
+        store.create_sequence(capacity=store.stats().largest_free_range)
+    for b in bs:
+        for layer in range(L):
+            b.append(layer, kv[layer, m:n], kv[layer, m:n])
+    ctx = mp.get_context(method)
+    at, go = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_truncate_and_die, args=(store.name, donor.id, at, go))
+    child.start()
+    try:
+        assert at.wait(120), "the donor's process never reached its second unshare"
+        for b in bs:
+            assert b.commit(tokens=toks[m:n]) == n
+    finally:
+        go.set()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert child.exitcode == -signal.SIGKILL
+    seen = _in_child(ctx, _inspect, store.name, [b.id for b in bs])  # the dead truncate still in the log
+    assert not isinstance(seen, str), seen
+    for length, keys in seen:
+        assert length == n
+        for layer in range(L):
+            assert keys[layer] == want[layer][:n].tobytes()
+    ro = shmkv.attach(store.name, readonly=True)
+    try:
+        ro.save(tmp_path / "during.skv")  # (under its shared lock: rows as the rollback leaves them)
+    finally:
+        ro.close()
+    loaded = shmkv.load(tmp_path / "during.skv", name=unique_name())
+    try:
+        assert len(loaded.sequence(donor.id)) == n
+        for b in bs:
+            assert len(loaded.sequence(b.id)) == n
+            for layer in range(L):
+                np.testing.assert_array_equal(loaded.sequence(b.id).keys(layer), want[layer][:n])
+    finally:
+        loaded.close()
+    with store.transaction():  # the dead truncate rolled back
+        pass
+    assert len(store.sequence(donor.id)) == n and store.stats().shared_tokens >= 2 * store._engine.page_unit
+    for b in bs:
+        assert len(b) == n
+        for layer in range(L):
+            b.append(layer, kv[layer, n:], kv[layer, n:])
+        assert b.commit(tokens=toks[n:]) == n + 2
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer), want[layer])
