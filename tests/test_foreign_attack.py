@@ -546,3 +546,62 @@ def test_a_donor_killed_between_two_unshares_leaves_its_borrowers_steps(make_sto
         assert b.commit(tokens=toks[n:]) == n + 2
         for layer in range(L):
             np.testing.assert_array_equal(b.keys(layer), want[layer])
+
+
+# -- 7. a speculative decoder (truncate, then the next step) borrowed from or unshared mid-step --
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_speculative_donor_keeps_its_step_when_borrowed_from_mid_step(make_store, dtype: str) -> None:
+    """Speculative decoding: the donor rolls back two draft tokens (truncate), appends its next
+    step on every layer, and another request borrows from it before the commit. The commit
+    keeps the step. (On main the handle's known length was the one before the truncate, so
+    ``kept`` said no and the commit silently returned the old length.)"""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=8)
+    other = shmkv.attach(store.name)  # the requester's process
+    try:
+        n = 3 * store._engine.page_unit
+        kv, toks = _kv(19, n + 4)
+        want = _expected_keys(store, kv, n + 3)
+        donor = _donor(store, kv, toks, n + 4, n + 64)
+        donor.truncate(n + 2)  # two draft tokens rejected
+        for layer in range(L):
+            donor.append(layer, kv[layer, n + 2], kv[layer, n + 2])
+        other.create_sequence(capacity=n + 64, prefix=toks[:n])
+        assert other.stats().shared_tokens > 0, "the borrow this test is about did not happen"
+        assert donor.commit(tokens=toks[n + 2 : n + 3]) == n + 3
+        for layer in range(L):
+            np.testing.assert_array_equal(donor.keys(layer), want[layer])
+    finally:
+        other.close()
+
+
+def test_a_speculative_borrower_keeps_its_step_when_unshared_mid_step(make_store) -> None:
+    """As above, on the borrower's side: it rolls back a draft token and appends its next step;
+    its donor then truncates below what it lent in a full store (private copies for the
+    borrower, a change of its row by another attachment). The commit keeps the step."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
+    other = shmkv.attach(store.name)  # the donor's process
+    try:
+        n = 3 * store._engine.page_unit
+        kv, toks = _kv(20, n + 3)
+        want = _expected_keys(store, kv, n + 2)
+        donor = _donor(other, kv, toks, n, n + 64)
+        donor.finish()
+        donor = other.sequence(donor.id, write=True)
+        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
+        m = len(b)
+        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
+        b.extend(kv[:, m : n + 2], kv[:, m : n + 2], tokens=toks[m : n + 2])
+        b.truncate(n + 1)  # a draft token rejected
+        for layer in range(L):
+            b.append(layer, kv[layer, n + 1], kv[layer, n + 1])
+        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
+            other.create_sequence(capacity=other.stats().largest_free_range)
+        donor.truncate(1)
+        assert store.stats().shared_tokens == 0, "the unshare this test is about did not happen"
+        assert b.commit(tokens=toks[n + 1 : n + 2]) == n + 2
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer), want[layer])
+    finally:
+        other.close()

@@ -86,7 +86,7 @@ class SeqWriter:
         self.pending = [0] * self.L
         self.gen = -1
         self.length = -1  # the committed length this handle knows (kept())
-        self.borrowed = 0  # the row's borrowed cells (SPAN_CELLS) at this handle's generation (kept())
+        self.borrowed = 0  # the row's borrowed cells (SPAN_CELLS) at this handle's generation (no longer read)
         self.start = 0
         self.base: list[int] = []  # per layer: cell of token 0
         self.lim: list[int] = []  # per layer: token index limit
@@ -112,7 +112,9 @@ class SeqWriter:
 
         Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
         cell ``slot * window_cells + i - woff`` of that layer's window region.
+        Also the length the handle knows (kept()): after its own truncate too, not only a commit.
         """
+        self.length = self.row[LENGTH]
         self.start = start
         wbase = self.r.wbase = (2 * self.slot + self.row[WBUF]) * self.wc  # the writer's own row
         key = (start, cap, woff, wbase)
