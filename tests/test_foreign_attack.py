@@ -605,3 +605,36 @@ def test_a_speculative_borrower_keeps_its_step_when_unshared_mid_step(make_store
             np.testing.assert_array_equal(b.keys(layer), want[layer])
     finally:
         other.close()
+
+
+# -- 8. the journal's rule itself -----------------------------------------------------------------
+
+
+def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_back(make_store) -> None:
+    """Journal invariant 10 at its source. A row changed as another writer's (``foreign``) and
+    rolled back keeps the LENGTH and LEASE_PID its holder wrote meanwhile; once the same
+    transaction changes that row as a whole (not foreign), its rollback puts every word back."""
+    from shmkv._engine.header import LENGTH
+
+    store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
+    seq = store.create_sequence(capacity=64)
+    k = np.ones((2, 3, 2, 8), np.float32)
+    seq.extend(k, k)
+    e = store._engine
+    row = e.row(e.slot_of(seq.id))
+    pid = int(row[LEASE_PID])
+    assert pid == os.getpid() and row[LENGTH] == 3
+    for whole in (False, True):
+        with pytest.raises(RuntimeError), e.locked(), e.transaction():
+            with e.changing(row, foreign=True):
+                row[FLAGS] |= LENT
+            e._spans_odd()  # (what a borrow does first: the mark is cleared only while spans change)
+            row[LENGTH] = 4  # the holder's lock-free commit and release, meanwhile
+            row[LEASE_PID] = 0
+            if whole:
+                with e.changing(row):
+                    row[LENGTH] = 0
+            raise RuntimeError("rolled back")
+        assert not row[FLAGS] & LENT
+        assert (int(row[LENGTH]), int(row[LEASE_PID])) == ((3, pid) if whole else (4, 0))
+        row[LENGTH], row[LEASE_PID] = 3, pid  # (the test's own writes undone)
