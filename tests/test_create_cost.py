@@ -1,0 +1,114 @@
+"""What a create over a cached prefix no longer does (issue 23's prefix_request_vs_extend1), and
+that each shortcut gives what the long way gave: the stand-in scan asks only rows whose next
+token fits; a borrow keeps this process's free ranges; the room of /dev/shm and memory is read
+at most once per short while; /proc/meminfo is read through a descriptor kept open."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import _namespaces
+from shmkv._engine import segment as _segment
+from shmkv.testing import unique_name
+
+# float32, 2 KV heads x 128 dims: 1 KiB a cell, a page unit of 4 cells (reuses borrow pages)
+LAYOUT = dict(layers=2, kv_heads=2, head_dim=128, dtype="float32", max_tokens=4096, max_seqs=32)
+
+
+def P(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30_000, n).astype(np.int64)
+
+
+def test_the_room_is_granted_from_a_recent_reading_only_while_half_of_it_is_left():
+    r = _segment._Room()
+    assert not r.grant(1)  # never read
+    r.read(1000, 100)
+    assert r.grant(300)  # 100 + 300 spent: at most half of 1000
+    assert r.grant(100)
+    assert not r.grant(1)  # 501 > 500: read again
+    r.read(1000, 0)
+    r.at -= r.TTL * 2  # an old reading: read again, whatever it says
+    assert not r.grant(1)
+    r.read(None, 0)  # the room unknown: never granted from
+    assert not r.grant(0) and not r.grant(1)
+
+
+def test_a_request_the_reading_cannot_grant_reads_the_room_again(monkeypatch):
+    """check_room reads the room when the last reading cannot grant, and refuses what the new
+    reading does not hold (the room fell meanwhile: another process filled /dev/shm)."""
+    reads = []
+    room = [1 << 30]
+
+    def fake() -> int:
+        reads.append(1)
+        return room[0]
+
+    monkeypatch.setattr(_segment, "_room_bytes", fake)
+    monkeypatch.setattr(_segment, "_ROOM", _segment._Room())
+    seg = _segment.Segment.create(unique_name("room"), 1 << 30)  # (sparse: nothing allocated)
+    try:
+        page = _segment.mmap.PAGESIZE
+        seg.check_room([(0, 10 * page)])
+        assert len(reads) == 1
+        seg.check_room([(0, 10 * page)])
+        assert len(reads) == 1  # granted from the reading
+        room[0] = 5 * page  # /dev/shm filled meanwhile
+        with pytest.raises(_segment.CacheFullError, match="room for"):
+            seg.check_room([(0, 1 << 29)])  # more than half of the reading: read again
+        assert len(reads) == 2
+        with pytest.raises(_segment.CacheFullError):
+            seg.check_room([(0, 10 * page)])  # the new reading grants nothing it does not hold
+        assert len(reads) == 3
+        seg.check_room([(0, 2 * page)])
+    finally:
+        seg.close()
+        seg.unlink()
+
+
+CHILD = str(Path(__file__).with_name("_room_cache_child.py"))
+
+
+def test_a_dev_shm_filled_right_after_a_reading_refuses_cleanly():
+    """In a 16 MiB private /dev/shm: right after a reading of the room (an extend), another file
+    fills /dev/shm; with the reading trusted for an hour, the next extend and create over a
+    prefix are CacheFullError (the allocation refuses: no SIGBUS, the child exits 0), nothing
+    committed changes, and with room again both work."""
+    why = _namespaces.available()
+    if why is not None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI must be able to make a private /dev/shm: {why}")
+        pytest.skip(why)
+    proc = _namespaces.in_private_shm([_namespaces.PY, CHILD], "16m", timeout=240)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["granted_stale"], out  # the full /dev/shm was not read before the refusals
+    assert out["extend_error"] == "CacheFullError", out
+    assert out["create_error"] == "CacheFullError", out
+    assert out["kept"] and out["after"], out
+
+
+def test_meminfo_is_read_again_through_a_new_descriptor_when_its_own_is_gone():
+    """The kept descriptor of /proc/meminfo closed behind shmkv's back, and its number reused by
+    another file: the room is still MemAvailable, the other file is neither read as it nor closed."""
+    first = _segment._mem_available()
+    assert first is not None and first > 0
+    fd = _segment._MEMINFO[0]
+    os.close(fd)
+    r, w = os.pipe()  # takes the lowest free number: most likely fd
+    try:
+        os.write(w, b"MemTotal: 1 kB\nMemAvailable: 1 kB\n")  # would read as 1 KiB (a pipe: no pread)
+        again = _segment._mem_available()
+        assert again is not None and again > 1024
+        assert _segment._MEMINFO[0] not in (-1, r, w)
+        assert os.read(r, 8) == b"MemTotal"  # still open, unread
+    finally:
+        os.close(r)
+        os.close(w)
+    with open("/proc/meminfo", "rb") as f:
+        avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith(b"MemAvailable:"))
+    assert abs(_segment._mem_available() - avail) < 1 << 30  # (the machine's memory moves a little)
