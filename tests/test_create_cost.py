@@ -11,9 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _prefix_children import serve
 
 import _namespaces
 from shmkv._engine import segment as _segment
+from shmkv._engine.header import LENGTH, RECENCY, SEQ_WORDS, START, ID
+from shmkv._engine.prefix_hash import BLOCK, block_hashes
+from shmkv._engine.prefix_scan import copies, table_holders
+from shmkv.store._store import engine_of
 from shmkv.testing import unique_name
 
 # float32, 2 KV heads x 128 dims: 1 KiB a cell, a page unit of 4 cells (reuses borrow pages)
@@ -22,6 +27,46 @@ LAYOUT = dict(layers=2, kv_heads=2, head_dim=128, dtype="float32", max_tokens=40
 
 def P(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30_000, n).astype(np.int64)
+
+
+def _copies_the_long_way(e, key: tuple[int, int], t: np.ndarray, n: int) -> list[tuple[int, int]]:
+    """What copies() returned before the token test came first: every row asked for ``key``."""
+    rows = np.frombuffer(e.index._rows, np.int64).reshape(-1, SEQ_WORDS)
+    got = [s for _, s, _ in table_holders(rows, e._hashes, [key], -1, every=True)]
+    got = [s for s in got if rows[s, LENGTH] > n and e.tokens[rows[s, START] + n] == t[n]]
+    got.sort(key=lambda s: -rows[s, RECENCY])
+    return [(int(rows[s, ID]), s) for s in got]
+
+
+def test_the_stand_in_scan_finds_what_a_scan_of_every_row_finds(make_store):
+    """Copies of a 48-token system prompt that went on with the same, other or no tokens, some
+    freed, one holding the next token under another prefix: for every next token, copies()
+    names exactly the rows, in the order, that asking every row for the block gives."""
+    st = make_store(**LAYOUT)
+    e = engine_of(st)
+    system = P(1, 3 * BLOCK)
+    d, _ = serve(st, system)
+    d.finish()
+    nexts = [7, 7, 9, 7, 11, 9]  # several copies with the same next token: most recent first
+    seqs = []
+    for i, tok in enumerate(nexts):
+        s, n = serve(st, np.concatenate([system, [tok], P(20 + i, 5) + 30_000]))
+        assert n == len(system) + (tok in nexts[:i])  # (found through the stand-in scan)
+        seqs.append(s)
+    seqs[3].free()  # a freed row keeps its cells' token ids: never a copy
+    other = P(99, 3 * BLOCK)
+    o, _ = serve(st, np.concatenate([other, [7, 8]]))  # token 7 at cell 48, another prefix
+    assert st.match_prefix(np.concatenate([system, [7, 1, 2]])) == len(system) + 1
+    hs = block_hashes(system)
+    key = (int(hs[-1]), len(hs) - 1)
+    for tok in (7, 9, 11, 12):
+        t = np.concatenate([system, [tok, 5]])
+        want = _copies_the_long_way(e, key, t, len(system))
+        got = copies(e.index._rows, e._hashes, e.tokens, key, t=t, n=len(system))
+        assert got == want
+        assert len(got) == {7: 2, 9: 2, 11: 1, 12: 0}[tok]
+        assert o.id not in [i for i, _ in got]
+    assert copies(e.index._rows, e._hashes, e.tokens, key, t=system, n=len(system)) == []  # nothing after it
 
 
 def test_the_room_is_granted_from_a_recent_reading_only_while_half_of_it_is_left():
