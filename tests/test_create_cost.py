@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _prefix_children import serve
+from _prefix_children import check, serve
 
 import _namespaces
+from shmkv._engine import header as _header
 from shmkv._engine import segment as _segment
-from shmkv._engine.header import LENGTH, RECENCY, SEQ_WORDS, START, ID
+from shmkv._engine.header import LENGTH, LIVE, RECENCY, SEQ_WORDS, START, STATE, ID
 from shmkv._engine.prefix_hash import BLOCK, block_hashes
 from shmkv._engine.prefix_scan import copies, table_holders
 from shmkv.store._store import engine_of
@@ -67,6 +68,101 @@ def test_the_stand_in_scan_finds_what_a_scan_of_every_row_finds(make_store):
         assert len(got) == {7: 2, 9: 2, 11: 1, 12: 0}[tok]
         assert o.id not in [i for i, _ in got]
     assert copies(e.index._rows, e._hashes, e.tokens, key, t=system, n=len(system)) == []  # nothing after it
+
+
+def _gaps_current(e) -> bool:
+    return e._free.tag == e.hdr[_header.W_ALLOCS]
+
+
+def _check_gaps(st) -> None:
+    e = engine_of(st)
+    with st.transaction():
+        assert e.free_ranges() == e._derive_free_ranges()
+
+
+def test_a_borrow_keeps_the_free_ranges_and_they_stay_right(make_store):
+    """A create that borrows its donor's pages leaves this process's free ranges current (no
+    derivation from the table at the next create), and they equal the table's through frees
+    of donors and borrowers, a donor's truncate into lent cells (it moves), a borrower's
+    copy-on-write, eviction and a crash-free rollback."""
+    st = make_store(**LAYOUT)
+    e = engine_of(st)
+    system = P(1, 4 * BLOCK)
+    d, _ = serve(st, system)
+    d.finish()
+    reqs = []
+    for i in range(4):
+        _check_gaps(st)  # (derived, current)
+        assert _gaps_current(e)
+        s, n = serve(st, np.concatenate([system, P(10 + i, 9) + 30_000]))
+        assert n == len(system) and s._row[_header.SPAN_CELLS] > 0  # it borrowed
+        assert _gaps_current(e)  # ... and the gaps were not made stale by the borrow
+        _check_gaps(st)
+        reqs.append(s)
+    derived = []
+    real = e._derive_free_ranges
+
+    def counting(*a, **k):
+        derived.append(1)
+        return real(*a, **k)
+
+    e._derive_free_ranges = counting
+    try:
+        s, n = serve(st, np.concatenate([system, P(50, 9) + 30_000]))
+        assert n == len(system) and s._row[_header.SPAN_CELLS] > 0
+        assert derived == []  # the whole create went by the kept gaps
+    finally:
+        del e._derive_free_ranges
+    reqs.append(s)
+    reqs[0].truncate(BLOCK)  # a borrower into its span: copy-on-write
+    _check_gaps(st)
+    reqs[1].free()
+    _check_gaps(st)
+    d2 = st.sequence(d.id, write=True)  # the donor taken back and cut into what it lent: it moves
+    d2.truncate(BLOCK + 3)
+    _check_gaps(st)
+    d2.free()
+    _check_gaps(st)
+    check(reqs[0], system[:BLOCK], st.layout)
+    reqs[0].finish()
+    for s in reqs[2:]:
+        check(s, np.concatenate([system, s.tokens[len(system):]]), st.layout)
+        s.finish()
+    # eviction of borrowers and the span freed with its last borrower
+    big = st.create_sequence(capacity=st.layout.max_tokens - 3 * len(system))
+    _check_gaps(st)
+    assert big.capacity == st.layout.max_tokens - 3 * len(system)
+    assert not (e.table_np[:, _header.SPAN_CELLS][e.table_np[:, STATE] == LIVE]).any()
+
+
+def test_a_rolled_back_borrow_leaves_free_ranges_that_are_right(make_store, monkeypatch):
+    """An exception after the borrow (inside the create's transaction) rolls it back: the gaps are
+    derived again, and equal the table's."""
+    from shmkv._engine import crash as _crash
+
+    st = make_store(**LAYOUT)
+    system = P(1, 4 * BLOCK)
+    d, _ = serve(st, system)
+    d.finish()
+    serve(st, np.concatenate([system, [1, 2, 3]]))
+    _check_gaps(st)
+
+    class Boom(Exception):
+        pass
+
+    def point(name: str) -> None:
+        if name == "create.copied":
+            raise Boom
+
+    monkeypatch.setattr(_crash, "point", point)
+    with pytest.raises(Boom):
+        st.create_sequence(capacity=200, prefix=np.concatenate([system, [4, 5, 6]]))
+    monkeypatch.undo()
+    _check_gaps(st)
+    s, n = serve(st, np.concatenate([system, [4, 5, 6]]))
+    assert n == len(system)
+    _check_gaps(st)
+    check(s, np.concatenate([system, [4, 5, 6]]), st.layout)
 
 
 def test_the_room_is_granted_from_a_recent_reading_only_while_half_of_it_is_left():

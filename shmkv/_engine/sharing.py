@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from shmkv._engine import crash as _crash
+from shmkv._engine import header as _header
 from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
 from shmkv._engine.intervals import add_interval, covers
 from shmkv._engine.pages import Pages
@@ -82,6 +83,9 @@ class Sharing(Pages):
         """Make row ``slot`` (just created, its cells from ``m`` on copied) borrow cells
         [phys, phys + m): punch its own pages there, record the span, map it."""
         row = self.row(slot)
+        hdr = self.hdr
+        allocs = hdr[_header.W_ALLOCS]
+        current = self._free.tag == allocs  # this process's free ranges (_engine/free_ranges.py)
         with self.changing(row):
             self._spans_odd()  # before the words change: every process re-maps after this transaction
             start = row[START]
@@ -95,6 +99,13 @@ class Sharing(Pages):
             if not o[FLAGS] & LENT:
                 with self.changing(o):
                     o[FLAGS] |= LENT
+        if current and hdr[_header.W_ALLOCS] == allocs + 1:
+            # The span lies inside its owner's range or inside the span it borrows on (``lend``),
+            # cells taken already: the free ranges are what they were. The epoch step above made
+            # them stale (and ``_settle_span``); with nothing else changed (one step of the
+            # counter: any range or span change steps it), they stay current here, so the next
+            # create does not derive them again from the table (issue 23).
+            self._free.tag = allocs + 1
 
     def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int]) -> None:
         """The end of a change of a row that borrows or lends (see the module docstring)."""
