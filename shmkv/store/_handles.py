@@ -134,7 +134,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
                 row[LEASE_PID] = os.getpid()
                 row[STATE] = LIVE
             if n:
-                e.copy_prefix_rows(donor, slot, n, share=m)
+                e.copy_prefix_rows(donor, slot, n, share=m, reserved=True)  # (new_row reserved them)
                 if m:
                     e.borrow(slot, phys, m, owner)
                 _crash.point("create.copied")
