@@ -262,7 +262,6 @@ def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_
     from shmkv._engine.pages import Pages
 
     st = make_store(**LAYOUT)
-    e = engine_of(st)
     system = P(1, 4 * BLOCK)  # a multiple of the page unit: all of it borrowed
     d, _ = serve(st, system)
     d.finish()
