@@ -258,7 +258,8 @@ def test_meminfo_is_read_again_through_a_new_descriptor_when_its_own_is_gone():
 def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_kv(make_store, monkeypatch):
     """A create over a cached prefix that borrows every K/V cell it reuses: one room check and
     one reservation (new_row's: copy_prefix_rows does not reserve the same cells again), no
-    write of K/V (nothing of it is copied); its content is the donor's."""
+    write of K/V (nothing of it is copied), its token ids, positions and hashes written through
+    the descriptor; its content is the donor's."""
     from shmkv._engine.pages import Pages
 
     st = make_store(**LAYOUT)
@@ -266,18 +267,22 @@ def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_
     d, _ = serve(st, system)
     d.finish()
     calls = {"check_room": 0, "reserve": 0, "_put": 0}
+    kv_puts = []
     for cls, name in ((_segment.Segment, "check_room"), (_segment.Segment, "reserve"), (Pages, "_put")):
         real = getattr(cls, name)
 
         def counted(*a, _real=real, _name=name, **k):
             calls[_name] += 1
+            if _name == "_put" and a[1].ndim > 1:
+                kv_puts.append(a[1].shape)
             return _real(*a, **k)
 
         monkeypatch.setattr(cls, name, counted)
     p = np.concatenate([system, [1, 2, 3]])
     s = st.create_sequence(capacity=200, prefix=p)
     assert len(s) == len(system) and s._row[_header.SPAN_CELLS] == len(system)
-    assert calls == {"check_room": 1, "reserve": 1, "_put": 0}, calls
+    # (token ids, positions and hashes written through the descriptor into their fresh pages)
+    assert calls == {"check_room": 1, "reserve": 1, "_put": 3} and kv_puts == [], (calls, kv_puts)
     monkeypatch.undo()
     k, v = np.ones((2, 2, 3, 2, 128), np.float32)
     s.extend(k, v, tokens=[1, 2, 3])

@@ -97,9 +97,11 @@ class Engine(Arena):
             if fresh:
                 take_interval(self._owed, dst, dst + n)
         src, dst, n = tok_src, tok_dst, tok_n
-        self.tokens[dst : dst + n] = self.tokens[src : src + n]
-        self.positions[dst : dst + n] = self.positions[src : src + n]
-        self._hashes[dst : dst + n] = self._hashes[src : src + n]
+        for arr in (self.tokens, self.positions, self._hashes):
+            if kv_from and (src + n <= dst or dst + n <= src):
+                self._put(arr[dst : dst + n], arr[src : src + n])
+            else:
+                arr[dst : dst + n] = arr[src : src + n]
 
     def copy_prefix_rows(self, s_slot: int, d_slot: int, n: int, *, held: bool = False, share: int = 0,
                          reserved: bool = False) -> None:
