@@ -291,3 +291,35 @@ def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_
         np.testing.assert_array_equal(s.keys(layer)[: len(system)], d_read.keys(layer))
     np.testing.assert_array_equal(s.tokens, p)
     np.testing.assert_array_equal(s.positions, np.arange(len(p)))
+
+
+def test_the_match_steps_down_from_the_whole_prompt(make_store, monkeypatch):
+    """The longest held block count is found by probes down from the whole prompt, then a binary
+    search: a request one or two blocks past a cached prompt costs at most 3 probes of the index,
+    and every cut of a prompt matches exactly what the cached rows hold (as the binary search
+    found it), from none to all of it."""
+    from shmkv._engine.prefix import PrefixIndex
+
+    st = make_store(**LAYOUT)
+    e = engine_of(st)
+    system = P(1, 40 * BLOCK)
+    d, _ = serve(st, system)
+    d.finish()
+    short, _ = serve(st, system[: 3 * BLOCK + 5])  # a second, shorter holder
+    short.finish()
+    probes = []
+    real = PrefixIndex.holders
+
+    def counted(self, h):
+        probes.append(h)
+        return real(self, h)
+
+    monkeypatch.setattr(PrefixIndex, "holders", counted)
+    for extra in (1, BLOCK, 2 * BLOCK):
+        probes.clear()
+        assert e.index.match(np.concatenate([system, P(7, extra) + 30_000]))[0] == len(system)
+        assert len(probes) <= 3, (extra, len(probes))
+    rng = np.random.default_rng(3)
+    for cut in [0, 1, 5, BLOCK, BLOCK + 3, 3 * BLOCK + 5, 3 * BLOCK + 6, 17 * BLOCK, 39 * BLOCK + 15, 40 * BLOCK]:
+        p = np.concatenate([system[:cut], rng.integers(30_000, 40_000, int(rng.integers(1, 5 * BLOCK)))])
+        assert st.match_prefix(p) == cut, cut

@@ -347,7 +347,19 @@ class PrefixIndex:
         if nb == 0:
             return self._match_leads(t, limit)
         hs = block_hashes(t, limit=nb)
-        lo, hi, best = 0, nb, []  # largest block count with a valid holder: binary search
+        # The largest block count with a valid holder. Holding is monotone (a row that indexed k
+        # blocks indexed every shorter prefix, and each keeps an entry or one that stands for
+        # it), so it is found by steps down from the whole prompt (1, 1, 2, 4, ... blocks), then a
+        # binary search in the last step: a prompt that goes on a block or two past a cached one (a
+        # request after its system prompt) costs 2-3 probes, not log2 of its blocks (issue 23)
+        lo, hi, best, down = 0, nb, [], 0
+        while hi > 0:
+            mid = max(hi - (1 << max(down - 1, 0)) + 1, 1)
+            hol = self.holders(hs[mid - 1])
+            if hol:
+                lo, best = mid, hol
+                break
+            hi, down = mid - 1, down + 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             hol = self.holders(hs[mid - 1])
