@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -323,3 +326,135 @@ def test_the_match_steps_down_from_the_whole_prompt(make_store, monkeypatch):
     for cut in [0, 1, 5, BLOCK, BLOCK + 3, 3 * BLOCK + 5, 3 * BLOCK + 6, 17 * BLOCK, 39 * BLOCK + 15, 40 * BLOCK]:
         p = np.concatenate([system[:cut], rng.integers(30_000, 40_000, int(rng.integers(1, 5 * BLOCK)))])
         assert st.match_prefix(p) == cut, cut
+
+
+# -- the page mark: a borrow over cells that never were in a range punches nothing ----------------
+
+def _held(st) -> int:
+    """Bytes of memory the data segment holds (allocated pages)."""
+    return os.fstat(engine_of(st)._dseg.fileno()).st_blocks * 512
+
+
+def _counting_punches(monkeypatch) -> list[int]:
+    from shmkv._engine import share
+
+    calls: list[int] = []
+    real = share._fallocate
+
+    def counted(fd, mode, off, n):
+        calls.append(n)
+        return real(fd, mode, off, n)
+
+    monkeypatch.setattr(share, "_fallocate", counted)
+    return calls
+
+
+def test_a_borrow_over_cells_never_in_a_range_punches_nothing(make_store, monkeypatch):
+    """Requests over a cached prompt in a fresh store land above every range there was: their
+    spans have no pages of their own, so the borrow makes no punch (16 fallocate calls a create
+    in an 8-layer store), and the memory held is the same as with the punches."""
+    st = make_store(**LAYOUT)
+    e = engine_of(st)
+    system = P(1, 4 * BLOCK)
+    d, _ = serve(st, system)
+    d.finish()
+    punches = _counting_punches(monkeypatch)
+    before = _held(st)
+    for i in range(3):
+        mark = e.hdr[_header.W_PAGE_MARK]
+        s, n = serve(st, np.concatenate([system, P(10 + i, 7) + 30_000]))
+        assert n == len(system) and s._row[_header.SPAN_CELLS] == len(system)
+        assert s._row[START] >= mark  # (above every range there was)
+        assert e.hdr[_header.W_PAGE_MARK] >= s._row[START] + s.capacity  # its own range is marked now
+        check(s, np.concatenate([system, s.tokens[len(system):]]), st.layout)
+    assert punches == []
+    per_token = 2 * LAYOUT["layers"] * LAYOUT["kv_heads"] * LAYOUT["head_dim"] * 4
+    assert _held(st) - before < 3 * (7 + 4 * BLOCK // 2) * per_token  # no span's cells held twice
+
+
+def test_a_borrow_over_cells_that_held_pages_punches_them(make_store, monkeypatch):
+    """A borrower placed in cells a freed sequence wrote (below the mark) gives their pages back:
+    its span holds no memory of its own."""
+    st = make_store(**LAYOUT)
+    e = engine_of(st)
+    system = P(1, 4 * BLOCK)
+    old = st.create_sequence(capacity=200)  # cells [0, 200): written, then freed (pages stay)
+    k = np.ones((2, 150, 2, 128), np.float32)
+    old.extend(k, k)
+    old.free()
+    d, _ = serve(st, system, capacity=len(system))  # (first fit: right after the freed range's start)
+    d.finish()
+    assert e.hdr[_header.W_PAGE_MARK] >= 200
+    punches = _counting_punches(monkeypatch)
+    held = _held(st)
+    s, n = serve(st, np.concatenate([system, [1, 2, 3]]))
+    assert n == len(system) and s._row[START] < 200  # in the freed cells
+    assert len(punches) == len(e.shares.pieces)
+    per_cell = 2 * LAYOUT["layers"] * LAYOUT["kv_heads"] * LAYOUT["head_dim"] * 4
+    assert _held(st) <= held - (len(system) - 8) * per_cell  # the span's own pages given back
+    check(s, np.concatenate([system, [1, 2, 3]]), st.layout)
+
+
+def _alloc_in_child(name: str, cells: int) -> int:
+    import shmkv
+
+    store = shmkv.attach(name)
+    try:
+        s = store.create_sequence(capacity=cells)
+        k = np.ones((2, cells, 2, 128), np.float32)
+        s.extend(k, k)
+        start = int(engine_of(store).table_np[s._slot, START])
+        s.free()
+        return start
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_another_processs_ranges_raise_the_mark(make_store, monkeypatch, method):
+    """A range another process wrote and freed is marked in the header: this process's next
+    borrow there punches its pages."""
+    from shmkv.testing import run_in_process
+
+    st = make_store(**LAYOUT)
+    e = engine_of(st)
+    system = P(1, 4 * BLOCK)
+    d, _ = serve(st, system, capacity=len(system))
+    d.finish()
+    start = run_in_process(_alloc_in_child, st.name, 300, start_method=method, timeout=120)
+    assert start >= len(system) and e.hdr[_header.W_PAGE_MARK] >= start + 300
+    punches = _counting_punches(monkeypatch)
+    held = _held(st)
+    s, n = serve(st, np.concatenate([system, [4, 5]]))
+    assert n == len(system) and s._row[START] == start  # where the child's cells were
+    assert len(punches) == len(e.shares.pieces)
+    per_cell = 2 * LAYOUT["layers"] * LAYOUT["kv_heads"] * LAYOUT["head_dim"] * 4
+    assert _held(st) <= held - (len(system) - 8) * per_cell
+
+
+def test_a_crash_after_a_create_reserved_pages_leaves_them_marked(make_store):
+    """A child killed inside a create over a prefix (create.row: its range's pages for the copied
+    tail reserved, the row not yet written) leaves the mark above them: after recovery, a
+    borrow in those cells punches what the child allocated."""
+    st = make_store(**LAYOUT)
+    e = engine_of(st)
+    system = P(1, 4 * BLOCK + 2)  # 2 cells past the last whole page unit: copied, their pages reserved
+    d, _ = serve(st, system, capacity=len(system))
+    d.finish()
+    mark = e.hdr[_header.W_PAGE_MARK]
+    code = ("import sys, numpy as np, shmkv; s = shmkv.attach(sys.argv[1]); "
+            "s.create_sequence(capacity=300, prefix=np.array(sys.argv[2].split(','), np.int64))")
+    env = {**os.environ, "SHMKV_CRASH_AT": "create.row"}
+    p = np.concatenate([system, [9, 9]])
+    r = subprocess.run([sys.executable, "-c", code, st.name, ",".join(map(str, p))], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    with st.transaction():  # recovery
+        pass
+    after = e.hdr[_header.W_PAGE_MARK]
+    assert (e.table_np[:, STATE] == LIVE).sum() == 1  # only the donor is live
+    s, n = serve(st, p)  # first fit: the cells the child had
+    assert n == len(system)
+    # the child's reservation (pages for the 2 copied cells after its span) raised the mark before it died
+    assert mark < s._row[START] + len(system) <= after
+    check(s, p, st.layout)

@@ -24,6 +24,7 @@ import numpy as np
 from shmkv._engine import crash as _crash
 from shmkv._engine import header as _header
 from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
+from shmkv._engine.free_ranges import mark_pages
 from shmkv._engine.intervals import add_interval, covers
 from shmkv._engine.pages import Pages
 from shmkv._engine.share import max_borrowers
@@ -79,9 +80,11 @@ class Sharing(Pages):
                     return 0, 0, -1
         return phys, m, owner
 
-    def borrow(self, slot: int, phys: int, m: int, owner: int) -> None:
+    def borrow(self, slot: int, phys: int, m: int, owner: int, *, mark: int | None = None) -> None:
         """Make row ``slot`` (just created, its cells from ``m`` on copied) borrow cells
-        [phys, phys + m): punch its own pages there, record the span, map it."""
+        [phys, phys + m): punch its own pages there, record the span, map it. ``mark``: the
+        page mark (``free_ranges.mark_pages``) as it was before the row got its range; a span
+        at or above it has no pages of its own to punch."""
         row = self.row(slot)
         hdr = self.hdr
         allocs = hdr[_header.W_ALLOCS]
@@ -89,7 +92,7 @@ class Sharing(Pages):
         with self.changing(row):
             self._spans_odd()  # before the words change: every process re-maps after this transaction
             start = row[START]
-            self.shares.punch(start, m)
+            self.shares.punch(start, m, holes=mark is not None and start >= mark)
             row[SPAN_PHYS] = phys
             row[SPAN_CELLS] = m
             _crash.point("share.borrowed")
@@ -134,6 +137,7 @@ class Sharing(Pages):
         start, phys, m = row[START], row[SPAN_PHYS], row[SPAN_CELLS]
         m2 = min(keep if upto is None else upto, keep) // self._off.page_unit * self._off.page_unit
         pieces = self.shares.pieces
+        mark_pages(self.hdr, start + m)  # (inside its range: marked already)
         self._dseg.reserve([(off + (start + m2) * cb, (m - m2) * cb) for off, cb in pieces], populate=False)
         if keep > m2:
             raw = self.shares.anchor
@@ -235,6 +239,7 @@ class Sharing(Pages):
         if count <= skip or covers(done, start + skip, start + count):
             self._dseg.reserve(small, populate=False)
             return
+        mark_pages(self.hdr, start + count)
         self._dseg.reserve(self._cell_ranges(start + skip, count - skip) + small, populate=False)
         add_interval(done, start + skip, start + count)
         add_interval(self._owed, start + skip, start + count)
