@@ -184,3 +184,158 @@ def test_a_speculative_step_without_token_ids_takes_no_lock_to_commit(make_store
     more = list(range(120, 132))
     seq.extend(np.ones((2, 12, 2, 8), np.float32), np.ones((2, 12, 2, 8), np.float32), tokens=more)
     assert store.match_prefix([*ids, *more, 7]) == 32
+
+
+def _donor_mid_step(store: shmkv.Store, dtype_rng: int = 3):
+    """A donor of 3 page units leased by ``store``'s attachment, one token appended to every
+    layer and not yet committed (its commit will not complete a block: no lock needed)."""
+    L, H, D = 3, 2, 64
+    u = store._engine.page_unit
+    n = 3 * u
+    rng = np.random.default_rng(dtype_rng)
+    kv = rng.standard_normal((L, n + 1, H, D)).astype(np.float32)
+    toks = rng.integers(0, 30_000, n + 1)
+    donor = store.create_sequence(capacity=n + 64, prefix=toks[:1])
+    donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
+    for layer in range(L):
+        donor.append(layer, kv[layer, n], kv[layer, n])
+    return donor, toks, n
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_rolled_back_borrow_keeps_the_donors_commit(make_store, dtype: str, monkeypatch) -> None:
+    """Another attachment's create over a decoding donor marks the donor LENT inside its
+    transaction; the donor's writer commits meanwhile (lock-free: its range and length stay).
+    When that create then fails and rolls back, the donor's commit stays: the rollback puts
+    back the donor's flags, never its length (the review of session 30: the whole row was put
+    back and a returned commit, whose waiters were woken, was lost)."""
+    from shmkv._engine import crash
+    from shmkv._engine.header import FLAGS, LENT
+
+    store = make_store(layers=3, kv_heads=2, head_dim=64, dtype=dtype, max_tokens=16384, max_seqs=8)
+    other = shmkv.attach(store.name)  # the requester's process
+    try:
+        donor, toks, n = _donor_mid_step(store)
+        drow = store._engine.row(store._engine.slot_of(donor.id))
+        seen: list[bool] = []
+
+        def commit_then_fail(name: str) -> None:
+            if name == "create.copied":
+                seen.append(bool(drow[FLAGS] & LENT))
+                assert donor.commit(tokens=toks[n : n + 1]) == n + 1
+                raise RuntimeError("the request fails after its borrow")
+
+        monkeypatch.setattr(crash, "point", commit_then_fail)
+        with pytest.raises(RuntimeError, match="after its borrow"):
+            other.create_sequence(capacity=n + 64, prefix=toks[:n])
+        monkeypatch.setattr(crash, "point", crash._noop)
+        assert seen == [True], "the borrow this test is about did not happen"
+        assert not drow[FLAGS] & LENT  # the borrow itself was rolled back
+        assert len(donor) == n + 1
+        assert len(other.sequence(donor.id)) == n + 1
+        assert other.sequences() and other.stats().shared_tokens == 0
+        donor.extend(np.zeros((3, 1, 2, 64), np.float32), np.zeros((3, 1, 2, 64), np.float32))
+        assert len(donor) == n + 2
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_rolled_back_unshare_keeps_the_borrowers_commit(make_store, dtype: str, monkeypatch) -> None:
+    """The donor's truncate gives a decoding borrower private copies of its span (a change of
+    the borrower's row by another attachment, under its transaction); the borrower commits
+    meanwhile. When the truncate fails and rolls back, the borrower's commit stays."""
+    from shmkv._engine import crash
+
+    L, H, D = 3, 2, 64
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=2048 if dtype == "float16" else 8192,
+                       max_seqs=8)
+    other = shmkv.attach(store.name)  # the donor's process
+    try:
+        u = store._engine.page_unit
+        n = 3 * u
+        rng = np.random.default_rng(4)
+        kv = rng.standard_normal((L, n + 1, H, D)).astype(np.float32)
+        toks = rng.integers(0, 30_000, n + 1)
+        donor = other.create_sequence(capacity=n + 64, prefix=toks[:1])
+        donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
+        donor.finish()
+        donor = other.sequence(donor.id, write=True)
+        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
+        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
+        m = len(b)
+        ref = [b.keys(layer).copy() for layer in range(L)]
+        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
+            other.create_sequence(capacity=other.stats().largest_free_range)
+        for layer in range(L):
+            b.append(layer, kv[layer, n], kv[layer, n])
+        seen: list[int] = []
+
+        def commit_then_fail(name: str) -> None:
+            if name == "share.unshared":
+                seen.append(b.commit(tokens=toks[n : n + 1]))
+                raise RuntimeError("the truncate fails after the unshare")
+
+        monkeypatch.setattr(crash, "point", commit_then_fail)
+        with pytest.raises(RuntimeError, match="after the unshare"):
+            donor.truncate(1)
+        monkeypatch.setattr(crash, "point", crash._noop)
+        assert seen == [m + 1], "the unshare this test is about did not happen"
+        assert len(donor) == n  # the truncate rolled back
+        assert len(b) == m + 1 and len(store.sequence(b.id)) == m + 1
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer)[:m], ref[layer])
+        assert store.stats().shared_tokens > 0  # the span is back as it was
+    finally:
+        other.close()
+
+
+def _borrow_then_die(name: str, prefix: list[int], capacity: int, at, go) -> None:  # a fork child
+    import os
+    import signal
+
+    from shmkv._engine import crash
+
+    def pause_then_die(point: str) -> None:
+        if point == "create.copied":
+            at.set()
+            go.wait(60)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    crash.point = pause_then_die
+    shmkv.attach(name).create_sequence(capacity=capacity, prefix=prefix)
+
+
+def test_a_borrower_killed_mid_transaction_keeps_the_donors_commit(make_store) -> None:
+    """As test_a_rolled_back_borrow_keeps_the_donors_commit, with the requester SIGKILLed after
+    its borrow: the recovery (another process's next lock) puts back the donor's flags only."""
+    import multiprocessing as mp
+
+    from shmkv._engine.header import FLAGS, LENT
+
+    store = make_store(layers=3, kv_heads=2, head_dim=64, dtype="float16", max_tokens=16384, max_seqs=8)
+    donor, toks, n = _donor_mid_step(store, 5)
+    drow = store._engine.row(store._engine.slot_of(donor.id))
+    ctx = mp.get_context("fork")
+    at, go = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_borrow_then_die, args=(store.name, toks[:n].tolist(), n + 64, at, go))
+    child.start()
+    try:
+        assert at.wait(60), "the child never reached its borrow"
+        assert drow[FLAGS] & LENT  # borrowed, its transaction open
+        assert donor.commit(tokens=toks[n : n + 1]) == n + 1
+    finally:
+        go.set()
+        child.join(60)
+    assert child.exitcode == -9
+    ro = shmkv.attach(store.name, readonly=True)  # reads rows as the rollback will leave them
+    try:
+        assert len(ro.sequence(donor.id)) == n + 1
+        assert [s.length for s in ro.sequences() if s.id == donor.id] == [n + 1]
+    finally:
+        ro.close()
+    with store.transaction():  # the lock: the dead requester's transaction is rolled back first
+        pass
+    assert store.stats().shared_tokens == 0 and store.stats().sequences == 1
+    assert not drow[FLAGS] & LENT
+    assert len(donor) == n + 1 and len(shmkv.attach(store.name).sequence(donor.id)) == n + 1

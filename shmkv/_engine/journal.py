@@ -50,6 +50,11 @@ Invariants (each names the function that keeps it):
 9.  Lock acquire and release are safe against an exception at any bytecode: the lock
     path is ``interrupts.critical`` and a Ctrl-C there is raised at the next safe point
     (``_lock``'s module docstring).
+10. A change of another writer's row (``changing(row, foreign=True)``: a borrow marking its
+    donor LENT, a donor's truncate giving a borrower private copies) never changes its LENGTH,
+    and neither does putting it back: the lease holder commits without the lock, even while
+    the row is odd (``writer.kept``), so a rollback restoring the logged LENGTH would undo a
+    commit that returned (``_put_back``, ``settled_row`` skip it for such entries).
 
 Token ids, positions and hashes go with the cells (1). Counters (hits, evictions), the
 recency clock, the next id and the prefix index are not rolled back: statistics, ids
@@ -65,7 +70,7 @@ import numpy as np
 
 from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
-from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENT, SEQ_WORDS, SPAN_CELLS, START, STATE
+from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENGTH, LENT, SEQ_WORDS, SPAN_CELLS, START, STATE
 from shmkv._engine.interrupts import critical
 from shmkv._engine.lock import StoreLock
 
@@ -77,6 +82,7 @@ if TYPE_CHECKING:
 
 _SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
 _META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
+_LENGTH_KEPT = 1 << 33  # ... this bit when the row is another writer's: its LENGTH is never put back (10)
 INCARNATION_SHIFT = 40  # GEN bits 40..: the row's incarnation (invariant 8)
 _W_SPANS = _header.W_SPANS  # (a module constant: read on every lock entry and transaction end)
 
@@ -173,6 +179,8 @@ class Journal:
             for i in range(self.hdr[_header.W_UNDO_COUNT]):
                 if self._undo_np[i, 0] & _SLOT_MASK == slot:
                     logged: list[int] = self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()
+                    if self._undo_np[i, 0] & _LENGTH_KEPT:  # (invariant 10)
+                        logged[LENGTH] = int(self.table_np[slot, LENGTH])
                     return logged
         words: list[int] = self.table_np[slot].tolist()
         return words
@@ -194,22 +202,33 @@ class Journal:
         or rolls back together on an exception or after a crash."""
         return _Txn(self)
 
-    def changing(self, row: memoryview) -> _Change:
+    def changing(self, row: memoryview, foreign: bool = False) -> _Change:
         """Change ``row`` (lock held): it is logged and its generation made odd, once per
-        transaction, and it joins the open transaction (a transaction of its own if none)."""
-        return _Change(self, row)
+        transaction, and it joins the open transaction (a transaction of its own if none).
+        ``foreign``: the row is another writer's and the change leaves its LENGTH alone; a
+        rollback then leaves it too (invariant 10)."""
+        return _Change(self, row, foreign)
 
-    def _log_row(self, slot: int, row: memoryview) -> None:
+    def _log_row(self, slot: int, row: memoryview, foreign: bool = False) -> None:
         """Append row ``slot``'s words to the undo log (invariant 2)."""
         hdr = self.hdr
         k = hdr[_header.W_UNDO_COUNT]
         entry = self._undo[k]  # memoryview copies: a few hundred ns, on the speculative-decoding path
-        entry[0] = slot
+        entry[0] = slot | _LENGTH_KEPT if foreign else slot
         entry[1 : 1 + SEQ_WORDS] = row
         # the meta record is logged only by what changes it (_log_meta): most operations do not
         if k == 0:  # who: for `shmkv verify`'s report (recovery itself needs no pid: it holds the lock)
             hdr[_header.W_UNDO_PID] = self._lock.pid  # (the lock is held: this process's pid, no system call)
         hdr[_header.W_UNDO_COUNT] = k + 1  # published after the entry
+
+    def _own_length(self, slot: int) -> None:
+        """Row ``slot``, logged earlier in this transaction as another writer's (``foreign``), is
+        now changed as a whole: its entry puts LENGTH back too."""
+        for i in range(self.hdr[_header.W_UNDO_COUNT]):
+            e = self._undo_np[i]
+            if e[0] & _SLOT_MASK == slot:
+                e[0] &= ~_LENGTH_KEPT
+                return
 
     def log_meta(self, slot: int) -> None:
         """Add the meta record of ``slot`` (logged by changing) to its undo entry, once."""
@@ -218,7 +237,7 @@ class Journal:
             if e[0] & _SLOT_MASK == slot:
                 if not e[0] & _META_LOGGED:
                     e[1 + SEQ_WORDS :] = self._meta_mv[slot]
-                    e[0] = slot | _META_LOGGED
+                    e[0] |= _META_LOGGED
                 return
 
     def _forget(self, *slots: int) -> None:
@@ -276,6 +295,7 @@ class Journal:
         for i in range(k):
             entry = self._undo_np[i]
             slot, has_meta = int(entry[0]) & _SLOT_MASK, bool(int(entry[0]) & _META_LOGGED)
+            keep = LENGTH if int(entry[0]) & _LENGTH_KEPT else GEN  # (invariant 10)
             if not 0 <= slot < self.layout.max_seqs:
                 continue
             gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
@@ -283,7 +303,7 @@ class Journal:
             row[GEN] = gen  # odd while it is put back
             words = entry[1 : 1 + SEQ_WORDS].tolist()
             for w, v in enumerate(words):
-                if w != GEN:
+                if w != GEN and w != keep:
                     row[w] = v
             if has_meta:
                 self._meta_w[slot] = entry[1 + SEQ_WORDS :]
@@ -413,10 +433,10 @@ class _Change:
     It also keeps this process's free-range cache (``_engine/free_ranges.py``: the row's range
     and state before its outermost bracket, compared at its end; inlined, on the truncate path)."""
 
-    __slots__ = ("j", "outer", "row", "slot", "was")
+    __slots__ = ("foreign", "j", "outer", "row", "slot", "was")
 
-    def __init__(self, j: Journal, row: memoryview) -> None:
-        self.j, self.row, self.outer = j, row, False
+    def __init__(self, j: Journal, row: memoryview, foreign: bool = False) -> None:
+        self.j, self.row, self.outer, self.foreign = j, row, False, foreign
 
     @critical
     def __enter__(self) -> None:
@@ -425,12 +445,14 @@ class _Change:
         slot = j._row_slot[id(row)]
         if slot not in j._logged:
             try:
-                j._log_row(slot, row)
+                j._log_row(slot, row, self.foreign)
             except BaseException:
                 self.__exit__(BaseException)
                 raise
             j._logged[slot] = row
             row[GEN] += 1  # odd: readers wait (invariant 3)
+        elif not self.foreign and j.hdr[_W_SPANS] & 1:  # (a foreign change made the span epoch odd)
+            j._own_length(slot)
         if j.hdr[_W_SPANS]:  # (0: no span ever in this store, so no row borrows or lends: the common case)
             if row[SPAN_CELLS]:  # a borrower: its span may change (_engine/sharing.py)
                 j._spans_odd()

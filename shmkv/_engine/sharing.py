@@ -100,7 +100,7 @@ class Sharing(Pages):
         if owner >= 0:
             o = self.row(owner)
             if not o[FLAGS] & LENT:
-                with self.changing(o):
+                with self.changing(o, foreign=True):  # a decoding owner commits meanwhile (journal 10)
                     o[FLAGS] |= LENT
         if current and hdr[_header.W_ALLOCS] == allocs + 1:
             # The span lies inside its owner's range or inside the span it borrows on (``lend``),
@@ -176,7 +176,7 @@ class Sharing(Pages):
         t = self.table_np
         for b in np.flatnonzero((t[:, STATE] == LIVE) & (t[:, SPAN_PHYS] == phys) & (t[:, SPAN_CELLS] > keep)):
             brow = self.row(int(b))
-            with self.changing(brow):
+            with self.changing(brow, foreign=True):  # a decoding borrower commits meanwhile (journal 10)
                 self._unshare(int(b), brow, min(brow[LENGTH], brow[SPAN_CELLS]), keep)
 
     def shared_cells(self) -> tuple[int, int]:
