@@ -434,7 +434,8 @@ class PrefixIndex:
             # ids everywhere (the hash is a hint, the ids are the proof); positions past the indexed
             # blocks (indexing checked those)
             ok = self._tokens[start : start + end] == t[:end]
-            ok[floor:] &= self._positions[start + floor : start + end] == np.arange(floor, end)
+            if end > floor:
+                ok[floor:] &= self._positions[start + floor : start + end] == np.arange(floor, end)
             bad = np.flatnonzero(~ok)
             n = int(bad[0]) if bad.size else end
             if n < floor:

@@ -62,8 +62,9 @@ def copies(r: memoryview, hashes: np.ndarray, tokens: np.ndarray, key: tuple[int
         return []
     rows = np.frombuffer(r, np.int64).reshape(-1, SEQ_WORDS)
     cell = rows[:, START] + n
-    ok = (rows[:, LENGTH] > n) & (cell >= 0) & (cell < len(tokens))
-    ok &= tokens[np.where(ok, cell, 0)] == t[n]
+    np.maximum(np.minimum(cell, len(tokens) - 1, out=cell), 0, out=cell)  # (out of range: checked below)
+    ok = tokens[cell] == t[n]
+    ok &= rows[:, LENGTH] > n
     if not ok.any():
         return []
     got = table_holders(rows, hashes, [key], -1, every=True, slots=np.flatnonzero(ok))
