@@ -258,11 +258,11 @@ def test_meminfo_is_read_again_through_a_new_descriptor_when_its_own_is_gone():
     assert abs(_segment._mem_available() - avail) < 1 << 30  # (the machine's memory moves a little)
 
 
-def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_kv(make_store, monkeypatch):
-    """A create over a cached prefix that borrows every K/V cell it reuses: one room check and
-    one reservation (new_row's: copy_prefix_rows does not reserve the same cells again), no
-    write of K/V (nothing of it is copied), its token ids, positions and hashes written through
-    the descriptor; its content is the donor's."""
+def test_a_create_that_borrows_all_it_reuses_reserves_nothing_and_copies_no_kv(make_store, monkeypatch):
+    """A create over a cached prefix that borrows every K/V cell it reuses: no reservation (no
+    room check, no fallocate: copy_prefix_rows does not reserve what new_row did, and the token
+    ids, positions and hashes are written through the descriptor, which allocates their pages),
+    no write of K/V (nothing of it is copied); its content is the donor's."""
     from shmkv._engine.pages import Pages
 
     st = make_store(**LAYOUT)
@@ -284,8 +284,8 @@ def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_
     p = np.concatenate([system, [1, 2, 3]])
     s = st.create_sequence(capacity=200, prefix=p)
     assert len(s) == len(system) and s._row[_header.SPAN_CELLS] == len(system)
-    # (token ids, positions and hashes written through the descriptor into their fresh pages)
-    assert calls == {"check_room": 1, "reserve": 1, "_put": 3} and kv_puts == [], (calls, kv_puts)
+    # (token ids, positions and hashes written through the descriptor: that allocates their pages)
+    assert calls == {"check_room": 0, "reserve": 0, "_put": 3} and kv_puts == [], (calls, kv_puts)
     monkeypatch.undo()
     k, v = np.ones((2, 2, 3, 2, 128), np.float32)
     s.extend(k, v, tokens=[1, 2, 3])

@@ -98,8 +98,8 @@ class Engine(Arena):
                 take_interval(self._owed, dst, dst + n)
         src, dst, n = tok_src, tok_dst, tok_n
         for arr in (self.tokens, self.positions, self._hashes):
-            if kv_from and (src + n <= dst or dst + n <= src):
-                self._put(arr[dst : dst + n], arr[src : src + n])
+            if kv_from:  # a borrower's fresh range: their pages are allocated by this write
+                self._put(arr[dst : dst + n], arr[src : src + n])  # (Sharing._page_unit_reserve)
             else:
                 arr[dst : dst + n] = arr[src : src + n]
 

@@ -230,16 +230,15 @@ class Sharing(Pages):
 
     def _page_unit_reserve(self, start: int, count: int, skip: int) -> None:
         """Reserve the first ``count`` cells of a borrower's range: every array's pages but those
-        of its first ``skip`` cells in the shared arrays (token ids, positions and hashes of all).
-        One reservation (one check of the room) on the create path: what ``_reserve(start + skip,
-        count - skip, populate=False)`` does, with the first cells' small arrays added."""
-        off = self._off
-        small = [(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off, off.hashes_off)]
+        of its first ``skip`` cells: K/V and scales there are borrowed, and their token ids,
+        positions and hashes are written through the descriptor by the copy that follows
+        (``_copy_cells`` with ``kv_from``: pwrite allocates their pages, and a full /dev/shm is
+        CacheFullError from it, never a SIGBUS; three fallocate calls fewer a create, issue 23).
+        What ``_reserve(start + skip, count - skip, populate=False)`` does."""
         done = self._record()[False]
         if count <= skip or covers(done, start + skip, start + count):
-            self._dseg.reserve(small, populate=False)
             return
         mark_pages(self.hdr, start + count)
-        self._dseg.reserve(self._cell_ranges(start + skip, count - skip) + small, populate=False)
+        self._dseg.reserve(self._cell_ranges(start + skip, count - skip), populate=False)
         add_interval(done, start + skip, start + count)
         add_interval(self._owed, start + skip, start + count)
