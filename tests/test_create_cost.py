@@ -258,9 +258,9 @@ def test_meminfo_is_read_again_through_a_new_descriptor_when_its_own_is_gone():
     assert abs(_segment._mem_available() - avail) < 1 << 30  # (the machine's memory moves a little)
 
 
-def test_a_create_that_borrows_all_it_reuses_reserves_nothing_and_copies_no_kv(make_store, monkeypatch):
-    """A create over a cached prefix that borrows every K/V cell it reuses: no reservation (no
-    room check, no fallocate: copy_prefix_rows does not reserve what new_row did, and the token
+def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_kv(make_store, monkeypatch):
+    """A create over a cached prefix that borrows every K/V cell it reuses: one room check, no
+    reservation (no fallocate: copy_prefix_rows does not reserve what new_row did, and the token
     ids, positions and hashes are written through the descriptor, which allocates their pages),
     no write of K/V (nothing of it is copied); its content is the donor's."""
     from shmkv._engine.pages import Pages
@@ -285,7 +285,7 @@ def test_a_create_that_borrows_all_it_reuses_reserves_nothing_and_copies_no_kv(m
     s = st.create_sequence(capacity=200, prefix=p)
     assert len(s) == len(system) and s._row[_header.SPAN_CELLS] == len(system)
     # (token ids, positions and hashes written through the descriptor: that allocates their pages)
-    assert calls == {"check_room": 0, "reserve": 0, "_put": 3} and kv_puts == [], (calls, kv_puts)
+    assert calls == {"check_room": 1, "reserve": 0, "_put": 3} and kv_puts == [], (calls, kv_puts)
     monkeypatch.undo()
     k, v = np.ones((2, 2, 3, 2, 128), np.float32)
     s.extend(k, v, tokens=[1, 2, 3])
@@ -458,3 +458,18 @@ def test_a_crash_after_a_create_reserved_pages_leaves_them_marked(make_store):
     # the child's reservation (pages for the 2 copied cells after its span) raised the mark before it died
     assert mark < s._row[START] + len(system) <= after
     check(s, p, st.layout)
+
+
+def test_a_forked_child_reads_the_room_itself():
+    """The reading of the room is this process's: a forked child starts without one (it would
+    spend what the parent was granted a second time)."""
+    from shmkv.testing import run_in_process
+
+    _segment._ROOM.read(1 << 40, 0)
+    assert _segment._ROOM.grant(1)
+    assert run_in_process(_grant_one, start_method="fork", timeout=60) is False
+    assert _segment._ROOM.grant(1)
+
+
+def _grant_one() -> bool:
+    return _segment._ROOM.grant(1)

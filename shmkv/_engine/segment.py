@@ -468,6 +468,8 @@ class _Room:
 
 
 _ROOM = _Room()
+# a forked child reads the room itself (it would spend the parent's reading a second time)
+os.register_at_fork(after_in_child=lambda: _ROOM.read(None, 0))
 
 
 # /proc/meminfo, kept open: a read at offset 0 renders it afresh (seq_file), and a pread of the

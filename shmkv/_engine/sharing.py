@@ -235,6 +235,9 @@ class Sharing(Pages):
         (``_copy_cells`` with ``kv_from``: pwrite allocates their pages, and a full /dev/shm is
         CacheFullError from it, never a SIGBUS; three fallocate calls fewer a create, issue 23).
         What ``_reserve(start + skip, count - skip, populate=False)`` does."""
+        off = self._off  # (their room is checked as a reservation's would be: a clear refusal first)
+        self._dseg.check_room([(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off,
+                                                                          off.hashes_off)])
         done = self._record()[False]
         if count <= skip or covers(done, start + skip, start + count):
             return
