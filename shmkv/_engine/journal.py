@@ -51,10 +51,12 @@ Invariants (each names the function that keeps it):
     path is ``interrupts.critical`` and a Ctrl-C there is raised at the next safe point
     (``_lock``'s module docstring).
 10. A change of another writer's row (``changing(row, foreign=True)``: a borrow marking its
-    donor LENT, a donor's truncate giving a borrower private copies) never changes its LENGTH,
-    and neither does putting it back: the lease holder commits without the lock, even while
-    the row is odd (``writer.kept``), so a rollback restoring the logged LENGTH would undo a
-    commit that returned (``_put_back``, ``settled_row`` skip it for such entries).
+    donor LENT, a donor's truncate giving a borrower private copies) never changes the words
+    its lease holder writes without the lock (``LOCK_FREE``: LENGTH, published by a commit;
+    LEASE_PID, zeroed by a release), and neither does putting it back: the holder writes
+    them even while the row is odd (``writer.kept``), so a rollback restoring the logged
+    words would undo a commit that returned, or give back a lease that was released
+    (``_put_back``, ``settled_row`` skip them for such entries).
 
 Token ids, positions and hashes go with the cells (1). Counters (hits, evictions), the
 recency clock, the next id and the prefix index are not rolled back: statistics, ids
@@ -70,7 +72,7 @@ import numpy as np
 
 from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
-from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENGTH, LENT, SEQ_WORDS, SPAN_CELLS, START, STATE
+from shmkv._engine.header import CAPACITY, FLAGS, GEN, LEASE_PID, LENGTH, LENT, SEQ_WORDS, SPAN_CELLS, START, STATE
 from shmkv._engine.interrupts import critical
 from shmkv._engine.lock import StoreLock
 
@@ -82,7 +84,11 @@ if TYPE_CHECKING:
 
 _SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
 _META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
-_LENGTH_KEPT = 1 << 33  # ... this bit when the row is another writer's: its LENGTH is never put back (10)
+_LENGTH_KEPT = 1 << 33  # ... this bit when the row is another writer's: LOCK_FREE words never put back (10)
+# the row words a lease holder writes without the store lock (invariant 10): the committed length
+# (writer.commit) and, set to 0, the lease's pid (a release, a write handle's finalizer: lease.py)
+LOCK_FREE = (LENGTH, LEASE_PID)
+_KEEP_OWN, _KEEP_FOREIGN = frozenset((GEN,)), frozenset((GEN, *LOCK_FREE))
 INCARNATION_SHIFT = 40  # GEN bits 40..: the row's incarnation (invariant 8)
 _W_SPANS = _header.W_SPANS  # (a module constant: read on every lock entry and transaction end)
 
@@ -180,7 +186,8 @@ class Journal:
                 if self._undo_np[i, 0] & _SLOT_MASK == slot:
                     logged: list[int] = self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()
                     if self._undo_np[i, 0] & _LENGTH_KEPT:  # (invariant 10)
-                        logged[LENGTH] = int(self.table_np[slot, LENGTH])
+                        for w in LOCK_FREE:
+                            logged[w] = int(self.table_np[slot, w])
                     return logged
         words: list[int] = self.table_np[slot].tolist()
         return words
@@ -205,8 +212,8 @@ class Journal:
     def changing(self, row: memoryview, foreign: bool = False) -> _Change:
         """Change ``row`` (lock held): it is logged and its generation made odd, once per
         transaction, and it joins the open transaction (a transaction of its own if none).
-        ``foreign``: the row is another writer's and the change leaves its LENGTH alone; a
-        rollback then leaves it too (invariant 10)."""
+        ``foreign``: the row is another writer's and the change leaves its ``LOCK_FREE`` words
+        (LENGTH, LEASE_PID) alone; a rollback then leaves them too (invariant 10)."""
         return _Change(self, row, foreign)
 
     def _log_row(self, slot: int, row: memoryview, foreign: bool = False) -> None:
@@ -223,7 +230,7 @@ class Journal:
 
     def _own_length(self, slot: int) -> None:
         """Row ``slot``, logged earlier in this transaction as another writer's (``foreign``), is
-        now changed as a whole: its entry puts LENGTH back too."""
+        now changed as a whole: its entry puts its ``LOCK_FREE`` words back too."""
         for i in range(self.hdr[_header.W_UNDO_COUNT]):
             e = self._undo_np[i]
             if e[0] & _SLOT_MASK == slot:
@@ -295,7 +302,7 @@ class Journal:
         for i in range(k):
             entry = self._undo_np[i]
             slot, has_meta = int(entry[0]) & _SLOT_MASK, bool(int(entry[0]) & _META_LOGGED)
-            keep = LENGTH if int(entry[0]) & _LENGTH_KEPT else GEN  # (invariant 10)
+            keep = _KEEP_FOREIGN if int(entry[0]) & _LENGTH_KEPT else _KEEP_OWN  # (invariant 10)
             if not 0 <= slot < self.layout.max_seqs:
                 continue
             gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
@@ -303,7 +310,7 @@ class Journal:
             row[GEN] = gen  # odd while it is put back
             words = entry[1 : 1 + SEQ_WORDS].tolist()
             for w, v in enumerate(words):
-                if w != GEN and w != keep:
+                if w not in keep:
                     row[w] = v
             if has_meta:
                 self._meta_w[slot] = entry[1 + SEQ_WORDS :]

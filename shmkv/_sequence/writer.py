@@ -26,7 +26,6 @@ from shmkv._engine.header import (
     LEASE_PID,
     LEASE_TOKEN,
     LENGTH,
-    LENT,
     LIVE,
     NOINDEX,
     SEQ_WORDS,
@@ -35,6 +34,7 @@ from shmkv._engine.header import (
     STATE,
     WBUF,
     WIN_OFF,
+    W_SPANS,
     leads,
 )
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
@@ -86,7 +86,7 @@ class SeqWriter:
         self.pending = [0] * self.L
         self.gen = -1
         self.length = -1  # the committed length this handle knows (kept())
-        self.borrowed = 0  # the row's borrowed cells (SPAN_CELLS) at this handle's generation (kept())
+        self.borrowed = 0  # the row's borrowed cells (SPAN_CELLS) at this handle's generation (no longer read)
         self.start = 0
         self.base: list[int] = []  # per layer: cell of token 0
         self.lim: list[int] = []  # per layer: token index limit
@@ -112,7 +112,9 @@ class SeqWriter:
 
         Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
         cell ``slot * window_cells + i - woff`` of that layer's window region.
+        Also the length the handle knows (kept()): after its own truncate too, not only a commit.
         """
+        self.length = self.row[LENGTH]
         self.start = start
         wbase = self.r.wbase = (2 * self.slot + self.row[WBUF]) * self.wc  # the writer's own row
         key = (start, cap, woff, wbase)
@@ -173,6 +175,7 @@ class SeqWriter:
             )
         if row[GEN] != self.gen and kept(self, row):
             g = row[GEN]  # another process lent from us or copied our borrowed cells: all cells stay
+            remap(self)  # (but where they show)
             Int8Mirror.moved(self, g if not g & 1 else -1)
         elif row[GEN] != self.gen:
             # a structural change we did not make through this handle (e.g. copy_prefix
@@ -410,17 +413,28 @@ def unindexable(w: SeqWriter, row: memoryview) -> None:
 
 
 def kept(w: SeqWriter, row: memoryview) -> bool:
-    """Whether a change someone else made to ``w``'s row left its range and length where they
-    were, on a row that lends or borrows: another process borrowed from it (the LENT flag) or
-    gave its borrowed cells private copies (``Sharing._unshare``). Its pending tokens, in cells
-    past the length, stay valid then: a decode step is not lost because another request
-    borrowed from this one mid-step. (A row that borrowed at the handle's generation and no
-    longer does was given private copies of all its borrowed cells: tests/test_share_midstep.py.)"""
+    """Whether a change someone else made to ``w``'s row left its range, window buffer and
+    length where they were: another process borrowed from it (the LENT flag), gave its
+    borrowed cells private copies (``Sharing._unshare``), or did either and rolled it back
+    (an exception, or a recovery after its death: the flag or the span is back as it was,
+    the generation moved on; journal invariant 10). Its pending tokens, in cells past the
+    length, stay valid then: a decode step is not lost because another request borrowed from
+    this one mid-step. (Every other change by someone else moves the range, the buffer or the
+    length, or takes the lease: tests/test_share_midstep.py, tests/test_foreign_attack.py.)"""
     c = w.cached
-    return (c is not None and (row[FLAGS] & LENT != 0 or row[SPAN_CELLS] > 0 or w.borrowed > 0)
-            and row[STATE] == LIVE
+    return (c is not None and row[STATE] == LIVE
             and row[START] == w.start and row[CAPACITY] == c[1] and row[WIN_OFF] == c[2]
-            and row[LENGTH] == w.length)
+            and row[LENGTH] == w.length and (2 * w.slot + row[WBUF]) * w.wc == c[3])
+
+
+def remap(w: SeqWriter) -> None:
+    """After a kept() change: a borrower given private copies stops showing the donor's pages in
+    this attachment before append's views (or an int8 mirror) read them, as the donor writes
+    there next. Without waiting: while the change is open (the span epoch odd) the donor cannot
+    write yet, and a later need_writer (the generation moved again) maps it."""
+    shares = w.r.shares
+    if shares.applied != shares.hdr[W_SPANS]:
+        shares.sync()
 
 
 def compact(w: SeqWriter, layer: int, end: int) -> None:
