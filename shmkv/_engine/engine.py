@@ -83,24 +83,28 @@ class Engine(Arena):
             self.shares.cells_readable(src + kv_from, src + n, "a copy of its cells")
         tok_src, tok_dst, tok_n = src, dst, n
         src, dst, n = src + kv_from, dst + kv_from, n - kv_from
-        # into fresh cells (a new range): through the descriptor, which skips zeroing them
-        fresh = self._fresh(dst, n) and (src + n <= dst or dst + n <= src)
-        # one layer at a time: a 4-D slice over all layers spans overlapping address
-        # extents, and numpy would then copy through a temporary (half the bandwidth)
-        for arrs in ([self.Kl[i] for i in self._full], [self.Vl[i] for i in self._full], self.KS, self.VS):
-            for layer in arrs if arrs is not None else ():
-                if fresh:
-                    self._put(layer[dst : dst + n], layer[src : src + n])
-                else:
-                    np.copyto(layer[dst : dst + n], layer[src : src + n])
-        if fresh:
-            take_interval(self._owed, dst, dst + n)
+        if n > 0:  # (none: a reuse that borrows all it copies)
+            # into fresh cells (a new range): through the descriptor, which skips zeroing them
+            fresh = self._fresh(dst, n) and (src + n <= dst or dst + n <= src)
+            # one layer at a time: a 4-D slice over all layers spans overlapping address
+            # extents, and numpy would then copy through a temporary (half the bandwidth)
+            for arrs in ([self.Kl[i] for i in self._full], [self.Vl[i] for i in self._full], self.KS, self.VS):
+                for layer in arrs if arrs is not None else ():
+                    if fresh:
+                        self._put(layer[dst : dst + n], layer[src : src + n])
+                    else:
+                        np.copyto(layer[dst : dst + n], layer[src : src + n])
+            if fresh:
+                take_interval(self._owed, dst, dst + n)
         src, dst, n = tok_src, tok_dst, tok_n
-        self.tokens[dst : dst + n] = self.tokens[src : src + n]
-        self.positions[dst : dst + n] = self.positions[src : src + n]
-        self._hashes[dst : dst + n] = self._hashes[src : src + n]
+        for arr in (self.tokens, self.positions, self._hashes):
+            if kv_from:  # a borrower's fresh range: their pages are allocated by this write
+                self._put(arr[dst : dst + n], arr[src : src + n])  # (Sharing._page_unit_reserve)
+            else:
+                arr[dst : dst + n] = arr[src : src + n]
 
-    def copy_prefix_rows(self, s_slot: int, d_slot: int, n: int, *, held: bool = False, share: int = 0) -> None:
+    def copy_prefix_rows(self, s_slot: int, d_slot: int, n: int, *, held: bool = False, share: int = 0,
+                         reserved: bool = False) -> None:
         """copy_prefix between rows (lock held, ids checked): dst's content becomes src's first
         n tokens, and dst's whole blocks join the prefix index.
 
@@ -109,7 +113,8 @@ class Engine(Arena):
         ``regather``) every token src holds below n, so a copy of a whole sequence holds exactly
         what src holds on every layer (a batch of copies stays one ``[B, T]`` batch, and a crop
         the source could take, the copy can take too: tests/test_rewind.py, and beam search on
-        sliding models in tests/test_transformers_windows.py)."""
+        sliding models in tests/test_transformers_windows.py). ``reserved``: the pages of dst's
+        first n cells are (``new_row(fill=n, skip=share)`` on the create path)."""
         s_row, d_row = self.row(s_slot), self.row(d_slot)
         s_off = s_row[WIN_OFF]
         need = self.layout.resume_from(n)  # the oldest token a next token needs on bounded layers
@@ -125,7 +130,8 @@ class Engine(Arena):
             if d_row[LENGTH] == 0 and n <= d_row[CAPACITY]:
                 # dst holds nothing committed: its own cells and window buffer are free to write
                 # (their pages allocated first: a range has them only as its writes need them)
-                self._page_unit_reserve(d_row[START], n, share)
+                if not reserved:
+                    self._page_unit_reserve(d_row[START], n, share)
                 self._copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)
                 self._copy_window(src_win, self.wcell(d_slot, d_row[WBUF]), n - lo)
                 _crash.point("copy_prefix.copied")

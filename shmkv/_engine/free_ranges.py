@@ -17,7 +17,7 @@ from shmkv._engine import header as _header
 from shmkv._engine.header import CAPACITY, START, STATE
 from shmkv._engine.intervals import add_interval, take_interval
 
-__all__ = ["FreeRanges"]
+__all__ = ["FreeRanges", "mark_pages"]
 
 
 class FreeRanges:
@@ -48,6 +48,8 @@ class FreeRanges:
         (lock held; ``Journal.changing`` keeps ``brackets``, inlined: it is on the truncate path):
         bump the counter, and follow the change when the gaps were current."""
         now = (row[STATE], row[START], row[CAPACITY])
+        if now[0] and now[1] + now[2] > hdr[_header.W_PAGE_MARK]:
+            hdr[_header.W_PAGE_MARK] = now[1] + now[2]  # (see mark_pages)
         current = self.tag == hdr[_header.W_ALLOCS]
         hdr[_header.W_ALLOCS] += 1
         if not current:
@@ -64,3 +66,21 @@ class FreeRanges:
         hdr[_header.W_ALLOCS] += 1
         self.tag = -1
         self.brackets.clear()
+
+
+def mark_pages(hdr: memoryview, end: int) -> None:
+    """Cells below ``end`` may get pages now (lock held): raise the store's page mark to it.
+
+    The page mark (header word ``W_PAGE_MARK``) bounds the cells that may hold pages of the
+    arrays a span covers (K/V of full layers, int8 scales): pages are allocated only in a
+    row's range, or in a range staged by a restore, and every such range's end is marked
+    under the lock, when a row's range changes (``FreeRanges.changed``) and before a
+    reservation under the lock allocates anything (``Pages._reserve``, ``_stage``; a crash
+    between the two leaves it marked). A write handle's reservations (lock-free, ``room``)
+    stay inside its row's range, marked already. It never falls: a rolled-back range may have
+    pages. So a borrower whose span starts at or above the mark as its create found it has no
+    pages of its own there to punch (``Sharing.borrow``, issue 23: 16 fallocate calls a create
+    in an 8-layer store). A store written by an older shmkv (no mark kept) may hold pages above
+    it: those are then held, unused, until the span goes, never read as data."""
+    if end > hdr[_header.W_PAGE_MARK]:  # noqa: PLR1730  (never a store when not above: see room)
+        hdr[_header.W_PAGE_MARK] = end

@@ -53,7 +53,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
                                 state and by recovery; a process's free-range cache is valid at its value
     360                  1      span epoch: odd while a transaction changes shared prefix pages (_engine/share.py),
                                 bumped to even when it ends; a process re-maps when its copy is stale
-    368 .. 511                  reserved (zero)
+    368                  1      page mark: no K/V or scale pages at or above it (free_ranges.py); 376.. zero
     512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
                                   padded to 8 bytes
     SEQ_OFF              18 x max_seqs    sequence table, one 144-byte row a sequence
@@ -156,7 +156,7 @@ W_MAX_SEQS, W_MAX_CLIENTS, W_CREATOR_PID, W_CREATOR_CLIENT = 10, 11, 12, 13
 W_PERSISTENT, W_NEXT_ID, W_WINDOW, W_CHUNK, W_MEMORY, W_CHECKSUM = 14, 15, 16, 17, 18, 19
 W_PREFIX_HITS, W_PREFIX_MISSES, W_PREFIX_REUSED, W_EVICTIONS, W_CLOCK, W_INDEX_SLOTS = 32, 33, 34, 35, 36, 37
 W_INDEX_USED, W_UNDO_COUNT, W_UNDO_PID, W_BIRTHS, W_RECOVERIES, W_ALLOCS, W_SPANS = 38, 40, 41, 42, 43, 44, 45
-W_IDENTITY, W_SESSION = 20, 21
+W_IDENTITY, W_SESSION, W_PAGE_MARK = 20, 21, 46
 FIXED_BYTES = 512
 LAYER_KINDS_OFF = 512
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from shmkv._engine import header as _header
 from shmkv._engine.core import Core
+from shmkv._engine.free_ranges import mark_pages
 from shmkv._engine.intervals import add_interval, covers, take_interval
 
 __all__ = ["Pages", "add_interval", "covers", "take_interval"]
@@ -72,6 +73,7 @@ class Pages(Core):
                 self._fill(start, count)
             return
         defer = not (populate or all_layers)
+        mark_pages(self.hdr, start + count)  # (a write handle's own range: marked already)
         self._dseg.reserve(self._cell_ranges(start, count, all_layers), populate=not defer)
         add_interval(done, start, start + count)
         if defer:
@@ -89,6 +91,7 @@ class Pages(Core):
         """A range a restore fills through the descriptor: the room is checked now; the writes
         allocate the pages of the arrays they fill (a full /dev/shm is then CacheFullError from
         the write, in cells no row points to) and ``_settle`` the rest."""
+        mark_pages(self.hdr, start + count)  # the writes allocate pages there
         if not covers(self._record()[False], start, start + count):
             self._dseg.check_room(self._cell_ranges(start, count))
 

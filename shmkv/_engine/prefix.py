@@ -52,6 +52,8 @@ the same with ten or ten thousand cached sequences.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from shmkv._engine import crash as _crash
@@ -78,7 +80,7 @@ from shmkv._engine.header import (
     WIN_OFF,
     Layout,
 )
-from shmkv._engine.prefix_hash import BLOCK, LEAD, ROOT, as_tokens, block_hashes, lead_hash, lead_levels
+from shmkv._engine.prefix_hash import BLOCK, LEAD, ROOT, PrefixHash, as_tokens, block_hashes, lead_hash, lead_levels
 from shmkv._engine.prefix_scan import LEADMARK, copies, table_holders
 from shmkv._engine.seqlock import VERIFY, seqlocked
 
@@ -347,14 +349,7 @@ class PrefixIndex:
         if nb == 0:
             return self._match_leads(t, limit)
         hs = block_hashes(t, limit=nb)
-        lo, hi, best = 0, nb, []  # largest block count with a valid holder: binary search
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            hol = self.holders(hs[mid - 1])
-            if hol:
-                lo, best = mid, hol
-            else:
-                hi = mid - 1
+        lo, best = _held_blocks(self.holders, hs, nb)
         # the holders of the longest indexed prefix, most recent first; a holder may fail its
         # check (stale, or its sliding/chunked layers moved on): then the next, then shorter prefixes
         tried: set[tuple[int, int]] = set()
@@ -422,7 +417,8 @@ class PrefixIndex:
             # ids everywhere (the hash is a hint, the ids are the proof); positions past the indexed
             # blocks (indexing checked those)
             ok = self._tokens[start : start + end] == t[:end]
-            ok[floor:] &= self._positions[start + floor : start + end] == np.arange(floor, end)
+            if end > floor:
+                ok[floor:] &= self._positions[start + floor : start + end] == np.arange(floor, end)
             bad = np.flatnonzero(~ok)
             n = int(bad[0]) if bad.size else end
             if n < floor:
@@ -432,6 +428,34 @@ class PrefixIndex:
             return n
 
         return seqlocked(r, b + GEN, read, VERIFY, _miss)  # a row changing all along: a miss
+
+
+
+def _held_blocks(holders: Callable[[int], list[tuple[int, int]]], hs: list[PrefixHash],
+                 nb: int) -> tuple[int, list[tuple[int, int]]]:
+    """PrefixIndex.match: the largest block count of ``hs`` (a prompt's nb block hashes) with a
+    valid holder, and its holders."""
+    # The largest block count with a valid holder. Holding is monotone (a row that indexed k
+    # blocks indexed every shorter prefix, and each keeps an entry or one that stands for
+    # it), so it is found by steps down from the whole prompt (1, 1, 2, 4, ... blocks), then a
+    # binary search in the last step: a prompt that goes on a block or two past a cached one (a
+    # request after its system prompt) costs 2-3 probes, not log2 of its blocks (issue 23)
+    lo, hi, best, down = 0, nb, [], 0
+    while hi > 0:
+        mid = max(hi - (1 << max(down - 1, 0)) + 1, 1)
+        hol = holders(hs[mid - 1])
+        if hol:
+            lo, best = mid, hol
+            break
+        hi, down = mid - 1, down + 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        hol = holders(hs[mid - 1])
+        if hol:
+            lo, best = mid, hol
+        else:
+            hi = mid - 1
+    return lo, best
 
 
 def _rebuild(index: PrefixIndex) -> int:

@@ -66,7 +66,8 @@ def _recent(raw: bytes, t: np.ndarray, n: int) -> list[PrefixHash]:
         if k <= b or old_raw[b * step : (b + 1) * step] != raw[b * step : (b + 1) * step] or (
                 b and old_raw[:step] != raw[:step]):
             continue
-        if old_raw[: k * step] == raw[: k * step]:
+        # (whichever is the shorter is compared whole: no copy of 16 KiB slices)
+        if raw.startswith(old_raw) if k == len(old_hs) else old_raw.startswith(raw):
             c = k
         else:
             bad = np.flatnonzero(np.frombuffer(old_raw, "<i8", k * BLOCK) != t[: k * BLOCK])
@@ -79,8 +80,10 @@ def _recent(raw: bytes, t: np.ndarray, n: int) -> list[PrefixHash]:
 
 
 def _remember(raw: bytes, hs: list[PrefixHash]) -> None:
+    step = BLOCK * 8
     for i, (old_raw, _) in enumerate(list(_RECENT)):
-        if len(old_raw) <= len(raw) and raw.startswith(old_raw):
+        k = len(old_raw)  # (its last block first: a prompt that only shares a system prompt differs there)
+        if k <= len(raw) and old_raw[k - step :] == raw[k - step : k] and raw.startswith(old_raw):
             del _RECENT[i : i + 1]  # this one holds it all and more
             break
     _RECENT.insert(0, (raw, hs))

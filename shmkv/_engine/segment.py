@@ -27,6 +27,7 @@ import sys
 import numpy as np
 from numpy.typing import DTypeLike
 
+from shmkv._engine.shm_room import _MEMINFO, _ROOM, _Room, _mem_available  # noqa: F401  (tests reach them here)
 from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
@@ -222,10 +223,14 @@ class Segment:
         # machine whose /dev/shm is as large as RAM that summons the OOM killer
         # before ENOSPC. So refuse up front what cannot fit. See
         # tests/test_capacity.py::test_store_larger_than_dev_shm_fails_cleanly_when_written.
+        need = sum(e - b for b, e in spans)
+        if _ROOM.grant(need):
+            return spans
         room = _room_bytes()
+        _ROOM.read(room, need)
         # the exact count of pages still missing (a SEEK_HOLE walk, slow over long allocated
         # stretches) only matters when the spans could exceed the room
-        if room is not None and sum(e - b for b, e in spans) > room:
+        if room is not None and need > room:
             missing = sum(self._unallocated(b, e) for b, e in spans)
             if missing > room:
                 raise CacheFullError(
@@ -426,15 +431,10 @@ def _room_bytes() -> int | None:
         room = st.f_bavail * st.f_frsize
     except OSError:
         pass
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024 - MEMORY_MARGIN
-                    room = avail if room is None else min(room, avail)
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
+    avail = _mem_available()
+    if avail is not None:
+        avail -= MEMORY_MARGIN
+        room = avail if room is None else min(room, avail)
     return None if room is None else max(room, 0)
 
 

@@ -181,9 +181,10 @@ class Shares:
                 return i
         return len(pieces)
 
-    def punch(self, start: int, m: int) -> None:
-        """Give back the memory of cells [start, start + m)'s own pages in every shared array."""
-        for off, cb in self.pieces:
+    def punch(self, start: int, m: int, *, holes: bool = False) -> None:
+        """Give back the memory of cells [start, start + m)'s own pages in every shared array
+        (``holes``: there are none, cells above the page mark: nothing to give back)."""
+        for off, cb in () if holes else self.pieces:
             if _fallocate(self.fd, _PUNCH, off + start * cb, m * cb) != 0:
                 no = ctypes.get_errno()
                 raise ShareError(no, f"cannot punch out {m * cb} bytes of a borrower's pages: {os.strerror(no)}")

@@ -22,7 +22,9 @@ from __future__ import annotations
 import numpy as np
 
 from shmkv._engine import crash as _crash
+from shmkv._engine import header as _header
 from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
+from shmkv._engine.free_ranges import mark_pages
 from shmkv._engine.intervals import add_interval, covers
 from shmkv._engine.pages import Pages
 from shmkv._engine.share import max_borrowers
@@ -78,14 +80,19 @@ class Sharing(Pages):
                     return 0, 0, -1
         return phys, m, owner
 
-    def borrow(self, slot: int, phys: int, m: int, owner: int) -> None:
+    def borrow(self, slot: int, phys: int, m: int, owner: int, *, mark: int | None = None) -> None:
         """Make row ``slot`` (just created, its cells from ``m`` on copied) borrow cells
-        [phys, phys + m): punch its own pages there, record the span, map it."""
+        [phys, phys + m): punch its own pages there, record the span, map it. ``mark``: the
+        page mark (``free_ranges.mark_pages``) as it was before the row got its range; a span
+        at or above it has no pages of its own to punch."""
         row = self.row(slot)
+        hdr = self.hdr
+        allocs = hdr[_header.W_ALLOCS]
+        current = self._free.tag == allocs  # this process's free ranges (_engine/free_ranges.py)
         with self.changing(row):
             self._spans_odd()  # before the words change: every process re-maps after this transaction
             start = row[START]
-            self.shares.punch(start, m)
+            self.shares.punch(start, m, holes=mark is not None and start >= mark)
             row[SPAN_PHYS] = phys
             row[SPAN_CELLS] = m
             _crash.point("share.borrowed")
@@ -95,6 +102,13 @@ class Sharing(Pages):
             if not o[FLAGS] & LENT:
                 with self.changing(o, foreign=True):  # a decoding owner commits meanwhile (journal 10)
                     o[FLAGS] |= LENT
+        if current and hdr[_header.W_ALLOCS] == allocs + 1:
+            # The span lies inside its owner's range or inside the span it borrows on (``lend``),
+            # cells taken already: the free ranges are what they were. The epoch step above made
+            # them stale (and ``_settle_span``); with nothing else changed (one step of the
+            # counter: any range or span change steps it), they stay current here, so the next
+            # create does not derive them again from the table (issue 23).
+            self._free.tag = allocs + 1
 
     def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int]) -> None:
         """The end of a change of a row that borrows or lends (see the module docstring)."""
@@ -123,6 +137,7 @@ class Sharing(Pages):
         start, phys, m = row[START], row[SPAN_PHYS], row[SPAN_CELLS]
         m2 = min(keep if upto is None else upto, keep) // self._off.page_unit * self._off.page_unit
         pieces = self.shares.pieces
+        mark_pages(self.hdr, start + m)  # (inside its range: marked already)
         self._dseg.reserve([(off + (start + m2) * cb, (m - m2) * cb) for off, cb in pieces], populate=False)
         if keep > m2:
             raw = self.shares.anchor
@@ -215,15 +230,18 @@ class Sharing(Pages):
 
     def _page_unit_reserve(self, start: int, count: int, skip: int) -> None:
         """Reserve the first ``count`` cells of a borrower's range: every array's pages but those
-        of its first ``skip`` cells in the shared arrays (token ids, positions and hashes of all).
-        One reservation (one check of the room) on the create path: what ``_reserve(start + skip,
-        count - skip, populate=False)`` does, with the first cells' small arrays added."""
-        off = self._off
-        small = [(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off, off.hashes_off)]
+        of its first ``skip`` cells: K/V and scales there are borrowed, and their token ids,
+        positions and hashes are written through the descriptor by the copy that follows
+        (``_copy_cells`` with ``kv_from``: pwrite allocates their pages, and a full /dev/shm is
+        CacheFullError from it, never a SIGBUS; three fallocate calls fewer a create, issue 23).
+        What ``_reserve(start + skip, count - skip, populate=False)`` does."""
+        off = self._off  # (their room is checked as a reservation's would be: a clear refusal first)
+        self._dseg.check_room([(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off,
+                                                                          off.hashes_off)])
         done = self._record()[False]
         if count <= skip or covers(done, start + skip, start + count):
-            self._dseg.reserve(small, populate=False)
             return
-        self._dseg.reserve(self._cell_ranges(start + skip, count - skip) + small, populate=False)
+        mark_pages(self.hdr, start + count)
+        self._dseg.reserve(self._cell_ranges(start + skip, count - skip), populate=False)
         add_interval(done, start + skip, start + count)
         add_interval(self._owed, start + skip, start + count)

@@ -84,6 +84,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
     token = new_token()
     client = e.client_key()
     with e.locked():
+        mark = e.hdr[_header.W_PAGE_MARK]  # (before the new range: a span above it has no pages to punch)
         n, _, donor = e.index.match(toks) if toks is not None else (0, 0, -1)
         # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
         next_id, rows = e.hdr[_header.W_NEXT_ID], e.layout.max_seqs
@@ -134,9 +135,9 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
                 row[LEASE_PID] = os.getpid()
                 row[STATE] = LIVE
             if n:
-                e.copy_prefix_rows(donor, slot, n, share=m)
+                e.copy_prefix_rows(donor, slot, n, share=m, reserved=True)  # (new_row reserved them)
                 if m:
-                    e.borrow(slot, phys, m, owner)
+                    e.borrow(slot, phys, m, owner, mark=mark)
                 _crash.point("create.copied")
         if toks is not None:
             hdr = e.hdr

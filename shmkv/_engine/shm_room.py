@@ -1,0 +1,73 @@
+"""The room of /dev/shm and memory as this process reads it (``segment.check_room``, issue 23): a
+recent reading granted again to small requests, and /proc/meminfo read through a kept descriptor."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+class _Room:
+    """The room as this process last read it, granted again to requests soon after (issue 23:
+    the reading cost about 25 us a call under load, twice a create over a cached prefix): a
+    request is granted without a reading while the last one is younger than ``TTL`` seconds
+    and what was granted since, the request included, is at most half the room it saw. Else
+    the room is read again. A stale grant is safe: the check is the early, clear refusal that
+    keeps tmpfs from eating the memory margin (tests/test_capacity.py); /dev/shm's own limit
+    still refuses at the allocation (posix_fallocate, a write: ENOSPC, CacheFullError, never a
+    SIGBUS: tests/test_lazy_pages.py), and another process's allocations show at the next
+    reading, at most ``TTL`` later, as they did at the next check before."""
+
+    TTL = 0.05
+    __slots__ = ("at", "room", "spent")
+
+    def __init__(self) -> None:
+        self.at, self.room, self.spent = -1.0, 0, 0
+
+    def grant(self, need: int) -> bool:
+        """Whether ``need`` bytes fit the last reading (counted as spent when they do)."""
+        if 2 * (self.spent + need) > self.room or time.monotonic() - self.at > self.TTL:
+            return False
+        self.spent += need
+        return True
+
+    def read(self, room: int | None, need: int) -> None:
+        """A fresh reading (None: unknown, never granted from), ``need`` about to be spent."""
+        self.at, self.room, self.spent = time.monotonic(), -1 if room is None else room, need
+
+
+_ROOM = _Room()
+# a forked child reads the room itself (it would spend the parent's reading a second time)
+os.register_at_fork(after_in_child=lambda: _ROOM.read(None, 0))
+
+
+# /proc/meminfo, kept open: a read at offset 0 renders it afresh (seq_file), and a pread of the
+# kept descriptor costs a fifth of an open + read + close (about 10 us a create over a cached
+# prefix, which checks the room once; issue 23). A descriptor closed behind our back, or its
+# number reused for another file, shows in what it reads: it is then forgotten (never closed:
+# the number may be someone else's now) and opened again.
+_MEMINFO = [-1]
+
+
+def _mem_available() -> int | None:
+    """MemAvailable in bytes, or None when the kernel does not say."""
+    for _ in range(2):
+        fd = _MEMINFO[0]
+        if fd < 0:
+            try:
+                fd = os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+            _MEMINFO[0] = fd
+        try:
+            data = os.pread(fd, 1024, 0)
+        except OSError:
+            data = b""
+        if data.startswith(b"MemTotal:"):
+            i = data.find(b"\nMemAvailable:")
+            try:
+                return int(data[i + 14 :].split(None, 1)[0]) * 1024 if i >= 0 else None
+            except (ValueError, IndexError):
+                return None
+        _MEMINFO[0] = -1
+    return None
