@@ -1,19 +1,41 @@
 """Sorted lists of disjoint half-open intervals ``[(a, b), ...]`` of cells: the pages a process
-reserved or owes (``_pages``), the free ranges it caches (``_core``)."""
+reserved or owes (``_pages``), the free ranges it caches (``_core``).
+
+Each function is atomic among the threads of a process (``_LOCK``): a decode thread's ``room``
+changes the reservation record without the store lock while another thread's punch or
+reservation changes it under the lock, and an unguarded change could be lost (a range then
+recorded as reserved that is not: a skipped fallocate, a SIGBUS on a full /dev/shm;
+tests/test_intervals_threads.py)."""
 
 from __future__ import annotations
 
 import bisect
+import threading
+
+_LOCK = threading.Lock()
 
 
 def covers(spans: list[tuple[int, int]], a: int, b: int) -> bool:
     """Whether [a, b) lies inside one interval of a sorted list of disjoint intervals."""
-    i = bisect.bisect_right(spans, (a, 1 << 62)) - 1
-    return i >= 0 and spans[i][0] <= a and b <= spans[i][1]
+    with _LOCK:
+        i = bisect.bisect_right(spans, (a, 1 << 62)) - 1
+        return i >= 0 and spans[i][0] <= a and b <= spans[i][1]
+
+
+def overlaps(spans: list[tuple[int, int]], a: int, b: int) -> bool:
+    """Whether any cell of [a, b) lies in a sorted list of disjoint intervals."""
+    with _LOCK:
+        i = bisect.bisect_left(spans, (b, -1))
+        return i > 0 and spans[i - 1][1] > a
 
 
 def take_interval(spans: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
     """Remove [a, b) from a sorted list of disjoint intervals; return the parts it held."""
+    with _LOCK:
+        return _take(spans, a, b)
+
+
+def _take(spans: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
     i = max(bisect.bisect_right(spans, (a, 1 << 62)) - 1, 0)
     j = i
     taken, keep = [], []
@@ -34,6 +56,11 @@ def take_interval(spans: list[tuple[int, int]], a: int, b: int) -> list[tuple[in
 
 def add_interval(spans: list[tuple[int, int]], a: int, b: int) -> None:
     """Add [a, b) to a sorted list of disjoint intervals, merging what touches it."""
+    with _LOCK:
+        _add(spans, a, b)
+
+
+def _add(spans: list[tuple[int, int]], a: int, b: int) -> None:
     i = bisect.bisect_left(spans, (a, a))
     if i and spans[i - 1][1] >= a:
         i -= 1

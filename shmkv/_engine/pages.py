@@ -25,7 +25,6 @@ every path is correct whatever it says (the pages exist).
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 
 import numpy as np
@@ -33,7 +32,7 @@ import numpy as np
 from shmkv._engine import header as _header
 from shmkv._engine.core import Core
 from shmkv._engine.free_ranges import mark_pages
-from shmkv._engine.intervals import add_interval, covers, take_interval
+from shmkv._engine.intervals import add_interval, covers, overlaps, take_interval
 
 __all__ = ["Pages", "add_interval", "covers", "take_interval"]
 
@@ -143,9 +142,7 @@ class Pages(Core):
 
     def owes(self, start: int, count: int) -> bool:
         """Whether any cell of [start, start + count) is owed (see _reserve)."""
-        spans = self._owed
-        i = bisect.bisect_left(spans, (start + count, -1))
-        return i > 0 and spans[i - 1][1] > start
+        return overlaps(self._owed, start, start + count)
 
     def _fresh(self, start: int, count: int) -> bool:
         """Whether cells [start, start + count) are all owed: allocated, never touched here."""
