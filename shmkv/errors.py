@@ -22,6 +22,7 @@ __all__ = [
     "ReadOnlyError",
     "RemoteError",
     "SequenceNotFound",
+    "ShareError",
     "ShmkvError",
     "SnapshotError",
     "StoreClosedError",
@@ -73,6 +74,14 @@ class ReadOnlyError(ShmkvError, PermissionError):
 
 class SequenceNotFound(ShmkvError, KeyError):
     """No live sequence has that id."""
+
+
+class ShareError(ShmkvError, OSError):
+    """The kernel refused to map a shared prefix span (out of ``vm.max_map_count``?), or a read
+    needs one this process could not map (docs/prefix-cache.md, "Limits"). Raised as
+    ``ShareError(errno, message)``; ``clean``: a refused re-map left the arrays as they were."""
+
+    clean = True
 
 
 class StoreNotFound(ShmkvError, FileNotFoundError):

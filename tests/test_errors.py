@@ -26,6 +26,13 @@ def test_error_tree_mixes_in_builtins():
         assert issubclass(cls, shmkv.ShmkvError) and issubclass(cls, builtin)
         e = pickle.loads(pickle.dumps(cls("message 7")))
         assert type(e) is cls and str(e) == "message 7"
+    # a refused shared-prefix mapping: an OSError with its errno, public so callers can catch it
+    assert issubclass(shmkv.ShareError, shmkv.ShmkvError) and issubclass(shmkv.ShareError, OSError)
+    from shmkv._engine import share
+
+    assert share.ShareError is shmkv.ShareError  # the class the engine raises
+    e = pickle.loads(pickle.dumps(shmkv.ShareError(12, "cannot map")))
+    assert type(e) is shmkv.ShareError and e.errno == 12 and e.strerror == "cannot map"
 
 
 @pytest.mark.parametrize("name", ["", "a" * 25, "has space", "slash/x", "dot.x", None, 7, "ü"])

@@ -52,7 +52,7 @@ from shmkv._engine import header as _header
 from shmkv._engine.header import ID, SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
 from shmkv._engine.intervals import take_interval
 from shmkv._engine.stitch import _FAILED, _MAP_FIXED, _MAP_SHARED, _PROT_READ, _PROT_WRITE, _libc, _mmap
-from shmkv.errors import ShmkvError
+from shmkv.errors import ShareError
 
 __all__ = ["ENABLED", "MAP_BUDGET", "Shares", "max_borrowers"]
 
@@ -88,13 +88,6 @@ def max_borrowers(arrays: int) -> int:
     mappings each, in every process); a reuse beyond it copies (all of them when sharing is
     off: ``ENABLED``)."""
     return MAP_BUDGET // max(2 * arrays, 1) if ENABLED else 0
-
-
-class ShareError(ShmkvError, OSError):
-    """The kernel refused to map a shared span (out of ``vm.max_map_count``?), or a read needs
-    one this process could not map. ``clean``: a refused re-map left the arrays as they were."""
-
-    clean = True
 
 
 _FIX = ("raise the limit (sysctl -w vm.max_map_count=262144), let this process hold fewer mappings "
