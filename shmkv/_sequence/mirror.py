@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine.header import CAPACITY, GEN, LENGTH, SPAN_CELLS
+from shmkv._engine.header import CAPACITY, GEN, LENGTH
 from shmkv._sequence import quant as _quant
 from shmkv.errors import InvalidArgumentError
 
@@ -168,7 +168,6 @@ class Int8Mirror:
         if m is not None and m.gen == w.gen:
             m.gen = gen
         w.gen = gen
-        w.borrowed = w.row[SPAN_CELLS]
 
     def clamp(self, length: int) -> None:
         """Pending tokens dropped: only the committed ``[0, length)`` are known (the cells after

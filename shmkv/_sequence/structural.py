@@ -27,7 +27,6 @@ from shmkv._engine.header import (
     IDX_BLOCKS,
     LENGTH,
     NOINDEX,
-    SPAN_CELLS,
     START,
     WBUF,
     WIN_OFF,
@@ -77,7 +76,6 @@ class Structural:
             w.staged = False  # (an int8 mirror: kept by truncate, else re-read at the next append)
             row = w.row
             w.gen = row[GEN]
-            w.borrowed = row[SPAN_CELLS]
             w.cache(row[START], row[CAPACITY], row[WIN_OFF])
         finally:
             self._locked.__exit__(*exc)

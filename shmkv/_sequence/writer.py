@@ -29,7 +29,6 @@ from shmkv._engine.header import (
     LIVE,
     NOINDEX,
     SEQ_WORDS,
-    SPAN_CELLS,
     START,
     STATE,
     WBUF,
@@ -65,7 +64,7 @@ class SeqWriter:
 
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
-    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "borrowed", "cached", "cell", "dtype", "epoch",
+    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch",
                  "gen", "id", "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions", "r",
                  "ro_waiters", "room", "row", "slot", "staged", "start", "token", "tokens", "unmapped", "vfrom",
                  "waddr", "waiters", "wc", "write")
@@ -90,7 +89,6 @@ class SeqWriter:
         self.pending = [0] * self.L
         self.gen = -1
         self.length = -1  # the committed length this handle knows (kept())
-        self.borrowed = 0  # the row's borrowed cells (SPAN_CELLS) at this handle's generation (no longer read)
         self.start = 0
         self.base: list[int] = []  # per layer: cell of token 0
         self.lim: list[int] = []  # per layer: token index limit
@@ -107,7 +105,6 @@ class SeqWriter:
         start, cap, _, woff = self.r.span()
         self.gen = g if not g & 1 else -1
         self.length = self.row[LENGTH]
-        self.borrowed = self.row[SPAN_CELLS]
         self.cached = None  # someone else's change: the room too is what is written (_sequence/room.py)
         self.cache(start, cap, woff)
 
@@ -470,5 +467,4 @@ def compact(w: SeqWriter, layer: int, end: int) -> None:
             row[WBUF] = 1 - wb
             row[WIN_OFF] = new_off
         w.gen = row[GEN]
-        w.borrowed = row[SPAN_CELLS]
         w.cache(row[START], row[CAPACITY], new_off)
