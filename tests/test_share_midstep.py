@@ -57,25 +57,12 @@ def test_a_borrower_unshared_by_its_donor_mid_step_keeps_its_pending_tokens(make
     which leaves its range and length where they were, and its span 0). The borrower's writer,
     mid-step, keeps its pending tokens (an attack on 730ba4e: ``kept`` asked whether the row
     borrows after the change, when it no longer did)."""
-    L, H, D = 3, 2, 64
-    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=2048 if dtype == "float16" else 8192,
+    L = 3
+    store = make_store(layers=L, kv_heads=2, head_dim=64, dtype=dtype, max_tokens=2048 if dtype == "float16" else 8192,
                        max_seqs=8)
     other = shmkv.attach(store.name)  # the donor's process
     try:
-        u = store._engine.page_unit
-        n = 3 * u
-        rng = np.random.default_rng(2)
-        kv = rng.standard_normal((L, n + 2, H, D)).astype(np.float32)
-        toks = rng.integers(0, 30_000, n + 2)
-        donor = other.create_sequence(capacity=n + 64, prefix=toks[:1])
-        donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
-        donor.finish()
-        donor = other.sequence(donor.id, write=True)
-        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
-        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
-        ref = [b.keys(layer).copy() for layer in range(L)]
-        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
-            other.create_sequence(capacity=other.stats().largest_free_range)
+        donor, b, kv, toks, n, ref = _lent_in_a_full_store(store, other, 2)
         b.append(0, kv[0, n], kv[0, n])  # mid-step
         donor.truncate(1)  # below every lent cell: the borrower's whole span becomes its own
         assert store.stats().shared_tokens == 0
@@ -90,6 +77,28 @@ def test_a_borrower_unshared_by_its_donor_mid_step_keeps_its_pending_tokens(make
                 np.testing.assert_array_equal(b.keys(layer)[n], kv[layer, n].astype(np.float16))
     finally:
         other.close()
+
+
+def _lent_in_a_full_store(store: shmkv.Store, other: shmkv.Store, seed: int):
+    """A finished donor of 3 page units, leased again by ``other`` (the donor's process); a
+    borrower ``b`` of it made by ``store`` (the borrower's process), with one token of its own;
+    the rest of the store in use, so the donor cannot move (a truncate below what it lent gives
+    the borrower private copies). Returns donor, b, kv [3, n + 2, 2, 64], toks, n and b's keys."""
+    L, H, D = 3, 2, 64
+    n = 3 * store._engine.page_unit
+    rng = np.random.default_rng(seed)
+    kv = rng.standard_normal((L, n + 2, H, D)).astype(np.float32)
+    toks = rng.integers(0, 30_000, n + 2)
+    donor = other.create_sequence(capacity=n + 64, prefix=toks[:1])
+    donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
+    donor.finish()
+    donor = other.sequence(donor.id, write=True)
+    b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
+    assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
+    ref = [b.keys(layer).copy() for layer in range(L)]
+    while other.stats().largest_free_range:
+        other.create_sequence(capacity=other.stats().largest_free_range)
+    return donor, b, kv, toks, n, ref
 
 
 @contextlib.contextmanager
@@ -247,26 +256,13 @@ def test_a_rolled_back_unshare_keeps_the_borrowers_commit(make_store, dtype: str
     meanwhile. When the truncate fails and rolls back, the borrower's commit stays."""
     from shmkv._engine import crash
 
-    L, H, D = 3, 2, 64
-    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=2048 if dtype == "float16" else 8192,
+    L = 3
+    store = make_store(layers=L, kv_heads=2, head_dim=64, dtype=dtype, max_tokens=2048 if dtype == "float16" else 8192,
                        max_seqs=8)
     other = shmkv.attach(store.name)  # the donor's process
     try:
-        u = store._engine.page_unit
-        n = 3 * u
-        rng = np.random.default_rng(4)
-        kv = rng.standard_normal((L, n + 1, H, D)).astype(np.float32)
-        toks = rng.integers(0, 30_000, n + 1)
-        donor = other.create_sequence(capacity=n + 64, prefix=toks[:1])
-        donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
-        donor.finish()
-        donor = other.sequence(donor.id, write=True)
-        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
-        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
+        donor, b, kv, toks, n, ref = _lent_in_a_full_store(store, other, 4)
         m = len(b)
-        ref = [b.keys(layer).copy() for layer in range(L)]
-        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
-            other.create_sequence(capacity=other.stats().largest_free_range)
         for layer in range(L):
             b.append(layer, kv[layer, n], kv[layer, n])
         seen: list[int] = []
