@@ -638,3 +638,41 @@ def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_
         assert not row[FLAGS] & LENT
         assert (int(row[LENGTH]), int(row[LEASE_PID])) == ((3, pid) if whole else (4, 0))
         row[LENGTH], row[LEASE_PID] = 3, pid  # (the test's own writes undone)
+
+
+@pytest.mark.parametrize("point", ["copy_prefix.copied", "share.borrowed"])
+def test_a_rolled_back_copy_prefix_of_this_process_drops_the_pending_tokens(make_store, point: str) -> None:
+    """copy_prefix into an empty sequence writes its cells in place (or borrows over them); when
+    it fails and rolls back, the row's words are as before but its cells are not: a write
+    handle of this process with tokens pending there must drop them, never commit what the
+    copy left (the review of this session: kept() took it for someone else's harmless change
+    and committed the source's keys, or punched holes read as zeros)."""
+    from shmkv._engine import crash
+
+    L, H, D = 2, 2, 64
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=16384, max_seqs=8)
+    u = store._engine.page_unit
+    n = 2 * u
+    rng = np.random.default_rng(9)
+    src = store.create_sequence(capacity=n + 8, prefix=[1])
+    ka = rng.standard_normal((L, n, H, D)).astype(np.float16)
+    src.extend(ka, ka, tokens=rng.integers(0, 100, n))
+    src.finish()
+    b = store.create_sequence(capacity=n + 8, prefix=[2])
+    kb = rng.standard_normal((u, H, D)).astype(np.float16)
+    for layer in range(L):
+        b.append(layer, kb, kb)  # pending
+    crash.arm(point, RuntimeError("the copy fails"))
+    try:
+        with pytest.raises(RuntimeError, match="the copy fails"):
+            store.copy_prefix(src.id, b.id, n)
+    finally:
+        crash.disarm()
+    with pytest.raises(shmkv.InvalidArgumentError, match="no token is pending"):
+        b.commit(tokens=list(range(u)))
+    assert len(b) == 0
+    for layer in range(L):  # what it appends now is what it reads
+        b.append(layer, kb, kb)
+    b.commit(tokens=list(range(u)))
+    np.testing.assert_array_equal(b.keys(0), kb)
+    np.testing.assert_array_equal(src.keys(1), ka[1])

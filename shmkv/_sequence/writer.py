@@ -15,6 +15,7 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import futex as _futex
+from shmkv._engine import journal as _journal
 from shmkv._sequence import quant as _quant
 from shmkv._engine import segment as _segment
 from shmkv._engine.checks import ints
@@ -65,8 +66,8 @@ class SeqWriter:
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch",
-                 "gen", "id", "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions", "r",
-                 "ro_waiters", "room", "row", "slot", "staged", "start", "token", "tokens", "unmapped", "vfrom",
+                 "gen", "here", "id", "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions",
+                 "r", "ro_waiters", "room", "row", "slot", "staged", "start", "token", "tokens", "unmapped", "vfrom",
                  "waddr", "waiters", "wc", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
@@ -113,8 +114,10 @@ class SeqWriter:
 
         Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
         cell ``slot * window_cells + i - woff`` of that layer's window region.
-        Also the length the handle knows (kept()): after its own truncate too, not only a commit.
+        Also the length the handle knows (kept()): after its own truncate too, not only a commit;
+        and this process's count of changes of the row (kept()).
         """
+        self.here = _journal.changes_here.get((self.port.name, self.slot), 0)
         self.length = self.row[LENGTH]
         self.start = start
         wbase = self.r.wbase = (2 * self.slot + self.row[WBUF]) * self.wc  # the writer's own row
@@ -422,10 +425,14 @@ def kept(w: SeqWriter, row: memoryview) -> bool:
     (an exception, or a recovery after its death: the flag or the span is back as it was,
     the generation moved on; journal invariant 10). Its pending tokens, in cells past the
     length, stay valid then: a decode step is not lost because another request borrowed from
-    this one mid-step. (Every other change by someone else moves the range, the buffer or the
-    length, or takes the lease: tests/test_share_midstep.py, tests/test_foreign_attack.py.)"""
+    this one mid-step. A change this process made to the row otherwise (copy_prefix into it,
+    say), committed or rolled back, may have written its cells: ``journal.changes_here`` moved,
+    and the pending tokens are dropped. (Every other change by another process moves the range,
+    the buffer or the length, or takes the lease: tests/test_share_midstep.py,
+    tests/test_foreign_attack.py.)"""
     c = w.cached
     return (c is not None and row[STATE] == LIVE
+            and _journal.changes_here.get((w.port.name, w.slot), 0) == w.here  # none of this process's
             and row[START] == w.start and row[CAPACITY] == c[1] and row[WIN_OFF] == c[2]
             and row[LENGTH] == w.length and (2 * w.slot + row[WBUF]) * w.wc == c[3])
 
