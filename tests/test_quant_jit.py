@@ -300,3 +300,31 @@ def test_numba_is_imported_only_when_an_int8_store_quantizes():
     )
     assert _run(code).split() == ["False", "False", "True"]
     assert _run(code, SHMKV_NUMBA="0").split() == ["False", "False", "False"]
+
+
+def test_a_generic_numba_target_uses_the_integer_conversion(tmp_path):
+    """NUMBA_CPU_NAME=generic (portable caches in container images): numba then compiles for a
+    CPU without F16C, where LLVM lowers the float16 conversion to a helper numba does not link
+    (a segfault on the first int8 write: the review of this session). The kernels take the
+    integer conversion there, and an int8 decode gives the numpy path's bytes."""
+    _numba()
+    code = (
+        "import numpy as np, shmkv\n"
+        "from shmkv.testing import unique_name\n"
+        "from shmkv._sequence import quant\n"
+        "J = quant.kernels()\n"
+        "print(J is not None and J._F16C)\n"
+        "st = shmkv.create(unique_name('qg'), layers=2, kv_heads=2, head_dim=64, dtype='int8', max_tokens=256,"
+        " max_seqs=2)\n"
+        "s = st.create_sequence(capacity=64)\n"
+        "k = np.random.default_rng(3).standard_normal((2, 5, 2, 64)).astype(np.float16)\n"
+        "s.extend(k[:, :4], k[:, :4])\n"
+        "views = [s.append(layer, k[layer, 4], k[layer, 4])[0] for layer in range(2)]\n"
+        "s.commit()\n"
+        "print(np.concatenate([v.ravel() for v in views] + [s.keys(0).ravel(), s.values(1).ravel()]).tobytes().hex())\n"
+        "st.close()\n"
+    )
+    env = {"NUMBA_CACHE_DIR": str(tmp_path)}
+    generic = _run(code, NUMBA_CPU_NAME="generic", **env).split()
+    assert generic[0] == "False"  # no F16C for that target
+    assert generic[1] == _run(code, SHMKV_NUMBA="0", **env).split()[1]

@@ -82,9 +82,24 @@ def _half_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover
 
 
 _h2f: Any = intrinsic(_half_to_f32)
-# F16C (x86-64 since 2012): the CPU converts float16, 0.1 ns a value; without it LLVM would call
-# a runtime helper numba may not link, so the integer conversion below is used instead
-_F16C = "f16c" in _llvm.get_host_cpu_features().flatten()
+
+
+def _target_has_f16c() -> bool:
+    """Whether the code numba emits may use F16C: the host has it and numba compiles for the
+    host, or the features numba was told to target (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, as
+    portable caches in container images set them) name it. With ``NUMBA_CPU_NAME=generic``
+    LLVM lowers the conversion to a runtime helper numba does not link: a segfault."""
+    import numba
+
+    name, features = numba.config.CPU_NAME, numba.config.CPU_FEATURES
+    if name in (None, "host") and not features:
+        return "f16c" in _llvm.get_host_cpu_features().flatten()
+    return "+f16c" in (features or "").split(",")
+
+
+# F16C (x86-64 since 2012): the CPU converts float16, 0.1 ns a value; without it the integer
+# conversion below is used instead
+_F16C = _target_has_f16c()
 
 
 @_inline
