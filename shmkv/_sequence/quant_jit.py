@@ -91,7 +91,8 @@ def _target_has_f16c() -> bool:
     LLVM lowers the conversion to a runtime helper numba does not link: a segfault."""
     import numba
 
-    name, features = numba.config.CPU_NAME, numba.config.CPU_FEATURES
+    config: Any = numba.config  # (attributes set from the environment at import: untyped)
+    name, features = config.CPU_NAME, config.CPU_FEATURES
     if name in (None, "host") and not features:
         return "f16c" in _llvm.get_host_cpu_features().flatten()
     return "+f16c" in (features or "").split(",")
