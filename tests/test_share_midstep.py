@@ -335,3 +335,34 @@ def test_a_borrower_killed_mid_transaction_keeps_the_donors_commit(make_store) -
     assert store.stats().shared_tokens == 0 and store.stats().sequences == 1
     assert not drow[FLAGS] & LENT
     assert len(donor) == n + 1 and len(shmkv.attach(store.name).sequence(donor.id)) == n + 1
+
+
+def test_a_borrower_that_saw_its_change_end_before_the_span_epoch_maps_again(make_store) -> None:
+    """The end of a transaction makes its rows' generations even before the span epoch: a
+    borrower's writer in another attachment can see the new generation while the epoch is still
+    odd, when it cannot map yet. It must not keep that generation as mapped (review finding
+    1c): its next step maps the span as the table says, so its views never show the cells its
+    donor writes next."""
+    from shmkv._engine.header import W_SPANS
+
+    store = make_store(layers=3, kv_heads=2, head_dim=64, dtype="float16", max_tokens=2048, max_seqs=8)
+    other = shmkv.attach(store.name)  # the donor's process
+    try:
+        donor, b, kv, _, n, ref = _lent_in_a_full_store(store, other, 6)
+        m = len(b)
+        donor.truncate(1)  # below every lent cell: the borrower gets private copies (a foreign change)
+        hdr = store._engine.hdr
+        hdr[W_SPANS] += 1  # as if that transaction's rows were even and its epoch not yet
+        try:
+            b.append(0, kv[0, n], kv[0, n])  # need_writer: kept, but nothing can be mapped now
+        finally:
+            hdr[W_SPANS] -= 1  # the epoch's end
+        for layer in range(1, 3):
+            b.append(layer, kv[layer, n], kv[layer, n])
+        rest = np.ones((3, m, 2, 64), np.float32)
+        donor.extend(rest[:, : m - 1], rest[:, : m - 1])  # the donor writes the cells it lent
+        views = [b.append(layer, kv[layer, n + 1], kv[layer, n + 1])[0] for layer in range(3)]
+        for layer in range(3):
+            np.testing.assert_array_equal(views[layer][:m], ref[layer])
+    finally:
+        other.close()

@@ -114,8 +114,7 @@ class SeqWriter:
 
         Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
         cell ``slot * window_cells + i - woff`` of that layer's window region.
-        Also the length the handle knows (kept()): after its own truncate too, not only a commit;
-        and this process's count of changes of the row (kept()).
+        Also what kept() compares: the length, this process's count of changes of the row.
         """
         self.here = _journal.changes_here.get((self.port.name, self.slot), 0)
         self.length = self.row[LENGTH]
@@ -178,9 +177,8 @@ class SeqWriter:
                 "this handle is now read-only"
             )
         if row[GEN] != self.gen and kept(self, row):
-            g = row[GEN]  # another process lent from us or copied our borrowed cells: all cells stay
-            remap(self)  # (but where they show)
-            Int8Mirror.moved(self, g if not g & 1 else -1)
+            g = row[GEN]  # someone lent from us or copied our borrowed cells: cells stay (not mapped: no gen)
+            Int8Mirror.moved(self, g if not g & 1 and remap(self) else -1)
         elif row[GEN] != self.gen:
             # a structural change we did not make through this handle (e.g. copy_prefix
             # into it): drop uncommitted tokens, reload the range (an int8 mirror re-reads the cells)
@@ -437,14 +435,17 @@ def kept(w: SeqWriter, row: memoryview) -> bool:
             and row[LENGTH] == w.length and (2 * w.slot + row[WBUF]) * w.wc == c[3])
 
 
-def remap(w: SeqWriter) -> None:
+def remap(w: SeqWriter) -> bool:
     """After a kept() change: a borrower given private copies stops showing the donor's pages in
     this attachment before append's views (or an int8 mirror) read them, as the donor writes
-    there next. Without waiting: while the change is open (the span epoch odd) the donor cannot
-    write yet, and a later need_writer (the generation moved again) maps it."""
+    there next. Without waiting: while the change is open (the span epoch odd: the rows' end
+    comes before the epoch's, journal ``_end``) the donor cannot write yet; returns whether this
+    attachment now maps the spans as the table says (False: the caller keeps no generation, so
+    its next need_writer calls this again; review finding 1c)."""
     shares = w.r.shares
     if shares.applied != shares.hdr[W_SPANS]:
         shares.sync()
+    return bool(shares.applied == shares.hdr[W_SPANS])
 
 
 def compact(w: SeqWriter, layer: int, end: int) -> None:
