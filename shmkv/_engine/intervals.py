@@ -22,6 +22,13 @@ def covers(spans: list[tuple[int, int]], a: int, b: int) -> bool:
         return i >= 0 and spans[i][0] <= a and b <= spans[i][1]
 
 
+def clear(*lists: list[tuple[int, int]]) -> None:
+    """Empty interval lists (one step for the other threads)."""
+    with _LOCK:
+        for spans in lists:
+            spans.clear()
+
+
 def overlaps(spans: list[tuple[int, int]], a: int, b: int) -> bool:
     """Whether any cell of [a, b) lies in a sorted list of disjoint intervals."""
     with _LOCK:

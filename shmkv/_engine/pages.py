@@ -32,7 +32,7 @@ import numpy as np
 from shmkv._engine import header as _header
 from shmkv._engine.core import Core
 from shmkv._engine.free_ranges import mark_pages
-from shmkv._engine.intervals import add_interval, covers, overlaps, take_interval
+from shmkv._engine.intervals import add_interval, clear, covers, overlaps, take_interval
 
 __all__ = ["Pages", "add_interval", "covers", "take_interval"]
 
@@ -48,8 +48,7 @@ class Pages(Core):
         finding 01; tests/test_share_fixes.py)."""
         e = self.hdr[_header.W_SPANS]
         if e != self._reserved_at:
-            for spans in self._reserved:
-                spans.clear()
+            clear(*self._reserved)  # (atomic for this process's other threads: intervals)
             self._reserved_at = e
         return self._reserved
 
