@@ -180,6 +180,9 @@ def test_the_room_is_granted_from_a_recent_reading_only_while_half_of_it_is_left
     assert not r.grant(1)
     r.read(None, 0)  # the room unknown: never granted from
     assert not r.grant(0) and not r.grant(1)
+    r.read(1 << 40, 0)  # a large room: still at most CAP granted from one reading (several
+    assert r.grant(r.CAP)  # processes granting half of it each would eat the memory margin)
+    assert not r.grant(1)
 
 
 def test_a_request_the_reading_cannot_grant_reads_the_room_again(monkeypatch):

@@ -1,9 +1,10 @@
 """The room of /dev/shm and memory as this process reads it (``segment.check_room``, issue 23): a
-recent reading granted again to small requests, and /proc/meminfo read through a kept descriptor."""
+recent reading granted again to requests of a few MiB, and /proc/meminfo read through a kept descriptor."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 
@@ -11,25 +12,31 @@ class _Room:
     """The room as this process last read it, granted again to requests soon after (issue 23:
     the reading cost about 25 us a call under load, twice a create over a cached prefix): a
     request is granted without a reading while the last one is younger than ``TTL`` seconds
-    and what was granted since, the request included, is at most half the room it saw. Else
-    the room is read again. A stale grant is safe: the check is the early, clear refusal that
+    and what was granted since, the request included, is at most half the room it saw and at
+    most ``CAP`` bytes (what several processes granted from their readings at once can take
+    beyond a reading stays small: half the room each could together eat the memory margin).
+    Else the room is read again. A stale grant is otherwise safe: the check is the early, clear refusal that
     keeps tmpfs from eating the memory margin (tests/test_capacity.py); /dev/shm's own limit
     still refuses at the allocation (posix_fallocate, a write: ENOSPC, CacheFullError, never a
     SIGBUS: tests/test_lazy_pages.py), and another process's allocations show at the next
     reading, at most ``TTL`` later, as they did at the next check before."""
 
     TTL = 0.05
-    __slots__ = ("at", "room", "spent")
+    CAP = 4 << 20  # (a create over a cached prefix needs far less; an append chunk of more reads)
+    __slots__ = ("at", "lock", "room", "spent")
 
     def __init__(self) -> None:
         self.at, self.room, self.spent = -1.0, 0, 0
+        self.lock = threading.Lock()
 
     def grant(self, need: int) -> bool:
         """Whether ``need`` bytes fit the last reading (counted as spent when they do)."""
-        if 2 * (self.spent + need) > self.room or time.monotonic() - self.at > self.TTL:
-            return False
-        self.spent += need
-        return True
+        with self.lock:
+            spent = self.spent + need
+            if 2 * spent > self.room or spent > self.CAP or time.monotonic() - self.at > self.TTL:
+                return False
+            self.spent = spent
+            return True
 
     def read(self, room: int | None, need: int) -> None:
         """A fresh reading (None: unknown, never granted from), ``need`` about to be spent."""
