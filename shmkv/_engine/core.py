@@ -33,6 +33,7 @@ from shmkv._engine.header import (
     SEQ_WORDS, LIVE, STATE, INDEX_WORDS, Layout,
 )
 from shmkv._engine.journal import Journal
+from shmkv._engine.own_changes import counts_here
 from shmkv._engine.lease import live_writers
 from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.prefix import PrefixIndex
@@ -162,6 +163,7 @@ class Core(Journal):
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self._depth = 0
         self._logged: dict[int, memoryview] = {}
+        self.here = counts_here(name, layout.max_seqs)  # (writer.kept)
         # cell intervals this process reserved (see Pages._reserve): [full layers, all layers]
         self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
         self._reserved_at = -1  # the span epoch that record is valid at (Pages._record)

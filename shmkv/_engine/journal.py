@@ -89,11 +89,6 @@ _LENGTH_KEPT = 1 << 33  # ... this bit when the row is another writer's: LOCK_FR
 # (writer.commit) and, set to 0, the lease's pid (a release, a write handle's finalizer: lease.py)
 LOCK_FREE = (LENGTH, LEASE_PID)
 _KEEP_OWN, _KEEP_FOREIGN = frozenset((GEN,)), frozenset((GEN, *LOCK_FREE))
-# structural changes of each row made by this process, not foreign ones, by (store name, slot):
-# such a change may write the row's own cells, rolled back or not, so a write handle of this
-# process keeps its pending tokens across someone else's change only when this count did not
-# move since its own last change (``writer.kept``; invariant 10 covers foreign changes only)
-changes_here: dict[tuple[str, int], int] = {}
 INCARNATION_SHIFT = 40  # GEN bits 40..: the row's incarnation (invariant 8)
 _W_SPANS = _header.W_SPANS  # (a module constant: read on every lock entry and transaction end)
 
@@ -126,6 +121,7 @@ class Journal:
     _slot_hint: dict[int, int]
     _depth: int
     _logged: dict[int, memoryview]
+    here: list[int]  # this process's non-foreign changes per row (_engine/own_changes.py)
     _free: FreeRanges  # this process's free ranges (_engine/free_ranges.py): kept by changing
     waiters: memoryview  # Sequence.wait's sleepers per row (woken when a transaction ends)
     ro_waiters: RowWaiters  # ... of read-only attachments
@@ -466,8 +462,7 @@ class _Change:
         elif not self.foreign and j.hdr[_W_SPANS] & 1:  # (a foreign change made the span epoch odd)
             j._own_length(slot)
         if not self.foreign:
-            key = (j.name, slot)
-            changes_here[key] = changes_here.get(key, 0) + 1
+            j.here[slot] += 1
         if j.hdr[_W_SPANS]:  # (0: no span ever in this store, so no row borrows or lends: the common case)
             if row[SPAN_CELLS]:  # a borrower: its span may change (_engine/sharing.py)
                 j._spans_odd()

@@ -69,6 +69,7 @@ class Port(Protocol):
 
     name: str
     layout: Layout
+    here: list[int]  # this process's own (non-foreign) changes per row (_engine/own_changes.py)
     readonly: bool
     closed: bool
     # arrays

@@ -15,7 +15,6 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import futex as _futex
-from shmkv._engine import journal as _journal
 from shmkv._sequence import quant as _quant
 from shmkv._engine import segment as _segment
 from shmkv._engine.checks import ints
@@ -116,7 +115,7 @@ class SeqWriter:
         cell ``slot * window_cells + i - woff`` of that layer's window region.
         Also what kept() compares: the length, this process's count of changes of the row.
         """
-        self.here = _journal.changes_here.get((self.port.name, self.slot), 0)
+        self.here = self.port.here[self.slot]
         self.length = self.row[LENGTH]
         self.start = start
         wbase = self.r.wbase = (2 * self.slot + self.row[WBUF]) * self.wc  # the writer's own row
@@ -424,13 +423,13 @@ def kept(w: SeqWriter, row: memoryview) -> bool:
     the generation moved on; journal invariant 10). Its pending tokens, in cells past the
     length, stay valid then: a decode step is not lost because another request borrowed from
     this one mid-step. A change this process made to the row otherwise (copy_prefix into it,
-    say), committed or rolled back, may have written its cells: ``journal.changes_here`` moved,
+    say), committed or rolled back, may have written its cells: ``_engine/own_changes`` moved,
     and the pending tokens are dropped. (Every other change by another process moves the range,
     the buffer or the length, or takes the lease: tests/test_share_midstep.py,
     tests/test_foreign_attack.py.)"""
     c = w.cached
     return (c is not None and row[STATE] == LIVE
-            and _journal.changes_here.get((w.port.name, w.slot), 0) == w.here  # none of this process's
+            and w.port.here[w.slot] == w.here  # none of this process's
             and row[START] == w.start and row[CAPACITY] == c[1] and row[WIN_OFF] == c[2]
             and row[LENGTH] == w.length and (2 * w.slot + row[WBUF]) * w.wc == c[3])
 
