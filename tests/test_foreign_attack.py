@@ -1,8 +1,8 @@
 """Attacks on journal invariant 10 (f3f8d03): a transaction that changes another writer's row
-(a borrow marking its decoding donor LENT: ``changing(row, foreign=True)``) must never undo what that row's lease holder does
-without the lock meanwhile, whichever way the transaction ends (an exception at a crash point,
-a SIGKILL and another process's recovery), and whoever reads meanwhile (a read-only attachment's
-``settled_row``, ``store.sequences()``, a snapshot).
+(a borrow marking its decoding donor LENT: ``changing(row, foreign=True)``) must never undo
+what that row's lease holder does without the lock meanwhile, whichever way the transaction
+ends (an exception at a crash point, a SIGKILL and another process's recovery), and whoever
+reads meanwhile (a read-only attachment's ``settled_row``, ``store.sequences()``, a snapshot).
 
 What the lease holder writes without the lock: its pending tokens' cells, then LENGTH (commit),
 and LEASE_PID = 0 (release). The first two findings here:

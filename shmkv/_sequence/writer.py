@@ -439,8 +439,9 @@ def kept(w: SeqWriter, row: memoryview) -> bool:
 def remap(w: SeqWriter) -> bool:
     """After a kept() change: this attachment follows the span table before append's views (or
     an int8 mirror) read the row (no change by another process alters a borrower's span since
-    a donor stopped giving its borrowers private copies; kept as the rule). Without waiting: while the change is open (the span epoch odd: the rows' end
-    comes before the epoch's, journal ``_end``) the donor cannot write yet; returns whether this
+    a donor stopped giving its borrowers private copies; kept as the rule). Without waiting:
+    while the change is open (the span epoch odd: the rows' end comes before the epoch's,
+    journal ``_end``) nothing can be mapped yet; returns whether this
     attachment now maps the spans as the table says (False: the caller keeps no generation, so
     its next need_writer calls this again; review finding 1c)."""
     shares = w.r.shares
