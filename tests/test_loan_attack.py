@@ -45,11 +45,12 @@ def _row(store: shmkv.Store, seq_id: int) -> memoryview:
     return e.row(e.slot_of(seq_id))
 
 
-def _borrowers_hold_their_prefix(s: Any, store: shmkv.Store, upto: int | None = None) -> None:
-    """Every borrower of the scene reads the donor's tokens it reused (and those it committed)."""
+def _borrowers_hold_their_prefix(s: Any, store: shmkv.Store, layers: tuple[int, ...] = tuple(range(L))) -> None:
+    """Every borrower of the scene reads the donor's tokens it reused (and those it committed)
+    on ``layers`` (full ones: a sliding layer's keys are its window)."""
     for b in s.borrowers:
-        n = len(b) if upto is None else upto
-        for layer in range(L):
+        n = len(b)
+        for layer in layers:
             np.testing.assert_array_equal(np.asarray(b.keys(layer))[:n], s.want[layer][:n])
             np.testing.assert_array_equal(np.asarray(store.sequence(b.id).keys(layer))[:n], s.want[layer][:n])
 
@@ -231,3 +232,152 @@ def test_a_lending_donors_extend_step_takes_no_lock(make_store, monkeypatch) -> 
     plain = _decode_counts(make_store, monkeypatch, lends=False, how="extend")
     lending = _decode_counts(make_store, monkeypatch, lends=True, how="extend")
     assert lending == plain, f"(lock entries, table column reads) in 20 steps: {lending} vs {plain}"
+
+
+# -- 3. properties that hold --------------------------------------------------------------------------
+
+
+def _stuck(store: shmkv.Store, other: shmkv.Store, seed: int, borrowers: int = 1) -> Any:
+    """The shared scene with its donor (``other``'s handle) truncated to one token: stuck, still
+    lending, its borrowers' spans as they were."""
+    s = lent_in_a_full_store(store, other, seed, borrowers=borrowers)
+    spans = s.spans(store)
+    s.donor.truncate(1)
+    assert s.spans(store) == spans and _row(other, s.donor.id)[FLAGS] & LENT
+    return s
+
+
+def _write(op: str, s: Any, store: shmkv.Store, other: shmkv.Store, tmp_path: Any) -> int:
+    """One write path of the stuck donor; returns the donor's length it leaves."""
+    d = s.donor
+    k = _junk(80)
+    if op == "append-token":  # the fast path's one-token shape
+        for layer in range(L):
+            d.append(layer, k[layer, 0], k[layer, 0])
+        return d.commit()
+    if op == "append-tokens":
+        for layer in range(L):
+            d.append(layer, k[layer, :5], k[layer, :5])
+        return d.commit()
+    if op == "extend":
+        return d.extend(k[:, :5], k[:, :5])
+    if op == "grow":  # past its capacity (a growth, then the move)
+        n = d.capacity + 10
+        big = _junk(n)
+        for layer in range(L):
+            d.append(layer, big[layer], big[layer])
+        return d.commit()
+    if op == "shift_left":
+        d.shift_left(1)
+        return len(d)
+    if op == "remove":
+        d.remove(0, 1)
+        return len(d)
+    if op == "set_encoder":
+        d.set_encoder(k[:, :4], k[:, :4])
+        return len(d)
+    if op == "copy_prefix":
+        other.copy_prefix(s.fillers[0].id, d.id, 8)
+        return len(d)
+    if op == "restore":
+        store.restore(tmp_path / "donor.skv", seq_ids=[d.id])
+        return len(store.sequence(d.id))
+    if op == "forward":
+        with other.forward([d.id, d.id], [1, 2]) as batch:
+            for layer in range(L):
+                batch.put(layer, k[layer, :2], k[layer, :2])
+            batch.commit()
+        return len(d)
+    raise AssertionError(op)
+
+
+WRITES = ["append-token", "append-tokens", "extend", "grow", "shift_left", "remove", "set_encoder", "copy_prefix",
+          "restore", "forward"]
+
+
+@pytest.mark.parametrize(("dtype", "op"), [("float16", op) for op in WRITES]
+                         + [(dt, op) for dt in ("bfloat16", "float32", "int8")
+                            for op in ("append-token", "append-tokens", "extend", "grow")])
+def test_every_write_path_of_a_stuck_donor_leaves_the_lent_cells_alone(make_store, tmp_path, dtype: str,
+                                                                        op: str) -> None:
+    """Each write path of the donor below its loans in a full store raises CacheFullError (or,
+    set_encoder, needs a range it does not find) with nothing written: its borrowers read their
+    prefix, their spans and the donor's row stay. Once a range is free the write succeeds, the
+    lent cells still their borrowers'."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=MAX_TOKENS[dtype], max_seqs=12)
+    other = shmkv.attach(store.name)  # the donor's process
+    try:
+        s = _stuck(store, other, 40, borrowers=2)
+        s.fillers[0].extend(_junk(8, 2.0), _junk(8, 2.0))  # copy_prefix's source
+        store.save(tmp_path / "donor.skv", seq_ids=[s.donor.id])  # restore's source (its one token)
+        spans = s.spans(store)
+        drow = _row(other, s.donor.id)
+        start = drow[START]
+        with pytest.raises(shmkv.CacheFullError):
+            _write(op, s, store, other, tmp_path)
+        assert drow[START] == start and drow[FLAGS] & LENT and len(store.sequence(s.donor.id)) == 1
+        assert s.spans(store) == spans
+        _borrowers_hold_their_prefix(s, store)
+        s.free_a_filler(other)
+        length = _write(op, s, store, other, tmp_path)
+        assert s.spans(store) == spans
+        _borrowers_hold_their_prefix(s, store)
+        if op != "set_encoder":  # (a fresh encoder range: the donor itself does not move)
+            assert drow[START] != start and not drow[FLAGS] & LENT
+        got = store.sequence(s.donor.id)
+        assert len(got) == length
+        want = {"copy_prefix": 2.0, "shift_left": None, "remove": None, "restore": None, "set_encoder": None}
+        if op in want:
+            if want[op] is not None:
+                np.testing.assert_array_equal(got.keys(0), want[op])
+        else:  # its first token, then what it wrote
+            np.testing.assert_array_equal(got.keys(0)[:1], s.want[0][:1])
+            np.testing.assert_allclose(np.asarray(got.keys(0), np.float32)[1:], 7.0, rtol=1e-2)
+        for b in s.borrowers:  # the borrowers decode on
+            t = len(b)
+            for layer in range(L):
+                b.append(layer, s.kv[layer, t], s.kv[layer, t])
+            assert b.commit(tokens=s.toks[t : t + 1]) == t + 1
+        _borrowers_hold_their_prefix(s, store)
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("down", ["truncate", "rewind"])
+def test_a_stuck_donor_on_a_sliding_layout_extends_in_steps_only_once_it_moved(make_store, down: str) -> None:
+    """Full and sliding layers: the donor goes below its loans by truncate or by rewind (both
+    structural: its room stops at its length) in a full store. extend(in_steps=True) of more
+    tokens than a window buffer takes between commits raises CacheFullError, nothing
+    committed; once a range is free it moves and commits every step; the borrowers' full
+    layers keep the donor's cells."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=12,
+                       layer_types=["full", "sliding", "full"], window=16, memory=64)
+    other = shmkv.attach(store.name)
+    try:
+        s = lent_in_a_full_store(store, other, 41, borrowers=2)
+        spans = s.spans(store)
+        if down == "truncate":
+            s.donor.truncate(1)
+        else:
+            w = s.kv[1:2, :1]  # the sliding layer's state of token 0
+            s.donor.rewind(1, w, w)
+        drow = _row(other, s.donor.id)
+        start = drow[START]
+        assert len(s.donor) == 1 and drow[FLAGS] & LENT and s.spans(store) == spans
+        k = _junk(200)
+        with pytest.raises(shmkv.CacheFullError):
+            s.donor.extend(k, k, in_steps=True)
+        assert len(s.donor) == 1 and drow[START] == start
+        _borrowers_hold_their_prefix(s, store, (0, 2))
+        s.free_a_filler(other)
+        assert s.donor.extend(k, k, in_steps=True) == 201
+        assert drow[START] != start and s.spans(store) == spans
+        for layer in (0, 2):
+            np.testing.assert_array_equal(s.donor.keys(layer)[1:], 7.0)
+        np.testing.assert_array_equal(s.donor.keys(1)[-16:], 7.0)
+        _borrowers_hold_their_prefix(s, store, (0, 2))
+        for b in s.borrowers:  # the sliding layer: its window, the donor's tokens before its length
+            win = np.asarray(b.keys(1))
+            np.testing.assert_array_equal(win, s.kv[1, len(b) - len(win) : len(b)].astype(np.float16))
+    finally:
+        other.close()
