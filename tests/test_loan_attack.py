@@ -29,7 +29,8 @@ import pytest
 
 import shmkv
 from _share_scenes import H, D, L, lent_in_a_full_store
-from shmkv._engine.header import FLAGS, LENT, START
+from shmkv._engine import crash
+from shmkv._engine.header import FLAGS, LENT, SPAN_CELLS, START
 from shmkv._engine.journal import Journal
 from shmkv._sequence.mirror import Int8Mirror
 
@@ -379,5 +380,129 @@ def test_a_stuck_donor_on_a_sliding_layout_extends_in_steps_only_once_it_moved(m
         for b in s.borrowers:  # the sliding layer: its window, the donor's tokens before its length
             win = np.asarray(b.keys(1))
             np.testing.assert_array_equal(win, s.kv[1, len(b) - len(win) : len(b)].astype(np.float16))
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("point", ["grow.copied", "grow.switched"])
+def test_a_failed_growth_of_a_stuck_donor_rolls_back_and_keeps_its_borrowers_commit(make_store, monkeypatch,
+                                                                                    point: str) -> None:
+    """The stuck donor's append past its capacity grows it (a range was freed): the growth
+    fails at ``point`` while a borrower commits its step. The donor is back where it was (one
+    token, still lending, its room at its length: the next append goes the checked way), the
+    borrower's step stays, and the next append grows and moves it."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=12)
+    other = shmkv.attach(store.name)
+    try:
+        s = _stuck(store, other, 42)
+        b, m = s.borrowers[0], s.m
+        for layer in range(L):
+            b.append(layer, s.kv[layer, m], s.kv[layer, m])
+        s.free_a_filler(other)
+        drow = _row(other, s.donor.id)
+        start = drow[START]
+        seen: list[int] = []
+
+        def commit_then_fail(name: str) -> None:
+            if name == point:
+                seen.append(b.commit(tokens=s.toks[m : m + 1]))
+                raise RuntimeError(f"the growth fails at {point}")
+
+        big = _junk(s.donor.capacity + 10)
+        monkeypatch.setattr(crash, "point", commit_then_fail)
+        with pytest.raises(RuntimeError, match="the growth fails"):
+            s.donor.append(0, big[0], big[0])
+        monkeypatch.undo()
+        assert seen == [m + 1], "the growth this test is about did not happen"
+        assert drow[START] == start and drow[FLAGS] & LENT and len(s.donor) == 1
+        assert len(b) == m + 1
+        _borrowers_hold_their_prefix(s, store)
+        one = _junk(1)
+        for layer in range(L):  # within its capacity: still the checked way, so it moves first
+            s.donor.append(layer, one[layer], one[layer])
+        assert s.donor.commit() == 2 and drow[START] != start
+        _borrowers_hold_their_prefix(s, store)
+        for layer in range(L):
+            s.donor.append(layer, big[layer], big[layer])
+        assert s.donor.commit() == 2 + big.shape[1]
+        np.testing.assert_array_equal(s.donor.keys(0)[1:], 7.0)
+        _borrowers_hold_their_prefix(s, store)
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("how", ["free", "evict"])
+def test_a_stuck_donor_freed_or_evicted_leaves_its_loans_to_its_borrowers(make_store, how: str) -> None:
+    """The stuck donor is freed, or finished (it still cannot move) and evicted by a create that
+    needs its room. New sequences take its cells but the lent ones and fill them; the
+    borrowers read their prefix and decode on."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=16)
+    other = shmkv.attach(store.name)
+    try:
+        s = _stuck(store, other, 43, borrowers=2)
+        spans = s.spans(store)
+        cap = s.donor.capacity
+        if how == "free":
+            s.donor.free()
+        else:
+            s.donor.finish()
+            assert _row(other, s.donor.id)[FLAGS] & LENT  # (finish tried to move it: no room)
+        made = []
+        while True:  # everything free filled with 5.0 (the first create evicts the finished donor)
+            room = store.stats().largest_free_range if made or how == "free" else cap - 2 * store._engine.page_unit
+            if not room:
+                break
+            seq = store.create_sequence(capacity=room)
+            seq.extend(_junk(room, 5.0), _junk(room, 5.0))
+            made.append(seq)
+        assert made and s.spans(store) == spans
+        with pytest.raises(shmkv.SequenceNotFound):
+            store.sequence(s.donor.id)
+        if how == "evict":
+            assert store.stats().evictions == 1
+        _borrowers_hold_their_prefix(s, store)
+        for b in s.borrowers:
+            t = len(b)
+            for layer in range(L):
+                b.append(layer, s.kv[layer, t], s.kv[layer, t])
+            assert b.commit(tokens=s.toks[t : t + 1]) == t + 1
+        _borrowers_hold_their_prefix(s, store)
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("middle", [5, 20])
+def test_a_chain_whose_middle_truncates_while_its_donor_is_stuck(make_store, middle: int) -> None:
+    """A chain: ``mid`` borrows the donor's prefix, ``tail`` is a fork of ``mid`` (it borrows the
+    donor's cells through it). The donor, taken back, is stuck below its loans; ``mid``
+    truncates into its span (copy-on-write of what it keeps) and decodes on; the donor then
+    moves and writes. Everyone reads their own tokens throughout."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=16)
+    other = shmkv.attach(store.name)
+    try:
+        s = lent_in_a_full_store(store, other, 44)
+        mid = s.borrowers[0]
+        s.fillers.pop().free()  # room for the fork (then filled again)
+        tail = mid.fork(capacity=s.n + 64)
+        while store.stats().largest_free_range:
+            s.fillers.append(store.create_sequence(capacity=store.stats().largest_free_range))
+        spans = {x.id: int(_row(store, x.id)[SPAN_CELLS]) for x in (mid, tail)}
+        assert all(spans.values()), f"the chain this test is about did not happen: spans {spans}"
+        s.donor.truncate(1)  # stuck
+        mid.truncate(middle)  # the middle into its span
+        for t in range(middle, middle + 3):
+            for layer in range(L):
+                mid.append(layer, s.kv[layer, t], s.kv[layer, t])
+            mid.commit(tokens=s.toks[t : t + 1])
+        junk = _junk(30)
+        with pytest.raises(shmkv.CacheFullError):
+            s.donor.extend(junk, junk)
+        s.free_a_filler(store)
+        assert s.donor.extend(junk, junk) == 31
+        for x in (mid, tail):
+            for layer in range(L):
+                np.testing.assert_array_equal(x.keys(layer), s.want[layer][: len(x)])
+                np.testing.assert_array_equal(other.sequence(x.id).keys(layer), s.want[layer][: len(x)])
+        np.testing.assert_array_equal(s.donor.keys(0)[1:], 7.0)
     finally:
         other.close()
