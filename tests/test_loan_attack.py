@@ -22,6 +22,8 @@ Sections:
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import threading
 from typing import Any
 
 import numpy as np
@@ -505,4 +507,214 @@ def test_a_chain_whose_middle_truncates_while_its_donor_is_stuck(make_store, mid
                 np.testing.assert_array_equal(other.sequence(x.id).keys(layer), s.want[layer][: len(x)])
         np.testing.assert_array_equal(s.donor.keys(0)[1:], 7.0)
     finally:
+        other.close()
+
+
+def _val(tokens: np.ndarray) -> np.ndarray:
+    """The keys every test sequence of the thread and process tests stores for token ids
+    ``tokens``: [n, H, D], each token's id mod 251 (exact in float16)."""
+    return np.broadcast_to((np.asarray(tokens) % 251).astype(np.float32)[:, None, None], (len(tokens), H, D))
+
+
+def _holds_its_tokens(seq: shmkv.Sequence) -> None:
+    """Every full layer of ``seq`` holds, for each token, the keys of its id (``_val``)."""
+    toks = np.asarray(seq.tokens)
+    for layer in range(L):
+        np.testing.assert_array_equal(np.asarray(seq.keys(layer), np.float32), _val(toks),
+                                      err_msg=f"sequence {seq.id} layer {layer}")
+
+
+def test_threads_decode_a_donor_that_goes_below_its_loans_while_others_borrow_and_fill(make_store) -> None:
+    """Three threads of one process, each with its own attachment: the donor's writer decodes
+    (speculative steps, and now and then a rollback deep below what it lent, then a prefill
+    again), a requester borrows the donor's current prefix and frees borrowers, a third fills
+    the store and frees again (so the donor is now and then stuck, and moves). Every sequence
+    reads the keys of its own tokens after each step, and at the end."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=24)
+    u = store._engine.page_unit
+    atts = [shmkv.attach(store.name) for _ in range(3)]
+    errors: list[BaseException] = []
+    done = threading.Event()
+    next_id = iter(range(1000, 10**6))
+    borrows: list[int] = []
+
+    def run(fn: Any) -> None:
+        try:
+            fn()
+        except BaseException as e:  # (reported by the main thread)
+            errors.append(e)
+            done.set()
+
+    def donor_steps() -> None:
+        st = atts[0]
+        d = st.create_sequence(capacity=8 * u)
+        toks = np.array([next(next_id) for _ in range(4 * u)])
+        d.extend(_val(toks)[None].repeat(L, 0), _val(toks)[None].repeat(L, 0), tokens=toks)
+        d.finish()  # a finished donor lends all it holds: a rollback goes below its loans
+        d = st.sequence(d.id, write=True)
+        rng = np.random.default_rng(45)
+        for step in range(300):
+            if done.is_set():
+                return
+            n = len(d)
+            if step % 25 == 24:
+                d.truncate(int(rng.integers(1, max(2, n))))
+            else:
+                d.truncate(max(1, n - int(rng.integers(0, 3))))
+            add = np.array([next(next_id) for _ in range(int(rng.integers(1, 3)) if step % 25 else 3 * u)])
+            kv = _val(add)[None].repeat(L, 0)
+            try:
+                if add.size > 2 or len(d) + add.size > d.capacity:
+                    d.extend(kv, kv, tokens=add)
+                else:
+                    for layer in range(L):
+                        d.append(layer, kv[layer], kv[layer])
+                    d.commit(tokens=add)
+            except shmkv.CacheFullError:  # (the store full: stuck below its loans, or no room to grow)
+                d.discard()
+            _holds_its_tokens(d)
+        done.set()
+
+    def requester() -> None:
+        st = atts[1]
+        kept: list[shmkv.Sequence] = []
+        rng = np.random.default_rng(46)
+        while not done.is_set():
+            donors = [i for i in st.sequences() if i.length >= 2 * u]
+            if not donors:
+                continue
+            src = st.sequence(donors[int(rng.integers(len(donors)))].id)
+            prompt = np.append(np.asarray(src.tokens), next(next_id))
+            try:
+                b = st.create_sequence(capacity=len(prompt) + 8, prefix=prompt)
+            except (shmkv.CacheFullError, shmkv.SequenceNotFound):
+                continue
+            _holds_its_tokens(b)
+            if _row(st, b.id)[SPAN_CELLS]:
+                borrows.append(b.id)
+            kept.append(b)
+            if len(kept) > 3:
+                kept.pop(int(rng.integers(len(kept)))).free()
+            for k in kept:
+                _holds_its_tokens(k)
+        for k in kept:
+            _holds_its_tokens(k)
+            k.free()
+
+    def filler() -> None:
+        st = atts[2]
+        mine: list[shmkv.Sequence] = []
+        while not done.is_set():
+            try:
+                while (room := st.stats().largest_free_range) and len(mine) < 6:
+                    mine.append(st.create_sequence(capacity=room))
+            except shmkv.CacheFullError:
+                pass
+            if mine:
+                mine.pop(0).free()
+        for f in mine:
+            f.free()
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in (donor_steps, requester, filler)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a thread did not finish"
+        if errors:
+            raise errors[0]
+        assert borrows, "no borrow happened"  # (the requester borrows from its first try on)
+        for info in store.sequences():
+            _holds_its_tokens(store.sequence(info.id))
+    finally:
+        done.set()
+        for t in threads:
+            t.join(5)
+        for a in atts:
+            a.close()
+
+
+def _borrow_and_decode(name: str, prompt: np.ndarray, ready: Any, go: Any, out: Any) -> None:  # a child
+    """A borrower in its own process: reuses ``prompt``'s prefix, appends layer 0 of its next
+    token (the view attention runs on), waits while the donor goes below its loans and moves,
+    then checks that view, finishes the step and reads its keys back."""
+    try:
+        st = shmkv.attach(name)
+        try:
+            b = st.create_sequence(capacity=len(prompt) + 64, prefix=prompt)
+            m = len(b)
+            e = st._engine
+            span = int(e.row(e.slot_of(b.id))[SPAN_CELLS])
+            nxt = _val(prompt[m : m + 1])
+            k, _ = b.append(0, nxt, nxt)
+            ready.set()
+            if not go.wait(60):
+                raise TimeoutError("the parent never said go")
+            view_ok = bool(np.array_equal(np.asarray(k[:m], np.float32), _val(prompt[:m])))
+            for layer in range(1, L):
+                b.append(layer, nxt, nxt)
+            n = b.commit(tokens=prompt[m : m + 1])
+            _holds_its_tokens(b)
+            out.put((m, span, view_ok, n, b.id))
+        finally:
+            st.close()
+    except BaseException as e:
+        ready.set()
+        out.put(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_borrower_in_another_process_decodes_while_its_donor_is_stuck_then_moves(make_store, method: str) -> None:
+    """The borrower is another process (``method``), mid-step with a view of its prefix. The
+    donor (this process) truncates below what it lent in a full store, fails to write, moves
+    once a range is freed and writes; a new sequence fills the rest. The child's view still
+    shows its prefix, its step commits, its keys are its tokens'."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=12)
+    other = shmkv.attach(store.name)  # the donor's attachment
+    ctx = mp.get_context(method)
+    ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = None
+    try:
+        n = 3 * store._engine.page_unit
+        toks = np.arange(5000, 5000 + n + 4)
+        donor = other.create_sequence(capacity=n + 64, prefix=toks[:1])
+        kv = _val(toks[:n])[None].repeat(L, 0)
+        donor.extend(kv, kv, tokens=toks[:n])
+        donor.finish()
+        donor = other.sequence(donor.id, write=True)
+        child = ctx.Process(target=_borrow_and_decode, args=(store.name, toks[: n + 1], ready, go, out))
+        child.start()
+        assert ready.wait(120), "the borrower never got going"
+        fillers = [other.create_sequence(capacity=64)]
+        while other.stats().largest_free_range:
+            fillers.append(other.create_sequence(capacity=other.stats().largest_free_range))
+        donor.truncate(1)
+        junk = _junk(40)
+        with pytest.raises(shmkv.CacheFullError):
+            donor.extend(junk, junk)
+        max(fillers[1:], key=lambda f: f.capacity).free()
+        drow = _row(other, donor.id)
+        start = drow[START]
+        assert donor.extend(junk, junk) == 41 and drow[START] != start
+        while room := store.stats().largest_free_range:
+            store.create_sequence(capacity=room).extend(_junk(room, 5.0), _junk(room, 5.0))
+        go.set()
+        got = out.get(timeout=120)
+        assert not isinstance(got, str), got
+        child.join(60)
+        assert child.exitcode == 0
+        m, span, view_ok, length, bid = got
+        assert span > 0, "the borrow this test is about did not happen"
+        assert view_ok, "the borrower's view of its prefix changed while its donor wrote"
+        assert length == m + 1
+        _holds_its_tokens(store.sequence(bid))
+        np.testing.assert_array_equal(donor.keys(0)[1:], 7.0)
+    finally:
+        go.set()
+        if child is not None:
+            child.join(60)
+            if child.is_alive():
+                child.kill()
+                child.join()
         other.close()
