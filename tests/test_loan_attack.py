@@ -731,3 +731,116 @@ def test_a_borrower_in_another_process_decodes_while_its_donor_is_stuck_then_mov
                 child.kill()
                 child.join()
         other.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_ctrl_c_inside_the_move_rolls_it_back_and_the_next_write_moves(make_store, monkeypatch, dtype: str) -> None:
+    """A Ctrl-C inside the move itself (at ``share.moved``: cells copied, row not switched) rolls
+    the move back: the donor stays, lending, at its length, and its next write moves it."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=MAX_TOKENS[dtype], max_seqs=8)
+    other = shmkv.attach(store.name)
+    try:
+        s = _stuck(store, other, 47)
+        s.free_a_filler(other)
+        drow = _row(other, s.donor.id)
+        start = drow[START]
+        fired: list[str] = []
+
+        def sigint_at_move(name: str) -> None:
+            if name == "share.moved" and not fired:
+                fired.append(name)
+                signal.raise_signal(signal.SIGINT)
+
+        monkeypatch.setattr(crash, "point", sigint_at_move)
+        one = _junk(1)
+        with pytest.raises(KeyboardInterrupt):
+            s.donor.append(0, one[0], one[0])
+        monkeypatch.undo()
+        assert fired and drow[START] == start and drow[FLAGS] & LENT and len(s.donor) == 1
+        _borrowers_hold_their_prefix(s, store)
+        k = _junk(30)
+        for layer in range(L):
+            s.donor.append(layer, k[layer], k[layer])
+        assert s.donor.commit() == 31 and drow[START] != start
+        np.testing.assert_allclose(np.asarray(s.donor.keys(0), np.float32)[1:], 7.0, rtol=1e-2)
+        _borrowers_hold_their_prefix(s, store)
+    finally:
+        other.close()
+
+
+def test_a_stuck_donor_whose_borrowers_are_gone_writes_in_place(make_store) -> None:
+    """The stuck donor's borrowers are freed one by one (the store filled again each time).
+    While one still borrows, the donor's write raises CacheFullError; once none does, it
+    writes in place (no range needed), and its next change drops its LENT flag."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=12)
+    other = shmkv.attach(store.name)
+    try:
+        s = _stuck(store, other, 48, borrowers=2)
+        drow = _row(other, s.donor.id)
+        start = drow[START]
+        k = _junk(20)
+
+        def refill() -> None:  # (a freed borrower's own range is a range the donor could move to)
+            while room := store.stats().largest_free_range:
+                s.fillers.append(store.create_sequence(capacity=room))
+
+        s.borrowers.pop().free()
+        refill()
+        with pytest.raises(shmkv.CacheFullError):
+            s.donor.extend(k, k)
+        _borrowers_hold_their_prefix(s, store)
+        s.borrowers.pop().free()
+        refill()
+        assert s.donor.extend(k, k) == 21
+        assert drow[START] == start
+        np.testing.assert_array_equal(s.donor.keys(0)[1:], 7.0)
+        s.donor.truncate(20)  # (its flag goes at its next change: leave_loans only reads it)
+        assert not drow[FLAGS] & LENT
+    finally:
+        other.close()
+
+
+def _inherited_write(donor: shmkv.Sequence, out: Any) -> None:  # a forked child
+    """The donor's write handle, inherited across fork, tries every way to write."""
+    got = []
+    k = _junk(3)
+    for attempt in (lambda: donor.append(0, k[0], k[0]), lambda: donor.extend(k, k), lambda: donor.truncate(0)):
+        try:
+            attempt()
+            got.append("wrote")
+        except shmkv.LeaseError:
+            got.append("LeaseError")
+        except BaseException as e:
+            got.append(f"{type(e).__name__}: {e}")
+    out.put(got)
+
+
+def test_a_stuck_donors_handle_inherited_across_fork_writes_nothing(make_store) -> None:
+    """A child forked from the stuck donor's process (a range free meanwhile, so a move would
+    succeed) holds the donor's write handle: every write through it is a LeaseError, nothing
+    moves, and the parent's handle then moves and writes."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=12)
+    other = shmkv.attach(store.name)
+    try:
+        s = _stuck(store, other, 49)
+        s.free_a_filler(other)
+        drow = _row(other, s.donor.id)
+        start = drow[START]
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_inherited_write, args=(s.donor, out))
+        child.start()
+        try:
+            got = out.get(timeout=120)
+        finally:
+            child.join(60)
+            if child.is_alive():
+                child.kill()
+                child.join()
+        assert got == ["LeaseError"] * 3 and child.exitcode == 0
+        assert drow[START] == start and drow[FLAGS] & LENT and len(s.donor) == 1
+        _borrowers_hold_their_prefix(s, store)
+        assert s.donor.extend(_junk(3), _junk(3)) == 4 and drow[START] != start
+        _borrowers_hold_their_prefix(s, store)
+    finally:
+        other.close()
