@@ -34,7 +34,7 @@ import pytest
 import shmkv
 from _share_scenes import H, D, L, lent_in_a_full_store
 from shmkv._engine import crash
-from shmkv._engine.header import FLAGS, LENT, SPAN_CELLS, START
+from shmkv._engine.header import FLAGS, LENGTH, LENT, SPAN_CELLS, START
 from shmkv._engine.journal import Journal
 from shmkv._sequence.writer import SeqWriter
 
@@ -843,4 +843,83 @@ def test_a_stuck_donors_handle_inherited_across_fork_writes_nothing(make_store) 
         assert s.donor.extend(_junk(3), _junk(3)) == 4 and drow[START] != start
         _borrowers_hold_their_prefix(s, store)
     finally:
+        other.close()
+
+
+def _grow_and_die(name: str, donor_id: int, n: int, point: str, events: tuple[Any, Any]) -> None:  # a child
+    """The stuck donor's process: takes its lease, appends past its capacity (a growth that
+    moves it) and is SIGKILLed at ``point``, after ``events`` (at, go) with the parent."""
+    import os
+
+    at, go = events
+
+    def pause_then_die(name_: str) -> None:
+        if name_ == point:
+            at.set()
+            go.wait(120)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    st = shmkv.attach(name)
+    donor = st.sequence(donor_id, write=True)
+    crash.point = pause_then_die
+    k = _junk(n)
+    donor.append(0, k[0], k[0])
+    os._exit(0)  # (not reached)
+
+
+@pytest.mark.parametrize("point", ["grow.copied", "grow.switched"])
+def test_a_stuck_donor_killed_growing_off_its_loans_leaves_its_borrowers_steps(make_store, point: str) -> None:
+    """The stuck donor's process (a forked child that took its lease) appends past its
+    capacity once a range is free: the growth moves it, and the process is SIGKILLed at
+    ``point``. Its borrowers commit meanwhile. The next lock entry rolls the growth back (the
+    donor where it was, one token, still lending); the borrowers decode on, and the donor's
+    next writer grows it and writes."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=12)
+    other = shmkv.attach(store.name)
+    ctx = mp.get_context("fork")
+    at, go = ctx.Event(), ctx.Event()
+    child = None
+    try:
+        s = _stuck(store, other, 50, borrowers=2)
+        m = s.m
+        for b in s.borrowers:
+            for layer in range(L):
+                b.append(layer, s.kv[layer, m], s.kv[layer, m])
+        cap = s.donor.capacity
+        s.donor.release()
+        s.free_a_filler(other)
+        drow = _row(store, s.donor.id)
+        start = drow[START]
+        child = ctx.Process(target=_grow_and_die, args=(store.name, s.donor.id, cap + 10, point, (at, go)))
+        child.start()
+        assert at.wait(120), "the donor's process never reached its growth"
+        for b in s.borrowers:
+            assert b.commit(tokens=s.toks[m : m + 1]) == m + 1
+        go.set()
+        child.join(60)
+        assert child.exitcode == -signal.SIGKILL
+        with store.transaction():  # the dead growth rolled back
+            pass
+        assert drow[START] == start and drow[FLAGS] & LENT and drow[LENGTH] == 1 and s.donor.capacity == cap
+        _borrowers_hold_their_prefix(s, store)
+        donor = store.sequence(s.donor.id, write=True)
+        k = _junk(cap + 10)
+        for layer in range(L):
+            donor.append(layer, k[layer], k[layer])
+        assert donor.commit() == cap + 11 and drow[START] != start
+        np.testing.assert_array_equal(donor.keys(0)[1:], 7.0)
+        _borrowers_hold_their_prefix(s, store)
+        for b in s.borrowers:
+            t = len(b)
+            for layer in range(L):
+                b.append(layer, s.kv[layer, t], s.kv[layer, t])
+            assert b.commit(tokens=s.toks[t : t + 1]) == t + 1
+        _borrowers_hold_their_prefix(s, store)
+    finally:
+        go.set()
+        if child is not None:
+            child.join(60)
+            if child.is_alive():
+                child.kill()
+                child.join()
         other.close()
