@@ -93,9 +93,10 @@ def settle_mark(hdr: memoryview, table: np.ndarray, fd: int, pieces: list[tuple[
         spans = rows[rows[:, SPAN_CELLS] > 0]
         if len(spans):
             mark = max(mark, int((spans[:, SPAN_PHYS] + spans[:, SPAN_CELLS]).max()))
+    mark = min(max(mark, 0), cells)  # (a table an overwrite damaged: ``shmkv verify`` tells)
     try:
         for off, cb in pieces:
             mark = _end_of_pages(fd, off, cb, mark, cells)
     except OSError:
         mark = cells
-    mark_pages(hdr, min(mark, cells))
+    mark_pages(hdr, mark)
