@@ -599,7 +599,8 @@ def test_a_speculative_borrower_keeps_its_step_when_its_donor_truncates_mid_step
 def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_back(make_store) -> None:
     """Journal invariant 10 at its source. A row changed as another writer's (``foreign``) and
     rolled back keeps the LENGTH and LEASE_PID its holder wrote meanwhile; once the same
-    transaction changes that row as a whole (not foreign), its rollback puts every word back."""
+    transaction changes that row as a whole (not foreign), its rollback puts every word back
+    but a release of the lease (``lease.with_release``)."""
     from shmkv._engine.header import LENGTH
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
@@ -622,7 +623,7 @@ def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_
                     row[LENGTH] = 0
             raise RuntimeError("rolled back")
         assert not row[FLAGS] & LENT
-        assert (int(row[LENGTH]), int(row[LEASE_PID])) == ((3, pid) if whole else (4, 0))
+        assert (int(row[LENGTH]), int(row[LEASE_PID])) == ((3, 0) if whole else (4, 0))
         row[LENGTH], row[LEASE_PID] = 3, pid  # (the test's own writes undone)
 
 
@@ -662,3 +663,40 @@ def test_a_rolled_back_copy_prefix_of_this_process_drops_the_pending_tokens(make
     b.commit(tokens=list(range(u)))
     np.testing.assert_array_equal(b.keys(0), kb)
     np.testing.assert_array_equal(src.keys(1), ka[1])
+
+
+def test_a_rollback_of_this_process_s_own_change_keeps_a_lease_released_meanwhile(make_store, monkeypatch) -> None:
+    """A copy_prefix of this process into its own leased row (a whole change, not foreign) fails
+    after the copy; just before, another of its threads released the lease (LEASE_PID zeroed
+    without the lock). The rollback puts back the row but not the released lease: another
+    attachment can take the sequence at once. (Before, the rollback restored the pid: the
+    sequence stayed leased to a handle that had let it go, until this process exited.)"""
+    import threading
+
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
+    kv, toks = _kv(31, 40)
+    src = _donor(store, kv, toks, 40, 64)
+    dst = store.create_sequence(capacity=64)
+    e = store._engine
+    drow = e.row(e.slot_of(dst.id))
+    seen: list[int] = []
+
+    def release_in_another_thread() -> None:
+        t = threading.Thread(target=dst.release)
+        t.start()
+        t.join(30)
+        seen.append(int(drow[LEASE_PID]))
+
+    monkeypatch.setattr(crash, "point", _raise_at("copy_prefix.copied", release_in_another_thread))
+    with pytest.raises(RuntimeError, match=r"copy_prefix\.copied"):
+        store.copy_prefix(src.id, dst.id, 20)
+    monkeypatch.setattr(crash, "point", crash._noop)
+    assert seen == [0], "the release this test is about did not happen"
+    assert drow[LEASE_PID] == 0 and len(dst) == 0
+    other = shmkv.attach(store.name)
+    try:
+        taken = other.sequence(dst.id, write=True)
+        taken.extend(kv[:, :3], kv[:, :3])
+        assert len(taken) == 3
+    finally:
+        other.close()
