@@ -34,7 +34,6 @@ from shmkv._engine.header import (
 )
 from shmkv._engine.journal import Journal
 from shmkv._engine.own_changes import counts_here
-from shmkv._engine.page_mark import settle_mark
 from shmkv._engine.lease import live_writers
 from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.prefix import PrefixIndex
@@ -252,8 +251,7 @@ class Core(Journal):
 
     def register_client(self) -> None:
         """Take a client slot (its byte of the liveness file) and write its row. Holding the byte
-        makes the row ours alone; the store lock is taken for recovery (attach is a way in), and
-        to set the page mark of a store an older shmkv wrote (``page_mark``)."""
+        makes the row ours alone; the store lock is taken for recovery (attach is a way in)."""
         with self.locked(scan=True):  # an attach is a cold entry: it repairs any odd generation
             rows = self.clients_np
             for i in range(self._max_clients):
@@ -264,8 +262,6 @@ class Core(Journal):
                         "which no process has: the header was overwritten by something other than shmkv; "
                         f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
                     )
-            # a store of an older shmkv has no page mark (review finding 1f): set it now
-            settle_mark(self.hdr, self.table_np, self.shares.fd, self.shares.pieces, self.layout.max_tokens)
             self._fill_client_row()
 
     def _fill_client_row(self) -> None:
