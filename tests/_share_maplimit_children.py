@@ -38,3 +38,35 @@ def reuse_at_the_limit(name: str, prompt: list[int], donor_id: int) -> dict[str,
         filler.release()
     store.close()
     return out
+
+
+def die_in_the_fallback(name: str, prompt: list[int]) -> None:
+    """Attach ``name`` with span mappings refused (ENOMEM, as at vm.max_map_count), reuse the
+    prompt's prefix, and be SIGKILLed right after the fallback copied the span (the create's
+    transaction still open)."""
+    import ctypes
+    import errno
+    import os
+    import signal
+
+    from shmkv._engine import share
+    from shmkv._engine.sharing import Sharing
+
+    store = shmkv.attach(name)
+    sh = engine_of(store).shares
+    real_mmap, real_copy = share._mmap, Sharing._copy_span
+
+    def mmap(*args: Any) -> Any:
+        if args[5] != args[0] - sh.base:  # a span (another cell's pages): refused
+            ctypes.set_errno(errno.ENOMEM)
+            return share._FAILED
+        return real_mmap(*args)
+
+    def copy_then_die(self: Sharing, start: int, src: int, m: int) -> None:
+        real_copy(self, start, src, m)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    share._mmap = mmap
+    Sharing._copy_span = copy_then_die  # type: ignore[method-assign]
+    store.create_sequence(capacity=1024, prefix=np.asarray(prompt))
+    raise AssertionError("the fallback never ran")

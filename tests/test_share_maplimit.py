@@ -222,3 +222,48 @@ def test_a_process_at_the_real_limit_copies_the_prefix(make_store, start_method)
     b1 = st.create_sequence(capacity=1024, prefix=np.r_[p, [8]])
     assert st.stats().shared_tokens > shared0
     assert _content(b1) == _content(d)
+
+
+@pytest.mark.parametrize("end", ["exception", "kill"])
+def test_a_fallback_cut_short_leaves_nothing(make_store, monkeypatch, end):
+    """The fallback runs inside the create's transaction: an exception right after its copy
+    (raised in this process), or a SIGKILL there (a child), and the store is as before the
+    create: same sequences, no span, the donor intact; the next reuse borrows and reads right."""
+    from _share_maplimit_children import die_in_the_fallback
+
+    from shmkv._engine.sharing import Sharing
+    from shmkv.testing import ChildFailed, start_in_process
+
+    st = _store(make_store)
+    rng = np.random.default_rng(11)
+    d, p = _donor(st, rng)
+    before = st.sequences()
+    want_d = _content(d)
+    stats0 = st.stats()
+    prompt = np.r_[p, [1]]
+    if end == "exception":
+        _refusing(monkeypatch, st)
+        real = Sharing._copy_span
+
+        def copy_then_fail(self, start, src, m):
+            real(self, start, src, m)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Sharing, "_copy_span", copy_then_fail)
+        with pytest.raises(KeyboardInterrupt):
+            st.create_sequence(capacity=1024, prefix=prompt)
+        monkeypatch.undo()
+    else:
+        child = start_in_process(die_in_the_fallback, st.name, prompt.tolist(), start_method="fork", timeout=60)
+        with pytest.raises(ChildFailed, match="killed by signal 9"):
+            child.result()
+    s = st.create_sequence(capacity=1024, prefix=prompt)  # (its lock entry rolls a dead child's create back)
+
+    def rows(infos):  # (generations aside: the donor now lends)
+        return {(i.id, i.length, i.capacity, i.start, i.finished) for i in infos if i.id != s.id}
+
+    assert rows(st.sequences()) == rows(before)
+    assert st.stats().shared_tokens > stats0.shared_tokens  # s borrows: nothing left in the way
+    assert _content(s) == want_d and _content(d) == want_d
+    e = engine_of(st)
+    assert not e.shares.unmapped and not e.shares.dirty
