@@ -267,3 +267,23 @@ def test_a_fallback_cut_short_leaves_nothing(make_store, monkeypatch, end):
     assert _content(s) == want_d and _content(d) == want_d
     e = engine_of(st)
     assert not e.shares.unmapped and not e.shares.dirty
+
+
+@pytest.mark.parametrize("kind", [{"layer_types": ["full", "sliding", "full"], "window": 48, "memory": 1024},
+                                  {"layer_types": ["chunked", "full", "full"], "chunk": 64, "memory": 1024}],
+                         ids=["sliding", "chunked"])
+def test_a_refused_borrow_on_bounded_layers_equals_a_copy(make_store, monkeypatch, kind):
+    """Layouts with sliding or chunked layers (which copy anyway): a refused borrow gives what
+    a reuse with sharing off gives, on every layer, bit for bit."""
+    st = _store(make_store, **kind)
+    rng = np.random.default_rng(3)
+    _, p = _donor(st, rng)
+    monkeypatch.setattr(share, "ENABLED", False)
+    ref = st.create_sequence(capacity=1024, prefix=np.r_[p, [2]])
+    monkeypatch.undo()
+    shared0 = st.stats().shared_tokens
+    calls = _refusing(monkeypatch, st)
+    s = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
+    assert any(refused for _, refused in calls)
+    assert len(s) == len(ref) > 0 and _content(s) == _content(ref)
+    assert _unshared(st, s) and st.stats().shared_tokens == shared0
