@@ -260,15 +260,15 @@ class Shares:
         row then stays ``unmapped`` here, put back by the next ``apply``, and the change fails."""
         with self.lock:
             span = self.unmapped.get(slot)
-            if span is None:
-                return True
             if slot in self.dirty:
+                if span is None:  # (what set could not put back came before the new span)
+                    return False
                 try:
                     self.remap(span[0], span[0], span[2])
                 except ShareError:
                     return False
                 self.dirty.discard(slot)
-            del self.unmapped[slot]
+            self.unmapped.pop(slot, None)
             return True
 
     # -- reads of rows whose span is not mapped here ------------------------------------------
