@@ -463,11 +463,13 @@ def test_a_crash_after_a_create_reserved_pages_leaves_them_marked(make_store):
     check(s, p, st.layout)
 
 
-def test_a_forked_child_reads_the_room_itself():
+def test_a_forked_child_reads_the_room_itself(monkeypatch):
     """The reading of the room is this process's: a forked child starts without one (it would
-    spend what the parent was granted a second time)."""
+    spend what the parent was granted a second time). (The reading's life is made an hour: a
+    fork on a loaded machine took longer than its 50 ms, and the parent's last grant failed.)"""
     from shmkv.testing import run_in_process
 
+    monkeypatch.setattr(type(_segment._ROOM), "TTL", 3600.0)
     _segment._ROOM.read(1 << 40, 0)
     assert _segment._ROOM.grant(1)
     assert run_in_process(_grant_one, start_method="fork", timeout=60) is False

@@ -132,6 +132,16 @@ def _take_lease(name: str, seq_id: int, out: Any) -> None:  # a child: the next 
         out.put(f"{type(e).__name__}: {e}")
 
 
+def _let_go_and_reap(child: Any, go: Any) -> None:
+    """Let a child paused at a crash point go on (to its SIGKILL), and reap it (killed after
+    60 s)."""
+    go.set()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+
+
 def _in_child(ctx: Any, target: Any, *args: Any) -> str:
     q = ctx.Queue()
     p = ctx.Process(target=target, args=(*args, q))
@@ -219,11 +229,7 @@ def test_a_requester_killed_after_its_borrow_leaves_the_donors_step_and_release(
         assert donor.commit(tokens=toks[n : n + 1]) == n + 1
         donor.release()
     finally:
-        go.set()
-        child.join(60)
-        if child.is_alive():
-            child.kill()
-            child.join()
+        _let_go_and_reap(child, go)
     assert child.exitcode == -signal.SIGKILL
     assert drow[LEASE_PID] == 0 and len(donor) == n + 1  # not rolled back yet: nobody took the lock
     assert _in_child(ctx, _read_only_view, store.name, donor.id) == f"{n + 1} [({n + 1}, 0)]"
@@ -297,11 +303,7 @@ def test_a_commit_completing_a_block_during_a_borrow_is_kept_and_indexed(make_st
         assert published.wait(120), "the commit never published its length"
         assert drow[FLAGS] & LENT  # the borrow's transaction is still open
     finally:
-        go.set()
-        child.join(60)
-        if child.is_alive():
-            child.kill()
-            child.join()
+        _let_go_and_reap(child, go)
         if committer.ident is not None:
             committer.join(120)
     assert child.exitcode == (-signal.SIGKILL if end == "kill" else 3)
@@ -499,11 +501,7 @@ def test_a_donor_killed_moving_off_its_loans_leaves_its_borrowers_steps(make_sto
             for b in s.borrowers:
                 assert b.commit(tokens=s.toks[m : n + 1]) == n + 1
         finally:
-            go.set()
-            child.join(60)
-            if child.is_alive():
-                child.kill()
-                child.join()
+            _let_go_and_reap(child, go)
         assert child.exitcode == -signal.SIGKILL
         seen = _in_child(ctx, _inspect, store.name, [b.id for b in s.borrowers])  # the dead move still in the log
         assert not isinstance(seen, str), seen
@@ -599,7 +597,8 @@ def test_a_speculative_borrower_keeps_its_step_when_its_donor_truncates_mid_step
 def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_back(make_store) -> None:
     """Journal invariant 10 at its source. A row changed as another writer's (``foreign``) and
     rolled back keeps the LENGTH and LEASE_PID its holder wrote meanwhile; once the same
-    transaction changes that row as a whole (not foreign), its rollback puts every word back."""
+    transaction changes that row as a whole (not foreign), its rollback puts every word back
+    but a release of the lease (``lease.with_release``)."""
     from shmkv._engine.header import LENGTH
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
@@ -622,7 +621,7 @@ def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_
                     row[LENGTH] = 0
             raise RuntimeError("rolled back")
         assert not row[FLAGS] & LENT
-        assert (int(row[LENGTH]), int(row[LEASE_PID])) == ((3, pid) if whole else (4, 0))
+        assert (int(row[LENGTH]), int(row[LEASE_PID])) == ((3, 0) if whole else (4, 0))
         row[LENGTH], row[LEASE_PID] = 3, pid  # (the test's own writes undone)
 
 
@@ -662,3 +661,40 @@ def test_a_rolled_back_copy_prefix_of_this_process_drops_the_pending_tokens(make
     b.commit(tokens=list(range(u)))
     np.testing.assert_array_equal(b.keys(0), kb)
     np.testing.assert_array_equal(src.keys(1), ka[1])
+
+
+def test_a_rollback_of_this_process_s_own_change_keeps_a_lease_released_meanwhile(make_store, monkeypatch) -> None:
+    """A copy_prefix of this process into its own leased row (a whole change, not foreign) fails
+    after the copy; just before, another of its threads released the lease (LEASE_PID zeroed
+    without the lock). The rollback puts back the row but not the released lease: another
+    attachment can take the sequence at once. (Before, the rollback restored the pid: the
+    sequence stayed leased to a handle that had let it go, until this process exited.)"""
+    import threading
+
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
+    kv, toks = _kv(31, 40)
+    src = _donor(store, kv, toks, 40, 64)
+    dst = store.create_sequence(capacity=64)
+    e = store._engine
+    drow = e.row(e.slot_of(dst.id))
+    seen: list[int] = []
+
+    def release_in_another_thread() -> None:
+        t = threading.Thread(target=dst.release)
+        t.start()
+        t.join(30)
+        seen.append(int(drow[LEASE_PID]))
+
+    monkeypatch.setattr(crash, "point", _raise_at("copy_prefix.copied", release_in_another_thread))
+    with pytest.raises(RuntimeError, match=r"copy_prefix\.copied"):
+        store.copy_prefix(src.id, dst.id, 20)
+    monkeypatch.setattr(crash, "point", crash._noop)
+    assert seen == [0], "the release this test is about did not happen"
+    assert drow[LEASE_PID] == 0 and len(dst) == 0
+    other = shmkv.attach(store.name)
+    try:
+        taken = other.sequence(dst.id, write=True)
+        taken.extend(kv[:, :3], kv[:, :3])
+        assert len(taken) == 3
+    finally:
+        other.close()

@@ -80,7 +80,7 @@ def mark_pages(hdr: memoryview, end: int) -> None:
     stay inside its row's range, marked already. It never falls: a rolled-back range may have
     pages. So a borrower whose span starts at or above the mark as its create found it has no
     pages of its own there to punch (``Sharing.borrow``, issue 23: 16 fallocate calls a create
-    in an 8-layer store). A store written by an older shmkv (no mark kept) may hold pages above
-    it: those are then held, unused, until the span goes, never read as data."""
+    in an 8-layer store). A store written by an older shmkv (no mark kept: the word was
+    reserved, 0) is never attached: its header version is below 6 (tests/test_safety.py)."""
     if end > hdr[_header.W_PAGE_MARK]:  # noqa: PLR1730  (never a store when not above: see room)
         hdr[_header.W_PAGE_MARK] = end

@@ -30,7 +30,10 @@ even when the transaction ends (or is rolled back), so:
 
 Mapping count: a borrower costs about two mappings a shared array (2 x full layers, plus 2 x
 layers of int8 scales) in every process attached; ``max_borrowers`` keeps live borrowers within
-a quarter of ``vm.max_map_count``; beyond it a reuse copies as before.
+a quarter of ``vm.max_map_count``; beyond it a reuse copies as before. A process whose own
+mappings leave no room for a span it would borrow (the kernel refuses: ENOMEM) copies too
+(``Sharing.borrow``, ``drop_refused``); one that cannot map another process's borrower leaves
+that row ``unmapped`` here, unreadable (ShareError) until a retry maps it.
 """
 
 from __future__ import annotations
@@ -160,8 +163,8 @@ class Shares:
                 no = ctypes.get_errno()
                 n = m * self.pieces[done][1]
                 clean = phys == start or self._map(start, start, m, self.pieces[:done]) == done
-                err = ShareError(no, f"cannot map {n} bytes of shared prefix pages: {os.strerror(no)} "
-                                 "(too many mappings? see vm.max_map_count)")
+                err = ShareError(no, f"cannot map {n} bytes of shared prefix pages: {os.strerror(no)} (too many "
+                                 f"mappings for vm.max_map_count={_max_map_count()}?); {_FIX}")
                 err.clean = clean
                 raise err
 
@@ -249,6 +252,24 @@ class Shares:
                 raise ShareError(no, f"this process (pid {os.getpid()}) cannot map a span of {span[2]} shared "
                                  f"prefix cells ({os.strerror(no)}: too many memory mappings for "
                                  f"vm.max_map_count={_max_map_count()}); {_FIX}")
+
+    def drop_refused(self, slot: int) -> bool:
+        """Forget the span ``set`` could not map for this process's own change of ``slot`` (the
+        change copies it instead: ``Sharing.borrow``). True when the row's cells here show its
+        own pages again; False when they may not and cannot be put back now (``dirty``): the
+        row then stays ``unmapped`` here, put back by the next ``apply``, and the change fails."""
+        with self.lock:
+            span = self.unmapped.get(slot)
+            if slot in self.dirty:
+                if span is None:  # (what set could not put back came before the new span)
+                    return False
+                try:
+                    self.remap(span[0], span[0], span[2])
+                except ShareError:
+                    return False
+                self.dirty.discard(slot)
+            self.unmapped.pop(slot, None)
+            return True
 
     # -- reads of rows whose span is not mapped here ------------------------------------------
 

@@ -2,7 +2,9 @@
 
 A reuse of a cached prefix (``create_sequence(prefix=)``) borrows the donor's first ``m`` cells
 (``m`` a multiple of the page unit) instead of copying them: ``lend`` plans it, ``borrow``
-records the span in the new row (a journaled change) and maps it. ``_settle_span`` runs at the
+records the span in the new row (a journaled change) and maps it (or, when this process cannot
+map it, out of ``vm.max_map_count``, copies it instead, in the same transaction: a process at
+its map limit gets a plain copy, never a ShareError it can avoid). ``_settle_span`` runs at the
 end of every change of a row that borrows or lends (``Journal._Change``) and keeps shared cells
 unwritten:
 
@@ -33,7 +35,7 @@ from shmkv._engine.free_ranges import mark_pages
 from shmkv._engine.intervals import add_interval, covers
 from shmkv._engine.pages import Pages
 from shmkv._engine.share import max_borrowers
-from shmkv.errors import CacheFullError
+from shmkv.errors import CacheFullError, ShareError
 
 
 class Sharing(Pages):
@@ -85,11 +87,17 @@ class Sharing(Pages):
                     return 0, 0, -1
         return phys, m, owner
 
-    def borrow(self, slot: int, phys: int, m: int, owner: int, *, mark: int | None = None) -> None:
-        """Make row ``slot`` (just created, its cells from ``m`` on copied) borrow cells
-        [phys, phys + m): punch its own pages there, record the span, map it. ``mark``: the
-        page mark (``free_ranges.mark_pages``) as it was before the row got its range; a span
-        at or above it has no pages of its own to punch."""
+    def borrow(self, slot: int, phys: int, m: int, owner: int, *, src: int, mark: int | None = None) -> bool:
+        """Make row ``slot`` (just created, its cells from ``m`` on copied from row ``src``)
+        borrow cells [phys, phys + m): punch its own pages there, record the span, map it.
+        ``mark``: the page mark (``free_ranges.mark_pages``) as it was before the row got its
+        range; a span at or above it has no pages of its own to punch.
+
+        If this process cannot map the span (the kernel refuses: ``vm.max_map_count``), the
+        borrow is undone and ``src``'s first ``m`` cells are copied instead, in the same
+        transaction: returns False (the row borrows nothing). ShareError only when the refused
+        mapping cannot be undone here, or ``src``'s cells cannot be read here either: the
+        transaction then rolls back (tests/test_share_maplimit.py)."""
         row = self.row(slot)
         hdr = self.hdr
         allocs = hdr[_header.W_ALLOCS]
@@ -101,7 +109,14 @@ class Sharing(Pages):
             row[SPAN_PHYS] = phys
             row[SPAN_CELLS] = m
             _crash.point("share.borrowed")
-            self.shares.set(slot, (start, phys, m))
+            try:
+                self.shares.set(slot, (start, phys, m))
+            except ShareError:
+                if not self.shares.drop_refused(slot):
+                    raise  # its cells here may show the donor's pages: no copy into them
+                row[SPAN_PHYS] = row[SPAN_CELLS] = 0
+                self._copy_span(start, self.row(src)[START], m)
+                return False
         if owner >= 0:
             o = self.row(owner)
             if not o[FLAGS] & LENT:
@@ -114,6 +129,22 @@ class Sharing(Pages):
             # counter: any range or span change steps it), they stay current here, so the next
             # create does not derive them again from the table (issue 23).
             self._free.tag = allocs + 1
+        return True
+
+    def _copy_span(self, start: int, src: int, m: int) -> None:
+        """A span this process could not map (``borrow``), copied instead: K, V and int8 scales
+        of cells [src, src + m) into cells [start, start + m) (token ids, positions and hashes
+        are copied already), their pages allocated first (punched out, or never reserved: a
+        full /dev/shm is CacheFullError) and written through the descriptor."""
+        shares = self.shares
+        if shares.unmapped:  # (src itself a borrower this process cannot map: ShareError, no way around)
+            shares.cells_readable(src, src + m, "a copy of its cells")
+        pieces = shares.pieces
+        mark_pages(self.hdr, start + m)  # (inside its range: marked already)
+        self._dseg.reserve([(off + start * cb, m * cb) for off, cb in pieces], populate=False)
+        raw = shares.anchor
+        for off, cb in pieces:
+            self._dseg.write(off + start * cb, memoryview(raw[off + src * cb : off + (src + m) * cb]))  # type: ignore[arg-type]  # a buffer
 
     def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int]) -> None:
         """The end of a change of a row that borrows or lends (see the module docstring)."""

@@ -103,16 +103,31 @@ def extend_in_steps(w: SeqWriter, k_all: np.ndarray, v_all: np.ndarray, tokens: 
     return int(length + n)
 
 
+def _int8_codes(x_all: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 codes ``[layers, n, kv_heads, head_dim]`` and scales ``[layers, n, kv_heads]`` of
+    ``x_all`` (checked finite), as ``SeqWriter.write_rows`` encodes them, layer by layer."""
+    codes = np.empty(x_all.shape, np.int8)
+    scales = np.empty(x_all.shape[:3], np.float32)
+    for layer in range(x_all.shape[0]):
+        _quant.quantize_into(x_all[layer], codes[layer], scales[layer])
+    return codes, scales
+
+
 def set_encoder(w: SeqWriter, k_all: Any, v_all: Any) -> None:
-    """``Sequence.set_encoder``: a fresh encoder range of every layer, written under the lock."""
+    """``Sequence.set_encoder``: a fresh encoder range of every layer, written under the lock
+    (int8: quantized before it, only copied under it; tests/test_encoder_quant_unlocked.py)."""
     w.need_writer("set_encoder")
     k_all, v_all = np.asarray(k_all), np.asarray(v_all)
     check_all_layers(w, "set_encoder", k_all, v_all)
     if not (real(k_all.dtype) and real(v_all.dtype)):
         raise InvalidArgumentError(f"set_encoder: dtypes {k_all.dtype}/{v_all.dtype} are not real numbers")
+    coded = None
     if w.dtype == "int8":
         _quant.check_finite(k_all, "k_all")
         _quant.check_finite(v_all, "v_all")
+        # quantized before the lock: a process's first quantization loads (or compiles) the
+        # compiled loops, 0.3 to 4 s that would stall every other process's truncate (issue 23)
+        coded = (_int8_codes(k_all), _int8_codes(v_all))
     n = k_all.shape[1]
     K, V, KS, VS = w.r.arena
     with w.port.locked():
@@ -121,6 +136,12 @@ def set_encoder(w: SeqWriter, k_all: Any, v_all: Any) -> None:
         with w.port.changing(row):
             start = w.port.set_encoder(row, n)
             for layer in range(w.L):  # the main arena of every layer (K, not Kw)
+                if coded is not None:
+                    assert KS is not None and VS is not None  # int8: every layer has its scales
+                    for (q, qs), arrs, sarrs in zip(coded, (K, V), (KS, VS), strict=True):
+                        arrs[layer][start : start + n] = q[layer]
+                        sarrs[layer][start : start + n] = qs[layer]
+                    continue
                 for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
                     w.write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
             _crash.point("set_encoder.written")

@@ -1,0 +1,72 @@
+"""Child-process side of tests/test_share_maplimit.py (module level, so a spawned child can
+import it): a process whose own memory mappings fill ``vm.max_map_count`` reuses a cached prefix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from _share_map_children import Filler, content
+
+import shmkv
+from shmkv._engine.header import SPAN_CELLS
+from shmkv.store._store import engine_of
+
+
+def reuse_at_the_limit(name: str, prompt: list[int], donor_id: int) -> dict[str, Any]:
+    """Attach ``name``, map what is there, fill this process's mappings but 4 (a span of 6 arrays
+    needs 12), then reuse the donor's prefix (``create_sequence(prefix=)``) and fork the donor:
+    what each gave (lengths, digests, spans), with the mappings still full."""
+    store = shmkv.attach(name)
+    for info in store.sequences():  # what is there now mapped (before the filling)
+        len(store.sequence(info.id))
+    eng = engine_of(store)
+    filler = Filler()
+    out: dict[str, Any] = {}
+    try:
+        filler.fill(slack=2)
+        s = store.create_sequence(capacity=1024, prefix=np.asarray(prompt))
+        f = store.sequence(donor_id).fork()
+        out["reuse"] = (s.id, len(s), content(store, s.id))
+        out["fork"] = (f.id, len(f), content(store, f.id))
+        out["spans"] = [int(eng.table_np[eng.slot_of(x.id), SPAN_CELLS]) for x in (s, f)]
+        out["unmapped"] = sorted(eng.shares.unmapped)
+        out["shared_tokens"] = store.stats().shared_tokens
+        s.release()
+        f.release()
+    finally:
+        filler.release()
+    store.close()
+    return out
+
+
+def die_in_the_fallback(name: str, prompt: list[int]) -> None:
+    """Attach ``name`` with span mappings refused (ENOMEM, as at vm.max_map_count), reuse the
+    prompt's prefix, and be SIGKILLed right after the fallback copied the span (the create's
+    transaction still open)."""
+    import ctypes
+    import errno
+    import os
+    import signal
+
+    from shmkv._engine import share
+    from shmkv._engine.sharing import Sharing
+
+    store = shmkv.attach(name)
+    sh = engine_of(store).shares
+    real_mmap, real_copy = share._mmap, Sharing._copy_span
+
+    def mmap(*args: Any) -> Any:
+        if args[5] != args[0] - sh.base:  # a span (another cell's pages): refused
+            ctypes.set_errno(errno.ENOMEM)
+            return share._FAILED
+        return real_mmap(*args)
+
+    def copy_then_die(self: Sharing, start: int, src: int, m: int) -> None:
+        real_copy(self, start, src, m)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    share._mmap = mmap
+    Sharing._copy_span = copy_then_die  # type: ignore[method-assign]
+    store.create_sequence(capacity=1024, prefix=np.asarray(prompt))
+    raise AssertionError("the fallback never ran")
