@@ -8,10 +8,11 @@ Sections:
 
 1. A Ctrl-C inside ``leave_loans`` (and inside a growth, which has the same ``finally``): the
    handle keeps a generation that says "current" over the addressing of the range it left. Its
-   next writes go to the cells it lent (borrowers read them), or a growth's handle is wedged.
-   Strict xfails: the fixes are proposed in the attack's report.
+   next writes went to the cells it lent (borrowers read them), or a growth's handle was
+   wedged: the addressing is now set before the generation.
 2. The speculative-decoding hot path of a donor that lends: it takes the lock and scans the
-   sequence table no more than a donor that does not. Strict xfails (report).
+   sequence table no more than a donor that does not (the lent end is cached per span epoch;
+   extend asks for a move only when cells it lent may lie past its length).
 3. Properties that hold: every write path of the stuck donor (all storage dtypes, the append
    fast and checked paths, extend, extend(in_steps=True) on a sliding layout, set_encoder,
    shift_left, remove, growth, copy_prefix and restore into it, a batch forward) writes
@@ -83,9 +84,6 @@ def _sigint_entering_cache(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 # -- 1. Ctrl-C inside the move off the loans, and inside a growth -----------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="leave_loans' finally sets the handle's generation (Int8Mirror.moved) "
-                   "before its addressing (w.cache): a Ctrl-C between them leaves the handle writing the "
-                   "range it left, the cells it lent; fix proposed in the report (the addressing first)")
 @pytest.mark.parametrize("how", ["append", "extend"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
 def test_a_ctrl_c_while_the_donor_moves_off_its_loans_never_lets_it_write_them(
@@ -124,9 +122,6 @@ def test_a_ctrl_c_while_the_donor_moves_off_its_loans_never_lets_it_write_them(
         other.close()
 
 
-@pytest.mark.xfail(strict=True, reason="SeqWriter.grow's finally has the same order (generation, then "
-                   "addressing): after a Ctrl-C there the handle's limits are the old capacity's and every "
-                   "append raises a CacheFullError about a sliding window the store does not have; fix in the report")
 @pytest.mark.parametrize("moves", [True, False])
 def test_a_ctrl_c_after_a_growth_leaves_a_handle_that_appends(make_store, monkeypatch, moves: bool) -> None:
     """A sequence grows past its capacity (moved elsewhere, or extended in place) and a Ctrl-C
@@ -224,9 +219,6 @@ def _decode_counts(make_store, monkeypatch, *, lends: bool, how: str, steps: int
         monkeypatch.undo()
 
 
-@pytest.mark.xfail(strict=True, reason="every truncate of a donor that lends scans the table twice "
-                   "(Sharing._settle_span, and mind_loans' lent_end, new in 7503e15): ~10-25 us a step "
-                   "at 16-4096 sequences here; fix proposed in the report (lent end cached per span epoch)")
 def test_a_lending_donors_speculative_step_scans_the_table_no_more_than_a_plain_ones(make_store, monkeypatch) -> None:
     """A live donor lends all but its last page unit, so its speculative rollback by one token
     stays in place: its step must cost what a donor's that lends nothing costs, in lock
@@ -238,9 +230,6 @@ def test_a_lending_donors_speculative_step_scans_the_table_no_more_than_a_plain_
     assert lending[1] == plain[1], f"table column reads in 20 steps: {lending[1]} (a donor that lends nothing: 0)"
 
 
-@pytest.mark.xfail(strict=True, reason="extend of a donor that lends calls leave_loans every time: the "
-                   "store lock and a table scan per token (7503e15); lent cells lie past its length only after "
-                   "its own structural change (mind_loans) or someone else's (refresh); fix proposed in the report")
 def test_a_lending_donors_extend_step_takes_no_lock(make_store, monkeypatch) -> None:
     """Decoding one token a step with extend: a donor that lends (all below its length) must not
     take the store lock or scan the table per step (a donor that lends nothing takes it once

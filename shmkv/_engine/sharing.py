@@ -41,6 +41,8 @@ from shmkv.errors import CacheFullError, ShareError
 class Sharing(Pages):
     """The span-keeping part of a store handle (see the module docstring; lock held throughout)."""
 
+    _lent_seen: tuple[int, int, int] = (-1, -1, 0)  # (span epoch, start, lent end): _lent_from
+
     def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
               evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
               stage: bool = False, align: int = 1, fill: int | None = None) -> int:
@@ -157,11 +159,10 @@ class Sharing(Pages):
             self._unshare(slot, row, row[LENGTH])
         if row[FLAGS] & LENT:
             start = row[START]
-            t = self.table_np
-            lent = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0) & (t[:, SPAN_PHYS] == start), SPAN_CELLS]
-            if row[STATE] != LIVE or start != was[1] or not lent.size:
+            lent = self._lent_from(start)
+            if row[STATE] != LIVE or start != was[1] or not lent:
                 row[FLAGS] &= ~LENT  # moved away or nobody borrows any more: its cells are its own again
-            elif row[LENGTH] < int(lent.max()):
+            elif row[LENGTH] < lent:
                 self._move_lender(slot, row)
         self._free.tag = -1  # the spans changed what is free: derived again
 
@@ -203,9 +204,23 @@ class Sharing(Pages):
         row = self.row(slot)
         if not row[FLAGS] & LENT:
             return 0
+        return self._lent_from(row[START])
+
+    def _lent_from(self, start: int) -> int:
+        """The most cells any live row borrows from cell ``start`` on (0: none; lock held). A scan
+        of the table once per span epoch and start: only a transaction that changes spans changes
+        it, and that moves the epoch (odd meanwhile: ``Journal._spans_odd``, also on a rollback
+        and a recovery), so a lending donor's speculative step scans nothing
+        (tests/test_loan_attack.py section 2)."""
+        e = self.hdr[_header.W_SPANS]
+        seen = self._lent_seen
+        if seen[0] == e and seen[1] == start and not e & 1:
+            return seen[2]
         t = self.table_np
-        lent = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0) & (t[:, SPAN_PHYS] == row[START]), SPAN_CELLS]
-        return int(lent.max()) if lent.size else 0
+        lent = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0) & (t[:, SPAN_PHYS] == start), SPAN_CELLS]
+        end = int(lent.max()) if lent.size else 0
+        self._lent_seen = (e, start, end)
+        return end
 
     def move_lender(self, slot: int, row: memoryview, keep: int) -> None:
         """Move a lender to a fresh range of its capacity, keeping its first ``keep`` cells (lock

@@ -61,8 +61,8 @@ def extend(w: SeqWriter, k_all: Any, v_all: Any, tokens: Any = None, positions: 
     if in_steps and lay.bounded and n > lay.step:
         return extend_in_steps(w, k_all, v_all, tokens, positions, step=lay.step)
     try:
-        if w.row[FLAGS] & LENT:  # cells it lent may lie past its length: it moves first (_sequence/room.py)
-            leave_loans(w)
+        if w.row[FLAGS] & LENT and w.lent_past:  # cells it lent may lie past its length: it moves
+            leave_loans(w)  # first (_sequence/room.py)
         # fresh cells (a prefill): written through the segment's descriptor (no page zeroing)
         if w.port.write_new(w.start, w.row[LENGTH], w.row[CAPACITY], k_all, v_all):
             w.pending = [n] * w.L

@@ -34,8 +34,10 @@ from typing import Protocol
 from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENGTH, LENT, START, WIN_OFF
 from shmkv._engine.port import Port
 from shmkv._sequence.mirror import Int8Mirror
+from shmkv.errors import CacheFullError
 
-__all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "Roomed", "chunk", "leave_loans", "limits", "make_room", "mind_loans"]
+__all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "Roomed", "chunk", "grow", "leave_loans", "limits", "make_room",
+           "mind_loans"]
 
 MIN_CHUNK = 64  # cells
 MAX_CHUNK_BYTES = 64 << 20
@@ -46,6 +48,7 @@ class Roomed(Protocol):
 
     port: Port
     row: memoryview
+    id: int
     slot: int
     start: int
     room: int
@@ -55,6 +58,7 @@ class Roomed(Protocol):
     wc: int
     isfull: list[bool]
     lim: list[int]
+    lent_past: bool
     cached: tuple[int, int, int, int] | None
 
     def cache(self, start: int, cap: int, woff: int) -> None: ...
@@ -99,11 +103,34 @@ def mind_loans(w: Roomed) -> None:
     holds fewer tokens than it lent cells (it could not move: ``_engine/sharing.py``), its
     room stops at its length, so its next append goes through ``leave_loans`` first."""
     row = w.row
-    if w.room > row[LENGTH] and w.port.lent_end(w.slot) > row[LENGTH]:
-        w.room = row[LENGTH]
-        c = w.cached
-        if c is not None:
-            w.lim = limits(w, c[1], c[2])
+    if w.port.lent_end(w.slot) > row[LENGTH]:  # (no scan on a speculative step: cached per span epoch)
+        w.lent_past = True
+        if w.room > row[LENGTH]:
+            w.room = row[LENGTH]
+            c = w.cached
+            if c is not None:
+                w.lim = limits(w, c[1], c[2])
+
+
+def grow(w: Roomed, needed: int) -> None:
+    """Give the sequence room for ``needed`` tokens (a structural change; pending tokens stay)."""
+    p = w.port
+    if needed > p.layout.max_tokens:  # refused before anything moves or grows
+        raise CacheFullError(
+            f"sequence {w.id} would hold {needed} tokens, more than store {p.name!r}'s "
+            f"max_tokens={p.layout.max_tokens}: truncate or shift_left it, or create the store with "
+            "a larger max_tokens= (nothing was written)"
+        )
+    keep = w.row[LENGTH] + max(w.pending)
+    with p.locked():
+        row = w.row
+        try:
+            with p.changing(row):
+                p.relocate(w.slot, row, needed, keep)
+        finally:  # our own change (or none): pending tokens stay valid; the addressing before
+            # the generation (a Ctrl-C between them: see leave_loans)
+            w.cache(row[START], row[CAPACITY], row[WIN_OFF])
+            Int8Mirror.moved(w, row[GEN])
 
 
 def leave_loans(w: Roomed) -> None:
@@ -115,10 +142,14 @@ def leave_loans(w: Roomed) -> None:
         row = w.row
         keep = row[LENGTH] + max(w.pending)
         if not row[FLAGS] & LENT or p.lent_end(w.slot) <= row[LENGTH]:
+            w.lent_past = False  # until its own next structural change (mind_loans) or someone else's
             return
         try:
             with p.changing(row):
                 p.move_lender(w.slot, row, keep)
-        finally:  # our own change (or none): pending tokens stay valid
-            Int8Mirror.moved(w, row[GEN])
+            w.lent_past = False
+        finally:  # our own change (or none): pending tokens stay valid. The addressing first, the
+            # generation last: a Ctrl-C between them leaves a generation that sends the next write
+            # through need_writer (tests/test_loan_attack.py section 1)
             w.cache(row[START], row[CAPACITY], row[WIN_OFF])
+            Int8Mirror.moved(w, row[GEN])

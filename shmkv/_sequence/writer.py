@@ -40,7 +40,7 @@ from shmkv._engine.header import (
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
-from shmkv._sequence.room import leave_loans, limits, make_room
+from shmkv._sequence.room import grow, leave_loans, limits, make_room
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
 
@@ -66,9 +66,9 @@ class SeqWriter:
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch",
-                 "gen", "here", "id", "isfull", "length", "lim", "mirror", "pending", "plain", "port", "positions",
-                 "r", "ro_waiters", "room", "row", "slot", "staged", "start", "token", "tokens", "unmapped", "vfrom",
-                 "waddr", "waiters", "wc", "write")
+                 "gen", "here", "id", "isfull", "length", "lent_past", "lim", "mirror", "pending", "plain", "port",
+                 "positions", "r", "ro_waiters", "room", "row", "slot", "staged", "start", "token", "tokens",
+                 "unmapped", "vfrom", "waddr", "waiters", "wc", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -95,6 +95,7 @@ class SeqWriter:
         self.lim: list[int] = []  # per layer: token index limit
         self.vfrom: list[int] = []  # per layer: first kept cell
         self.room = 0  # tokens [0, room) of the range have their pages (_sequence/room.py)
+        self.lent_past = True  # cells it lent may lie past its length (_sequence/room.py): not known yet
         self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
         self.mirror: Int8Mirror | None = None  # int8 stores: what append returns views of (_sequence/mirror.py)
         self.staged = False  # int8: the pending tokens are in the mirror only, quantized at commit
@@ -107,6 +108,7 @@ class SeqWriter:
         self.gen = g if not g & 1 else -1
         self.length = self.row[LENGTH]
         self.cached = None  # someone else's change: the room too is what is written (_sequence/room.py)
+        self.lent_past = True  # (and its length may have fallen below cells it lent: not known)
         self.cache(start, cap, woff)
 
     def cache(self, start: int, cap: int, woff: int) -> None:
@@ -125,11 +127,11 @@ class SeqWriter:
             return  # (a truncate within the range, the speculative-decoding step, changes none of them)
         if self.cached is None or self.cached[0] != start:  # a new range: what is written has pages
             self.room = self.row[LENGTH] + max(self.pending)
-        self.cached = key
         base = wbase - woff
         self.base = [start if f else base for f in self.isfull]  # cell of token 0
         self.lim = limits(self, cap, woff)  # token index limits: capacity, window buffer, room
         self.vfrom = [start if f else wbase for f in self.isfull]  # first kept cell
+        self.cached = key  # last: a Ctrl-C above leaves the next call to compute it all again
 
     def drop_pending(self) -> None:
         """Forget this handle's uncommitted tokens (their cells are simply written again)."""
@@ -276,7 +278,7 @@ class SeqWriter:
             if end > self.row[CAPACITY]:
                 self.grow(end)
             if end > self.room:  # the pages after the room: allocated before the write
-                if self.row[FLAGS] & LENT:  # cells it lent may lie there: it moves first (room.py)
+                if self.row[FLAGS] & LENT and self.lent_past:  # cells it lent may lie there: it moves first (room.py)
                     leave_loans(self)
                 make_room(self, end)
             if end > self.lim[layer]:  # a sliding/chunked layer's buffer is full
@@ -302,23 +304,8 @@ class SeqWriter:
         return self.r.view("k", layer, first, s + n), self.r.view("v", layer, first, s + n)
 
     def grow(self, needed: int) -> None:
-        """Give the sequence room for ``needed`` tokens (a structural change; pending tokens stay)."""
-        st = self.port
-        if needed > st.layout.max_tokens:  # refused before anything moves or grows
-            raise CacheFullError(
-                f"sequence {self.id} would hold {needed} tokens, more than store {st.name!r}'s "
-                f"max_tokens={st.layout.max_tokens}: truncate or shift_left it, or create the store with "
-                "a larger max_tokens= (nothing was written)"
-            )
-        keep = self.row[LENGTH] + max(self.pending)
-        with self.port.locked():
-            row = self.row
-            try:
-                with self.port.changing(row):
-                    self.port.relocate(self.slot, row, needed, keep)
-            finally:  # our own change (or none): pending tokens stay valid
-                Int8Mirror.moved(self, row[GEN])
-                self.cache(row[START], row[CAPACITY], row[WIN_OFF])
+        """Give the sequence room for ``needed`` tokens (``_sequence/room.py``)."""
+        grow(self, needed)
 
     def encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write k, v (already checked) into cells s.. of layer in the storage encoding."""
