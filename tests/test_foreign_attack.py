@@ -1,9 +1,8 @@
 """Attacks on journal invariant 10 (f3f8d03): a transaction that changes another writer's row
-(a borrow marking its decoding donor LENT, a donor's truncate giving a decoding borrower private
-copies: ``changing(row, foreign=True)``) must never undo what that row's lease holder does
-without the lock meanwhile, whichever way the transaction ends (an exception at a crash point,
-a SIGKILL and another process's recovery), and whoever reads meanwhile (a read-only attachment's
-``settled_row``, ``store.sequences()``, a snapshot).
+(a borrow marking its decoding donor LENT: ``changing(row, foreign=True)``) must never undo
+what that row's lease holder does without the lock meanwhile, whichever way the transaction
+ends (an exception at a crash point, a SIGKILL and another process's recovery), and whoever
+reads meanwhile (a read-only attachment's ``settled_row``, ``store.sequences()``, a snapshot).
 
 What the lease holder writes without the lock: its pending tokens' cells, then LENGTH (commit),
 and LEASE_PID = 0 (release). The first two findings here:
@@ -13,6 +12,11 @@ and LEASE_PID = 0 (release). The first two findings here:
   silently returned the old length);
 * a rolled-back borrow gave a released lease back (the rollback restored the logged LEASE_PID:
   no other process could take the sequence until the releasing one exited).
+
+Sections 4 to 6 are about the other such change there was, a donor's truncate in a full store
+giving its decoding borrowers private copies. It is gone (session 32): the donor wrote those
+cells at once while other attachments still mapped them as the borrower's. The donor now keeps
+lending them and moves before it writes there; the tests show its borrowers left alone.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import pytest
 
 import shmkv
 from shmkv._engine import crash
-from shmkv._engine.header import FLAGS, LEASE_PID, LENT, SPAN_CELLS
+from shmkv._engine.header import FLAGS, LEASE_PID, LENT, START
 from shmkv.testing import unique_name
+from _share_scenes import kv_store, lent_in_a_full_store
 
 L, H, D = 3, 2, 64
 
@@ -311,159 +316,143 @@ def test_a_commit_completing_a_block_during_a_borrow_is_kept_and_indexed(make_st
         np.testing.assert_array_equal(b.keys(layer), want[layer])
 
 
-# -- 4. a donor's failed truncate after unsharing one of two decoding borrowers ------------------
+# -- 4. a donor truncated below its loans in a full store: its borrowers are left alone ------------
+
+
+def _junk(n: int) -> np.ndarray:
+    return np.full((L, n, H, D), 7.0, np.float32)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
-@pytest.mark.parametrize("fails", [True, False])
-def test_a_truncate_unsharing_two_borrowers_keeps_both_borrowers_steps(make_store, monkeypatch, dtype: str,
-                                                                       fails: bool) -> None:
-    """The donor truncates below what it lent in a full store: each of its two decoding
-    borrowers gets private copies (two foreign changes in one transaction). At the second,
-    both borrowers commit a step and append every layer of the next one (the first after its
-    unshare is complete, the second in the middle of its own); then the truncate fails
-    (``fails``: rolled back) or completes. Both keep the committed step and commit the pending
-    one, with their values. (On main the first borrower's second append, its span gone and the
-    row still odd, dropped the layer before: 'different pending token counts'.)"""
-    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype,
-                       max_tokens=2048 if dtype == "float16" else 8192, max_seqs=8)
+def test_a_donor_below_its_loans_in_a_full_store_leaves_its_decoding_borrowers_alone(make_store, dtype: str) -> None:
+    """The donor (another attachment) truncates below what it lent to two decoding borrowers,
+    in a store with no free range. The truncate succeeds and changes neither borrower (their
+    spans, pending steps and views stay); the donor's next append and extend raise
+    CacheFullError, naming the loan, with nothing written; once a range is free, its extend
+    moves it there and writes, and the borrowers still read their prefix. (Before, the donor
+    gave its borrowers private copies and wrote the cells at once, under views other
+    attachments held of them.)"""
+    store = kv_store(make_store, dtype)
     other = shmkv.attach(store.name)  # the donor's process
     try:
-        n = 3 * store._engine.page_unit
-        kv, toks = _kv(15, n + 2)
-        want = _expected_keys(store, kv, n + 2)
-        donor = _donor(other, kv, toks, n, n + 64)
-        donor.finish()
-        donor = other.sequence(donor.id, write=True)
-        bs = [store.create_sequence(capacity=n + 64, prefix=toks[: n + 1]) for _ in range(2)]
-        m = len(bs[0])
-        assert len(bs[1]) == m and store.stats().shared_tokens >= 2 * store._engine.page_unit, "no borrow"
-        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
-            other.create_sequence(capacity=other.stats().largest_free_range)
-        for b in bs:
-            for layer in range(L):
-                b.append(layer, kv[layer, m : n], kv[layer, m : n])
-        spans: list[list[int]] = []
-
-        def commit_both() -> None:
-            spans.append([int(store._engine.row(store._engine.slot_of(b.id))[SPAN_CELLS]) for b in bs])
-            for b in bs:
-                assert b.commit(tokens=toks[m:n]) == n
-                for layer in range(L):
-                    b.append(layer, kv[layer, n : n + 2], kv[layer, n : n + 2])
-
-        monkeypatch.setattr(crash, "point", _raise_at("share.unshared", commit_both, count=2, fail=fails))
-        if fails:
-            with pytest.raises(RuntimeError, match=r"share\.unshared"):
-                donor.truncate(1)
-        else:
-            donor.truncate(1)
-        monkeypatch.setattr(crash, "point", crash._noop)
-        assert spans and sorted(spans[0])[0] < m, f"the first unshare did not complete: spans {spans}"
-        assert len(donor) == (n if fails else 1)
-        assert (store.stats().shared_tokens > 0) == fails  # the spans back, or private copies
-        for b in bs:
-            assert len(b) == n and len(other.sequence(b.id)) == n
-            assert b.commit(tokens=toks[n : n + 2]) == n + 2
-            for layer in range(L):
-                np.testing.assert_array_equal(b.keys(layer), want[layer])
-                np.testing.assert_array_equal(other.sequence(b.id).keys(layer), want[layer])
-    finally:
-        other.close()
-
-
-# -- 5. what a borrower's appends show after its donor gave it private copies --------------------
-
-
-@pytest.mark.parametrize("dtype", ["float16", "int8"])
-def test_a_borrower_unshared_by_its_donor_appends_over_its_own_prefix(make_store, dtype: str) -> None:
-    """The donor (another attachment) truncates below what it lent in a full store, so its
-    decoding borrower gets private copies, then writes new tokens into the cells it had lent.
-    The borrower's next append returns views of its whole sequence for attention: they show its
-    own prefix, not the donor's new tokens. (On main the borrower's attachment kept its stale
-    mapping of the donor's pages: need_writer accepted the change as ``kept`` without mapping
-    the table, and append's views, and an int8 mirror filled from them, read the donor's new
-    tokens, a mirror for good.)"""
-    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype,
-                       max_tokens=2048 if dtype == "float16" else 8192, max_seqs=8)
-    other = shmkv.attach(store.name)  # the donor's process
-    try:
-        n = 3 * store._engine.page_unit
-        kv, toks = _kv(16, n + 1)
-        want = _expected_keys(store, kv, n + 1)
-        donor = _donor(other, kv, toks, n, n + 64)
-        donor.finish()
-        donor = other.sequence(donor.id, write=True)
-        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
-        m = len(b)
-        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
-        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
-            other.create_sequence(capacity=other.stats().largest_free_range)
-        donor.truncate(1)  # its borrower's span becomes private copies
-        assert other.stats().shared_tokens == 0
-        junk = np.full((L, n - 1, H, D), 7.0, np.float32)
-        donor.extend(junk, junk)  # into the cells it had lent
-        for layer in range(L):  # the rest of the prompt and one token: the views show the prefix
-            k, v = b.append(layer, kv[layer, m:], kv[layer, m:])
-            np.testing.assert_array_equal(k[:m], want[layer][:m])
-            np.testing.assert_array_equal(v[:m], want[layer][:m])
-        assert b.commit(tokens=toks[m:]) == n + 1
+        s = lent_in_a_full_store(store, other, 15, borrowers=2)
+        m, n, kv = s.m, s.n, s.kv
+        spans = s.spans(store)
+        views = [b.append(0, kv[0, m : n + 1], kv[0, m : n + 1])[0] for b in s.borrowers]  # mid-step
+        drow = other._engine.row(other._engine.slot_of(s.donor.id))
+        start = drow[START]
+        s.donor.truncate(1)
+        assert s.spans(store) == spans and drow[FLAGS] & LENT and drow[START] == start
+        junk = _junk(n)
+        with pytest.raises(shmkv.CacheFullError, match=r"lent its first .* none is free"):
+            s.donor.append(0, junk[0, :1], junk[0, :1])
+        with pytest.raises(shmkv.CacheFullError, match=r"lent its first .* \(nothing was written\)"):
+            s.donor.extend(junk, junk)
+        assert len(s.donor) == 1 and drow[START] == start
+        for b, k in zip(s.borrowers, views, strict=True):
+            np.testing.assert_array_equal(k[:m], s.want[0][:m])  # (int8: the pending tokens as given, in the mirror)
+            for layer in range(1, L):
+                b.append(layer, kv[layer, m : n + 1], kv[layer, m : n + 1])
+            assert b.commit(tokens=s.toks[m : n + 1]) == n + 1
+        s.free_a_filler(other)
+        assert s.donor.extend(junk, junk) == n + 1
+        assert drow[START] != start and not drow[FLAGS] & LENT  # moved: the lent cells stay the borrowers'
+        assert s.spans(store) == spans
         for layer in range(L):
-            np.testing.assert_array_equal(b.keys(layer), want[layer])
+            np.testing.assert_allclose(s.donor.keys(layer)[1:], 7.0, rtol=1e-2)
+        for b in s.borrowers:
+            for layer in range(L):
+                np.testing.assert_array_equal(b.keys(layer), s.want[layer][: n + 1])
+                np.testing.assert_array_equal(other.sequence(b.id).keys(layer), s.want[layer][: n + 1])
     finally:
         other.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a process's span mapping follows the table only when it next syncs: a donor "
-                   "that shrank its borrowers (Sharing._shrink_borrowers) writes its cells at once, under views "
-                   "the borrower's attachments already hold (fix belongs in _engine/sharing.py)")
-def test_a_borrowers_views_taken_mid_step_keep_its_prefix_when_its_donor_writes(make_store) -> None:
-    """As test_a_borrower_unshared_by_its_donor_appends_over_its_own_prefix, with the views
-    taken before the donor's truncate: the borrower appended layer 0 of its step (the views
-    attention runs on), then its donor truncates in a full store (private copies for the
-    borrower, its commit kept) and writes into the cells it had lent. The borrower's views
-    show the donor's new tokens until its attachment maps the table again: attention of a
-    step whose commit then succeeds reads another sequence's keys."""
-    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
+# -- 5. views of a borrower held by its attachment while its donor goes below its loans ------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_borrowers_views_taken_mid_step_keep_its_prefix_when_its_donor_writes(make_store, dtype: str) -> None:
+    """The borrower appended layer 0 of its step (the views attention runs on); then its donor
+    truncates in a full store and tries to write into the cells it had lent: by append, by
+    extend, and through a handle another attachment takes over the lease with. Each raises
+    CacheFullError, and the borrower's views still show its prefix. (Found last session as a
+    strict xfail: the donor gave the borrower private copies and wrote the cells at once, while
+    the borrower's attachment still mapped them: attention of a step whose commit succeeded
+    read another sequence's keys.)"""
+    store = kv_store(make_store, dtype)
     other = shmkv.attach(store.name)  # the donor's process
+    third = shmkv.attach(store.name)
     try:
-        n = 3 * store._engine.page_unit
-        kv, toks = _kv(17, n + 1)
-        donor = _donor(other, kv, toks, n, n + 64)
-        donor.finish()
-        donor = other.sequence(donor.id, write=True)
-        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
-        m = len(b)
-        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
-        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
-            other.create_sequence(capacity=other.stats().largest_free_range)
+        s = lent_in_a_full_store(store, other, 17)
+        b, m, n, kv = s.borrowers[0], s.m, s.n, s.kv
         k, _ = b.append(0, kv[0, m:], kv[0, m:])  # mid-step: attention of layer 0 runs on k
         want = np.asarray(k[:m]).copy()
-        donor.truncate(1)
-        donor.extend(np.full((L, n - 1, H, D), 7.0, np.float32), np.full((L, n - 1, H, D), 7.0, np.float32))
+        s.donor.truncate(1)
+        junk = _junk(n - 1)
+        with pytest.raises(shmkv.CacheFullError):
+            s.donor.extend(junk, junk)
+        with pytest.raises(shmkv.CacheFullError):
+            for layer in range(L):
+                s.donor.append(layer, junk[layer, :2], junk[layer, :2])
+        s.donor.release()
+        taken = third.sequence(s.donor.id, write=True)  # a new handle: its room is what is written
+        with pytest.raises(shmkv.CacheFullError):
+            taken.append(0, junk[0, :1], junk[0, :1])
         np.testing.assert_array_equal(k[:m], want)
+        np.testing.assert_array_equal(k[:m], s.want[0][:m])
+        for layer in range(1, L):
+            b.append(layer, kv[layer, m:], kv[layer, m:])
+        assert b.commit(tokens=s.toks[m:]) == n + 4
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer), s.want[layer])
+    finally:
+        third.close()
+        other.close()
+
+
+def test_a_lender_below_its_loans_is_copied_into_elsewhere(make_store) -> None:
+    """copy_prefix into a donor that lends cells it no longer holds (cleared, in a full store)
+    never writes those cells in place: CacheFullError while no range is free, then a fresh
+    range; its borrower keeps its prefix throughout."""
+    store = kv_store(make_store)
+    other = shmkv.attach(store.name)
+    try:
+        s = lent_in_a_full_store(store, other, 21)
+        b, src = s.borrowers[0], s.fillers[0]
+        src.extend(_junk(8), _junk(8))  # what an in-place copy would write over the lent cells
+        s.donor.clear()
+        drow = other._engine.row(other._engine.slot_of(s.donor.id))
+        start = drow[START]
+        with pytest.raises(shmkv.CacheFullError):
+            other.copy_prefix(src.id, s.donor.id, 8)
+        assert drow[START] == start and len(s.donor) == 0
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer), s.want[layer][: s.m])
+        s.free_a_filler(other)
+        other.copy_prefix(src.id, s.donor.id, 8)
+        assert drow[START] != start and len(s.donor) == 8
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer), s.want[layer][: s.m])
+            np.testing.assert_array_equal(s.donor.keys(layer), 7.0)
     finally:
         other.close()
 
 
-# -- 6. a donor killed between two unshares; an inspector reads meanwhile ------------------------
+# -- 6. a donor killed while it moves away from its loans; an inspector reads meanwhile -----------
 
 
-def _truncate_and_die(name: str, donor_id: int, at: Any, go: Any) -> None:  # a child: the donor's process
-    left = [2]
-
+def _extend_and_die(name: str, donor_id: int, n: int, at: Any, go: Any) -> None:  # a child: the donor's process
     def pause_then_die(point: str) -> None:
-        if point == "share.unshared":
-            left[0] -= 1
-            if left[0] == 0:  # the first borrower's unshare complete, the second's copied
-                at.set()
-                go.wait(120)
-                os.kill(os.getpid(), signal.SIGKILL)
+        if point == "share.moved":  # its cells copied to the fresh range, the row not yet switched
+            at.set()
+            go.wait(120)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     s = shmkv.attach(name)
     donor = s.sequence(donor_id, write=True)
     crash.point = pause_then_die
-    donor.truncate(1)
+    donor.extend(_junk(n), _junk(n))
     os._exit(0)  # (not reached)
 
 
@@ -480,75 +469,80 @@ def _inspect(name: str, ids: list[int], out: Any) -> None:  # a child: a read-on
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_a_donor_killed_between_two_unshares_leaves_its_borrowers_steps(make_store, tmp_path, method: str) -> None:
-    """The donor's process (a ``method`` child) truncates below what it lent in a full store and
-    is SIGKILLed between its two borrowers' unshares. The borrowers' writer commits a step on
-    both meanwhile; then a read-only inspector (another process: rows as the rollback leaves
-    them, the spans mapped as they were) reads both at their committed length with their
-    values, and a read-only attachment's snapshot holds them; the borrowers' next lock entry
-    rolls the truncate back, and both decode on."""
-    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
-    n = 3 * store._engine.page_unit
-    kv, toks = _kv(18, n + 2)
-    want = _expected_keys(store, kv, n + 2)
-    donor = _donor(store, kv, toks, n, n + 64)
-    donor.finish()
-    bs = [store.create_sequence(capacity=n + 64, prefix=toks[: n + 1]) for _ in range(2)]
-    m = len(bs[0])
-    assert store.stats().shared_tokens >= 2 * store._engine.page_unit, "the borrows did not happen"
-    while store.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
-        store.create_sequence(capacity=store.stats().largest_free_range)
-    for b in bs:
-        for layer in range(L):
-            b.append(layer, kv[layer, m:n], kv[layer, m:n])
-    ctx = mp.get_context(method)
-    at, go = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=_truncate_and_die, args=(store.name, donor.id, at, go))
-    child.start()
+def test_a_donor_killed_moving_off_its_loans_leaves_its_borrowers_steps(make_store, tmp_path, method: str) -> None:
+    """The donor truncated below what it lent in a full store; a range is freed, and its
+    process (a ``method`` child) extends, so it moves, and is SIGKILLed with its cells copied
+    and the row not yet switched. Its borrowers commit a step meanwhile; a read-only inspector
+    (another process) reads both at their committed length with their values, and a read-only
+    attachment's snapshot holds them; the next lock entry rolls the move back (the donor where
+    it was, still lending, at its length), the borrowers decode on, and the donor's next
+    extend moves it."""
+    store = kv_store(make_store)
+    other = shmkv.attach(store.name)
     try:
-        assert at.wait(120), "the donor's process never reached its second unshare"
-        for b in bs:
-            assert b.commit(tokens=toks[m:n]) == n
-    finally:
-        go.set()
-        child.join(60)
-        if child.is_alive():
-            child.kill()
-            child.join()
-    assert child.exitcode == -signal.SIGKILL
-    seen = _in_child(ctx, _inspect, store.name, [b.id for b in bs])  # the dead truncate still in the log
-    assert not isinstance(seen, str), seen
-    for length, keys in seen:
-        assert length == n
-        for layer in range(L):
-            assert keys[layer] == want[layer][:n].tobytes()
-    ro = shmkv.attach(store.name, readonly=True)
-    try:
-        ro.save(tmp_path / "during.skv")  # (under its shared lock: rows as the rollback leaves them)
-    finally:
-        ro.close()
-    loaded = shmkv.load(tmp_path / "during.skv", name=unique_name())
-    try:
-        assert len(loaded.sequence(donor.id)) == n
-        for b in bs:
-            assert len(loaded.sequence(b.id)) == n
+        s = lent_in_a_full_store(store, other, 18, borrowers=2)
+        m, n, kv = s.m, s.n, s.kv
+        for b in s.borrowers:
             for layer in range(L):
-                np.testing.assert_array_equal(loaded.sequence(b.id).keys(layer), want[layer][:n])
+                b.append(layer, kv[layer, m : n + 1], kv[layer, m : n + 1])
+        s.donor.truncate(1)
+        s.donor.release()
+        s.free_a_filler(other)
+        drow = store._engine.row(store._engine.slot_of(s.donor.id))
+        start = drow[START]
+        ctx = mp.get_context(method)
+        at, go = ctx.Event(), ctx.Event()
+        child = ctx.Process(target=_extend_and_die, args=(store.name, s.donor.id, n, at, go))
+        child.start()
+        try:
+            assert at.wait(120), "the donor's process never reached its move"
+            for b in s.borrowers:
+                assert b.commit(tokens=s.toks[m : n + 1]) == n + 1
+        finally:
+            go.set()
+            child.join(60)
+            if child.is_alive():
+                child.kill()
+                child.join()
+        assert child.exitcode == -signal.SIGKILL
+        seen = _in_child(ctx, _inspect, store.name, [b.id for b in s.borrowers])  # the dead move still in the log
+        assert not isinstance(seen, str), seen
+        for length, keys in seen:
+            assert length == n + 1
+            for layer in range(L):
+                assert keys[layer] == s.want[layer][: n + 1].tobytes()
+        ro = shmkv.attach(store.name, readonly=True)
+        try:
+            ro.save(tmp_path / "during.skv")  # (under its shared lock: rows as the rollback leaves them)
+        finally:
+            ro.close()
+        loaded = shmkv.load(tmp_path / "during.skv", name=unique_name())
+        try:
+            assert len(loaded.sequence(s.donor.id)) == 1
+            for b in s.borrowers:
+                for layer in range(L):
+                    np.testing.assert_array_equal(loaded.sequence(b.id).keys(layer), s.want[layer][: n + 1])
+        finally:
+            loaded.close()
+        with store.transaction():  # the dead move rolled back
+            pass
+        assert drow[START] == start and drow[FLAGS] & LENT and len(store.sequence(s.donor.id)) == 1
+        for b in s.borrowers:
+            for layer in range(L):
+                b.append(layer, kv[layer, n + 1 :], kv[layer, n + 1 :])
+            assert b.commit(tokens=s.toks[n + 1 :]) == n + 4
+            for layer in range(L):
+                np.testing.assert_array_equal(b.keys(layer), s.want[layer])
+        donor = store.sequence(s.donor.id, write=True)
+        assert donor.extend(_junk(n), _junk(n)) == n + 1 and drow[START] != start
+        for b in s.borrowers:
+            for layer in range(L):
+                np.testing.assert_array_equal(b.keys(layer), s.want[layer])
     finally:
-        loaded.close()
-    with store.transaction():  # the dead truncate rolled back
-        pass
-    assert len(store.sequence(donor.id)) == n and store.stats().shared_tokens >= 2 * store._engine.page_unit
-    for b in bs:
-        assert len(b) == n
-        for layer in range(L):
-            b.append(layer, kv[layer, n:], kv[layer, n:])
-        assert b.commit(tokens=toks[n:]) == n + 2
-        for layer in range(L):
-            np.testing.assert_array_equal(b.keys(layer), want[layer])
+        other.close()
 
 
-# -- 7. a speculative decoder (truncate, then the next step) borrowed from or unshared mid-step --
+# -- 7. a speculative decoder (truncate, then the next step) mid-step when its donor or borrower changes
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
@@ -576,33 +570,25 @@ def test_a_speculative_donor_keeps_its_step_when_borrowed_from_mid_step(make_sto
         other.close()
 
 
-def test_a_speculative_borrower_keeps_its_step_when_unshared_mid_step(make_store) -> None:
+def test_a_speculative_borrower_keeps_its_step_when_its_donor_truncates_mid_step(make_store) -> None:
     """As above, on the borrower's side: it rolls back a draft token and appends its next step;
-    its donor then truncates below what it lent in a full store (private copies for the
-    borrower, a change of its row by another attachment). The commit keeps the step."""
-    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
+    its donor then truncates below what it lent in a full store (it cannot move, so it keeps
+    lending cells it no longer holds). The borrower's span stays, and its commit keeps the step."""
+    store = kv_store(make_store)
     other = shmkv.attach(store.name)  # the donor's process
     try:
-        n = 3 * store._engine.page_unit
-        kv, toks = _kv(20, n + 3)
-        want = _expected_keys(store, kv, n + 2)
-        donor = _donor(other, kv, toks, n, n + 64)
-        donor.finish()
-        donor = other.sequence(donor.id, write=True)
-        b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
-        m = len(b)
-        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
-        b.extend(kv[:, m : n + 2], kv[:, m : n + 2], tokens=toks[m : n + 2])
+        s = lent_in_a_full_store(store, other, 20)
+        b, m, n, kv = s.borrowers[0], s.m, s.n, s.kv
+        b.extend(kv[:, m : n + 2], kv[:, m : n + 2], tokens=s.toks[m : n + 2])
         b.truncate(n + 1)  # a draft token rejected
         for layer in range(L):
             b.append(layer, kv[layer, n + 1], kv[layer, n + 1])
-        while other.stats().largest_free_range:  # the rest of the store in use: the donor cannot move
-            other.create_sequence(capacity=other.stats().largest_free_range)
-        donor.truncate(1)
-        assert store.stats().shared_tokens == 0, "the unshare this test is about did not happen"
-        assert b.commit(tokens=toks[n + 1 : n + 2]) == n + 2
+        spans = s.spans(store)
+        s.donor.truncate(1)
+        assert s.spans(store) == spans
+        assert b.commit(tokens=s.toks[n + 1 : n + 2]) == n + 2
         for layer in range(L):
-            np.testing.assert_array_equal(b.keys(layer), want[layer])
+            np.testing.assert_array_equal(b.keys(layer), s.want[layer][: n + 2])
     finally:
         other.close()
 
@@ -613,7 +599,8 @@ def test_a_speculative_borrower_keeps_its_step_when_unshared_mid_step(make_store
 def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_back(make_store) -> None:
     """Journal invariant 10 at its source. A row changed as another writer's (``foreign``) and
     rolled back keeps the LENGTH and LEASE_PID its holder wrote meanwhile; once the same
-    transaction changes that row as a whole (not foreign), its rollback puts every word back."""
+    transaction changes that row as a whole (not foreign), its rollback puts every word back
+    but a release of the lease (``lease.with_release``)."""
     from shmkv._engine.header import LENGTH
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
@@ -636,7 +623,7 @@ def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_
                     row[LENGTH] = 0
             raise RuntimeError("rolled back")
         assert not row[FLAGS] & LENT
-        assert (int(row[LENGTH]), int(row[LEASE_PID])) == ((3, pid) if whole else (4, 0))
+        assert (int(row[LENGTH]), int(row[LEASE_PID])) == ((3, 0) if whole else (4, 0))
         row[LENGTH], row[LEASE_PID] = 3, pid  # (the test's own writes undone)
 
 
@@ -676,3 +663,40 @@ def test_a_rolled_back_copy_prefix_of_this_process_drops_the_pending_tokens(make
     b.commit(tokens=list(range(u)))
     np.testing.assert_array_equal(b.keys(0), kb)
     np.testing.assert_array_equal(src.keys(1), ka[1])
+
+
+def test_a_rollback_of_this_process_s_own_change_keeps_a_lease_released_meanwhile(make_store, monkeypatch) -> None:
+    """A copy_prefix of this process into its own leased row (a whole change, not foreign) fails
+    after the copy; just before, another of its threads released the lease (LEASE_PID zeroed
+    without the lock). The rollback puts back the row but not the released lease: another
+    attachment can take the sequence at once. (Before, the rollback restored the pid: the
+    sequence stayed leased to a handle that had let it go, until this process exited.)"""
+    import threading
+
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
+    kv, toks = _kv(31, 40)
+    src = _donor(store, kv, toks, 40, 64)
+    dst = store.create_sequence(capacity=64)
+    e = store._engine
+    drow = e.row(e.slot_of(dst.id))
+    seen: list[int] = []
+
+    def release_in_another_thread() -> None:
+        t = threading.Thread(target=dst.release)
+        t.start()
+        t.join(30)
+        seen.append(int(drow[LEASE_PID]))
+
+    monkeypatch.setattr(crash, "point", _raise_at("copy_prefix.copied", release_in_another_thread))
+    with pytest.raises(RuntimeError, match=r"copy_prefix\.copied"):
+        store.copy_prefix(src.id, dst.id, 20)
+    monkeypatch.setattr(crash, "point", crash._noop)
+    assert seen == [0], "the release this test is about did not happen"
+    assert drow[LEASE_PID] == 0 and len(dst) == 0
+    other = shmkv.attach(store.name)
+    try:
+        taken = other.sequence(dst.id, write=True)
+        taken.extend(kv[:, :3], kv[:, :3])
+        assert len(taken) == 3
+    finally:
+        other.close()

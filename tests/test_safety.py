@@ -613,3 +613,20 @@ def test_identity_is_in_the_header_and_differs_per_store(make_store):
     words = np.frombuffer(a._engine._hseg.mm, np.int64, 64)
     assert int(words[_header.W_IDENTITY]) == a._engine.identity
     del words
+
+
+def test_a_store_of_the_previous_format_version_is_refused_naming_both(make_store):
+    """A store whose header says version 5 (before lazy pages, stand-ins, the page mark and
+    lenders past their length) is never read by this shmkv: attach raises CorruptStoreError
+    naming its version and ours, and the store is left as it was."""
+    store = make_store()
+    words = store._engine.hdr
+    words[_header.W_VERSION] = 5
+    try:
+        ours = _header.FORMAT_VERSION
+        with pytest.raises(shmkv.CorruptStoreError, match=rf"header version 5; this shmkv reads version {ours}"):
+            shmkv.attach(store.name)
+    finally:
+        words[_header.W_VERSION] = _header.FORMAT_VERSION
+    with shmkv.attach(store.name) as again:
+        assert again.stats().sequences == 0

@@ -108,24 +108,31 @@ def test_07_a_live_donor_rolls_back_one_token_in_place(make_store):
 
 
 def test_07_a_donor_in_a_full_store_truncates_below_its_loans(make_store):
-    """No free range to move to: the donor's truncate does not raise CacheFullError; its
-    borrowers copy the cells it will write again, and both read their own tokens after."""
+    """No free range to move to: the donor's truncate still succeeds (it never fails for want of
+    room because of sharing); it keeps lending the cells it no longer holds, so its next extend
+    is CacheFullError, nothing written, until a range is free; then it moves and writes, and
+    its borrower reads its own tokens throughout."""
     st = _store(make_store, max_tokens=2048)
     a, p = _donor(st, n=304, capacity=512)
     a = st.sequence(a.id, write=True)  # taken back: it may truncate and write again
     b = st.create_sequence(capacity=512, prefix=np.r_[p, [1]])
-    assert st.stats().shared_tokens > 100
+    shared = st.stats().shared_tokens
+    assert shared > 100
     b_before = _content(b)
+    fillers = []
     while st.stats().largest_free_range:  # the rest of the store in use
-        st.create_sequence(capacity=st.stats().largest_free_range)
+        fillers.append(st.create_sequence(capacity=st.stats().largest_free_range))
     a.truncate(100)
     rng = np.random.default_rng(7)
     k = rng.standard_normal((L, 200, H, D))
+    with pytest.raises(shmkv.CacheFullError, match="lent its first"):
+        a.extend(k, k)
+    assert len(a) == 100 and _content(b) == b_before and st.stats().shared_tokens == shared
+    fillers[-1].free()
     a.extend(k, k)
     assert _content(b) == b_before
     assert np.array_equal(np.asarray(a.keys(0))[100:], k[0].astype(np.float16))
-    assert st.stats().shared_tokens <= 100
-
+    assert st.stats().shared_tokens == shared  # the borrower's span stays: its cells are its own now
 
 
 @pytest.mark.parametrize("sharing", [True, False])

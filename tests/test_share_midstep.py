@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import shmkv
+from _share_scenes import L, kv_store, lent_in_a_full_store
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
@@ -51,54 +52,27 @@ def test_a_borrow_from_a_donor_mid_step_keeps_its_pending_tokens(make_store, dty
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
-def test_a_borrower_unshared_by_its_donor_mid_step_keeps_its_pending_tokens(make_store, dtype: str) -> None:
-    """The donor truncates below the cells it lent in a full store (no range to move to): its
-    borrower gets private copies of them (another attachment's change of the borrower's row,
-    which leaves its range and length where they were, and its span 0). The borrower's writer,
-    mid-step, keeps its pending tokens (an attack on 730ba4e: ``kept`` asked whether the row
-    borrows after the change, when it no longer did)."""
-    L = 3
-    store = make_store(layers=L, kv_heads=2, head_dim=64, dtype=dtype, max_tokens=2048 if dtype == "float16" else 8192,
-                       max_seqs=8)
+def test_a_borrower_keeps_its_pending_tokens_when_its_donor_truncates_below_its_loans(make_store, dtype: str) -> None:
+    """The donor truncates below the cells it lent in a full store (no range to move to): it
+    keeps lending them (its next write moves it first), and its borrower's row is not touched.
+    The borrower's writer, mid-step, keeps its pending tokens and its span (an attack on
+    730ba4e found this step lost when the truncate still gave borrowers private copies)."""
+    store = kv_store(make_store, dtype)
     other = shmkv.attach(store.name)  # the donor's process
     try:
-        donor, b, kv, toks, n, ref = _lent_in_a_full_store(store, other, 2)
-        b.append(0, kv[0, n], kv[0, n])  # mid-step
-        donor.truncate(1)  # below every lent cell: the borrower's whole span becomes its own
-        assert store.stats().shared_tokens == 0
+        s = lent_in_a_full_store(store, other, 2)
+        b, n, m, kv = s.borrowers[0], s.n, s.m, s.kv
+        spans = s.spans(store)
+        b.append(0, kv[0, m : n + 1], kv[0, m : n + 1])  # mid-step
+        s.donor.truncate(1)  # below every lent cell
+        assert s.spans(store) == spans
         for layer in range(1, L):
-            b.append(layer, kv[layer, n], kv[layer, n])
-        b.commit(tokens=toks[n : n + 1])
-        assert len(b) == n + 1
+            b.append(layer, kv[layer, m : n + 1], kv[layer, m : n + 1])
+        assert b.commit(tokens=s.toks[m : n + 1]) == n + 1
         for layer in range(L):
-            np.testing.assert_array_equal(b.keys(layer)[:n], ref[layer])
-        if dtype == "float16":
-            for layer in range(L):
-                np.testing.assert_array_equal(b.keys(layer)[n], kv[layer, n].astype(np.float16))
+            np.testing.assert_array_equal(b.keys(layer), s.want[layer][: n + 1])
     finally:
         other.close()
-
-
-def _lent_in_a_full_store(store: shmkv.Store, other: shmkv.Store, seed: int):
-    """A finished donor of 3 page units, leased again by ``other`` (the donor's process); a
-    borrower ``b`` of it made by ``store`` (the borrower's process), with one token of its own;
-    the rest of the store in use, so the donor cannot move (a truncate below what it lent gives
-    the borrower private copies). Returns donor, b, kv [3, n + 2, 2, 64], toks, n and b's keys."""
-    L, H, D = 3, 2, 64
-    n = 3 * store._engine.page_unit
-    rng = np.random.default_rng(seed)
-    kv = rng.standard_normal((L, n + 2, H, D)).astype(np.float32)
-    toks = rng.integers(0, 30_000, n + 2)
-    donor = other.create_sequence(capacity=n + 64, prefix=toks[:1])
-    donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
-    donor.finish()
-    donor = other.sequence(donor.id, write=True)
-    b = store.create_sequence(capacity=n + 64, prefix=toks[: n + 1])
-    assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
-    ref = [b.keys(layer).copy() for layer in range(L)]
-    while other.stats().largest_free_range:
-        other.create_sequence(capacity=other.stats().largest_free_range)
-    return donor, b, kv, toks, n, ref
 
 
 @contextlib.contextmanager
@@ -250,38 +224,45 @@ def test_a_rolled_back_borrow_keeps_the_donors_commit(make_store, dtype: str, mo
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
-def test_a_rolled_back_unshare_keeps_the_borrowers_commit(make_store, dtype: str, monkeypatch) -> None:
-    """The donor's truncate gives a decoding borrower private copies of its span (a change of
-    the borrower's row by another attachment, under its transaction); the borrower commits
-    meanwhile. When the truncate fails and rolls back, the borrower's commit stays."""
+def test_a_rolled_back_move_off_the_loans_keeps_the_borrowers_commit(make_store, dtype: str, monkeypatch) -> None:
+    """The donor, below what it lent, moves to a freed range before its next write (its own
+    row's change); its borrower commits meanwhile. When the move fails and rolls back, the
+    borrower's commit stays, the donor stays where it was, still lending, and its next extend
+    moves it."""
     from shmkv._engine import crash
+    from shmkv._engine.header import FLAGS, LENT, START
 
-    L = 3
-    store = make_store(layers=L, kv_heads=2, head_dim=64, dtype=dtype, max_tokens=2048 if dtype == "float16" else 8192,
-                       max_seqs=8)
+    store = kv_store(make_store, dtype)
     other = shmkv.attach(store.name)  # the donor's process
     try:
-        donor, b, kv, toks, n, ref = _lent_in_a_full_store(store, other, 4)
-        m = len(b)
+        s = lent_in_a_full_store(store, other, 4)
+        b, n, m, kv = s.borrowers[0], s.n, s.m, s.kv
         for layer in range(L):
-            b.append(layer, kv[layer, n], kv[layer, n])
+            b.append(layer, kv[layer, m : n + 1], kv[layer, m : n + 1])
+        s.donor.truncate(1)
+        s.free_a_filler(other)
+        drow = other._engine.row(other._engine.slot_of(s.donor.id))
+        start = drow[START]
         seen: list[int] = []
 
         def commit_then_fail(name: str) -> None:
-            if name == "share.unshared":
-                seen.append(b.commit(tokens=toks[n : n + 1]))
-                raise RuntimeError("the truncate fails after the unshare")
+            if name == "share.moved":
+                seen.append(b.commit(tokens=s.toks[m : n + 1]))
+                raise RuntimeError("the move fails after the copy")
 
+        junk = np.ones((L, 5, 2, 64), np.float32)
         monkeypatch.setattr(crash, "point", commit_then_fail)
-        with pytest.raises(RuntimeError, match="after the unshare"):
-            donor.truncate(1)
+        with pytest.raises(RuntimeError, match="after the copy"):
+            s.donor.extend(junk, junk)
         monkeypatch.setattr(crash, "point", crash._noop)
-        assert seen == [m + 1], "the unshare this test is about did not happen"
-        assert len(donor) == n  # the truncate rolled back
-        assert len(b) == m + 1 and len(store.sequence(b.id)) == m + 1
+        assert seen == [n + 1], "the move this test is about did not happen"
+        assert len(s.donor) == 1 and drow[START] == start and drow[FLAGS] & LENT
+        assert len(b) == n + 1 and len(other.sequence(b.id)) == n + 1
         for layer in range(L):
-            np.testing.assert_array_equal(b.keys(layer)[:m], ref[layer])
-        assert store.stats().shared_tokens > 0  # the span is back as it was
+            np.testing.assert_array_equal(b.keys(layer), s.want[layer][: n + 1])
+        assert s.donor.extend(junk, junk) == 6 and drow[START] != start
+        for layer in range(L):
+            np.testing.assert_array_equal(b.keys(layer), s.want[layer][: n + 1])
     finally:
         other.close()
 
@@ -341,28 +322,44 @@ def test_a_borrower_that_saw_its_change_end_before_the_span_epoch_maps_again(mak
     """The end of a transaction makes its rows' generations even before the span epoch: a
     borrower's writer in another attachment can see the new generation while the epoch is still
     odd, when it cannot map yet. It must not keep that generation as mapped (review finding
-    1c): its next step maps the span as the table says, so its views never show the cells its
-    donor writes next."""
-    from shmkv._engine.header import W_SPANS
+    1c): it keeps none, and its next step maps the span as the table says. The change here is
+    another attachment's change of the borrower's row (``changing(row, foreign=True)``, as a
+    borrow marking a decoding donor LENT makes: since a donor's truncate no longer gives its
+    borrowers private copies, the span itself is not what changes)."""
+    from shmkv._engine.header import GEN, W_SPANS
 
-    store = make_store(layers=3, kv_heads=2, head_dim=64, dtype="float16", max_tokens=2048, max_seqs=8)
+    store = make_store(layers=3, kv_heads=2, head_dim=64, dtype="float16", max_tokens=4096, max_seqs=8)
     other = shmkv.attach(store.name)  # the donor's process
     try:
-        donor, b, kv, _, n, ref = _lent_in_a_full_store(store, other, 6)
+        u = store._engine.page_unit
+        n = 4 * u
+        rng = np.random.default_rng(6)
+        kv = rng.standard_normal((3, n + 2, 2, 64)).astype(np.float32)
+        toks = rng.integers(0, 30_000, n + 2)
+        donor = other.create_sequence(capacity=n + 64, prefix=toks[:1])
+        donor.extend(kv[:, :n], kv[:, :n], tokens=toks[:n])
+        donor.finish()
+        b = store.create_sequence(capacity=n + 64, prefix=toks[:n])
+        assert store.stats().shared_tokens > 0, "the borrow this test is about did not happen"
         m = len(b)
-        donor.truncate(1)  # below every lent cell: the borrower gets private copies (a foreign change)
+        ref = [b.keys(layer).copy() for layer in range(3)]
+        b.append(0, kv[0, m], kv[0, m])  # mid-step
+        e = other._engine
+        with e.locked(), e.changing(e.row(e.slot_of(b.id)), foreign=True):
+            pass  # another attachment's change of b's row: its span epoch moves (b borrows)
         hdr = store._engine.hdr
         hdr[W_SPANS] += 1  # as if that transaction's rows were even and its epoch not yet
         try:
-            b.append(0, kv[0, n], kv[0, n])  # need_writer: kept, but nothing can be mapped now
+            b.append(1, kv[1, m], kv[1, m])  # need_writer: kept, but nothing can be mapped now
+            assert b._w.gen == -1, "a generation kept as mapped while nothing could be mapped"
         finally:
             hdr[W_SPANS] -= 1  # the epoch's end
-        for layer in range(1, 3):
-            b.append(layer, kv[layer, n], kv[layer, n])
-        rest = np.ones((3, m, 2, 64), np.float32)
-        donor.extend(rest[:, : m - 1], rest[:, : m - 1])  # the donor writes the cells it lent
-        views = [b.append(layer, kv[layer, n + 1], kv[layer, n + 1])[0] for layer in range(3)]
+        views = [b.append(2, kv[2, m], kv[2, m])[0]]
+        brow = store._engine.row(store._engine.slot_of(b.id))
+        assert b._w.gen == brow[GEN]  # mapped again
+        assert b.commit(tokens=toks[m : m + 1]) == m + 1
+        np.testing.assert_array_equal(views[0][:m], ref[2])
         for layer in range(3):
-            np.testing.assert_array_equal(views[layer][:m], ref[layer])
+            np.testing.assert_array_equal(b.keys(layer)[:m], ref[layer])
     finally:
         other.close()

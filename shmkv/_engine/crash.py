@@ -39,7 +39,7 @@ POINTS = (
     "share.borrowed",  # a reuse borrows a donor's pages: span recorded, its own pages punched out
     "share.unshared",  # copy-on-write: private copies of what a borrower keeps written, span not shrunk
     "share.released",  # a borrower freed or moved: its span dropped (the last one: its cells free)
-    "share.moved",  # a donor truncated into cells it lent: copied to a fresh range, not switched
+    "share.moved",  # a donor below cells it lent (truncate, or its next write): copied to a fresh range, not switched
     "rewind.copied",  # seq.rewind: the new window written into the other buffer, the row not switched
     "rewind.truncated",  # seq.rewind within what the window holds: the length changed, the index not
 )

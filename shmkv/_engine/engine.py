@@ -127,9 +127,10 @@ class Engine(Arena):
         lo = s_off if held else max(s_off, n - self.layout.keep, 0)
         src_win = self.wcell(s_slot, s_row[WBUF]) + lo - s_off
         with self.changing(d_row):
-            if d_row[LENGTH] == 0 and n <= d_row[CAPACITY]:
+            if d_row[LENGTH] == 0 and n <= d_row[CAPACITY] and not d_row[FLAGS] & LENT:
                 # dst holds nothing committed: its own cells and window buffer are free to write
-                # (their pages allocated first: a range has them only as its writes need them)
+                # (their pages allocated first: a range has them only as its writes need them),
+                # unless it lends cells it no longer holds (_engine/sharing.py)
                 if not reserved:
                     self._page_unit_reserve(d_row[START], n, share)
                 self._copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)

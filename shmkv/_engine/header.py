@@ -147,7 +147,7 @@ MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
 #    client keys (creator word 13, lease word 7, client row word 1) and the liveness file
 # 4: waiter counts (WAIT_OFF), the allocation counter (word 44)
 # 5: shared prefix pages (row words 16, 17; FLAGS bit 3; the span epoch, word 45)
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6  # 6: lazy pages (holes), stand-ins (FLAGS bit 4), page mark (word 46), lent past a length
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4

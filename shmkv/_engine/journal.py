@@ -51,12 +51,14 @@ Invariants (each names the function that keeps it):
     path is ``interrupts.critical`` and a Ctrl-C there is raised at the next safe point
     (``_lock``'s module docstring).
 10. A change of another writer's row (``changing(row, foreign=True)``: a borrow marking its
-    donor LENT, a donor's truncate giving a borrower private copies) never changes the words
+    donor LENT; until session 32 also a donor's truncate giving a borrower private copies,
+    which no longer happens: ``_engine/sharing.py``) never changes the words
     its lease holder writes without the lock (``LOCK_FREE``: LENGTH, published by a commit;
     LEASE_PID, zeroed by a release), and neither does putting it back: the holder writes
     them even while the row is odd (``writer.kept``), so a rollback restoring the logged
     words would undo a commit that returned, or give back a lease that was released
-    (``_put_back``, ``settled_row`` skip them for such entries).
+    (``_put_back``, ``settled_row`` skip them for such entries; any rollback keeps a release:
+    ``lease.with_release``).
 
 Token ids, positions and hashes go with the cells (1). Counters (hits, evictions), the
 recency clock, the next id and the prefix index are not rolled back: statistics, ids
@@ -74,6 +76,7 @@ from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
 from shmkv._engine.header import CAPACITY, FLAGS, GEN, LEASE_PID, LENGTH, LENT, SEQ_WORDS, SPAN_CELLS, START, STATE
 from shmkv._engine.interrupts import critical
+from shmkv._engine.lease import with_release
 from shmkv._engine.lock import StoreLock
 
 if TYPE_CHECKING:
@@ -189,7 +192,7 @@ class Journal:
                     if self._undo_np[i, 0] & _LENGTH_KEPT:  # (invariant 10)
                         for w in LOCK_FREE:
                             logged[w] = int(self.table_np[slot, w])
-                    return logged
+                    return with_release(logged, self.table_np[slot])
         words: list[int] = self.table_np[slot].tolist()
         return words
 
@@ -309,7 +312,7 @@ class Journal:
             gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
             row = self.row(slot)
             row[GEN] = gen  # odd while it is put back
-            words = entry[1 : 1 + SEQ_WORDS].tolist()
+            words = with_release(entry[1 : 1 + SEQ_WORDS].tolist(), row)
             for w, v in enumerate(words):
                 if w not in keep:
                     row[w] = v

@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import secrets
 import weakref
+from typing import Any
 
 from shmkv._engine import segment as _segment
-from shmkv._engine.header import LEASE_PID, LEASE_TOKEN
+from shmkv._engine.header import LEASE_PID, LEASE_TOKEN, STATE
 
 # token -> live write handle (a ``Sequence``: whoever needs one checks with isinstance, as this
 # module sits below the sequence layer), for every handle holding a lease in this process.
@@ -41,3 +42,15 @@ def release_row(row: memoryview, token: int, pid: int, epoch: int) -> None:
                 row[LEASE_PID] = 0
         except (ValueError, TypeError):  # released memoryview
             pass
+
+
+def with_release(logged: list[int], row: Any) -> list[int]:
+    """``logged`` (a row's words in the undo log) with LEASE_PID 0 when that lease was released
+    since (its holder zeroes LEASE_PID without the lock: same state, same token). Every rollback
+    keeps a release, also of this process's own change of its own leased row (journal
+    invariant 10): a rollback that gave the pid back left the sequence leased to a handle that
+    had let it go, until this process exited."""
+    if (logged[LEASE_PID] and not row[LEASE_PID] and row[STATE] == logged[STATE]
+            and row[LEASE_TOKEN] == logged[LEASE_TOKEN]):
+        logged[LEASE_PID] = 0
+    return logged

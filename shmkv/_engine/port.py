@@ -157,6 +157,16 @@ class Port(Protocol):
         """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (growth)."""
         ...
 
+    def lent_end(self, slot: int) -> int:
+        """The end of the cells a row lends, from its start; 0 when none (lock held;
+        ``_engine/sharing.py``)."""
+        ...
+
+    def move_lender(self, slot: int, row: memoryview, keep: int) -> None:
+        """A lender to a fresh range, keeping its first ``keep`` cells (lock held, row changing;
+        CacheFullError, nothing changed, when no range is free: ``_engine/sharing.py``)."""
+        ...
+
     def rewrite(self, slot: int, full: Parts, window: Parts, capacity: int | None = None,
                 protect: int = -1) -> tuple[int, int]:
         """New content for a sequence where no row points (truncate, remove, ...)."""

@@ -12,7 +12,12 @@ unwritten:
 * a borrower whose length fell below its span (truncate, clear, rewind) keeps the whole pages
   below its length and gets private copies of the rest (copy-on-write) before it writes again;
 * a donor whose length fell below cells it lent moves to a fresh range (its appends would
-  otherwise write over them).
+  otherwise write over them). With no free range (a full store) it stays where it is, lending
+  cells it no longer holds: its write handle's room stops at its length, and its next write
+  there moves it first (``move_lender``; CacheFullError while no range is free, nothing
+  written). Its borrowers are never changed by it: another attachment may hold views of a
+  borrower's span, mapped on the donor's pages until it next maps the table, so those cells
+  must stay as they are while anyone borrows them.
 
 Crash points: ``share.borrowed``, ``share.unshared``, ``share.released``, ``share.moved``.
 """
@@ -23,7 +28,7 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import header as _header
-from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
+from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
 from shmkv._engine.free_ranges import mark_pages
 from shmkv._engine.intervals import add_interval, covers
 from shmkv._engine.pages import Pages
@@ -152,32 +157,50 @@ class Sharing(Pages):
 
     def _move_lender(self, slot: int, row: memoryview) -> None:
         """A donor shorter than the cells it lent: its content to a fresh range (its appends go
-        there), the lent cells left to their borrowers."""
-        start, cap, length = row[START], row[CAPACITY], row[LENGTH]
+        there), the lent cells left to their borrowers. No free range: it stays (see the module
+        docstring; a truncate never fails for want of room because of sharing, atk2 finding 07)."""
+        length = row[LENGTH]
         try:
-            new_start = self.alloc(cap, evict=True, protect=slot, populate=False, fill=length)
+            new_start = self._lender_range(slot, row, length)
         except CacheFullError:
-            self._shrink_borrowers(start, length)  # no room to move: its borrowers copy instead
-            return
-        self._copy_cells(start, new_start, length)
-        self._fill(new_start, cap)
-        _crash.point("share.moved")
-        row[START] = new_start
+            return  # its next write past its length moves it (_sequence/room.py leave_loans)
+        self._lender_moves(row, new_start, length)
         row[FLAGS] &= ~LENT
 
-    def _shrink_borrowers(self, phys: int, length: int) -> None:
-        """A lender at ``phys`` fell to ``length`` and cannot move (no free range): every row
-        borrowing more than the whole page units below ``length`` gets private copies of the
-        rest (it needs memory, not cells: its own range is its own), so the lender's next
-        appends write cells nobody borrows (atk2 finding 07: a truncate never fails for want of
-        room because of sharing)."""
-        u = self._off.page_unit
-        keep = length // u * u
+    def lent_end(self, slot: int) -> int:
+        """The end of the cells row ``slot`` lends (relative to its start; 0: none)."""
+        row = self.row(slot)
+        if not row[FLAGS] & LENT:
+            return 0
         t = self.table_np
-        for b in np.flatnonzero((t[:, STATE] == LIVE) & (t[:, SPAN_PHYS] == phys) & (t[:, SPAN_CELLS] > keep)):
-            brow = self.row(int(b))
-            with self.changing(brow, foreign=True):  # a decoding borrower commits meanwhile (journal 10)
-                self._unshare(int(b), brow, min(brow[LENGTH], brow[SPAN_CELLS]), keep)
+        lent = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0) & (t[:, SPAN_PHYS] == row[START]), SPAN_CELLS]
+        return int(lent.max()) if lent.size else 0
+
+    def move_lender(self, slot: int, row: memoryview, keep: int) -> None:
+        """Move a lender to a fresh range of its capacity, keeping its first ``keep`` cells (lock
+        held, row changing; its LENT flag goes at the change's end: ``_settle_span``).
+        CacheFullError when no range is free, nothing changed."""
+        self._lender_moves(row, self._lender_range(slot, row, keep), keep)
+
+    def _lender_range(self, slot: int, row: memoryview, keep: int) -> int:
+        """A fresh range for a lender (its first ``keep`` cells' pages allocated), or
+        CacheFullError naming the loan."""
+        cap = row[CAPACITY]
+        try:
+            return self.alloc(cap, evict=True, protect=slot, populate=False, fill=keep)
+        except CacheFullError as e:
+            raise CacheFullError(
+                f"store {self.name!r}: sequence {row[ID]} lent its first {self.lent_end(slot)} cells to other "
+                f"sequences and now holds {row[LENGTH]} tokens; its next tokens need a fresh range of {cap} "
+                "cells (those cells stay its borrowers') and none is free: free or truncate sequences, or "
+                "create the store with a larger max_tokens= (nothing was written)"
+            ) from e
+
+    def _lender_moves(self, row: memoryview, new_start: int, keep: int) -> None:
+        self._copy_cells(row[START], new_start, keep)
+        self._fill(new_start, row[CAPACITY])
+        _crash.point("share.moved")
+        row[START] = new_start
 
     def shared_cells(self) -> tuple[int, int]:
         """(cells borrowed by live rows, distinct physical cells those spans cover)."""

@@ -14,9 +14,10 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine.checks import ints
-from shmkv._engine.header import CAPACITY, GEN, LENGTH
+from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENGTH, LENT
 from shmkv._sequence import quant as _quant
 from shmkv._sequence.mirror import Int8Mirror
+from shmkv._sequence.room import leave_loans
 from shmkv._sequence.writer import real
 from shmkv.errors import InvalidArgumentError
 
@@ -60,6 +61,8 @@ def extend(w: SeqWriter, k_all: Any, v_all: Any, tokens: Any = None, positions: 
     if in_steps and lay.bounded and n > lay.step:
         return extend_in_steps(w, k_all, v_all, tokens, positions, step=lay.step)
     try:
+        if w.row[FLAGS] & LENT:  # cells it lent may lie past its length: it moves first (_sequence/room.py)
+            leave_loans(w)
         # fresh cells (a prefill): written through the segment's descriptor (no page zeroing)
         if w.port.write_new(w.start, w.row[LENGTH], w.row[CAPACITY], k_all, v_all):
             w.pending = [n] * w.L

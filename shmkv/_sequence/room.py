@@ -19,16 +19,23 @@ The chunk: at least ``MIN_CHUNK`` cells and a page unit, and an eighth of the ca
 a range's capacity, more for one of several GiB), holds at most an eighth of its capacity
 beyond what it wrote, and never stalls a step for more than 64 MiB of fresh pages (the kernel
 zeroes each page it allocates: about 4 ms a 16 MiB here, see tools/bench.py decode's first pass).
+
+A sequence that lent cells to others and truncated below them when no range was free to move
+to (``_engine/sharing.py``) still holds those cells' pages but may not write them: its room
+stops at its length (``mind_loans``, after each of its structural changes), and before its
+next write past the length it moves to a fresh range (``leave_loans``: CacheFullError while
+none is free, nothing written).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from shmkv._engine.header import CAPACITY, LENGTH
+from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENGTH, LENT, START, WIN_OFF
 from shmkv._engine.port import Port
+from shmkv._sequence.mirror import Int8Mirror
 
-__all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "Roomed", "chunk", "limits", "make_room"]
+__all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "Roomed", "chunk", "leave_loans", "limits", "make_room", "mind_loans"]
 
 MIN_CHUNK = 64  # cells
 MAX_CHUNK_BYTES = 64 << 20
@@ -39,12 +46,18 @@ class Roomed(Protocol):
 
     port: Port
     row: memoryview
+    slot: int
     start: int
     room: int
+    gen: int
+    pending: list[int]
+    mirror: Int8Mirror | None
     wc: int
     isfull: list[bool]
     lim: list[int]
     cached: tuple[int, int, int, int] | None
+
+    def cache(self, start: int, cap: int, woff: int) -> None: ...
 
 
 def chunk(capacity: int, page_unit: int, cell_bytes: int) -> int:
@@ -79,3 +92,33 @@ def make_room(w: Roomed, end: int) -> None:
     c = w.cached
     if c is not None:
         w.lim = limits(w, c[1], c[2])
+
+
+def mind_loans(w: Roomed) -> None:
+    """After the handle's own structural change of a row that lends (lock held): when it now
+    holds fewer tokens than it lent cells (it could not move: ``_engine/sharing.py``), its
+    room stops at its length, so its next append goes through ``leave_loans`` first."""
+    row = w.row
+    if w.room > row[LENGTH] and w.port.lent_end(w.slot) > row[LENGTH]:
+        w.room = row[LENGTH]
+        c = w.cached
+        if c is not None:
+            w.lim = limits(w, c[1], c[2])
+
+
+def leave_loans(w: Roomed) -> None:
+    """Before a write past the length of a row flagged LENT: when cells it lent lie there, move
+    it to a fresh range first (CacheFullError while none is free: nothing written, nothing
+    moved). Its pending tokens move with it."""
+    p = w.port
+    with p.locked():
+        row = w.row
+        keep = row[LENGTH] + max(w.pending)
+        if not row[FLAGS] & LENT or p.lent_end(w.slot) <= row[LENGTH]:
+            return
+        try:
+            with p.changing(row):
+                p.move_lender(w.slot, row, keep)
+        finally:  # our own change (or none): pending tokens stay valid
+            Int8Mirror.moved(w, row[GEN])
+            w.cache(row[START], row[CAPACITY], row[WIN_OFF])

@@ -26,6 +26,7 @@ from shmkv._engine.header import (
     GEN,
     IDX_BLOCKS,
     LENGTH,
+    LENT,
     NOINDEX,
     START,
     WBUF,
@@ -37,6 +38,7 @@ from shmkv._engine.header import (
 from shmkv._engine.prefix import COVERS
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
+from shmkv._sequence.room import mind_loans
 from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError, NotSupportedError
 
@@ -77,6 +79,8 @@ class Structural:
             row = w.row
             w.gen = row[GEN]
             w.cache(row[START], row[CAPACITY], row[WIN_OFF])
+            if row[FLAGS] & LENT:  # it lends: its room stops short of cells it lent (_sequence/room.py)
+                mind_loans(w)
         finally:
             self._locked.__exit__(*exc)
 

@@ -26,6 +26,7 @@ from shmkv._engine.header import (
     LEASE_PID,
     LEASE_TOKEN,
     LENGTH,
+    LENT,
     LIVE,
     NOINDEX,
     SEQ_WORDS,
@@ -39,7 +40,7 @@ from shmkv._engine.header import (
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
-from shmkv._sequence.room import limits, make_room
+from shmkv._sequence.room import leave_loans, limits, make_room
 from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
 
 
@@ -275,6 +276,8 @@ class SeqWriter:
             if end > self.row[CAPACITY]:
                 self.grow(end)
             if end > self.room:  # the pages after the room: allocated before the write
+                if self.row[FLAGS] & LENT:  # cells it lent may lie there: it moves first (room.py)
+                    leave_loans(self)
                 make_room(self, end)
             if end > self.lim[layer]:  # a sliding/chunked layer's buffer is full
                 compact(self, layer, end)
@@ -417,9 +420,8 @@ def unindexable(w: SeqWriter, row: memoryview) -> None:
 
 def kept(w: SeqWriter, row: memoryview) -> bool:
     """Whether a change someone else made to ``w``'s row left its range, window buffer and
-    length where they were: another process borrowed from it (the LENT flag), gave its
-    borrowed cells private copies (``Sharing._unshare``), or did either and rolled it back
-    (an exception, or a recovery after its death: the flag or the span is back as it was,
+    length where they were: another process borrowed from it (the LENT flag), or did and
+    rolled it back (an exception, or a recovery after its death: the flag is back as it was,
     the generation moved on; journal invariant 10). Its pending tokens, in cells past the
     length, stay valid then: a decode step is not lost because another request borrowed from
     this one mid-step. A change this process made to the row otherwise (copy_prefix into it,
@@ -435,10 +437,11 @@ def kept(w: SeqWriter, row: memoryview) -> bool:
 
 
 def remap(w: SeqWriter) -> bool:
-    """After a kept() change: a borrower given private copies stops showing the donor's pages in
-    this attachment before append's views (or an int8 mirror) read them, as the donor writes
-    there next. Without waiting: while the change is open (the span epoch odd: the rows' end
-    comes before the epoch's, journal ``_end``) the donor cannot write yet; returns whether this
+    """After a kept() change: this attachment follows the span table before append's views (or
+    an int8 mirror) read the row (no change by another process alters a borrower's span since
+    a donor stopped giving its borrowers private copies; kept as the rule). Without waiting:
+    while the change is open (the span epoch odd: the rows' end comes before the epoch's,
+    journal ``_end``) nothing can be mapped yet; returns whether this
     attachment now maps the spans as the table says (False: the caller keeps no generation, so
     its next need_writer calls this again; review finding 1c)."""
     shares = w.r.shares
