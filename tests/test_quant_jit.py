@@ -21,9 +21,7 @@ from shmkv._sequence import quant as _quant
 
 SEED = 2468
 F32_MAX = float(np.finfo(np.float32).max)
-# Below float32's largest by far more than an ulp: a row whose absmax is within a few ulps of
-# it dequantizes to infinity (127 * fl(absmax / 127) rounds past it), on both paths alike.
-BIG = float(np.float32(3.4e38))
+BIG = F32_MAX  # the largest input magnitude the strategies draw
 EXAMPLES = int(os.environ.get("SHMKV_HYPOTHESIS_EXAMPLES", "300"))
 ml_dtypes = importorskip_unless_ci("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -44,15 +42,33 @@ def path(request, monkeypatch):
     return request.param
 
 
+def _largest_finite_scale() -> np.float32:
+    """The largest float32 s with 127 * s finite in float32: a bisection over the bits of the
+    positive float32s (fl(127 * s) grows with s)."""
+    lo, hi = 0, 0x7F7FFFFF  # 127 * (the float with bits lo) is finite, with bits hi it is not
+    with np.errstate(over="ignore"):
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if np.isfinite(np.float32(127) * np.array(mid, np.int32).view(np.float32)):
+                lo = mid
+            else:
+                hi = mid
+    return np.array(lo, np.int32).view(np.float32)[()]
+
+
+SCALE_MAX = _largest_finite_scale()
+
+
 def reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """int8 codes, float32 scales and dequantized float32 values of rows ``x`` [..., D] (finite,
     within float32's range), straight from quant's docstring: the values in float32 (numpy's
-    cast), scale = absmax / 127 in float32; a subnormal scale at least the smallest float32 step
+    cast), scale = absmax / 127 in float32, at most the largest scale whose 127 * scale is
+    finite (absmax = float32's largest); a subnormal scale at least the smallest float32 step
     and stepped up until absmax <= 127.5 * scale; codes rint(x / scale) (half to even) clipped
     to [-127, 127]; an all-zero row has scale 0 (divided by 1). Dequantized: code * the divisor."""
     f = x.astype(np.float32)
     am = np.abs(f).max(axis=-1)
-    scale = (am / np.float32(127)).astype(np.float32)
+    scale = np.minimum((am / np.float32(127)).astype(np.float32), SCALE_MAX)
     scale = np.where(am > 0, np.maximum(scale, np.float32(2.0**-149)), np.float32(0)).astype(np.float32)
     for _ in range(4):
         low = am.astype(np.float64) > 127.5 * scale.astype(np.float64)
@@ -74,8 +90,16 @@ def _edge_rows(dtype: np.dtype, D: int) -> np.ndarray:
     tiny = {np.dtype(np.float16): 2.0**-24, BF16: 2.0**-133}.get(dtype, 2.0**-149)
     rows = [np.zeros(D), -np.zeros(D), np.full(D, tiny), np.arange(D) * tiny, np.full(D, big),
             np.linspace(-big, big, D), np.r_[127.0, np.arange(D - 1) + 0.5], np.eye(1, D, D // 2)[0] * 3.0,
-            np.r_[1e-3, np.full(D - 1, 1e3)], np.full(D, 1.675e-42), np.full(D, 3.8e-44), -np.arange(D) * 1e-40]
+            np.r_[1e-3, np.full(D - 1, 1e3)], np.full(D, 1.675e-42), np.full(D, 3.8e-44), -np.arange(D) * 1e-40,
+            np.r_[-big, np.zeros(D - 1)]]
+    if dtype.itemsize >= 4:  # float32's largest and a few ulps below it (its scale is capped)
+        rows += [np.linspace(-_below_max(k), 0, D) for k in range(4)]
     return np.array(rows).astype(dtype)
+
+
+def _below_max(ulps: int) -> float:
+    """float32's largest value ``ulps`` float32 steps down."""
+    return float(np.array(np.array(F32_MAX, np.float32).view(np.int32) - ulps, np.int32).view(np.float32))
 
 
 def _quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -101,7 +125,9 @@ def test_both_paths_equal_the_reference_on_a_prefill(path, dtype, make_store):
     print(f"seed={SEED}")
     rng = np.random.default_rng(SEED)
     x = rng.standard_normal((2, 300, 4, 64)) * np.exp(rng.uniform(-40, 40, (2, 300, 4, 1)))
-    x[:, :3] = _edge_rows(dtype, 64).reshape(3, 4, 64)
+    edge = _edge_rows(dtype, 64)
+    t = -(-len(edge) // 4)  # tokens of 4 heads holding every edge row
+    x[:, :t] = np.concatenate([edge, edge[: 4 * t - len(edge)]]).reshape(t, 4, 64)
     x = x.clip(-6e4, 6e4).astype(dtype) if dtype == np.float16 else x.astype(dtype)
     q, s = _quantize(x.reshape(-1, 64))
     want_q, want_s, _ = reference(x.reshape(-1, 64))
@@ -113,6 +139,50 @@ def test_both_paths_equal_the_reference_on_a_prefill(path, dtype, make_store):
     want_k = want_q.reshape(2, 300, 4, 64)[0].astype(np.float32) * want_s.reshape(2, 300, 4)[0, ..., None]
     np.testing.assert_array_equal(_bits(seq.keys(0)), _bits(want_k))  # dequantize_int8's values
 
+
+
+def _within_the_codec_bound(x: np.ndarray, got: np.ndarray) -> None:
+    """quant's documented error: |dequantized - x| <= absmax / 254 per row, up to float32
+    rounding of the scale (as tests/test_quant.py bounds it)."""
+    assert np.isfinite(got).all()
+    x = x.astype(np.float64)
+    bound = np.abs(x).max(axis=-1, keepdims=True) / 254
+    err = np.abs(got.astype(np.float64) - x)
+    assert np.all(err <= bound * (1 + 2.0**-15) + 2.0**-148), float((err - bound).max())
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)], ids=str)
+def test_rows_at_float32s_largest_read_back_finite(path, dtype, make_store):
+    """A row whose absmax is float32's largest value (or a few ulps below it): 127 * fl(absmax / 127)
+    rounded past it and read back as infinity before the scale was capped (edges issue, item 1).
+    Through the codec, an extend (prefill) and a decode step's commit (the mirror's rows)."""
+    D, H = 16, 4
+    rows = []
+    for k in range(5):
+        for sign in (1, -1):
+            r = np.linspace(-1e30, 1e30, D)
+            r[(3 * k) % D] = sign * _below_max(k)
+            rows.append(r)
+    x = np.array(rows).astype(dtype)  # [10, D]
+    q, s = _quantize(x)
+    assert np.isfinite(np.float32(127) * s).all()
+    _within_the_codec_bound(x, _quant.dequantize_int8(q, s))
+    _, _, want = reference(x)
+    np.testing.assert_array_equal(_quant.dequantize_int8(q, s), want)  # (the codes lose -0.0)
+
+    kv = x[: 2 * H].reshape(1, 2, H, D)  # [layers, tokens, heads, D]
+    store = make_store(layers=1, kv_heads=H, head_dim=D, dtype="int8", max_tokens=64, max_seqs=2)
+    seq = store.create_sequence(capacity=8)
+    seq.extend(kv, kv[:, ::-1])
+    _within_the_codec_bound(kv[0], seq.keys(0))
+    _within_the_codec_bound(kv[0, ::-1], seq.values(0))
+    step = x[2 * H - 2 : 3 * H - 2]  # one token: [H, D]
+    k, v = seq.append(0, step, -step)
+    seq.commit()
+    _within_the_codec_bound(step, k[-1])  # the mirror's view, dequantized at commit
+    _within_the_codec_bound(-step, v[-1])
+    np.testing.assert_array_equal(k, seq.keys(0))  # equal (the mirror keeps -0.0)
+    _within_the_codec_bound(np.concatenate([kv[0], step[None]]), seq.keys(0))
 
 
 _F16 = st.floats(width=16, allow_nan=False, allow_infinity=False)

@@ -27,6 +27,7 @@ import sys
 import numpy as np
 from numpy.typing import DTypeLike
 
+from shmkv._engine import cachestat as _cachestat
 from shmkv._engine.shm_room import _MEMINFO, _ROOM, _Room, _mem_available  # noqa: F401  (tests reach them here)
 from shmkv.errors import (
     AccessDeniedError,
@@ -228,8 +229,8 @@ class Segment:
             return spans
         room = _room_bytes()
         _ROOM.read(room, need)
-        # the exact count of pages still missing (a SEEK_HOLE walk, slow over long allocated
-        # stretches) only matters when the spans could exceed the room
+        # the exact count of pages still missing (cachestat, or a SEEK_HOLE walk, slow over
+        # long allocated stretches) only matters when the spans could exceed the room
         if room is not None and need > room:
             missing = sum(self._unallocated(b, e) for b, e in spans)
             if missing > room:
@@ -342,7 +343,19 @@ class Segment:
             done += got
 
     def _unallocated(self, begin: int, end: int) -> int:
-        """Bytes of ``[begin, end)`` that have no page yet (SEEK_HOLE/SEEK_DATA walk)."""
+        """Bytes of the page-aligned ``[begin, end)`` that have no page yet: cachestat's count
+        of the pages there (fallocated and never written ones too, see _engine/cachestat.py),
+        else a SEEK_HOLE/SEEK_DATA walk (which counts those as missing: an overcount)."""
+        if end <= begin:
+            return 0
+        held = _cachestat.pages(self._fd, begin, end - begin)
+        if held is not None:
+            return max(end - begin - held * _cachestat.PAGE, 0)
+        return self._holes(begin, end)
+
+    def _holes(self, begin: int, end: int) -> int:
+        """Bytes of ``[begin, end)`` that SEEK_HOLE reports as holes (on tmpfs: no page, or a
+        page fallocated and never written)."""
         missing, pos = 0, begin
         try:
             while pos < end:

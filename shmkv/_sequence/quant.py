@@ -8,7 +8,9 @@ int8: each (token, head) row of ``head_dim`` values is stored as int8 with one
 float32 scale, ``scale = absmax / 127`` and ``q = round(x / scale)`` (round half
 to even, numpy's rule), so ``|q * scale - x| <= scale / 2 = absmax / 254``, up to
 float32 rounding of the scale (a few ulps), plus a float32 step (2^-149) for rows
-so small that the scale is subnormal. An
+so small that the scale is subnormal. A row whose absmax is float32's largest value takes
+the largest scale ``_SCALE_MAX`` with a finite ``127 * scale`` (one ulp below absmax / 127,
+which rounds up: its code 127 would dequantize to infinity); the bound above still holds. An
 all-zero row has scale 0. NaN, infinity and values beyond float32's range
 cannot be represented and are refused before anything is written.
 
@@ -43,6 +45,18 @@ except ImportError:  # pragma: no cover - depends on the environment
 _TINY = np.float32(2.0**-149)  # the smallest float32 subnormal
 _NORMAL = float(np.finfo(np.float32).tiny) * 127.5  # absmax above it: absmax / 127 is a normal float32
 _F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _largest_scale() -> np.float32:
+    """The largest float32 ``s`` whose ``127 * s`` is finite in float32 (fl(max / 127) is not)."""
+    s = np.float32(_F32_MAX) / np.float32(127)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(np.float32(127) * s):
+            s = np.nextafter(s, np.float32(0))
+    return np.float32(s)
+
+
+_SCALE_MAX = _largest_scale()  # the scale of a row whose absmax is float32's largest (see above)
 _CHUNK_ITEMS = 1 << 15
 # values quantized per pass: the scratch (128 KiB a buffer) stays in cache
 _FEW_ROWS = 64  # rows of head_dim values: below it a decode step's path (see _encode)
@@ -114,6 +128,7 @@ def check_finite(x: np.ndarray, what: str) -> None:
 def _scales(absmax: np.ndarray) -> np.ndarray:
     """float32 scales of rows with float32 ``absmax`` (absmax / 127, see the module docstring)."""
     scale = (absmax / np.float32(127)).astype(np.float32)
+    np.minimum(scale, _SCALE_MAX, out=scale)  # absmax = float32's largest: 127 * scale finite
     if absmax.size and absmax.min() > _NORMAL:
         return scale  # the common case: a normal scale, absmax <= 127.5 * scale holds already
     # absmax / 127 can underflow to 0 for subnormal rows (found by hypothesis: 3.8e-44);
@@ -189,11 +204,14 @@ def quantize_rows(P: np.ndarray, X: np.ndarray, A: np.ndarray, B: np.ndarray) ->
     R = A2.shape[0]
     am = A2.ravel().take(A2.argmax(axis=1) + _row_offsets(R, D))  # NaN: argmax finds it
     i = int(am.argmax())
-    if not am[i] <= _F32_MAX:  # NaN or infinity
+    top = float(am[i])
+    if not top <= _F32_MAX:  # NaN or infinity
         return i, am[:0]
     B2 = B.reshape(R, D)
     if am[am.argmin()] > _NORMAL:  # normal scales: no clip needed (see _encode)
         scale: np.ndarray = am / np.float32(127)
+        if top == _F32_MAX:
+            np.minimum(scale, _SCALE_MAX, out=scale)  # (see _SCALE_MAX)
         np.copyto(B2, scale[:, None])
         np.divide(X, B, out=A)
         np.rint(A, out=A)
@@ -223,18 +241,23 @@ def _encode(f: np.ndarray, error: Callable[[], None], limit: float, scratch: np.
     t = np.abs(f, out=scratch[: f.size].reshape(f.shape))
     am = t.ravel().take(t.argmax(axis=1) + _row_offsets(*f.shape))  # NaN: argmax finds it
     if f.shape[0] > _FEW_ROWS:  # a prefill: numpy's argmax/argmin of the rows' absmax
-        finite = bool(am[am.argmax()] <= limit)  # (False for NaN)
+        high = float(am[am.argmax()])
+        finite = high <= limit  # (False for NaN)
         low = float(am[am.argmin()])
     else:  # a decode step: Python's sum and min of a few floats
         rows = am.tolist()
-        finite = math.isfinite(sum(rows)) and max(rows) <= limit  # (no overflow in a double)
+        high = max(rows)
+        finite = math.isfinite(sum(rows)) and high <= limit  # (no overflow in a double)
         low = min(rows)
     if not finite:  # NaN or infinity
         error()
     if low > _NORMAL:
         # normal scales (the common case): |x| / scale <= 127 * (1 + 2^-23) rounds to <= 127,
-        # no clip needed; the same codes as the general path below
+        # no clip needed (with the capped scale of a row at float32's largest, 127 + one ulp);
+        # the same codes as the general path below
         scale: np.ndarray = am / np.float32(127)
+        if high == _F32_MAX:
+            np.minimum(scale, _SCALE_MAX, out=scale)  # (see _SCALE_MAX)
         np.divide(f, scale[:, None], out=f)
         np.rint(f, out=f)
         return scale

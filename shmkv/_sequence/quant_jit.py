@@ -15,8 +15,9 @@ Exactly the numpy path's arithmetic (tests/test_quant_jit.py compares both with 
   every finite value, subnormals included), and infinity or NaN come out as themselves;
   bfloat16's bits shifted into a float32's; float64 rounded to float32 (``np.float32(x)`` is
   numpy's cast) after its magnitude is checked against float32's largest in float64;
-* ``scale = absmax / float32(127)`` in float32; rows whose absmax is at most ``_NORMAL`` take
-  ``_scales``' subnormal rules (at least the smallest float32 step, stepped up until
+* ``scale = absmax / float32(127)`` in float32, at most ``quant._SCALE_MAX`` (for a row whose
+  absmax is float32's largest: ``127 * scale`` stays finite); rows whose absmax is at most
+  ``_NORMAL`` take ``_scales``' subnormal rules (at least the smallest float32 step, stepped up until
   ``absmax <= 127.5 * scale`` holds in float64) and are clipped to [-127, 127];
 * ``q = rint(x / scale)`` (IEEE float32 division, round half to even), the code ``int8(q)``,
   the dequantized value ``q * scale`` (or ``q * 1`` for an all-zero row, as numpy's path).
@@ -37,6 +38,17 @@ from numba.extending import intrinsic
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _NORMAL = float(np.finfo(np.float32).tiny) * 127.5
+
+
+def _scale_max() -> np.float32:
+    """The largest float32 ``s`` whose ``127 * s`` is finite in float32 (quant._largest_scale)."""
+    s = np.float32(_F32_MAX) / np.float32(127)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(np.float32(127) * s):
+            s = np.nextafter(s, np.float32(0))
+    return np.float32(s)
+
+
 _normal32 = np.float32(_NORMAL)
 if float(_normal32) <= _NORMAL:
     _normal32 = np.nextafter(_normal32, np.float32(np.inf))
@@ -44,6 +56,7 @@ _NORMAL_BITS = int(np.array(_normal32).view(np.int32))  # absmax > _NORMAL <=> i
 _INF_BITS = 0x7F800000  # absmax bits at least these: infinity or NaN
 _TINY_BITS = 1  # the smallest float32 subnormal's bits
 _C127 = np.float32(127)
+_SCALE_MAX = _scale_max()  # quant._SCALE_MAX (no import of quant: it imports this module)
 _ONE = np.float32(1)
 _ZERO = np.float32(0)
 
@@ -218,7 +231,7 @@ def _code_low(row: np.ndarray, am: float, codes: np.ndarray, tmp: np.ndarray, tm
 def _code(row: np.ndarray, mb: Any, codes: np.ndarray, tmp: np.ndarray, tmpi: np.ndarray) -> Any:  # pragma: no cover
     """Finite ``row`` (float32, absmax bits ``mb``) into ``codes``; returns its scale."""
     if mb >= _NORMAL_BITS:
-        s = _f32(mb) / _C127
+        s = min(_f32(mb) / _C127, _SCALE_MAX)
         for j in range(row.size):
             codes[j] = np.int8(np.int32(np.rint(row[j] / s)))
         return s
@@ -356,7 +369,7 @@ def commit_rows(M: np.ndarray, t0: int, n: int, K: np.ndarray, V: np.ndarray,  #
                 row = M1[a : a + D]
                 cd = codes[c : c + D]
                 if mb >= _NORMAL_BITS:
-                    sc = _f32(mb) / _C127
+                    sc = min(_f32(mb) / _C127, _SCALE_MAX)
                     for j in range(D):
                         q = np.rint(row[j] / sc)
                         cd[j] = np.int8(np.int32(q))
