@@ -912,3 +912,71 @@ def test_a_stuck_donor_killed_growing_off_its_loans_leaves_its_borrowers_steps(m
                 child.kill()
                 child.join()
         other.close()
+
+
+# -- review 32: a change of the stuck donor's own row that does not lower its length -----------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("how", ["meta", "set_tokens", "set_encoder"])
+def test_a_donor_below_its_loans_is_not_moved_by_another_change_of_its_own(make_store, dtype: str, how: str) -> None:
+    """The donor went below its loans in a full store and a range was freed since. Its meta=,
+    set_tokens or set_encoder (changes of its own row that keep its length) does not move it:
+    before, the move happened inside them, the handle kept the old range's addressing, and the
+    donor's next tokens went into the cells its borrowers read (review 32 finding 1). Its next
+    append moves it, and both read their own tokens."""
+    from _share_scenes import kv_store
+
+    store = kv_store(make_store, dtype)
+    other = shmkv.attach(store.name)
+    try:
+        s = lent_in_a_full_store(store, other, 5)
+        d = s.donor
+        drow = other._engine.row(other._engine.slot_of(d.id))
+        d.truncate(s.n // 3)
+        start = drow[START]
+        s.free_a_filler(other)
+        if how == "meta":
+            d.meta = {"r": 1}
+        elif how == "set_tokens":
+            d.set_tokens(s.toks[:2], 0)
+        else:
+            k = np.ones((L, 4, H, D), np.float32)
+            d.set_encoder(k, k)
+        assert drow[START] == start and drow[FLAGS] & LENT  # not moved by it
+        x = np.full((H, D), 9.0, np.float32)
+        for layer in range(L):
+            d.append(layer, x, x)
+        assert d.commit() == s.n // 3 + 1
+        assert drow[START] != start  # moved by the write
+        for layer in range(L):
+            np.testing.assert_array_equal(s.borrowers[0].keys(layer)[: s.m], s.want[layer][: s.m])
+            assert float(np.asarray(d.keys(layer))[-1, 0, 0]) == 9.0
+    finally:
+        other.close()
+
+
+def test_a_change_of_a_stuck_donors_meta_evicts_nothing(make_store) -> None:
+    """In the same state, with a finished (evictable) sequence in the store instead of a free
+    range: meta= evicts nothing (only a create, a growth or a write that needs room may); the
+    donor's next append may, to move."""
+    from _share_scenes import kv_store
+
+    store = kv_store(make_store)
+    other = shmkv.attach(store.name)
+    try:
+        s = lent_in_a_full_store(store, other, 6)
+        s.donor.truncate(1)
+        s.fillers[-1].finish()  # evictable now
+        before = store.stats()
+        s.donor.meta = {"r": 2}
+        after = store.stats()
+        assert (after.sequences, after.evictions) == (before.sequences, before.evictions)
+        x = np.full((H, D), 9.0, np.float32)
+        for layer in range(L):
+            s.donor.append(layer, x, x)
+        assert s.donor.commit() == 2
+        for layer in range(L):
+            np.testing.assert_array_equal(s.borrowers[0].keys(layer)[: s.m], s.want[layer][: s.m])
+    finally:
+        other.close()

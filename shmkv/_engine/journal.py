@@ -141,7 +141,7 @@ class Journal:
     def check_writable(self) -> None:
         raise NotImplementedError
 
-    def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int]) -> None:
+    def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
         raise NotImplementedError
 
     def _spans_current(self, depth: int) -> None:
@@ -444,7 +444,7 @@ class _Change:
     It also keeps this process's free-range cache (``_engine/free_ranges.py``: the row's range
     and state before its outermost bracket, compared at its end; inlined, on the truncate path)."""
 
-    __slots__ = ("foreign", "j", "outer", "row", "slot", "was")
+    __slots__ = ("foreign", "j", "outer", "row", "slot", "was", "was_len")
 
     def __init__(self, j: Journal, row: memoryview, foreign: bool = False) -> None:
         self.j, self.row, self.outer, self.foreign = j, row, False, foreign
@@ -473,7 +473,7 @@ class _Change:
                 j._free.tag = -1
         self.slot = slot
         self.outer = j._free.brackets.setdefault(slot, was := (row[STATE], row[START], row[CAPACITY])) is was
-        self.was = was
+        self.was, self.was_len = was, row[LENGTH]
 
     @critical
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -482,7 +482,7 @@ class _Change:
         if self.outer:
             if exc_type is None and j.hdr[_W_SPANS] and (row[SPAN_CELLS] or row[FLAGS] & LENT):
                 try:
-                    j._settle_span(self.slot, row, self.was)  # shared cells stay unwritten
+                    j._settle_span(self.slot, row, self.was, self.was_len)  # shared cells stay unwritten
                 except BaseException as e:  # the bracket still ends (rolled back), then it propagates
                     err, exc_type = e, type(e)
             if j._free.brackets.pop(self.slot) != (row[STATE], row[START], row[CAPACITY]):

@@ -148,8 +148,14 @@ class Sharing(Pages):
         for off, cb in pieces:
             self._dseg.write(off + start * cb, memoryview(raw[off + src * cb : off + (src + m) * cb]))  # type: ignore[arg-type]  # a buffer
 
-    def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int]) -> None:
-        """The end of a change of a row that borrows or lends (see the module docstring)."""
+    def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
+        """The end of a change of a row that borrows or lends (see the module docstring;
+        ``was``: its (state, start, capacity) and ``was_len`` its length before the change). A
+        lender moves off its loans only in the change that took its length below them (its
+        truncate, clear, rewind): one that stayed below them in a full store moves at its next
+        write (``_sequence/room.py`` leave_loans), never inside another change of its row (its
+        meta, set_tokens, set_encoder: their handles keep the range's addressing, and such a
+        change never evicts; review 32 finding 1)."""
         m = row[SPAN_CELLS]
         if m and (row[STATE] != LIVE or row[START] != was[1]):
             row[SPAN_PHYS] = row[SPAN_CELLS] = 0
@@ -162,7 +168,7 @@ class Sharing(Pages):
             lent = self._lent_from(start)
             if row[STATE] != LIVE or start != was[1] or not lent:
                 row[FLAGS] &= ~LENT  # moved away or nobody borrows any more: its cells are its own again
-            elif row[LENGTH] < lent:
+            elif row[LENGTH] < lent and row[LENGTH] < was_len:
                 self._move_lender(slot, row)
         self._free.tag = -1  # the spans changed what is free: derived again
 
