@@ -452,9 +452,9 @@ def read(words: np.ndarray, raw: np.ndarray, segment_size: int, name: str) -> tu
         raise CorruptStoreError(f"segment {name!r} is not a shmkv store (bad magic)")
     version = int(words[W_VERSION])
     if version != FORMAT_VERSION:
-        raise CorruptStoreError(
-            f"store {name!r} has header version {version}; this shmkv reads version {FORMAT_VERSION}"
-        )
+        raise CorruptStoreError(f"store {name!r} has header version {version}; this shmkv reads version "
+                                f"{FORMAT_VERSION}: open it with the shmkv that made it, or remove it "
+                                f"(shmkv rm {name}) and create it again")
     layers = int(words[W_LAYERS])
     if not 1 <= layers <= MAX_LAYERS or LAYER_KINDS_OFF + layers > segment_size:
         raise CorruptStoreError(f"store {name!r} header is damaged (layers={layers})")

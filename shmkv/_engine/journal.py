@@ -51,9 +51,8 @@ Invariants (each names the function that keeps it):
     path is ``interrupts.critical`` and a Ctrl-C there is raised at the next safe point
     (``_lock``'s module docstring).
 10. A change of another writer's row (``changing(row, foreign=True)``: a borrow marking its
-    donor LENT; until session 32 also a donor's truncate giving a borrower private copies,
-    which no longer happens: ``_engine/sharing.py``) never changes the words
-    its lease holder writes without the lock (``LOCK_FREE``: LENGTH, published by a commit;
+    donor LENT; a donor never changes its borrowers' rows, tests/test_foreign_attack.py) never
+    changes the words its lease holder writes without the lock (``LOCK_FREE``: LENGTH, published by a commit;
     LEASE_PID, zeroed by a release), and neither does putting it back: the holder writes
     them even while the row is odd (``writer.kept``), so a rollback restoring the logged
     words would undo a commit that returned, or give back a lease that was released

@@ -25,8 +25,9 @@ even when the transaction ends (or is rolled back), so:
 2. A transaction's own process applies its own span changes at once (``Sharing``).
 3. Shared cells are never written: a borrower that truncates below its span gets private
    copies first (copy-on-write), one whose range moves (growth, remove, shift_left,
-   copy_prefix) or is freed drops its span, and a donor that truncates into lent cells moves
-   (``Sharing._settle_span``, run at the end of every change of such a row).
+   copy_prefix) or is freed drops its span, and a donor that truncates into lent cells moves,
+   or, with no free range, stays and moves before its next write there (``Sharing._settle_span``,
+   run at the end of every change of such a row; ``_sequence/room.py``).
 
 Mapping count: a borrower costs about two mappings a shared array (2 x full layers, plus 2 x
 layers of int8 scales) in every process attached; ``max_borrowers`` keeps live borrowers within

@@ -172,13 +172,13 @@ class Sharing(Pages):
                 self._move_lender(slot, row)
         self._free.tag = -1  # the spans changed what is free: derived again
 
-    def _unshare(self, slot: int, row: memoryview, keep: int, upto: int | None = None) -> None:
+    def _unshare(self, slot: int, row: memoryview, keep: int) -> None:
         """Copy-on-write: the borrower keeps tokens [0, keep) (keep <= its span); its span shrinks
-        to the whole page units below ``upto`` (default ``keep``) and the rest gets private
+        to the whole page units below ``keep`` and the rest gets private
         pages, filled from the span through the descriptor (its own pages there are not mapped
         here yet)."""
         start, phys, m = row[START], row[SPAN_PHYS], row[SPAN_CELLS]
-        m2 = min(keep if upto is None else upto, keep) // self._off.page_unit * self._off.page_unit
+        m2 = keep // self._off.page_unit * self._off.page_unit
         pieces = self.shares.pieces
         mark_pages(self.hdr, start + m)  # (inside its range: marked already)
         self._dseg.reserve([(off + (start + m2) * cb, (m - m2) * cb) for off, cb in pieces], populate=False)
