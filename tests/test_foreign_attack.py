@@ -31,6 +31,7 @@ import pytest
 
 import shmkv
 from shmkv._engine import crash
+from shmkv._engine import header as _header
 from shmkv._engine.header import FLAGS, LEASE_PID, LENT, START
 from shmkv.testing import unique_name
 from _share_scenes import kv_store, lent_in_a_full_store
@@ -698,3 +699,48 @@ def test_a_rollback_of_this_process_s_own_change_keeps_a_lease_released_meanwhil
         assert len(taken) == 3
     finally:
         other.close()
+
+
+def _copy_release_and_die(name: str, src_id: int, at: Any, go: Any) -> None:  # a fork child
+    s = shmkv.attach(name)
+    dst = s.create_sequence(capacity=64)
+
+    def release_then_die(point: str) -> None:
+        if point == "copy_prefix.copied":  # its own change of its own leased row, in the log
+            dst.release()  # (lock-free: LEASE_PID zeroed)
+            at.put(dst.id)
+            go.wait(60)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    crash.point = release_then_die
+    s.copy_prefix(src_id, dst.id, 20)
+    os._exit(0)  # (not reached)
+
+
+def test_a_reader_sees_a_lease_released_during_a_dead_process_s_own_change_as_released(make_store) -> None:
+    """As above, with the process SIGKILLed inside its change: until someone rolls the change
+    back, a read-only attachment's listing (the rows as the rollback leaves them:
+    ``settled_row``) shows the lease released, as the rollback then leaves it."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
+    kv, toks = _kv(32, 40)
+    src = _donor(store, kv, toks, 40, 64)
+    ctx = mp.get_context("fork")
+    at, go = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_copy_release_and_die, args=(store.name, src.id, at, go))
+    child.start()
+    try:
+        dst_id = at.get(timeout=60)
+    finally:
+        _let_go_and_reap(child, go)
+    assert child.exitcode == -signal.SIGKILL
+    e = store._engine
+    assert e.hdr[_header.W_UNDO_COUNT] and e.row(e.slot_of(dst_id))[LEASE_PID] == 0  # still in the log
+    ro = shmkv.attach(store.name, readonly=True)
+    try:
+        listed = {i.id: i for i in ro.sequences()}
+        assert listed[dst_id].lease_pid == 0 and listed[dst_id].length == 0
+    finally:
+        ro.close()
+    with store.transaction():  # the rollback: the same
+        pass
+    assert e.row(e.slot_of(dst_id))[LEASE_PID] == 0 and len(store.sequence(dst_id)) == 0
