@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from shmkv._sequence.quant_limits import F32_MAX, NORMAL, SCALE_MAX
 from shmkv.errors import InvalidArgumentError
 
 try:  # optional: zero-copy bfloat16 views
@@ -43,20 +44,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 _TINY = np.float32(2.0**-149)  # the smallest float32 subnormal
-_NORMAL = float(np.finfo(np.float32).tiny) * 127.5  # absmax above it: absmax / 127 is a normal float32
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _largest_scale() -> np.float32:
-    """The largest float32 ``s`` whose ``127 * s`` is finite in float32 (fl(max / 127) is not)."""
-    s = np.float32(_F32_MAX) / np.float32(127)
-    with np.errstate(over="ignore"):
-        while not np.isfinite(np.float32(127) * s):
-            s = np.nextafter(s, np.float32(0))
-    return np.float32(s)
-
-
-_SCALE_MAX = _largest_scale()  # the scale of a row whose absmax is float32's largest (see above)
+_NORMAL, _F32_MAX, _SCALE_MAX = NORMAL, F32_MAX, SCALE_MAX  # (shmkv/_sequence/quant_limits.py)
 _CHUNK_ITEMS = 1 << 15
 # values quantized per pass: the scratch (128 KiB a buffer) stays in cache
 _FEW_ROWS = 64  # rows of head_dim values: below it a decode step's path (see _encode)

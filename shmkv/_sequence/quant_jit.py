@@ -36,19 +36,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-_F32_MAX = float(np.finfo(np.float32).max)
-_NORMAL = float(np.finfo(np.float32).tiny) * 127.5
+from shmkv._sequence.quant_limits import F32_MAX, NORMAL, SCALE_MAX
 
-
-def _scale_max() -> np.float32:
-    """The largest float32 ``s`` whose ``127 * s`` is finite in float32 (quant._largest_scale)."""
-    s = np.float32(_F32_MAX) / np.float32(127)
-    with np.errstate(over="ignore"):
-        while not np.isfinite(np.float32(127) * s):
-            s = np.nextafter(s, np.float32(0))
-    return np.float32(s)
-
-
+_F32_MAX, _NORMAL = F32_MAX, NORMAL  # (numba reads module globals as constants)
 _normal32 = np.float32(_NORMAL)
 if float(_normal32) <= _NORMAL:
     _normal32 = np.nextafter(_normal32, np.float32(np.inf))
@@ -56,7 +46,7 @@ _NORMAL_BITS = int(np.array(_normal32).view(np.int32))  # absmax > _NORMAL <=> i
 _INF_BITS = 0x7F800000  # absmax bits at least these: infinity or NaN
 _TINY_BITS = 1  # the smallest float32 subnormal's bits
 _C127 = np.float32(127)
-_SCALE_MAX = _scale_max()  # quant._SCALE_MAX (no import of quant: it imports this module)
+_SCALE_MAX = SCALE_MAX  # (shmkv/_sequence/quant_limits.py: the numpy path's too)
 _ONE = np.float32(1)
 _ZERO = np.float32(0)
 
