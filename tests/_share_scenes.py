@@ -10,6 +10,7 @@ longer holds (``_engine/sharing.py``): its next write past its length must move 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,17 @@ class Lent:
         biggest = max(self.fillers[1:], key=lambda f: sizes[f.id])
         self.fillers.remove(biggest)
         biggest.free()
+
+
+def let_go_and_reap(child: Any, go: Any) -> None:
+    """Let a child paused at a crash point (waiting on event ``go``) go on, to its end or its
+    SIGKILL, and reap it (killed after 60 s). ``child`` None: not started."""
+    go.set()
+    if child is not None:
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
 def kv_store(make_store, dtype: str = "float16") -> shmkv.Store:

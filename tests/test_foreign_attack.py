@@ -34,7 +34,7 @@ from shmkv._engine import crash
 from shmkv._engine import header as _header
 from shmkv._engine.header import FLAGS, LEASE_PID, LENT, START
 from shmkv.testing import unique_name
-from _share_scenes import kv_store, lent_in_a_full_store
+from _share_scenes import kv_store, lent_in_a_full_store, let_go_and_reap
 
 L, H, D = 3, 2, 64
 
@@ -133,16 +133,6 @@ def _take_lease(name: str, seq_id: int, out: Any) -> None:  # a child: the next 
         out.put(f"{type(e).__name__}: {e}")
 
 
-def _let_go_and_reap(child: Any, go: Any) -> None:
-    """Let a child paused at a crash point go on (to its SIGKILL), and reap it (killed after
-    60 s)."""
-    go.set()
-    child.join(60)
-    if child.is_alive():
-        child.kill()
-        child.join()
-
-
 def _in_child(ctx: Any, target: Any, *args: Any) -> str:
     q = ctx.Queue()
     p = ctx.Process(target=target, args=(*args, q))
@@ -230,7 +220,7 @@ def test_a_requester_killed_after_its_borrow_leaves_the_donors_step_and_release(
         assert donor.commit(tokens=toks[n : n + 1]) == n + 1
         donor.release()
     finally:
-        _let_go_and_reap(child, go)
+        let_go_and_reap(child, go)
     assert child.exitcode == -signal.SIGKILL
     assert drow[LEASE_PID] == 0 and len(donor) == n + 1  # not rolled back yet: nobody took the lock
     assert _in_child(ctx, _read_only_view, store.name, donor.id) == f"{n + 1} [({n + 1}, 0)]"
@@ -304,7 +294,7 @@ def test_a_commit_completing_a_block_during_a_borrow_is_kept_and_indexed(make_st
         assert published.wait(120), "the commit never published its length"
         assert drow[FLAGS] & LENT  # the borrow's transaction is still open
     finally:
-        _let_go_and_reap(child, go)
+        let_go_and_reap(child, go)
         if committer.ident is not None:
             committer.join(120)
     assert child.exitcode == (-signal.SIGKILL if end == "kill" else 3)
@@ -502,7 +492,7 @@ def test_a_donor_killed_moving_off_its_loans_leaves_its_borrowers_steps(make_sto
             for b in s.borrowers:
                 assert b.commit(tokens=s.toks[m : n + 1]) == n + 1
         finally:
-            _let_go_and_reap(child, go)
+            let_go_and_reap(child, go)
         assert child.exitcode == -signal.SIGKILL
         seen = _in_child(ctx, _inspect, store.name, [b.id for b in s.borrowers])  # the dead move still in the log
         assert not isinstance(seen, str), seen
@@ -731,7 +721,7 @@ def test_a_reader_sees_a_lease_released_during_a_dead_process_s_own_change_as_re
     try:
         dst_id = at.get(timeout=60)
     finally:
-        _let_go_and_reap(child, go)
+        let_go_and_reap(child, go)
     assert child.exitcode == -signal.SIGKILL
     e = store._engine
     assert e.hdr[_header.W_UNDO_COUNT] and e.row(e.slot_of(dst_id))[LEASE_PID] == 0  # still in the log

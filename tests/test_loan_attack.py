@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from _share_scenes import H, D, L, lent_in_a_full_store
+from _share_scenes import H, D, L, lent_in_a_full_store, let_go_and_reap
 from shmkv._engine import crash
 from shmkv._engine.header import FLAGS, LENGTH, LENT, SPAN_CELLS, START
 from shmkv._engine.journal import Journal
@@ -713,12 +713,7 @@ def test_a_borrower_in_another_process_decodes_while_its_donor_is_stuck_then_mov
         _holds_its_tokens(store.sequence(bid))
         np.testing.assert_array_equal(donor.keys(0)[1:], 7.0)
     finally:
-        go.set()
-        if child is not None:
-            child.join(60)
-            if child.is_alive():
-                child.kill()
-                child.join()
+        let_go_and_reap(child, go)
         other.close()
 
 
@@ -905,12 +900,7 @@ def test_a_stuck_donor_killed_growing_off_its_loans_leaves_its_borrowers_steps(m
             assert b.commit(tokens=s.toks[t : t + 1]) == t + 1
         _borrowers_hold_their_prefix(s, store)
     finally:
-        go.set()
-        if child is not None:
-            child.join(60)
-            if child.is_alive():
-                child.kill()
-                child.join()
+        let_go_and_reap(child, go)
         other.close()
 
 
