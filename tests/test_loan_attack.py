@@ -184,7 +184,7 @@ def _decode_counts(make_store, monkeypatch, *, lends: bool, how: str, steps: int
     if lends:
         store.create_sequence(capacity=n + 64, prefix=toks)
     assert bool(_row(store, donor.id)[FLAGS] & LENT) == lends, "the borrow this test is about did not happen"
-    for _ in range(2):  # (warm: what the first steps after the borrow settle once is not counted)
+    def step() -> None:  # one decode step: a speculative one (roll back one, append it again) or an extend
         t = len(donor)
         if how == "speculative":
             donor.truncate(t - 1)
@@ -193,6 +193,9 @@ def _decode_counts(make_store, monkeypatch, *, lends: bool, how: str, steps: int
             donor.commit()
         else:
             donor.extend(kv[:, t : t + 1], kv[:, t : t + 1])
+
+    for _ in range(2):  # (warm: what the first steps after the borrow settle once is not counted)
+        step()
     locks = [0]
     locked = Journal.locked
 
@@ -205,14 +208,7 @@ def _decode_counts(make_store, monkeypatch, *, lends: bool, how: str, steps: int
     _CountingTable.scans = 0
     try:
         for _ in range(steps):
-            t = len(donor)
-            if how == "speculative":
-                donor.truncate(t - 1)
-                for layer in range(L):
-                    donor.append(layer, kv[layer, t - 1], kv[layer, t - 1])
-                donor.commit()
-            else:
-                donor.extend(kv[:, t : t + 1], kv[:, t : t + 1])
+            step()
         assert len(donor) == n + (steps + 2 if how == "extend" else 0)
         return locks[0], _CountingTable.scans
     finally:
