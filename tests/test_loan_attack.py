@@ -543,13 +543,16 @@ def test_threads_decode_a_donor_that_goes_below_its_loans_while_others_borrow_an
             errors.append(e)
             done.set()
 
+    # the donor is made before the other threads start: a finished sequence nobody leases is
+    # evictable, and the filler would evict it (or fill the store) before its lease is taken back
+    first = atts[0].create_sequence(capacity=8 * u)
+    toks = np.array([next(next_id) for _ in range(4 * u)])
+    first.extend(_val(toks)[None].repeat(L, 0), _val(toks)[None].repeat(L, 0), tokens=toks)
+    first.finish()  # a finished donor lends all it holds: a rollback goes below its loans
+    donor = atts[0].sequence(first.id, write=True)
+
     def donor_steps() -> None:
-        st = atts[0]
-        d = st.create_sequence(capacity=8 * u)
-        toks = np.array([next(next_id) for _ in range(4 * u)])
-        d.extend(_val(toks)[None].repeat(L, 0), _val(toks)[None].repeat(L, 0), tokens=toks)
-        d.finish()  # a finished donor lends all it holds: a rollback goes below its loans
-        d = st.sequence(d.id, write=True)
+        d = donor
         rng = np.random.default_rng(45)
         for step in range(300):
             if done.is_set():
