@@ -157,9 +157,9 @@ class Shares:
         with self.lock:
             if self.fd < 0:
                 return
-            done = self._map(start, phys, m, self.pieces)
-            for spans in (*self.reserved, self.owed):
+            for spans in (*self.reserved, self.owed):  # (first: an exception below forgets nothing)
                 take_interval(spans, start, start + m)  # its own pages may be holes now: reserve again
+            done = self._map(start, phys, m, self.pieces)
             if done < len(self.pieces):
                 no = ctypes.get_errno()
                 n = m * self.pieces[done][1]
@@ -181,12 +181,12 @@ class Shares:
     def punch(self, start: int, m: int, *, holes: bool = False) -> None:
         """Give back the memory of cells [start, start + m)'s own pages in every shared array
         (``holes``: there are none, cells above the page mark: nothing to give back)."""
+        for spans in (*self.reserved, self.owed):  # (first: an exception below forgets nothing)
+            take_interval(spans, start, start + m)
         for off, cb in () if holes else self.pieces:
             if _fallocate(self.fd, _PUNCH, off + start * cb, m * cb) != 0:
                 no = ctypes.get_errno()
                 raise ShareError(no, f"cannot punch out {m * cb} bytes of a borrower's pages: {os.strerror(no)}")
-        for spans in (*self.reserved, self.owed):
-            take_interval(spans, start, start + m)
 
     def wanted(self, rows: Callable[[int], Any] | None = None) -> Want:
         """The spans of the table (or of ``rows(slot)``, the rows as a rollback leaves them)."""
@@ -204,13 +204,18 @@ class Shares:
 
     def apply(self, want: Want) -> None:
         """Map what ``want`` says, undoing what is mapped and no longer wanted. A span the kernel
-        refuses (``vm.max_map_count``) leaves its row ``unmapped`` here, not the others."""
+        refuses (``vm.max_map_count``) leaves its row ``unmapped`` here, not the others.
+
+        Every change of a row's mapping is recorded before the kernel is asked (the row
+        ``unmapped`` and ``dirty`` until it is done): an exception between two arrays' mappings
+        (a Ctrl-C lands after any C call) leaves a row this process knows may show neither its
+        own pages nor the span, put back by the next ``apply`` (the rollback's, or the next
+        sync's), never a half-made mapping recorded nowhere (review 33)."""
         with self.lock:
             cur, un = self.cur, self.unmapped
             for slot, (start, phys, m) in list(cur.items()):
                 if want.get(slot) != (start, phys, m):
-                    self.remap(start, start, m)  # (raises only if its own pages cannot come back)
-                    del cur[slot]
+                    self._unmap(slot)  # (raises only if its own pages cannot come back)
             for slot, (start, phys, m) in list(un.items()):
                 if want.get(slot) != (start, phys, m):
                     if slot in self.dirty:
@@ -221,18 +226,30 @@ class Shares:
                 if slot not in cur:
                     self.place(slot, span)
 
+    def _unmap(self, slot: int) -> None:
+        """Put ``slot``'s own pages back under its mapped span (lock held; recorded first, see
+        ``apply``)."""
+        start, _, m = span = self.cur.pop(slot)
+        self.unmapped[slot] = span
+        self.dirty.add(slot)
+        self.remap(start, start, m)
+        del self.unmapped[slot]
+        self.dirty.discard(slot)
+
     def place(self, slot: int, span: tuple[int, int, int]) -> bool:
         """Map ``slot``'s wanted span; if the kernel refuses, leave the row ``unmapped`` (its
         cells here are its own punched pages, holes: never read as the row's) and return False."""
+        was_dirty = slot in self.dirty
+        self.unmapped[slot] = span  # (recorded first, see apply)
+        self.dirty.add(slot)
         try:
             self.remap(*span)
         except ShareError as err:
-            self.unmapped[slot] = span
-            if not err.clean:
-                self.dirty.add(slot)
+            if err.clean and not was_dirty:  # every array it mapped is its own pages again
+                self.dirty.discard(slot)
             self.refused = err
             return False
-        self.unmapped.pop(slot, None)
+        del self.unmapped[slot]
         self.dirty.discard(slot)
         self.cur[slot] = span
         return True
@@ -241,12 +258,12 @@ class Shares:
         """This process's own change of one row's span (lock held, epoch odd): map it now (a
         refusal raises ShareError: the transaction rolls back)."""
         with self.lock:
-            old = self.cur.pop(slot, None)
-            if old is not None:
-                self.remap(old[0], old[0], old[2])
-            was = self.unmapped.pop(slot, None)
+            if slot in self.cur:
+                self._unmap(slot)
+            was = self.unmapped.get(slot)
             if was is not None and slot in self.dirty:
                 self.remap(was[0], was[0], was[2])
+            self.unmapped.pop(slot, None)
             self.dirty.discard(slot)
             if span is not None and not self.place(slot, span):
                 no = self.refused.errno or errno.ENOMEM
