@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import header as _header
-from shmkv._engine.header import ID, SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
+from shmkv._engine.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
 from shmkv._engine.intervals import take_interval
 from shmkv._engine.stitch import _FAILED, _MAP_FIXED, _MAP_SHARED, _PROT_READ, _PROT_WRITE, _libc, _mmap
 from shmkv.errors import ShareError
@@ -306,12 +306,23 @@ class Shares:
             f"cannot map ({os.strerror(err.errno or errno.ENOMEM)}: it holds too many memory mappings for "
             f"vm.max_map_count={_max_map_count()}); {_FIX}. Its cells were not read; the next read tries again")
 
-    def cells_readable(self, lo: int, hi: int, why: str) -> None:
-        """Raise ShareError if main-arena cells [lo, hi) overlap a span not mapped here (a copy
-        of a row's cells through this process's mapping: copy_prefix, a prefix reuse, a move)."""
-        for slot, (start, _, m) in list(self.unmapped.items()):
-            if lo < start + m and start < hi:
-                self.readable(slot, f"sequence {int(self.table[slot, ID])} (read by {why})")
+    def sources(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Where a copy reads main-arena cells [lo, hi) of the shared arrays in this process:
+        (first cell, the cell it is read at, count) pieces in order. Cells of a span not mapped
+        here (``unmapped``) are read at their physical cells, which lie in no span (chains
+        resolve to them: ``Sharing.lend``), so a copy from a borrower this process cannot map
+        never reads holes, nor raises (review 33); every other cell is read in place."""
+        out: list[tuple[int, int, int]] = []
+        for start, phys, m in sorted(self.unmapped.values()):
+            a, b = max(lo, start), min(hi, start + m)
+            if a < b:
+                if lo < a:
+                    out.append((lo, lo, a - lo))
+                out.append((a, phys + a - start, b - a))
+                lo = b
+        if lo < hi:
+            out.append((lo, lo, hi - lo))
+        return out
 
     # -- following the table -----------------------------------------------------------------
 
