@@ -10,6 +10,7 @@ import pytest
 
 import shmkv
 from shmkv._engine import share
+from shmkv.store._store import engine_of
 
 L, H, D = 3, 4, 64
 PROMPT = 300
@@ -117,3 +118,50 @@ def test_a_ctrl_c_inside_a_readers_sync_leaves_no_alias(make_store, monkeypatch)
         monkeypatch.undo()
         ro.close()
 
+
+class _PopThenInterrupt(dict):
+    """A Shares.cur whose pop is followed by a Ctrl-C: what a SIGINT pending at the eval breaker
+    after that C call (dict.pop) raises."""
+
+    def pop(self, *args):
+        super().pop(*args)
+        raise KeyboardInterrupt
+
+    def __delitem__(self, key):  # (the same after a del: so the test holds whatever _unmap uses)
+        super().__delitem__(key)
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_right_after_unmap_pops_the_span_leaves_no_alias(make_store):
+    """A reader whose sync drops freed borrower B's mapping is interrupted right after B leaves
+    ``cur`` (a SIGINT pending at the eval breaker after that C call): B is recorded ``unmapped``
+    and ``dirty`` before, so the next sync puts its own pages back and the reader shows the next
+    sequence on B's cells, not the donor's bytes (review 33 finding 1b: Shares._unmap popped it
+    from ``cur`` first)."""
+    st = _store(make_store)
+    rng = np.random.default_rng(37)
+    prompt = np.arange(1000, 1000 + PROMPT)
+    d = st.create_sequence(capacity=1024, prefix=prompt)
+    shape = (L, PROMPT, H, D)
+    d.extend(rng.standard_normal(shape), rng.standard_normal(shape), tokens=prompt)
+    d.finish()
+    ro = shmkv.attach(st.name, readonly=True)
+    sh = engine_of(ro).shares
+    try:
+        b = st.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
+        ro.sequence(b.id).keys(0)  # B mapped in the reader
+        assert engine_of(st).slot_of(b.id) in sh.cur
+        b.free()
+        sh.cur = _PopThenInterrupt(sh.cur)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                ro.sequence(d.id).keys(0)  # its sync drops B's mapping
+        finally:
+            sh.cur = dict(sh.cur)
+        g = st.create_sequence(capacity=1024, prefix=[999_999])
+        k = np.full((L, PROMPT, H, D), 3.0, np.float32)
+        g.extend(k, k)
+        got = np.asarray(ro.sequence(g.id).keys(0))
+        assert float(got.min()) == float(got.max()) == 3.0, "the reader shows the donor's bytes as G's"
+    finally:
+        ro.close()

@@ -229,9 +229,10 @@ class Shares:
     def _unmap(self, slot: int) -> None:
         """Put ``slot``'s own pages back under its mapped span (lock held; recorded first, see
         ``apply``)."""
-        start, _, m = span = self.cur.pop(slot)
-        self.unmapped[slot] = span
+        start, _, m = span = self.cur[slot]
+        self.unmapped[slot] = span  # (before it leaves cur: an exception between them forgets nothing)
         self.dirty.add(slot)
+        del self.cur[slot]
         self.remap(start, start, m)
         del self.unmapped[slot]
         self.dirty.discard(slot)
@@ -249,9 +250,9 @@ class Shares:
                 self.dirty.discard(slot)
             self.refused = err
             return False
+        self.cur[slot] = span  # (first: recorded somewhere at every point)
         del self.unmapped[slot]
         self.dirty.discard(slot)
-        self.cur[slot] = span
         return True
 
     def set(self, slot: int, span: tuple[int, int, int] | None) -> None:
