@@ -5,8 +5,8 @@ A reuse that would borrow a donor's pages (``create_sequence(prefix=)``, ``copy_
 (``Sharing.borrow`` -> ``Shares.set``). When the kernel refuses (ENOMEM: the process holds
 ``vm.max_map_count`` mappings), the borrow is undone inside its transaction and the span's cells
 are copied instead: the caller gets a sequence of private cells, bit for bit the donor's prefix.
-Only where the refused mapping cannot be undone here, or the donor itself is unreadable in this
-process, is it a ShareError (and then the whole operation is rolled back).
+Only where the refused mapping cannot be undone here is it a ShareError (and then the whole
+operation is rolled back).
 
 The refusal is simulated by patching ``share._mmap`` to fail as the kernel does; the last test
 puts a child process at the real limit instead."""

@@ -1,6 +1,10 @@
 """The float32 limits the int8 codec's two paths share (``quant``'s numpy calls and
 ``quant_jit``'s compiled loops, which must agree bit for bit; ``quant`` loads ``quant_jit``,
-so neither imports the other's constants)."""
+so neither imports the other's constants).
+
+numba freezes these as constants in ``quant_jit``'s cached machine code (``cache=True``), and
+its cache is invalidated only when ``quant_jit.py`` itself changes: a change here must touch
+``quant_jit.py`` too (its cached loops would keep the old values)."""
 
 from __future__ import annotations
 
