@@ -20,6 +20,17 @@ def one_token(layers: int = 2) -> tuple[np.ndarray, np.ndarray]:
     return np.ones((layers, 1, 2, 4)), np.ones((layers, 1, 2, 4))
 
 
+def until_waiting(store: shmkv.Store, seq_id: int, timeout: float = 120.0) -> None:
+    """Until a wait of this process on ``seq_id`` took its first look and counts itself (a change
+    before that look is not one it waits for: wait() for any change compares with that look)."""
+    e = store._engine
+    slot = e.slot_of(seq_id)
+    t_end = time.monotonic() + timeout
+    while not e.waiting.get(slot, 0):
+        assert time.monotonic() < t_end, f"no wait on sequence {seq_id} began within {timeout} s"
+        time.sleep(0.001)
+
+
 def wait_for_file(path: str, child, timeout: float = 120.0) -> None:
     """Readiness through a file the child writes; fails at once if the child died."""
     t_end = time.monotonic() + timeout
@@ -62,6 +73,7 @@ def test_wait_for_any_change_sees_a_truncate(store):
     got: list[object] = []
     t = threading.Thread(target=lambda: got.append(reader.wait(timeout=60)))
     t.start()
+    until_waiting(store, seq.id)
     seq.truncate(1)
     t.join(90)
     assert got == [1]
@@ -97,6 +109,7 @@ def test_wait_raises_when_the_sequence_is_freed(store):
 
     t = threading.Thread(target=waiter)
     t.start()
+    until_waiting(store, seq.id)  # freed during the wait (freed before it, its first look raises)
     seq.free()
     t.join(90)
     assert len(errors) == 1 and isinstance(errors[0], shmkv.SequenceNotFound), errors
