@@ -131,7 +131,11 @@ def near_the_limit(name: str, readonly: bool, path: str, got: Any, ready: Any) -
                 was, share.ENABLED = share.ENABLED, sharing
                 try:
                     s = store.create_sequence(capacity=1024, prefix=np.r_[np.asarray(b.tokens), [9]])
-                    return s.keys(0)
+                    try:
+                        copies[f"reuse_{sharing}"] = np.array(s.keys(0))
+                        return copies[f"reuse_{sharing}"]
+                    finally:
+                        s.free()
                 finally:
                     share.ENABLED = was
 
@@ -140,7 +144,8 @@ def near_the_limit(name: str, readonly: bool, path: str, got: Any, ready: Any) -
                 dst = store.create_sequence(capacity=1024, prefix=[999_999])  # (a miss: on a page unit)
                 try:
                     store.copy_prefix(b_id, dst.id, len(b) - 3)
-                    return dst.keys(0)
+                    copies[f"copy_prefix_{sharing}"] = np.array(dst.keys(0))
+                    return copies[f"copy_prefix_{sharing}"]
                 finally:
                     share.ENABLED = was
                     dst.free()
@@ -156,12 +161,22 @@ def near_the_limit(name: str, readonly: bool, path: str, got: Any, ready: Any) -
 
             paths["batch_kv_pending"] = with_lease(lambda w: store.batch_kv([w], 0, pending=True))
             paths["torch_kv_pending"] = with_lease(lambda w: w.torch_kv(0, pending=True)[0].numpy())
-            paths["fork"] = with_lease(lambda w: w.fork().keys(0))
+            def fork(w: Any) -> Any:
+                f = w.fork()
+                try:
+                    copies["fork"] = np.array(f.keys(0))
+                    return copies["fork"]
+                finally:
+                    f.free()
+
+            paths["fork"] = with_lease(fork)
 
             paths.update({"append": append, "forward": batch, "reuse_shared": lambda: reuse(True),
                           "reuse_copied": lambda: reuse(False), "copy_prefix_shared": lambda: copy_prefix(True),
                           "copy_prefix_copied": lambda: copy_prefix(False)})
+        copies: dict[str, np.ndarray] = {}
         out["paths"] = {what: refused(fn) for what, fn in paths.items()}
+        out["copies"] = copies
         out["still_unmapped"] = sorted(eng.shares.unmapped)
         out["torch"] = torch.__name__
     finally:

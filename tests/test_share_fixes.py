@@ -255,9 +255,11 @@ def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_pat
     """A child whose own mappings fill vm.max_map_count (all but 4) while a new borrower B
     appears: its sync maps what it can; B's span, refused, leaves B unreadable there and every
     read path of B raises ShareError naming the limit and the fix (never zeros nor a copy of
-    holes: prefix reuse, copy_prefix and fork from B, shared or copied, included), while the
-    donor, an unrelated row and a borrower mapped before read right. Its mappings freed, the
-    next read maps B and gives its bytes bit for bit (a save and a reuse from B too)."""
+    holes: prefix reuse and copy_prefix from B that copy included), while the donor, an
+    unrelated row and a borrower mapped before read right. A reuse, a copy_prefix and a fork from B
+    that would borrow (their span refused too) copy instead, from the span's physical cells
+    (the donor's, readable there): B's bytes (review 32 finding 3). Its mappings freed, the next
+    read maps B and gives its bytes bit for bit (a save and a reuse from B too)."""
     import multiprocessing as mp
 
     from _share_map_children import content, near_the_limit
@@ -287,8 +289,15 @@ def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_pat
         got.close()
     assert out["unmapped"] == [engine_of(st).slot_of(b.id)]
     assert out["others"] == {i: content(st, i) for i in (d.id, c.id, b0.id)}
-    assert set(out["paths"].values()) == {"refused"}, out["paths"]
+    copied = {"reuse_shared", "copy_prefix_shared", "fork"} if not readonly else set()
+    assert {w for w, did in out["paths"].items() if did != "refused"} == copied, out["paths"]
+    assert all(out["paths"][w] == "returned data" for w in copied), out["paths"]
     assert len(out["paths"]) == (11 if readonly else 20)
+    bk = np.asarray(b.keys(0))
+    if not readonly:
+        assert sorted(out["copies"]) == ["copy_prefix_True", "fork", "reuse_True"]
+        for got_k in out["copies"].values():
+            assert got_k.shape[0] >= len(b) - 3 and np.array_equal(got_k, bk[: got_k.shape[0]])
     want = content(st, b.id)
     assert out["after"] == want and out["after_unmapped"] == []
     assert np.array_equal(np.asarray(b.keys(0))[:296], np.asarray(d.keys(0))[:296])  # the donor's bytes

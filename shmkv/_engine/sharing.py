@@ -89,17 +89,18 @@ class Sharing(Pages):
                     return 0, 0, -1
         return phys, m, owner
 
-    def borrow(self, slot: int, phys: int, m: int, owner: int, *, src: int, mark: int | None = None) -> bool:
-        """Make row ``slot`` (just created, its cells from ``m`` on copied from row ``src``)
+    def borrow(self, slot: int, phys: int, m: int, owner: int, *, mark: int | None = None) -> bool:
+        """Make row ``slot`` (just created, its cells from ``m`` on copied from its donor)
         borrow cells [phys, phys + m): punch its own pages there, record the span, map it.
         ``mark``: the page mark (``free_ranges.mark_pages``) as it was before the row got its
         range; a span at or above it has no pages of its own to punch.
 
         If this process cannot map the span (the kernel refuses: ``vm.max_map_count``), the
-        borrow is undone and ``src``'s first ``m`` cells are copied instead, in the same
-        transaction: returns False (the row borrows nothing). ShareError only when the refused
-        mapping cannot be undone here, or ``src``'s cells cannot be read here either: the
-        transaction then rolls back (tests/test_share_maplimit.py)."""
+        borrow is undone and the physical cells [phys, phys + m) are copied instead, in the same
+        transaction: returns False (the row borrows nothing). They are an owner's own cells, never
+        a span, so they are readable here even when the donor is a borrower this process could not
+        map either (review 32 finding 3). ShareError only when the refused mapping cannot be undone
+        here: the transaction then rolls back (tests/test_share_maplimit.py)."""
         row = self.row(slot)
         hdr = self.hdr
         allocs = hdr[_header.W_ALLOCS]
@@ -117,7 +118,7 @@ class Sharing(Pages):
                 if not self.shares.drop_refused(slot):
                     raise  # its cells here may show the donor's pages: no copy into them
                 row[SPAN_PHYS] = row[SPAN_CELLS] = 0
-                self._copy_span(start, self.row(src)[START], m)
+                self._copy_span(start, phys, m)
                 return False
         if owner >= 0:
             o = self.row(owner)
@@ -135,11 +136,11 @@ class Sharing(Pages):
 
     def _copy_span(self, start: int, src: int, m: int) -> None:
         """A span this process could not map (``borrow``), copied instead: K, V and int8 scales
-        of cells [src, src + m) into cells [start, start + m) (token ids, positions and hashes
-        are copied already), their pages allocated first (punched out, or never reserved: a
-        full /dev/shm is CacheFullError) and written through the descriptor."""
+        of cells [src, src + m) (the span's physical cells) into cells [start, start + m) (token
+        ids, positions and hashes are copied already), their pages allocated first (punched out,
+        or never reserved: a full /dev/shm is CacheFullError) and written through the descriptor."""
         shares = self.shares
-        if shares.unmapped:  # (src itself a borrower this process cannot map: ShareError, no way around)
+        if shares.unmapped:  # never copy holes as cells (physical cells lie in no span: never here)
             shares.cells_readable(src, src + m, "a copy of its cells")
         pieces = shares.pieces
         mark_pages(self.hdr, start + m)  # (inside its range: marked already)

@@ -137,7 +137,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
             if n:
                 e.copy_prefix_rows(donor, slot, n, share=m, reserved=True)  # (new_row reserved them)
                 if m:
-                    e.borrow(slot, phys, m, owner, src=donor, mark=mark)
+                    e.borrow(slot, phys, m, owner, mark=mark)
                 _crash.point("create.copied")
         if toks is not None:
             hdr = e.hdr
@@ -236,4 +236,4 @@ def copy_prefix(e: Engine, src_id: int, dst_id: int, n: int) -> None:
         with e.transaction():  # the copy and the borrow: both, or after a crash neither
             e.copy_prefix_rows(s_slot, d_slot, n, held=True, share=m)
             if m:
-                e.borrow(d_slot, phys, m, owner, src=s_slot)
+                e.borrow(d_slot, phys, m, owner)
