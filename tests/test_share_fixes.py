@@ -254,12 +254,12 @@ def test_03_fork_and_copy_prefix_borrow(make_store):
 def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_path, start_method, readonly):
     """A child whose own mappings fill vm.max_map_count (all but 4) while a new borrower B
     appears: its sync maps what it can; B's span, refused, leaves B unreadable there and every
-    read path of B raises ShareError naming the limit and the fix (never zeros nor a copy of
-    holes: prefix reuse and copy_prefix from B that copy included), while the donor, an
-    unrelated row and a borrower mapped before read right. A reuse, a copy_prefix and a fork from B
-    that would borrow (their span refused too) copy instead, from the span's physical cells
-    (the donor's, readable there): B's bytes (review 32 finding 3). Its mappings freed, the next
-    read maps B and gives its bytes bit for bit (a save and a reuse from B too)."""
+    read path of B raises ShareError naming the limit and the fix (never zeros), while the
+    donor, an unrelated row and a borrower mapped before read right. A copy from B (a prefix
+    reuse and a copy_prefix, shared or not, and a fork) reads B's span where it physically is
+    (the donor's cells, readable there): B's bytes, never holes (review 32 finding 3, review 33).
+    Its mappings freed, the next read maps B and gives its bytes bit for bit (a save and a reuse
+    from B too)."""
     import multiprocessing as mp
 
     from _share_map_children import content, near_the_limit
@@ -289,13 +289,14 @@ def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_pat
         got.close()
     assert out["unmapped"] == [engine_of(st).slot_of(b.id)]
     assert out["others"] == {i: content(st, i) for i in (d.id, c.id, b0.id)}
-    copied = {"reuse_shared", "copy_prefix_shared", "fork"} if not readonly else set()
+    copies = {"reuse_shared", "reuse_copied", "copy_prefix_shared", "copy_prefix_copied", "fork"}
+    copied = copies if not readonly else set()
     assert {w for w, did in out["paths"].items() if did != "refused"} == copied, out["paths"]
     assert all(out["paths"][w] == "returned data" for w in copied), out["paths"]
     assert len(out["paths"]) == (11 if readonly else 20)
     bk = np.asarray(b.keys(0))
     if not readonly:
-        assert sorted(out["copies"]) == ["copy_prefix_True", "fork", "reuse_True"]
+        assert sorted(out["copies"]) == ["copy_prefix_False", "copy_prefix_True", "fork", "reuse_False", "reuse_True"]
         for got_k in out["copies"].values():
             assert got_k.shape[0] >= len(b) - 3 and np.array_equal(got_k, bk[: got_k.shape[0]])
     want = content(st, b.id)

@@ -79,21 +79,23 @@ class Engine(Arena):
         scales from cell ``kv_from`` on only (the cells before it are borrowed: _engine/sharing.py)."""
         if n <= 0 or src == dst:
             return
-        if self.shares.unmapped and n > kv_from:  # never copy holes as cells (_engine/share.py)
-            self.shares.cells_readable(src + kv_from, src + n, "a copy of its cells")
         tok_src, tok_dst, tok_n = src, dst, n
         src, dst, n = src + kv_from, dst + kv_from, n - kv_from
         if n > 0:  # (none: a reuse that borrows all it copies)
             # into fresh cells (a new range): through the descriptor, which skips zeroing them
             fresh = self._fresh(dst, n) and (src + n <= dst or dst + n <= src)
+            # cells of a span not mapped here: read where they physically are, never as holes
+            parts = self.shares.sources(src, src + n) if self.shares.unmapped else [(src, src, n)]
             # one layer at a time: a 4-D slice over all layers spans overlapping address
             # extents, and numpy would then copy through a temporary (half the bandwidth)
             for arrs in ([self.Kl[i] for i in self._full], [self.Vl[i] for i in self._full], self.KS, self.VS):
                 for layer in arrs if arrs is not None else ():
-                    if fresh:
-                        self._put(layer[dst : dst + n], layer[src : src + n])
-                    else:
-                        np.copyto(layer[dst : dst + n], layer[src : src + n])
+                    for at, read, c in parts:
+                        to = dst + at - src
+                        if fresh:
+                            self._put(layer[to : to + c], layer[read : read + c])
+                        else:
+                            np.copyto(layer[to : to + c], layer[read : read + c])
             if fresh:
                 take_interval(self._owed, dst, dst + n)
         src, dst, n = tok_src, tok_dst, tok_n

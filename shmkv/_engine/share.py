@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine import header as _header
-from shmkv._engine.header import ID, SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
+from shmkv._engine.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
 from shmkv._engine.intervals import take_interval
 from shmkv._engine.stitch import _FAILED, _MAP_FIXED, _MAP_SHARED, _PROT_READ, _PROT_WRITE, _libc, _mmap
 from shmkv.errors import ShareError
@@ -157,9 +157,9 @@ class Shares:
         with self.lock:
             if self.fd < 0:
                 return
-            done = self._map(start, phys, m, self.pieces)
-            for spans in (*self.reserved, self.owed):
+            for spans in (*self.reserved, self.owed):  # (first: an exception below forgets nothing)
                 take_interval(spans, start, start + m)  # its own pages may be holes now: reserve again
+            done = self._map(start, phys, m, self.pieces)
             if done < len(self.pieces):
                 no = ctypes.get_errno()
                 n = m * self.pieces[done][1]
@@ -181,12 +181,12 @@ class Shares:
     def punch(self, start: int, m: int, *, holes: bool = False) -> None:
         """Give back the memory of cells [start, start + m)'s own pages in every shared array
         (``holes``: there are none, cells above the page mark: nothing to give back)."""
+        for spans in (*self.reserved, self.owed):  # (first: an exception below forgets nothing)
+            take_interval(spans, start, start + m)
         for off, cb in () if holes else self.pieces:
             if _fallocate(self.fd, _PUNCH, off + start * cb, m * cb) != 0:
                 no = ctypes.get_errno()
                 raise ShareError(no, f"cannot punch out {m * cb} bytes of a borrower's pages: {os.strerror(no)}")
-        for spans in (*self.reserved, self.owed):
-            take_interval(spans, start, start + m)
 
     def wanted(self, rows: Callable[[int], Any] | None = None) -> Want:
         """The spans of the table (or of ``rows(slot)``, the rows as a rollback leaves them)."""
@@ -204,13 +204,18 @@ class Shares:
 
     def apply(self, want: Want) -> None:
         """Map what ``want`` says, undoing what is mapped and no longer wanted. A span the kernel
-        refuses (``vm.max_map_count``) leaves its row ``unmapped`` here, not the others."""
+        refuses (``vm.max_map_count``) leaves its row ``unmapped`` here, not the others.
+
+        Every change of a row's mapping is recorded before the kernel is asked (the row
+        ``unmapped`` and ``dirty`` until it is done): an exception between two arrays' mappings
+        (a Ctrl-C lands after any C call) leaves a row this process knows may show neither its
+        own pages nor the span, put back by the next ``apply`` (the rollback's, or the next
+        sync's), never a half-made mapping recorded nowhere (review 33)."""
         with self.lock:
             cur, un = self.cur, self.unmapped
             for slot, (start, phys, m) in list(cur.items()):
                 if want.get(slot) != (start, phys, m):
-                    self.remap(start, start, m)  # (raises only if its own pages cannot come back)
-                    del cur[slot]
+                    self._unmap(slot)  # (raises only if its own pages cannot come back)
             for slot, (start, phys, m) in list(un.items()):
                 if want.get(slot) != (start, phys, m):
                     if slot in self.dirty:
@@ -221,18 +226,30 @@ class Shares:
                 if slot not in cur:
                     self.place(slot, span)
 
+    def _unmap(self, slot: int) -> None:
+        """Put ``slot``'s own pages back under its mapped span (lock held; recorded first, see
+        ``apply``)."""
+        start, _, m = span = self.cur.pop(slot)
+        self.unmapped[slot] = span
+        self.dirty.add(slot)
+        self.remap(start, start, m)
+        del self.unmapped[slot]
+        self.dirty.discard(slot)
+
     def place(self, slot: int, span: tuple[int, int, int]) -> bool:
         """Map ``slot``'s wanted span; if the kernel refuses, leave the row ``unmapped`` (its
         cells here are its own punched pages, holes: never read as the row's) and return False."""
+        was_dirty = slot in self.dirty
+        self.unmapped[slot] = span  # (recorded first, see apply)
+        self.dirty.add(slot)
         try:
             self.remap(*span)
         except ShareError as err:
-            self.unmapped[slot] = span
-            if not err.clean:
-                self.dirty.add(slot)
+            if err.clean and not was_dirty:  # every array it mapped is its own pages again
+                self.dirty.discard(slot)
             self.refused = err
             return False
-        self.unmapped.pop(slot, None)
+        del self.unmapped[slot]
         self.dirty.discard(slot)
         self.cur[slot] = span
         return True
@@ -241,12 +258,12 @@ class Shares:
         """This process's own change of one row's span (lock held, epoch odd): map it now (a
         refusal raises ShareError: the transaction rolls back)."""
         with self.lock:
-            old = self.cur.pop(slot, None)
-            if old is not None:
-                self.remap(old[0], old[0], old[2])
-            was = self.unmapped.pop(slot, None)
+            if slot in self.cur:
+                self._unmap(slot)
+            was = self.unmapped.get(slot)
             if was is not None and slot in self.dirty:
                 self.remap(was[0], was[0], was[2])
+            self.unmapped.pop(slot, None)
             self.dirty.discard(slot)
             if span is not None and not self.place(slot, span):
                 no = self.refused.errno or errno.ENOMEM
@@ -289,12 +306,23 @@ class Shares:
             f"cannot map ({os.strerror(err.errno or errno.ENOMEM)}: it holds too many memory mappings for "
             f"vm.max_map_count={_max_map_count()}); {_FIX}. Its cells were not read; the next read tries again")
 
-    def cells_readable(self, lo: int, hi: int, why: str) -> None:
-        """Raise ShareError if main-arena cells [lo, hi) overlap a span not mapped here (a copy
-        of a row's cells through this process's mapping: copy_prefix, a prefix reuse, a move)."""
-        for slot, (start, _, m) in list(self.unmapped.items()):
-            if lo < start + m and start < hi:
-                self.readable(slot, f"sequence {int(self.table[slot, ID])} (read by {why})")
+    def sources(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Where a copy reads main-arena cells [lo, hi) of the shared arrays in this process:
+        (first cell, the cell it is read at, count) pieces in order. Cells of a span not mapped
+        here (``unmapped``) are read at their physical cells, which lie in no span (chains
+        resolve to them: ``Sharing.lend``), so a copy from a borrower this process cannot map
+        never reads holes, nor raises (review 33); every other cell is read in place."""
+        out: list[tuple[int, int, int]] = []
+        for start, phys, m in sorted(self.unmapped.values()):
+            a, b = max(lo, start), min(hi, start + m)
+            if a < b:
+                if lo < a:
+                    out.append((lo, lo, a - lo))
+                out.append((a, phys + a - start, b - a))
+                lo = b
+        if lo < hi:
+            out.append((lo, lo, hi - lo))
+        return out
 
     # -- following the table -----------------------------------------------------------------
 

@@ -140,8 +140,6 @@ class Sharing(Pages):
         ids, positions and hashes are copied already), their pages allocated first (punched out,
         or never reserved: a full /dev/shm is CacheFullError) and written through the descriptor."""
         shares = self.shares
-        if shares.unmapped:  # never copy holes as cells (physical cells lie in no span: never here)
-            shares.cells_readable(src, src + m, "a copy of its cells")
         pieces = shares.pieces
         mark_pages(self.hdr, start + m)  # (inside its range: marked already)
         self._dseg.reserve([(off + start * cb, m * cb) for off, cb in pieces], populate=False)
