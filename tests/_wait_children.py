@@ -7,19 +7,32 @@ import time
 import shmkv
 
 
-def wait_for_commit(name: str, seq_id: int, ready_path: str) -> tuple[int, int]:
+def wait_for_commit(name: str, seq_id: int, ready_path: str) -> tuple[int, int, list[tuple[float | None, bool]]]:
     """Attach read-only, say so through ``ready_path``, wait for the first commit.
 
-    Returns (length returned by wait, time.monotonic_ns() when it returned).
+    Returns (length returned by wait, time.monotonic_ns() when it returned, each futex wait of
+    the wait as (its timeout, what it returned: False when it timed out)).
     """
+    from shmkv._engine import futex
+
+    sleeps: list[tuple[float | None, bool]] = []
+    real = futex.wait
+
+    def recorded(addr: int, expected: int, timeout: float | None) -> bool:
+        woke = real(addr, expected, timeout)
+        sleeps.append((timeout, woke))
+        return woke
+
+    futex.wait = recorded
     store = shmkv.attach(name, readonly=True)
     try:
         seq = store.sequence(seq_id)
         with open(ready_path, "w") as f:
             f.write("ready")
         n = seq.wait(1, timeout=120)
-        return n, time.monotonic_ns()
+        return n, time.monotonic_ns(), sleeps
     finally:
+        futex.wait = real
         store.close()
 
 

@@ -51,6 +51,7 @@ def console_script() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # (the run's own limit is 600 s: the suite's 300 s would cut a loaded run short)
 def test_bench_command_quick_json_prints_every_key(bench_cases):
     cases, bench = bench_cases
     r = subprocess.run([console_script(), "bench", "--quick", "--json"], capture_output=True, text=True, timeout=600)

@@ -146,10 +146,11 @@ def test_a_read_only_wait_counted_as_close_drops_the_counts_leaks_none(make_stor
     seq = h.sequence(s.id)
     e = engine_of(h)
     assert e.ro_waiters.writable
-    dropped, registered = threading.Event(), threading.Event()
+    entered, dropped, registered = threading.Event(), threading.Event(), threading.Event()
     real_register, real_drop = waiting._register, e.drop_waiters
 
     def register(r):  # the waiter, between its first look at the length and its count
+        entered.set()
         assert dropped.wait(60)
         try:
             return real_register(r)
@@ -173,6 +174,9 @@ def test_a_read_only_wait_counted_as_close_drops_the_counts_leaks_none(make_stor
 
     t = threading.Thread(target=wait)
     t.start()
+    # the close begins once the wait took its first look (a close before it is another case: that
+    # look raises StoreClosedError, nothing registers, and drop_waiters above waited 60 s in vain)
+    assert entered.wait(60)
     h.close()
     t.join(60)
     assert not t.is_alive()

@@ -168,7 +168,10 @@ def test_a_rolled_back_borrow_leaves_free_ranges_that_are_right(make_store, monk
     check(s, np.concatenate([system, [4, 5, 6]]), st.layout)
 
 
-def test_the_room_is_granted_from_a_recent_reading_only_while_half_of_it_is_left():
+def test_the_room_is_granted_from_a_recent_reading_only_while_half_of_it_is_left(monkeypatch):
+    # a reading is "recent" for an hour here: at the real 50 ms TTL a process descheduled between
+    # a reading and its grant (a loaded machine) would see the grant refused for its age instead
+    monkeypatch.setattr(_segment._Room, "TTL", 3600.0)
     r = _segment._Room()
     assert not r.grant(1)  # never read
     r.read(1000, 100)
@@ -197,6 +200,7 @@ def test_a_request_the_reading_cannot_grant_reads_the_room_again(monkeypatch):
 
     monkeypatch.setattr(_segment, "_room_bytes", fake)
     monkeypatch.setattr(_segment, "_ROOM", _segment._Room())
+    monkeypatch.setattr(_segment._Room, "TTL", 3600.0)  # (the second check's grant: not refused for age under load)
     seg = _segment.Segment.create(unique_name("room"), 1 << 30)  # (sparse: nothing allocated)
     try:
         page = _segment.mmap.PAGESIZE

@@ -439,8 +439,11 @@ def _dead_pid() -> tuple[int, int]:
     return p.pid, start
 
 
-def test_stale_temporary_files_are_removed_by_the_next_save_and_by_gc(make_store, tmp_path):
+def test_stale_temporary_files_are_removed_by_the_next_save_and_by_gc(make_store, tmp_path, monkeypatch):
     store = make_store()
+    # gc judges only this test's store (a test never runs a global gc: it would remove the dead
+    # stores of other tests and programs on the machine, a creator-killed store another test still reads)
+    monkeypatch.setattr(_lifecycle, "list_stores", lambda: [store.name])
     store.create_sequence(capacity=4).extend(*_kv(2, 2))
     pid, start = _dead_pid()
     me, my_start = os.getpid(), _segment.process_start_time(os.getpid())
