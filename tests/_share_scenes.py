@@ -9,6 +9,8 @@ longer holds (``_engine/sharing.py``): its next write past its length must move 
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,27 @@ class Lent:
         biggest = max(self.fillers[1:], key=lambda f: sizes[f.id])
         self.fillers.remove(biggest)
         biggest.free()
+
+
+def die_at(point: str, at: Any, go: Any) -> None:
+    """In a child: at crash point ``point``, set event ``at``, wait for ``go`` (120 s at most:
+    the parent looks at the store meanwhile, then ``let_go_and_reap``), then SIGKILL itself."""
+    from shmkv._engine import crash
+
+    def pause_then_die(name: str) -> None:
+        if name == point:
+            at.set()
+            go.wait(120)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    crash.point = pause_then_die
+
+
+def borrow_and_die(name: str, prefix: list[int], capacity: int, at: Any, go: Any) -> None:  # a child
+    """A requester SIGKILLed inside its create over ``prefix`` (``die_at`` create.copied: the
+    borrow made, the transaction not committed)."""
+    die_at("create.copied", at, go)
+    shmkv.attach(name).create_sequence(capacity=capacity, prefix=prefix)
 
 
 def let_go_and_reap(child: Any, go: Any) -> None:

@@ -34,7 +34,7 @@ from shmkv._engine import crash
 from shmkv._engine import header as _header
 from shmkv._engine.header import FLAGS, LEASE_PID, LENT, START
 from shmkv.testing import unique_name
-from _share_scenes import kv_store, lent_in_a_full_store, let_go_and_reap
+from _share_scenes import borrow_and_die, die_at, kv_store, lent_in_a_full_store, let_go_and_reap
 
 L, H, D = 3, 2, 64
 
@@ -171,17 +171,6 @@ def test_a_lease_released_during_a_rolled_back_borrow_stays_released(make_store,
         other.close()
 
 
-def _borrow_and_die(name: str, prefix: list[int], capacity: int, at: Any, go: Any) -> None:  # a child
-    def pause_then_die(point: str) -> None:
-        if point == "create.copied":
-            at.set()
-            go.wait(120)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    crash.point = pause_then_die
-    shmkv.attach(name).create_sequence(capacity=capacity, prefix=prefix)
-
-
 def _read_only_view(name: str, seq_id: int, out: Any) -> None:  # a child: an inspector
     try:
         ro = shmkv.attach(name, readonly=True)
@@ -212,7 +201,7 @@ def test_a_requester_killed_after_its_borrow_leaves_the_donors_step_and_release(
         donor.append(layer, kv[layer, n], kv[layer, n])
     ctx = mp.get_context(method)
     at, go = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=_borrow_and_die, args=(store.name, toks[:n].tolist(), n + 64, at, go))
+    child = ctx.Process(target=borrow_and_die, args=(store.name, toks[:n].tolist(), n + 64, at, go))
     child.start()
     try:
         assert at.wait(120), "the child never reached its borrow"
@@ -436,15 +425,9 @@ def test_a_lender_below_its_loans_is_copied_into_elsewhere(make_store) -> None:
 
 
 def _extend_and_die(name: str, donor_id: int, n: int, at: Any, go: Any) -> None:  # a child: the donor's process
-    def pause_then_die(point: str) -> None:
-        if point == "share.moved":  # its cells copied to the fresh range, the row not yet switched
-            at.set()
-            go.wait(120)
-            os.kill(os.getpid(), signal.SIGKILL)
-
     s = shmkv.attach(name)
     donor = s.sequence(donor_id, write=True)
-    crash.point = pause_then_die
+    die_at("share.moved", at, go)  # its cells copied to the fresh range, the row not yet switched
     donor.extend(_junk(n), _junk(n))
     os._exit(0)  # (not reached)
 

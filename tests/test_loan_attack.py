@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from _share_scenes import H, D, L, lent_in_a_full_store, let_go_and_reap
+from _share_scenes import H, D, L, die_at, lent_in_a_full_store, let_go_and_reap
 from shmkv._engine import crash
 from shmkv._engine.header import FLAGS, LENGTH, LENT, SPAN_CELLS, START
 from shmkv._engine.journal import Journal
@@ -840,17 +840,9 @@ def _grow_and_die(name: str, donor_id: int, n: int, point: str, events: tuple[An
     moves it) and is SIGKILLed at ``point``, after ``events`` (at, go) with the parent."""
     import os
 
-    at, go = events
-
-    def pause_then_die(name_: str) -> None:
-        if name_ == point:
-            at.set()
-            go.wait(120)
-            os.kill(os.getpid(), signal.SIGKILL)
-
     st = shmkv.attach(name)
     donor = st.sequence(donor_id, write=True)
-    crash.point = pause_then_die
+    die_at(point, *events)
     k = _junk(n)
     donor.append(0, k[0], k[0])
     os._exit(0)  # (not reached)

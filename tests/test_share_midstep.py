@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from _share_scenes import L, kv_store, lent_in_a_full_store
+from _share_scenes import L, borrow_and_die, kv_store, lent_in_a_full_store
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
@@ -267,22 +267,6 @@ def test_a_rolled_back_move_off_the_loans_keeps_the_borrowers_commit(make_store,
         other.close()
 
 
-def _borrow_then_die(name: str, prefix: list[int], capacity: int, at, go) -> None:  # a fork child
-    import os
-    import signal
-
-    from shmkv._engine import crash
-
-    def pause_then_die(point: str) -> None:
-        if point == "create.copied":
-            at.set()
-            go.wait(60)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    crash.point = pause_then_die
-    shmkv.attach(name).create_sequence(capacity=capacity, prefix=prefix)
-
-
 def test_a_borrower_killed_mid_transaction_keeps_the_donors_commit(make_store) -> None:
     """As test_a_rolled_back_borrow_keeps_the_donors_commit, with the requester SIGKILLed after
     its borrow: the recovery (another process's next lock) puts back the donor's flags only."""
@@ -295,7 +279,7 @@ def test_a_borrower_killed_mid_transaction_keeps_the_donors_commit(make_store) -
     drow = store._engine.row(store._engine.slot_of(donor.id))
     ctx = mp.get_context("fork")
     at, go = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=_borrow_then_die, args=(store.name, toks[:n].tolist(), n + 64, at, go))
+    child = ctx.Process(target=borrow_and_die, args=(store.name, toks[:n].tolist(), n + 64, at, go))
     child.start()
     try:
         assert at.wait(60), "the child never reached its borrow"
