@@ -31,7 +31,8 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -64,8 +65,10 @@ def check(store: shmkv.Store, sid: int, ref: list[int], where: str) -> str | Non
         k, v = np.asarray(k), np.asarray(v)
         if k.shape != k_want[layer].shape or not np.array_equal(k, k_want[layer]):
             bad = np.nonzero((k != k_want[layer]).any(axis=(1, 2)))[0] if k.shape == k_want[layer].shape else []
-            return (f"{where}: seq {sid} layer {layer} K wrong at cells {list(bad[:8])} "
-                    f"(got {k[bad[:4], 0, 0] if len(bad) else k.shape}, want {k_want[layer][bad[:4], 0, 0] if len(bad) else k_want[layer].shape})")
+            got = k[bad[:4], 0, 0] if len(bad) else k.shape
+            want = k_want[layer][bad[:4], 0, 0] if len(bad) else k_want[layer].shape
+            cells = [int(c) for c in bad[:8]]
+            return f"{where}: seq {sid} layer {layer} K wrong at cells {cells} (got {got}, want {want})"
         if not np.array_equal(v, v_want[layer]):
             return f"{where}: seq {sid} layer {layer} V wrong"
     return None
@@ -240,13 +243,16 @@ class Storm:
         want = kv_of(ref)[0][layer]
         if not np.array_equal(k, want):
             with no_sigint():
-                self.errors.append(f"read: seq {sid} layer {layer} keys differ from committed {_short(ref)}")
+                bad = np.nonzero((k != want).any(axis=(1, 2)))[0] if k.shape == want.shape else []
+                self.errors.append(f"read: seq {sid} layer {layer} keys differ from committed {_short(ref)} "
+                                   f"at cells {[int(c) for c in bad[:8]]}: got {k[bad[:4], 0, 0] if len(bad) else k.shape}"
+                                   f" (K = 4 * token + layer), again: {check(self.store, sid, ref, 'reread')}")
 
     def op_batch(self) -> None:
         sid, s = self.pick()
         layer = self.rng.randrange(L)
         with sigint_open():
-            k, v = self.store.batch_kv([s], layer)
+            k, _v = self.store.batch_kv([s], layer)
         want = kv_of(self.ref[sid])[0][layer]
         if not np.array_equal(np.asarray(k)[0], want):
             with no_sigint():
@@ -316,7 +322,7 @@ class Storm:
                     if self.pending is None or self.pending[0] == "new":
                         continue
                     # an error that is not a Ctrl-C: the step may be half done as well
-            except Exception as e:  # noqa: BLE001 - every failure is a finding
+            except Exception as e:
                 with no_sigint():
                     self.errors.append(f"{self.op}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
 
@@ -369,7 +375,7 @@ class Storm:
                 "interrupted": self.interrupted, "orphans": sorted(self.orphans)}
 
 
-def child(name: str, donors: list[int], seed: int, ready: Any, stop: Any, release: Any, q: Any) -> None:
+def child(name: str, donors: list[int], seed: int, ready: Any, stop: Any, release: Any, q: Any) -> None:  # noqa: PLR0917
     maps0 = data_maps(name)
     storm = Storm(name, set(donors), seed)
     install_gate()
@@ -382,7 +388,7 @@ def child(name: str, donors: list[int], seed: int, ready: Any, stop: Any, releas
     interrupts.deferred.clear()
     try:
         out = storm.verify()
-    except Exception:  # noqa: BLE001
+    except Exception:
         out = {"errors": ["verify raised:\n" + traceback.format_exc()], "ref": {}, "counts": storm.counts,
                "interrupted": storm.interrupted, "orphans": []}
     out["maps_peak"] = data_maps(name)
@@ -402,7 +408,8 @@ def child(name: str, donors: list[int], seed: int, ready: Any, stop: Any, releas
     q.put({"maps_start": maps0, "maps_attached": maps_attached, "maps_end": data_maps(name)})
 
 
-def one_round(method: str, seconds: float, seed: int) -> list[str]:
+def one_round(method: str, seconds: float, seed: int, summary: dict[str, Any] | None = None) -> list[str]:
+    """One storm; returns the problems found (``summary``, when given, gets the counts)."""
     ctx: Any = mp.get_context(method)
     name = unique_name("sig")
     st = shmkv.create(name, layers=L, kv_heads=H, head_dim=D, dtype="float32", max_tokens=16384, max_seqs=64)
@@ -451,6 +458,9 @@ def one_round(method: str, seconds: float, seed: int) -> list[str]:
             left = {i.id for i in st.sequences()}
             if left != {d.id}:
                 problems.append(f"after the child freed all: sequences {sorted(left)} (donor {d.id})")
+            if summary is not None:
+                summary.update(sent=sent, steps=out["counts"], interrupted=out["interrupted"],
+                               orphans=out["orphans"], maps=end_maps, maps_peak=out["maps_peak"])
             print(f"  {method} seed {seed}: {sent} SIGINTs, steps {sum(out['counts'].values())} "
                   f"interrupted {sum(out['interrupted'].values())} {out['interrupted']}, orphans "
                   f"{out['orphans']}, maps {end_maps} peak {out['maps_peak']}, stats seqs {stats.sequences}",
