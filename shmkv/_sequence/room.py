@@ -70,11 +70,11 @@ def chunk(capacity: int, page_unit: int, cell_bytes: int) -> int:
     return max(MIN_CHUNK, page_unit, min(capacity // 8, MAX_CHUNK_BYTES // max(cell_bytes, 1)))
 
 
-def limits(w: Roomed, cap: int, woff: int) -> list[int]:
+def limits(w: Roomed, cap: int, woff: int, room: int | None = None) -> list[int]:
     """The token index limit of each layer: the capacity bounds every layer (token ids and
     positions need a cell even where only sliding/chunked layers hold K/V), the window buffer
-    bounds those, and the room (pages allocated) bounds them all."""
-    room = w.room
+    bounds those, and the room (pages allocated: ``room``, or the handle's) bounds them all."""
+    room = w.room if room is None else room
     full = min(cap, room)
     win = min(woff + w.wc, cap, room)
     return [full if f else win for f in w.isfull]
@@ -87,15 +87,20 @@ def make_room(w: Roomed, end: int) -> None:
     cap = row[CAPACITY]
     lo = max(w.room, row[LENGTH])
     if end <= lo:
-        w.room = lo
+        hi = lo
     else:
         p = w.port
         hi = min(cap, max(end, lo + chunk(cap, p.page_unit, p.kv_bytes(p.layout.layers))))
         w.port.room(w.start, lo, hi)
-        w.room = hi
+    # room and lim change together, with no call between (a Ctrl-C lands only at a call: one
+    # inside limits() between them left lim below room, and every later append of the handle
+    # skipped make_room into compact, CacheFullError on a full layer; tests/test_share_sigint.py)
     c = w.cached
     if c is not None:
-        w.lim = limits(w, c[1], c[2])
+        lim = limits(w, c[1], c[2], hi)
+        w.room, w.lim = hi, lim
+    else:
+        w.room = hi
 
 
 def mind_loans(w: Roomed) -> None:
@@ -106,10 +111,12 @@ def mind_loans(w: Roomed) -> None:
     if w.port.lent_end(w.slot) > row[LENGTH]:  # (no scan on a speculative step: cached per span epoch)
         w.lent_past = True
         if w.room > row[LENGTH]:
-            w.room = row[LENGTH]
             c = w.cached
-            if c is not None:
-                w.lim = limits(w, c[1], c[2])
+            if c is not None:  # (together, as in make_room: lim above room would write past it)
+                lim = limits(w, c[1], c[2], row[LENGTH])
+                w.room, w.lim = row[LENGTH], lim
+            else:
+                w.room = row[LENGTH]
 
 
 def grow(w: Roomed, needed: int) -> None:
