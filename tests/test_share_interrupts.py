@@ -10,27 +10,8 @@ import pytest
 
 import shmkv
 from shmkv._engine import share
+from _maplimit_scenes import D, H, L, PROMPT, data_mappings, kv_content, lim_store, make_donor
 from shmkv.store._store import engine_of
-
-L, H, D = 3, 4, 64
-PROMPT = 300
-
-
-def _store(make_store, dtype="float16"):
-    return make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=32)
-
-
-def _kv_bytes(seq, n):
-    out = []
-    for i in range(L):
-        k, v = seq.kv(i)
-        out += [np.asarray(k)[:n].tobytes(), np.asarray(v)[:n].tobytes()]
-    return out
-
-
-def _data_mappings(name: str) -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for line in f if line.rstrip().endswith("skv_" + name + ".d"))
 
 
 @pytest.mark.parametrize("at_call", [2, 3])
@@ -42,16 +23,12 @@ def test_a_ctrl_c_inside_a_borrows_mapping_leaves_no_alias(make_store, monkeypat
     and its appends would write into the donor's (and every borrower's) pages."""
     import gc
 
-    st = _store(make_store)
+    st = lim_store(make_store)
     rng = np.random.default_rng(35)
-    prompt = np.arange(1000, 1000 + PROMPT)
-    d = st.create_sequence(capacity=1024, prefix=prompt)
-    shape = (L, PROMPT, H, D)
-    d.extend(rng.standard_normal(shape), rng.standard_normal(shape), tokens=prompt)
-    d.finish()
-    want_d = _kv_bytes(d, PROMPT)
+    d, prompt = make_donor(st, rng)
+    want_d = kv_content(d, PROMPT)
     gc.collect()
-    maps0 = _data_mappings(st.name)
+    maps0 = data_mappings(st.name)
     real, calls = share._mmap, []
 
     def mmap(*args):
@@ -67,14 +44,14 @@ def test_a_ctrl_c_inside_a_borrows_mapping_leaves_no_alias(make_store, monkeypat
     assert len(calls) >= at_call, "the interrupt did not land inside the borrow's mapping"
     assert {s.id for s in st.sequences()} == {d.id}  # rolled back
     gc.collect()
-    leftover = _data_mappings(st.name) - maps0
+    leftover = data_mappings(st.name) - maps0
     g = st.create_sequence(capacity=1024, prefix=[999_999])  # (a miss on a page unit: the same cells)
     x = np.full((H, D), 3.0, np.float32)
     for _ in range(16):
         for layer in range(L):
             g.append(layer, x, x)
         g.commit()
-    assert _kv_bytes(d, PROMPT) == want_d, f"the donor's cells written through a stale alias ({leftover} mappings)"
+    assert kv_content(d, PROMPT) == want_d, f"the donor's cells written through a stale alias ({leftover} mappings)"
     assert float(np.asarray(g.keys(0))[1:16].min()) == 3.0
     assert leftover == 0
 
@@ -84,13 +61,9 @@ def test_a_ctrl_c_inside_a_readers_sync_leaves_no_alias(make_store, monkeypatch)
     B in a read-only attachment, Shares.apply -> place -> remap, no critical code). B is freed
     and a new sequence G takes its cells; the reader must then read G's bytes, not the donor's
     (the half-made mapping was recorded nowhere, so no later apply undoes it)."""
-    st = _store(make_store)
+    st = lim_store(make_store)
     rng = np.random.default_rng(36)
-    prompt = np.arange(1000, 1000 + PROMPT)
-    d = st.create_sequence(capacity=1024, prefix=prompt)
-    shape = (L, PROMPT, H, D)
-    d.extend(rng.standard_normal(shape), rng.standard_normal(shape), tokens=prompt)
-    d.finish()
+    d, prompt = make_donor(st, rng)
     ro = shmkv.attach(st.name, readonly=True)
     try:
         ro.sequence(d.id).keys(0)  # (synced: nothing to map yet)
@@ -138,13 +111,9 @@ def test_a_ctrl_c_right_after_unmap_pops_the_span_leaves_no_alias(make_store):
     and ``dirty`` before, so the next sync puts its own pages back and the reader shows the next
     sequence on B's cells, not the donor's bytes (review 33 finding 1b: Shares._unmap popped it
     from ``cur`` first)."""
-    st = _store(make_store)
+    st = lim_store(make_store)
     rng = np.random.default_rng(37)
-    prompt = np.arange(1000, 1000 + PROMPT)
-    d = st.create_sequence(capacity=1024, prefix=prompt)
-    shape = (L, PROMPT, H, D)
-    d.extend(rng.standard_normal(shape), rng.standard_normal(shape), tokens=prompt)
-    d.finish()
+    d, prompt = make_donor(st, rng)
     ro = shmkv.attach(st.name, readonly=True)
     sh = engine_of(ro).shares
     try:

@@ -13,7 +13,6 @@ puts a child process at the real limit instead."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import gc
 
@@ -24,71 +23,7 @@ import shmkv
 from shmkv._engine import share
 from shmkv._engine.header import SPAN_CELLS
 from shmkv.store._store import engine_of
-
-L, H, D = 3, 4, 64
-PROMPT = 300
-
-
-def _store(make_store, dtype="float16", **kw):
-    args = dict(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=32)
-    args.update(kw)
-    return make_store(**args)
-
-
-def _kv(rng, n):
-    shape = (L, n, H, D)
-    return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
-
-
-def _donor(store, rng, n=PROMPT, first=1000, finish=True):
-    prompt = np.arange(first, first + n)
-    d = store.create_sequence(capacity=1024, prefix=prompt)
-    k, v = _kv(rng, n - len(d))
-    d.extend(k, v, tokens=prompt[len(d):])
-    if finish:
-        d.finish()
-    return d, prompt
-
-
-def _content(seq, n=None):
-    """Every layer's committed K and V (int8: the codes and scales read back), token ids and
-    positions of ``seq``'s first ``n`` tokens, as bytes."""
-    n = len(seq) if n is None else n
-    out = [seq.tokens[:n].tobytes(), seq.positions[:n].tobytes()]
-    for i in range(L):
-        k, v = seq.kv(i)
-        out += [np.asarray(k)[:n].tobytes(), np.asarray(v)[:n].tobytes()]
-    return out
-
-
-def _data_mappings(name: str) -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for line in f if line.rstrip().endswith("skv_" + name + ".d"))
-
-
-def _refusing(monkeypatch, *stores, spans_from=1, put_back=True):
-    """``share._mmap`` as in a process at vm.max_map_count: a span's mapping (a cell shown at
-    another cell's file offset: it splits the data segment's region) is refused with ENOMEM, the
-    errno the kernel gives, from the ``spans_from``-th such call on (the ones before it mapped);
-    mapping a cell's own pages back (it merges with its neighbours again) is allowed, or refused
-    as well (``put_back=False``). Returns the calls: (own pages?, refused?) each."""
-    real, calls = share._mmap, []
-    shares = [engine_of(s).shares for s in stores]
-
-    def mmap(*args):
-        addr, off = args[0], args[5]  # (addr, length, prot, flags, fd, offset)
-        own = any(sh.base <= addr < sh.base + sh.anchor.nbytes and off == addr - sh.base for sh in shares)
-        spans = sum(1 for c in calls if not c[0]) + (not own)
-        refuse = (not put_back) if own else spans >= spans_from
-        calls.append((own, refuse))
-        if refuse:
-            ctypes.set_errno(errno.ENOMEM)
-            return share._FAILED
-        return real(*args)
-
-    monkeypatch.setattr(share, "_mmap", mmap)
-    return calls
-
+from _maplimit_scenes import PROMPT, data_mappings, kv_content, kv_pair, lim_store, make_donor, refusing
 
 def _unshared(store, seq):
     """``seq`` borrows nothing: no span in the table, none mapped or pending in this process."""
@@ -108,20 +43,20 @@ def test_a_refused_borrow_copies_the_prefix(make_store, monkeypatch, how, dtype,
     scales), token ids and positions are the donor's prefix bit for bit, from private cells:
     ``shared_tokens`` unchanged, no mapping left behind, every other sequence intact, and
     writes into those cells never reach the donor. Without the fallback it raised ShareError."""
-    st = _store(make_store, dtype)
+    st = lim_store(make_store, dtype)
     rng = np.random.default_rng(23)
-    d, p = _donor(st, rng)
-    c, _ = _donor(st, rng, n=100, first=5000, finish=False)  # an unrelated row, leased
+    d, p = make_donor(st, rng)
+    c, _ = make_donor(st, rng, n=100, first=5000, finish=False)  # an unrelated row, leased
     b0 = st.create_sequence(capacity=1024, prefix=np.r_[p, [7]])  # a borrower mapped before
     assert st.stats().shared_tokens > 0
     dst = st.create_sequence(capacity=1024, prefix=[999_999]) if how == "copy_prefix" else None  # (a miss)
     parent = st.sequence(d.id) if how == "fork" else None  # (a read handle: d stays finished, all lent)
-    want = _content(d, PROMPT)
-    before = {s.id: _content(s) for s in (d, c, b0)}
+    want = kv_content(d, PROMPT)
+    before = {s.id: kv_content(s) for s in (d, c, b0)}
     stats0 = st.stats()
     gc.collect()
-    maps0 = _data_mappings(st.name)
-    calls = _refusing(monkeypatch, st, spans_from=spans_from)
+    maps0 = data_mappings(st.name)
+    calls = refusing(monkeypatch, st, spans_from=spans_from)
 
     if how == "create":
         s = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
@@ -133,7 +68,7 @@ def test_a_refused_borrow_copies_the_prefix(make_store, monkeypatch, how, dtype,
 
     assert any(refused for _, refused in calls), "the reuse never tried to borrow: the test shows nothing"
     assert len(s) == PROMPT
-    assert _content(s) == want
+    assert kv_content(s) == want
     assert _unshared(st, s)
     stats = st.stats()
     assert stats.shared_tokens == stats0.shared_tokens
@@ -141,22 +76,22 @@ def test_a_refused_borrow_copies_the_prefix(make_store, monkeypatch, how, dtype,
     if how == "create":
         assert (stats.prefix_hits, stats.prefix_tokens_reused) == (stats0.prefix_hits + 1,
                                                                   stats0.prefix_tokens_reused + PROMPT)
-    assert {i: _content(st.sequence(i)) for i in before} == before
+    assert {i: kv_content(st.sequence(i)) for i in before} == before
     gc.collect()
-    assert _data_mappings(st.name) == maps0  # the refused attempt left no mapping
+    assert data_mappings(st.name) == maps0  # the refused attempt left no mapping
 
     monkeypatch.undo()  # the kernel allows mappings again: nothing pending re-maps the copy
     ro = shmkv.attach(st.name, readonly=True)
     try:
-        assert _content(ro.sequence(s.id)) == want
+        assert kv_content(ro.sequence(s.id)) == want
         assert not engine_of(ro).shares.unmapped
     finally:
         ro.close()
     # its first cells are its own: a truncate into them and new tokens there leave the donor
     s.truncate(50)
-    k, v = _kv(rng, 60)
+    k, v = kv_pair(rng, 60)
     s.extend(k, v, tokens=np.arange(60))
-    assert _content(d) == before[d.id] and _content(b0) == before[b0.id]
+    assert kv_content(d) == before[d.id] and kv_content(b0) == before[b0.id]
     e = engine_of(st)
     assert not e.shares.unmapped and not e.shares.dirty
 
@@ -167,13 +102,13 @@ def test_a_refusal_that_cannot_be_put_back_raises_and_leaves_nothing(make_store,
     raises ShareError naming vm.max_map_count and the fix, and is rolled back whole. Once the
     kernel allows it, the next entry of the lock puts the pages back: a new sequence on those
     cells reads its own bytes."""
-    st = _store(make_store)
+    st = lim_store(make_store)
     rng = np.random.default_rng(5)
-    d, p = _donor(st, rng)
+    d, p = make_donor(st, rng)
     before = {i.id: i for i in st.sequences()}
-    want_d = _content(d)
+    want_d = kv_content(d)
     stats0 = st.stats()
-    calls = _refusing(monkeypatch, st, spans_from=3, put_back=False)
+    calls = refusing(monkeypatch, st, spans_from=3, put_back=False)
     with pytest.raises(shmkv.ShareError, match=r"vm\.max_map_count") as err:
         st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
     assert err.value.errno == errno.ENOMEM and "SHMKV_SHARE=0" in str(err.value)
@@ -186,12 +121,12 @@ def test_a_refusal_that_cannot_be_put_back_raises_and_leaves_nothing(make_store,
     assert len(calls) > 4 and set(calls[3:]) == {(True, True)}
     monkeypatch.undo()
     g = st.create_sequence(capacity=1024)
-    k, v = _kv(rng, PROMPT)
+    k, v = kv_pair(rng, PROMPT)
     g.extend(k, v)
     e = engine_of(st)
     assert not e.shares.unmapped and not e.shares.dirty
-    assert _content(g)[2] == np.asarray(k[0], np.float16).tobytes()  # its own pages, not the donor's
-    assert _content(d) == want_d
+    assert kv_content(g)[2] == np.asarray(k[0], np.float16).tobytes()  # its own pages, not the donor's
+    assert kv_content(d) == want_d
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -205,9 +140,9 @@ def test_a_process_at_the_real_limit_copies_the_prefix(make_store, start_method)
 
     from shmkv.testing import run_in_process
 
-    st = _store(make_store)
+    st = lim_store(make_store)
     rng = np.random.default_rng(7)
-    d, p = _donor(st, rng)
+    d, p = make_donor(st, rng)
     b0 = st.create_sequence(capacity=1024, prefix=np.r_[p, [7]])
     shared0 = st.stats().shared_tokens
     assert shared0 > 0
@@ -221,7 +156,7 @@ def test_a_process_at_the_real_limit_copies_the_prefix(make_store, start_method)
     assert st.stats().shared_tokens == shared0
     b1 = st.create_sequence(capacity=1024, prefix=np.r_[p, [8]])
     assert st.stats().shared_tokens > shared0
-    assert _content(b1) == _content(d)
+    assert kv_content(b1) == kv_content(d)
 
 
 @pytest.mark.parametrize("end", ["exception", "kill"])
@@ -234,15 +169,15 @@ def test_a_fallback_cut_short_leaves_nothing(make_store, monkeypatch, end):
     from shmkv._engine.sharing import Sharing
     from shmkv.testing import ChildFailed, start_in_process
 
-    st = _store(make_store)
+    st = lim_store(make_store)
     rng = np.random.default_rng(11)
-    d, p = _donor(st, rng)
+    d, p = make_donor(st, rng)
     before = st.sequences()
-    want_d = _content(d)
+    want_d = kv_content(d)
     stats0 = st.stats()
     prompt = np.r_[p, [1]]
     if end == "exception":
-        _refusing(monkeypatch, st)
+        refusing(monkeypatch, st)
         real = Sharing._copy_span
 
         def copy_then_fail(self, start, src, m):
@@ -264,7 +199,7 @@ def test_a_fallback_cut_short_leaves_nothing(make_store, monkeypatch, end):
 
     assert rows(st.sequences()) == rows(before)
     assert st.stats().shared_tokens > stats0.shared_tokens  # s borrows: nothing left in the way
-    assert _content(s) == want_d and _content(d) == want_d
+    assert kv_content(s) == want_d and kv_content(d) == want_d
     e = engine_of(st)
     assert not e.shares.unmapped and not e.shares.dirty
 
@@ -275,15 +210,15 @@ def test_a_fallback_cut_short_leaves_nothing(make_store, monkeypatch, end):
 def test_a_refused_borrow_on_bounded_layers_equals_a_copy(make_store, monkeypatch, kind):
     """Layouts with sliding or chunked layers (which copy anyway): a refused borrow gives what
     a reuse with sharing off gives, on every layer, bit for bit."""
-    st = _store(make_store, **kind)
+    st = lim_store(make_store, **kind)
     rng = np.random.default_rng(3)
-    _, p = _donor(st, rng)
+    _, p = make_donor(st, rng)
     monkeypatch.setattr(share, "ENABLED", False)
     ref = st.create_sequence(capacity=1024, prefix=np.r_[p, [2]])
     monkeypatch.undo()
     shared0 = st.stats().shared_tokens
-    calls = _refusing(monkeypatch, st)
+    calls = refusing(monkeypatch, st)
     s = st.create_sequence(capacity=1024, prefix=np.r_[p, [1]])
     assert any(refused for _, refused in calls)
-    assert len(s) == len(ref) > 0 and _content(s) == _content(ref)
+    assert len(s) == len(ref) > 0 and kv_content(s) == kv_content(ref)
     assert _unshared(st, s) and st.stats().shared_tokens == shared0

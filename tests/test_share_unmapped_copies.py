@@ -6,74 +6,34 @@ also when the span's owner is gone or moved off its loans."""
 
 from __future__ import annotations
 
-import ctypes
-import errno
 
 import numpy as np
 import pytest
 
 import shmkv
 from shmkv._engine import share
+from _maplimit_scenes import D, H, L, PROMPT, kv_content, lim_store, make_donor, refusing
 from shmkv._engine.header import SPAN_CELLS
 from shmkv.store._store import engine_of
-
-L, H, D = 3, 4, 64
-PROMPT = 300
-
-
-def _store(make_store, dtype="float16"):
-    return make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=32)
-
-
-def _refuse_spans(monkeypatch, *stores):
-    """``share._mmap`` as in a process at vm.max_map_count: every span mapping (a cell shown at
-    another cell's file offset) refused with ENOMEM; a cell's own pages mapped back allowed."""
-    real = share._mmap
-    shares = [engine_of(s).shares for s in stores]
-    refused = []
-
-    def mmap(*args):
-        addr, off = args[0], args[5]
-        own = any(sh.base <= addr < sh.base + sh.anchor.nbytes and off == addr - sh.base for sh in shares)
-        if not own:
-            refused.append(args)
-            ctypes.set_errno(errno.ENOMEM)
-            return share._FAILED
-        return real(*args)
-
-    monkeypatch.setattr(share, "_mmap", mmap)
-    return refused
-
-
-def _kv_bytes(seq, n):
-    out = []
-    for i in range(L):
-        k, v = seq.kv(i)
-        out += [np.asarray(k)[:n].tobytes(), np.asarray(v)[:n].tobytes()]
-    return out
 
 
 def _unmapped_borrower(make_store, monkeypatch, dtype="float16"):
     """A donor D (300 tokens, finished) and a borrower B of its first page units made through a
     second attachment; then this process refuses span mappings, so the first attachment's
     next lock entry leaves B unmapped (unreadable) there. Returns (st, other, B, dst, B's bytes)."""
-    st = _store(make_store, dtype)
+    st = lim_store(make_store, dtype)
     other = shmkv.attach(st.name)
     dst = st.create_sequence(capacity=1024, prefix=[999_999])  # a miss: empty, on a page unit
     rng = np.random.default_rng(33)
-    prompt = np.arange(1000, 1000 + PROMPT)
-    d = other.create_sequence(capacity=1024, prefix=prompt)
-    shape = (L, PROMPT, H, D)
-    d.extend(rng.standard_normal(shape), rng.standard_normal(shape), tokens=prompt)
-    d.finish()
+    _, prompt = make_donor(other, rng)
     b = other.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
     k = rng.standard_normal((L, 40, H, D))
     b.extend(k, -k, tokens=np.arange(1, 41))
     b.finish()
     span = int(engine_of(other).table_np[engine_of(other).slot_of(b.id), SPAN_CELLS])
     assert span >= PROMPT - 8, "B borrows nothing: the scene shows nothing"
-    want = _kv_bytes(other.sequence(b.id), len(b))
-    _refuse_spans(monkeypatch, st, other)
+    want = kv_content(other.sequence(b.id), len(b))
+    refusing(monkeypatch, st, other)
     with engine_of(st).locked():  # its sync: B's span refused here
         pass
     assert engine_of(st).slot_of(b.id) in engine_of(st).shares.unmapped
@@ -94,7 +54,7 @@ def test_copy_prefix_from_an_unmapped_borrower_copies(make_store, monkeypatch, n
         n = span + n_from_span_end
         st.copy_prefix(b.id, dst.id, n)
         assert len(dst) == n
-        got = _kv_bytes(dst, n)
+        got = kv_content(dst, n)
         assert got == [w[: len(g)] for w, g in zip(want, got, strict=True)]
     finally:
         monkeypatch.undo()
@@ -111,7 +71,7 @@ def test_fork_of_an_unmapped_borrower_inside_its_span_copies(make_store, monkeyp
         try:
             f = w.fork(span - 2)
             try:
-                got = _kv_bytes(f, span - 2)
+                got = kv_content(f, span - 2)
                 assert got == [x[: len(g)] for x, g in zip(want, got, strict=True)]
             finally:
                 f.free()
@@ -129,22 +89,18 @@ def test_the_fallback_copies_physical_cells_whose_owner_is_gone(make_store, monk
     its loans (leased, truncated to 8 tokens with a free range, then written past them), and a
     copy_prefix from B (unmapped here) into an empty sequence, its borrow refused, copies B's
     bytes from the physical cells; D's new tokens never show in it."""
-    st = _store(make_store, dtype)
+    st = lim_store(make_store, dtype)
     other = shmkv.attach(st.name)
     dst = st.create_sequence(capacity=1024, prefix=[999_999])
     try:
         rng = np.random.default_rng(34)
-        prompt = np.arange(1000, 1000 + PROMPT)
-        d = other.create_sequence(capacity=1024, prefix=prompt)
-        shape = (L, PROMPT, H, D)
-        d.extend(rng.standard_normal(shape), rng.standard_normal(shape), tokens=prompt)
-        d.finish()
+        d, prompt = make_donor(other, rng)
         b = other.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
         b.finish()
         eo = engine_of(other)
         span = int(eo.table_np[eo.slot_of(b.id), SPAN_CELLS])
         assert span > 0
-        want = _kv_bytes(other.sequence(b.id), span)
+        want = kv_content(other.sequence(b.id), span)
         if donor_fate == "freed":
             other.sequence(d.id, write=True).free()
         else:
@@ -158,14 +114,14 @@ def test_the_fallback_copies_physical_cells_whose_owner_is_gone(make_store, monk
                 w.commit()
             assert int(eo.table_np[eo.slot_of(d.id), share.START]) != start0
             w.release()
-        assert _kv_bytes(other.sequence(b.id), span) == want
-        _refuse_spans(monkeypatch, st, other)
+        assert kv_content(other.sequence(b.id), span) == want
+        refusing(monkeypatch, st, other)
         st.copy_prefix(b.id, dst.id, span)
         assert engine_of(st).slot_of(b.id) in engine_of(st).shares.unmapped  # the case of 5f4e516
         assert int(engine_of(st).table_np[engine_of(st).slot_of(dst.id), SPAN_CELLS]) == 0  # copied
-        assert _kv_bytes(dst, span) == want
+        assert kv_content(dst, span) == want
         monkeypatch.undo()
-        assert _kv_bytes(st.sequence(b.id), span) == want
+        assert kv_content(st.sequence(b.id), span) == want
     finally:
         monkeypatch.undo()
         other.close()
@@ -183,14 +139,14 @@ def test_a_reuse_of_an_unmapped_borrower_copies(make_store, monkeypatch, n_from_
         d_id = next(s.id for s in other.sequences() if s.id not in (b.id, dst.id))
         monkeypatch.undo()
         other.sequence(d_id, write=True).free()
-        _refuse_spans(monkeypatch, st, other)
+        refusing(monkeypatch, st, other)
         n = span + n_from_span_end
         toks = np.asarray(other.sequence(b.id).tokens)[:n]
         s = st.create_sequence(capacity=1024, prefix=np.r_[toks, [77_777]])
         try:
             assert len(s) == n
             assert int(eo.table_np[eo.slot_of(s.id), SPAN_CELLS]) == 0
-            got = _kv_bytes(s, n)
+            got = kv_content(s, n)
             assert got == [w[: len(g)] for w, g in zip(want, got, strict=True)]
         finally:
             s.free()

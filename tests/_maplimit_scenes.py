@@ -1,0 +1,77 @@
+"""Scenes the map-limit tests share (tests/test_share_maplimit.py, test_share_unmapped_copies.py,
+test_share_interrupts.py): a store, a finished donor, its content as bytes, this process's
+mappings of a store, and ``share._mmap`` refusing spans as the kernel does at vm.max_map_count."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+
+import numpy as np
+
+from shmkv._engine import share
+from shmkv.store._store import engine_of
+
+L, H, D = 3, 4, 64
+PROMPT = 300
+
+
+def lim_store(make_store, dtype="float16", **kw):
+    args = dict(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=32)
+    args.update(kw)
+    return make_store(**args)
+
+
+def kv_pair(rng, n):
+    shape = (L, n, H, D)
+    return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+
+
+def make_donor(store, rng, n=PROMPT, first=1000, finish=True):
+    prompt = np.arange(first, first + n)
+    d = store.create_sequence(capacity=1024, prefix=prompt)
+    k, v = kv_pair(rng, n - len(d))
+    d.extend(k, v, tokens=prompt[len(d):])
+    if finish:
+        d.finish()
+    return d, prompt
+
+
+def kv_content(seq, n=None):
+    """Every layer's committed K and V (int8: the codes and scales read back), token ids and
+    positions of ``seq``'s first ``n`` tokens, as bytes."""
+    n = len(seq) if n is None else n
+    out = [seq.tokens[:n].tobytes(), seq.positions[:n].tobytes()]
+    for i in range(L):
+        k, v = seq.kv(i)
+        out += [np.asarray(k)[:n].tobytes(), np.asarray(v)[:n].tobytes()]
+    return out
+
+
+def data_mappings(name: str) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith("skv_" + name + ".d"))
+
+
+def refusing(monkeypatch, *stores, spans_from=1, put_back=True):
+    """``share._mmap`` as in a process at vm.max_map_count: a span's mapping (a cell shown at
+    another cell's file offset: it splits the data segment's region) is refused with ENOMEM, the
+    errno the kernel gives, from the ``spans_from``-th such call on (the ones before it mapped);
+    mapping a cell's own pages back (it merges with its neighbours again) is allowed, or refused
+    as well (``put_back=False``). Returns the calls: (own pages?, refused?) each."""
+    real, calls = share._mmap, []
+    shares = [engine_of(s).shares for s in stores]
+
+    def mmap(*args):
+        addr, off = args[0], args[5]  # (addr, length, prot, flags, fd, offset)
+        own = any(sh.base <= addr < sh.base + sh.anchor.nbytes and off == addr - sh.base for sh in shares)
+        spans = sum(1 for c in calls if not c[0]) + (not own)
+        refuse = (not put_back) if own else spans >= spans_from
+        calls.append((own, refuse))
+        if refuse:
+            ctypes.set_errno(errno.ENOMEM)
+            return share._FAILED
+        return real(*args)
+
+    monkeypatch.setattr(share, "_mmap", mmap)
+    return calls
