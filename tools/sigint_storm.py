@@ -132,6 +132,8 @@ class Storm:
         self.interrupted: dict[str, int] = {}
         self.orphans: set[int] = set()
         self.op = "none"
+        self.log: list[str] = ["start"]  # the steps, for the report of the first problem
+        self.first_log: list[str] | None = None
 
     def fresh(self, n: int) -> list[int]:
         t = list(range(self.next_tok, self.next_tok + n))
@@ -151,10 +153,13 @@ class Storm:
         with no_sigint():
             self.counts[op] = self.counts.get(op, 0) + 1
             self.op = op
+        self.log.append(op)
         getattr(self, "op_" + op)()
+        self.log[-1] += " ok"
 
     def pick(self) -> tuple[int, Any]:
         sid = self.rng.choice(sorted(self.live))
+        self.log[-1] += f" {sid}:{_short(self.ref[sid])}"
         return sid, self.live[sid]
 
     def op_create(self) -> None:
@@ -167,6 +172,7 @@ class Storm:
         with no_sigint():
             self.live[s.id] = s
             self.ref[s.id] = p[:len(s)]
+            self.log[-1] += f" -> {s.id}:{_short(self.ref[s.id])}"
             self.pending = None
 
     def op_extend(self) -> None:
@@ -189,6 +195,7 @@ class Storm:
         sid, s = self.pick()
         before = self.ref[sid]
         n = self.rng.randrange(0, len(before) + 1)
+        self.log[-1] += f" n={n}"
         with no_sigint():
             self.pending = ("seq", sid, [before, before[:n]])
         with sigint_open():
@@ -207,6 +214,7 @@ class Storm:
         with no_sigint():
             self.live[t.id] = t
             self.ref[t.id] = self.ref[sid][:n]
+            self.log[-1] += f" n={n} -> {t.id}"
             self.pending = None
 
     def op_copy(self) -> None:
@@ -218,6 +226,7 @@ class Storm:
         before = self.ref[b]
         with no_sigint():
             self.pending = ("seq", b, [before, self.ref[a][:n]])
+            self.log[-1] += f" n={n}"
         with sigint_open():
             self.store.copy_prefix(a, b, n)
         with no_sigint():
@@ -244,8 +253,9 @@ class Storm:
         if not np.array_equal(k, want):
             with no_sigint():
                 bad = np.nonzero((k != want).any(axis=(1, 2)))[0] if k.shape == want.shape else []
+                got = k[bad[:4], 0, 0] if len(bad) else k.shape
                 self.errors.append(f"read: seq {sid} layer {layer} keys differ from committed {_short(ref)} "
-                                   f"at cells {[int(c) for c in bad[:8]]}: got {k[bad[:4], 0, 0] if len(bad) else k.shape}"
+                                   f"at cells {[int(c) for c in bad[:8]]}: got {got}"
                                    f" (K = 4 * token + layer), again: {check(self.store, sid, ref, 'reread')}")
 
     def op_batch(self) -> None:
@@ -306,6 +316,9 @@ class Storm:
 
     def run(self, stop: Any) -> None:
         while True:
+            if self.errors and self.first_log is None:
+                self.first_log = self.log[-40:]
+            del self.log[:-200]
             try:
                 if self.pending is not None:
                     with no_sigint():
@@ -316,6 +329,7 @@ class Storm:
             except KeyboardInterrupt:
                 with no_sigint():
                     self.interrupted[self.op] = self.interrupted.get(self.op, 0) + 1
+                    self.log[-1] += " KI"
             except shmkv.ShmkvError as e:
                 with no_sigint():
                     self.errors.append(f"{self.op}: {type(e).__name__}: {e}")
@@ -371,6 +385,8 @@ class Storm:
             err = check(st, d, PROMPT, "donor")
             if err:
                 errors.append(err)
+        if self.first_log:
+            errors.insert(0, "steps before the first problem:\n      " + "\n      ".join(self.first_log))
         return {"errors": errors, "ref": dict(self.ref), "counts": self.counts,
                 "interrupted": self.interrupted, "orphans": sorted(self.orphans)}
 
