@@ -8,9 +8,11 @@ checks every live sequence's keys against its token ids (K = 4 * token + layer),
 sequence (before or after, and its write handle can extend and read back right), a new sequence
 on recycled cells and the donor. It prints each point with a problem and the shmkv frames where
 the interrupt was raised. The trace ignores ``@critical`` (shmkv defers a real SIGINT there), so
-points inside critical frames are not all reachable by a real Ctrl-C; points right after a call
-returns in ordinary code are. Found in session 33: truncate of the borrower, the interrupt right
-after its body (points 140-142), leaves the handle extending into wrong keys.
+points inside critical frames are not reachable by a real Ctrl-C, nor is the line event of a
+``with`` statement's exit (raised there, ``__exit__`` is never called; CPython 3.11 checks for
+signals only at the callee's first instruction, inside ``__exit__``, which is critical). Session
+33: truncate points 140-142 are such artifacts (``Structural.__exit__`` never ran); no point
+reachable by a real SIGINT showed a problem on truncate, extend, copy or free.
 Removes only the stores it created."""
 # ruff: noqa
 import sys, numpy as np, shmkv, os
