@@ -121,13 +121,14 @@ class Int8Mirror:
         if keep:
             new[:, :, :keep] = old[:, :, :keep]
         new[:, :, keep:] = 0  # its pages faulted in here, not one by one in the decode loop
-        self.M, self.cap = new, cap
         ro = new.view()
         ro.flags.writeable = False
-        self.wk = [new[i, 0] for i in range(new.shape[0])]
-        self.wv = [new[i, 1] for i in range(new.shape[0])]
-        self.kv = [ro[i, 0] for i in range(new.shape[0])]
-        self.vv = [ro[i, 1] for i in range(new.shape[0])]
+        wk = [new[i, 0] for i in range(new.shape[0])]
+        wv = [new[i, 1] for i in range(new.shape[0])]
+        kv = [ro[i, 0] for i in range(new.shape[0])]
+        vv = [ro[i, 1] for i in range(new.shape[0])]
+        # one statement, no call between (a Ctrl-C lands only at a call): the views are always of M
+        self.M, self.cap, self.wk, self.wv, self.kv, self.vv = new, cap, wk, wv, kv, vv
 
     def sync(self, gen: int, start: int, length: int, pending: list[int]) -> None:
         """At generation ``gen`` (someone else's change, or a new handle): the committed tokens

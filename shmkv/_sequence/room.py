@@ -61,7 +61,7 @@ class Roomed(Protocol):
     lent_past: bool
     cached: tuple[int, int, int, int] | None
 
-    def cache(self, start: int, cap: int, woff: int) -> None: ...
+    def cache(self, start: int, cap: int, woff: int, *, gen: int | None = None, fresh: bool = False) -> None: ...
 
 
 def chunk(capacity: int, page_unit: int, cell_bytes: int) -> int:

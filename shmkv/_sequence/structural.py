@@ -74,11 +74,9 @@ class Structural:
             assert self._changing is not None
             self._changing.__exit__(*exc)
             w = self.w
-            w.pending = [0] * w.L
-            w.staged = False  # (an int8 mirror: kept by truncate, else re-read at the next append)
+            w.pending, w.staged = [0] * w.L, False  # (an int8 mirror: kept by truncate, else re-read)
             row = w.row
-            w.gen = row[GEN]
-            w.cache(row[START], row[CAPACITY], row[WIN_OFF])
+            w.cache(row[START], row[CAPACITY], row[WIN_OFF], gen=row[GEN])
             if row[FLAGS] & LENT:  # it lends: its room stops short of cells it lent (_sequence/room.py)
                 mind_loans(w)
         finally:

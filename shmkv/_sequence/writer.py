@@ -41,7 +41,7 @@ from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
 from shmkv._sequence.room import grow, leave_loans, limits, make_room
-from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError
+from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError, ShmkvError
 
 
 _F16 = np.dtype(np.float16)
@@ -103,35 +103,51 @@ class SeqWriter:
     # -- addressing --------------------------------------------------------------------
 
     def refresh(self) -> None:
+        """Re-read the row: someone else's change, or a new handle. The room too is what is
+        written then (``_sequence/room.py``), and cells it lent may lie past its length."""
         g = self.row[GEN]
         start, cap, _, woff = self.r.span()
-        self.gen = g if not g & 1 else -1
-        self.length = self.row[LENGTH]
-        self.cached = None  # someone else's change: the room too is what is written (_sequence/room.py)
-        self.lent_past = True  # (and its length may have fallen below cells it lent: not known)
-        self.cache(start, cap, woff)
+        self.lent_past = True  # (the safe value: its length may have fallen below cells it lent)
+        self.cache(start, cap, woff, gen=g if not g & 1 else -1, fresh=True)
 
-    def cache(self, start: int, cap: int, woff: int) -> None:
-        """Per-layer addressing for the writer's hot path.
+    def cache(self, start: int, cap: int, woff: int, *, gen: int | None = None, fresh: bool = False) -> None:
+        """Per-layer addressing for the writer's hot path, at row generation ``gen`` (None: the
+        handle's generation stays as it is, and the caller sets it after: ``Int8Mirror.moved``).
 
         Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
         cell ``slot * window_cells + i - woff`` of that layer's window region.
         Also what kept() compares: the length, this process's count of changes of the row.
+
+        Everything is worked out first and assigned in one statement, with no call between the
+        stores (a Ctrl-C is raised only at a call, a function's entry or a backward jump): the
+        fields a read or write trusts are all old or all new, never half (ARCHITECTURE.md,
+        "A write handle's addressing").
         """
-        self.here = self.port.here[self.slot]
-        self.length = self.row[LENGTH]
-        self.start = start
-        wbase = self.r.wbase = (2 * self.slot + self.row[WBUF]) * self.wc  # the writer's own row
+        row = self.row
+        here = self.port.here[self.slot]
+        length = row[LENGTH]
+        wbase = (2 * self.slot + row[WBUF]) * self.wc  # the writer's own row
         key = (start, cap, woff, wbase)
-        if key == self.cached:
-            return  # (a truncate within the range, the speculative-decoding step, changes none of them)
-        if self.cached is None or self.cached[0] != start:  # a new range: what is written has pages
-            self.room = self.row[LENGTH] + max(self.pending)
+        g = self.gen if gen is None else gen
+        prev = self.cached
+        self.r.wbase = wbase
+        if key == prev and not fresh:
+            # (a truncate within the range, the speculative-decoding step, changes none of them)
+            self.here, self.length, self.gen = here, length, g
+            return
+        room = self.room if prev is not None and prev[0] == start and not fresh else length + max(self.pending)
         base = wbase - woff
-        self.base = [start if f else base for f in self.isfull]  # cell of token 0
-        self.lim = limits(self, cap, woff)  # token index limits: capacity, window buffer, room
-        self.vfrom = [start if f else wbase for f in self.isfull]  # first kept cell
-        self.cached = key  # last: a Ctrl-C above leaves the next call to compute it all again
+        bases = [start if f else base for f in self.isfull]  # cell of token 0
+        lim = limits(self, cap, woff, room)  # token index limits: capacity, window buffer, room
+        vfrom = [start if f else wbase for f in self.isfull]  # first kept cell
+        (self.here, self.length, self.start, self.room, self.base, self.lim, self.vfrom, self.cached,
+         self.gen) = (here, length, start, room, bases, lim, vfrom, key, g)
+
+    def abandon(self) -> None:
+        """An exception that is not one of shmkv's refusals (a KeyboardInterrupt, a MemoryError)
+        left append or commit: the step is dropped (its pending tokens, never committed) and the
+        handle re-reads its row on its next use. One statement: the handle is never left half."""
+        self.gen, self.pending, self.staged = -1, [0] * self.L, False
 
     def drop_pending(self) -> None:
         """Forget this handle's uncommitted tokens (their cells are simply written again)."""
@@ -162,6 +178,7 @@ class SeqWriter:
         if self.port.closed:
             self.r.check()  # raises
         if not self.write:
+            self.r.span()  # a freed sequence: SequenceNotFound (no lease to take)
             raise ReadOnlyError(
                 f"{what}: sequence {self.id} handle is read-only; take the lease with "
                 f"store.sequence({self.id}, write=True)"
@@ -264,6 +281,15 @@ class SeqWriter:
 
     def append_checked(self, layer: Any, k: Any, v: Any, views: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """append's checked path; ``views=False`` (extend) returns empty arrays."""
+        try:
+            return self._append_checked(layer, k, v, views)
+        except ShmkvError:
+            raise  # (refused before anything was written: the step goes on as it was)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _append_checked(self, layer: Any, k: Any, v: Any, views: bool) -> tuple[np.ndarray, np.ndarray]:
         self.need_writer("append")
         layer = self.r.layer(layer)
         int8 = self.dtype == "int8"
@@ -328,57 +354,64 @@ class SeqWriter:
 
     def commit(self, tokens: Any = None, positions: Any = None) -> int:
         """Sequence.commit (its docstring tells the contract); bound as the handle's ``commit``."""
-        self.need_writer("commit")
-        pend = self.pending
-        n = pend[0]
-        if pend.count(n) != self.L:
-            raise InvalidArgumentError(
-                f"commit: layers have different pending token counts {pend}; append the same "
-                "number of tokens to every layer before commit()"
-            )
-        row = self.row
-        length = row[LENGTH]
-        s = self.start + length
-        P = self.positions
-        last = int(P[s - 1]) if length else -1
-        if n == 0:
-            if (tokens is not None and np.size(tokens)) or (positions is not None and np.size(positions)):
-                raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
-            return length
-        tok = None if tokens is None else ints("tokens", tokens, n)
-        pos = None
-        if positions is not None:
-            pos = ints("positions", positions, n)
-            if pos[0] <= last or (n > 1 and np.any(np.diff(pos) <= 0)):
+        try:
+            self.need_writer("commit")
+            pend = self.pending
+            n = pend[0]
+            if pend.count(n) != self.L:
                 raise InvalidArgumentError(
-                    f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
+                    f"commit: layers have different pending token counts {pend}; append the same "
+                    "number of tokens to every layer before commit()"
                 )
-        if self.staged and self.mirror is not None:  # int8: all layers' pending tokens quantized, one pass
-            self.mirror.quantize(length, n, s, self)
-        if tok is None:
-            self.tokens[s : s + n] = -1
-        else:
-            self.tokens[s : s + n] = tok
-        if pos is None:
-            if n == 1:
-                P[s] = last + 1
+            row = self.row
+            length = row[LENGTH]
+            s = self.start + length
+            P = self.positions
+            last = int(P[s - 1]) if length else -1
+            if n == 0:
+                if (tokens is not None and np.size(tokens)) or (positions is not None and np.size(positions)):
+                    raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
+                return length
+            tok = None if tokens is None else ints("tokens", tokens, n)
+            pos = None
+            if positions is not None:
+                pos = ints("positions", positions, n)
+                if pos[0] <= last or (n > 1 and np.any(np.diff(pos) <= 0)):
+                    raise InvalidArgumentError(
+                        f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
+                    )
+            if self.staged and self.mirror is not None:  # int8: all layers' pending tokens quantized, one pass
+                self.mirror.quantize(length, n, s, self)
+            if tok is None:
+                self.tokens[s : s + n] = -1
             else:
-                P[s : s + n] = np.arange(last + 1, last + 1 + n)
-        else:
-            P[s : s + n] = pos
-        row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
-        self.length = length + n
-        if self.waiters[self.slot] or self.ro_waiters[self.slot]:  # the syscall only for a sleeper
-            _futex.wake(self.waddr)
-        self.pending, self.staged = [0] * self.L, False
-        flags = row[FLAGS]
-        if flags & NOINDEX:
-            pass
-        elif tok is None:  # cells without ids cannot be found by the prefix index
-            unindexable(self, row)
-        elif (length + n) // BLOCK > row[IDX_BLOCKS] or (length < LEAD[-1] and lead_levels(length + n) > leads(flags)):
-            self.index_committed(length + n)
-        return length + n
+                self.tokens[s : s + n] = tok
+            if pos is None:
+                if n == 1:
+                    P[s] = last + 1
+                else:
+                    P[s : s + n] = np.arange(last + 1, last + 1 + n)
+            else:
+                P[s : s + n] = pos
+            zero = [0] * self.L
+            row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
+            self.length, self.pending, self.staged = length + n, zero, False  # (with it: no call between)
+            if self.waiters[self.slot] or self.ro_waiters[self.slot]:  # the syscall only for a sleeper
+                _futex.wake(self.waddr)
+            flags = row[FLAGS]
+            if flags & NOINDEX:
+                pass
+            elif tok is None:  # cells without ids cannot be found by the prefix index
+                unindexable(self, row)
+            elif ((length + n) // BLOCK > row[IDX_BLOCKS]
+                  or (length < LEAD[-1] and lead_levels(length + n) > leads(flags))):
+                self.index_committed(length + n)
+            return length + n
+        except ShmkvError:
+            raise  # (refused before anything was written, or the tokens are committed)
+        except BaseException:
+            self.abandon()
+            raise
 
     def index_committed(self, length: int) -> None:
         """Put the blocks (and leads) this commit completed into the prefix index: the store lock
@@ -463,5 +496,4 @@ def compact(w: SeqWriter, layer: int, end: int) -> None:
             _crash.point("compact.copied")
             row[WBUF] = 1 - wb
             row[WIN_OFF] = new_off
-        w.gen = row[GEN]
-        w.cache(row[START], row[CAPACITY], new_off)
+        w.cache(row[START], row[CAPACITY], new_off, gen=row[GEN])
