@@ -32,7 +32,7 @@ class _Reader(code.InteractiveConsole):
 
     def showsyntaxerror(self, filename: str | None = None, **kwargs: object) -> None:
         self.failed = True
-        super().showsyntaxerror(filename, **kwargs)  # type: ignore[arg-type]
+        super().showsyntaxerror(filename, **kwargs)
 
 
 def _paste(console: _Reader, text: str, where: str) -> None:
