@@ -84,6 +84,24 @@ def test_readme_front_door():
     assert "```python" in lines[:60]
 
 
+def _anchors(page: pathlib.Path) -> set[str]:
+    """GitHub's anchors of a page's headings."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_links_resolve():
+    """Every relative link of the pages names a file of the repository, and its #anchor a heading there."""
+    for page in [*PAGES, ROOT / "ARCHITECTURE.md"]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (page.parent / target).resolve() if target else page
+            assert path.exists(), f"{_rel(page)}: a link to {target}, which does not exist"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path), f"{_rel(page)}: no heading #{anchor} in {target or _rel(page)}"
+
+
 def _require(names: tuple[str, ...]) -> None:
     for name in names:
         if name == "redis-server":
