@@ -352,6 +352,15 @@ def gc(*, include_persistent: bool = False, grace: float = 30.0, snapshot_dirs: 
 
 def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | None = None,
          max_seqs: int | None = None, progress: Callable[[int, int], None] | None = None, **create_kw: Any) -> Store:
-    """Create store ``name`` with a snapshot's layout and restore the whole snapshot into it."""
+    """Create store ``name`` with a snapshot's layout and restore the whole snapshot into it.
+
+    Every sequence keeps its id, length, capacity, token ids and positions; finished ones stay
+    finished. ``max_tokens``/``max_seqs`` default to at least the snapshot's. Like any store this
+    process creates, the new store is removed when it is closed or the process exits, unless
+    ``persistent=True`` (the ``shmkv load`` command passes it: its store stays until ``shmkv rm``).
+
+    Example:
+        >>> store = shmkv.load("/tmp/cache.shmkv", "restored")   # doctest: +SKIP
+    """
     return _restore.load_with(create, engine_of, source, name, persistent=persistent, max_tokens=max_tokens,
                                max_seqs=max_seqs, progress=progress, **create_kw)
