@@ -71,7 +71,7 @@ def extend(w: SeqWriter, k_all: Any, v_all: Any, tokens: Any = None, positions: 
                 w.append_checked(layer, k_all[layer], v_all[layer], views=False)
         return w.commit(tokens, positions)
     except BaseException:
-        w.pending = [0] * w.L
+        w.abandon()  # the pending tokens and the generation, together: re-read at the next use
         raise
 
 
@@ -98,7 +98,7 @@ def extend_in_steps(w: SeqWriter, k_all: np.ndarray, v_all: np.ndarray, tokens: 
                 w.append(layer, k_all[layer, a : a + step], v_all[layer, a : a + step])
             w.commit(None if tok is None else tok[a : a + step], None if pos is None else pos[a : a + step])
     except BaseException:
-        w.pending = [0] * w.L
+        w.abandon()  # the pending tokens and the generation, together: re-read at the next use
         raise
     return int(length + n)
 
