@@ -18,6 +18,7 @@ import numpy as np
 from shmkv._engine.checks import ints
 from shmkv._sequence.handle import Sequence, writer_for, writer_part
 from shmkv._sequence.visibility import attention_mask
+from shmkv._sequence.writer import kv_arrays
 from shmkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class Batch:
             raise InvalidArgumentError(
                 f"put: k {k.shape} and v {v.shape} must be [batch_tokens={self.n}, kv_heads={H}, head_dim={D}]"
             )
-        parts = {sid: writer_part(seq).kv_arrays(k[self._rows[sid]], v[self._rows[sid]])  # all checked first
+        parts = {sid: kv_arrays(writer_part(seq), k[self._rows[sid]], v[self._rows[sid]])  # all checked first
                  for sid, seq in self._seqs.items()}
         keys, values, cols = [], [], []
         try:

@@ -18,7 +18,7 @@ from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENGTH, LENT
 from shmkv._sequence import quant as _quant
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.room import leave_loans
-from shmkv._sequence.writer import real
+from shmkv._sequence.writer import real, write_rows
 from shmkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ def extend_in_steps(w: SeqWriter, k_all: np.ndarray, v_all: np.ndarray, tokens: 
 
 def _int8_codes(x_all: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """int8 codes ``[layers, n, kv_heads, head_dim]`` and scales ``[layers, n, kv_heads]`` of
-    ``x_all`` (checked finite), as ``SeqWriter.write_rows`` encodes them, layer by layer."""
+    ``x_all`` (checked finite), as ``writer.write_rows`` encodes them, layer by layer."""
     codes = np.empty(x_all.shape, np.int8)
     scales = np.empty(x_all.shape[:3], np.float32)
     for layer in range(x_all.shape[0]):
@@ -143,6 +143,6 @@ def set_encoder(w: SeqWriter, k_all: Any, v_all: Any) -> None:
                         sarrs[layer][start : start + n] = qs[layer]
                     continue
                 for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
-                    w.write_rows(arrs[layer], None if scales is None else scales[layer], start, x)
+                    write_rows(w, arrs[layer], None if scales is None else scales[layer], start, x)
             _crash.point("set_encoder.written")
         Int8Mirror.moved(w, row[GEN])  # our own change: pending decoder tokens stay

@@ -39,7 +39,7 @@ from shmkv._engine.prefix import COVERS
 from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.room import mind_loans
-from shmkv._sequence.writer import SeqWriter
+from shmkv._sequence.writer import SeqWriter, write_rows
 from shmkv.errors import InvalidArgumentError, NotSupportedError
 
 ShiftFn = Callable[[int, np.ndarray, int], np.ndarray]
@@ -224,7 +224,7 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
             for layer, keys in enumerate(new_keys):
                 lo = new_start + begin if w.isfull[layer] else new_wbase + begin - woff
                 # re-encoded: values (and their scales) stay as moved
-                w.write_rows(w.Kw[layer], None if w.KS is None else w.KS[layer], lo, keys)
+                write_rows(w, w.Kw[layer], None if w.KS is None else w.KS[layer], lo, keys)
         _crash.point("remove.copied")
         row[START], row[WBUF] = new_start, wb
         row[LENGTH] = length - (end - begin)

@@ -144,9 +144,8 @@ class SeqWriter:
          self.gen) = (here, length, start, room, bases, lim, vfrom, key, g)
 
     def abandon(self) -> None:
-        """An exception that is not one of shmkv's refusals (a KeyboardInterrupt, a MemoryError)
-        left append or commit: the step is dropped (its pending tokens, never committed) and the
-        handle re-reads its row on its next use. One statement: the handle is never left half."""
+        """A foreign exception (KeyboardInterrupt, MemoryError) left append, commit or extend: the
+        step's pending tokens dropped, the row re-read at the next use, in one statement."""
         self.gen, self.pending, self.staged = -1, [0] * self.L, False
 
     def drop_pending(self) -> None:
@@ -205,29 +204,6 @@ class SeqWriter:
             self.refresh()
             if what != "extend":  # a new range (create_sequence): pre-faulted before writes through the mapping
                 self.port.before_appends(self.start, row[CAPACITY])
-
-    def kv_arrays(self, k: Any, v: Any, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts).
-        ``finite=False``: int8 values are not checked here (the quantizer refuses them)."""
-        k = np.asarray(k)
-        v = np.asarray(v)
-        if k.shape[-2:] != self.cell or k.shape != v.shape or k.ndim not in (2, 3):
-            H, D = self.cell
-            raise InvalidArgumentError(
-                f"k shape {k.shape} and v shape {v.shape} must both be [n, kv_heads={H}, head_dim={D}] "
-                f"(or [{H}, {D}] for one token)"
-            )
-        if not (real(k.dtype) and real(v.dtype)):
-            raise InvalidArgumentError(
-                f"k dtype {k.dtype} / v dtype {v.dtype}: keys and values must be real numbers (float or int)"
-            )
-        if k.ndim == 2:
-            k = k[None]
-            v = v[None]
-        if finite and self.dtype == "int8":
-            _quant.check_finite(k, "k")
-            _quant.check_finite(v, "v")
-        return k, v
 
     # -- appending ---------------------------------------------------------------------
 
@@ -293,7 +269,7 @@ class SeqWriter:
         self.need_writer("append")
         layer = self.r.layer(layer)
         int8 = self.dtype == "int8"
-        k, v = self.kv_arrays(k, v, finite=views)  # int8: refused here (extend: by the quantizer)
+        k, v = kv_arrays(self, k, v, finite=views)  # int8: refused here (extend: by the quantizer)
         if views and self.unmapped:
             self.r.readable()  # the views would show its borrowed cells: holes in this process
         n = k.shape[0]
@@ -322,7 +298,7 @@ class SeqWriter:
             self.Kw[layer][s : s + n] = k
             self.Vw[layer][s : s + n] = v
         else:
-            self.encode(layer, s, k, v)
+            encode(self, layer, s, k, v)
         self.pending[layer] = p + n
         if not views:
             return k[:0], v[:0]
@@ -332,23 +308,6 @@ class SeqWriter:
     def grow(self, needed: int) -> None:
         """Give the sequence room for ``needed`` tokens (``_sequence/room.py``)."""
         grow(self, needed)
-
-    def encode(self, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Write k, v (already checked) into cells s.. of layer in the storage encoding."""
-        self.write_rows(self.Kw[layer], None if self.KS is None else self.KS[layer], s, k)
-        self.write_rows(self.Vw[layer], None if self.VS is None else self.VS[layer], s, v)
-
-    def write_rows(self, codes: np.ndarray, scales: np.ndarray | None, s: int, x: np.ndarray) -> None:
-        """Store ``x`` [n, kv_heads, head_dim] at cells s.. of one layer's array (and int8 scales),
-        in the storage encoding: the one place values are encoded."""
-        n = x.shape[0]
-        if self.dtype == "int8":
-            assert scales is not None  # int8: every layer has its scales
-            _quant.quantize_into(x, codes[s : s + n], scales[s : s + n])
-        elif self.dtype == "bfloat16":
-            codes[s : s + n] = _quant.to_bf16(x)
-        else:
-            codes[s : s + n] = x
 
     # -- publishing --------------------------------------------------------------------
 
@@ -423,6 +382,48 @@ class SeqWriter:
                 self.port.index_blocks(self.slot, length)
         except LockTimeout:
             pass
+
+
+def kv_arrays(w: SeqWriter, k: Any, v: Any, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts).
+    ``finite=False``: int8 values are not checked here (the quantizer refuses them)."""
+    k = np.asarray(k)
+    v = np.asarray(v)
+    if k.shape[-2:] != w.cell or k.shape != v.shape or k.ndim not in (2, 3):
+        H, D = w.cell
+        raise InvalidArgumentError(
+            f"k shape {k.shape} and v shape {v.shape} must both be [n, kv_heads={H}, head_dim={D}] "
+            f"(or [{H}, {D}] for one token)"
+        )
+    if not (real(k.dtype) and real(v.dtype)):
+        raise InvalidArgumentError(
+            f"k dtype {k.dtype} / v dtype {v.dtype}: keys and values must be real numbers (float or int)"
+        )
+    if k.ndim == 2:
+        k = k[None]
+        v = v[None]
+    if finite and w.dtype == "int8":
+        _quant.check_finite(k, "k")
+        _quant.check_finite(v, "v")
+    return k, v
+
+
+def encode(w: SeqWriter, layer: int, s: int, k: np.ndarray, v: np.ndarray) -> None:
+    """Write k, v (already checked) into cells s.. of layer in the storage encoding."""
+    write_rows(w, w.Kw[layer], None if w.KS is None else w.KS[layer], s, k)
+    write_rows(w, w.Vw[layer], None if w.VS is None else w.VS[layer], s, v)
+
+def write_rows(w: SeqWriter, codes: np.ndarray, scales: np.ndarray | None, s: int, x: np.ndarray) -> None:
+    """Store ``x`` [n, kv_heads, head_dim] at cells s.. of one layer's array (and int8 scales),
+    in the storage encoding: the one place values are encoded."""
+    n = x.shape[0]
+    if w.dtype == "int8":
+        assert scales is not None  # int8: every layer has its scales
+        _quant.quantize_into(x, codes[s : s + n], scales[s : s + n])
+    elif w.dtype == "bfloat16":
+        codes[s : s + n] = _quant.to_bf16(x)
+    else:
+        codes[s : s + n] = x
 
 
 def unindexable(w: SeqWriter, row: memoryview) -> None:
