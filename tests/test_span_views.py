@@ -1,5 +1,5 @@
 """Views another process holds of a borrower's committed cells stay right across the
-borrower's truncate inside its span (docs/stores.md, "Views"; ``_engine/sharing.py``).
+borrower's truncate inside its span (docs/stores.md, what invalidates a view; ``_engine/sharing.py``).
 
 A borrower that truncates inside its span keeps the whole page units below its new length
 shared and copies the rest it keeps to its own pages; an idle process still maps the span
@@ -125,3 +125,89 @@ def test_held_views_of_a_borrower_survive_its_truncate_inside_the_span(make_stor
         go.set()
         if child is not None:
             child.kill()  # (reaps it)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_retained_cells_are_bounded_and_given_back(make_store, dtype):
+    """What a truncated borrower keeps taken: the span's whole page units under its new length,
+    never more than it borrowed; a later truncate gives back those past its new length, a
+    clear all of them, a free or a move all of them; a row that holds them is journaled like
+    any other (a failed truncate keeps them)."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=2048, max_seqs=64)
+    u = store._engine.page_unit
+    d, b, _ = _scene(store)
+    d.free()
+    span = PROMPT // u * u
+    free0 = store.stats().free_tokens
+    for n, more in ((PROMPT - 1, 0), (NEW_LEN, 0), (NEW_LEN + 100, 100)):
+        # a truncate above the span's last unit keeps it mapped: nothing retained; a re-extend
+        # past the new length retains nothing more
+        b.truncate(n)
+        if more:
+            k, v = kv_of(np.arange(more), L, H, D)
+            b.extend(k, v)
+        ceil = -(-min(n, NEW_LEN) // u) * u
+        want = max(0, min(span, ceil) - min(n, NEW_LEN) // u * u) if n < span else 0
+        assert store.stats().retained_cells == want, (n, want)
+        assert store.stats().retained_cells <= span
+    # the cells past the span's kept units are free again, and never more than the span is held
+    assert store.stats().free_tokens >= free0 + span - (-(-NEW_LEN // u) * u)
+    b.truncate(u // 2 if u > 1 else 1)  # below the first unit: one unit kept for views of it
+    assert store.stats().retained_cells == u
+    b.clear()  # no committed cells left to show: everything given back
+    assert store.stats().retained_cells == 0 and store.stats().shared_tokens == 0
+    assert store.stats().free_tokens == free0 + span
+
+
+@pytest.mark.parametrize("op", ["remove", "shift_left", "free"])
+def test_a_borrower_that_moves_gives_back_what_it_kept(make_store, op):
+    """A borrower that truncated inside its span, then is moved (``remove``, ``shift_left``:
+    a fresh range) or freed: its views are void (docs/stores.md), and the cells it kept are
+    free again."""
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float32", max_tokens=4096, max_seqs=64)
+    d, b, _ = _scene(store)
+    d.free()
+    b.truncate(NEW_LEN)
+    assert store.stats().retained_cells > 0
+    if op == "remove":
+        b.remove(10, 20)
+    elif op == "shift_left":
+        b.shift_left(5)
+    else:
+        b.free()
+    st = store.stats()
+    assert st.retained_cells == 0 and st.shared_tokens == 0
+    assert st.free_tokens == store.layout.max_tokens - st.reserved_tokens
+
+
+def test_an_interrupted_truncate_keeps_what_the_span_kept(make_store, monkeypatch):
+    """A Ctrl-C inside a borrower's copy-on-write (crash point ``share.unshared``: its copies
+    written, its span words not yet) rolls the truncate back with the words it keeps taken:
+    the length, the mapped span and the retained cells are what they were, its cells too."""
+    from shmkv._engine import crash
+
+    store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float32", max_tokens=4096, max_seqs=64)
+    u = store._engine.page_unit
+    d, b, toks = _scene(store)
+    d.free()
+    b.truncate(NEW_LEN)
+    before = store.stats()
+    assert before.retained_cells == u and before.shared_tokens == NEW_LEN // u * u
+
+    def interrupt(name: str) -> None:
+        if name == "share.unshared":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(crash, "point", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        b.truncate(10)
+    monkeypatch.undo()
+    after = store.stats()
+    assert len(b) == NEW_LEN
+    assert (after.retained_cells, after.shared_tokens, after.free_tokens) == (
+        before.retained_cells, before.shared_tokens, before.free_tokens)
+    ref_k, _ = kv_of(toks[:NEW_LEN], L, H, D)
+    for layer in range(L):
+        np.testing.assert_array_equal(b.keys(layer), ref_k[layer])
+    b.truncate(10)  # and the next one goes through
+    assert store.stats().retained_cells == u and store.stats().shared_tokens == 0

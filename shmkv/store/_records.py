@@ -69,7 +69,7 @@ class StoreStats:
     bytes_shared: int = 0  # K/V bytes those tokens would take as copies: held once, by the span
     span_cells: int = 0  # distinct physical cells the spans cover (a span counted once)
     bytes_held: int = 0  # what bytes_used really holds: a span's committed bytes once (ratio: used / held)
-    # span cells kept for views of a borrower truncated inside its span (docs/stores.md, "Views"):
+    # span cells kept for views of a borrower truncated inside its span (docs/stores.md, what invalidates a view):
     # taken by no range, reused once that borrower is freed or moves; at most what it borrowed
     retained_cells: int = 0
 
