@@ -16,6 +16,7 @@ import pytest
 from _span_views_children import check_views, hold_views, kv_of
 
 import shmkv
+from shmkv.cli import main
 from shmkv.testing import start_in_process
 
 L, H, D = 2, 4, 8  # float32: a page unit of 32 cells; int8: 256 (its scales fill a page slower)
@@ -128,11 +129,10 @@ def test_held_views_of_a_borrower_survive_its_truncate_inside_the_span(make_stor
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_retained_cells_are_bounded_and_given_back(make_store, dtype):
+def test_retained_cells_are_bounded_and_given_back(make_store, capsys, dtype):
     """What a truncated borrower keeps taken: the span's whole page units under its new length,
     never more than it borrowed; a later truncate gives back those past its new length, a
-    clear all of them, a free or a move all of them; a row that holds them is journaled like
-    any other (a failed truncate keeps them)."""
+    clear all of them; ``stats()`` and ``shmkv info`` show them."""
     store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=2048, max_seqs=64)
     u = store._engine.page_unit
     d, b, _ = _scene(store)
@@ -154,6 +154,8 @@ def test_retained_cells_are_bounded_and_given_back(make_store, dtype):
     assert store.stats().free_tokens >= free0 + span - (-(-NEW_LEN // u) * u)
     b.truncate(u // 2 if u > 1 else 1)  # below the first unit: one unit kept for views of it
     assert store.stats().retained_cells == u
+    assert main(["info", store.name]) == 0
+    assert f"{u} span cells retained for views of truncated borrowers" in capsys.readouterr().out
     b.clear()  # no committed cells left to show: everything given back
     assert store.stats().retained_cells == 0 and store.stats().shared_tokens == 0
     assert store.stats().free_tokens == free0 + span
