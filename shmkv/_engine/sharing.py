@@ -16,8 +16,8 @@ unwritten:
   The span's cells under the committed cells it copied stay taken (``SPAN_TAKEN``: the whole
   page units below its length, a row word) until it is freed or moves: another attachment may
   still map the span there until its next read, and a view it holds of those committed cells
-  keeps showing them (docs/stores.md, what invalidates a view). Only cells past the new length are given up;
-  a later truncate gives up those past its length the same way;
+  keeps showing them (docs/stores.md, what invalidates a view). Only cells past the new
+  length are given up; a later truncate gives up those past its length the same way;
 * a donor whose length fell below cells it lent moves to a fresh range (its appends would
   otherwise write over them). With no free range (a full store) it stays where it is, lending
   cells it no longer holds: its write handle's room stops at its length, and its next write
