@@ -449,9 +449,10 @@ def test_a_kill_inside_a_share_unit_leaves_every_read_right(make_store, point, o
 
 
 def _invariants(store) -> str | None:
-    """No two live ranges overlap; a span's cells are in no live range but their owner's (the row
-    at the span's first cell, borrowing nothing, at least that long: it never writes them)."""
-    from shmkv._engine.header import CAPACITY, ID, LENGTH, LIVE, SPAN_CELLS, SPAN_PHYS, STATE
+    """No two live ranges overlap; a span's cells, and those a truncated borrower keeps taken
+    (``SPAN_TAKEN``), are in no live range but their owner's (the row at the span's first cell,
+    borrowing nothing, at least that long: it never writes them)."""
+    from shmkv._engine.header import CAPACITY, ID, LENGTH, LIVE, SPAN_CELLS, SPAN_PHYS, SPAN_TAKEN, STATE
 
     t = engine_of(store).table_np
     live = t[t[:, STATE] == LIVE]
@@ -459,8 +460,10 @@ def _invariants(store) -> str | None:
     for (_, a1, i), (b0, _, j) in itertools.pairwise(ranges):
         if a1 > b0:
             return f"the ranges of sequences {i} and {j} overlap"
-    for r in live[live[:, SPAN_CELLS] > 0]:
-        p, m = int(r[SPAN_PHYS]), int(r[SPAN_CELLS])
+    for r in live[live[:, SPAN_TAKEN] > 0]:
+        p, m = int(r[SPAN_PHYS]), int(r[SPAN_TAKEN])
+        if r[SPAN_CELLS] > m:
+            return f"sequence {r[ID]} maps {r[SPAN_CELLS]} span cells and keeps only {m} taken"
         for x in live:
             xs, xe = int(x[START]), int(x[START] + x[CAPACITY])
             if x[ID] == r[ID] or xe <= p or xs >= p + m:

@@ -10,8 +10,8 @@ from shmkv._engine import crash as _crash
 from shmkv._engine import header as _header
 from shmkv._engine.header import (
     CAPACITY,
-    SPAN_CELLS,
     SPAN_PHYS,
+    SPAN_TAKEN,
     ID,
     LEASE_PID,
     LENGTH,
@@ -142,7 +142,7 @@ class Arena(Sharing):
         enc = {i: int(t[i, ENC_SLOT]) - 1 for i in cand}  # an evicted sequence frees its encoder row too
         used = [int(i) for i in np.flatnonzero(t[:, STATE] != 0)]
         free_rows = self.layout.max_seqs - len(used)
-        spans = [(int(t[i, SPAN_PHYS]), int(t[i, SPAN_CELLS]), i) for i in used if t[i, SPAN_CELLS]]
+        spans = [(int(t[i, SPAN_PHYS]), int(t[i, SPAN_TAKEN]), i) for i in used if t[i, SPAN_TAKEN]]
 
         def fits(gone: set[int]) -> bool:
             if free_rows + len(gone) < rows:

@@ -56,15 +56,14 @@ Header segment ``/dev/shm/skv_NAME.h``::
     368                  1      page mark: no K/V or scale pages at or above it (free_ranges.py); 376.. zero
     512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
                                   padded to 8 bytes
-    SEQ_OFF              18 x max_seqs    sequence table, one 144-byte row a sequence
+    SEQ_OFF              19 x max_seqs    sequence table, one 152-byte row a sequence
     CLIENT_OFF           4 x max_clients  client table, one 32-byte row a process
     INDEX_OFF            4 x index slots  prefix index, one 32-byte entry a slot (see _prefix)
     META_OFF             65 x max_seqs    per-sequence metadata (seq.meta), one 520-byte record a row:
                                           a word with the msgpack length, then up to META_BYTES bytes
-    UNDO_OFF             84 x max_seqs    undo log: one entry per row changed by the structural
-                                          operation in progress: slot (bit 32 set: the meta words
-                                          are logged too), its 18 row words and its 65 meta words
-                                          as they were before
+    UNDO_OFF             85 x max_seqs    undo log: one entry per row changed by the structural operation
+                                          in progress: slot (bit 32 set: the meta words are logged too),
+                                          its 19 row words and its 65 meta words as they were before
     WAIT_OFF             1 x max_seqs     waiters: threads sleeping in Sequence.wait on the row, changed
                                           under the lock; a commit wakes them if nonzero (_sequence/waiting.py)
 
@@ -100,6 +99,7 @@ Sequence row (int64 words)::
     15 WBUF        which of the slot's two window buffers the bounded layers use (0 or 1)
     16 SPAN_PHYS   a borrower's first SPAN_CELLS cells of every full layer's K, V (int8 scales) are
     17 SPAN_CELLS  the pages of cells SPAN_PHYS.. (_engine/share.py); FLAGS bit 3 LENT: may be lent
+    18 SPAN_TAKEN  cells SPAN_PHYS.. kept taken, >= SPAN_CELLS: for views after a truncate inside the span
 
 Client row: pid (for display), client key (see liveness; the row belongs to whoever holds the
 slot's byte of the liveness file), flags (1 = read-write), reserved.
@@ -145,9 +145,10 @@ MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
 # 2: store identity and session tag (words 20, 21); prefix cache (counters, row flags, index, hashes region)
 # 3: leads in the prefix index (row FLAGS bits 8..10, lead entries, a larger index); liveness by
 #    client keys (creator word 13, lease word 7, client row word 1) and the liveness file
-# 4: waiter counts (WAIT_OFF), the allocation counter (word 44)
-# 5: shared prefix pages (row words 16, 17; FLAGS bit 3; the span epoch, word 45)
-FORMAT_VERSION = 6  # 6: lazy pages (holes), stand-ins (FLAGS bit 4), page mark (word 46), lent past a length
+# 4: waiter counts (WAIT_OFF), the allocation counter (word 44); 5: shared prefix pages (row words 16, 17;
+#    FLAGS bit 3; the span epoch, word 45); 6: lazy pages (holes), stand-ins (FLAGS bit 4), page mark (word 46),
+#    lent past a length; 7: row word 18 (a span's cells kept taken for views after a truncate inside it)
+FORMAT_VERSION = 7
 
 # fixed block word indices
 W_MAGIC, W_VERSION, W_HEADER_BYTES, W_DATA_BYTES, W_GENERATION = 0, 1, 2, 3, 4
@@ -162,7 +163,7 @@ LAYER_KINDS_OFF = 512
 
 # sequence row columns
 STATE, ID, START, CAPACITY, LENGTH, GEN, LEASE_PID, LEASE_CLIENT, LEASE_TOKEN, WIN_OFF, ENC_SLOT = range(11)
-FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF, SPAN_PHYS, SPAN_CELLS = 11, 12, 13, 14, 15, 16, 17
+FLAGS, RECENCY, IDX_BLOCKS, CLEAN, WBUF, SPAN_PHYS, SPAN_CELLS, SPAN_TAKEN = 11, 12, 13, 14, 15, 16, 17, 18
 FINISHED, NOINDEX, DISPLACER, LENT, STANDIN = 1, 2, 4, 8, 16  # FLAGS bits
 LEADS_SHIFT, LEADS_MASK = 8, 7 << 8  # FLAGS bits 8..10: leads indexed (0..len(LEAD))
 
@@ -176,7 +177,7 @@ def with_leads(flags: int, levels: int) -> int:
     """``flags`` with its LEADS bits set to ``levels``."""
     return (flags & ~LEADS_MASK) | (levels << LEADS_SHIFT)
 LIVE, ENCODER = 1, 2  # STATE values (0: free slot)
-SEQ_WORDS = 18
+SEQ_WORDS = 19
 # client row columns
 C_PID, C_KEY, C_FLAGS = 0, 1, 2
 CLIENT_WORDS = 4
@@ -245,10 +246,9 @@ class Layout:
         return _keep(self.layer_types, self.window, self.chunk)
 
     def resume_from(self, n: int) -> int:
-        """The oldest token a new token at position ``n`` needs on the bounded layers: the first
-        of its window (sliding, ``window - 1`` before it) or of its chunk (chunked). A sequence
-        whose bounded layers hold tokens from ``w`` on can resume at ``n`` iff ``w <= resume_from(n)``;
-        ``n`` if no layer is bounded."""
+        """The oldest token a new token at position ``n`` needs on the bounded layers: the first of its
+        window (sliding, ``window - 1`` before it) or of its chunk (chunked). A sequence whose bounded
+        layers hold tokens from ``w`` on can resume at ``n`` iff ``w <= resume_from(n)``; ``n`` if none is bounded."""
         first = n
         if "sliding" in self.layer_types:
             first = min(first, max(0, n - self.window + 1))

@@ -73,7 +73,7 @@ import numpy as np
 
 from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
-from shmkv._engine.header import CAPACITY, FLAGS, GEN, LEASE_PID, LENGTH, LENT, SEQ_WORDS, SPAN_CELLS, START, STATE
+from shmkv._engine.header import CAPACITY, FLAGS, GEN, LEASE_PID, LENGTH, LENT, SEQ_WORDS, SPAN_TAKEN, START, STATE
 from shmkv._engine.interrupts import critical
 from shmkv._engine.lease import with_release
 from shmkv._engine.lock import StoreLock
@@ -466,7 +466,7 @@ class _Change:
         if not self.foreign:
             j.here[slot] += 1
         if j.hdr[_W_SPANS]:  # (0: no span ever in this store, so no row borrows or lends: the common case)
-            if row[SPAN_CELLS]:  # a borrower: its span may change (_engine/sharing.py)
+            if row[SPAN_TAKEN]:  # a borrower: its span, or what it keeps taken, may change (_engine/sharing.py)
                 j._spans_odd()
             elif row[FLAGS] & LENT:
                 j._free.tag = -1
@@ -479,7 +479,7 @@ class _Change:
         j, row = self.j, self.row
         err = None
         if self.outer:
-            if exc_type is None and j.hdr[_W_SPANS] and (row[SPAN_CELLS] or row[FLAGS] & LENT):
+            if exc_type is None and j.hdr[_W_SPANS] and (row[SPAN_TAKEN] or row[FLAGS] & LENT):
                 try:
                     j._settle_span(self.slot, row, self.was, self.was_len)  # shared cells stay unwritten
                 except BaseException as e:  # the bracket still ends (rolled back), then it propagates

@@ -28,6 +28,10 @@ even when the transaction ends (or is rolled back), so:
    copy_prefix) or is freed drops its span, and a donor that truncates into lent cells moves,
    or, with no free range, stays and moves before its next write there (``Sharing._settle_span``,
    run at the end of every change of such a row; ``_sequence/room.py``).
+4. Cells a process may still map are not reused: a process re-maps only at its next read or
+   lock entry, so after a borrower's copy-on-write another process's views of its committed
+   cells still show the span's cells. Those stay taken (row word ``SPAN_TAKEN``) until the
+   borrower is freed or moves, which is what invalidates views (docs/stores.md).
 
 Mapping count: a borrower costs about two mappings a shared array (2 x full layers, plus 2 x
 layers of int8 scales) in every process attached; ``max_borrowers`` keeps live borrowers within

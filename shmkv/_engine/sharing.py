@@ -12,14 +12,24 @@ unwritten:
   restore: each wrote a private copy), drops its span (its last borrower gone, a span's cells
   are free: nothing else holds them, the free ranges are derived from the table);
 * a borrower whose length fell below its span (truncate, clear, rewind) keeps the whole pages
-  below its length and gets private copies of the rest (copy-on-write) before it writes again;
+  below its length and gets private copies of the rest (copy-on-write) before it writes again.
+  The span's cells under the committed cells it copied stay taken (``SPAN_TAKEN``: the whole
+  page units below its length, a row word) until it is freed or moves: another attachment may
+  still map the span there until its next read, and a view it holds of those committed cells
+  keeps showing them (docs/stores.md, what invalidates a view). Only cells past the new
+  length are given up; a later truncate gives up those past its length the same way;
 * a donor whose length fell below cells it lent moves to a fresh range (its appends would
   otherwise write over them). With no free range (a full store) it stays where it is, lending
   cells it no longer holds: its write handle's room stops at its length, and its next write
   there moves it first (``move_lender``; CacheFullError while no range is free, nothing
   written). Its borrowers are never changed by it: another attachment may hold views of a
   borrower's span, mapped on the donor's pages until it next maps the table, so those cells
-  must stay as they are while anyone borrows them.
+  must stay as they are while anyone borrows them or keeps them taken (what it lent: the
+  most any row keeps taken, ``_lent_from``).
+
+What a span keeps taken is bounded by what it borrowed: ``SPAN_CELLS <= SPAN_TAKEN <=`` the
+cells it borrowed, rounded to page units below its length; ``stats().retained_cells`` counts
+the cells taken only that way (no range, no mapped span holds them).
 
 Crash points: ``share.borrowed``, ``share.unshared``, ``share.released``, ``share.moved``.
 """
@@ -30,7 +40,8 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import header as _header
-from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, START, STATE
+from shmkv._engine.header import (CAPACITY, FINISHED, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, SPAN_TAKEN,
+                                  START, STATE)
 from shmkv._engine.free_ranges import mark_pages
 from shmkv._engine.intervals import add_interval, covers
 from shmkv._engine.pages import Pages
@@ -110,14 +121,14 @@ class Sharing(Pages):
             start = row[START]
             self.shares.punch(start, m, holes=mark is not None and start >= mark)
             row[SPAN_PHYS] = phys
-            row[SPAN_CELLS] = m
+            row[SPAN_CELLS] = row[SPAN_TAKEN] = m
             _crash.point("share.borrowed")
             try:
                 self.shares.set(slot, (start, phys, m))
             except ShareError:
                 if not self.shares.drop_refused(slot):
                     raise  # its cells here may show the donor's pages: no copy into them
-                row[SPAN_PHYS] = row[SPAN_CELLS] = 0
+                row[SPAN_PHYS] = row[SPAN_CELLS] = row[SPAN_TAKEN] = 0
                 self._copy_span(start, phys, m)
                 return False
         if owner >= 0:
@@ -156,12 +167,14 @@ class Sharing(Pages):
         meta, set_tokens, set_encoder: their handles keep the range's addressing, and such a
         change never evicts; review 32 finding 1)."""
         m = row[SPAN_CELLS]
-        if m and (row[STATE] != LIVE or row[START] != was[1]):
-            row[SPAN_PHYS] = row[SPAN_CELLS] = 0
+        if row[SPAN_TAKEN] and (row[STATE] != LIVE or row[START] != was[1]):
+            row[SPAN_PHYS] = row[SPAN_CELLS] = row[SPAN_TAKEN] = 0  # freed or moved: views of it are void
             _crash.point("share.released")
             self.shares.set(slot, None)
         elif m and row[LENGTH] < m:
             self._unshare(slot, row, row[LENGTH])
+        elif row[SPAN_TAKEN] > m and row[LENGTH] < was_len:
+            self._give_up_past(row, row[LENGTH])
         if row[FLAGS] & LENT:
             start = row[START]
             lent = self._lent_from(start)
@@ -188,9 +201,16 @@ class Sharing(Pages):
                 self._dseg.write(off + (start + m2) * cb, memoryview(src))  # type: ignore[arg-type]  # a buffer
         _crash.point("share.unshared")
         row[SPAN_CELLS] = m2
-        if not m2:
-            row[SPAN_PHYS] = 0
+        self._give_up_past(row, keep)
         self.shares.set(slot, (start, phys, m2) if m2 else None)
+
+    def _give_up_past(self, row: memoryview, keep: int) -> None:
+        """The span's cells a borrower keeps taken: the whole page units under its first ``keep``
+        cells (at least what it maps; those past them no view may still need: docs/stores.md)."""
+        u = self._off.page_unit
+        row[SPAN_TAKEN] = max(row[SPAN_CELLS], min(row[SPAN_TAKEN], -(-keep // u) * u))
+        if not row[SPAN_TAKEN]:
+            row[SPAN_PHYS] = 0
 
     def _move_lender(self, slot: int, row: memoryview) -> None:
         """A donor shorter than the cells it lent: its content to a fresh range (its appends go
@@ -212,17 +232,17 @@ class Sharing(Pages):
         return self._lent_from(row[START])
 
     def _lent_from(self, start: int) -> int:
-        """The most cells any live row borrows from cell ``start`` on (0: none; lock held). A scan
-        of the table once per span epoch and start: only a transaction that changes spans changes
-        it, and that moves the epoch (odd meanwhile: ``Journal._spans_odd``, also on a rollback
-        and a recovery), so a lending donor's speculative step scans nothing
+        """The most cells any live row borrows, or keeps taken, from cell ``start`` on (0: none;
+        lock held). A scan of the table once per span epoch and start: only a transaction that
+        changes spans changes it, and that moves the epoch (odd meanwhile: ``Journal._spans_odd``,
+        also on a rollback and a recovery), so a lending donor's speculative step scans nothing
         (tests/test_loan_attack.py section 2)."""
         e = self.hdr[_header.W_SPANS]
         seen = self._lent_seen
         if seen[0] == e and seen[1] == start and not e & 1:
             return seen[2]
         t = self.table_np
-        lent = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0) & (t[:, SPAN_PHYS] == start), SPAN_CELLS]
+        lent = t[(t[:, STATE] == LIVE) & (t[:, SPAN_TAKEN] > 0) & (t[:, SPAN_PHYS] == start), SPAN_TAKEN]
         end = int(lent.max()) if lent.size else 0
         self._lent_seen = (e, start, end)
         return end
@@ -273,12 +293,22 @@ class Sharing(Pages):
         live = t[t[:, STATE] == LIVE]
         own = zip((live[:, START] + live[:, SPAN_CELLS]).tolist(), (live[:, START] + live[:, CAPACITY]).tolist(),
                   strict=True)
-        parts = list(own) + [(a, a + m) for a, m in self._spans_taken()]
-        held, end = 0, -1
-        for a, b in sorted(parts):
-            held += max(0, b - max(a, end))
-            end = max(end, b)
-        return held
+        return _covered(list(own) + [(a, a + m) for a, m in self._spans_taken()])
+
+    def retained_cells(self) -> int:
+        """Cells taken only because a borrower keeps them for views of its committed cells
+        (``SPAN_TAKEN`` past what it maps, see the module docstring): no range and no mapped span
+        holds them. They are given back when that borrower is freed or moves."""
+        t = self.table_np
+        used = t[t[:, STATE] != 0]
+        live = used[used[:, STATE] == LIVE]
+        kept = live[live[:, SPAN_TAKEN] > live[:, SPAN_CELLS]]
+        if not kept.size:
+            return 0
+        ranges = list(zip(used[:, START].tolist(), (used[:, START] + used[:, CAPACITY]).tolist(), strict=True))
+        spans = [(a, a + m) for a, m in zip(live[:, SPAN_PHYS].tolist(), live[:, SPAN_CELLS].tolist(), strict=True)]
+        extra = [(a, a + m) for a, m in zip(kept[:, SPAN_PHYS].tolist(), kept[:, SPAN_TAKEN].tolist(), strict=True)]
+        return _covered(ranges + spans + extra) - _covered(ranges + spans)
 
     def committed_held(self) -> int:
         """Cells whose committed K/V the live sequences hold: every row's own committed cells
@@ -290,17 +320,14 @@ class Sharing(Pages):
         parts = list(zip((live[:, START] + span).tolist(), (live[:, START] + live[:, LENGTH]).tolist(), strict=True))
         b = span > 0
         parts += zip(live[b, SPAN_PHYS].tolist(), (live[b, SPAN_PHYS] + span[b]).tolist(), strict=True)
-        held, end = 0, -1
-        for a, z in sorted(parts):
-            held += max(0, z - max(a, end))
-            end = max(end, z)
-        return held
+        return _covered(parts)
 
     def _spans_taken(self) -> list[tuple[int, int]]:
-        """(start, cells) of every live span: taken, whoever else holds the cells."""
+        """(start, cells) of what every live span keeps taken (``SPAN_TAKEN``), whoever else
+        holds the cells."""
         t = self.table_np
-        b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_CELLS] > 0)]
-        return list(zip(b[:, SPAN_PHYS].tolist(), b[:, SPAN_CELLS].tolist(), strict=True))
+        b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_TAKEN] > 0)]
+        return list(zip(b[:, SPAN_PHYS].tolist(), b[:, SPAN_TAKEN].tolist(), strict=True))
 
     def _page_unit_reserve(self, start: int, count: int, skip: int) -> None:
         """Reserve the first ``count`` cells of a borrower's range: every array's pages but those
@@ -319,3 +346,12 @@ class Sharing(Pages):
         self._dseg.reserve(self._cell_ranges(start + skip, count - skip), populate=False)
         add_interval(done, start + skip, start + count)
         add_interval(self._owed, start + skip, start + count)
+
+
+def _covered(parts: list[tuple[int, int]]) -> int:
+    """Cells inside at least one of the ``[a, b)`` ``parts``."""
+    n, end = 0, -1
+    for a, b in sorted(parts):
+        n += max(0, b - max(a, end))
+        end = max(end, b)
+    return n

@@ -2,11 +2,13 @@
 
 What invalidates a view: the arrays returned by ``keys()``, ``values()``,
 ``kv()`` and ``append()`` are zero-copy windows on shared memory. They stay
-mapped as long as they live (closing the store cannot unmap them), but their
-*content* is only guaranteed while no structural operation touches the
-sequence: ``truncate``, ``remove``, ``shift_left``, ``copy_prefix`` into it,
-a move when it outgrows its range, ``free``. Take ``.copy()`` to keep data
-across those, or use ``read(layer)``, which copies under the seqlock.
+mapped as long as they live (closing the store cannot unmap them). A view of
+committed cells keeps its content across appends and a ``truncate`` above them
+(full-attention layers, shared prefix pages or not: ``_engine/sharing.py``);
+``free``, ``remove``, ``shift_left``, ``copy_prefix`` into the sequence and a
+move (growth past its range, a donor truncating below what it lent) invalidate
+it (docs/stores.md). Take ``.copy()`` to keep data across those, or use
+``read(layer)``, which copies under the seqlock.
 Views are read-only: committed cells are immutable.
 
 ``Sequence`` is the public face; the work is done by its parts, each in its own module:

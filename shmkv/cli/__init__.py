@@ -97,6 +97,8 @@ def _print_info(d: dict[str, Any]) -> None:
         print(f"  shared prefix pages: {st['shared_tokens']} tokens read from {st['span_cells']} cells, "
               f"{once / 2**20:.2f} MiB held once; {held / 2**20:.2f} MiB held "
               f"(sharing ratio {st['bytes_used'] / held if held > 0 else 0:.2f}: bytes used / bytes held)")
+    if st["retained_cells"]:  # span cells kept for views of borrowers truncated inside their spans
+        print(f"  {st['retained_cells']} span cells retained for views of truncated borrowers (freed with them)")
     if d["sequences"]:
         print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} {'state':<9} first tokens")
         for s in d["sequences"]:

@@ -37,6 +37,7 @@ from shmkv._engine.header import (
     LIVE,
     SPAN_CELLS,
     SPAN_PHYS,
+    SPAN_TAKEN,
     START,
     STATE,
     WBUF,
@@ -126,7 +127,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
                 row[FLAGS] = 0
                 row[IDX_BLOCKS] = 0
                 row[CLEAN] = -1
-                row[SPAN_PHYS] = row[SPAN_CELLS] = 0
+                row[SPAN_PHYS] = row[SPAN_CELLS] = row[SPAN_TAKEN] = 0
                 e.log_meta(slot)
                 e.meta[slot, :8] = 0
                 e.touch(row)
@@ -228,7 +229,7 @@ def copy_prefix(e: Engine, src_id: int, dst_id: int, n: int) -> None:
         e.check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
         s_slot = e.slot_of(src_id)
         phys, m, owner = 0, 0, -1
-        if (share.ENABLED and not d_row[LENGTH] and not d_row[SPAN_CELLS] and not d_row[FLAGS] & LENT
+        if (share.ENABLED and not d_row[LENGTH] and not d_row[SPAN_TAKEN] and not d_row[FLAGS] & LENT
                 and n <= d_row[CAPACITY] and not d_row[START] % e.page_unit):
             # an empty dst on a page unit borrows src's whole units, as a reused prompt does
             # (fork and regather: atk2 finding 03; tests/test_share_fixes.py)

@@ -69,6 +69,9 @@ class StoreStats:
     bytes_shared: int = 0  # K/V bytes those tokens would take as copies: held once, by the span
     span_cells: int = 0  # distinct physical cells the spans cover (a span counted once)
     bytes_held: int = 0  # what bytes_used really holds: a span's committed bytes once (ratio: used / held)
+    # span cells kept for views of a borrower truncated inside its span (docs/stores.md, what invalidates a view):
+    # taken by no range, reused once that borrower is freed or moves; at most what it borrowed
+    retained_cells: int = 0
 
 
 def live_clients(e: Engine) -> list[int]:
@@ -115,7 +118,8 @@ def store_stats(e: Engine, bytes_per_token: int) -> StoreStats:
     kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if e.layout.bounded else 0
     wbytes = e.kv_bytes(len(e.layout.bounded))  # per token the bounded layers keep
     shared, span_cells = e.shared_cells()
-    held = e.held_cells() if shared else reserved  # a span's cells count once
+    retained = e.retained_cells()
+    held = e.held_cells() if shared or retained else reserved  # a span's cells count once
     bytes_used = tokens * bpt + kept * wbytes + enc_tokens * enc_bpt
     # the K/V of tokens read from a span are held once, by the span (also when its donor is gone)
     bytes_held = bytes_used - (tokens - e.committed_held()) * (bpt - 16) if shared else bytes_used
@@ -145,4 +149,5 @@ def store_stats(e: Engine, bytes_per_token: int) -> StoreStats:
         bytes_shared=shared * (bpt - 16),
         span_cells=span_cells,
         bytes_held=bytes_held,
+        retained_cells=retained,
     )
