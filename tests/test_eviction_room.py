@@ -80,6 +80,26 @@ def test_max_tokens_tokens_fit_whatever_the_page_unit(make_store):
         check(store.sequence(ids[i]), prompts[i], store.layout)
 
 
+def test_growth_stays_within_max_tokens(make_store):
+    """A sequence growing past its capacity takes no cell of the arena's alignment slack for
+    tokens: with 10 of max_tokens left, growing 40 cells to 60 evicts the least recently used
+    finished sequence (its range is free then: the sequence moves) rather than growing in place
+    into the free cells after it."""
+    store = make_store(layers=4, kv_heads=2, head_dim=8, dtype="float32", max_tokens=1050, max_seqs=64)
+    rng = np.random.default_rng(3)
+    prompts, ids = ten_finished(store, rng)
+    s = store.create_sequence(capacity=40)
+    toks = rng.integers(0, 30_000, 60).astype(np.int64)
+    k, v = kv_for(toks, 4, 2, 8)
+    s.extend(k, v, tokens=toks)
+    st = store.stats()
+    assert st.evictions == 1 and st.reserved_tokens <= 1050
+    assert {i.id for i in store.sequences()} == (set(ids) - {ids[0]}) | {s.id}
+    check(s, toks, store.layout)
+    for i in range(1, 10):
+        check(store.sequence(ids[i]), prompts[i], store.layout)
+
+
 # -- every create evicts the fewest least recently used sequences that make room ---------------
 
 LAYOUTS = {  # page unit -> layout (float32: 4096, 2048 and 64 bytes a cell and layer)
