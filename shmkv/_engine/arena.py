@@ -61,9 +61,16 @@ class Arena(Sharing):
     def _place(self, gaps: list[tuple[int, int]], capacity: int, align: int) -> int | None:
         """The first start, a multiple of ``align``, of ``capacity`` free cells in ``gaps``, or
         None when there is none or when ``max_tokens`` has no room for them (``free_tokens``)."""
-        if self._off.cells > self.layout.max_tokens and self.free_tokens(gaps) < capacity:
-            return None  # (without slack, a free range of capacity cells is the room)
-        return _first_fit(gaps, capacity, align)
+        fit = _first_fit(gaps, capacity, align)
+        need = capacity + self._off.cells - self.layout.max_tokens  # free cells, the slack included
+        if fit is None or need == capacity:
+            return fit  # (no slack: a free range of capacity cells is the room)
+        free = 0
+        for _, size in reversed(gaps):  # the last gap first: mostly the largest, often enough alone
+            free += size
+            if free >= need:
+                return fit
+        return None
 
     def _free_slot(self, what: str, evict: bool = False, protect: int = -1, near: int = 0) -> int:
         """A free row of the sequence table (lock held), or CacheFullError: the first at or
