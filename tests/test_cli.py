@@ -17,6 +17,7 @@ from _cli_children import own_store
 import shmkv
 from shmkv import cli
 from shmkv.cli import _demo as demo
+from shmkv.store._store import engine_of
 from shmkv.testing import shm_entries, start_in_process, unique_name
 
 
@@ -269,8 +270,11 @@ def test_verify_finds_problems(make_store):
     assert any("outside capacity" in p for p in cli.verify(store))
     b._row[shmkv._engine.header.LENGTH] = 0
     # regression: the range check once read `not 0 <= start and ...` and never fired
-    b._row[shmkv._engine.header.START] = store.layout.max_tokens - 4
-    assert any("outside max_tokens" in p for p in cli.verify(store))
+    cells = engine_of(store).cells  # max_tokens and the alignment slack
+    b._row[shmkv._engine.header.START] = cells - 4
+    assert any(f"outside the arena's {cells} cells" in p for p in cli.verify(store))
+    b._row[shmkv._engine.header.START] = cells - 8  # (in the slack: no problem)
+    assert cli.verify(store) == []
     b._row[shmkv._engine.header.START] = 8
     # an encoder cache is a row of its own (state 2) with a range of its own: not a problem
     a.set_encoder(np.ones((2, 3, 2, 4)), np.ones((2, 3, 2, 4)))

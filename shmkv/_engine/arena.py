@@ -4,6 +4,8 @@ Their pages (reservation, writes through the descriptor): ``_pages``."""
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from shmkv._engine import crash as _crash
@@ -30,6 +32,7 @@ from shmkv._engine.header import (
     STANDIN,
     leads,
 )
+from shmkv._engine.intervals import add_interval, take_interval
 from shmkv._engine.prefix import COVERS
 from shmkv._engine.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError
@@ -43,6 +46,31 @@ class Arena(Sharing):
         """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
         scales = self.layout.kv_heads * 4 if self.KS is not None else 0
         return 2 * layers * (self._off.cell_bytes + scales)
+
+    @property
+    def cells(self) -> int:
+        """Cells of the data arena: ``max_tokens`` and the slack page-unit alignment may leave
+        unused before ranges (``header.offsets``), address space only."""
+        return self._off.cells
+
+    def free_tokens(self, gaps: list[tuple[int, int]]) -> int:
+        """Cells new ranges may still take, of the free ranges ``gaps``: ``max_tokens`` less
+        what the ranges and spans take (the arena's alignment slack is not for tokens)."""
+        return sum(s for _, s in gaps) - (self._off.cells - self.layout.max_tokens)
+
+    def _place(self, gaps: list[tuple[int, int]], capacity: int, align: int) -> int | None:
+        """The first start, a multiple of ``align``, of ``capacity`` free cells in ``gaps``, or
+        None when there is none or when ``max_tokens`` has no room for them (``free_tokens``)."""
+        fit = _first_fit(gaps, capacity, align)
+        need = capacity + self._off.cells - self.layout.max_tokens  # free cells, the slack included
+        if fit is None or need == capacity:
+            return fit  # (no slack: a free range of capacity cells is the room)
+        free = 0
+        for _, size in reversed(gaps):  # the last gap first: mostly the largest, often enough alone
+            free += size
+            if free >= need:
+                return fit
+        return None
 
     def _free_slot(self, what: str, evict: bool = False, protect: int = -1, near: int = 0) -> int:
         """A free row of the sequence table (lock held), or CacheFullError: the first at or
@@ -96,7 +124,7 @@ class Arena(Sharing):
             np.maximum.accumulate(gap_starts, out=gap_starts)  # ranges never overlap: stay safe if they did
         gap_ends = np.empty_like(gap_starts)
         gap_ends[:-1] = starts
-        gap_ends[-1] = self.layout.max_tokens
+        gap_ends[-1] = self._off.cells
         sizes = gap_ends - gap_starts
         keep = np.flatnonzero(sizes > 0)
         return list(zip(gap_starts[keep].tolist(), sizes[keep].tolist(), strict=True))
@@ -111,10 +139,10 @@ class Arena(Sharing):
         or the rows of a tuple) when no free range is large enough. ``populate``: see _reserve;
         ``stage``: see _stage."""
         gaps = self.free_ranges(taken)
-        fit = _first_fit(gaps, capacity, align)
-        if fit is None and evict and self._evict(capacity + align - 1, 0, protect):
+        fit = self._place(gaps, capacity, align)
+        if fit is None and evict and self._evict(capacity, 0, protect, align, taken):
             gaps = self.free_ranges(taken)
-            fit = _first_fit(gaps, capacity, align)
+            fit = self._place(gaps, capacity, align)
         if fit is not None:
             held = capacity if fill is None else min(fill, capacity)
             if stage:
@@ -124,14 +152,21 @@ class Arena(Sharing):
             return fit
         raise CacheFullError(
             f"store {self.name!r} has no free range of {capacity} token cells "
-            f"({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free, fragmented or used): "
+            f"({max(0, self.free_tokens(gaps))} of max_tokens={self.layout.max_tokens} free, fragmented or used): "
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
 
-    def _evict(self, cells: int, rows: int, protect: int | tuple[int, ...] = -1) -> bool:
-        """Evict the fewest least-recently-used finished sequences after which a free range of
-        ``cells`` cells and ``rows`` free table rows exist (lock held). Evicts nothing and returns
-        False when evicting every finished sequence would not be enough (DESIGN §8)."""
+    def _evict(self, cells: int, rows: int, protect: int | tuple[int, ...] = -1, align: int = 1,
+               taken: list[tuple[int, int]] | None = None) -> bool:
+        """Evict the fewest least-recently-used finished sequences after which ``cells`` free cells
+        starting on a multiple of ``align`` (and room for them under ``max_tokens``) and ``rows``
+        free table rows exist (lock held): the first sequences in LRU order, up to the first after
+        which the operation fits. Evicts nothing and returns False when evicting every finished
+        sequence would not be enough (DESIGN §8).
+
+        The plan follows the free ranges: each sequence in turn frees its range, its encoder's
+        and its span, but the cells that a row still kept holds too (a span inside a donor's
+        range, a donor's range under its borrowers' span); cells taken otherwise stay taken."""
         t = self.table_np
         kept = (protect,) if isinstance(protect, int) else protect  # the operation's own rows
         cand = [int(i) for i in np.flatnonzero((t[:, STATE] == LIVE) & ((t[:, FLAGS] & FINISHED) != 0))
@@ -139,37 +174,39 @@ class Arena(Sharing):
         if not cand:
             return False
         cand.sort(key=lambda i: int(t[i, RECENCY]))
-        enc = {i: int(t[i, ENC_SLOT]) - 1 for i in cand}  # an evicted sequence frees its encoder row too
-        used = [int(i) for i in np.flatnonzero(t[:, STATE] != 0)]
-        free_rows = self.layout.max_seqs - len(used)
-        spans = [(int(t[i, SPAN_PHYS]), int(t[i, SPAN_TAKEN]), i) for i in used if t[i, SPAN_TAKEN]]
-
-        def fits(gone: set[int]) -> bool:
-            if free_rows + len(gone) < rows:
-                return False
-            if not cells:
-                return True
-            live = sorted([(int(t[i, START]), int(t[i, CAPACITY])) for i in used if i not in gone]
-                          + [(a, m) for a, m, i in spans if i not in gone])  # a span counts once, kept
-            pos = 0
-            for start, cap in live:
-                if start - pos >= cells:
-                    return True
-                pos = max(pos, start + cap)
-            return self.layout.max_tokens - pos >= cells
-
-        every = set(cand) | {e for e in enc.values() if e >= 0}
-        if not fits(every):
-            return False
-        gone: set[int] = set()
-        chosen = []
+        used = np.flatnonzero(t[:, STATE] != 0)
+        free_rows = self.layout.max_seqs - used.size
+        # the cells each row holds: its range, and a live row's span
+        spans = used[(t[used, STATE] == LIVE) & (t[used, SPAN_TAKEN] > 0)]
+        owner = np.concatenate([used, spans])
+        lo = np.concatenate([t[used, START], t[spans, SPAN_PHYS]])
+        hi = np.concatenate([t[used, START] + t[used, CAPACITY], t[spans, SPAN_PHYS] + t[spans, SPAN_TAKEN]])
+        gone = np.zeros(self.layout.max_seqs, bool)
+        gaps = self.free_ranges(taken)
+        room = self.free_tokens(gaps)  # what max_tokens still holds
+        placed = _first_fit(gaps, cells, align) is not None  # a range for them (gaps only grow below)
+        free = [(a, a + n) for a, n in gaps]
+        chosen: list[int] = []
         for i in cand:
             chosen.append(i)
-            gone.add(i)
-            if enc[i] >= 0:
-                gone.add(enc[i])
-            if fits(gone):
+            enc = int(t[i, ENC_SLOT]) - 1  # an evicted sequence frees its encoder row too
+            for j in (i, enc) if enc >= 0 else (i,):
+                gone[j] = True
+                free_rows += 1
+                for a, b in zip(lo[owner == j].tolist(), hi[owner == j].tolist(), strict=True):
+                    piece = [(a, b)]
+                    for k in np.flatnonzero((lo < b) & (hi > a) & ~gone[owner]).tolist():
+                        take_interval(piece, int(lo[k]), int(hi[k]))  # still held by a kept row
+                    for p, q in piece:
+                        room -= sum(y - x for x, y in take_interval(free, p, q))  # (none: held cells)
+                        add_interval(free, p, q)
+                        room += q - p
+                        x, y = free[bisect.bisect_right(free, (p, 1 << 62)) - 1]  # the gap it joined
+                        placed = placed or -(-x // align) * align + cells <= y
+            if free_rows >= rows and (not cells or (placed and room >= cells)):
                 break
+        else:
+            return False
         for i in chosen:
             self.free_row(i)
             self.hdr[_header.W_EVICTIONS] += 1
@@ -304,10 +341,10 @@ class Arena(Sharing):
         its creator writes), the rest as its writes need them (pages.py); ``skip``: its first
         cells' K/V pages are borrowed, not reserved."""
         has_row = bool((self.table_np[:, STATE] == 0).any())
-        fit = _first_fit(self.free_ranges(), capacity, align)
+        fit = self._place(self.free_ranges(), capacity, align)
         if not has_row or fit is None:
             # one plan for the row and the cells together: evict only if both then fit
-            self._evict(capacity + align - 1, 1, protect)
+            self._evict(capacity, 1, protect, align)
             fit = None  # the ranges changed: _alloc looks again (and names the shortfall)
         slot = self._free_slot("a new sequence", near=near)
         # allocated, not pre-faulted: a prefill (extend) writes it through the descriptor and
@@ -327,9 +364,10 @@ class Arena(Sharing):
 
 
 def fits(arena: Arena, capacity: int, align: int) -> bool:
-    """Whether a free row and ``capacity`` free cells starting on a multiple of ``align`` exist
-    now, without evicting anything."""
-    return bool((arena.table_np[:, STATE] == 0).any()) and _first_fit(arena.free_ranges(), capacity, align) is not None
+    """Whether a free row and ``capacity`` free cells starting on a multiple of ``align`` (and
+    room for them under ``max_tokens``) exist now, without evicting anything."""
+    return bool((arena.table_np[:, STATE] == 0).any()) and arena._place(arena.free_ranges(), capacity,
+                                                                         align) is not None
 
 
 def _first_fit(gaps: list[tuple[int, int]], capacity: int, align: int) -> int | None:

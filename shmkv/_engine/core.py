@@ -108,7 +108,7 @@ class Core(Journal):
             max_clients, CLIENT_WORDS
         )
         dt = _dtypes.storage(layout.dtype)
-        L, T, H, D = layout.layers, layout.max_tokens, layout.kv_heads, layout.head_dim
+        L, T, H, D = layout.layers, off.cells, layout.kv_heads, layout.head_dim  # T: max_tokens and the slack
         it = np.dtype(dt).itemsize
         kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (DESIGN §11)
         # over np.frombuffer (it holds the mmap's export), never np.ndarray over the mmap: close()

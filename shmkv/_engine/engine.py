@@ -168,9 +168,12 @@ class Engine(Arena):
         start, cap = row[START], row[CAPACITY]
         new_cap = min(max(needed, 2 * cap), self.layout.max_tokens)
         gaps = self.free_ranges()
+        room = self.free_tokens(gaps)  # what max_tokens still holds (the arena has alignment slack)
         before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
         after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
         for want in dict.fromkeys((new_cap, needed)):
+            if want - cap > room:
+                continue  # (a move: alloc's own check, below)
             if cap + after[1] >= want:  # (the new cells' pages: as the appends need them, pages.py)
                 row[CAPACITY] = want
                 _crash.point("grow.extended")
@@ -198,6 +201,6 @@ class Engine(Arena):
             return
         raise CacheFullError(
             f"store {self.name!r}: sequence {row[ID]} needs {needed} token cells and no free range "
-            f"is that large ({sum(s for _, s in gaps)} of max_tokens={self.layout.max_tokens} free): "
+            f"is that large ({max(0, self.free_tokens(gaps))} of max_tokens={self.layout.max_tokens} free): "
             "free or truncate sequences, or create the store with a larger max_tokens="
         )

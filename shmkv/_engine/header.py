@@ -18,7 +18,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
     48                   1      kv_heads
     56                   1      head_dim
     64                   1      dtype code (see _dtypes)
-    72                   1      max_tokens (token cells in the data arena)
+    72                   1      max_tokens (token cells ranges and spans may take in all; the arena: more)
     80                   1      max_seqs (rows of the sequence table)
     88                   1      max_clients (rows of the client table)
     96                   1      creator pid
@@ -106,13 +106,13 @@ slot's byte of the liveness file), flags (1 = read-write), reserved.
 
 Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned, and each layer of K, V and the
 scales too: ``layer_stride`` and ``scale_stride`` are whole pages, so ``page_unit`` cells from a
-multiple of ``page_unit`` are whole pages of every per-layer array, DESIGN §11)::
+multiple of ``page_unit`` are whole pages of every per-layer array, DESIGN §11; ``cells``: Offsets.cells)::
 
-    K          [layers, max_tokens, kv_heads, head_dim]  storage dtype
-    V          [layers, max_tokens, kv_heads, head_dim]  (bfloat16: uint16 bits; int8: codes)
-    tokens     [max_tokens] int64   token id per cell (-1 = none given)
-    positions  [max_tokens] int64   position per cell
-    hashes     [max_tokens] int64   at the last cell of each whole 16-token block of a sequence:
+    K          [layers, cells, kv_heads, head_dim]  storage dtype
+    V          [layers, cells, kv_heads, head_dim]  (bfloat16: uint16 bits; int8: codes)
+    tokens     [cells] int64   token id per cell (-1 = none given)
+    positions  [cells] int64   position per cell
+    hashes     [cells] int64   at the last cell of each whole 16-token block of a sequence:
                                     the chained prefix hash of tokens 0..that cell (see _prefix_hash);
                                     at cell j - 1 of a sequence for each indexed lead j (1, 2, 4, 8):
                                     the lead hash of its first j tokens
@@ -121,8 +121,8 @@ multiple of ``page_unit`` are whole pages of every per-layer array, DESIGN §11)
                slot ((2 * slot + WBUF) * window_cells ...); a structural change writes the other
                buffer and switches WBUF (crash recovery). Their slices of K and V above stay
                unused (no pages)
-    K scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
-    V scales   [layers, max_tokens, kv_heads] float32   (int8 stores only)
+    K scales   [layers, cells, kv_heads] float32   (int8 stores only)
+    V scales   [layers, cells, kv_heads] float32   (int8 stores only)
 
 The free ranges are not stored: they are the gaps between the live rows' ranges and spans,
 computed under the store lock (a crash half-way through an allocation cannot leak cells).
@@ -147,7 +147,8 @@ MAGIC = int.from_bytes(b"SHMKV\0HD", "little")
 #    client keys (creator word 13, lease word 7, client row word 1) and the liveness file
 # 4: waiter counts (WAIT_OFF), the allocation counter (word 44); 5: shared prefix pages (row words 16, 17;
 #    FLAGS bit 3; the span epoch, word 45); 6: lazy pages (holes), stand-ins (FLAGS bit 4), page mark (word 46),
-#    lent past a length; 7: row word 18 (a span's cells kept taken for views after a truncate inside it)
+#    lent past a length; 7: row word 18 (a span's cells kept taken for views after a truncate inside it) and
+#    a data arena of Offsets.cells cells (max_tokens and the alignment slack)
 FORMAT_VERSION = 7
 
 # fixed block word indices
@@ -368,6 +369,7 @@ class Offsets:
     layer_stride: int  # bytes between layers inside K or V (a whole number of pages)
     cell_bytes: int  # bytes of one token of one layer (kv_heads * head_dim * itemsize)
     page_unit: int  # the fewest cells whose bytes fill whole pages in every per-layer array (§11)
+    cells: int  # of the data arena's arrays: max_tokens and the slack alignment may leave unused (offsets)
 
 
 def offsets(layout: Layout, max_clients: int) -> Offsets:
@@ -378,29 +380,27 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     meta_off = index_off + slots * INDEX_WORDS * 8
     undo_off = meta_off + layout.max_seqs * META_RECORD
     header_bytes = (wait_off := undo_off + layout.max_seqs * UNDO_WORDS * 8) + layout.max_seqs * 8
-    page = mmap.PAGESIZE
-    cell_bytes = layout.cell_items * _dtypes.itemsize(layout.dtype)
-    # every per-layer array starts on a page boundary (DESIGN §11): a run of page_unit cells
-    # from a multiple of page_unit is whole pages in each, so pages can be shared by mapping
-    layer_stride = _align(layout.max_tokens * cell_bytes, page)
-    k_off = 0
+    page, k_off = mmap.PAGESIZE, 0  # each per-layer array starts on a page (DESIGN §11, the module docstring)
+    cell_bytes, scaled = layout.cell_items * _dtypes.itemsize(layout.dtype), layout.dtype == "int8"
+    unit = math.lcm(page // math.gcd(page, cell_bytes), page // math.gcd(page, layout.kv_heads * 4) if scaled else 1)
+    # slack: < unit cells before each range on a unit (one of >= unit cells), so max_tokens tokens fit
+    # however aligned; ranges and spans take <= max_tokens cells (Arena.free_tokens); unused: no pages
+    cells = layout.max_tokens + min(layout.max_seqs, layout.max_tokens // unit) * (unit - 1)
+    layer_stride = _align(cells * cell_bytes, page)
     v_off = _align(k_off + layout.layers * layer_stride, page)
     tokens_off = _align(v_off + layout.layers * layer_stride, page)
-    positions_off = _align(tokens_off + layout.max_tokens * 8, page)
-    scale_stride = _align(layout.max_tokens * layout.kv_heads * 4, page) if layout.dtype == "int8" else 0
-    unit = page // math.gcd(page, cell_bytes)
-    if scale_stride:
-        unit = math.lcm(unit, page // math.gcd(page, layout.kv_heads * 4))
+    positions_off = _align(tokens_off + cells * 8, page)
+    scale_stride = _align(cells * layout.kv_heads * 4, page) if scaled else 0
     w_stride = 2 * layout.max_seqs * layout.window_cells * cell_bytes  # two buffers a slot
-    hashes_off = _align(positions_off + layout.max_tokens * 8, page)
-    wk_off = _align(hashes_off + layout.max_tokens * 8, page)
+    hashes_off = _align(positions_off + cells * 8, page)
+    wk_off = _align(hashes_off + cells * 8, page)
     wv_off = _align(wk_off + len(layout.bounded) * w_stride, page)
     ks_off = _align(wv_off + len(layout.bounded) * w_stride, page)
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(seq_off, client_off, index_off, slots, meta_off, undo_off, wait_off, header_bytes, k_off, v_off,
                    tokens_off, positions_off, hashes_off, wk_off, wv_off, w_stride, ks_off, vs_off,
-                   scale_stride, data_bytes, layer_stride, cell_bytes, unit)
+                   scale_stride, data_bytes, layer_stride, cell_bytes, unit, cells)
 
 
 _CHECKED_WORDS = [W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS, W_MAX_SEQS, W_MAX_CLIENTS,

@@ -129,8 +129,9 @@ def verify(store: Store) -> list[str]:
     for row in live.tolist():
         sid, start, cap, length, gen = (row[_header.ID], row[_header.START], row[_header.CAPACITY],
                                         row[_header.LENGTH], row[_header.GEN])
-        if start < 0 or start + cap > lay.max_tokens:
-            problems.append(f"sequence {sid}: range [{start}, {start + cap}) outside max_tokens={lay.max_tokens}")
+        if start < 0 or start + cap > engine_of(store).cells:
+            problems.append(f"sequence {sid}: range [{start}, {start + cap}) outside the arena's "
+                            f"{engine_of(store).cells} cells (max_tokens={lay.max_tokens} and alignment slack)")
         if not 0 <= length <= cap:
             problems.append(f"sequence {sid}: length {length} outside capacity {cap}")
         woff = row[_header.WIN_OFF]

@@ -114,7 +114,7 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
         layers, kv_heads, head_dim: the geometry of K and V per token.
         dtype: storage dtype: "float32", "float16", "bfloat16" (zero-copy views with ml_dtypes),
             "float64", or "int8" (one absmax float32 scale per token and head, dequantized on read).
-        max_tokens: token cells in the arena, shared by all sequences.
+        max_tokens: token cells the sequences may take in all (their capacities), whatever the alignment.
         max_seqs: rows of the sequence table.
         persistent: keep the store after this process closes or exits
             (until ``shmkv.remove(name)``); by default the creator removes it.

@@ -130,8 +130,8 @@ def store_stats(e: Engine, bytes_per_token: int) -> StoreStats:
         tokens=tokens,
         reserved_tokens=reserved,
         max_tokens=e.layout.max_tokens,
-        free_tokens=sum(s for _, s in gaps),
-        largest_free_range=max((s for _, s in gaps), default=0),
+        free_tokens=max(0, e.free_tokens(gaps)),  # what max_tokens still holds (the arena has slack)
+        largest_free_range=max(0, min(max((s for _, s in gaps), default=0), e.free_tokens(gaps))),
         bytes_per_token=bpt,
         bytes_used=bytes_used,
         bytes_reserved=held * (bpt - 16) + reserved * 16 + int(live.shape[0]) * 2 * e.layout.window_cells * wbytes
