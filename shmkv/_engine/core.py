@@ -27,6 +27,7 @@ from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
+from shmkv._engine import row_waiters as _row_waiters
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
     C_FLAGS, C_KEY, C_PID, CLIENT_WORDS, ID, LEASE_CLIENT, LENGTH, LEASE_PID, LEASE_TOKEN,
@@ -156,6 +157,7 @@ class Core(Journal):
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
         self.waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
+        self.waiters_addr0 = self.table_np.ctypes.data - off.seq_off + off.wait_off  # (changed atomically)
         self.ro_waiters = RowWaiters(name, layout.max_seqs)  # ... of read-only attachments (_engine/row_waiters.py)
         self.length_addr0 = self.table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
         self.waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
@@ -212,13 +214,17 @@ class Core(Journal):
 
     def drop_waiters(self) -> None:
         """Take this handle's sleepers in Sequence.wait off the rows' waiter counts (they end
-        with StoreClosedError without touching the store again)."""
-        if self.waiting and _futex.AVAILABLE and not self.readonly:
-            with self.locked():
+        with StoreClosedError without touching the store again): the header's counts on a
+        read-write attachment, the liveness file's on a read-only one, atomically either way
+        (``waiting`` read under its lock: a count raised just now too)."""
+        if not _futex.AVAILABLE:
+            return
+        if not self.readonly:
+            with _row_waiters.LOCK:
                 for slot, n in self.waiting.items():
-                    self.waiters[slot] -= n
-        elif self.readonly and self.ro_waiters.writable:  # read-only: their counts in the liveness file
-            self.ro_waiters.drop(self.waiting)  # (``waiting`` read under its lock: a count raised just now too)
+                    _futex.atomic_add(self.waiters_addr0 + 8 * slot, -n)
+        elif self.ro_waiters.writable:
+            self.ro_waiters.drop(self.waiting)
 
     def shut_down(self, wake: bool) -> None:
         """Give up the client row (and its byte of the liveness file: no lock taken) and refuse

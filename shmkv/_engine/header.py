@@ -66,7 +66,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
                                           are logged too), its 18 row words and its 65 meta words
                                           as they were before
     WAIT_OFF             1 x max_seqs     waiters: threads sleeping in Sequence.wait on the row, changed
-                                          under the lock; a commit wakes them if nonzero (_sequence/waiting.py)
+                                          atomically (no lock); a commit wakes them if nonzero (_sequence/waiting.py)
 
 Sequence row (int64 words)::
 
