@@ -208,8 +208,7 @@ def _keep(layer_types: tuple[str, ...], window: int, chunk: int) -> int:
     return max(window - 1 if "sliding" in layer_types else 0, chunk - 1 if "chunked" in layer_types else 0)
 
 
-# (a frozen slots dataclass has no room for cached properties: the two above are asked on
-# structural paths, truncate among them, so they are computed once per distinct layout)
+# (a frozen slots dataclass has no cached properties: the two above, asked on structural paths, are cached)
 @dataclass(frozen=True, slots=True)
 class Layout:
     """The geometry and limits of a store; identical in every attached process."""
@@ -370,6 +369,7 @@ class Offsets:
     page_unit: int  # the fewest cells whose bytes fill whole pages in every per-layer array (§11)
 
 
+@functools.lru_cache(maxsize=256)  # (an attach asks three times: header check, segment size, engine)
 def offsets(layout: Layout, max_clients: int) -> Offsets:
     seq_off = LAYER_KINDS_OFF + _align(layout.layers)
     client_off = seq_off + layout.max_seqs * SEQ_WORDS * 8
@@ -399,8 +399,8 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     vs_off = _align(ks_off + layout.layers * scale_stride, page)
     data_bytes = _align(vs_off + layout.layers * scale_stride, page)
     return Offsets(seq_off, client_off, index_off, slots, meta_off, undo_off, wait_off, header_bytes, k_off, v_off,
-                   tokens_off, positions_off, hashes_off, wk_off, wv_off, w_stride, ks_off, vs_off,
-                   scale_stride, data_bytes, layer_stride, cell_bytes, unit)
+                   tokens_off, positions_off, hashes_off, wk_off, wv_off, w_stride, ks_off, vs_off, scale_stride,
+                   data_bytes, layer_stride, cell_bytes, unit)
 
 
 _CHECKED_WORDS = [W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS, W_MAX_SEQS, W_MAX_CLIENTS,
