@@ -375,7 +375,8 @@ class Core(Journal):
         if self.hdr[_header.W_UNDO_COUNT] and not self._depth:
             with self.reading():
                 return [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
-        return [self.table_np[slot].tolist() for slot in np.flatnonzero(self.table_np[:, STATE] == LIVE)]
+        rows: list[list[int]] = self.table_np[self.table_np[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
+        return rows
 
     def row(self, slot: int) -> memoryview:
         """Row ``slot`` of the sequence table (one memoryview a slot, reused: the journal's changing() knows it)."""
