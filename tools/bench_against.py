@@ -1,23 +1,35 @@
 #!/usr/bin/env python3
 """Is this tree slower than a revision? DESIGN.md section 7's "no slower than before".
 
-    python tools/bench_against.py REV [--only decode,truncate,copy_prefix] [--rounds 5]
+    python tools/bench_against.py REV [--only decode,wait] [--rounds 5]
 
 Checks REV out into a temporary git worktree, then runs this tree's ``tools/bench.py --quick
---json --only ...`` alternately with this tree's package and REV's package on ``PYTHONPATH``
-(the same harness measures both), ``--rounds`` times each, and prints for every key the median
-of each side and their ratio (this tree / REV). A key whose goal is "lower is better" is slower
-when its ratio is above 1. The worktree is removed at the end.
+--json`` (every scenario, or ``--only`` some) alternately with this tree's package and REV's
+package on ``PYTHONPATH`` (the same harness measures both sides, so each figure is measured the
+same way on both), ``--rounds`` times each, the order flipping every round. It prints, scenario
+by scenario, the one sentence that states the scenario's baseline, then every key the bench
+printed: the median of each side and their ratio (this tree / REV), and a verdict when the
+ratio moves by more than 5% either way:
 
-The machine is shared and noisy: alternating the two sides spreads the noise over both; read
-the ratio of medians, never one run.
+* ``SLOWER`` / ``faster``: a figure of shmkv's own (the direction from the bench's goal for the
+  key, else from its name: throughputs, ``*_ratio`` against a baseline's time, ``speedup``
+  are higher-is-better; times and the rest lower-is-better);
+* ``moved``: a baseline's own figure (the pipe, numpy, redis...: the harness or the machine
+  moved, not shmkv), or a key with no better direction (a count).
+
+A key only one side printed is listed as such (a scenario that REV lacks). The worktree is
+removed at the end. The machine is shared and noisy: alternating spreads the noise over both
+sides; read the ratio of medians, never one run, and rerun a flagged key with ``--only`` and
+more rounds before believing it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,32 +39,79 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CHECKOUT = HERE.parent
 HIGHER_IS_BETTER = ("_ratio_vs", "copy_prefix_ratio", "save_ratio", "load_vs_limit", "prefill_vs_limit",
-                    "quantize_ratio", "dequantize_ratio", "_gbps", "speedup")
-KEYS = {  # what each scenario is judged by
-    "decode": ["decode_ratio", "decode_us_per_token"],
-    "truncate": ["truncate_step_us", "spec_step_us"],
-    "copy_prefix": ["copy_prefix_ratio", "copy_prefix_gbps"],
-}
+                    "quantize_ratio", "dequantize_ratio", "_gbps", "speedup", "stitched_read_ratio",
+                    "remote_pull_ratio", "remote_push_ratio", "tokens_per_s", "_per_s_throughput")
+NO_DIRECTION = ("seconds",)  # not compared (the whole run's wall time)
+_SCENARIO = re.compile(r"^\[(\w+)\] \([\d.]+ s\) baseline: (.*)$")
+_KEY = re.compile(r"^  (\S+)\s+(-?[\d.]+(?:e[-+]?\d+)?|nan|inf)")
 
 
-def run_once(package_root: Path, only: str) -> dict[str, float]:
+def run_once(package_root: Path, only: str | None) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
+    """One bench run with ``package_root`` first on PYTHONPATH: its figures, each key's scenario,
+    and each scenario's baseline sentence (as this tree's harness prints them)."""
     env = dict(os.environ, PYTHONPATH=str(package_root))
-    out = subprocess.run([sys.executable, str(HERE / "bench.py"), "--quick", "--json", "--only", only],
-                         capture_output=True, text=True, env=env, cwd=str(HERE), timeout=900)
+    cmd = [sys.executable, str(HERE / "bench.py"), "--quick", "--json", *(["--only", only] if only else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(HERE), timeout=3600)
     if out.returncode != 0:
         raise SystemExit(f"bench.py failed with {package_root} first on PYTHONPATH:\n{out.stderr[-2000:]}")
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    lines = out.stdout.strip().splitlines()
+    result: dict[str, float] = json.loads(lines[-1])
+    scenario_of: dict[str, str] = {}
+    baselines: dict[str, str] = {}
+    current = ""
+    for line in lines[:-1]:
+        m = _SCENARIO.match(line)
+        if m:
+            current = m.group(1)
+            baselines[current] = m.group(2)
+            continue
+        k = _KEY.match(line)
+        if k and current:
+            scenario_of[k.group(1)] = current
+    return result, scenario_of, baselines
+
+
+def _bench_module() -> tuple[dict[str, tuple[str, float]], set[str]]:
+    """This tree's bench goals and the keys that are a baseline's own figures (ROWS' baseline
+    column), or empty ones if the harness cannot be imported here."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import bench  # tools/bench.py (or its wrapper)
+    except Exception:  # (a harness that needs more than this interpreter has: no directions)
+        return {}, set()
+    goals = dict(getattr(bench, "GOALS", {}))
+    rows = getattr(bench, "ROWS", [])
+    base_keys = {r[3] for r in rows if len(r) > 3 and r[3]}
+    return goals, base_keys
+
+
+def higher_is_better(key: str, goals: dict[str, tuple[str, float]]) -> bool:
+    if key in goals:
+        return goals[key][0].startswith(">")
+    return any(h in key for h in HIGHER_IS_BETTER)
+
+
+def verdict(key: str, ratio: float, goals: dict[str, tuple[str, float]], base_keys: set[str]) -> str:
+    if math.isnan(ratio):  # a zero on REV's side
+        return "?"
+    if 0.95 <= ratio <= 1.05:
+        return "ok"
+    if key in base_keys:
+        return "moved (a baseline's figure)"
+    up = ratio > 1.05
+    return ("faster" if up else "SLOWER") if higher_is_better(key, goals) else ("SLOWER" if up else "faster")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("rev", help="the revision to compare against (a commit, branch or tag)")
-    p.add_argument("--only", default="decode,truncate,copy_prefix", help="bench.py scenarios")
+    p.add_argument("--only", default=None, help="bench.py scenarios, comma-separated (default: all of them)")
     p.add_argument("--rounds", type=int, default=5, help="runs of each side (alternated)")
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds}: give at least 1")
+    scenario_of: dict[str, str] = {}
+    baselines: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="shmkv-against-") as tmp:
         old = Path(tmp) / "rev"
         subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "add", "--detach", "-q", str(old), a.rev], check=True)
@@ -63,22 +122,36 @@ def main(argv: list[str] | None = None) -> int:
                 if i % 2:
                     order.reverse()
                 for label, root in order:
-                    sides[label].append(run_once(root, a.only))
+                    res, where, said = run_once(root, a.only)
+                    sides[label].append(res)
+                    scenario_of.update(where)
+                    baselines.update(said)
                     print(f"round {i + 1}/{a.rounds}: {label} done", file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "remove", "--force", str(old)], check=False)
-    keys = [k for s in a.only.split(",") for k in KEYS.get(s, [])] or sorted(sides["this"][0])
-    print(f"{'key':<28}{'this':>12}{a.rev[:10]:>12}{'this/rev':>10}  verdict (5% band)")
+    goals, base_keys = _bench_module()
+    keys = sorted({k for side in sides.values() for r in side for k in r if k not in NO_DIRECTION},
+                  key=lambda k: (list(baselines).index(scenario_of[k]) if scenario_of.get(k) in baselines
+                                 else len(baselines), k))
+    flagged = 0
+    shown = None
     for key in keys:
+        scen = scenario_of.get(key, "?")
+        if scen != shown:
+            shown = scen
+            print(f"\n[{scen}] baseline: {baselines.get(scen, '(not printed)')}")
+            print(f"  {'key':<36}{'this':>12}{a.rev[:10]:>12}{'this/rev':>10}  verdict (5% band)")
         mine = [r[key] for r in sides["this"] if key in r]
         theirs = [r[key] for r in sides[a.rev] if key in r]
         if not mine or not theirs:
+            print(f"  {key:<36}{'only ' + ('this' if mine else a.rev[:10]):>34}")
             continue
         m, t = statistics.median(mine), statistics.median(theirs)
         ratio = m / t if t else float("nan")
-        better_high = any(h in key for h in HIGHER_IS_BETTER)
-        slower = ratio < 0.95 if better_high else ratio > 1.05
-        print(f"{key:<28}{m:>12.3f}{t:>12.3f}{ratio:>10.3f}  {'SLOWER' if slower else 'ok'}")
+        v = verdict(key, ratio, goals, base_keys)
+        flagged += v not in ("ok",)
+        print(f"  {key:<36}{m:>12.4g}{t:>12.4g}{ratio:>10.3f}  {v}")
+    print(f"\n{len(keys)} keys, {flagged} moved by more than 5% (medians of {a.rounds} alternated rounds each)")
     return 0
 
 

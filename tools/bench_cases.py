@@ -16,7 +16,9 @@ import mmap
 import multiprocessing as mp
 import os
 import queue
+import select
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -58,9 +60,11 @@ BASELINES = {
     "quant": "a float16 store of the same shape: extend (write), every value of every layer's K and V read, "
              "and decode steps (one token appended to every layer, commit) at the prefilled context",
     "table": "none (absolute times per operation at 16, 256 and 4096 sequences: flat is the goal)",
-    "wait": "a pipe: the same kind of process (spawned, waiting) blocked reading a pipe, woken by one byte, "
-            "alternated with the commit that wakes a seq.wait of a read-write and of a read-only attachment; "
-            "an idle waiter's wake-ups counted by the kernel (voluntary context switches)",
+    "wait": "a bare pipe: the same kind of process (spawned, asleep) blocked in os.read of a pipe, woken by "
+            "one byte written into it, measured the same way as the commit that wakes a seq.wait of a read-write "
+            "and of a read-only attachment (alternated; the waker timed from just before its call, the woken "
+            "process from its return); attach: shmkv.attach in a fresh spawned and a fresh forked process "
+            "(median of 8 each); an idle waiter's wake-ups counted by the kernel (voluntary context switches)",
 }
 
 
@@ -783,24 +787,53 @@ def bench_table(quick: bool) -> Figures:
 # -- Sequence.wait wake-up (when the library has it) ---------------------------------------------
 
 
-def _waiter(name: str, seq_id: int, rounds: int, ctrl: Any, out: Any, *, readonly: bool) -> None:
-    store = shmkv.attach(name, readonly=readonly)
-    seq = store.sequence(seq_id)
+def _waiter(name: str | None, seq_id: int, rounds: int, pipes: tuple[Any, Any, Any], readonly: bool) -> None:
+    """A woken process: ``seq.wait`` on a store's sequence, or (``name`` None, the baseline) a
+    bare ``os.read`` of one byte from a pipe. Both report the same way, through raw pipes:
+    "w" when about to sleep, then the time it returned (perf_counter, 8 bytes)."""
+    seq = None
+    if name is not None:
+        store = shmkv.attach(name, readonly=readonly)
+        seq = store.sequence(seq_id)
+    c, a, w = (end.fileno() for end in pipes)  # control in, reports out, the baseline's wake-up
     for _ in range(rounds):
-        target = ctrl.recv()
-        out.put(("waiting", 0.0))
-        seq.wait(length=target, timeout=30)
-        out.put(("woke", time.perf_counter()))
+        target = int.from_bytes(os.read(c, 8), "little")
+        os.write(a, b"w")
+        if seq is None:
+            os.read(w, 1)
+        else:
+            seq.wait(length=target, timeout=30)
+        t1 = time.perf_counter()
+        os.write(a, struct.pack("d", t1))
+    if name is not None:
+        store.close()
+
+
+def _attacher(name: str, out: Any) -> None:
+    """A fresh process's first ``shmkv.attach`` of a store (read-write), timed alone."""
+    t0 = time.perf_counter()
+    store = shmkv.attach(name)
+    t = time.perf_counter() - t0
     store.close()
+    out.put(("attached", t))
 
 
-def _pipe_waiter(rounds: int, ctrl: Any, wake: Any, out: Any) -> None:
-    """The baseline: the same kind of process, blocked reading a pipe."""
-    for _ in range(rounds):
-        ctrl.recv()
-        out.put(("waiting", 0.0))
-        wake.recv_bytes()
-        out.put(("woke", time.perf_counter()))
+def _read_from(child: Any, fd: int, n: int, timeout: float = 60.0) -> bytes:
+    """``n`` bytes from a child's pipe; RuntimeError, naming it, when it dies or says nothing."""
+    got = b""
+    t_end = time.monotonic() + timeout
+    while len(got) < n:
+        if select.select([fd], [], [], 0.05)[0]:
+            part = os.read(fd, n - len(got))
+            if not part:
+                raise RuntimeError(f"bench child {child.name} (pid {child.pid}) closed its pipe "
+                                   f"(exit code {child.exitcode})")
+            got += part
+        elif child.exitcode is not None or time.monotonic() > t_end:
+            child.kill()
+            raise RuntimeError(f"bench child {child.name} (pid {child.pid}) sent nothing "
+                               f"(exit code {child.exitcode})")
+    return got
 
 
 def _idle_waiter(name: str, seq_id: int, ready: Any, readonly: bool = False) -> None:
@@ -830,7 +863,7 @@ def has_wait() -> bool:
 def bench_wait(quick: bool) -> Figures:
     if not has_wait():
         return {}  # Sequence.wait is not in this version of the library: no figure
-    rounds = 10 if quick else 40
+    rounds = 15 if quick else 41
     ctx = mp.get_context("spawn")
     name = unique_name("bW")
     store = shmkv.create(name, layers=2, kv_heads=2, head_dim=8, dtype="float16",
@@ -840,46 +873,67 @@ def bench_wait(quick: bool) -> Figures:
     try:
         seq = store.create_sequence(capacity=4 * rounds + 8)
         k = np.ones((2, 1, 2, 8), np.float16)
-        out = ctx.Queue()
-        children: dict[str, tuple[Any, Any]] = {}
-        for kind in ("rw", "ro"):
-            theirs, ctrl = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_waiter, args=(name, seq.id, rounds, theirs, out),
-                            kwargs={"readonly": kind == "ro"}, name=f"waiter-{kind}")
+        # three processes of the same kind (spawned, started before the clock), each woken by one
+        # event from this one: a commit (seq.wait, read-write and read-only) or one byte written
+        # into a pipe (the baseline: a bare os.read); each times its own return, this one times
+        # from just before its call; everything else goes through raw pipes, untimed
+        children: dict[str, tuple[Any, int, int, int]] = {}
+        ends: list[Any] = []  # this process's ends of the pipes (open until the children are reaped)
+        for kind in ("rw", "pipe", "ro"):
+            ctl_r, ctl_w = ctx.Pipe(duplex=False)
+            ack_r, ack_w = ctx.Pipe(duplex=False)
+            wake_r, wake_w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_waiter, args=(None if kind == "pipe" else name, seq.id, rounds,
+                                                  (ctl_r, ack_w, wake_r), kind == "ro"), name=f"waiter-{kind}")
             p.start()
             procs.append(p)
-            children[kind] = (p, ctrl)
-        theirs, ctrl = ctx.Pipe(duplex=False)
-        wake_r, wake_w = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_pipe_waiter, args=(rounds, theirs, wake_r, out), name="waiter-pipe")
-        p.start()
-        procs.append(p)
-        children["pipe"] = (p, ctrl)
-        lat: dict[str, list[float]] = {k_: [] for k_ in children}
+            for end in (ctl_r, ack_w, wake_r):
+                end.close()
+            children[kind] = (p, ctl_w.fileno(), ack_r.fileno(), wake_w.fileno())
+            ends += [ctl_w, ack_r, wake_w]
+        lat: dict[str, list[float]] = {k_: [] for k_ in ("rw", "pipe", "ro")}
         for _ in range(rounds):
             for kind in ("rw", "pipe", "ro"):  # alternated, in the same run
-                p, ctrl = children[kind]
-                ctrl.send(len(seq) + 1)
-                assert _result(out, p)[0] == "waiting"
+                p, ctl, ack, wake = children[kind]
+                os.write(ctl, (len(seq) + 1).to_bytes(8, "little"))
+                if _read_from(p, ack, 1) != b"w":
+                    raise RuntimeError(f"bench child {p.name}: unexpected message")
                 if kind != "pipe":
                     for layer in range(2):  # one token written (untimed): the commit wakes the waiter
                         seq.append(layer, k[layer], k[layer])
                 time.sleep(0.02)  # let it fall asleep (in wait(), or in the pipe read)
                 t0 = time.perf_counter()
                 if kind == "pipe":
-                    wake_w.send_bytes(b"x")
+                    os.write(wake, b"x")
                 else:
                     seq.commit()
-                tag, t1 = _result(out, p)
-                assert tag == "woke"
+                (t1,) = struct.unpack("d", _read_from(p, ack, 8))
                 lat[kind].append(t1 - t0)
         _reap(procs)
         procs = []
+        for end in ends:
+            end.close()
         res["wait_wakeup_us"] = statistics.median(lat["rw"]) * 1e6
         res["wait_wakeup_readonly_us"] = statistics.median(lat["ro"]) * 1e6
         res["pipe_wakeup_us"] = statistics.median(lat["pipe"]) * 1e6
         res["wait_vs_pipe"] = res["wait_wakeup_us"] / res["pipe_wakeup_us"]
         res["wait_readonly_vs_pipe"] = res["wait_wakeup_readonly_us"] / res["pipe_wakeup_us"]
+        # attach: a fresh spawned process (shmkv imported first), and a child forked from this
+        # process (which holds the store, as a server forking its workers does); 8 of each,
+        # alternated, each timing its own first attach
+        attach_s: dict[str, list[float]] = {"spawn": [], "fork": []}
+        for _ in range(8):
+            for method in ("spawn", "fork"):
+                mctx = mp.get_context(method)
+                out = mctx.Queue()
+                p = mctx.Process(target=_attacher, args=(name, out), name=f"attach-{method}")
+                p.start()
+                procs.append(p)
+                attach_s[method].append(_result(out, p)[1])
+                _reap(procs)
+                procs = []
+        res["attach_ms_spawn"] = statistics.median(attach_s["spawn"]) * 1e3
+        res["attach_ms_fork"] = statistics.median(attach_s["fork"]) * 1e3
         # idle waiters (read-write, read-only): their wake-ups a second, counted by the kernel
         # (context switches)
         idle = {}

@@ -27,6 +27,7 @@ from shmkv._engine import futex as _futex
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
+from shmkv._engine import row_waiters as _row_waiters
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
     C_FLAGS, C_KEY, C_PID, CLIENT_WORDS, ID, LEASE_CLIENT, LENGTH, LEASE_PID, LEASE_TOKEN,
@@ -140,10 +141,10 @@ class Core(Journal):
         s_strides = (off.scale_stride, H * 4, 4)
         self.KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
         self.VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
-        # what every Sequence handle reads through: built once here, not per handle (a handle
-        # is made per request; fewer objects keep store.sequence(id) cheap)
-        self.Kr = [_readonly(a) for a in self.Kl]
-        self.Vr = [_readonly(a) for a in self.Vl]
+        # what every Sequence handle reads through (Kr, Vr): built once, at the first handle, not
+        # per handle (a handle is made per request) nor by an attach that makes none
+        self._Kr: list[np.ndarray] | None = None
+        self._Vr: list[np.ndarray] | None = None
         self.KSl = list(self.KS) if self.KS is not None else None
         self.VSl = list(self.VS) if self.VS is not None else None
         self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
@@ -158,6 +159,7 @@ class Core(Journal):
         self.waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
         self.ro_waiters = RowWaiters(name, layout.max_seqs)  # ... of read-only attachments (_engine/row_waiters.py)
         self.length_addr0 = self.table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
+        self.waiters_addr0 = self.length_addr0 - 8 * LENGTH - off.seq_off + off.wait_off  # (changed atomically)
         self.waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
         self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
@@ -181,6 +183,28 @@ class Core(Journal):
         self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Core] | None = \
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)
         self._finalizer.atexit = False  # at exit the process closes them anyway
+
+    @property
+    def Kr(self) -> list[np.ndarray]:
+        """Read-only views of ``Kl``, built at the first use (see ``__init__``)."""
+        if self._Kr is None:
+            self._Kr = [_readonly(a) for a in self.Kl]
+        return self._Kr
+
+    @Kr.setter
+    def Kr(self, value: list[np.ndarray]) -> None:
+        self._Kr = value
+
+    @property
+    def Vr(self) -> list[np.ndarray]:
+        """Read-only views of ``Vl``, built at the first use."""
+        if self._Vr is None:
+            self._Vr = [_readonly(a) for a in self.Vl]
+        return self._Vr
+
+    @Vr.setter
+    def Vr(self, value: list[np.ndarray]) -> None:
+        self._Vr = value
 
     def check_open(self) -> None:
         if self.shut:
@@ -212,13 +236,17 @@ class Core(Journal):
 
     def drop_waiters(self) -> None:
         """Take this handle's sleepers in Sequence.wait off the rows' waiter counts (they end
-        with StoreClosedError without touching the store again)."""
-        if self.waiting and _futex.AVAILABLE and not self.readonly:
-            with self.locked():
+        with StoreClosedError without touching the store again): the header's counts on a
+        read-write attachment, the liveness file's on a read-only one, atomically either way
+        (``waiting`` read under its lock: a count raised just now too)."""
+        if not _futex.AVAILABLE:
+            return
+        if not self.readonly:
+            with _row_waiters.LOCK:
                 for slot, n in self.waiting.items():
-                    self.waiters[slot] -= n
-        elif self.readonly and self.ro_waiters.writable:  # read-only: their counts in the liveness file
-            self.ro_waiters.drop(self.waiting)  # (``waiting`` read under its lock: a count raised just now too)
+                    _futex.atomic_add(self.waiters_addr0 + 8 * slot, -n)
+        elif self.ro_waiters.writable:
+            self.ro_waiters.drop(self.waiting)
 
     def shut_down(self, wake: bool) -> None:
         """Give up the client row (and its byte of the liveness file: no lock taken) and refuse
@@ -254,14 +282,16 @@ class Core(Journal):
         makes the row ours alone; the store lock is taken for recovery (attach is a way in)."""
         with self.locked(scan=True):  # an attach is a cold entry: it repairs any odd generation
             rows = self.clients_np
-            for i in range(self._max_clients):
+            pids, keys = rows[:, C_PID], rows[:, C_KEY]
+            bad = np.flatnonzero((pids < 0) | (pids > _segment.MAX_PID) | (keys < 0))  # (one pass, not a row a call)
+            if bad.size:
+                i = int(bad[0])
                 pid, key = int(rows[i, C_PID]), int(rows[i, C_KEY])
-                if not 0 <= pid <= _segment.MAX_PID or key < 0:
-                    raise CorruptStoreError(
-                        f"store {self.name!r}: client table row {i} holds pid {pid}, key {key}, "
-                        "which no process has: the header was overwritten by something other than shmkv; "
-                        f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
-                    )
+                raise CorruptStoreError(
+                    f"store {self.name!r}: client table row {i} holds pid {pid}, key {key}, "
+                    "which no process has: the header was overwritten by something other than shmkv; "
+                    f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
+                )
             self._fill_client_row()
 
     def _fill_client_row(self) -> None:
@@ -345,7 +375,8 @@ class Core(Journal):
         if self.hdr[_header.W_UNDO_COUNT] and not self._depth:
             with self.reading():
                 return [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
-        return [self.table_np[slot].tolist() for slot in np.flatnonzero(self.table_np[:, STATE] == LIVE)]
+        rows: list[list[int]] = self.table_np[self.table_np[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
+        return rows
 
     def row(self, slot: int) -> memoryview:
         """Row ``slot`` of the sequence table (one memoryview a slot, reused: the journal's changing() knows it)."""

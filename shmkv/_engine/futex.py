@@ -47,6 +47,17 @@ if _LIBC is not None:
     _syscall.restype = ctypes.c_long
     _syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    # The calls on a wake-up's path (a commit's wake, a waiter's count taken off) go through a
+    # second pointer to the same function without argtypes, given ctypes objects made once: no
+    # argument conversion (seven from_param calls), which after the caller slept is tens of
+    # microseconds of cold interpreter and libffi code (tools/bench.py wait).
+    _fast = _LIBC["syscall"]
+    _fast.restype = ctypes.c_long
+    _C_NR = ctypes.c_long(_SYS_FUTEX)
+    _C_WAKE = ctypes.c_long(1)  # FUTEX_WAKE
+    _C_WAKE_OP = ctypes.c_long(5)  # FUTEX_WAKE_OP
+    _C_ALL = ctypes.c_long(_INT_MAX)
+    _C_ZERO = ctypes.c_long(0)
 
 
 def wait(addr: int, expected: int, timeout: float | None) -> bool:
@@ -70,14 +81,27 @@ def wait(addr: int, expected: int, timeout: float | None) -> bool:
     raise OSError(e, f"futex wait: {os.strerror(e)}")  # pragma: no cover - EFAULT, EINVAL: a bug
 
 
+_ADDRS: dict[int, ctypes.c_long] = {}  # futex words' addresses as ctypes objects, made once each
+
+
+def _c_addr(addr: int) -> ctypes.c_long:
+    a = _ADDRS.get(addr)
+    if a is None:
+        if len(_ADDRS) > 4096:  # stores come and go: keep the recent ones
+            _ADDRS.clear()
+        a = _ADDRS[addr] = ctypes.c_long(addr)
+    return a
+
+
 def wake(addr: int) -> int:
     """Wake every sleeper on the word at ``addr``; returns how many were woken."""
-    r = _syscall(_SYS_FUTEX, addr, FUTEX_WAKE, _INT_MAX, None, None, 0)
-    return max(int(r), 0)
+    r: int = _fast(_C_NR, _c_addr(addr), _C_WAKE, _C_ALL, None, None, _C_ZERO)
+    return r if r > 0 else 0
 
 
 FUTEX_WAKE_OP = 5
 _FUTEX_OP_ADD = 1
+_OPS = {d: ctypes.c_long(_FUTEX_OP_ADD << 28 | (d & 0xFFF) << 12) for d in (1, -1)}  # a waiter's count up, down
 
 
 def atomic_add(addr: int, delta: int) -> None:
@@ -87,8 +111,11 @@ def atomic_add(addr: int, delta: int) -> None:
     has one: it applies an operation to its second word atomically and then wakes sleepers on
     either word (none here: both wake counts are 0). The word must be in a mapping opened for
     writing."""
-    op = _FUTEX_OP_ADD << 28 | (delta & 0xFFF) << 12  # FUTEX_OP_ADD, oparg (12 bits, signed)
-    r = _syscall(_SYS_FUTEX, addr, FUTEX_WAKE_OP, 0, None, addr, op)
+    op = _OPS.get(delta)
+    if op is None:
+        op = ctypes.c_long(_FUTEX_OP_ADD << 28 | (delta & 0xFFF) << 12)  # FUTEX_OP_ADD, oparg (12 bits, signed)
+    a = _c_addr(addr)
+    r = _fast(_C_NR, a, _C_WAKE_OP, _C_ZERO, None, a, op)
     if r < 0:
         e = ctypes.get_errno()
         raise OSError(e, f"futex wake-op: {os.strerror(e)}")

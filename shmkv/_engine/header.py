@@ -65,7 +65,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
                                           in progress: slot (bit 32 set: the meta words are logged too),
                                           its 19 row words and its 65 meta words as they were before
     WAIT_OFF             1 x max_seqs     waiters: threads sleeping in Sequence.wait on the row, changed
-                                          under the lock; a commit wakes them if nonzero (_sequence/waiting.py)
+                                          atomically (no lock); a commit wakes them if nonzero (_sequence/waiting.py)
 
 Sequence row (int64 words)::
 
@@ -210,8 +210,7 @@ def _keep(layer_types: tuple[str, ...], window: int, chunk: int) -> int:
     return max(window - 1 if "sliding" in layer_types else 0, chunk - 1 if "chunked" in layer_types else 0)
 
 
-# (a frozen slots dataclass has no room for cached properties: the two above are asked on
-# structural paths, truncate among them, so they are computed once per distinct layout)
+# (a frozen slots dataclass has no cached properties: the two above, asked on structural paths, are cached)
 @dataclass(frozen=True, slots=True)
 class Layout:
     """The geometry and limits of a store; identical in every attached process."""
@@ -372,6 +371,7 @@ class Offsets:
     cells: int  # of the data arena's arrays: max_tokens and the slack alignment may leave unused (offsets)
 
 
+@functools.lru_cache(maxsize=256)  # (an attach asks three times: header check, segment size, engine)
 def offsets(layout: Layout, max_clients: int) -> Offsets:
     seq_off = LAYER_KINDS_OFF + _align(layout.layers)
     client_off = seq_off + layout.max_seqs * SEQ_WORDS * 8

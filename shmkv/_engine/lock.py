@@ -101,11 +101,12 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _open_lock_file(path: str, readonly: bool, mode: int | None) -> int:
+def _open_lock_file(path: str, readonly: bool, mode: int | Callable[[], int | None] | None) -> int:
     """Open (creating it if missing) the lock file at ``path``; O_CLOEXEC, never through a symlink.
 
     An existing file is opened without O_CREAT: in a sticky directory such as /dev/shm,
     ``fs.protected_regular`` refuses O_CREAT on another user's file even when its mode allows.
+    ``mode`` (or a function giving it, asked only when the file is created) is the new file's.
     """
     flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
     while True:
@@ -113,6 +114,8 @@ def _open_lock_file(path: str, readonly: bool, mode: int | None) -> int:
             return os.open(path, flags)
         except FileNotFoundError:
             pass
+        if callable(mode):
+            mode = mode()
         try:
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600 if mode is None else mode)
         except FileExistsError:
@@ -158,7 +161,7 @@ class StoreLock:
 
     def _open(self) -> None:
         # The file has the segments' mode: whoever could open them can open it.
-        fd = _open_lock_file(self.path, self.readonly, _segment_mode(self.path))
+        fd = _open_lock_file(self.path, self.readonly, lambda: _segment_mode(self.path))  # (stat only to create)
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         with _states_guard:  # two threads attaching at once must share one state, not make two

@@ -25,6 +25,7 @@ every path is correct whatever it says (the pages exist).
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 
 import numpy as np
@@ -170,11 +171,15 @@ class Pages(Core):
         range at ``start`` written through the descriptor into pages allocated for exactly them,
         then what is owed of the range pre-faulted for the appends that follow. False (nothing
         written) when this path does not apply: cells touched before, sliding/chunked layers, a
-        quantized dtype, growth."""
+        quantized dtype, growth, or less than a page of each array (a decode step's extend:
+        tmpfs zeroes the rest of a page a write starts, so the descriptor would save no zeroing
+        and cost 2 * layers writes and a fallocate per array each step, where the appends
+        through the mapping pay one pre-faulted chunk per many tokens)."""
         lay = self.layout
         n = k_all.shape[1]
         a = start + length
         if (lay.bounded or self.KS is not None or lay.dtype == "bfloat16" or not n or length + n > cap
+                or n * self._off.cell_bytes < mmap.PAGESIZE
                 or k_all.dtype.kind not in "fiu" or v_all.dtype.kind not in "fiu"):
             return self._not_new(start, cap)
         self._reserve(a, n, populate=False)  # exactly its pages (a full /dev/shm: nothing written)

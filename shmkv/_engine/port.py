@@ -54,7 +54,8 @@ class Port(Protocol):
 
     Waiting (``_sequence/waiting.py``):
         waiters: per row, the threads of read-write processes sleeping in ``Sequence.wait``
-            (int64 words; changed under ``locked``); a commit wakes the row when nonzero.
+            (int64 words; changed atomically at ``waiters_addr0 + 8 * slot``, no lock); a
+            commit wakes the row when nonzero.
         ro_waiters: the same for read-only attachments' sleepers (``_engine/row_waiters.py``:
             counts in the liveness file, changed atomically); a commit wakes on either.
         length_addr0: the address of row 0's LENGTH word in this process (a row's is
@@ -87,6 +88,7 @@ class Port(Protocol):
     positions: np.ndarray
     # waiting
     waiters: memoryview
+    waiters_addr0: int
     ro_waiters: RowWaiters
     length_addr0: int
     waiting: dict[int, int]

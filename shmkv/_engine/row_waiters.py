@@ -2,7 +2,7 @@
 
 A commit wakes a row's sleepers only when some are counted (no syscall otherwise:
 ``_sequence/waiting.py``). Read-write waiters count themselves in the header (``WAIT_OFF``),
-under the store lock; a read-only attachment maps the header read-only and cannot. So the
+atomically; a read-only attachment maps the header read-only and cannot. So the
 liveness file (``skv_<name>.live``, see ``_engine/liveness.py``), whose bytes are otherwise only
 lock targets, holds in its content one 32-bit count per table row of read-only sleepers:
 

@@ -10,19 +10,22 @@ a second):
   lands in between is never missed (the call returns at once).
 * Waking costs a syscall, so a writer makes it only when somebody sleeps: each row has a
   waiter count (``WAIT_OFF`` in the header, see ``_engine/header.py``), which waiters of
-  read-write attachments raise and lower under the store lock (Python has no atomic
-  increment on shared memory; the lock makes the count exact between processes). ``commit``
-  reads it after publishing the length and wakes the row when it is nonzero; every
-  structural change of a row (truncate, free, copy_prefix into it, a take-over, a restore)
-  does the same at the end of its bracket (``Journal.changing``), so waiters see
-  ``SequenceNotFound`` as soon as the sequence is freed. No commit makes a syscall while
-  nobody waits.
-* Read-only attachments cannot raise a count (their mapping cannot be written: DESIGN.md
-  section 4), so nothing tells a writer to wake them. They sleep on the same futex word with
-  a timeout that doubles from 50 us to 4 ms: woken at once when a read-write waiter of the
-  row is registered too, otherwise within 4 ms of the commit (at most 250 idle wake-ups a
-  second, as before issue 24). A stream that needs futex-speed wake-ups attaches read-write
-  (it needs no lease to wait).
+  read-write attachments raise and lower atomically (``futex.atomic_add`` on the count's low
+  half: the kernel's FUTEX_WAKE_OP, no lock: a waiter woken by a commit takes no lock on its
+  way out). ``commit`` reads it after publishing the length and wakes the row when it is
+  nonzero; every structural change of a row (truncate, free, copy_prefix into it, a
+  take-over, a restore) does the same at the end of its bracket (``Journal.changing``), so
+  waiters see ``SequenceNotFound`` as soon as the sequence is freed. No commit makes a
+  syscall while nobody waits.
+* Read-only attachments cannot write the header (DESIGN.md section 4): they count their
+  sleepers in the liveness file instead (``_engine/row_waiters.py``), atomically too, and a
+  commit wakes the row when either count is nonzero. Where they may not write that file
+  (or on a store without the counts) they sleep on the same futex word with a timeout that
+  doubles from 50 us to 4 ms: woken at once when a counted waiter of the row sleeps too,
+  otherwise within 4 ms of the commit.
+* Woken, a waiter reads the LENGTH word alone while the row's generation is still the one a
+  full (seqlocked) read checked: the length a commit published, with no seqlock retry loop
+  or call on the way out.
 * A registered waiter sleeps at most ``_CHUNK`` seconds at a time and looks again: a waiter
   left counted by a process that died (the count is then one too high: writers make a
   needless wake-up syscall on that row) costs nothing else, and the one-in-a-billion case
@@ -47,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from shmkv._engine import futex as _futex
 from shmkv._engine import row_waiters as _row_waiters
 from shmkv._engine.checks import count
-from shmkv._engine.header import LENGTH, SEQ_WORDS
+from shmkv._engine.header import GEN, LENGTH, SEQ_WORDS
 from shmkv.errors import InvalidArgumentError, StoreClosedError, WaitTimeout
 
 if TYPE_CHECKING:
@@ -85,57 +88,42 @@ def address(r: SeqReader) -> int:
     return r.port.length_addr0 + r.slot * 8 * SEQ_WORDS
 
 
+def _count(p: Port, slot: int, delta: int) -> None:
+    """Change row ``slot``'s shared waiter count by ``delta``, atomically between processes: the
+    header's (read-write attachments) or the liveness file's (read-only ones)."""
+    if p.readonly:
+        p.ro_waiters.add(slot, delta)
+    else:  # the low half of the int64 count: it never goes below 0, so no borrow reaches the high half
+        _futex.atomic_add(p.waiters_addr0 + 8 * slot, delta)
+
+
 def _register(r: SeqReader) -> bool:
-    """Count this thread as a waiter of the row: shared count (read-write attachments: the
-    header's, under the lock; read-only ones: the liveness file's, atomically) and this handle's
-    own. Returns whether a shared count was raised."""
+    """Count this thread as a waiter of the row: the shared count (atomically, no lock) and this
+    handle's own. Returns whether a shared count was raised (a read-only attachment that may
+    not write its liveness file, or no futex: none; the waiter then polls)."""
     p = r.port
-    if not _futex.AVAILABLE:
-        shared = False
-    elif not p.readonly:
-        with p.locked():
-            p.waiters[r.slot] += 1
-            p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1
-        return True
-    else:
-        shared = p.ro_waiters.writable
-    with _row_waiters.LOCK:  # (close() takes this handle's counts off the row under it: RowWaiters.drop)
+    shared = _futex.AVAILABLE and (not p.readonly or p.ro_waiters.writable)
+    with _row_waiters.LOCK:  # (close() takes this handle's counts off the row under it: drop_waiters)
         if p.closed:  # close() began: its drop may be over, a count raised now would stay raised
             raise StoreClosedError(f"store {p.name!r} is closed; sequence {r.id} is unusable")
         if shared:
-            p.ro_waiters.add(r.slot, 1)
-        p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (else only close() reads it: a wake-up)
+            _count(p, r.slot, 1)
+        p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (close() reads it: its drop, its wake-up)
     return shared
 
 
 def _unregister(r: SeqReader, shared: bool) -> None:
     p = r.port
-    if p.readonly or not shared:
-        with _row_waiters.LOCK:
-            if p.closed:
-                return  # close() took this handle's counts off the row already
-            if shared:
-                p.ro_waiters.add(r.slot, -1)
-            left = p.waiting.get(r.slot, 0) - 1
-            if left > 0:
-                p.waiting[r.slot] = left
-            else:
-                p.waiting.pop(r.slot, None)
-        return
-    if p.closed:
-        return  # close() took this handle's counts off the row already
-    try:
-        with p.locked():
-            mine = p.waiting.get(r.slot, 0)
-            if mine <= 0:
-                return
-            p.waiters[r.slot] -= 1
-            if mine > 1:
-                p.waiting[r.slot] = mine - 1
-            else:
-                del p.waiting[r.slot]
-    except StoreClosedError:
-        return  # a close() that raced us took this handle's counts off the row
+    with _row_waiters.LOCK:
+        if p.closed:
+            return  # close() took this handle's counts off the row already
+        if shared:
+            _count(p, r.slot, -1)
+        left = p.waiting.get(r.slot, 0) - 1
+        if left > 0:
+            p.waiting[r.slot] = left
+        else:
+            p.waiting.pop(r.slot, None)
 
 
 def wait(r: SeqReader, length: int | None, timeout: float | None, cancel: threading.Event | None = None) -> int:
@@ -144,17 +132,30 @@ def wait(r: SeqReader, length: int | None, timeout: float | None, cancel: thread
     limit = _timeout(timeout)
     t0 = time.monotonic()
     deadline = None if limit is None else t0 + limit
+    row = r.row
+    seen = row[GEN]
     first = r.length()  # SequenceNotFound, StoreClosedError
     if target is not None and first >= target:
         return first
-    row = r.row
+    if seen & 1 or row[GEN] != seen:
+        seen = -1  # the row changed around that read: the first look of the loop is a full one
     addr = address(r)
     shared = _register(r)
     try:
         delay = _FIRST_SLEEP
         while True:
             word = row[LENGTH]  # read before the check: a commit after it changes the word
-            now_len = r.length()
+            # The length as a commit leaves it: the LENGTH word alone when the row's generation,
+            # read after it, is still the one a full read (state, id, incarnation) checked: the
+            # generation only grows and every structural change moves it (a commit does not), so
+            # nothing changed the row in between. A full read otherwise.
+            if row[GEN] == seen and not r.port.closed:
+                now_len = word
+            else:
+                seen = row[GEN]
+                now_len = r.length()
+                if seen & 1 or row[GEN] != seen:
+                    seen = -1
             if now_len >= target if target is not None else now_len != first:
                 return now_len
             if cancel is not None and cancel.is_set():
