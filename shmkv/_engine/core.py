@@ -56,7 +56,7 @@ def _words(mm: Any, offset: int, count: int) -> memoryview:
     return memoryview(mm)[offset : offset + 8 * count].cast("q")
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
+def read_only_view(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
     return v
@@ -188,7 +188,7 @@ class Core(Journal):
     def Kr(self) -> list[np.ndarray]:
         """Read-only views of ``Kl``, built at the first use (see ``__init__``)."""
         if self._Kr is None:
-            self._Kr = [_readonly(a) for a in self.Kl]
+            self._Kr = [read_only_view(a) for a in self.Kl]
         return self._Kr
 
     @Kr.setter
@@ -199,7 +199,7 @@ class Core(Journal):
     def Vr(self) -> list[np.ndarray]:
         """Read-only views of ``Vl``, built at the first use."""
         if self._Vr is None:
-            self._Vr = [_readonly(a) for a in self.Vl]
+            self._Vr = [read_only_view(a) for a in self.Vl]
         return self._Vr
 
     @Vr.setter
