@@ -1,4 +1,4 @@
-"""Shared prefix pages, the mapping side (DESIGN §11, issue 23): a borrower's first cells are
+"""Shared prefix pages, the mapping side (docs/design.md §11, issue 23): a borrower's first cells are
 the donor's pages, remapped in place in every process.
 
 Design (chosen over stitching a view per process, see docs/prefix-cache.md): a sequence that

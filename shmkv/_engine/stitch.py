@@ -1,5 +1,5 @@
 """Stitched views: one contiguous numpy array over pages taken from several places of a file
-(DESIGN §11, the mechanism of shared prefix pages).
+(docs/design.md §11, the mechanism of shared prefix pages).
 
 A sequence that borrows a donor's first cells reads them in place: a process reserves an address
 range (``mmap`` PROT_NONE, anonymous, no memory), maps the donor's pages and then its own pages
@@ -9,7 +9,7 @@ a write through it is seen by every other view of those pages, in every process.
 
 Lifetime: a ``Stitch`` owns its address range. Arrays made over it (``array()``, and every view
 or torch tensor made from those) hold it through their ``base`` chain, so the range is unmapped
-when the last of them is gone, never under a live view (DESIGN §4: no segfault). A
+when the last of them is gone, never under a live view (docs/design.md §4: no segfault). A
 ``StitchCache`` keeps a process's views by key, bounded (``CACHE_LIMIT``). ``live()``
 counts the stitches of this process that are still mapped: what a cache of stitched views keeps
 bounded, against the kernel's ``vm.max_map_count`` (65530 by default; a stitch of p pieces costs

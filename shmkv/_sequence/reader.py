@@ -3,7 +3,7 @@ layer's tokens sit, views and copies of them, masks, ``can_resume`` and waiting.
 
 A ``SeqReader`` serves any handle (read or write) and holds no lease. Readers read the
 row's generation, the row, the generation again, and retry while it moved (a structural
-operation in progress: DESIGN.md section 3); when ``_engine.seqlock.HANDLE``'s tries are used
+operation in progress: docs/design.md §3); when ``_engine.seqlock.HANDLE``'s tries are used
 up they wait it out under the store's reading lock. ``Sequence`` delegates to it; the writer part and the
 structural operations use its addressing (``span``, ``cells``, ``view``).
 """

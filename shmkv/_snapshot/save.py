@@ -271,7 +271,7 @@ def remove_stale_temps(directory: str, base: str | None = None) -> list[str]:
     """Remove the temporary files (``.BASE.tmp-PID-START-XXXX``) of saves whose writer died
     (killed mid-way); a live writer's file is kept. Only files we own. Returns the removed paths.
 
-    Liveness is a kernel fact (DESIGN section 3), not the pid in the name (another PID
+    Liveness is a kernel fact (docs/design.md §3), not the pid in the name (another PID
     namespace's, or reused): a writer holds a flock on its file until it is renamed into place
     (:func:`_save_path`), so a file whose flock can be taken has no live writer."""
     removed: list[str] = []

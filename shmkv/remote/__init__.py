@@ -1,4 +1,4 @@
-"""Remote tier on Redis: stores on several machines share computed prefixes (DESIGN §9).
+"""Remote tier on Redis: stores on several machines share computed prefixes (docs/design.md §9).
 
 A prompt prefilled on one machine is pushed to Redis (or Valkey, its API twin,
 or a Redis Cluster) in chunks of ``chunk_tokens`` tokens; a store on another
