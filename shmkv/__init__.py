@@ -1,6 +1,6 @@
 """shmkv: a transformer KV cache in shared memory, shared by several processes.
 
-See README.md for a tour and ../shared/DESIGN.md for the contract.
+See README.md for a tour, docs/design.md for the contract and ARCHITECTURE.md for the map of the code.
 """
 
 from shmkv._sequence.batch import Batch

@@ -1,6 +1,6 @@
 """Scenes the map-limit tests share (tests/test_share_maplimit.py, test_share_unmapped_copies.py,
 test_share_interrupts.py): a store, a finished donor, its content as bytes, this process's
-mappings of a store, and ``share._mmap`` refusing spans as the kernel does at vm.max_map_count."""
+mappings of a store, and ``share.libc_mmap`` refusing spans as the kernel does at vm.max_map_count."""
 
 from __future__ import annotations
 
@@ -54,12 +54,12 @@ def data_mappings(name: str) -> int:
 
 
 def refusing(monkeypatch, *stores, spans_from=1, put_back=True):
-    """``share._mmap`` as in a process at vm.max_map_count: a span's mapping (a cell shown at
+    """``share.libc_mmap`` as in a process at vm.max_map_count: a span's mapping (a cell shown at
     another cell's file offset: it splits the data segment's region) is refused with ENOMEM, the
     errno the kernel gives, from the ``spans_from``-th such call on (the ones before it mapped);
     mapping a cell's own pages back (it merges with its neighbours again) is allowed, or refused
     as well (``put_back=False``). Returns the calls: (own pages?, refused?) each."""
-    real, calls = share._mmap, []
+    real, calls = share.libc_mmap, []
     shares = [engine_of(s).shares for s in stores]
 
     def mmap(*args):
@@ -70,8 +70,8 @@ def refusing(monkeypatch, *stores, spans_from=1, put_back=True):
         calls.append((own, refuse))
         if refuse:
             ctypes.set_errno(errno.ENOMEM)
-            return share._FAILED
+            return share.MAP_FAILED
         return real(*args)
 
-    monkeypatch.setattr(share, "_mmap", mmap)
+    monkeypatch.setattr(share, "libc_mmap", mmap)
     return calls

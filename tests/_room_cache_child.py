@@ -1,6 +1,6 @@
 """Run in a private /dev/shm (a 16 MiB tmpfs: tests/_namespaces.py) for tests/test_create_cost.py:
 /dev/shm filled by another file right after shmkv read the room, with that reading trusted for an
-hour (``_Room.TTL``): what an extend and a create over a cached prefix do. Prints one JSON line."""
+hour (``Room.TTL``): what an extend and a create over a cached prefix do. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def free_bytes() -> int:
 
 
 def main() -> None:
-    _segment._Room.TTL = 3600.0  # every grant the reading allows is made from it
+    _segment.Room.TTL = 3600.0  # every grant the reading allows is made from it
     out: dict[str, object] = {}
     store = shmkv.create("room", layers=L, kv_heads=H, head_dim=D, dtype="float32", max_tokens=8192, max_seqs=8)
     rng = np.random.default_rng(0)
@@ -34,7 +34,7 @@ def main() -> None:
     fd = os.open(ballast, os.O_CREAT | os.O_RDWR, 0o600)
     os.posix_fallocate(fd, 0, free_bytes())
     os.close(fd)
-    out["granted_stale"] = _segment._ROOM.grant(0) and _segment._ROOM.room > free_bytes() + (1 << 20)
+    out["granted_stale"] = _segment.ROOM.grant(0) and _segment.ROOM.room > free_bytes() + (1 << 20)
     other = store.create_sequence(capacity=1024)
     try:
         other.extend(kv[:, :600], kv[:, :600], tokens=ids[:600] + 5000)

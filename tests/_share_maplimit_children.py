@@ -54,19 +54,19 @@ def die_in_the_fallback(name: str, prompt: list[int]) -> None:
 
     store = shmkv.attach(name)
     sh = engine_of(store).shares
-    real_mmap, real_copy = share._mmap, Sharing._copy_span
+    real_mmap, real_copy = share.libc_mmap, Sharing._copy_span
 
     def mmap(*args: Any) -> Any:
         if args[5] != args[0] - sh.base:  # a span (another cell's pages): refused
             ctypes.set_errno(errno.ENOMEM)
-            return share._FAILED
+            return share.MAP_FAILED
         return real_mmap(*args)
 
     def copy_then_die(self: Sharing, start: int, src: int, m: int) -> None:
         real_copy(self, start, src, m)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    share._mmap = mmap
+    share.libc_mmap = mmap
     Sharing._copy_span = copy_then_die  # type: ignore[method-assign]
     store.create_sequence(capacity=1024, prefix=np.asarray(prompt))
     raise AssertionError("the fallback never ran")

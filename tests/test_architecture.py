@@ -1,8 +1,8 @@
-"""The package's architecture, checked from the source with ``ast`` (issues 13 and 27).
+"""The package's architecture, checked from the source with ``ast``.
 
-Five rules, each with an explicit allow-list of today's violations that may
-only shrink: the test fails on a violation that is not listed, and on a listed
-one that no longer exists (then delete its line).
+Seven rules, most with an explicit allow-list of today's violations that may only shrink: the
+test fails on a violation that is not listed, and on a listed one that no longer exists (then
+delete its line).
 
 1. Imports among ``shmkv`` modules (subpackages included) run one way: no
    circle, counting imports inside functions.
@@ -10,29 +10,34 @@ one that no longer exists (then delete its line).
    imports the importer (directly or not) at run time. A lower layer that
    annotates a class of a higher one (``_sequence.reader`` naming ``Store``)
    makes a reader of the lower module learn the higher one first.
-3. Outside the module that defines a class, no code touches that class's
+3. Between rooms (the top-level entries of ``shmkv/``), only the imports that the table of
+   ARCHITECTURE.md ("Who may call whom") allows, every edge of the table used, each running down
+   a floor, and the drawing above the table naming each room on its floor.
+4. No ``from shmkv.x import _name`` of a private function, class or constant of another module
+   (a submodule of an underscore name, ``from shmkv.cli import _demo``, is a module: allowed).
+5. Outside the module that defines a class, no code touches that class's
    underscore attributes (``store._x`` from ``_sequence``): the narrow core
    is the way in.
-4. No module over 500 lines, no class over 350.
-5. The top of ``shmkv/`` holds at most 12 entries: the public surface and one
+6. No module over 500 lines, no class over 350.
+7. The top of ``shmkv/`` holds at most 12 entries: the public surface and one
    subpackage per concern (see ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 PACKAGE = Path(__file__).resolve().parent.parent / "shmkv"
+ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 350
 MAX_TOP_ENTRIES = 12
 
-# Edges ("importer", "imported") that lie on an import circle. Empty: issue 13
-# broke the last ones (_store with _sequence, _snapshot and _batch; remote with
-# _remote_cli); keep it so.
+# Edges ("importer", "imported") that lie on an import circle. Empty; keep it so.
 KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 
 # (accessing module, attribute) pairs: code in the accessing module reads or
@@ -41,15 +46,17 @@ KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 # the _engine.port.Port protocol; keep it so.
 KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = set()
 
+# ("importer", "module._name") for each ``from module import _name`` of a private function,
+# class or constant of another module. Empty: what modules share has a public name; keep it so.
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 
 # Type-only imports ("importer", "imported") of a module that imports the importer at run
-# time. Empty: issue 27 gave the lower layers Protocols to annotate with instead (the engine's
+# time. Empty: the lower layers annotate with Protocols of their own instead (the engine's
 # narrow core, _engine.port.Port; the public store as the sequence layer uses it,
 # _sequence.handle.Owner); keep it so.
 KNOWN_UPWARD_TYPE_IMPORTS: set[tuple[str, str]] = set()
 
-# Modules over MAX_MODULE_LINES and classes ("module.Class") over MAX_CLASS_LINES. Empty:
-# issue 27 split the last ones (the limits were 700 / 450 until then); keep it so.
+# Modules over MAX_MODULE_LINES and classes ("module.Class") over MAX_CLASS_LINES. Empty; keep it so.
 KNOWN_LARGE: set[str] = set()
 
 
@@ -272,6 +279,113 @@ def private_accesses(modules: dict[str, ast.Module]) -> set[tuple[str, str]]:
     return found
 
 
+def _all_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement at any depth, those under ``if TYPE_CHECKING:`` included."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+
+
+def _base(node: ast.ImportFrom, importer: str, is_package: bool) -> list[str] | None:
+    """The dotted path below ``shmkv`` that ``from <base> import ...`` names (None: not shmkv)."""
+    if node.level == 0:
+        if node.module is None or node.module.split(".")[0] != "shmkv":
+            return None
+        return node.module.split(".")[1:]
+    package = _package_of(importer, is_package)
+    return package[: len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+
+
+def private_imports(modules: dict[str, ast.Module]) -> set[tuple[str, str]]:
+    """(importer, "module._name") for each ``from module import _name`` where ``_name`` is not a
+    submodule: a private function, class or constant of another module. ``from m import x as _x``
+    imports a public name (allowed); ``from shmkv.cli import _demo`` imports a module (allowed)."""
+    names = set(modules)
+    packages = {name for name in names if any(other.startswith(name + ".") for other in names)}
+    found: set[tuple[str, str]] = set()
+    for name, tree in modules.items():
+        for node in _all_imports(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _base(node, name, name in packages)
+            if base is None:
+                continue
+            source = _resolve(".".join(base), names) or "__init__"
+            for alias in node.names:
+                if _is_private(alias.name) and ".".join([*base, alias.name]) not in names and source != name:
+                    found.add((name, f"{source}.{alias.name}"))
+    return found
+
+
+def room_of(module: str) -> str:
+    """The room a module belongs to: its top-level entry of ``shmkv/`` (``_engine.header`` is in
+    ``_engine``; the package's own ``__init__`` is the room ``__init__``)."""
+    return module.split(".", maxsplit=1)[0]
+
+
+def room_edges(modules: dict[str, ast.Module]) -> dict[tuple[str, str], set[str]]:
+    """(room, room it imports) -> the module imports that make the edge ("a.b -> c.d"), counting
+    every import: at the top, inside functions and under ``if TYPE_CHECKING:``."""
+    names = set(modules)
+    packages = {name for name in names if any(other.startswith(name + ".") for other in names)}
+    edges: dict[tuple[str, str], set[str]] = {}
+    for name, tree in modules.items():
+        for node in _all_imports(tree):
+            for target in _imported(node, names, name, name in packages):
+                if room_of(target) != room_of(name):
+                    edges.setdefault((room_of(name), room_of(target)), set()).add(f"{name} -> {target}")
+    return edges
+
+
+def _section(text: str, title: str) -> str:
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def rooms_table(text: str) -> dict[str, tuple[int, set[str]]]:
+    """The table of ARCHITECTURE.md's "Who may call whom": room -> (floor, rooms it may import).
+    Its rows are ``| `room` | floor | `a`, `b` | why |``."""
+    table: dict[str, tuple[int, set[str]]] = {}
+    for line in _section(text, "Who may call whom").splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue  # not a row, the header or the rule under it
+        room = cells[0].strip("`")
+        assert room not in table, f"ARCHITECTURE.md's table has two rows for {room!r}"
+        table[room] = (int(cells[1]), set(re.findall(r"`([^`]+)`", cells[2])))
+    return table
+
+
+def drawing_floors(text: str) -> dict[int, str]:
+    """The drawing of "Who may call whom" (its first ``` block): floor number -> its line."""
+    block = _section(text, "Who may call whom").split("```")[1]
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^\s*(\d+)\s+(.*)$", block, re.M)}
+
+
+def table_problems(table: dict[str, tuple[int, set[str]]], edges: dict[tuple[str, str], set[str]],
+                   rooms: set[str], floors: dict[int, str]) -> list[str]:
+    """What the code and the table (and its drawing) disagree on, one sentence each."""
+    problems = [f"{room!r} is a room of shmkv/ with no row in the table" for room in sorted(rooms - set(table))]
+    problems += [f"the table has a row for {room!r}, which is not in shmkv/" for room in sorted(set(table) - rooms)]
+    for (a, b), why in sorted(edges.items()):
+        if a in table and b not in table[a][1]:
+            problems.append(f"{a} may not import {b} (its row of the table): {sorted(why)}")
+    for a, (floor, allowed) in sorted(table.items()):
+        for b in sorted(allowed):
+            if (a, b) not in edges:
+                problems.append(f"the table lets {a} import {b}, and nothing does: delete {b} from its row")
+            if b in table and table[b][0] >= floor:
+                problems.append(f"{a} (floor {floor}) may import {b} (floor {table[b][0]}): not down a floor")
+        if not re.search(rf"(?<![\w.]){re.escape(a)}(?!\w)", floors.get(floor, "")):
+            problems.append(f"the drawing's floor {floor} line does not name {a}")
+    return problems
+
+
+def _top_rooms() -> set[str]:
+    return {p.stem for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+
+
 def large(modules: dict[str, ast.Module]) -> set[str]:
     found: set[str] = set()
     paths = _paths()
@@ -311,6 +425,16 @@ def test_no_private_access_across_modules() -> None:
     _check("cross-module private accesses", private_accesses(_modules()), KNOWN_PRIVATE_ACCESS)
 
 
+def test_no_private_names_imported_across_modules() -> None:
+    _check("private names imported across modules", private_imports(_modules()), KNOWN_PRIVATE_IMPORTS)
+
+
+def test_imports_between_rooms_follow_the_table() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    problems = table_problems(rooms_table(text), room_edges(_modules()), _top_rooms(), drawing_floors(text))
+    assert not problems, "ARCHITECTURE.md's Who may call whom and the code disagree:\n" + "\n".join(problems)
+
+
 def test_sizes() -> None:
     _check("modules/classes over the size limits", large(_modules()), KNOWN_LARGE)
 
@@ -338,3 +462,51 @@ def test_the_checks_catch_what_they_should() -> None:
     modules["b"] = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .e import E\n")
     modules["e"] = ast.parse("class E:\n    pass\n")
     assert upward_type_imports(modules) == {("a", "c")}
+
+
+def test_the_table_checks_catch_what_they_should() -> None:
+    """The room and private-import passes on small sources whose answer is known."""
+    modules = {
+        "a": ast.parse(""),
+        "a.m": ast.parse(
+            "from typing import TYPE_CHECKING\nfrom shmkv.b import n, _f\nfrom shmkv.b.n import g as _g\n"
+            "from . import _p\nif TYPE_CHECKING:\n    from shmkv.c import _C\n"
+            "def f():\n    from shmkv.a._p import _h\n"
+        ),
+        "a._p": ast.parse(""),
+        "b": ast.parse("_f = 1\n"),
+        "b.n": ast.parse("g = 1\n"),
+        "c": ast.parse("class _C:\n    pass\n"),
+    }
+    # The module-alias and submodule forms are allowed; private names of another module are not,
+    # in a function and under TYPE_CHECKING too.
+    assert private_imports(modules) == {("a.m", "b._f"), ("a.m", "c._C"), ("a.m", "a._p._h")}
+    assert room_edges(modules) == {("a", "b"): {"a.m -> b.n", "a.m -> b"}, ("a", "c"): {"a.m -> c"}}
+
+    text = (
+        "# t\n\n## Who may call whom\n\n```\n  2   top\n         |\n  1   mid\n  0   low\n```\n\n"
+        "| room | floor | may import | why |\n|---|---|---|---|\n"
+        "| `top` | 2 | `mid`, `low` | `low`: a note |\n| `mid` | 1 | `low` | |\n| `low` | 0 | | |\n\n## Next\n"
+    )
+    table, floors = rooms_table(text), drawing_floors(text)
+    assert table == {"top": (2, {"mid", "low"}), "mid": (1, {"low"}), "low": (0, set())}
+    assert floors == {2: "top", 1: "mid", 0: "low"}
+    rooms = {"top", "mid", "low"}
+    edges = {("top", "mid"): {"top -> mid"}, ("top", "low"): {"top -> low"}, ("mid", "low"): {"mid.x -> low"}}
+    assert table_problems(table, edges, rooms, floors) == []
+    # An import the table forbids (upward here), an edge nothing uses, a room with no row.
+    assert table_problems(table, {**edges, ("low", "top"): {"low -> top.y"}}, rooms, floors) == [
+        "low may not import top (its row of the table): ['low -> top.y']"
+    ]
+    assert table_problems(table, {k: v for k, v in edges.items() if k != ("top", "low")}, rooms, floors) == [
+        "the table lets top import low, and nothing does: delete low from its row"
+    ]
+    assert table_problems(table, edges, {*rooms, "new"}, floors) == [
+        "'new' is a room of shmkv/ with no row in the table"
+    ]
+    # A table edge that does not run down a floor, and a drawing that shows a room elsewhere.
+    flat = {**table, "mid": (2, {"low"})}
+    assert table_problems(flat, edges, rooms, floors) == [
+        "the drawing's floor 2 line does not name mid",
+        "top (floor 2) may import mid (floor 2): not down a floor",
+    ]

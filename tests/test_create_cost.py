@@ -171,8 +171,8 @@ def test_a_rolled_back_borrow_leaves_free_ranges_that_are_right(make_store, monk
 def test_the_room_is_granted_from_a_recent_reading_only_while_half_of_it_is_left(monkeypatch):
     # a reading is "recent" for an hour here: at the real 50 ms TTL a process descheduled between
     # a reading and its grant (a loaded machine) would see the grant refused for its age instead
-    monkeypatch.setattr(_segment._Room, "TTL", 3600.0)
-    r = _segment._Room()
+    monkeypatch.setattr(_segment.Room, "TTL", 3600.0)
+    r = _segment.Room()
     assert not r.grant(1)  # never read
     r.read(1000, 100)
     assert r.grant(300)  # 100 + 300 spent: at most half of 1000
@@ -199,8 +199,8 @@ def test_a_request_the_reading_cannot_grant_reads_the_room_again(monkeypatch):
         return room[0]
 
     monkeypatch.setattr(_segment, "_room_bytes", fake)
-    monkeypatch.setattr(_segment, "_ROOM", _segment._Room())
-    monkeypatch.setattr(_segment._Room, "TTL", 3600.0)  # (the second check's grant: not refused for age under load)
+    monkeypatch.setattr(_segment, "ROOM", _segment.Room())
+    monkeypatch.setattr(_segment.Room, "TTL", 3600.0)  # (the second check's grant: not refused for age under load)
     seg = _segment.Segment.create(unique_name("room"), 1 << 30)  # (sparse: nothing allocated)
     try:
         page = _segment.mmap.PAGESIZE
@@ -246,23 +246,23 @@ def test_a_dev_shm_filled_right_after_a_reading_refuses_cleanly():
 def test_meminfo_is_read_again_through_a_new_descriptor_when_its_own_is_gone():
     """The kept descriptor of /proc/meminfo closed behind shmkv's back, and its number reused by
     another file: the room is still MemAvailable, the other file is neither read as it nor closed."""
-    first = _segment._mem_available()
+    first = _segment.mem_available()
     assert first is not None and first > 0
-    fd = _segment._MEMINFO[0]
+    fd = _segment.MEMINFO[0]
     os.close(fd)
     r, w = os.pipe()  # takes the lowest free number: most likely fd
     try:
         os.write(w, b"MemTotal: 1 kB\nMemAvailable: 1 kB\n")  # would read as 1 KiB (a pipe: no pread)
-        again = _segment._mem_available()
+        again = _segment.mem_available()
         assert again is not None and again > 1024
-        assert _segment._MEMINFO[0] not in (-1, r, w)
+        assert _segment.MEMINFO[0] not in (-1, r, w)
         assert os.read(r, 8) == b"MemTotal"  # still open, unread
     finally:
         os.close(r)
         os.close(w)
     with open("/proc/meminfo", "rb") as f:
         avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith(b"MemAvailable:"))
-    assert abs(_segment._mem_available() - avail) < 1 << 30  # (the machine's memory moves a little)
+    assert abs(_segment.mem_available() - avail) < 1 << 30  # (the machine's memory moves a little)
 
 
 def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_kv(make_store, monkeypatch):
@@ -473,12 +473,12 @@ def test_a_forked_child_reads_the_room_itself(monkeypatch):
     fork on a loaded machine took longer than its 50 ms, and the parent's last grant failed.)"""
     from shmkv.testing import run_in_process
 
-    monkeypatch.setattr(type(_segment._ROOM), "TTL", 3600.0)
-    _segment._ROOM.read(1 << 40, 0)
-    assert _segment._ROOM.grant(1)
+    monkeypatch.setattr(type(_segment.ROOM), "TTL", 3600.0)
+    _segment.ROOM.read(1 << 40, 0)
+    assert _segment.ROOM.grant(1)
     assert run_in_process(_grant_one, start_method="fork", timeout=60) is False
-    assert _segment._ROOM.grant(1)
+    assert _segment.ROOM.grant(1)
 
 
 def _grant_one() -> bool:
-    return _segment._ROOM.grant(1)
+    return _segment.ROOM.grant(1)

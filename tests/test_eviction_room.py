@@ -1,5 +1,5 @@
 """Eviction frees exactly what an operation needs, and ``max_tokens`` tokens fit whatever the
-page-unit alignment (DESIGN §8, §11)."""
+page-unit alignment (docs/design.md §8, §11)."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def test_transformers_workers_on_a_local_checkpoint(tmp_path):
     fast.save_pretrained(model_dir)
     system = "You are a helpful assistant. Answer in one short sentence, and be precise about numbers."
     n_system = len(fast(system)["input_ids"])
-    assert n_system > 16  # a whole 16-token block: the prefix index finds it (DESIGN section 8)
+    assert n_system > 16  # a whole 16-token block: the prefix index finds it (docs/design.md §8)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, bos_token_id=1,

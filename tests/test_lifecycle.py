@@ -1,4 +1,4 @@
-"""Creation, attachment, persistence, removal and gc (DESIGN section 4)."""
+"""Creation, attachment, persistence, removal and gc (docs/design.md §4)."""
 
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ print("ok")
     *[(dt, kinds) for dt in ("float32", "float16") for kinds in ("full,full", "full,sliding", "chunked,full")],
     ("bfloat16", "full,full"), ("int8", "full,full")])
 def test_a_view_outliving_close_reads_its_data(dtype, kinds, how):
-    """Views returned before close() stay valid memory after it (DESIGN §4): read in a child, where
+    """Views returned before close() stay valid memory after it (docs/design.md §4): read in a child, where
     a view over an unmapped page would kill the process (SIGSEGV) instead of failing a test.
     Views of the creator's handle, of a read-write attachment and of a read-only one. Found when
     the page-aligned layout built its arrays with np.ndarray over the mmap, which holds no export

@@ -1,4 +1,4 @@
-"""Liveness by kernel-released locks: across PID namespaces and fork (DESIGN section 3;
+"""Liveness by kernel-released locks: across PID namespaces and fork (docs/design.md §3;
 issue 22, must-show 4).
 
 Containers that share /dev/shm but not a PID namespace (Docker ``--ipc=host``, a Kubernetes

@@ -1,4 +1,4 @@
-"""The structural lock (flock behind a per-process RLock) and the lifecycle lock (DESIGN.md section 3)."""
+"""The structural lock (flock behind a per-process RLock) and the lifecycle lock (docs/design.md §3)."""
 
 from __future__ import annotations
 

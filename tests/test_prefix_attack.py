@@ -46,7 +46,7 @@ def craft(src, dst, fn) -> None:
         f.write(msgpack.packb(hdr) + raw[off:])
 
 
-# -- eviction rule violations (DESIGN §8) ---------------------------------------------------------
+# -- eviction rule violations (docs/design.md §8) ---------------------------------------------------------
 
 
 

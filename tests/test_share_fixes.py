@@ -311,20 +311,20 @@ def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_pat
 
 
 def _refusing(monkeypatch, fail):
-    """share._mmap refusing (ENOMEM, as at vm.max_map_count) the calls ``fail(i)`` names (1-based)."""
+    """share.libc_mmap refusing (ENOMEM, as at vm.max_map_count) the calls ``fail(i)`` names (1-based)."""
     import ctypes
     import errno
 
-    real, calls = share._mmap, []
+    real, calls = share.libc_mmap, []
 
     def mmap(*args):
         calls.append(args)
         if fail(len(calls)):
             ctypes.set_errno(errno.ENOMEM)
-            return share._FAILED
+            return share.MAP_FAILED
         return real(*args)
 
-    monkeypatch.setattr(share, "_mmap", mmap)
+    monkeypatch.setattr(share, "libc_mmap", mmap)
     return calls
 
 
@@ -376,7 +376,7 @@ def test_02_read_checks_before_it_copies(make_store, monkeypatch):
 
     st = _store(make_store)
     _, p = _donor(st)
-    real_mmap = share._mmap
+    real_mmap = share.libc_mmap
     ro = shmkv.attach(st.name, readonly=True)
     try:
         sh = engine_of(ro).shares
@@ -393,7 +393,7 @@ def test_02_read_checks_before_it_copies(make_store, monkeypatch):
 
         def mapped_then_another_thread_maps(self, read):
             value = real_mapped(self, read)
-            monkeypatch.setattr(share, "_mmap", real_mmap)  # the kernel allows it now:
+            monkeypatch.setattr(share, "libc_mmap", real_mmap)  # the kernel allows it now:
             sh.readable(slot, "B")  # another thread's read maps B again
             return value
 

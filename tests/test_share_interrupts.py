@@ -29,7 +29,7 @@ def test_a_ctrl_c_inside_a_borrows_mapping_leaves_no_alias(make_store, monkeypat
     want_d = kv_content(d, PROMPT)
     gc.collect()
     maps0 = data_mappings(st.name)
-    real, calls = share._mmap, []
+    real, calls = share.libc_mmap, []
 
     def mmap(*args):
         calls.append(args)
@@ -37,7 +37,7 @@ def test_a_ctrl_c_inside_a_borrows_mapping_leaves_no_alias(make_store, monkeypat
             raise KeyboardInterrupt  # (as a SIGINT lands at the eval breaker after a C call)
         return real(*args)
 
-    monkeypatch.setattr(share, "_mmap", mmap)
+    monkeypatch.setattr(share, "libc_mmap", mmap)
     with pytest.raises(KeyboardInterrupt):
         st.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
     monkeypatch.undo()
@@ -68,7 +68,7 @@ def test_a_ctrl_c_inside_a_readers_sync_leaves_no_alias(make_store, monkeypatch)
     try:
         ro.sequence(d.id).keys(0)  # (synced: nothing to map yet)
         b = st.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
-        real, calls = share._mmap, []
+        real, calls = share.libc_mmap, []
 
         def mmap(*args):
             calls.append(args)
@@ -76,7 +76,7 @@ def test_a_ctrl_c_inside_a_readers_sync_leaves_no_alias(make_store, monkeypatch)
                 raise KeyboardInterrupt
             return real(*args)
 
-        monkeypatch.setattr(share, "_mmap", mmap)
+        monkeypatch.setattr(share, "libc_mmap", mmap)
         with pytest.raises(KeyboardInterrupt):
             ro.sequence(b.id).keys(0)
         monkeypatch.undo()

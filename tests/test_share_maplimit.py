@@ -8,7 +8,7 @@ are copied instead: the caller gets a sequence of private cells, bit for bit the
 Only where the refused mapping cannot be undone here is it a ShareError (and then the whole
 operation is rolled back).
 
-The refusal is simulated by patching ``share._mmap`` to fail as the kernel does; the last test
+The refusal is simulated by patching ``share.libc_mmap`` to fail as the kernel does; the last test
 puts a child process at the real limit instead."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared prefix pages (DESIGN §11, issue 23): a reuse of a cached prefix borrows the donor's
+"""Shared prefix pages (docs/design.md §11, issue 23): a reuse of a cached prefix borrows the donor's
 pages (remapped in place in every process) instead of copying them, and shared cells are never
 written: copy-on-write for the borrower, a move for the donor."""
 

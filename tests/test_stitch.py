@@ -1,4 +1,4 @@
-"""Stitched views (DESIGN §11, issue 23 step 3): one contiguous array over pages of a file taken
+"""Stitched views (docs/design.md §11, issue 23 step 3): one contiguous array over pages of a file taken
 from several places, unmapped when its last array is gone."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_another_process_reads_the_same_bytes(file):
 
 def test_over_a_store_layer(make_store):
     """The store's per-layer arrays start on pages: page_unit cells from a multiple of page_unit
-    are whole pages, so a layer's cells from two places stitch into one array (DESIGN §11)."""
+    are whole pages, so a layer's cells from two places stitch into one array (docs/design.md §11)."""
     for dtype in ("float32", "float16", "bfloat16", "int8"):
         st = make_store(layers=3, kv_heads=2, head_dim=8, dtype=dtype, max_tokens=4096, max_seqs=4)
         off, u = st._engine._off, st._engine._off.page_unit

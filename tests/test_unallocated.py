@@ -61,10 +61,10 @@ def test_a_reservation_over_fallocated_pages_fits_a_room_smaller_than_it(seg, mo
     _need_cachestat(seg)
     room = [1 << 30]
     monkeypatch.setattr(_segment, "_room_bytes", lambda: room[0])
-    monkeypatch.setattr(_segment, "_ROOM", _segment._Room())
+    monkeypatch.setattr(_segment, "ROOM", _segment.Room())
     seg.reserve([(0, 32 * PAGE)], populate=False)
     room[0] = 4 * PAGE  # /dev/shm nearly full meanwhile
-    _segment._ROOM.read(None, 0)  # (no grant from the earlier reading)
+    _segment.ROOM.read(None, 0)  # (no grant from the earlier reading)
     seg.check_room([(0, 32 * PAGE)])
     seg.check_room([(0, 36 * PAGE)])  # 4 pages missing: they fit
     seg.reserve([(0, 32 * PAGE)], populate=False)

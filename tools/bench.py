@@ -5,8 +5,8 @@ Run ``python tools/bench.py`` from a source checkout (or ``shmkv bench``, which
 runs this file); ``--quick`` for a short run, ``--json`` to end with one JSON
 object, ``--only a,b`` for some scenarios. Every scenario times shmkv and its
 baseline in this run, on this machine, alternately; the ratios are what count.
-Each scenario prints its baseline in one sentence. The goals are DESIGN.md
-section 7's. The scenarios themselves are in tools/bench_cases.py.
+Each scenario prints its baseline in one sentence. The goals are docs/design.md
+§7's. The scenarios themselves are in tools/bench_cases.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from bench_cases import BASELINES, SCENARIOS, SHM_MARGIN, SHM_NEEDS, TABLE_SIZES, has_wait
 
-# DESIGN.md section 7: key -> (comparison, bound)
+# docs/design.md §7: key -> (comparison, bound)
 GOALS: dict[str, tuple[str, float]] = {
     "decode_ratio": ("<=", 1.5),  # append + commit vs numpy slice writes
     "truncate_step_us": ("<=", 30.0),  # a speculative step adds at most 30 us to append + commit
@@ -50,7 +50,7 @@ GOALS: dict[str, tuple[str, float]] = {
     "wait_readonly_vs_pipe": ("<=", 3.0),  # ... of a read-only attachment (issue 24)
     "idle_waiter_wakeups_per_s": ("<=", 1.0),
     "idle_readonly_waiter_wakeups_per_s": ("<=", 1.0),
-    "attach_ms_spawn": ("<", 1.0),  # shmkv.attach in a fresh spawned process (DESIGN §7: under 1 ms)
+    "attach_ms_spawn": ("<", 1.0),  # shmkv.attach in a fresh spawned process (docs/design.md §7: under 1 ms)
     "attach_ms_fork": ("<", 1.0),  # ... in a child forked from a process holding the store
     "create_sequence_flat": ("<=", 1.2),  # create_sequence_us_4096 / create_sequence_us_16
     "hf_generate_ratio": ("<=", 1.1),  # model.generate() vs DynamicCache, batch 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Is this tree slower than a revision? DESIGN.md section 7's "no slower than before".
+"""Is this tree slower than a revision? docs/design.md §7's "no slower than before".
 
     python tools/bench_against.py REV [--only decode,wait] [--rounds 5]
 

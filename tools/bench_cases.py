@@ -397,7 +397,7 @@ def bench_copy_prefix(quick: bool) -> Figures:
         # the old one, so dst alternates between two ranges; a range's first copy writes it
         # through the descriptor, its second pays the first touch of its pages in this mapping.
         # The first call, into the empty dst, borrows src's whole page units when sharing is on
-        # (DESIGN §11: no copy), so the copying starts one call later there: 5 warm calls reach
+        # (docs/design.md §11: no copy), so the copying starts one call later there: 5 warm calls reach
         # the steady state with and without sharing (one warm call measured the first touches)
         for _ in range(5):
             store.copy_prefix(src.id, dst.id, n)

@@ -4,7 +4,7 @@
 The same random-weight Llama (built from a config, nothing downloaded) generates
 256 new tokens greedily at batch 1 and batch 4, once with each cache, alternately
 (median of the repeats), in this run. The ratio is ShmkvCache time / DynamicCache
-time; DESIGN/issue 15 goal: at most 1.1 at batch 1 and 1.3 at batch 4.
+time; docs/design.md §7's goal: at most 1.1 at batch 1 and 1.3 at batch 4.
 
     python tools/bench_hf.py [--quick] [--json] [--tokens 256] [--repeats 5] [--model small|tiny] [--threads 1]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Remote tier benchmark: push and pull against redis-py on the same server, same run (DESIGN §7, §9).
+"""Remote tier benchmark: push and pull against redis-py on the same server, same run (docs/design.md §7, §9).
 
 A 2048-token, 16-layer float16 context (8 KV heads of 128: 128 MiB, as tools/bench.py) is
 pushed to and pulled from a throwaway redis-server on a free loopback port

@@ -162,7 +162,7 @@ class Arena(Sharing):
         starting on a multiple of ``align`` (and room for them under ``max_tokens``) and ``rows``
         free table rows exist (lock held): the first sequences in LRU order, up to the first after
         which the operation fits. Evicts nothing and returns False when evicting every finished
-        sequence would not be enough (DESIGN §8).
+        sequence would not be enough (docs/design.md §8).
 
         The plan follows the free ranges: each sequence in turn frees its range, its encoder's
         and its span, but the cells that a row still kept holds too (a span inside a donor's

@@ -2,7 +2,7 @@
 lock, crash recovery, clients and leases, closing. ``Pages``, ``Arena`` and ``Engine`` build on it:
 ``engine.Engine`` is what ``Store`` (the API) holds.
 
-Concurrency (DESIGN.md section 3; the numbered invariants 1-5 of ARCHITECTURE.md): the
+Concurrency (docs/design.md §3; the numbered invariants 1-5 of ARCHITECTURE.md): the
 hot path publishes a sequence's length after its cells; structural operations hold the store
 lock and keep a row's seqlock generation odd while they change it.
 
@@ -56,7 +56,7 @@ def _words(mm: Any, offset: int, count: int) -> memoryview:
     return memoryview(mm)[offset : offset + 8 * count].cast("q")
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
+def read_only_view(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
     return v
@@ -111,7 +111,7 @@ class Core(Journal):
         dt = _dtypes.storage(layout.dtype)
         L, T, H, D = layout.layers, off.cells, layout.kv_heads, layout.head_dim  # T: max_tokens and the slack
         it = np.dtype(dt).itemsize
-        kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (DESIGN §11)
+        kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (docs/design.md §11)
         # over np.frombuffer (it holds the mmap's export), never np.ndarray over the mmap: close()
         # would unmap under live views (tests/test_lifecycle.py::test_a_view_outliving_close...)
         dbuf = np.frombuffer(dmm, np.uint8)
@@ -172,7 +172,7 @@ class Core(Journal):
         # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
         self._owed: list[tuple[int, int]] = []
         self._dbase = self.tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
-        # shared prefix pages (DESIGN §11): what a span covers, and what this process has mapped
+        # shared prefix pages (docs/design.md §11): what a span covers, and what this process has mapped
         pieces = [(base + i * off.layer_stride, off.cell_bytes) for base in (off.k_off, off.v_off) for i in self._full]
         if off.scale_stride:
             pieces += [(base + i * off.scale_stride, layout.kv_heads * 4) for base in (off.ks_off, off.vs_off)
@@ -188,7 +188,7 @@ class Core(Journal):
     def Kr(self) -> list[np.ndarray]:
         """Read-only views of ``Kl``, built at the first use (see ``__init__``)."""
         if self._Kr is None:
-            self._Kr = [_readonly(a) for a in self.Kl]
+            self._Kr = [read_only_view(a) for a in self.Kl]
         return self._Kr
 
     @Kr.setter
@@ -199,7 +199,7 @@ class Core(Journal):
     def Vr(self) -> list[np.ndarray]:
         """Read-only views of ``Vl``, built at the first use."""
         if self._Vr is None:
-            self._Vr = [_readonly(a) for a in self.Vl]
+            self._Vr = [read_only_view(a) for a in self.Vl]
         return self._Vr
 
     @Vr.setter

@@ -9,7 +9,7 @@ address space. Shared futexes are keyed by the mapped file and offset, so proces
 the segment at different addresses (fork, spawn, forkserver, other programs) meet on the
 same word.
 
-Supported where shmkv is (Linux x86-64, DESIGN.md section 3); elsewhere ``AVAILABLE`` is
+Supported where shmkv is (Linux x86-64, docs/design.md §3); elsewhere ``AVAILABLE`` is
 False and ``Sequence.wait`` polls.
 """
 

@@ -106,7 +106,7 @@ slot's byte of the liveness file), flags (1 = read-write), reserved.
 
 Data segment ``/dev/shm/skv_NAME.d`` (each region page-aligned, and each layer of K, V and the
 scales too: ``layer_stride`` and ``scale_stride`` are whole pages, so ``page_unit`` cells from a
-multiple of ``page_unit`` are whole pages of every per-layer array, DESIGN §11; ``cells``: Offsets.cells)::
+multiple of ``page_unit`` are whole pages of every per-layer array, docs/design.md §11; ``cells``: Offsets.cells)::
 
     K          [layers, cells, kv_heads, head_dim]  storage dtype
     V          [layers, cells, kv_heads, head_dim]  (bfloat16: uint16 bits; int8: codes)
@@ -380,7 +380,7 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
     meta_off = index_off + slots * INDEX_WORDS * 8
     undo_off = meta_off + layout.max_seqs * META_RECORD
     header_bytes = (wait_off := undo_off + layout.max_seqs * UNDO_WORDS * 8) + layout.max_seqs * 8
-    page, k_off = mmap.PAGESIZE, 0  # each per-layer array starts on a page (DESIGN §11, the module docstring)
+    page, k_off = mmap.PAGESIZE, 0  # each per-layer array starts on a page (docs/design.md §11, the module docstring)
     cell_bytes, scaled = layout.cell_items * _dtypes.itemsize(layout.dtype), layout.dtype == "int8"
     unit = math.lcm(page // math.gcd(page, cell_bytes), page // math.gcd(page, layout.kv_heads * 4) if scaled else 1)
     # slack: < unit cells before each range on a unit (one of >= unit cells), so max_tokens tokens fit

@@ -1,4 +1,4 @@
-"""Liveness by kernel-released locks (DESIGN.md section 3): who is alive is a kernel fact.
+"""Liveness by kernel-released locks (docs/design.md §3): who is alive is a kernel fact.
 
 Pids mean nothing across PID namespaces (containers that share /dev/shm: Docker
 ``--ipc=host``, Kubernetes pods) and get reused, so no liveness question here looks

@@ -1,6 +1,6 @@
 """The store's two locks: a structural lock that costs microseconds, a lifecycle lock for cold paths.
 
-Structural lock (DESIGN.md section 3): ``fcntl.flock`` on the store's lock file
+Structural lock (docs/design.md §3): ``fcntl.flock`` on the store's lock file
 (``skv_<name>.lock`` beside the segments), through a descriptor that each
 attachment opens once and keeps, behind a ``threading.RLock`` per process.
 An acquire and release cost a few microseconds (two flock system calls and the

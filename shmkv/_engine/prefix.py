@@ -1,4 +1,4 @@
-"""The prefix index: which sequences hold the prefix a chained block hash names (DESIGN §8).
+"""The prefix index: which sequences hold the prefix a chained block hash names (docs/design.md §8).
 
 Layout: an open-addressing table in the header segment, ``INDEX_WORDS`` int64 words an entry::
 

@@ -1,6 +1,6 @@
 """Chained hashes of token blocks: the names of prefixes.
 
-The prefix cache (DESIGN §8) indexes committed tokens by the hash of every whole
+The prefix cache (docs/design.md §8) indexes committed tokens by the hash of every whole
 ``BLOCK``-token block chained to the hash of everything before it, so one
 64-bit value names a whole prefix, not just its last block:
 
@@ -121,7 +121,7 @@ def block_hashes(tokens: object, parent: int = ROOT, limit: int | None = None) -
 
 
 # The lead of a prefix: its first j tokens for j in LEAD, each named by lead_hash, so a prefix
-# shorter than one block is found too (DESIGN §8: token-granular from token 0). A lead of BLOCK
+# shorter than one block is found too (docs/design.md §8: token-granular from token 0). A lead of BLOCK
 # tokens would be named like block 0 (the same bytes after ROOT): LEAD stays below BLOCK.
 LEAD = (1, 2, 4, 8)
 _LEVELS = tuple(sum(1 for j in LEAD if j <= n) for n in range(LEAD[-1] + 1))

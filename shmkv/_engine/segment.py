@@ -28,7 +28,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from shmkv._engine import cachestat as _cachestat
-from shmkv._engine.shm_room import _MEMINFO, _ROOM, _Room, _mem_available  # noqa: F401  (tests reach them here)
+from shmkv._engine.shm_room import MEMINFO, ROOM, Room, mem_available  # noqa: F401  (tests reach them here)
 from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
@@ -225,10 +225,10 @@ class Segment:
         # before ENOSPC. So refuse up front what cannot fit. See
         # tests/test_capacity.py::test_store_larger_than_dev_shm_fails_cleanly_when_written.
         need = sum(e - b for b, e in spans)
-        if _ROOM.grant(need):
+        if ROOM.grant(need):
             return spans
         room = _room_bytes()
-        _ROOM.read(room, need)
+        ROOM.read(room, need)
         # the exact count of pages still missing (cachestat, or a SEEK_HOLE walk, slow over
         # long allocated stretches) only matters when the spans could exceed the room
         if room is not None and need > room:
@@ -444,7 +444,7 @@ def _room_bytes() -> int | None:
         room = st.f_bavail * st.f_frsize
     except OSError:
         pass
-    avail = _mem_available()
+    avail = mem_available()
     if avail is not None:
         avail -= MEMORY_MARGIN
         room = avail if room is None else min(room, avail)

@@ -1,4 +1,4 @@
-"""Shared prefix pages, the mapping side (DESIGN §11, issue 23): a borrower's first cells are
+"""Shared prefix pages, the mapping side (docs/design.md §11, issue 23): a borrower's first cells are
 the donor's pages, remapped in place in every process.
 
 Design (chosen over stitching a view per process, see docs/prefix-cache.md): a sequence that
@@ -59,14 +59,14 @@ import numpy as np
 from shmkv._engine import header as _header
 from shmkv._engine.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
 from shmkv._engine.intervals import take_interval
-from shmkv._engine.stitch import _FAILED, _MAP_FIXED, _MAP_SHARED, _PROT_READ, _PROT_WRITE, _libc, _mmap
+from shmkv._engine.stitch import MAP_FAILED, MAP_FIXED, MAP_SHARED, PROT_READ, PROT_WRITE, LIBC, libc_mmap
 from shmkv.errors import ShareError
 
 __all__ = ["ENABLED", "MAP_BUDGET", "Shares", "max_borrowers"]
 
 PAGE = mmap.PAGESIZE
 _PUNCH = 3  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
-_fallocate = _libc.fallocate
+_fallocate = LIBC.fallocate
 _fallocate.restype = ctypes.c_int
 _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 
@@ -132,7 +132,7 @@ class Shares:
         self.base = self.anchor.ctypes.data
         self.fd = os.dup(fd)
         self.pieces = pieces
-        self.prot = _PROT_READ | (0 if readonly else _PROT_WRITE)
+        self.prot = PROT_READ | (0 if readonly else PROT_WRITE)
         self.reserved, self.owed = reserved, owed
         self.applied = -1  # the epoch whose table this process has mapped (-1: nothing yet)
         self.cur: Want = {}  # spans mapped here
@@ -177,8 +177,8 @@ class Shares:
         """Map cells [phys, phys + m) at cells [start, start + m) of each of ``pieces``; how many were."""
         for i, (off, cb) in enumerate(pieces):
             addr = self.base + off + start * cb
-            got = _mmap(addr, m * cb, self.prot, _MAP_SHARED | _MAP_FIXED, self.fd, off + phys * cb)
-            if got in (None, _FAILED) or got != addr:
+            got = libc_mmap(addr, m * cb, self.prot, MAP_SHARED | MAP_FIXED, self.fd, off + phys * cb)
+            if got in (None, MAP_FAILED) or got != addr:
                 return i
         return len(pieces)
 

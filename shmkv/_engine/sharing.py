@@ -1,4 +1,4 @@
-"""Shared prefix pages, the table side (DESIGN §11, issue 23; the mappings: ``_engine/share.py``).
+"""Shared prefix pages, the table side (docs/design.md §11, issue 23; the mappings: ``_engine/share.py``).
 
 A reuse of a cached prefix (``create_sequence(prefix=)``) borrows the donor's first ``m`` cells
 (``m`` a multiple of the page unit) instead of copying them: ``lend`` plans it, ``borrow``
@@ -61,7 +61,7 @@ class Sharing(Pages):
 
     @property
     def page_unit(self) -> int:
-        """The fewest cells that fill whole pages in every per-layer array (DESIGN §11)."""
+        """The fewest cells that fill whole pages in every per-layer array (docs/design.md §11)."""
         return self._off.page_unit
 
     def _copy_cells(self, src: int, dst: int, n: int, kv_from: int = 0) -> None:

@@ -8,7 +8,7 @@ import threading
 import time
 
 
-class _Room:
+class Room:
     """The room as this process last read it, granted again to requests soon after (issue 23:
     the reading cost about 25 us a call under load, twice a create over a cached prefix): a
     request is granted without a reading while the last one is younger than ``TTL`` seconds
@@ -43,9 +43,9 @@ class _Room:
         self.at, self.room, self.spent = time.monotonic(), -1 if room is None else room, need
 
 
-_ROOM = _Room()
+ROOM = Room()
 # a forked child reads the room itself (it would spend the parent's reading a second time)
-os.register_at_fork(after_in_child=lambda: _ROOM.read(None, 0))
+os.register_at_fork(after_in_child=lambda: ROOM.read(None, 0))
 
 
 # /proc/meminfo, kept open: a read at offset 0 renders it afresh (seq_file), and a pread of the
@@ -53,19 +53,19 @@ os.register_at_fork(after_in_child=lambda: _ROOM.read(None, 0))
 # prefix, which checks the room once; issue 23). A descriptor closed behind our back, or its
 # number reused for another file, shows in what it reads: it is then forgotten (never closed:
 # the number may be someone else's now) and opened again.
-_MEMINFO = [-1]
+MEMINFO = [-1]
 
 
-def _mem_available() -> int | None:
+def mem_available() -> int | None:
     """MemAvailable in bytes, or None when the kernel does not say."""
     for _ in range(2):
-        fd = _MEMINFO[0]
+        fd = MEMINFO[0]
         if fd < 0:
             try:
                 fd = os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 return None
-            _MEMINFO[0] = fd
+            MEMINFO[0] = fd
         try:
             data = os.pread(fd, 1024, 0)
         except OSError:
@@ -76,5 +76,5 @@ def _mem_available() -> int | None:
                 return int(data[i + 14 :].split(None, 1)[0]) * 1024 if i >= 0 else None
             except (ValueError, IndexError):
                 return None
-        _MEMINFO[0] = -1
+        MEMINFO[0] = -1
     return None

@@ -1,5 +1,5 @@
 """Stitched views: one contiguous numpy array over pages taken from several places of a file
-(DESIGN §11, the mechanism of shared prefix pages).
+(docs/design.md §11, the mechanism of shared prefix pages).
 
 A sequence that borrows a donor's first cells reads them in place: a process reserves an address
 range (``mmap`` PROT_NONE, anonymous, no memory), maps the donor's pages and then its own pages
@@ -9,7 +9,7 @@ a write through it is seen by every other view of those pages, in every process.
 
 Lifetime: a ``Stitch`` owns its address range. Arrays made over it (``array()``, and every view
 or torch tensor made from those) hold it through their ``base`` chain, so the range is unmapped
-when the last of them is gone, never under a live view (DESIGN §4: no segfault). A
+when the last of them is gone, never under a live view (docs/design.md §4: no segfault). A
 ``StitchCache`` keeps a process's views by key, bounded (``CACHE_LIMIT``). ``live()``
 counts the stitches of this process that are still mapped: what a cache of stitched views keeps
 bounded, against the kernel's ``vm.max_map_count`` (65530 by default; a stitch of p pieces costs
@@ -33,15 +33,15 @@ import numpy as np
 from shmkv.errors import InvalidArgumentError, ShmkvError
 
 PAGE = mmap.PAGESIZE
-_PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-_FAILED = ctypes.c_void_p(-1).value
+PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-_munmap = _libc.munmap
+LIBC = ctypes.CDLL(None, use_errno=True)
+libc_mmap = LIBC.mmap
+libc_mmap.restype = ctypes.c_void_p
+libc_mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_munmap = LIBC.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 
@@ -93,14 +93,14 @@ class Stitch:
             sizes.append(size)
         self.nbytes = sum(sizes)
         self.readonly = not writable
-        addr = _mmap(None, self.nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if addr in (None, _FAILED):
+        addr = libc_mmap(None, self.nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if addr in (None, MAP_FAILED):
             no = ctypes.get_errno()
             raise StitchError(no, f"Stitch: cannot reserve {self.nbytes} bytes of address space: {os.strerror(no)}")
-        prot = _PROT_READ | (_PROT_WRITE if writable else 0)
+        prot = PROT_READ | (PROT_WRITE if writable else 0)
         at = addr
         for (off, _), size in zip(pieces, sizes, strict=True):
-            got = _mmap(at, size, prot, _MAP_SHARED | _MAP_FIXED, fd, off)
+            got = libc_mmap(at, size, prot, MAP_SHARED | MAP_FIXED, fd, off)
             if got != at:
                 no = ctypes.get_errno()
                 _munmap(addr, self.nbytes)

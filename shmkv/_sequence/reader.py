@@ -3,7 +3,7 @@ layer's tokens sit, views and copies of them, masks, ``can_resume`` and waiting.
 
 A ``SeqReader`` serves any handle (read or write) and holds no lease. Readers read the
 row's generation, the row, the generation again, and retry while it moved (a structural
-operation in progress: DESIGN.md section 3); when ``_engine.seqlock.HANDLE``'s tries are used
+operation in progress: docs/design.md §3); when ``_engine.seqlock.HANDLE``'s tries are used
 up they wait it out under the store's reading lock. ``Sequence`` delegates to it; the writer part and the
 structural operations use its addressing (``span``, ``cells``, ``view``).
 """
@@ -19,7 +19,7 @@ from shmkv._engine import dtypes as _dtypes
 from shmkv._sequence import quant as _quant
 from shmkv._sequence import waiting as _waiting
 from shmkv._engine.checks import count, ints
-from shmkv._engine.core import _readonly
+from shmkv._engine.core import read_only_view
 from shmkv._engine.header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, W_SPANS, WBUF, WIN_OFF
 from shmkv._engine.journal import INCARNATION_SHIFT
 from shmkv._engine.seqlock import HANDLE, seqlocked
@@ -252,7 +252,7 @@ class SeqReader:
     def decode(self, raw: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
         """Stored cells as the caller sees them: zero-copy for plain dtypes and bfloat16
         with ml_dtypes; a dequantized float32 copy otherwise."""
-        raw = _readonly(raw)
+        raw = read_only_view(raw)
         if self.plain:
             return raw
         if self.dtype == "bfloat16":
@@ -268,7 +268,7 @@ class SeqReader:
 
     def held_positions(self, layer: int) -> np.ndarray:
         lo, hi, first, start = self.held(layer)
-        return _readonly(self.positions[start + first : start + first + hi - lo])
+        return read_only_view(self.positions[start + first : start + first + hi - lo])
 
     def mask(self, layer: int, query_positions: Any, pending: int) -> np.ndarray:
         """Sequence.mask, with ``pending`` tokens of this handle after the committed ones."""
@@ -299,12 +299,12 @@ class SeqReader:
         lo, hi, _, _ = self.held(self.layer(layer))
         codes = (self.Kr if which == "k" else self.Vr)[layer][lo:hi]
         scales = self.KS if which == "k" else self.VS
-        return codes, None if scales is None else _readonly(scales[layer][lo:hi])
+        return codes, None if scales is None else read_only_view(scales[layer][lo:hi])
 
     def committed(self, ids: bool) -> np.ndarray:
         """Token ids (``ids``) or positions of the committed tokens, a read-only view."""
         start, _, length, _ = self.span()
-        return _readonly((self.tokens if ids else self.positions)[start : start + length])
+        return read_only_view((self.tokens if ids else self.positions)[start : start + length])
 
     def iter_tokens(self, layer: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         layer = self.layer(layer)

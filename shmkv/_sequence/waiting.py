@@ -1,6 +1,6 @@
 """``Sequence.wait`` and ``wait_async``: sleeping until a sequence's committed length moves.
 
-How (issue 24; DESIGN.md section 7: a wake-up within 3x of a pipe's, at most one idle wake-up
+How (issue 24; docs/design.md §7: a wake-up within 3x of a pipe's, at most one idle wake-up
 a second):
 
 * The futex word is the low half of the row's LENGTH word (x86-64 is little-endian): a
@@ -17,7 +17,7 @@ a second):
   take-over, a restore) does the same at the end of its bracket (``Journal.changing``), so
   waiters see ``SequenceNotFound`` as soon as the sequence is freed. No commit makes a
   syscall while nobody waits.
-* Read-only attachments cannot write the header (DESIGN.md section 4): they count their
+* Read-only attachments cannot write the header (docs/design.md §4): they count their
   sleepers in the liveness file instead (``_engine/row_waiters.py``), atomically too, and a
   commit wakes the row when either count is nonzero. Where they may not write that file
   (or on a store without the counts) they sleep on the same futex word with a timeout that

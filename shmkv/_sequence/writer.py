@@ -2,7 +2,7 @@
 (the per-token hot path), ``commit``, ``extend``, growth, window compaction, encoding, and
 the encoder cache's write.
 
-Writes follow DESIGN.md section 3: new cells are written beyond the committed length, then
+Writes follow docs/design.md §3: new cells are written beyond the committed length, then
 ``commit`` publishes the new length with one aligned 8-byte store. Growth and compaction are
 structural (the store lock and the row's seqlock bracket).
 """
@@ -374,7 +374,7 @@ class SeqWriter:
 
     def index_committed(self, length: int) -> None:
         """Put the blocks (and leads) this commit completed into the prefix index: the store lock
-        once per 16 tokens, and at most four times over a sequence's first 8 (DESIGN §3). The tokens
+        once per 16 tokens, and at most four times over a sequence's first 8 (docs/design.md §3). The tokens
         are committed whatever happens here: a lock timeout only delays the indexing to the next
         completed block (or lead)."""
         try:

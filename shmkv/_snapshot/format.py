@@ -67,7 +67,7 @@ _MAGIC = msgpack.packb("format") + msgpack.packb(FORMAT)
 
 
 @dataclass
-class _Seq:
+class SeqRecord:
     id: int
     length: int
     capacity: int
@@ -100,7 +100,7 @@ def seekable_fd(f: IO[bytes]) -> int | None:
     return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-def _layout_dict(layout: Layout) -> dict[str, Any]:
+def layout_dict(layout: Layout) -> dict[str, Any]:
     return {
         "layers": layout.layers, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
         "dtype": layout.dtype, "layer_types": list(layout.layer_types), "window": layout.window,
@@ -123,7 +123,7 @@ class _Part:
     window: bool  # a sliding/chunked layer's kept tokens, from its window buffer
 
 
-def _parts(layout: Layout, s: _Seq) -> list[_Part]:
+def seq_parts(layout: Layout, s: SeqRecord) -> list[_Part]:
     """The arrays of sequence ``s`` in stream order: the format's one statement of it,
     used by save, restore and the header check."""
     regions = range(4 if layout.dtype == "int8" else 2)
@@ -138,7 +138,7 @@ def _parts(layout: Layout, s: _Seq) -> list[_Part]:
     return out
 
 
-def _token_bytes(layout: Layout, region: int) -> int:
+def token_bytes(layout: Layout, region: int) -> int:
     return layout.cell_items * _dtypes.itemsize(layout.dtype) if region < 2 else 4 * layout.kv_heads
 
 
@@ -147,7 +147,7 @@ class Snapshot:
     """A parsed, checked snapshot header (``shmkv.read_header`` returns one)."""
 
     layout: Layout
-    sequences: list[_Seq]
+    sequences: list[SeqRecord]
     checksums: np.ndarray
     chunk: int
 
@@ -159,10 +159,10 @@ class Snapshot:
     def nbytes(self) -> int:
         """Bytes of array data the snapshot holds."""
         lay = self.layout
-        return sum(p.tokens * _token_bytes(lay, p.region) for s in self.sequences for p in _parts(lay, s))
+        return sum(p.tokens * token_bytes(lay, p.region) for s in self.sequences for p in seq_parts(lay, s))
 
 
-class _Reader:
+class SnapshotReader:
     """Reads a snapshot stream: the header via msgpack, arrays straight into memory."""
 
     def __init__(self, f: IO[bytes], where: str) -> None:
@@ -405,13 +405,13 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
         if not isinstance(meta, bytes) or len(meta) > _header.META_BYTES or not _is_packed_dict(meta):
             raise fail(f"{where} (id {sid}) has bad meta: it must be a msgpack map of at most "
                        f"{_header.META_BYTES} bytes")
-        seqs.append(_Seq(sid, length, cap, tokens=np.frombuffer(toks, "<i8").astype(np.int64),
+        seqs.append(SeqRecord(sid, length, cap, tokens=np.frombuffer(toks, "<i8").astype(np.int64),
                          positions=positions, window_offset=woff, encoder_length=elen,
                          finished=finished, recency=recency, clean=clean, meta=meta))
     if len({s.id for s in seqs}) != len(seqs):
         raise fail("sequence ids repeat")
     sums = obj["checksums"]
-    n_arrays = sum(len(_parts(layout, s)) for s in seqs)
+    n_arrays = sum(len(seq_parts(layout, s)) for s in seqs)
     if not isinstance(sums, bytes) or len(sums) != 4 * n_arrays:
         raise fail(f"checksums hold {len(sums) if isinstance(sums, bytes) else sums!r} bytes, "
                    f"expected {4 * n_arrays}")
@@ -419,7 +419,7 @@ def _parse_header(obj: Any, fail: Callable[[str], SnapshotError]) -> Snapshot:
 
 
 @contextlib.contextmanager
-def _open_source(source: Any) -> Iterator[tuple[_Reader, bool]]:
+def open_source(source: Any) -> Iterator[tuple[SnapshotReader, bool]]:
     if isinstance(source, (str, bytes, os.PathLike)):
         path = os.fsdecode(source)
         try:
@@ -433,14 +433,14 @@ def _open_source(source: Any) -> Iterator[tuple[_Reader, bool]]:
         except OSError as e:
             raise SnapshotError(f"cannot open snapshot file {path!r}: {os.strerror(e.errno or 0)}") from None
         with f:
-            yield _Reader(f, path), True
+            yield SnapshotReader(f, path), True
     elif hasattr(source, "read"):
-        yield _Reader(source, getattr(source, "name", "snapshot stream")), False
+        yield SnapshotReader(source, getattr(source, "name", "snapshot stream")), False
     else:
         raise InvalidArgumentError(f"snapshot source {source!r} is neither a path nor a readable binary file")
 
 
 def read_header(source: Any) -> Snapshot:
     """Parse and check a snapshot's header (layout, sequences) without reading the arrays."""
-    with _open_source(source) as (reader, _):
+    with open_source(source) as (reader, _):
         return reader.header()

@@ -21,11 +21,11 @@ from shmkv._snapshot.format import (
     Progress,
     REGION_NAMES,
     Snapshot,
-    _Reader,
-    _Seq,
-    _open_source,
-    _parts,
-    _token_bytes,
+    SnapshotReader,
+    SeqRecord,
+    open_source,
+    seq_parts,
+    token_bytes,
 )
 from shmkv._engine.header import (
     CAPACITY,
@@ -72,11 +72,11 @@ def restore(core: Port, source: Any, seq_ids: list[int] | None = None,
     LayoutMismatchError; capacity limits may differ.
     """
     core.check_writable()
-    with _open_source(source) as (reader, is_file):
+    with open_source(source) as (reader, is_file):
         return _restore(core, reader, reader.header(), is_file, seq_ids=seq_ids, progress=progress)
 
 
-def _restore(core: Port, reader: _Reader, snap: Snapshot, is_file: bool, *, seq_ids: list[int] | None,
+def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, *, seq_ids: list[int] | None,
              progress: Progress | None) -> list[int]:
     """Restore ``snap`` (its header read already) with the arrays that follow in ``reader``."""
     lay = core.layout
@@ -100,7 +100,7 @@ def _restore(core: Port, reader: _Reader, snap: Snapshot, is_file: bool, *, seq_
     direct = is_file and seekable_fd(reader.f) is not None
     with core.locked(scan=True):  # the journal's way in: a dead holder's transaction rolled back first
         t = core.table_np
-        plan: list[tuple[_Seq, int, int]] = []  # (seq, existing slot or -1 - new slot, staged start)
+        plan: list[tuple[SeqRecord, int, int]] = []  # (seq, existing slot or -1 - new slot, staged start)
         enc_start: dict[int, int] = {}  # staged encoder ranges
         enc_slot: dict[int, int] = {}
         taken: list[tuple[int, int]] = []
@@ -154,8 +154,8 @@ def _restore(core: Port, reader: _Reader, snap: Snapshot, is_file: bool, *, seq_
         with ThreadPoolExecutor(1) as pool:
             for s in snap.sequences:
                 p = by_id.get(s.id)
-                for part in _parts(lay, s):
-                    nbytes = part.tokens * _token_bytes(lay, part.region)
+                for part in seq_parts(lay, s):
+                    nbytes = part.tokens * token_bytes(lay, part.region)
                     arr = _regions(core)[part.region]
                     if not (p and nbytes):
                         dest = None
@@ -242,7 +242,7 @@ def load_with(create: Callable[..., S], core_of: Callable[[S], Port], source: An
               max_tokens: int | None, max_seqs: int | None, progress: Progress | None, **create_kw: Any) -> S:
     """``shmkv.load``: ``create`` (``shmkv.create``) store ``name`` with a snapshot's layout, restore it all
     into its engine (``core_of``)."""
-    with _open_source(source) as (reader, is_file):
+    with open_source(source) as (reader, is_file):
         snap = reader.header()
         lay = snap.layout
         # an encoder cache takes a table row and a range of its own

@@ -39,9 +39,9 @@ from shmkv._snapshot.format import (
     FORMAT,
     crc32,
     VERSION,
-    _Seq,
-    _layout_dict,
-    _parts,
+    SeqRecord,
+    layout_dict,
+    seq_parts,
 )
 from shmkv._engine.header import (
     CAPACITY,
@@ -85,7 +85,7 @@ def _busy() -> NoReturn:
     raise _Busy
 
 
-def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
+def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[SeqRecord]:
     """Each sequence's (start, length, generation) and token ids/positions.
 
     ``locked`` (the store lock through the journal, or a read-only attachment's shared
@@ -119,14 +119,14 @@ def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
             enc = r[ENC_SLOT]
             e_start, e_len = (rows[enc - 1][START], rows[enc - 1][LENGTH]) if enc else (0, 0)
             start, length = r[START], r[LENGTH]
-            out.append(_Seq(r[ID], length, r[CAPACITY], start, r[GEN], slot,
+            out.append(SeqRecord(r[ID], length, r[CAPACITY], start, r[GEN], slot,
                             core.tokens[start : start + length].copy(), core.positions[start : start + length].copy(),
                             r[WIN_OFF], e_len, e_start, bool(r[FLAGS] & FINISHED), r[RECENCY], r[CLEAN],
                             core.get_meta(slot), r[WBUF]))
             continue
         row = core.row(slot)
 
-        def read(row: memoryview = row, slot: int = slot) -> tuple[bool, _Seq]:
+        def read(row: memoryview = row, slot: int = slot) -> tuple[bool, SeqRecord]:
             g = row[GEN]
             sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
             flags, recency, clean, wbuf = row[FLAGS], row[RECENCY], row[CLEAN], row[WBUF]
@@ -136,7 +136,7 @@ def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[_Seq]:
             e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
             toks = core.tokens[start : start + length].copy()
             poss = core.positions[start : start + length].copy()
-            return row[STATE] == LIVE, _Seq(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
+            return row[STATE] == LIVE, SeqRecord(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
                                             bool(flags & FINISHED), recency, clean, meta, wbuf)
 
         # a structural op (a move, say) running past SAVE's tries: _Busy, captured again under the lock
@@ -163,7 +163,7 @@ def _hold(core: Port) -> AbstractContextManager[None]:
     return core.reading() if core.readonly else core.locked(scan=True)
 
 
-def _unchanged(core: Port, seqs: list[_Seq]) -> bool:
+def _unchanged(core: Port, seqs: list[SeqRecord]) -> bool:
     return all(core.row(s.slot)[GEN] == s.gen and core.row(s.slot)[ID] == s.id for s in seqs)
 
 
@@ -172,11 +172,11 @@ def _regions(core: Port) -> tuple[Any, ...]:
     return (core.K, core.V, core.KS, core.VS)
 
 
-def _arrays(core: Port, s: _Seq) -> list[np.ndarray]:
+def _arrays(core: Port, s: SeqRecord) -> list[np.ndarray]:
     """The stored arrays of a sequence in stream order, as views of shared memory."""
     out = []
     w = core.wcell(s.slot, s.wbuf)
-    for p in _parts(core.layout, s):
+    for p in seq_parts(core.layout, s):
         if p.window:
             out.append((core.Kl, core.Vl)[p.region][p.layer][w : w + p.tokens])
         else:
@@ -185,11 +185,11 @@ def _arrays(core: Port, s: _Seq) -> list[np.ndarray]:
     return out
 
 
-def _header_bytes(core: Port, seqs: list[_Seq], crcs: list[int]) -> bytes:
+def _header_bytes(core: Port, seqs: list[SeqRecord], crcs: list[int]) -> bytes:
     meta = {
         "format": FORMAT,
         "version": VERSION,
-        "layout": _layout_dict(core.layout),
+        "layout": layout_dict(core.layout),
         "sequences": [
             {"id": s.id, "length": s.length, "capacity": s.capacity, "window_offset": s.window_offset,
              "encoder_length": s.encoder_length, "finished": s.finished, "recency": s.recency, "clean": s.clean,
@@ -214,7 +214,7 @@ def _crcs(arrays: list[np.ndarray]) -> list[int]:
         return list(ex.map(crc32, arrays))
 
 
-def _write_once(core: Port, f: IO[bytes], seqs: list[_Seq], progress: Progress | None) -> int:
+def _write_once(core: Port, f: IO[bytes], seqs: list[SeqRecord], progress: Progress | None) -> int:
     """Write the snapshot of ``seqs`` to ``f`` (at its position); return the bytes written.
 
     The checksums sit in the header, before the arrays. A file that can be written at an
@@ -271,7 +271,7 @@ def remove_stale_temps(directory: str, base: str | None = None) -> list[str]:
     """Remove the temporary files (``.BASE.tmp-PID-START-XXXX``) of saves whose writer died
     (killed mid-way); a live writer's file is kept. Only files we own. Returns the removed paths.
 
-    Liveness is a kernel fact (DESIGN section 3), not the pid in the name (another PID
+    Liveness is a kernel fact (docs/design.md §3), not the pid in the name (another PID
     namespace's, or reused): a writer holds a flock on its file until it is renamed into place
     (:func:`_save_path`), so a file whose flock can be taken has no live writer."""
     removed: list[str] = []

@@ -92,7 +92,7 @@ def _print_info(d: dict[str, Any]) -> None:
     print(f"  prefix cache: {st['prefix_hits']} hits, {st['prefix_misses']} misses, "
           f"{st['prefix_tokens_reused']} tokens reused; {st['finished']} finished (cached, evictable), "
           f"{st['evictions']} evicted")
-    if st["shared_tokens"]:  # shared prefix pages (DESIGN §11): bytes read from another sequence's pages
+    if st["shared_tokens"]:  # shared prefix pages (docs/design.md §11): bytes read from another sequence's pages
         held, once = st["bytes_held"], st["span_cells"] * (st["bytes_per_token"] - 16)
         print(f"  shared prefix pages: {st['shared_tokens']} tokens read from {st['span_cells']} cells, "
               f"{once / 2**20:.2f} MiB held once; {held / 2**20:.2f} MiB held "

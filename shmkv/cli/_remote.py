@@ -67,13 +67,13 @@ def _cmd_push(a: argparse.Namespace) -> int:
 
 
 def _cmd_tier(a: argparse.Namespace) -> int:
-    from shmkv.remote import RemoteTier, _with_client
+    from shmkv.remote import RemoteTier, with_client
     from shmkv.remote._client import redact
 
     tier = RemoteTier(a.url, namespace=a.namespace or "default", cluster=a.cluster, timeout=a.timeout)
     pattern = f"{a.namespace}:shmkv:*" if a.namespace else "*:shmkv:*"
     try:
-        summary = _with_client(tier, lambda r: _scan(r, pattern))
+        summary = with_client(tier, lambda r: _scan(r, pattern))
     finally:
         tier.close()
     url = redact(a.url) + (" (cluster)" if a.cluster else "")

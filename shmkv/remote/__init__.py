@@ -1,4 +1,4 @@
-"""Remote tier on Redis: stores on several machines share computed prefixes (DESIGN §9).
+"""Remote tier on Redis: stores on several machines share computed prefixes (docs/design.md §9).
 
 A prompt prefilled on one machine is pushed to Redis (or Valkey, its API twin,
 or a Redis Cluster) in chunks of ``chunk_tokens`` tokens; a store on another
@@ -438,7 +438,7 @@ def _make_tier(url: str, namespace: str, chunk_tokens: int, cluster: bool, timeo
     return RemoteTier(url, namespace=namespace, chunk_tokens=chunk_tokens, cluster=cluster, timeout=timeout)
 
 
-def _with_client(tier: RemoteTier, fn: Callable[[Any], Any]) -> Any:
+def with_client(tier: RemoteTier, fn: Callable[[Any], Any]) -> Any:
     """``fn(client)`` on the tier's Redis client, failures mapped as every tier call maps them
     (for ``shmkv tier``, which SCANs what the tier holds)."""
     return tier._call(lambda: fn(tier._redis()))

@@ -89,7 +89,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
         n, _, donor = e.index.match(toks) if toks is not None else (0, 0, -1)
         # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
         next_id, rows = e.hdr[_header.W_NEXT_ID], e.layout.max_seqs
-        # a prompt's sequence starts on a page unit: it may lend its pages, or borrow (DESIGN §11;
+        # a prompt's sequence starts on a page unit: it may lend its pages, or borrow (docs/design.md §11;
         # a range shorter than a unit never lends: no alignment waste)
         # (not when sharing is off: ENABLED false or nothing to share)
         sharing = share.ENABLED and bool(e.shares.pieces)

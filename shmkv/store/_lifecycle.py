@@ -32,7 +32,7 @@ from shmkv._engine.segment import Segment
 from shmkv.store._store import (
     DEFAULT_MAX_CLIENTS,
     Store,
-    _check_timeout,
+    check_timeout,
     engine_of,
 )
 from shmkv.store._removal import remove_at_process_exit, remove_names
@@ -149,7 +149,7 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
     max_clients = count("max_clients", max_clients, minimum=1)
     if max_clients > 1 << 20:
         raise InvalidArgumentError(f"max_clients={max_clients} must be at most {1 << 20}")
-    lock_timeout = _check_timeout("lock_timeout", lock_timeout)
+    lock_timeout = check_timeout("lock_timeout", lock_timeout)
     off = _header.offsets(layout, max_clients)
     if off.data_bytes > _header.MAX_STORE_BYTES:
         raise InvalidArgumentError(

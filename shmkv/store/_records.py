@@ -65,7 +65,7 @@ class StoreStats:
     prefix_misses: int = 0  # ... that reused none
     prefix_tokens_reused: int = 0
     evictions: int = 0  # finished sequences evicted to make room
-    shared_tokens: int = 0  # tokens sequences read from another's pages (shared prefix pages, DESIGN §11)
+    shared_tokens: int = 0  # tokens sequences read from another's pages (shared prefix pages, docs/design.md §11)
     bytes_shared: int = 0  # K/V bytes those tokens would take as copies: held once, by the span
     span_cells: int = 0  # distinct physical cells the spans cover (a span counted once)
     bytes_held: int = 0  # what bytes_used really holds: a span's committed bytes once (ratio: used / held)

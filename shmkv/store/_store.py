@@ -387,7 +387,7 @@ def _lock_open_error(name: str, e: OSError) -> ShmkvError:
                              f"(`shmkv rm {name}`) and create it anew")
 
 
-def _check_timeout(name: str, value: object) -> float:
+def check_timeout(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or math.isnan(value) or value < 0:
         raise InvalidArgumentError(f"{name}={value!r} must be a number of seconds >= 0")
@@ -423,7 +423,7 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         AccessDeniedError: the store belongs to another user and its mode keeps us out.
     """
     _segment.check_name(name)
-    lock_timeout = _check_timeout("lock_timeout", lock_timeout)
+    lock_timeout = check_timeout("lock_timeout", lock_timeout)
     try:
         hseg = Segment.open(_segment.header_name(name), readonly)
     except StoreNotFound:

@@ -212,7 +212,7 @@ class ShmkvCache(Cache):
     @classmethod
     def for_prompt(cls, store: Store, input_ids: Any, *, capacity: int | None = None) -> ShmkvCache:
         """A cache whose rows start from the longest prefix of their prompt cached in ``store``
-        (DESIGN §8), by any process: ``generate(input_ids, cache=cache)`` then
+        (docs/design.md §8), by any process: ``generate(input_ids, cache=cache)`` then
         computes only the rest.
 
         Every row reuses the same number of tokens (transformers keeps one past length for

@@ -1,4 +1,4 @@
-"""Prefix reuse for :class:`shmkv.transformers.ShmkvCache` (DESIGN §8): the rows of
+"""Prefix reuse for :class:`shmkv.transformers.ShmkvCache` (docs/design.md §8): the rows of
 ``ShmkvCache.for_prompt`` start from the longest prefix any process cached, and
 ``cache.finish`` records generate's token ids and keeps the rows as cached prefixes.
 
