@@ -1,6 +1,6 @@
 """Where the cells of a store go: free ranges, allocation, eviction, relocation, the window
 buffers of sliding/chunked layers, encoder ranges, and cell copies (all under the store lock).
-Their pages (reservation, writes through the descriptor): ``_pages``."""
+Their pages (reservation, writes through the descriptor): ``_engine/pages.py``."""
 
 from __future__ import annotations
 
@@ -214,7 +214,7 @@ class Arena(Sharing):
 
     def free_row(self, slot: int) -> None:
         """Free a sequence's row and its encoder row (lock held). Its index entries become
-        invalid by themselves (see _prefix)."""
+        invalid by themselves (see ``_engine/prefix.py``)."""
         row = self.row(slot)
         enc = row[ENC_SLOT] - 1
         lost = self.index.displaced_by(slot)
@@ -245,7 +245,7 @@ class Arena(Sharing):
 
     def get_meta(self, slot: int) -> bytes:
         """A sequence's packed metadata, as stored (the caller checks the row's seqlock); while
-        another process's transaction logged it, as its rollback leaves it (_journal, 7)."""
+        another process's transaction logged it, as its rollback leaves it (``_engine/journal.py``, 7)."""
         rec = self._settled_meta(slot) if self.hdr[_header.W_UNDO_COUNT] and not self._depth else self.meta[slot]
         n = int.from_bytes(rec[:8].tobytes(), "little")
         return bytes(rec[8 : 8 + min(n, _header.META_BYTES)].tobytes())
@@ -261,7 +261,7 @@ class Arena(Sharing):
         block cannot be (a token id -1, tokens moved by remove or shift_left). ``source``: the row
         its blocks [0, IDX_BLOCKS) and leads were just copied from, hashes included (copy_prefix):
         they get no entries of their own; the source's entries stand for them (STANDIN), and give
-        them theirs when it stops holding them (``unindexing``, ``free_row``; see _prefix)."""
+        them theirs when it stops holding them (``unindexing``, ``free_row``; see ``_engine/prefix.py``)."""
         row = self.row(slot)
         hdr = self.hdr
         if source >= 0 and (row[IDX_BLOCKS] or row[FLAGS] & LEADS_MASK):

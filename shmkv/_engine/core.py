@@ -6,7 +6,7 @@ Concurrency (docs/design.md §3; the numbered invariants 1-5 of ARCHITECTURE.md)
 hot path publishes a sequence's length after its cells; structural operations hold the store
 lock and keep a row's seqlock generation odd while they change it.
 
-* Structural operations change rows inside journaled transactions (``_journal``: the one
+* Structural operations change rows inside journaled transactions (``_engine/journal.py``: the one
   way into the lock, the undo log, rollback and crash recovery).
 * Liveness: every read-write attachment holds a slot of the client table and
   that slot's byte of the liveness file (a kernel lock, see ``liveness``); a lease
@@ -355,7 +355,7 @@ class Core(Journal):
             self._slot_hint[seq_id] = int(hits[0])
         if hits.size == 0 and self.hdr[_header.W_UNDO_COUNT] and not self._depth:
             # a transaction is in the undo log (a dead writer's, or a live one's): look at the
-            # rows as its rollback would leave them (_journal, invariant 7)
+            # rows as its rollback would leave them (``_engine/journal.py``, invariant 7)
             with self.reading():
                 for slot in range(self.layout.max_seqs):
                     w = self.settled_row(slot)

@@ -1,4 +1,4 @@
-"""A process's cache of a store's free ranges (issue 24: create_sequence and free flat in the
+"""A process's cache of a store's free ranges (create_sequence and free flat in the
 number of sequences; the ranges were derived by sorting every live row at each allocation).
 
 The free ranges are the gaps between the ranges of the rows in use: the table is the truth,
@@ -79,7 +79,7 @@ def mark_pages(hdr: memoryview, end: int) -> None:
     between the two leaves it marked). A write handle's reservations (lock-free, ``room``)
     stay inside its row's range, marked already. It never falls: a rolled-back range may have
     pages. So a borrower whose span starts at or above the mark as its create found it has no
-    pages of its own there to punch (``Sharing.borrow``, issue 23: 16 fallocate calls a create
+    pages of its own there to punch (``Sharing.borrow``: 16 fallocate calls a create
     in an 8-layer store). A store written by an older shmkv (no mark kept: the word was
     reserved, 0) is never attached: its header version is below 6 (tests/test_safety.py)."""
     if end > hdr[_header.W_PAGE_MARK]:  # noqa: PLR1730  (never a store when not above: see room)

@@ -47,7 +47,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
     320                  1      undo entries: rows the structural operation in progress changed
                                 (0: none in progress; see "Crash recovery" below)
     328                  1      pid of the process whose operation it is
-    336                  1      births: rows made live, ever (a row's incarnation: GEN bits 40.., see _journal)
+    336                  1      births: rows made live, ever (a row's incarnation: GEN bits 40.., see journal.py)
     344                  1      recoveries: operations of dead processes rolled back, ever
     352                  1      allocation counter: bumped (lock held) by every change of a row's range or
                                 state and by recovery; a process's free-range cache is valid at its value
@@ -58,7 +58,7 @@ Header segment ``/dev/shm/skv_NAME.h``::
                                   padded to 8 bytes
     SEQ_OFF              19 x max_seqs    sequence table, one 152-byte row a sequence
     CLIENT_OFF           4 x max_clients  client table, one 32-byte row a process
-    INDEX_OFF            4 x index slots  prefix index, one 32-byte entry a slot (see _prefix)
+    INDEX_OFF            4 x index slots  prefix index, one 32-byte entry a slot (see ``_engine/prefix.py``)
     META_OFF             65 x max_seqs    per-sequence metadata (seq.meta), one 520-byte record a row:
                                           a word with the msgpack length, then up to META_BYTES bytes
     UNDO_OFF             85 x max_seqs    undo log: one entry per row changed by the structural operation
@@ -70,12 +70,12 @@ Header segment ``/dev/shm/skv_NAME.h``::
 Sequence row (int64 words)::
 
     0 STATE        0 free slot, 1 live sequence, 2 encoder cache of a sequence
-    1 ID           sequence id; a restore brings a snapshot's back as a new incarnation (GEN, _journal)
+    1 ID           sequence id; a restore brings a snapshot's back as a new incarnation (GEN, journal.py)
     2 START        first token cell of the sequence's range
     3 CAPACITY     cells in the range
     4 LENGTH       committed tokens; published by the lease holder after the data
     5 GEN          seqlock generation: odd while a structural op is changing the
-                   row or its cells, even otherwise; bits 40.. the row's incarnation (_journal)
+                   row or its cells, even otherwise; bits 40.. the row's incarnation (journal.py)
     6 LEASE_PID    pid holding the write lease (0 = none)
     7 LEASE_CLIENT the holder's client key (see liveness): the lease is alive while its slot's
                    byte is locked and the slot's row holds this key (pids are for display only)
@@ -88,8 +88,8 @@ Sequence row (int64 words)::
     11 FLAGS       bit 0 FINISHED: done, kept as a cached prefix, evictable (seq.finish());
                    bit 1 NOINDEX: blocks from IDX_BLOCKS on cannot be indexed (a token id -1, or
                    tokens moved by remove/shift_left) until a truncate below them;
-                   bit 2 DISPLACER: an index entry of this row replaced an older holder (see _prefix);
-                   bit 4 STANDIN: its index entries stand for rows copied from it (see _prefix);
+                   bit 2 DISPLACER: an index entry of this row replaced an older holder (see ``_engine/prefix.py``);
+                   bit 4 STANDIN: its index entries stand for rows copied from it (see ``_engine/prefix.py``);
                    bits 8..10 LEADS: how many of its leads (first 1, 2, 4, 8 tokens: _prefix_hash.LEAD)
                    are in the prefix index
     12 RECENCY     the recency clock's value at the last use (create, reuse as donor, finish)

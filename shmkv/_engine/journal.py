@@ -19,9 +19,9 @@ The objects and their states (as SQLite's pager.c states its own)::
 Invariants (each names the function that keeps it):
 
 1.  Data is never written over committed cells that a row points to: new content goes to
-    cells no row points to (a fresh range; the other window buffer, see _header WBUF; a
+    cells no row points to (a fresh range; the other window buffer, see ``header.py`` WBUF; a
     range freed earlier in the same transaction is never reused by it), and rows are switched
-    to it at the end (``_arena``, ``_structural``, ``_snapshot``: their callers keep it).
+    to it at the end (``arena.py``, ``_sequence/structural.py``, ``_snapshot``: their callers keep it).
 2.  Before any word of a row changes, the row's words (and, when it changes, its meta
     record) are in the undo log and the log's count, one word, is published after the entry
     (``_log_row``, ``_log_meta``). ``changing(row)`` logs the row before it makes its
@@ -49,9 +49,9 @@ Invariants (each names the function that keeps it):
     another one that a restore gave the same id (``SeqReader.live`` checks it).
 9.  Lock acquire and release are safe against an exception at any bytecode: the lock
     path is ``interrupts.critical`` and a Ctrl-C there is raised at the next safe point
-    (``_lock``'s module docstring).
+    (``lock.py``'s module docstring).
 10. A change of another writer's row (``changing(row, foreign=True)``: a borrow marking its
-    donor LENT; a donor never changes its borrowers' rows, tests/test_foreign_attack.py) never
+    donor LENT; a donor never changes its borrowers' rows) never
     changes the words its lease holder writes without the lock (``LOCK_FREE``: LENGTH, published by a commit;
     LEASE_PID, zeroed by a release), and neither does putting it back: the holder writes
     them even while the row is odd (``writer.kept``), so a rollback restoring the logged
@@ -360,7 +360,7 @@ class Journal:
 
 class _Entered:
     """``Journal.locked()``: the one way into the store lock (a class, not a generator: see
-    ``_lock``'s note on Ctrl-C)."""
+    ``lock.py``'s note on Ctrl-C)."""
 
     __slots__ = ("j", "scan")
 

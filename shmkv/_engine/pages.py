@@ -3,7 +3,7 @@ segment's descriptor into fresh ranges (a prefill, a load, a move; ``Arena`` pla
 
 A range's pages are allocated (posix_fallocate: a full /dev/shm is CacheFullError, never a
 SIGBUS) before anything is written into them, and only ahead of what is written (memory on
-demand, issue 23's ``prefix_memory_ratio``): a range's capacity is reserved as cells (address
+demand, the bench's ``prefix_memory_ratio``): a range's capacity is reserved as cells (address
 space, ``max_tokens``), its pages as its content needs them. A new range gets pages for the
 cells its creator writes (a reused prefix); ``write_new`` for an extend's tokens, exactly;
 appends through the mapping a chunk at a time (``room``, from the write handle's checked path
@@ -45,8 +45,7 @@ class Pages(Core):
         """This process's reservation record, dropped when the span epoch moved: a borrow in any
         process (or one rolled back) punches its range's pages out, in a transaction that moves
         the epoch, and a range recorded here might be one of them. Re-reserving allocated pages
-        is one cheap fallocate; writing into a hole on a full /dev/shm is a SIGBUS (atk2
-        finding 01; tests/test_share_fixes.py)."""
+        is one cheap fallocate; writing into a hole on a full /dev/shm is a SIGBUS."""
         e = self.hdr[_header.W_SPANS]
         if e != self._reserved_at:
             clear(*self._reserved)  # (atomic for this process's other threads: intervals)

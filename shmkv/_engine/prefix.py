@@ -35,7 +35,7 @@ entry back (``displaced_by`` / ``rehome``).
 
 A sequence whose prefix was copied from another's (a reuse: ``create_sequence(prefix=)``, also
 ``copy_prefix`` and ``fork``) gets no entries for the blocks and leads it copied (inserting one per
-block was most of the time of a create over a cached prefix, issue 23): it holds the same hashes
+block was most of the time of a create over a cached prefix): it holds the same hashes
 as its source, which is marked STANDIN (its entries stand for theirs, as if each were DISPLACED).
 Before a row that stands for others stops holding blocks (freed or evicted: ``Arena.free_row``;
 truncated, rewritten by remove, shift_left, copy_prefix or a restore: ``Arena.unindexing``), the
@@ -439,7 +439,7 @@ def _held_blocks(holders: Callable[[int], list[tuple[int, int]]], hs: list[Prefi
     # blocks indexed every shorter prefix, and each keeps an entry or one that stands for
     # it), so it is found by steps down from the whole prompt (1, 1, 2, 4, ... blocks), then a
     # binary search in the last step: a prompt that goes on a block or two past a cached one (a
-    # request after its system prompt) costs 2-3 probes, not log2 of its blocks (issue 23)
+    # request after its system prompt) costs 2-3 probes, not log2 of its blocks
     lo, hi, best, down = 0, nb, [], 0
     while hi > 0:
         mid = max(hi - (1 << max(down - 1, 0)) + 1, 1)

@@ -41,7 +41,7 @@ _BASE = hashlib.blake2b(digest_size=8, person=_PERSON)  # copied: cheaper than a
 
 # The whole blocks of the last few prompts hashed from ROOT in this process, most recent first, with
 # their hashes: a server sees the same system prompt again and again, and a create over a cached
-# 2,048-token prefix would otherwise spend a third of its time hashing it (issue 23). A prompt
+# 2,048-token prefix would otherwise spend a third of its time hashing it. A prompt
 # takes the hashes of its longest common whole-block prefix with one of them (the same tokens after
 # ROOT: the same values) and hashes only the rest.
 _RECENT: list[tuple[bytes, list[PrefixHash]]] = []

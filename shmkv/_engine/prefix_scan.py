@@ -57,7 +57,7 @@ def copies(r: memoryview, hashes: np.ndarray, tokens: np.ndarray, key: tuple[int
     The token test comes first, over the whole table (a gather of one cell a row): it leaves
     few rows or none (a request's own tokens after a shared system prompt differ from every
     other's), and only those are asked for ``key`` (about a tenth of the cost of asking every
-    row: it ran on every create over a prefix that some request had gone on past, issue 23)."""
+    row: it ran on every create over a prefix that some request had gone on past)."""
     if n >= len(t):
         return []
     rows = np.frombuffer(r, np.int64).reshape(-1, SEQ_WORDS)

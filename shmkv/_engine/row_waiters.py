@@ -18,7 +18,7 @@ either count is nonzero.
 The file is sized by ``create`` (zeroed: a leftover of ours may hold old counts) and removed
 with the store, as before (``shmkv rm``, gc, ``shmkv ls``/``doctor`` know the liveness file).
 A store whose file has no counts (made by an older shmkv) or a reader who may not write the
-file: read-only waiters poll with sleeps growing to 4 ms, as before issue 24. A waiter
+file: read-only waiters poll with sleeps growing to 4 ms, as they once all did. A waiter
 that dies while counted leaves the count one too high: writers then make a needless
 wake-up syscall on that row (the row's next sleepers are not delayed).
 """

@@ -1,4 +1,4 @@
-"""Shared prefix pages, the mapping side (docs/design.md §11, issue 23): a borrower's first cells are
+"""Shared prefix pages, the mapping side (docs/design.md §11): a borrower's first cells are
 the donor's pages, remapped in place in every process.
 
 Design (chosen over stitching a view per process, see docs/prefix-cache.md): a sequence that
@@ -106,7 +106,7 @@ Want = dict[int, tuple[int, int, int]]  # slot -> (start, physical start, cells)
 
 # Every live Shares, so a forked child can replace their locks: a thread of the parent may have
 # held one at the fork (inside sync/apply), and the child's copy would stay held by a thread it
-# does not have, hanging its first read (atk2 finding 06; tests/test_share_fixes.py).
+# does not have, hanging its first read.
 _LIVE: weakref.WeakSet[Shares] = weakref.WeakSet()
 
 
@@ -214,7 +214,7 @@ class Shares:
         ``unmapped`` and ``dirty`` until it is done): an exception between two arrays' mappings
         (a Ctrl-C lands after any C call) leaves a row this process knows may show neither its
         own pages nor the span, put back by the next ``apply`` (the rollback's, or the next
-        sync's), never a half-made mapping recorded nowhere (review 33)."""
+        sync's), never a half-made mapping recorded nowhere."""
         with self.lock:
             cur, un = self.cur, self.unmapped
             for slot, (start, phys, m) in list(cur.items()):
@@ -316,7 +316,7 @@ class Shares:
         (first cell, the cell it is read at, count) pieces in order. Cells of a span not mapped
         here (``unmapped``) are read at their physical cells, which lie in no span (chains
         resolve to them: ``Sharing.lend``), so a copy from a borrower this process cannot map
-        never reads holes, nor raises (review 33); every other cell is read in place."""
+        never reads holes, nor raises; every other cell is read in place."""
         out: list[tuple[int, int, int]] = []
         for start, phys, m in sorted(self.unmapped.values()):
             a, b = max(lo, start), min(hi, start + m)

@@ -1,4 +1,4 @@
-"""Shared prefix pages, the table side (docs/design.md §11, issue 23; the mappings: ``_engine/share.py``).
+"""Shared prefix pages, the table side (docs/design.md §11; the mappings: ``_engine/share.py``).
 
 A reuse of a cached prefix (``create_sequence(prefix=)``) borrows the donor's first ``m`` cells
 (``m`` a multiple of the page unit) instead of copying them: ``lend`` plans it, ``borrow``
@@ -93,8 +93,7 @@ class Sharing(Pages):
             o = self.row(owner)
             if not o[FLAGS] & FINISHED:
                 # A live (leased, decoding) owner may still roll back: never lend its last page
-                # unit, so a speculative truncate by less than a unit never moves it (atk2
-                # finding 07; tests/test_share_fixes.py).
+                # unit, so a speculative truncate by less than a unit never moves it.
                 m = min(m, max(0, o[LENGTH] - u) // u * u)
                 if not m:
                     return 0, 0, -1
@@ -110,7 +109,7 @@ class Sharing(Pages):
         borrow is undone and the physical cells [phys, phys + m) are copied instead, in the same
         transaction: returns False (the row borrows nothing). They are an owner's own cells, never
         a span, so they are readable here even when the donor is a borrower this process could not
-        map either (review 32 finding 3). ShareError only when the refused mapping cannot be undone
+        map either. ShareError only when the refused mapping cannot be undone
         here: the transaction then rolls back (tests/test_share_maplimit.py)."""
         row = self.row(slot)
         hdr = self.hdr
@@ -141,7 +140,7 @@ class Sharing(Pages):
             # cells taken already: the free ranges are what they were. The epoch step above made
             # them stale (and ``_settle_span``); with nothing else changed (one step of the
             # counter: any range or span change steps it), they stay current here, so the next
-            # create does not derive them again from the table (issue 23).
+            # create does not derive them again from the table.
             self._free.tag = allocs + 1
         return True
 
@@ -165,7 +164,7 @@ class Sharing(Pages):
         truncate, clear, rewind): one that stayed below them in a full store moves at its next
         write (``_sequence/room.py`` leave_loans), never inside another change of its row (its
         meta, set_tokens, set_encoder: their handles keep the range's addressing, and such a
-        change never evicts; review 32 finding 1)."""
+        change never evicts)."""
         m = row[SPAN_CELLS]
         if row[SPAN_TAKEN] and (row[STATE] != LIVE or row[START] != was[1]):
             row[SPAN_PHYS] = row[SPAN_CELLS] = row[SPAN_TAKEN] = 0  # freed or moved: views of it are void
@@ -215,7 +214,7 @@ class Sharing(Pages):
     def _move_lender(self, slot: int, row: memoryview) -> None:
         """A donor shorter than the cells it lent: its content to a fresh range (its appends go
         there), the lent cells left to their borrowers. No free range: it stays (see the module
-        docstring; a truncate never fails for want of room because of sharing, atk2 finding 07)."""
+        docstring; a truncate never fails for want of room because of sharing)."""
         length = row[LENGTH]
         try:
             new_start = self._lender_range(slot, row, length)
@@ -236,7 +235,7 @@ class Sharing(Pages):
         lock held). A scan of the table once per span epoch and start: only a transaction that
         changes spans changes it, and that moves the epoch (odd meanwhile: ``Journal._spans_odd``,
         also on a rollback and a recovery), so a lending donor's speculative step scans nothing
-        (tests/test_loan_attack.py section 2)."""
+        """
         e = self.hdr[_header.W_SPANS]
         seen = self._lent_seen
         if seen[0] == e and seen[1] == start and not e & 1:
@@ -313,7 +312,7 @@ class Sharing(Pages):
     def committed_held(self) -> int:
         """Cells whose committed K/V the live sequences hold: every row's own committed cells
         past its span, and every span's committed part once, however many rows read it and
-        whether or not its donor still lives (atk2 finding 05)."""
+        whether or not its donor still lives."""
         t = self.table_np
         live = t[t[:, STATE] == LIVE]
         span = np.minimum(live[:, SPAN_CELLS], live[:, LENGTH])
@@ -334,7 +333,7 @@ class Sharing(Pages):
         of its first ``skip`` cells: K/V and scales there are borrowed, and their token ids,
         positions and hashes are written through the descriptor by the copy that follows
         (``_copy_cells`` with ``kv_from``: pwrite allocates their pages, and a full /dev/shm is
-        CacheFullError from it, never a SIGBUS; three fallocate calls fewer a create, issue 23).
+        CacheFullError from it, never a SIGBUS; three fallocate calls fewer a create).
         What ``_reserve(start + skip, count - skip, populate=False)`` does."""
         off = self._off  # (their room is checked as a reservation's would be: a clear refusal first)
         self._dseg.check_room([(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off,

@@ -1,4 +1,4 @@
-"""The room of /dev/shm and memory as this process reads it (``segment.check_room``, issue 23): a
+"""The room of /dev/shm and memory as this process reads it (``segment.check_room``): a
 recent reading granted again to requests of a few MiB, and /proc/meminfo read through a kept descriptor."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 
 class Room:
-    """The room as this process last read it, granted again to requests soon after (issue 23:
+    """The room as this process last read it, granted again to requests soon after (
     the reading cost about 25 us a call under load, twice a create over a cached prefix): a
     request is granted without a reading while the last one is younger than ``TTL`` seconds
     and what was granted since, the request included, is at most half the room it saw and at
@@ -50,7 +50,7 @@ os.register_at_fork(after_in_child=lambda: ROOM.read(None, 0))
 
 # /proc/meminfo, kept open: a read at offset 0 renders it afresh (seq_file), and a pread of the
 # kept descriptor costs a fifth of an open + read + close (about 10 us a create over a cached
-# prefix, which checks the room once; issue 23). A descriptor closed behind our back, or its
+# prefix, which checks the room once). A descriptor closed behind our back, or its
 # number reused for another file, shows in what it reads: it is then forgotten (never closed:
 # the number may be someone else's now) and opened again.
 MEMINFO = [-1]

@@ -126,7 +126,7 @@ def set_encoder(w: SeqWriter, k_all: Any, v_all: Any) -> None:
         _quant.check_finite(k_all, "k_all")
         _quant.check_finite(v_all, "v_all")
         # quantized before the lock: a process's first quantization loads (or compiles) the
-        # compiled loops, 0.3 to 4 s that would stall every other process's truncate (issue 23)
+        # compiled loops, 0.3 to 4 s that would stall every other process's truncate
         coded = (_int8_codes(k_all), _int8_codes(v_all))
     n = k_all.shape[1]
     K, V, KS, VS = w.r.arena

@@ -1,7 +1,7 @@
 """int8 stores: the write handle's float32 mirror, what ``append`` returns views of.
 
 Dequantizing a whole layer at every appended token made an int8 decode step O(context)
-(987x a float16 store's at 2048 tokens: issue 24), and quantizing each layer's new token at
+(987x a float16 store's at 2048 tokens), and quantizing each layer's new token at
 its append cost a dozen numpy calls per array (9.5x). The write handle keeps instead one
 process-local float32 array ``[layers, 2 (K, V), tokens, kv_heads, head_dim]``:
 

@@ -60,7 +60,7 @@ def _geometry(lay: Layout) -> _Geometry:
 class SeqReader:
     """Seqlocked reads of one sequence row, and the cell-addressing of its layers.
 
-    Built by ``Sequence`` from its store's narrow core (``port``, see ``_port``; this part
+    Built by ``Sequence`` from its store's narrow core (``port``, see ``_engine/port.py``; this part
     never reaches into the store): what it reads often is copied into its own slots.
 
     The short names of the hot path (the writer, ``SeqWriter``, copies most of them):
@@ -111,7 +111,7 @@ class SeqReader:
         self.id = seq_id
         self.slot = slot
         self.row = row
-        self.inc = row[GEN] >> INCARNATION_SHIFT  # which life of the row this handle is on (_journal, 8)
+        self.inc = row[GEN] >> INCARNATION_SHIFT  # which life of the row this handle is on (``_engine/journal.py``, 8)
         self.L, self.cell, self.dtype, self.plain, self.isfull, self.wc = _geometry(port.layout)
         self.wbase = 0  # first cell of its active window buffer: set by every span
         self.Kr, self.Vr = port.Kr, port.Vr  # read-only per-layer views, shared by handles

@@ -169,7 +169,7 @@ class Reads:
         structural operations run (seqlock: retried, then taken under the lock)."""
         return self._r.read(layer)
 
-    # -- waiting for tokens, torch tensors (issue 18) ---------------------------
+    # -- waiting for tokens, torch tensors ------------------------------------
 
     def wait(self, length: int | None = None, timeout: float | None = None) -> int:
         """Block until the committed length reaches ``length``; return the length then.

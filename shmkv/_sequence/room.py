@@ -157,6 +157,6 @@ def leave_loans(w: Roomed) -> None:
             w.lent_past = False
         finally:  # our own change (or none): pending tokens stay valid. The addressing first, the
             # generation last: a Ctrl-C between them leaves a generation that sends the next write
-            # through need_writer (tests/test_loan_attack.py section 1)
+            # through need_writer
             w.cache(row[START], row[CAPACITY], row[WIN_OFF])
             Int8Mirror.moved(w, row[GEN])

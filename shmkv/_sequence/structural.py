@@ -4,7 +4,7 @@ the row's seqlock generation odd while it changes, the handle's addressing refre
 
 Each writes its result where no row points (a fresh range, the other window buffer) and
 switches the row to it at the end, so a crash at any point leaves the sequence as it was
-(crash recovery: see ``_core``). They also keep the prefix-index words of the row right
+(crash recovery: see ``_engine/journal.py``). They also keep the prefix-index words of the row right
 (``unindex_from``, ``taint``).
 """
 
@@ -56,7 +56,7 @@ class Structural:
         self._locked = w.port.locked()
         self._changing: AbstractContextManager[None] | None = None
 
-    @critical  # the lock path (see _lock: a Ctrl-C here is raised at the release)
+    @critical  # the lock path (see ``_engine/lock.py``: a Ctrl-C here is raised at the release)
     def __enter__(self) -> memoryview:
         self._locked.__enter__()
         try:

@@ -1,6 +1,6 @@
 """``Sequence.wait`` and ``wait_async``: sleeping until a sequence's committed length moves.
 
-How (issue 24; docs/design.md §7: a wake-up within 3x of a pipe's, at most one idle wake-up
+How (docs/design.md §7: a wake-up within 3x of a pipe's, at most one idle wake-up
 a second):
 
 * The futex word is the low half of the row's LENGTH word (x86-64 is little-endian): a

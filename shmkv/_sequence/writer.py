@@ -449,7 +449,7 @@ def kept(w: SeqWriter, row: memoryview) -> bool:
     say), committed or rolled back, may have written its cells: ``_engine/own_changes`` moved,
     and the pending tokens are dropped. (Every other change by another process moves the range,
     the buffer or the length, or takes the lease: tests/test_share_midstep.py,
-    tests/test_foreign_attack.py.)"""
+    the journal's invariant 10.)"""
     c = w.cached
     return (c is not None and row[STATE] == LIVE
             and w.port.here[w.slot] == w.here  # none of this process's
@@ -464,7 +464,7 @@ def remap(w: SeqWriter) -> bool:
     while the change is open (the span epoch odd: the rows' end comes before the epoch's,
     journal ``_end``) nothing can be mapped yet; returns whether this
     attachment now maps the spans as the table says (False: the caller keeps no generation, so
-    its next need_writer calls this again; review finding 1c)."""
+    its next need_writer calls this again)."""
     shares = w.r.shares
     if shares.applied != shares.hdr[W_SPANS]:
         shares.sync()

@@ -99,7 +99,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
         phys, m, owner = e.lend(donor, n) if n else (0, 0, -1)
         if align > 1 and not fits(e, max(capacity, n), align) and fits(e, max(capacity, n), 1):
             # only an unaligned range fits: take it and copy the prefix rather than evict
-            # anything to borrow or lend (atk2 finding 04; tests/test_share_fixes.py)
+            # anything to borrow or lend
             align, phys, m, owner = 1, 0, 0, -1
         try:
             slot, start = e.new_row(max(capacity, n), protect=donor if n else protect, near=next_id % rows,
@@ -232,7 +232,7 @@ def copy_prefix(e: Engine, src_id: int, dst_id: int, n: int) -> None:
         if (share.ENABLED and not d_row[LENGTH] and not d_row[SPAN_TAKEN] and not d_row[FLAGS] & LENT
                 and n <= d_row[CAPACITY] and not d_row[START] % e.page_unit):
             # an empty dst on a page unit borrows src's whole units, as a reused prompt does
-            # (fork and regather: atk2 finding 03; tests/test_share_fixes.py)
+            # (fork and regather)
             phys, m, owner = e.lend(s_slot, n)
         with e.transaction():  # the copy and the borrow: both, or after a crash neither
             e.copy_prefix_rows(s_slot, d_slot, n, held=True, share=m)

@@ -12,7 +12,7 @@ Importing this module imports torch and transformers (``pip install
 The parts: this module is what transformers sees (the cache and its layers,
 argument checks, ownership of the store); ``_hf_layout`` turns a model config
 into a store layout; ``_hf_rows`` holds the batch rows and maps a forward onto
-appends and commits; ``_hf_prefix`` does prefix reuse (``for_prompt``,
+appends and commits; ``transformers/_prefix.py`` does prefix reuse (``for_prompt``,
 ``finish``); ``_compat`` reads which keyword the installed transformers takes.
 """
 
