@@ -120,7 +120,7 @@ def test_own_span_changes_keep_the_reservation_record(make_store):
     its reservation record (Shares.punch): the rest of the record stays (no fallocate again of
     every range it reserved, e.g. a copy_prefix's fresh range after a borrow). A span change by
     another attachment drops the record (its punches are not known here:
-    tests/test_share_fixes.py::test_01...)."""
+    tests/test_share_edges.py::test_01...)."""
     st = _store(make_store)
     e = engine_of(st)
     prompt = np.arange(500, 800)

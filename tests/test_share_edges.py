@@ -1,5 +1,4 @@
-"""Regression tests for what an attack found in shared prefix pages (issue 23, atk2 findings
-in the lead's notes: one test per finding, named by its number)."""
+"""Edge cases of shared prefix pages, a test each (numbered in the order they were pinned)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Regression tests from an attack on the prefix cache (issue 14): one test per bug found, each
-failing before its fix, plus attacks that held (they pin the behaviour).
+"""Edge cases of the prefix cache, each pinning a behaviour a hostile or unlucky caller meets.
 
 BUG 8 (an old holder of a shared prefix whose index entries were replaced by four newer holders
 became unfindable once those were all freed) is fixed: the entries are re-homed on free.

@@ -1,8 +1,8 @@
-"""Attacks on shared prefix pages (issue 23, design B: a borrower's first cells remapped in place
-in every process) that hold: each read is compared bit for bit with a reference built without
+"""Reads of shared prefix pages (a borrower's first cells remapped in place in every process):
+each read is compared bit for bit with a reference built without
 sharing (a store of the same layout, or a copy), across processes, after the cells a process
 mapped as a span were freed and reused by another process, and after structural operations
-on donors and borrowers. (Attacks that failed: /work/atk2-findings, not here.)"""
+on donors and borrowers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from _share_attack_children import digest, free_and_reuse, kv, kv_of
+from _share_read_children import digest, free_and_reuse, kv, kv_of
 
 import shmkv
 from shmkv._engine import share
@@ -234,7 +234,7 @@ def test_a_reader_in_another_pid_namespace_reads_the_borrower(make_store, readon
     store = _store(make_store)
     d, f = _with_borrower(store)
     f.release()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_attack_children import digest; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_read_children import digest; "
             "print(*digest(sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1'))")
     out = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", code,
                           os.path.dirname(__file__), store.name, str(f.id), "1" if readonly else "0"],
@@ -424,7 +424,7 @@ def test_a_kill_inside_a_share_unit_leaves_every_read_right(make_store, point, o
             return n
 
         assert all_right(ro) == 2
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_attack_children import crash_op; "
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_read_children import crash_op; "
                 "crash_op(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))")
         env = {**os.environ, "SHMKV_CRASH_AT": point}
         proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), store.name, op, str(d.id),
@@ -693,7 +693,7 @@ def test_a_fork_child_with_inherited_spans_reads_cells_its_parent_reused(make_st
     then frees the borrower and writes a new sequence on its cells: the child reads the new bytes."""
     import multiprocessing as mp
 
-    from _share_attack_children import read_inherited_after
+    from _share_read_children import read_inherited_after
 
     from shmkv.testing import start_in_process
 
@@ -723,7 +723,7 @@ def test_a_fork_child_with_inherited_spans_reads_cells_its_parent_reused(make_st
 def test_transparent_huge_pages_on_dev_shm():
     """/dev/shm mounted with huge=always (2 MiB pages; spans remapped and punched at 4 KiB): a
     private tmpfs in a private mount namespace, nothing else's /dev/shm touched."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_attack_children import "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_read_children import "
             "borrow_truncate_compare; sys.exit(0 if borrow_truncate_compare() else 1)")
     script = (f"mount -t tmpfs -o size=512m,huge=always tmpfs /dev/shm && "
               f"exec {sys.executable} -c '{code}' {os.path.dirname(os.path.abspath(__file__))}")
@@ -745,7 +745,7 @@ def test_a_process_with_sharing_off_reads_and_copies_on_write_borrowers(make_sto
     d.finish()
     f = store.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
     f.release()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_attack_children import cow_and_reuse; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_read_children import cow_and_reuse; "
             "print(cow_and_reuse(sys.argv[2], int(sys.argv[3])))")
     out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), store.name, str(f.id)],
                          env={**os.environ, "SHMKV_SHARE": "0"}, capture_output=True, text=True, timeout=60)

@@ -1,4 +1,4 @@
-"""Attacks on the stuck lender (7503e15, issue #23's last wrong read): a donor that truncated
+"""The stuck lender: a donor that truncated
 below the cells it lent, in a store with no free range, stays where it is and keeps its LENT
 flag; its write handle's room stops at its length (``_sequence/room.py`` ``mind_loans``) and
 its next write past the length moves it first (``leave_loans``, ``Sharing.move_lender``), or

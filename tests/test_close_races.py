@@ -1,5 +1,5 @@
-"""Attack on close() racing every read API in other threads (e020124: Liveness.alive against a
-close in another thread), on attachments that read borrowers of shared prefix pages while another
+"""close() racing every read API in other threads (Liveness.alive against a close in another
+thread), on attachments that read borrowers of shared prefix pages while another
 process keeps changing spans (so reads re-map as they go): each reading thread ends with
 StoreClosedError, never another error, and what a read returned before is right."""
 

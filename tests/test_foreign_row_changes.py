@@ -1,4 +1,4 @@
-"""Attacks on journal invariant 10 (f3f8d03): a transaction that changes another writer's row
+"""Journal invariant 10: a transaction that changes another writer's row
 (a borrow marking its decoding donor LENT: ``changing(row, foreign=True)``) must never undo
 what that row's lease holder does without the lock meanwhile, whichever way the transaction
 ends (an exception at a crash point, a SIGKILL and another process's recovery), and whoever
