@@ -253,6 +253,28 @@ def test_for_prompt_reuses_across_processes_and_finish_caches(llama, cache_of, t
     assert stats.prefix_hits >= 2 and stats.prefix_tokens_reused >= len(SYSTEM) + prompt.shape[1] - 1
 
 
+def test_for_prompt_leaves_room_for_the_new_tokens(llama, cache_of):
+    """A row made by for_prompt holds its prompt and what generate adds without moving (a move
+    copies the cells it borrowed from the cached prefix); capacity= is honoured when given."""
+    store = cache_of(llama, dtype="float32").store
+    long_system = [3 + i % (VOCAB - 3) for i in range(300)]  # longer than a default first range (256)
+    system = torch.tensor([long_system])
+    c = ShmkvCache.for_prompt(store, system)
+    c.finish(generate(llama, system, c, max_new_tokens=1))
+    prompt = torch.tensor([[*long_system, 40, 41]])
+    cache = ShmkvCache.for_prompt(store, prompt)
+    assert cache.get_seq_length() == len(long_system)
+    (sid,) = cache.sequence_ids
+    start = store.sequence(sid).capacity
+    assert start >= prompt.shape[1] + NEW
+    generate(llama, prompt, cache)
+    assert store.sequence(sid).capacity == start  # it did not grow (nor move)
+    cache.free()
+    given = ShmkvCache.for_prompt(store, prompt, capacity=400)
+    assert store.sequence(given.sequence_ids[0]).capacity == 400
+    given.free()
+
+
 def test_for_prompt_batch_reuses_the_shortest_match(llama, cache_of):
     store = cache_of(llama, dtype="float32").store
     system = torch.tensor([SYSTEM])

@@ -223,6 +223,10 @@ class ShmkvCache(Cache):
             store: an open read-write store laid out for the model.
             input_ids: ``[batch, n]`` token ids (tensor, array or nested lists) — the same
                 ones given to ``generate``.
+            capacity: each row's first range, in tokens (at least ``n``); by default ``n``
+                plus 256 for what ``generate`` adds. A row that outgrows it moves to a larger
+                range, copying the tokens it shares with the cached prefix: give the prompt
+                plus ``max_new_tokens`` when generating more.
 
         Example:
             >>> cache = ShmkvCache.for_prompt(store, input_ids)              # doctest: +SKIP

@@ -34,7 +34,10 @@ def prompt_sequences(store: Store, input_ids: Any, capacity: int | None) -> tupl
     sequences and that number. All are created, or none (the ones made are freed)."""
     rows = token_rows(input_ids, "input_ids")
     k = min(store.match_prefix(r) for r in rows)
-    cap = max(capacity or DEFAULT_CAPACITY, *(len(r) for r in rows))
+    longest = max(len(r) for r in rows)
+    # room for the prompt and what generate adds: a row that outgrew its range at the first new
+    # token would move, and a move copies the cells it borrowed from a cached prefix
+    cap = max(capacity, longest) if capacity else longest + DEFAULT_CAPACITY
     seqs = store.create_sequences(len(rows), cap, prefix=[r[: k + 1] for r in rows])
     try:
         n = min(len(s) for s in seqs)  # a donor evicted since match_prefix: fewer on that row
