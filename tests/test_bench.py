@@ -1,4 +1,5 @@
-"""tools/bench.py, run as `shmkv bench` (the installed console script) and as a script.
+"""The benchmarks (shmkv/cli/bench/), run as `shmkv bench` (the installed console script) and as
+tools/bench.py.
 
 Timings are never asserted here: the tests check that every figure is there,
 that the bench reports a dead child at once, and the measurement helpers.
@@ -18,7 +19,6 @@ import time
 import numpy as np
 import pytest
 
-from shmkv import cli
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 NEW_KEYS = [  # issue 16: the keys the README table and the goals need
@@ -33,14 +33,9 @@ NEW_KEYS = [  # issue 16: the keys the README table and the goals need
 
 @pytest.fixture(scope="module")
 def bench_cases():
-    sys.path.insert(0, TOOLS)
-    try:
-        import bench
-        import bench_cases
+    from shmkv.cli.bench import driver, scenarios
 
-        yield bench_cases, bench
-    finally:
-        sys.path.remove(TOOLS)
+    return scenarios, driver
 
 
 def console_script() -> str:
@@ -85,16 +80,18 @@ def test_bench_runs_as_a_script():
     assert "baseline: the same append-one-token" in r.stdout
 
 
-def test_bench_outside_a_checkout_says_where_it_looked(monkeypatch, tmp_path, capsys):
-    # an installed package (no tools/ beside it): a clear error, not a traceback
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "shmkv" / "cli" / "__init__.py"))
-    assert cli.main(["bench", "--quick"]) == 1
-    err = capsys.readouterr().err
-    assert str(tmp_path / "site-packages" / "tools" / "bench.py") in err and "source checkout" in err
+def test_the_bench_ships_in_the_package_and_import_shmkv_does_not_load_it():
+    import shmkv
+
+    pkg = os.path.dirname(shmkv.__file__)
+    assert os.path.isfile(os.path.join(pkg, "cli", "bench", "driver.py"))
+    r = subprocess.run([sys.executable, "-c", "import sys, shmkv; print(sorted(m for m in sys.modules "
+                        "if m.startswith('shmkv.cli')))"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
-def test_alternated_rotates_the_order_and_takes_self_timed_results(bench_cases):
-    cases, _ = bench_cases
+def test_alternated_rotates_the_order_and_takes_self_timed_results():
+    from shmkv.cli.bench.timing import alternated
     calls: list[str] = []
     own = iter([0.3, 0.1, 0.2, 0.5, 0.4])
 
@@ -105,22 +102,22 @@ def test_alternated_rotates_the_order_and_takes_self_timed_results(bench_cases):
     def b() -> None:
         calls.append("b")
 
-    t = cases.alternated({"a": a, "b": b}, 5)
+    t = alternated({"a": a, "b": b}, 5)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     assert t["a"] == 0.3 and 0 <= t["b"] < 0.1
 
 
-def test_touch_reads_every_byte(bench_cases):
-    cases, _ = bench_cases
+def test_touch_reads_every_byte():
+    from shmkv.cli.bench.timing import touch
     for n in (0, 7, 8, 4097):  # with and without a tail after the last whole word
         a = np.zeros(n, np.uint8)
-        assert cases.touch(a) == 0
+        assert touch(a) == 0
         if n:
             a[-1] = 5  # only the last byte set: found whether it is in a word or the tail
-            assert cases.touch(a) != 0
+            assert touch(a) != 0
     k = np.zeros((3, 4, 8), np.float16)
     k[2, 3, 7] = 1.0
-    assert cases.touch(k) != 0
+    assert touch(k) != 0
 
 
 def _children_of(pid: int) -> list[int]:

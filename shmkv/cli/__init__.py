@@ -377,19 +377,11 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    # The benchmarks are not part of the library: they live in the source checkout's
-    # tools/bench.py, beside the package directory. Replace this process with it (same
-    # arguments, same pid: signals and exit codes pass through unchanged).
-    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # shmkv/cli/ -> checkout
-    script = os.path.join(checkout, "tools", "bench.py")
-    if not os.path.isfile(script):
-        print(f"shmkv bench: {script} not found: the benchmarks ship with the source checkout, not with "
-              "the installed package; clone the repository, `pip install -e .` there and run "
-              "`shmkv bench` (or `python tools/bench.py`) from it", file=sys.stderr)
-        return 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, script, *a.bench_args])
+    # The benchmarks ship in the package (shmkv/cli/bench/), imported only here: numpy
+    # baselines, multiprocessing and the scenarios stay out of every other command.
+    from shmkv.cli.bench.driver import main as bench_main
+
+    return bench_main(a.bench_args)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -469,7 +461,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_cli(sub)
     # The bench parses its own options (--quick, --json, --only, ...): `shmkv bench --help` shows them.
-    sub.add_parser("bench", help="benchmarks against numpy, np.save and multiprocessing (tools/bench.py)",
+    sub.add_parser("bench", help="benchmarks against numpy, np.save and multiprocessing (`shmkv bench --help`)",
                    add_help=False).set_defaults(fn=_cmd_bench)
     return p
 
