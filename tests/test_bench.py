@@ -62,9 +62,9 @@ def test_bench_command_quick_json_prints_every_key(bench_cases):
     assert not missing
     assert all(isinstance(v, (int, float)) and not np.isnan(v) for v in res.values())
     assert ("wait_wakeup_us" in res) == cases.has_wait()  # only where the library has Sequence.wait
-    for name in cases.SCENARIOS:  # each scenario names its baseline (the README table repeats it)
-        if name == "wait" and not cases.has_wait():
-            assert "[wait] skipped" in r.stdout
+    for name in cases.SCENARIOS:  # each scenario names its baseline, or says why it was skipped
+        if cases.lacking(name):
+            assert f"[{name}] skipped: " in r.stdout
         else:
             assert f"[{name}]" in r.stdout and f"baseline: {cases.BASELINES[name]}" in r.stdout
     r = subprocess.run([console_script(), "bench", "--only", "nonsense"], capture_output=True, text=True, timeout=60)
@@ -88,6 +88,49 @@ def test_the_bench_ships_in_the_package_and_import_shmkv_does_not_load_it():
     r = subprocess.run([sys.executable, "-c", "import sys, shmkv; print(sorted(m for m in sys.modules "
                         "if m.startswith('shmkv.cli')))"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_a_scenario_without_its_extra_is_skipped_before_any_work(monkeypatch, capsys):
+    from shmkv.cli.bench import driver, scenarios
+
+    ran: list[str] = []
+    monkeypatch.setitem(scenarios.EXTRAS, "decode", (("shmkv_no_such_module",), (), "the xyz extra: pip install xyz"))
+    monkeypatch.setitem(scenarios.SCENARIOS, "decode", lambda quick: ran.append("decode") or {})
+    monkeypatch.setitem(scenarios.SCENARIOS, "truncate", lambda quick: ran.append("truncate") or {})
+    assert driver.main(["--quick", "--only", "decode,truncate"]) == 0
+    out = capsys.readouterr().out
+    assert ran == ["truncate"]
+    skip = [line for line in out.splitlines() if line.startswith("[decode]")]
+    assert skip == ["[decode] skipped: needs the xyz extra: pip install xyz (missing: shmkv_no_such_module)"]
+    assert out.index("[decode] skipped") < out.index("[truncate]")  # said first, before the work
+    assert "skipped: decode" in out
+
+
+def test_a_missed_goal_says_what_it_measures_and_a_busy_machine_is_named(monkeypatch, capsys):
+    from shmkv.cli.bench import driver, goals, scenarios
+
+    monkeypatch.setitem(scenarios.SCENARIOS, "decode", lambda quick: {"decode_ratio": 99.0})
+    monkeypatch.setattr(driver, "load", lambda: 10.0 * (os.cpu_count() or 1))
+    assert driver.main(["--only", "decode"]) == 0
+    out = capsys.readouterr().out
+    assert "goal <= 1.5: MISSED" in out and goals.WHAT["decode_ratio"] in out
+    assert "busy" in out and "1 goal(s) missed: decode_ratio; the machine was busy" in out
+    monkeypatch.setattr(driver, "load", lambda: 0.0)
+    monkeypatch.setitem(scenarios.SCENARIOS, "decode", lambda quick: {"decode_ratio": 1.0})
+    assert driver.main(["--only", "decode"]) == 0
+    out = capsys.readouterr().out
+    assert "busy" not in out and "MISSED" not in out and "goal <= 1.5: met" in out
+
+
+def test_bench_help_cites_no_file_outside_the_package_and_every_goal_says_what_it_measures():
+    r = subprocess.run([console_script(), "bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--goals" in r.stdout
+    assert "DESIGN" not in r.stdout and "README" not in r.stdout and ".md" not in r.stdout
+    from shmkv.cli.bench import goals
+
+    assert set(goals.GOALS) == set(goals.WHAT)
+    r = subprocess.run([console_script(), "bench", "--goals"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and all(k in r.stdout for k in goals.GOALS)
 
 
 def test_alternated_rotates_the_order_and_takes_self_timed_results():

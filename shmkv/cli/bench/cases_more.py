@@ -295,7 +295,7 @@ def _idle_waiter(name: str, seq_id: int, ready: Any, readonly: bool = False) -> 
     store.close()
 
 
-def _switches(pid: int) -> int:
+def _switches(pid: int | None) -> int:
     """Voluntary context switches of a process's main thread (each wake-up from a sleep is one)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:

@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
-"""Benchmarks against the alternatives, measured in the same run, reported as ratios.
+"""Benchmarks of shmkv against the alternatives, measured in the same run, reported as ratios.
 
-Run ``shmkv bench`` (or ``python tools/bench.py`` from a source checkout, which
-runs this module); ``--quick`` for a short run, ``--json`` to end with one JSON
-object, ``--only a,b`` for some scenarios. Every scenario times shmkv and its
-baseline in this run, on this machine, alternately; the ratios are what count.
-Each scenario prints its baseline in one sentence. The goals are DESIGN.md
-section 7's. The scenarios themselves are in cases.py and cases_more.py beside this file.
+Every scenario times shmkv and a baseline (numpy arrays, np.save, multiprocessing.Queue,
+a plain /dev/shm file, redis-py, transformers' DynamicCache, ...) alternately, in this run,
+on this machine, and prints its baseline in one sentence; the ratios are what count, as
+absolute times move with the machine and its load. Figures with a goal (the project's
+performance targets) end in "met" or "MISSED" followed by what the figure measures;
+`shmkv bench --goals` lists every goal. A scenario whose optional dependency is not
+installed is skipped, with one line naming the extra to install. The report says when the
+machine was busy (load average above its cores), which makes MISSED lines likely.
+
+  shmkv bench --quick              a short run (about a minute)
+  shmkv bench --only decode,wait   some scenarios
+  shmkv bench --quick --json       the figures as one JSON object on the last line
 """
 
 from __future__ import annotations
@@ -20,41 +26,8 @@ import time
 
 import numpy as np
 
-from .scenarios import BASELINES, SCENARIOS, SHM_MARGIN, SHM_NEEDS, TABLE_SIZES, has_wait
-
-# DESIGN.md section 7: key -> (comparison, bound)
-GOALS: dict[str, tuple[str, float]] = {
-    "decode_ratio": ("<=", 1.5),  # append + commit vs numpy slice writes
-    "truncate_step_us": ("<=", 30.0),  # a speculative step adds at most 30 us to append + commit
-    "handoff_ms": ("<", 1.0),  # attach + views, at any size
-    "handoff_read_ratio": ("<=", 1.5),  # full read vs reading a plain /dev/shm file
-    **{f"create_sequence_us_{n}": ("<=", 100.0) for n in TABLE_SIZES},
-    **{f"free_us_{n}": ("<=", 100.0) for n in TABLE_SIZES},
-    **{f"open_sequence_us_{n}": ("<=", 10.0) for n in TABLE_SIZES},
-    "sequences_us_per_seq": ("<=", 5.0),
-    "copy_prefix_ratio": (">=", 0.8),
-    "save_ratio": (">=", 0.9),  # vs np.save + fsync + atomic rename
-    "load_vs_limit": (">=", 0.8),  # vs sendfile into a fresh /dev/shm file
-    "prefill_vs_limit": (">=", 0.8),  # vs pwrite into a fresh /dev/shm file
-    "snapshotter_overhead": ("<", 0.10),  # at N = cores - 1 workers
-    "prefix_lookup_us_16": ("<=", 50.0 + 300 / 16),  # 50 us + 1 us per 16 prompt tokens
-    "prefix_lookup_us_1000": ("<=", 50.0 + 300 / 16),  # ... however many sequences are cached
-    "stitched_read_ratio": (">=", 0.9),  # a stitched view of shared prefix pages vs a plain view (§11)
-    "prefix_memory_ratio": ("<=", 1.25),  # /dev/shm bytes held / distinct tokens' bytes (issue 23)
-    "prefix_request_vs_extend1": ("<=", 20.0),  # create over a cached 2048-token prefix / 1-token extend
-    "remote_pull_ratio": (">=", 0.7),  # vs redis-py GET of the same bytes
-    "remote_push_ratio": (">=", 0.7),  # vs redis-py pipelined SET of the same bytes
-    "int8_step_ratio": ("<=", 2.0),  # int8 decode step at 2048 tokens vs float16's
-    "quantize_ratio": (">=", 0.25),  # float16 extend time / int8 extend time
-    "wait_vs_pipe": ("<=", 3.0),  # seq.wait wake-up vs a pipe's, same kind of process
-    "wait_readonly_vs_pipe": ("<=", 3.0),  # ... of a read-only attachment (issue 24)
-    "idle_waiter_wakeups_per_s": ("<=", 1.0),
-    "idle_readonly_waiter_wakeups_per_s": ("<=", 1.0),
-    "create_sequence_flat": ("<=", 1.2),  # create_sequence_us_4096 / create_sequence_us_16
-    "hf_generate_ratio": ("<=", 1.1),  # model.generate() vs DynamicCache, batch 1
-    "hf_generate_ratio_b4": ("<=", 1.3),  # ... batch 4
-}
-
+from .goals import GOALS, WHAT, listing, met
+from .scenarios import BASELINES, SCENARIOS, SHM_MARGIN, SHM_NEEDS, lacking
 
 ROWS = [  # (what, shmkv key, baseline text, baseline key or None, ratio key, how the ratio reads)
     ("per-token append + commit, 32 layers", "decode_us_per_token", "preallocated numpy slices",
@@ -117,11 +90,6 @@ ROWS = [  # (what, shmkv key, baseline text, baseline key or None, ratio key, ho
 ]
 
 
-def met(val: float, goal: tuple[str, float]) -> bool:
-    op, bound = goal
-    return {"<=": val <= bound, "<": val < bound, ">=": val >= bound}[op]
-
-
 def markdown(r: dict[str, float]) -> str:
     lines = ["| scenario | shmkv | baseline | ratio | goal |", "| --- | --- | --- | --- | --- |"]
     for what, key, base, base_key, ratio, how in ROWS:
@@ -178,20 +146,47 @@ def shm_refusal(names: list[str], quick: bool) -> str | None:
     return f"shmkv bench: {msg}" + (f"; or run only what fits now: --only {','.join(fit)}" if fit else "")
 
 
+def load() -> float | None:
+    """The 1-minute load average (None where the system does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def load_words(at_start: float | None, at_end: float | None = None) -> tuple[str, bool]:
+    """The load average in words, and whether the machine counts as busy: more runnable
+    processes than cores at the start, or at the end beyond the one the bench adds itself."""
+    cores = os.cpu_count() or 1
+    if at_start is None:
+        return "load average unknown", False
+    busy = at_start > cores or (at_end is not None and at_end > cores + 1)
+    end = "" if at_end is None else f", {at_end:.1f} at the end (the bench adds about 1)"
+    return (f"load average {at_start:.1f} at the start{end} on {cores} cores"
+            + (": busy, the figures are slower and noisier than on an idle machine" if busy else "")), busy
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shmkv bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a short run (about half a minute)")
+    p.add_argument("--quick", action="store_true", help="a short run (about a minute)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--only", help="comma-separated scenarios: " + ",".join(SCENARIOS))
-    p.add_argument("--markdown", action="store_true", help="also print the README's table (Markdown)")
+    p.add_argument("--goals", action="store_true", help="list the goals and what each measures, and exit")
+    p.add_argument("--markdown", action="store_true",
+                   help="also print the results as a Markdown table (scenario, shmkv, baseline, ratio, goal)")
     p.add_argument("--plot", metavar="PNG", help="draw the main ratios (needs the plot extra: matplotlib)")
     a = p.parse_args(argv)
+    if a.goals:
+        print(listing())
+        return 0
     names = a.only.split(",") if a.only else list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         p.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
-    refusal = shm_refusal(names, a.quick)
+    skipped = {n: why for n in names if (why := lacking(n))}  # decided before any work
+    names = [n for n in names if n not in skipped]
+    refusal = shm_refusal(names, a.quick) if names else None
     if refusal:  # before any scenario starts: not a CacheFullError traceback halfway through
         print(refusal, file=sys.stderr)
         return 1
@@ -201,13 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         CRC32 = "?"
 
+    at_start = load()
+    start, busy = load_words(at_start)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"numpy {np.__version__}, snapshot crc32 from {CRC32}{', quick' if a.quick else ''}", flush=True)
+          f"numpy {np.__version__}, snapshot crc32 from {CRC32}{', quick' if a.quick else ''}; {start}", flush=True)
+    for name, why in skipped.items():
+        print(f"[{name}] skipped: {why}", flush=True)
     t_all = time.perf_counter()
+    missed: list[str] = []
     for name in names:
-        if name == "wait" and not has_wait():
-            print("\n[wait] skipped: this version of shmkv has no Sequence.wait", flush=True)
-            continue
         t0 = time.perf_counter()
         r = SCENARIOS[name](a.quick)
         results.update(r)
@@ -216,8 +213,19 @@ def main(argv: list[str] | None = None) -> int:
             goal = GOALS.get(key)
             mark = f"   goal {goal[0]} {goal[1]:g}: {'met' if met(val, goal) else 'MISSED'}" if goal else ""
             print(f"  {key:<30} {val:12.3f}{mark}")
+            if goal and not met(val, goal):
+                missed.append(key)
+                print(f"  {'':<30} {'':12} ({WHAT[key]})")
         sys.stdout.flush()
     results["seconds"] = time.perf_counter() - t_all
+    end, busy = load_words(at_start, load())
+    print(f"\n{len(names)} scenario(s) in {results['seconds']:.0f} s; {end}")
+    if skipped:
+        print(f"skipped: {', '.join(skipped)} (see their lines at the top)")
+    if missed:
+        print(f"{len(missed)} goal(s) missed: {', '.join(missed)}"
+              + ("; the machine was busy, which slows the figures and makes them noisy: rerun on an idle "
+                 "machine before reading a MISSED as slowness of shmkv" if busy else ""))
     if a.markdown:
         print("\n" + markdown(results))
     if a.plot:

@@ -4,9 +4,9 @@
 The same random-weight Llama (built from a config, nothing downloaded) generates
 256 new tokens greedily at batch 1 and batch 4, once with each cache, alternately
 (median of the repeats), in this run. The ratio is ShmkvCache time / DynamicCache
-time; DESIGN/issue 15 goal: at most 1.1 at batch 1 and 1.3 at batch 4.
+time; the goal: at most 1.1 at batch 1 and 1.3 at batch 4.
 
-    python tools/bench_hf.py [--quick] [--json] [--tokens 256] [--repeats 5] [--model small|tiny] [--threads 1]
+    python -m shmkv.cli.bench.hf [--quick] [--json] [--tokens 256] [--repeats 5] [--model small|tiny] [--threads 1]
 
 The last line with --json is one JSON object: hf_generate_ratio (batch 1),
 hf_generate_ratio_b4, and the medians in ms. Needs ``pip install 'shmkv[transformers]'``.
@@ -21,8 +21,9 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {
     # tiny: the tests' model (the cache's own overhead dominates); small: closer to a real
     # decoder's ratio of compute to per-layer bookkeeping
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1024, max_position_embeddings=4096, eos_token_id=None, pad_token_id=0,
                          **MODELS[a.model])
-    model = LlamaForCausalLM._from_config(config, dtype=torch.float32).eval()
+    model = LlamaForCausalLM._from_config(config, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     kw_cache = cache_keyword(model)  # cache= (transformers >= 5.24) or past_key_values=
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"torch {torch.__version__} ({a.threads} threads), model {a.model}, {a.tokens} new tokens, "
@@ -65,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for batch in (1, 4):
             ids = torch.randint(3, config.vocab_size, (batch, a.prompt), generator=torch.Generator().manual_seed(1))
-            kw = dict(max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False)
+            kw: dict[str, Any] = dict(max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False)
 
-            def run_dynamic(ids=ids, kw=kw):
+            def run_dynamic(ids: Any = ids, kw: dict[str, Any] = kw) -> Any:
                 with torch.no_grad():
                     return model.generate(ids, **{kw_cache: DynamicCache()}, **kw)
 
-            def run_shmkv(ids=ids, kw=kw):
+            def run_shmkv(ids: Any = ids, kw: dict[str, Any] = kw) -> Any:
                 cache = ShmkvCache(owner.store)
                 try:
                     with torch.no_grad():

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prefix-cache benchmark (DESIGN §7, §8): lookup cost against the number of cached sequences,
+"""Prefix-cache benchmark: lookup cost against the number of cached sequences,
 and time to first token with and without reuse. Prints JSON on its last line.
 
 - prefix_lookup_us_16 / _1000: median of store.match_prefix() of a 300-token prompt whose first
@@ -9,10 +9,10 @@ and time to first token with and without reuse. Prints JSON on its last line.
   (250 of its 300 tokens) is cached, over the same request computed from scratch in the same run,
   interleaved (create_sequence + prefill of the rest + logits).
 - stitched_read_ratio: reading every layer's K of a 2,112-token stitched view (a donor's first
-  2,048 cells and 64 cells of another range, mapped into one contiguous array: DESIGN §11) over
+  2,048 cells and 64 cells of another range, mapped into one contiguous array) over
   reading a plain view of the same number of bytes, interleaved (goal >= 0.9); stitch_build_us:
   building and unmapping one such layer view (8 KV heads x 128 dims, float16).
-- prefix_memory_ratio (issue 23; goal <= 1.25 once prefix pages are shared): 32 requests (8 with
+- prefix_memory_ratio (goal <= 1.25): 32 requests (8 with
   --quick) whose prompts share a 2,048-token system prompt, 8 layers x 8 KV heads x 128 dims,
   float16, each created with prefix= and extended by 32 tokens of its own: the data segment's
   allocated bytes (st_blocks) over the bytes of the distinct tokens. prefix_request_vs_extend1

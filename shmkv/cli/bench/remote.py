@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Remote tier benchmark: push and pull against redis-py on the same server, same run (DESIGN §7, §9).
+"""Remote tier benchmark: push and pull against redis-py on the same server, same run.
 
-A 2048-token, 16-layer float16 context (8 KV heads of 128: 128 MiB, as tools/bench.py) is
+A 2048-token, 16-layer float16 context (8 KV heads of 128: 128 MiB, as the other scenarios) is
 pushed to and pulled from a throwaway redis-server on a free loopback port
 (or --url, a server you own: its keys under the namespace are overwritten).
 
@@ -64,7 +64,7 @@ def run(url: str | None = None, *, tokens: int = 2048, layers: int = 16, kv_head
 
         assert tier.push(a, seq.id) == chunks
         keys = [tier.key(a.layout, toks[: (i + 1) * chunk_tokens]) for i in range(chunks)]
-        blobs = [bytes(r.get(k)) for k in keys]  # the same bytes, as the baseline's values
+        blobs = [bytes(r.get(k)) for k in keys]  # type: ignore[arg-type]  # the same bytes, as the baseline's values
         nbytes = sum(len(x) for x in blobs)
 
         def push() -> float:

@@ -1,9 +1,11 @@
-"""The scenarios of ``shmkv bench`` by name: what each one's baseline is, in one sentence, and
-the /dev/shm room each needs."""
+"""The scenarios of ``shmkv bench`` by name: what each one's baseline is, in one sentence, what
+each needs beyond the core install, and the /dev/shm room each needs."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 from collections.abc import Callable
 
 from .cases import (bench_copy_prefix, bench_decode, bench_handoff, bench_prefill, bench_snapshot,
@@ -12,7 +14,7 @@ from .cases_more import (TABLE_SIZES, bench_hf, bench_prefix, bench_quant, bench
                          bench_wait, bench_workers, has_wait)
 from .timing import Figures
 
-__all__ = ["BASELINES", "SCENARIOS", "SHM_MARGIN", "SHM_NEEDS", "TABLE_SIZES", "has_wait"]
+__all__ = ["BASELINES", "EXTRAS", "SCENARIOS", "SHM_MARGIN", "SHM_NEEDS", "TABLE_SIZES", "has_wait", "lacking"]
 
 BASELINES = {
     "hf": "transformers' DynamicCache in model.generate() of the same tiny random-weight Llama, 256 new tokens, "
@@ -68,10 +70,10 @@ _MiB = 1 << 20
 _TOK = 16 * 8 * 128 * 2 * 2  # bytes of one token of the 16-layer float16 shapes (K and V): 64 KiB
 
 # Peak /dev/shm bytes each scenario holds at once (stores and baseline files), by --quick
-# or not: measured in a private tmpfs (issue 26: decode 16 MiB quick, handoff 256,
+# or not: measured in a private tmpfs (decode 16 MiB quick, handoff 256,
 # copy_prefix 192, snapshot 128, prefill 128, workers 384 on 2 cores, quant 24.3, table
 # 12, prefix 28, remote 256; without --quick decode 64, copy_prefix 384, snapshot 256, quant 97,
-# workers 512 on 2 cores) and written as the shapes' arithmetic, which gives the same figures. tools/bench.py
+# workers 512 on 2 cores) and written as the shapes' arithmetic, which gives the same figures. The driver
 # refuses up front, saying how much, when /dev/shm has less free (plus SHM_MARGIN).
 SHM_NEEDS: dict[str, Callable[[bool], int]] = {
     "decode": lambda quick: 32 * 8 * 128 * 2 * 2 * (128 if quick else 512),
@@ -90,3 +92,22 @@ SHM_NEEDS: dict[str, Callable[[bool], int]] = {
     "hf": lambda quick: 16 * _MiB,
 }
 SHM_MARGIN = 16 * _MiB  # headers, tables, the allocator's rounding
+
+# What a scenario needs beyond `pip install shmkv`: (Python modules, programs on PATH, how to get them).
+# The driver skips a scenario that lacks one before any scenario runs, with one line saying so.
+EXTRAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    "remote": (("redis",), ("redis-server",),
+               "the redis extra and a redis-server: pip install 'shmkv[redis]'; apt-get install redis-server"),
+    "hf": (("torch", "transformers"), (), "the transformers extra: pip install torch 'shmkv[transformers]'"),
+    "quant": (("numba",), (), "the fast extra (numba: int8's compiled loops): pip install 'shmkv[fast]'"),
+}
+
+
+def lacking(name: str) -> str | None:
+    """None if scenario ``name`` can run here, else why not in one line: what is missing, how to get it."""
+    if name == "wait" and not has_wait():
+        return "this version of shmkv has no Sequence.wait"
+    modules, programs, how = EXTRAS.get(name, ((), (), ""))
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    missing += [f"{p} (not on PATH)" for p in programs if shutil.which(p) is None]
+    return f"needs {how} (missing: {', '.join(missing)})" if missing else None
