@@ -467,22 +467,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.cmd is None:  # bare `shmkv`: the help, as a usage error
-        parser.print_help()
-        return 2
-    if args.cmd == "bench":
-        args.bench_args = extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    cmd = ""
     try:
-        return int(args.fn(args))
-    except ShmkvError as e:
-        print(f"shmkv {args.cmd}: {e}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
-        return 1
+        parser = _parser()
+        args, extra = parser.parse_known_args(argv)
+        if args.cmd is None:  # bare `shmkv`: the help, as a usage error
+            parser.print_help()
+            return 2
+        cmd = f" {args.cmd}"
+        if args.cmd == "bench":
+            args.bench_args = extra
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        try:
+            return int(args.fn(args))
+        except ShmkvError as e:
+            print(f"shmkv{cmd}: {e}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:
+            return 1
+    except KeyboardInterrupt:  # Ctrl-C at any moment: one line, no traceback; 130 as a shell reports it
+        print(f"shmkv{cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
