@@ -19,6 +19,7 @@ import numpy as np
 from toymodel import STORE_LAYOUT, Model, encode, reference_generate
 
 import shmkv
+from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 REQUESTS = [  # (prompt, new tokens, step at which it arrives)
     (encode("The cat"), 10, 0),
@@ -75,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

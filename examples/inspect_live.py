@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 import shmkv
+from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 TOKENS = 200
 
@@ -55,4 +56,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

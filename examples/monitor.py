@@ -21,6 +21,7 @@ import numpy as np
 from toymodel import STORE_LAYOUT, Model, SeqCache, collect, decode_greedy, encode, reference_generate
 
 import shmkv
+from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 PROMPTS = [encode(p) for p in ("Monitor me:", "I will crash:", "Steady on:")]
 NEW_TOKENS, CRASH_AFTER = 16, 6
@@ -96,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 import shmkv
+from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 LAYERS, HEADS, DIM, TOKENS = 4, 2, 16, 32
 
@@ -50,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

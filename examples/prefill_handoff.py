@@ -23,6 +23,7 @@ import numpy as np
 from toymodel import STORE_LAYOUT, Model, SeqCache, collect, decode_greedy, encode, reference_generate
 
 import shmkv
+from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 SYSTEM = encode("You are a terse assistant. ")
 PROMPTS = [encode(p) for p in ("What is a KV cache?", "Why share memory?", "Who frees a sequence?")]
@@ -106,4 +107,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

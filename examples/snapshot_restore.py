@@ -11,6 +11,7 @@ import tempfile
 import numpy as np
 
 import shmkv
+from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 
 def main() -> None:
@@ -36,4 +37,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

@@ -16,6 +16,7 @@ import numpy as np
 from toymodel import STORE_LAYOUT, Model, SeqCache, encode, reference_generate
 
 import shmkv
+from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 NEW_TOKENS = 16
 
@@ -51,4 +52,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

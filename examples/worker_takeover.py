@@ -20,6 +20,7 @@ from toymodel import (HEAD_DIM, KV_HEADS, STORE_LAYOUT, Model, SeqCache, collect
                       reference_generate)
 
 import shmkv
+from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 PROMPT = encode("Once upon a time")
 NEW_TOKENS, BEFORE_CRASH = 20, 8
@@ -80,4 +81,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

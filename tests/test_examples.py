@@ -15,7 +15,7 @@ from conftest import importorskip_unless_ci
 from shmkv.testing import shm_entries
 
 DIR = pathlib.Path(__file__).parent.parent / "examples"
-PROGRAMS = sorted(p for p in DIR.glob("*.py") if p.name != "toymodel.py")
+PROGRAMS = sorted(p for p in DIR.glob("*.py") if p.name != "toymodel.py" and not p.name.startswith("_"))
 
 # What each program must print (each string at least `count` times): the behaviour it claims.
 EXPECT: dict[str, list[tuple[str, int]]] = {
@@ -52,6 +52,40 @@ def test_examples_use_only_the_public_api(path):
             if n.split(".")[0] == "shmkv":
                 assert not any(part.startswith("_") for part in n.split(".")), f"{path.name} imports {n}"
     assert not re.search(r"\bshmkv\._", path.read_text()), f"{path.name} reaches into shmkv._..."
+
+
+# Runs an example as `python X.py --help` would, recording (audit hooks) every file it opens under
+# /dev/shm and every process it starts; prints them last, on stderr.
+HELP_PROBE = """
+import os, runpy, sys
+made = []
+def hook(event, args):
+    if event == "open" and str(args[0]).startswith("/dev/shm"):
+        made.append(str(args[0]))
+    elif event in ("os.fork", "os.posix_spawn", "os.exec", "subprocess.Popen"):
+        made.append(event)
+sys.addaudithook(hook)
+path = sys.argv[1]
+sys.argv = [path, "--help"]
+sys.path.insert(0, os.path.dirname(path))
+try:
+    runpy.run_path(path, run_name="__main__")
+finally:
+    sys.stderr.write(f"made: {made}")
+"""
+
+
+@pytest.mark.parametrize("path", [*PROGRAMS, DIR / "toymodel.py"], ids=lambda p: p.name)
+def test_example_answers_help_without_making_anything(path, tmp_path):
+    """`python examples/X.py --help`: its usage, exit 0, before any store or process is made (the
+    transformers one too, before importing torch)."""
+    r = subprocess.run([sys.executable, "-c", HELP_PROBE, str(path)], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith(f"usage: {path.name}"), r.stdout
+    assert r.stderr == "made: []", r.stderr  # nothing opened in /dev/shm, no process started
+    assert "torch" not in r.stdout or path.name == "transformers_workers.py"
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: p.name)

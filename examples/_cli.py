@@ -1,0 +1,64 @@
+"""What every example does around its work (not about shmkv; skip it when reading an example).
+
+``run(main, __doc__)`` answers ``--help`` with the example's usage before anything is made
+(no store, no process), then runs ``main()`` (``run(main, parser)``: ``main(args)``, the
+options that parser read). A Ctrl-C at any moment ends with one line on
+stderr: the processes the example starts ignore SIGINT (the terminal sends it to all of
+them), and this process, which gets it as KeyboardInterrupt, stops them; the store the
+example created goes with it (its creator's close, or its exit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import multiprocessing.process
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _start_ignoring_sigint(start: Callable[[Any], None]) -> Callable[[Any], None]:
+    def quiet_start(self: Any) -> None:
+        # An ignored signal stays ignored in the child through fork and exec; SIGINT is blocked
+        # meanwhile, so a Ctrl-C in this window is delivered here afterwards, not lost.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        came = False
+        try:
+            came = signal.SIGINT in signal.sigpending()  # (ignoring SIGINT discards a pending one)
+            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                start(self)
+            finally:
+                signal.signal(signal.SIGINT, old)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if came:
+            raise KeyboardInterrupt
+
+    return quiet_start
+
+
+def run(main: Callable[..., object], doc_or_parser: str | argparse.ArgumentParser | None) -> None:
+    """Parse the command line (``--help`` exits here), then run ``main`` as described above."""
+    own = isinstance(doc_or_parser, argparse.ArgumentParser)
+    p = doc_or_parser if isinstance(doc_or_parser, argparse.ArgumentParser) else parser(doc_or_parser)
+    args = p.parse_args()
+    base = multiprocessing.process.BaseProcess
+    base.start = _start_ignoring_sigint(base.start)  # type: ignore[method-assign]
+    try:
+        main(args) if own else main()
+    except KeyboardInterrupt:
+        children = multiprocessing.active_children()
+        for c in children:
+            c.terminate()
+        for c in children:
+            c.join(10)
+        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+        sys.exit(130)
