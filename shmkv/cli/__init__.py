@@ -27,6 +27,7 @@ from shmkv.store._lifecycle import Owners, gc, list_stores, remove, store_owners
 from shmkv.store._lifecycle import load as load_snapshot
 from shmkv.store._store import Store, attach, engine_of
 from shmkv.cli._args import count_arg, ids_arg, seconds_arg
+from shmkv.cli._words import count, for_the_shell, size
 from shmkv.errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
 
 
@@ -45,7 +46,7 @@ class _Bar:
         self.last = now
         frac = done / total if total else 1.0
         bar = "#" * int(30 * frac)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:4.0%} {done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:4.0%} {size(done)} of {size(total)}  ")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -71,6 +72,7 @@ def _info(store: Store, first: int = 8) -> dict[str, Any]:
     st = store.stats()
     return {
         "name": store.name,
+        "capacity_bytes": os.fstat(engine_of(store).shares.fd).st_size,  # the data segment: what the store can hold
         "layout": {"layers": lay.layers, "kv_heads": lay.kv_heads, "head_dim": lay.head_dim,
                    "dtype": lay.dtype, "max_tokens": lay.max_tokens, "max_seqs": lay.max_seqs,
                    "layer_types": list(lay.layer_types), "window": lay.window, "chunk": lay.chunk},
@@ -86,25 +88,27 @@ def _print_info(d: dict[str, Any]) -> None:
     print(f"store {d['name']}: layers={lay['layers']} kv_heads={lay['kv_heads']} head_dim={lay['head_dim']} "
           f"dtype={lay['dtype']} max_tokens={lay['max_tokens']} max_seqs={lay['max_seqs']}"
           f"{' persistent' if d['persistent'] else ''}")
-    print(f"  {st['sequences']} sequences, {st['tokens']} tokens, {st['free_tokens']} free cells, "
-          f"{st['bytes_used'] / 2**20:.2f} MiB used of {st['bytes_reserved'] / 2**20:.2f} MiB capacity, "
+    print(f"  {count(st['sequences'], 'sequence')} holding {count(st['tokens'], 'token')} ({size(st['bytes_used'])}); "
+          f"capacity {count(lay['max_tokens'], 'token')} ({size(d['capacity_bytes'])} of shared memory), "
+          f"{st['free_tokens']:,} of them free; "
           f"{_plural(st['clients'], 'read-write client')}")
     print(f"  prefix cache: {st['prefix_hits']} hits, {st['prefix_misses']} misses, "
           f"{st['prefix_tokens_reused']} tokens reused; {st['finished']} finished (cached, evictable), "
           f"{st['evictions']} evicted")
-    if st["shared_tokens"]:  # shared prefix pages (DESIGN §11): bytes read from another sequence's pages
+    if st["shared_tokens"]:  # shared prefix pages: tokens read in place from another sequence's pages
         held, once = st["bytes_held"], st["span_cells"] * (st["bytes_per_token"] - 16)
-        print(f"  shared prefix pages: {st['shared_tokens']} tokens read from {st['span_cells']} cells, "
-              f"{once / 2**20:.2f} MiB held once; {held / 2**20:.2f} MiB held "
-              f"(sharing ratio {st['bytes_used'] / held if held > 0 else 0:.2f}: bytes used / bytes held)")
+        print(f"  shared prefix pages: {count(st['shared_tokens'], 'token')} read in place from "
+              f"{st['span_cells']:,} shared cells ({size(once)} held once); {size(held)} held in all for "
+              f"{size(st['bytes_used'])} of tokens (sharing ratio {st['bytes_used'] / held if held > 0 else 0:.2f})")
     if d["sequences"]:
         print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} {'state':<9} first tokens")
         for s in d["sequences"]:
             lease = "-" if not s["lease_pid"] else f"{s['lease_pid']} {'alive' if s['lease_alive'] else 'dead'}"
             state = "finished" if s["finished"] else "live"
             meta = f"  meta {json.dumps(s['meta'], default=repr)}" if s["meta"] else ""
-            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {state:<9} "
-                  f"{s['first_tokens']}{meta}")
+            toks = s["first_tokens"]
+            shown = "no token ids" if toks and all(t == -1 for t in toks) else toks
+            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {state:<9} {shown}{meta}")
 
 
 def verify(store: Store) -> list[str]:
@@ -332,6 +336,7 @@ def _cmd_snapshot(a: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(a: argparse.Namespace) -> int:
+    from shmkv._engine.stitch import CACHE_LIMIT as _STITCH_LIMIT
     from shmkv.store._doctor import MAPS_PER_STORE, doctor
 
     d = doctor(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, tokens=a.tokens)
@@ -343,12 +348,15 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
           f"Python {d.python}, numpy {d.numpy}, shmkv {d.shmkv}")
     print(f"/dev/shm     {d.shm_path} ({d.shm_fs or 'missing'}): {d.shm_free / 2**20:.0f} MiB free of "
           f"{d.shm_size / 2**20:.0f} MiB{'' if d.shm_writable else ', NOT writable'}")
-    print(f"largest store {d.tokens_fit} tokens of {lay['layers']} layers x {lay['kv_heads']} KV heads x "
-          f"{lay['head_dim']} {lay['dtype']} ({d.bytes_per_token} bytes a token)")
+    given = any(x is not None for x in (a.layers, a.kv_heads, a.head_dim, a.dtype))
+    print(f"room         {d.tokens_fit:,} tokens fit in /dev/shm now, for a model of {lay['layers']} layers, "
+          f"{lay['kv_heads']} KV heads of {lay['head_dim']} dims, {lay['dtype']} ({size(d.bytes_per_token)} "
+          "a token, K and V)" + ("" if given else "; that is the default layout, an 8B Llama-3-sized model: "
+                                 "--layers, --kv-heads, --head-dim and --dtype give yours"))
     if d.max_map_count is not None:
-        print(f"mappings     vm.max_map_count {d.max_map_count}, {d.maps_in_use} in use by this process: room to "
-              f"attach about {d.stores_mappable} more stores ({MAPS_PER_STORE} mappings each) beside 16384 for "
-              "stitched views")
+        print(f"mappings     vm.max_map_count {d.max_map_count:,}, {d.maps_in_use:,} in use by this process: about "
+              f"{d.stores_mappable:,} more stores can be attached ({MAPS_PER_STORE} mappings each), keeping "
+              f"{2 * _STITCH_LIMIT:,} for the views of shared prefix pages")
     print(f"liveness     PID namespace {d.pid_namespace} "
           f"({'the initial one' if d.initial_pid_namespace else 'not the initial one: a container'}); "
           + ("liveness is a kernel lock: processes in other PID namespaces (containers sharing this /dev/shm) are "
@@ -482,7 +490,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return int(args.fn(args))
         except ShmkvError as e:
-            print(f"shmkv{cmd}: {e}", file=sys.stderr)
+            msg = for_the_shell(str(e))
+            if getattr(args, "json", False):  # a script asked for JSON: the error too
+                print(json.dumps({"error": msg, "type": type(e).__name__}))
+            else:
+                print(f"shmkv{cmd}: {msg}", file=sys.stderr)
             return 1
         except BrokenPipeError:
             return 1

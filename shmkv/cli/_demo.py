@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from shmkv.cli import _model
+from shmkv.cli._words import size
 from shmkv._snapshot import save as _save
 from shmkv.store import _doctor
 from shmkv.store._lifecycle import create
@@ -227,9 +228,10 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
         st = store.stats()
         out(f"prefix cache: {reused} of {total} prompt tokens reused, {total - reused} computed "
             f"({st.prefix_hits} hits, {st.prefix_misses} misses: create_sequence(prefix=...) found them)")
-        if st.prefix_hits:
-            out(f"shared prefix pages: {st.bytes_shared} bytes read in place from another sequence's pages, "
-                f"{st.bytes_shared // st.prefix_hits} bytes a request (not copied)")
+        if st.prefix_hits and st.shared_tokens:
+            out(f"shared prefix pages: {st.shared_tokens} tokens ({size(st.bytes_shared)}) read in place from "
+                f"another sequence's pages, not copied: {st.shared_tokens / st.prefix_hits:.0f} tokens "
+                f"({size(st.bytes_shared / st.prefix_hits)}) a request")
         out("each request's new tokens against a single-process numpy run without shmkv "
             "('matches': the same tokens):")
         for r in sorted(got, key=lambda r: r.index):
@@ -245,7 +247,7 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
             secs = sum(r.seconds for r in mine)
             out(f"worker {w}: {len(mine)} requests, {toks} tokens, {toks / secs if secs else 0:.0f} tokens/s")
         where = "" if keep_snapshot else "; removed at the end (--snapshot FILE keeps it)"
-        out(f"snapshot: {snap[1]}: {snap[2]} bytes, {snap[3]} sequences, written in {snap[4] * 1000:.1f} ms{where}")
+        out(f"snapshot: {snap[1]}: {size(snap[2])}, {snap[3]} sequences, written in {snap[4] * 1000:.1f} ms{where}")
         out(f"equal to a single-process run without shmkv: {'yes' if ok else 'NO'} "
             f"(wall time {wall:.1f} s, process start-up included)")
         return {"ok": ok, "tokens": {r.index: r.tokens for r in got}, "snapshot": snap[1] if keep_snapshot else None,
