@@ -20,6 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _interrupted_while_importing(signum: int, frame: Any) -> None:
+    print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+    raise SystemExit(130)  # nothing made yet: no store, no process
+
+
+# Imported first, before numpy and shmkv (seconds on a busy machine): a Ctrl-C meanwhile ends the
+# program with one line. Not in the example's own processes, which inherit SIGINT ignored.
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+
 def parser(doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -50,6 +61,8 @@ def run(main: Callable[..., object], doc_or_parser: str | argparse.ArgumentParse
     own = isinstance(doc_or_parser, argparse.ArgumentParser)
     p = doc_or_parser if isinstance(doc_or_parser, argparse.ArgumentParser) else parser(doc_or_parser)
     args = p.parse_args()
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here: KeyboardInterrupt, below
     base = multiprocessing.process.BaseProcess
     base.start = _start_ignoring_sigint(base.start)  # type: ignore[method-assign]
     try:

@@ -12,6 +12,8 @@ Run: python examples/batch_forward.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import os
 from typing import Any
 
@@ -19,7 +21,6 @@ import numpy as np
 from toymodel import STORE_LAYOUT, Model, encode, reference_generate
 
 import shmkv
-from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 REQUESTS = [  # (prompt, new tokens, step at which it arrives)
     (encode("The cat"), 10, 0),

@@ -8,6 +8,8 @@ Run: python examples/inspect_live.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 from typing import Any
@@ -15,7 +17,6 @@ from typing import Any
 import numpy as np
 
 import shmkv
-from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 TOKENS = 200
 

@@ -13,6 +13,8 @@ Run: python examples/monitor.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 from typing import Any
@@ -21,7 +23,6 @@ import numpy as np
 from toymodel import STORE_LAYOUT, Model, SeqCache, collect, decode_greedy, encode, reference_generate
 
 import shmkv
-from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 PROMPTS = [encode(p) for p in ("Monitor me:", "I will crash:", "Steady on:")]
 NEW_TOKENS, CRASH_AFTER = 16, 6

@@ -5,13 +5,14 @@ Run: python examples/multi_worker.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 
 import numpy as np
 
 import shmkv
-from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 LAYERS, HEADS, DIM, TOKENS = 4, 2, 16, 32
 

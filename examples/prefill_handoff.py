@@ -15,6 +15,8 @@ Run: python examples/prefill_handoff.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 from typing import Any
@@ -23,7 +25,6 @@ import numpy as np
 from toymodel import STORE_LAYOUT, Model, SeqCache, collect, decode_greedy, encode, reference_generate
 
 import shmkv
-from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 SYSTEM = encode("You are a terse assistant. ")
 PROMPTS = [encode(p) for p in ("What is a KV cache?", "Why share memory?", "Who frees a sequence?")]

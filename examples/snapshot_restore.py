@@ -5,13 +5,14 @@ Run: python examples/snapshot_restore.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import os
 import tempfile
 
 import numpy as np
 
 import shmkv
-from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 
 def main() -> None:

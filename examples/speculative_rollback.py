@@ -10,13 +10,14 @@ Run: python examples/speculative_rollback.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import os
 
 import numpy as np
 from toymodel import STORE_LAYOUT, Model, SeqCache, encode, reference_generate
 
 import shmkv
-from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 NEW_TOKENS = 16
 

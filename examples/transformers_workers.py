@@ -23,13 +23,14 @@ Run: ``python examples/transformers_workers.py [--model PATH] [--system TEXT]
 
 from __future__ import annotations
 
+from _cli import parser, run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import argparse
 import multiprocessing as mp
 import os
 import tempfile
 import time
 
-from _cli import parser, run  # --help first; Ctrl-C: one line (not about shmkv)
 
 NEW_TOKENS = 16
 SYSTEM = [1] + [(7 * i) % 120 + 3 for i in range(39)]  # the random model's shared system prompt: 40 token ids

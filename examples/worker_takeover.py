@@ -10,6 +10,8 @@ Run: python examples/worker_takeover.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 import signal
@@ -20,7 +22,6 @@ from toymodel import (HEAD_DIM, KV_HEADS, STORE_LAYOUT, Model, SeqCache, collect
                       reference_generate)
 
 import shmkv
-from _cli import run  # --help first; Ctrl-C: one line (not about shmkv)
 
 PROMPT = encode("Once upon a time")
 NEW_TOKENS, BEFORE_CRASH = 20, 8

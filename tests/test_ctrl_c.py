@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,40 @@ def test_ctrl_c_at_any_moment_of_the_demo_prints_one_line(after, tmp_path):
     if name:
         assert not [f for f in shm_entries() if f.startswith(f"skv_{name[1]}.")], r.stdout
     assert os.listdir(tmp_path) == [], r.stdout  # the snapshot in the temporary directory went too
+
+
+EXAMPLES = sorted(p for p in (Path(__file__).parent.parent / "examples").glob("*.py")
+                  if not p.name.startswith("_") and p.name != "toymodel.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [1, 4])
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_ctrl_c_in_an_example_prints_one_line(path, after, tmp_path):
+    """`timeout -s INT T python examples/X.py`: importing, starting its processes or working, it
+    ends with one line on stderr (its processes print nothing) and leaves no store behind."""
+    if path.name == "transformers_workers.py":
+        pytest.importorskip("torch")
+    before = shm_entries()
+    p = subprocess.Popen(["timeout", "-s", "INT", str(after), sys.executable, str(path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert "Traceback" not in err and len(err.splitlines()) <= 1, err
+    assert p.returncode in (0, 124), (p.returncode, err)  # finished, or interrupted (timeout's 124)
+    # its stores (named after its pid): none left
+    ours = re.compile(r"skv_(batch|copy|handoff|hfworkers|live|monitor|multi|snap|spec|takeover)\d+\.\w+")
+    assert not [f for f in shm_entries() - before if ours.fullmatch(f)]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_bench_prints_one_line():
+    r = subprocess.run(["timeout", "-s", "INT", "8", *_shmkv_command(), "bench", "--quick", "--only", "handoff"],
+                       capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) <= 1, r.stderr
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("shmkv-bench-")]

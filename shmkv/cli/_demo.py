@@ -19,21 +19,18 @@ the snapshot file too unless ``snapshot=`` (``--snapshot FILE``) asked to keep i
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import queue
-import signal
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from shmkv.cli import _model
+from shmkv.cli._quiet import children_ignore_sigint
 from shmkv.cli._words import size
 from shmkv._snapshot import save as _save
 from shmkv.store import _doctor
@@ -129,31 +126,6 @@ def _snapshotter(name: str, path: str, delay: float, results: Any) -> None:
         store.close()
     except KeyboardInterrupt:
         pass
-
-
-@contextlib.contextmanager
-def children_ignore_sigint() -> Iterator[None]:
-    """Processes started inside ignore SIGINT for good (an ignored signal stays ignored through
-    fork and exec), so a Ctrl-C to the process group never prints a child's traceback, whatever
-    the child was doing (importing, unpickling, exiting); the caller handles Ctrl-C and stops
-    them. SIGINT is blocked meanwhile, so a Ctrl-C in the window is delivered, not lost, when
-    the caller's handler is back. Main thread only (elsewhere it changes nothing)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    came = False
-    try:
-        came = signal.SIGINT in signal.sigpending()  # (ignoring SIGINT discards a pending one)
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, signal.SIG_DFL if old is None else old)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    if came:
-        raise KeyboardInterrupt
 
 
 def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = None,

@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from shmkv.cli._quiet import quiet_children
+
 from .goals import GOALS, WHAT, listing, met
 from .scenarios import BASELINES, SCENARIOS, SHM_MARGIN, SHM_NEEDS, lacking
 
@@ -204,19 +206,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] skipped: {why}", flush=True)
     t_all = time.perf_counter()
     missed: list[str] = []
-    for name in names:
-        t0 = time.perf_counter()
-        r = SCENARIOS[name](a.quick)
-        results.update(r)
-        print(f"\n[{name}] ({time.perf_counter() - t0:.1f} s) baseline: {BASELINES[name]}")
-        for key, val in r.items():
-            goal = GOALS.get(key)
-            mark = f"   goal {goal[0]} {goal[1]:g}: {'met' if met(val, goal) else 'MISSED'}" if goal else ""
-            print(f"  {key:<30} {val:12.3f}{mark}")
-            if goal and not met(val, goal):
-                missed.append(key)
-                print(f"  {'':<30} {'':12} ({WHAT[key]})")
-        sys.stdout.flush()
+    undo = quiet_children()  # a Ctrl-C: this process stops (each scenario's finally ends its processes)
+    try:
+        for name in names:
+            t0 = time.perf_counter()
+            r = SCENARIOS[name](a.quick)
+            results.update(r)
+            print(f"\n[{name}] ({time.perf_counter() - t0:.1f} s) baseline: {BASELINES[name]}")
+            for key, val in r.items():
+                goal = GOALS.get(key)
+                mark = f"   goal {goal[0]} {goal[1]:g}: {'met' if met(val, goal) else 'MISSED'}" if goal else ""
+                print(f"  {key:<30} {val:12.3f}{mark}")
+                if goal and not met(val, goal):
+                    missed.append(key)
+                    print(f"  {'':<30} {'':12} ({WHAT[key]})")
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        print("shmkv bench: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        undo()
     results["seconds"] = time.perf_counter() - t_all
     end, busy = load_words(at_start, load())
     print(f"\n{len(names)} scenario(s) in {results['seconds']:.0f} s; {end}")

@@ -107,4 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the bench's Ctrl-C reaches this process too: the bench says it
+        sys.exit(130)
