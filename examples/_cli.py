@@ -10,17 +10,12 @@ example created goes with it (its creator's close, or its exit).
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing
-import multiprocessing.process
 import os
 import signal
 import sys
-from collections.abc import Callable
-from typing import Any
 
 
-def _interrupted_while_importing(signum: int, frame: Any) -> None:
+def _interrupted_while_importing(signum: int, frame: object) -> None:
     print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
     raise SystemExit(130)  # nothing made yet: no store, no process
 
@@ -29,6 +24,12 @@ def _interrupted_while_importing(signum: int, frame: Any) -> None:
 # program with one line. Not in the example's own processes, which inherit SIGINT ignored.
 if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+import argparse  # noqa: E402  (after the handler: these imports take a moment too)
+import multiprocessing  # noqa: E402
+import multiprocessing.process  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
