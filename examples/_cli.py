@@ -69,6 +69,7 @@ def run(main: Callable[..., object], doc_or_parser: str | argparse.ArgumentParse
     try:
         main(args) if own else main()
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (one to us, one to the group) waits
         children = multiprocessing.active_children()
         for c in children:
             c.terminate()

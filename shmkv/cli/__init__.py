@@ -300,6 +300,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
         summary = demo.run(workers=a.workers, new_tokens=a.tokens, snapshot=a.snapshot,
                            start_method=a.start_method, out=lambda m: print(m, flush=True))
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (the demo ignored a second one meanwhile)
         print("interrupted; the demo's store was removed", file=sys.stderr)
         return 130
     return 0 if summary["ok"] else 1

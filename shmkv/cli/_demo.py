@@ -22,7 +22,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -224,6 +226,12 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
             f"(wall time {wall:.1f} s, process start-up included)")
         return {"ok": ok, "tokens": {r.index: r.tokens for r in got}, "snapshot": snap[1] if keep_snapshot else None,
                 "store": name}
+    except KeyboardInterrupt:
+        # a second Ctrl-C (the terminal's to the process group, or timeout's second signal) waits
+        # until the clean-up below is done; the caller puts the handler back
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise
     finally:
         for p in procs:
             if p.is_alive():
