@@ -157,14 +157,14 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
                    max_tokens=max_tokens, max_seqs=len(prompts) + 2)
     procs: list[Any] = []
     try:
-        with children_ignore_sigint():
+        with children_ignore_sigint():  # (multiprocessing's resource tracker may start here)
             requests, results = ctx.Queue(), ctx.Queue()
-            procs.append(ctx.Process(target=_tokenizer, args=(name, prompts, new_tokens, requests, workers)))
-            procs += [ctx.Process(target=_worker, args=(name, w, new_tokens, requests, results))
-                      for w in range(workers)]
-            procs.append(ctx.Process(target=_snapshotter, args=(name, snapshot, 0.5, results)))
-            t0 = time.perf_counter()
-            for p in procs:
+        procs.append(ctx.Process(target=_tokenizer, args=(name, prompts, new_tokens, requests, workers)))
+        procs += [ctx.Process(target=_worker, args=(name, w, new_tokens, requests, results)) for w in range(workers)]
+        procs.append(ctx.Process(target=_snapshotter, args=(name, snapshot, 0.5, results)))
+        t0 = time.perf_counter()
+        for p in procs:
+            with children_ignore_sigint():  # (one at a time: the window where SIGINT is ignored stays short)
                 p.start()
         got: list[Result] = []
         snap = None
