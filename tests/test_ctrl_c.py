@@ -154,9 +154,10 @@ def test_ctrl_c_in_an_example_prints_one_line(path, after, tmp_path):
             p.communicate()
     assert "Traceback" not in err and len(err.splitlines()) <= 1, err
     assert p.returncode in (0, 124), (p.returncode, err)  # finished, or interrupted (timeout's 124)
-    # its stores (named after its pid): none left
-    ours = re.compile(r"skv_(batch|copy|handoff|hfworkers|live|monitor|multi|snap|spec|takeover)\d+\.\w+")
-    assert not [f for f in shm_entries() - before if ours.fullmatch(f)]
+    # its stores (named after its pid, with its own prefixes): none left
+    prefixes = "|".join(re.findall(r'f"([a-z]+)\{os.getpid\(\)\}"', path.read_text()))
+    assert prefixes, path.name
+    assert not [f for f in shm_entries() - before if re.fullmatch(rf"skv_({prefixes})\d+\.\w+", f)]
     assert os.listdir(tmp_path) == []
 
 

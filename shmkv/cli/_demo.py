@@ -234,6 +234,8 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
         raise
     finally:
         for p in procs:
+            if p.pid is None:  # never started (a Ctrl-C came first)
+                continue
             if p.is_alive():
                 p.terminate()
             p.join(10)
