@@ -12,6 +12,8 @@ Run: python examples/batch_forward.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import os
 from typing import Any
 
@@ -75,4 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

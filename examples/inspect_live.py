@@ -8,6 +8,8 @@ Run: python examples/inspect_live.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 from typing import Any
@@ -55,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

@@ -13,6 +13,8 @@ Run: python examples/monitor.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 from typing import Any
@@ -96,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

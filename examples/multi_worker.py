@@ -5,6 +5,8 @@ Run: python examples/multi_worker.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 
@@ -50,4 +52,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

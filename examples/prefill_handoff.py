@@ -15,6 +15,8 @@ Run: python examples/prefill_handoff.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 from typing import Any
@@ -106,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

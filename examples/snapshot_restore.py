@@ -5,6 +5,8 @@ Run: python examples/snapshot_restore.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import os
 import tempfile
 
@@ -36,4 +38,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

@@ -10,6 +10,8 @@ Run: python examples/speculative_rollback.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import os
 
 import numpy as np
@@ -51,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

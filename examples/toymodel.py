@@ -129,3 +129,12 @@ def collect(results: Any, n: int, procs: list[Any], timeout: float = 120.0) -> l
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(got)} of {n} results after {timeout} s") from None
     return got
+
+
+if __name__ == "__main__":  # a module the examples import; run alone, it says so and shows the model
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    print(f"toymodel: {LAYERS} layers, {KV_HEADS} KV heads of {HEAD_DIM}, vocabulary {VOCAB}; the examples "
+          "import it (run one of them, e.g. python examples/multi_worker.py)")
+    print("greedy continuation of 'Hello' without shmkv:", reference_generate(encode("Hello"), 8))

@@ -23,11 +23,14 @@ Run: ``python examples/transformers_workers.py [--model PATH] [--system TEXT]
 
 from __future__ import annotations
 
+from _cli import parser, run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import argparse
 import multiprocessing as mp
 import os
-import sys
 import tempfile
+import time
+
 
 NEW_TOKENS = 16
 SYSTEM = [1] + [(7 * i) % 120 + 3 for i in range(39)]  # the random model's shared system prompt: 40 token ids
@@ -47,9 +50,10 @@ def _model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
-def prefill(store_name, model_dir, work, jobs, n_workers):
+def prefill(store_name, model_dir, work, queues, n_workers):
     """Compute the shared system prompt once and cache it; then queue the requests."""
     system, requests = work
+    jobs, results = queues
     import torch
 
     import shmkv
@@ -61,6 +65,7 @@ def prefill(store_name, model_dir, work, jobs, n_workers):
         cache = ShmkvCache.for_prompt(store, [system])
         model(torch.tensor([system]), **cache_kwargs(model, cache))  # cache= (or past_key_values=)
         cache.finish([system])  # a cached prefix for every process from now on
+    results.put(("prefilled", len(system)))
     for rid, prompt in enumerate(requests):
         jobs.put((rid, prompt))
     for _ in range(n_workers):
@@ -80,11 +85,13 @@ def decode_worker(store_name, model_dir, new_tokens, jobs, results):
         rid, prompt = job
         cache = ShmkvCache.for_prompt(store, [prompt])  # starts from the cached system prompt
         reused = cache.get_seq_length()
+        t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), **cache_kwargs(model, cache),
                                  max_new_tokens=new_tokens, do_sample=False)
+        seconds = time.perf_counter() - t0
         cache.finish(out)  # the whole request: a prefix for its next turn
-        results.put((rid, os.getpid(), reused, out[0, len(prompt):].tolist()))
+        results.put((rid, os.getpid(), reused, out[0, len(prompt):].tolist(), seconds))
     store.close()
 
 
@@ -104,23 +111,30 @@ def _result(results, procs, timeout=180.0):
     raise TimeoutError(f"no answer within {timeout} s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options() -> argparse.ArgumentParser:
+    p = parser(__doc__)
     p.add_argument("--model", metavar="PATH", help="a local checkpoint directory with its tokenizer "
                    "(default: a tiny random Llama, token-id prompts)")
     p.add_argument("--system", default=SYSTEM_TEXT, help="the shared system prompt (with --model)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a user prompt (repeatable; with --model)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(a: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # torch writes its compile cache under $TMPDIR unless told where: here, removed at the end
         # (the spawned processes inherit it)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "torchinductor"))
-        return run(a.model or os.path.join(tmp, "model"), a.model is not None, a.system,
-                   a.prompt or USER_TEXTS, a.new_tokens)
+        code = demo(a.model or os.path.join(tmp, "model"), a.model is not None, a.system,
+                    a.prompt or USER_TEXTS, a.new_tokens)
+    if code:
+        raise SystemExit(code)
 
 
-def run(model_dir: str, checkpoint: bool, system_text: str, user_texts: list[str], new_tokens: int) -> int:
+def demo(model_dir: str, checkpoint: bool, system_text: str, user_texts: list[str], new_tokens: int) -> int:
+    t_start = time.perf_counter()
+    print("loading torch and transformers (10 s or more on a busy machine) ...", flush=True)
     try:
         import torch
         from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -131,6 +145,8 @@ def run(model_dir: str, checkpoint: bool, system_text: str, user_texts: list[str
     from shmkv.transformers import ShmkvCache, cache_kwargs
 
     logging.disable_progress_bar()
+    torch.set_num_threads(1)  # as each worker (_model): the speeds below compare like with like
+    print(f"loaded in {time.perf_counter() - t_start:.1f} s", flush=True)
     tokenizer = None
     if checkpoint:  # a local checkpoint: its weights, its config, its tokenizer
         model = _model(model_dir)
@@ -147,35 +163,61 @@ def run(model_dir: str, checkpoint: bool, system_text: str, user_texts: list[str
         model = LlamaForCausalLM._from_config(config, dtype=torch.float32).eval()
         model.save_pretrained(model_dir)  # the workers load the same weights
         system, requests, dtype = SYSTEM, [SYSTEM + u for u in USERS], "float32"
+    what = model_dir if checkpoint else "a tiny random-weight Llama (2 layers, token-id prompts)"
+    print(f"model: {what}; system prompt {len(system)} tokens, {len(requests)} requests of {new_tokens} new "
+          "tokens each", flush=True)
     ctx = mp.get_context("spawn")  # torch's thread pools do not survive fork
     name = f"hfworkers{os.getpid()}"
     # this process owns the store: closing removes it
     with ShmkvCache.from_config(model.config, name, dtype=dtype) as owner:
         jobs, results = ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=prefill, args=(name, model_dir, (system, requests), jobs, 2))]
+        procs = [ctx.Process(target=prefill, args=(name, model_dir, (system, requests), (jobs, results), 2))]
         procs += [ctx.Process(target=decode_worker, args=(name, model_dir, new_tokens, jobs, results))
                   for _ in range(2)]
+        print("starting a prefill process and 2 decode workers (each loads torch and the model) ...", flush=True)
         for p in procs:
             p.start()
         try:
-            answers = [_result(results, procs) for _ in requests]
+            answers = []
+            while len(answers) < len(requests):
+                got = _result(results, procs)
+                if got[0] == "prefilled":
+                    print(f"prefill: the {got[1]}-token system prompt is computed once and cached", flush=True)
+                    continue
+                answers.append(got)
+                print(f"  request {got[0]} answered by worker {got[1]} ({len(answers)}/{len(requests)})", flush=True)
+            print("waiting for the processes to exit ...", flush=True)
         finally:
             for p in procs:
                 p.join(30)
                 if p.is_alive():
                     p.kill()
                     p.join()
+        print("each answer against generate() with transformers' DynamicCache in this process:", flush=True)
         ok = True
-        for rid, pid, reused, tokens in sorted(answers):
+        shmkv_s = dyn_s = 0.0
+        for rid, pid, reused, tokens, seconds in sorted(answers):
+            t0 = time.perf_counter()
             with torch.no_grad():
                 ref_cache = DynamicCache(config=model.config)  # sliding layers too, if the model has them
                 ref = model.generate(torch.tensor([requests[rid]]), **cache_kwargs(model, ref_cache),
                                      max_new_tokens=new_tokens, do_sample=False)[0, len(requests[rid]):].tolist()
+            dyn = time.perf_counter() - t0
+            shmkv_s, dyn_s = shmkv_s + seconds, dyn_s + dyn
             same = tokens == ref
             ok &= same
-            said = repr(tokenizer.decode(tokens, skip_special_tokens=True)) if tokenizer else f"{tokens[:6]}..."
-            print(f"request {rid} (worker {pid}): reused {reused} of {len(requests[rid])} prompt tokens, "
-                  f"generated {said}  same as DynamicCache: {same}")
+            if tokenizer:
+                asked = repr(tokenizer.decode(requests[rid][len(system):], skip_special_tokens=True))
+                said = repr(tokenizer.decode(tokens, skip_special_tokens=True))
+            else:
+                asked, said = f"{requests[rid][len(system):]} (token ids)", f"{tokens[:8]}..."
+            print(f"request {rid}: prompt {asked} -> {said}")
+            print(f"  worker {pid}: reused {reused} of {len(requests[rid])} prompt tokens; "
+                  f"{len(tokens) / seconds:.0f} tokens/s with shmkv, {len(ref) / dyn:.0f} with DynamicCache "
+                  f"(prompt computed whole); same as DynamicCache: {same}")
+        n = len(answers) * new_tokens
+        print(f"speed, every request: {n / shmkv_s:.0f} tokens/s with shmkv (in a worker, prompt from the "
+              f"prefix cache), {n / dyn_s:.0f} with DynamicCache (this process); both one request at a time")
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
         st = owner.store.stats()
         print(f"prefix cache: {st.prefix_hits} hits, {st.prefix_misses} misses, "
@@ -188,4 +230,4 @@ def run(model_dir: str, checkpoint: bool, system_text: str, user_texts: list[str
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, options())

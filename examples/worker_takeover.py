@@ -10,6 +10,8 @@ Run: python examples/worker_takeover.py
 
 from __future__ import annotations
 
+from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+
 import multiprocessing as mp
 import os
 import signal
@@ -80,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, __doc__)

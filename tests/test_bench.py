@@ -1,4 +1,5 @@
-"""tools/bench.py, run as `shmkv bench` (the installed console script) and as a script.
+"""The benchmarks (shmkv/cli/bench/), run as `shmkv bench` (the installed console script) and as
+tools/bench.py.
 
 Timings are never asserted here: the tests check that every figure is there,
 that the bench reports a dead child at once, and the measurement helpers.
@@ -18,7 +19,6 @@ import time
 import numpy as np
 import pytest
 
-from shmkv import cli
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 NEW_KEYS = [  # issue 16: the keys the README table and the goals need
@@ -33,14 +33,9 @@ NEW_KEYS = [  # issue 16: the keys the README table and the goals need
 
 @pytest.fixture(scope="module")
 def bench_cases():
-    sys.path.insert(0, TOOLS)
-    try:
-        import bench
-        import bench_cases
+    from shmkv.cli.bench import driver, scenarios
 
-        yield bench_cases, bench
-    finally:
-        sys.path.remove(TOOLS)
+    return scenarios, driver
 
 
 def console_script() -> str:
@@ -67,9 +62,9 @@ def test_bench_command_quick_json_prints_every_key(bench_cases):
     assert not missing
     assert all(isinstance(v, (int, float)) and not np.isnan(v) for v in res.values())
     assert ("wait_wakeup_us" in res) == cases.has_wait()  # only where the library has Sequence.wait
-    for name in cases.SCENARIOS:  # each scenario names its baseline (the README table repeats it)
-        if name == "wait" and not cases.has_wait():
-            assert "[wait] skipped" in r.stdout
+    for name in cases.SCENARIOS:  # each scenario names its baseline, or says why it was skipped
+        if cases.lacking(name):
+            assert f"[{name}] skipped: " in r.stdout
         else:
             assert f"[{name}]" in r.stdout and f"baseline: {cases.BASELINES[name]}" in r.stdout
     r = subprocess.run([console_script(), "bench", "--only", "nonsense"], capture_output=True, text=True, timeout=60)
@@ -85,16 +80,61 @@ def test_bench_runs_as_a_script():
     assert "baseline: the same append-one-token" in r.stdout
 
 
-def test_bench_outside_a_checkout_says_where_it_looked(monkeypatch, tmp_path, capsys):
-    # an installed package (no tools/ beside it): a clear error, not a traceback
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "shmkv" / "cli" / "__init__.py"))
-    assert cli.main(["bench", "--quick"]) == 1
-    err = capsys.readouterr().err
-    assert str(tmp_path / "site-packages" / "tools" / "bench.py") in err and "source checkout" in err
+def test_the_bench_ships_in_the_package_and_import_shmkv_does_not_load_it():
+    import shmkv
+
+    pkg = os.path.dirname(shmkv.__file__)
+    assert os.path.isfile(os.path.join(pkg, "cli", "bench", "driver.py"))
+    r = subprocess.run([sys.executable, "-c", "import sys, shmkv; print(sorted(m for m in sys.modules "
+                        "if m.startswith('shmkv.cli')))"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
-def test_alternated_rotates_the_order_and_takes_self_timed_results(bench_cases):
-    cases, _ = bench_cases
+def test_a_scenario_without_its_extra_is_skipped_before_any_work(monkeypatch, capsys):
+    from shmkv.cli.bench import driver, scenarios
+
+    ran: list[str] = []
+    monkeypatch.setitem(scenarios.EXTRAS, "decode", (("shmkv_no_such_module",), (), "the xyz extra: pip install xyz"))
+    monkeypatch.setitem(scenarios.SCENARIOS, "decode", lambda quick: ran.append("decode") or {})
+    monkeypatch.setitem(scenarios.SCENARIOS, "truncate", lambda quick: ran.append("truncate") or {})
+    assert driver.main(["--quick", "--only", "decode,truncate"]) == 0
+    out = capsys.readouterr().out
+    assert ran == ["truncate"]
+    skip = [line for line in out.splitlines() if line.startswith("[decode]")]
+    assert skip == ["[decode] skipped: needs the xyz extra: pip install xyz (missing: shmkv_no_such_module)"]
+    assert out.index("[decode] skipped") < out.index("[truncate]")  # said first, before the work
+    assert "skipped: decode" in out
+
+
+def test_a_missed_goal_says_what_it_measures_and_a_busy_machine_is_named(monkeypatch, capsys):
+    from shmkv.cli.bench import driver, goals, scenarios
+
+    monkeypatch.setitem(scenarios.SCENARIOS, "decode", lambda quick: {"decode_ratio": 99.0})
+    monkeypatch.setattr(driver, "load", lambda: 10.0 * (os.cpu_count() or 1))
+    assert driver.main(["--only", "decode"]) == 0
+    out = capsys.readouterr().out
+    assert "goal <= 1.5: MISSED" in out and goals.WHAT["decode_ratio"] in out
+    assert "busy" in out and "1 goal(s) missed: decode_ratio; the machine was busy" in out
+    monkeypatch.setattr(driver, "load", lambda: 0.0)
+    monkeypatch.setitem(scenarios.SCENARIOS, "decode", lambda quick: {"decode_ratio": 1.0})
+    assert driver.main(["--only", "decode"]) == 0
+    out = capsys.readouterr().out
+    assert "busy" not in out and "MISSED" not in out and "goal <= 1.5: met" in out
+
+
+def test_bench_help_cites_no_file_outside_the_package_and_every_goal_says_what_it_measures():
+    r = subprocess.run([console_script(), "bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--goals" in r.stdout
+    assert "DESIGN" not in r.stdout and "README" not in r.stdout and ".md" not in r.stdout
+    from shmkv.cli.bench import goals
+
+    assert set(goals.GOALS) == set(goals.WHAT)
+    r = subprocess.run([console_script(), "bench", "--goals"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and all(k in r.stdout for k in goals.GOALS)
+
+
+def test_alternated_rotates_the_order_and_takes_self_timed_results():
+    from shmkv.cli.bench.timing import alternated
     calls: list[str] = []
     own = iter([0.3, 0.1, 0.2, 0.5, 0.4])
 
@@ -105,22 +145,22 @@ def test_alternated_rotates_the_order_and_takes_self_timed_results(bench_cases):
     def b() -> None:
         calls.append("b")
 
-    t = cases.alternated({"a": a, "b": b}, 5)
+    t = alternated({"a": a, "b": b}, 5)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     assert t["a"] == 0.3 and 0 <= t["b"] < 0.1
 
 
-def test_touch_reads_every_byte(bench_cases):
-    cases, _ = bench_cases
+def test_touch_reads_every_byte():
+    from shmkv.cli.bench.timing import touch
     for n in (0, 7, 8, 4097):  # with and without a tail after the last whole word
         a = np.zeros(n, np.uint8)
-        assert cases.touch(a) == 0
+        assert touch(a) == 0
         if n:
             a[-1] = 5  # only the last byte set: found whether it is in a word or the tail
-            assert cases.touch(a) != 0
+            assert touch(a) != 0
     k = np.zeros((3, 4, 8), np.float16)
     k[2, 3, 7] = 1.0
-    assert cases.touch(k) != 0
+    assert touch(k) != 0
 
 
 def _children_of(pid: int) -> list[int]:

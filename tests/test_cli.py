@@ -83,6 +83,8 @@ def test_demo_command_says_what_it_does_and_leaves_nothing(tmp_path):
     requests = [x for x in lines if x.startswith("  request") and "(seq" in x]
     assert len(requests) == len(demo.PROMPTS) and all(": matches, tokens" in x for x in requests)
     assert "removed at the end" in r.stdout
+    shared = [x for x in lines if x.startswith("shared prefix pages:")]  # in tokens and KiB/MiB, not bytes
+    assert shared and " tokens (" in shared[0] and "iB) a request" in shared[0] and " bytes" not in shared[0]
     assert lines[-1].startswith("equal to a single-process run without shmkv: yes (wall time ")
     assert list(tmp.iterdir()) == []  # the default snapshot file was removed
     assert not store_entries(lines[1])
@@ -254,7 +256,49 @@ def test_info_wording(live_store):
     r = shmkv_cmd("info", live_store)
     assert r.returncode == 0, r.stderr
     assert "1 read-write client\n" in r.stdout or "1 read-write client," in r.stdout
-    assert "MiB capacity" in r.stdout and "reserved" not in r.stdout
+    assert "reserved" not in r.stdout and "MiB used of" not in r.stdout
+    store = shmkv.attach(live_store, readonly=True)
+    try:
+        max_tokens = store.layout.max_tokens
+    finally:
+        store.close()
+    # the capacity is the store's own: its token cells and the shared memory they take
+    size = os.stat(f"/dev/shm/skv_{live_store}.d").st_size
+    info = json.loads(shmkv_cmd("info", live_store, "--json").stdout)
+    assert info["capacity_bytes"] == size
+    from shmkv.cli._words import size as in_words
+
+    assert f"capacity {max_tokens:,} tokens ({in_words(size)} of shared memory)" in r.stdout
+
+
+def test_info_of_a_sequence_without_token_ids_says_so(make_store):
+    store = make_store()
+    seq = store.create_sequence(capacity=4)
+    seq.extend(np.ones((2, 3, 2, 4)), np.ones((2, 3, 2, 4)))  # no tokens=: no ids
+    r = shmkv_cmd("info", store.name)
+    assert r.returncode == 0, r.stderr
+    assert "no token ids" in r.stdout and "[-1" not in r.stdout
+    assert "generation" not in repr(store.sequences()[0])  # a change counter, not a figure to read
+
+
+def test_cli_errors_speak_the_cli_and_json_stays_json():
+    missing = unique_name("nope")
+    r = shmkv_cmd("info", missing)
+    assert r.returncode == 1 and "`shmkv ls`" in r.stderr and "list_stores" not in r.stderr
+    r = shmkv_cmd("info", missing, "--json")
+    assert r.returncode == 1 and r.stderr == ""
+    err = json.loads(r.stdout)
+    assert err["type"] == "StoreNotFound" and missing in err["error"]
+
+
+def test_create_on_an_existing_name_names_the_store_and_load_wants_a_name(make_store, tmp_path):
+    store = make_store()
+    with pytest.raises(shmkv.StoreExistsError) as e:
+        shmkv.create(store.name, layers=2, kv_heads=2, head_dim=4)
+    assert f"a store named {store.name!r} exists already" in str(e.value) and "skv_" not in str(e.value)
+    store.save(tmp_path / "s.shmkv")
+    with pytest.raises(shmkv.InvalidArgumentError, match="needs the new store's name"):
+        shmkv.load(tmp_path / "s.shmkv")
 
 
 def test_verify_finds_problems(make_store):
@@ -281,3 +325,13 @@ def test_verify_finds_problems(make_store):
     assert cli.verify(store) == []
     r = shmkv_cmd("verify", store.name, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True
+
+
+def test_doctor_says_whose_layout_its_room_is_for():
+    r = shmkv_cmd("doctor")
+    room = [x for x in r.stdout.splitlines() if x.startswith("room ")]
+    assert room and "tokens fit in /dev/shm now" in room[0] and "the default layout" in room[0], r.stdout
+    assert "--layers" in room[0] and "beside" not in r.stdout
+    r = shmkv_cmd("doctor", "--layers", "4", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float16")
+    room = [x for x in r.stdout.splitlines() if x.startswith("room ")]
+    assert "4 layers, 2 KV heads of 8 dims, float16 (256 B a token" in room[0] and "default" not in room[0]

@@ -15,7 +15,7 @@ from conftest import importorskip_unless_ci
 from shmkv.testing import shm_entries
 
 DIR = pathlib.Path(__file__).parent.parent / "examples"
-PROGRAMS = sorted(p for p in DIR.glob("*.py") if p.name != "toymodel.py")
+PROGRAMS = sorted(p for p in DIR.glob("*.py") if p.name != "toymodel.py" and not p.name.startswith("_"))
 
 # What each program must print (each string at least `count` times): the behaviour it claims.
 EXPECT: dict[str, list[tuple[str, int]]] = {
@@ -54,6 +54,41 @@ def test_examples_use_only_the_public_api(path):
     assert not re.search(r"\bshmkv\._", path.read_text()), f"{path.name} reaches into shmkv._..."
 
 
+# Runs an example as `python X.py --help` would, recording (audit hooks) every file it opens under
+# /dev/shm and every process it starts; prints them last, on stderr.
+HELP_PROBE = """
+import os, runpy, sys
+made = []
+def hook(event, args):
+    if event == "open" and str(args[0]).startswith("/dev/shm"):
+        made.append(str(args[0]))
+    elif event in ("os.fork", "os.posix_spawn", "os.exec", "subprocess.Popen"):
+        made.append(event)
+sys.addaudithook(hook)
+path = sys.argv[1]
+sys.argv = [path, "--help"]
+sys.path.insert(0, os.path.dirname(path))
+try:
+    runpy.run_path(path, run_name="__main__")
+finally:
+    sys.stderr.write(f"made: {made}")
+"""
+
+
+@pytest.mark.parametrize("path", [*PROGRAMS, DIR / "toymodel.py"], ids=lambda p: p.name)
+def test_example_answers_help_without_making_anything(path, tmp_path):
+    """`python examples/X.py --help`: its usage, exit 0, before any store or process is made (the
+    transformers one too, before importing torch)."""
+    r = subprocess.run([sys.executable, "-c", HELP_PROBE, str(path)], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith(f"usage: {path.name}"), r.stdout
+    assert r.stderr == "made: []", r.stderr  # nothing opened in /dev/shm, no process started
+    assert "torch" not in r.stdout or path.name == "transformers_workers.py"
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(900)  # three processes import torch: minutes on a loaded machine
 @pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: p.name)
 def test_example_runs(path, tmp_path):
     for module in NEEDS.get(path.name, ()):
@@ -63,7 +98,7 @@ def test_example_runs(path, tmp_path):
     p = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp)})
     try:
-        out, err = p.communicate(timeout=240)
+        out, err = p.communicate(timeout=600)
     finally:
         if p.poll() is None:
             p.kill()
@@ -77,6 +112,7 @@ def test_example_runs(path, tmp_path):
     assert list(tmp.iterdir()) == []
 
 
+@pytest.mark.timeout(900)
 def test_transformers_workers_on_a_local_checkpoint(tmp_path):
     """Issue 26: ``transformers_workers.py --model PATH`` on a checkpoint with its tokenizer: text
     prompts in, text out, every answer checked against DynamicCache. The checkpoint is written
@@ -117,7 +153,7 @@ def test_transformers_workers_on_a_local_checkpoint(tmp_path):
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                          env={**os.environ, "TMPDIR": str(tmp)})
     try:
-        out, err = p.communicate(timeout=240)
+        out, err = p.communicate(timeout=600)
     finally:
         if p.poll() is None:
             p.kill()
@@ -127,7 +163,7 @@ def test_transformers_workers_on_a_local_checkpoint(tmp_path):
     assert out.count(f"reused {n_system} of") == 3, out  # the system prompt, computed once
     assert out.count("same as DynamicCache: True") == 3, out
     assert "every request matches a single-process DynamicCache run" in out
-    said = re.findall(r"generated '([^']*)'", out)
+    said = re.findall(r"request \d: prompt '[^']*' -> '([^']*)'", out)  # the prompt echoed, then the answer
     assert len(said) == 3 and all(said), out  # text, decoded by the checkpoint's tokenizer
     assert all(w in vocab for s in said for w in s.split()), said
     assert [f for f in shm_entries() if re.fullmatch(rf"skv_[a-z]+{p.pid}\.\w+", f)] == []

@@ -398,11 +398,13 @@ def test_a_ctrl_c_on_the_lock_path_is_raised_once_the_lock_is_given_up(make_stor
     from shmkv._engine import interrupts as _interrupts
 
     store = make_store(**LAYOUT)
-    assert signal.getsignal(signal.SIGINT) is _interrupts._on_sigint  # installed over Python's default
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # no lock held: Python's own
     lands_on_the_lock_path = _interrupts.critical(lambda: signal.raise_signal(signal.SIGINT))
     with pytest.raises(KeyboardInterrupt), store.transaction():
+        assert signal.getsignal(signal.SIGINT) is _interrupts._on_sigint  # in front of it while held
         lands_on_the_lock_path()
         assert _interrupts.deferred == [signal.SIGINT] and store._engine._lock.is_held  # noted, not raised
     assert not store._engine._lock.is_held and _interrupts.deferred == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # back once the lock is free
     with pytest.raises(KeyboardInterrupt):  # elsewhere it is raised at once, as always
         signal.raise_signal(signal.SIGINT)

@@ -1,233 +1,35 @@
 #!/usr/bin/env python3
-"""Benchmarks against the alternatives, measured in the same run, reported as ratios.
-
-Run ``python tools/bench.py`` from a source checkout (or ``shmkv bench``, which
-runs this file); ``--quick`` for a short run, ``--json`` to end with one JSON
-object, ``--only a,b`` for some scenarios. Every scenario times shmkv and its
-baseline in this run, on this machine, alternately; the ratios are what count.
-Each scenario prints its baseline in one sentence. The goals are docs/design.md
-§7's. The scenarios themselves are in tools/bench_cases.py.
+"""``python tools/bench.py ARGS``: the same as ``shmkv bench ARGS`` (the benchmarks live in
+shmkv/cli/bench/). This checkout's benchmark code is the one that runs, whichever shmkv is
+first on PYTHONPATH: tools/bench_against.py measures an older tree's package with this
+checkout's harness. The loading happens at import, so that the scenarios' spawned children
+(which re-run this file as their main module) find the same harness.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
+import importlib
+import importlib.util
 import sys
-import time
+from pathlib import Path
 
-import numpy as np
-
-from bench_cases import BASELINES, SCENARIOS, SHM_MARGIN, SHM_NEEDS, TABLE_SIZES, has_wait
-
-# docs/design.md §7: key -> (comparison, bound)
-GOALS: dict[str, tuple[str, float]] = {
-    "decode_ratio": ("<=", 1.5),  # append + commit vs numpy slice writes
-    "truncate_step_us": ("<=", 30.0),  # a speculative step adds at most 30 us to append + commit
-    "handoff_ms": ("<", 1.0),  # attach + views, at any size
-    "handoff_read_ratio": ("<=", 1.5),  # full read vs reading a plain /dev/shm file
-    **{f"create_sequence_us_{n}": ("<=", 100.0) for n in TABLE_SIZES},
-    **{f"free_us_{n}": ("<=", 100.0) for n in TABLE_SIZES},
-    **{f"open_sequence_us_{n}": ("<=", 10.0) for n in TABLE_SIZES},
-    "sequences_us_per_seq": ("<=", 5.0),
-    "copy_prefix_ratio": (">=", 0.8),
-    "save_ratio": (">=", 0.9),  # vs np.save + fsync + atomic rename
-    "load_vs_limit": (">=", 0.8),  # vs sendfile into a fresh /dev/shm file
-    "prefill_vs_limit": (">=", 0.8),  # vs pwrite into a fresh /dev/shm file
-    "snapshotter_overhead": ("<", 0.10),  # at N = cores - 1 workers
-    "prefix_lookup_us_16": ("<=", 50.0 + 300 / 16),  # 50 us + 1 us per 16 prompt tokens
-    "prefix_lookup_us_1000": ("<=", 50.0 + 300 / 16),  # ... however many sequences are cached
-    "stitched_read_ratio": (">=", 0.9),  # a stitched view of shared prefix pages vs a plain view (§11)
-    "prefix_memory_ratio": ("<=", 1.25),  # /dev/shm bytes held / distinct tokens' bytes (issue 23)
-    "prefix_request_vs_extend1": ("<=", 20.0),  # create over a cached 2048-token prefix / 1-token extend
-    "remote_pull_ratio": (">=", 0.7),  # vs redis-py GET of the same bytes
-    "remote_push_ratio": (">=", 0.7),  # vs redis-py pipelined SET of the same bytes
-    "int8_step_ratio": ("<=", 2.0),  # int8 decode step at 2048 tokens vs float16's
-    "quantize_ratio": (">=", 0.25),  # float16 extend time / int8 extend time
-    "wait_vs_pipe": ("<=", 3.0),  # seq.wait wake-up vs a pipe's, same kind of process
-    "wait_readonly_vs_pipe": ("<=", 3.0),  # ... of a read-only attachment (issue 24)
-    "idle_waiter_wakeups_per_s": ("<=", 1.0),
-    "idle_readonly_waiter_wakeups_per_s": ("<=", 1.0),
-    "attach_ms_spawn": ("<", 1.0),  # shmkv.attach in a fresh spawned process (docs/design.md §7: under 1 ms)
-    "attach_ms_fork": ("<", 1.0),  # ... in a child forked from a process holding the store
-    "create_sequence_flat": ("<=", 1.2),  # create_sequence_us_4096 / create_sequence_us_16
-    "hf_generate_ratio": ("<=", 1.1),  # model.generate() vs DynamicCache, batch 1
-    "hf_generate_ratio_b4": ("<=", 1.3),  # ... batch 4
-}
+HARNESS = Path(__file__).resolve().parent.parent / "shmkv" / "cli" / "bench"
 
 
-ROWS = [  # (what, shmkv key, baseline text, baseline key or None, ratio key, how the ratio reads)
-    ("per-token append + commit, 32 layers", "decode_us_per_token", "preallocated numpy slices",
-     "numpy_us_per_token", "decode_ratio", "time / numpy"),
-    ("speculative step: truncate + append + commit", "spec_step_us", "append + commit alone",
-     "append_commit_us", "truncate_step_us", "us added per step"),
-    ("hand-off of 128 MiB: attach + views", "handoff_ms", "multiprocessing.Queue, receiver waiting",
-     "queue_handoff_ms", "handoff_speedup_vs_queue", "Queue time / shmkv time incl. full read"),
-    ("hand-off of 128 MiB: full read", "handoff_read_ms", "mmap + read of a /dev/shm file",
-     "shm_file_read_ms", "handoff_read_ratio", "time / file read"),
-    ("create_sequence at 4096 sequences", "create_sequence_us_4096", "flat: the same at 16 sequences",
-     "create_sequence_us_16", "create_sequence_us_4096", "us"),
-    ("store.sequence(id) at 4096 sequences", "open_sequence_us_4096", "flat: the same at 16 sequences",
-     "open_sequence_us_16", "open_sequence_us_4096", "us"),
-    ("store.sequences() per sequence", "sequences_us_per_seq", "worst of 16, 256, 4096 sequences", None,
-     "sequences_us_per_seq", "us"),
-    ("copy_prefix", "copy_prefix_gbps", "np.copyto", "copyto_gbps", "copy_prefix_ratio", "bandwidth / np.copyto"),
-    ("snapshot save", "save_gbps", "np.save + fsync + atomic rename", "np_save_gbps", "save_ratio",
-     "bandwidth / np.save"),
-    ("snapshot load", "load_gbps", "sendfile into fresh /dev/shm (limit)", "sendfile_limit_gbps",
-     "load_vs_limit", "bandwidth / limit"),
-    ("snapshot load vs np.load", "load_gbps", "np.load", "np_load_gbps", "load_ratio", "bandwidth / np.load"),
-    ("prefill 128 MiB into a new store", "prefill_ms", "pwrite into fresh /dev/shm (limit)", "pwrite_limit_ms",
-     "prefill_vs_limit", "limit time / shmkv"),
-    ("decode workers beside a snapshotter (N = cores - 1)", "snapshotter_overhead", "the same workers alone",
-     None, "snapshotter_overhead", "throughput lost"),
-    ("decode workers beside a snapshotter (N = cores)", "snapshotter_overhead_at_cores", "the same workers alone",
-     None, "snapshotter_overhead_at_cores", "throughput lost"),
-    ("int8 quantize on write", "quantize_ratio", "float16 store, same shape", None, "quantize_ratio",
-     "throughput / float16"),
-    ("int8 dequantize on read", "dequantize_ratio", "float16 store, same shape", None, "dequantize_ratio",
-     "throughput / float16"),
-    ("int8 decode step, 2048 tokens", "int8_step_us", "float16 store, same step", "float16_step_us",
-     "int8_step_ratio", "time / float16"),
-    ("Sequence.wait wake-up", "wait_wakeup_us", "a pipe's wake-up", "pipe_wakeup_us", "wait_vs_pipe",
-     "time / pipe"),
-    ("Sequence.wait wake-up, read-only attachment", "wait_wakeup_readonly_us", "a pipe's wake-up", "pipe_wakeup_us",
-     "wait_readonly_vs_pipe", "time / pipe"),
-    ("idle Sequence.wait", "idle_waiter_wakeups_per_s", "none", None, "idle_waiter_wakeups_per_s", "wake-ups/s"),
-    ("idle Sequence.wait, read-only attachment", "idle_readonly_waiter_wakeups_per_s", "none", None,
-     "idle_readonly_waiter_wakeups_per_s", "wake-ups/s"),
-    ("match_prefix, 300 tokens, 1000 cached sequences", "prefix_lookup_us_1000", "the same with 16 cached",
-     "prefix_lookup_us_16", "prefix_lookup_us_1000", "us"),
-    ("time to first token, system prompt cached", "prefix_ttft_ms", "the same request computed whole",
-     "noprefix_ttft_ms", "prefix_ttft_ratio", "time / without reuse"),
-    ("32 requests over a cached 2,048-token system prompt: memory", "prefix_memory_ratio",
-     "the distinct tokens' bytes", None, "prefix_memory_ratio", "bytes held / distinct bytes"),
-    ("create_sequence(prefix=) over a cached 2,048-token prefix", "prefix_request_ms", "a one-token extend",
-     "extend1_us", "prefix_request_vs_extend1", "create time / extend time"),
-    ("read a stitched 2,112-token view (shared prefix pages)", "stitch_build_us", "a plain view of the same bytes",
-     None, "stitched_read_ratio", "plain time / stitched time"),
-    ("remote tier pull, 128 MiB", "remote_pull_ms", "redis-py pipelined GET", "remote_get_ms", "remote_pull_ratio",
-     "redis-py time / shmkv time"),
-    ("generate(), 256 tokens, batch 1", "hf_shmkv_ms", "DynamicCache", "hf_dynamic_ms", "hf_generate_ratio",
-     "time / DynamicCache"),
-    ("generate(), 256 tokens, batch 4", "hf_shmkv_ms_b4", "DynamicCache", "hf_dynamic_ms_b4", "hf_generate_ratio_b4",
-     "time / DynamicCache"),
-    ("remote tier push, 128 MiB", "remote_push_ms", "redis-py pipelined SET", "remote_set_ms", "remote_push_ratio",
-     "redis-py time / shmkv time"),
-]
+def _load_harness() -> None:
+    """Register this checkout's shmkv/cli/bench as the package ``shmkv.cli.bench``."""
+    import shmkv.cli  # the parent package: this checkout's or the one under test
+
+    spec = importlib.util.spec_from_file_location("shmkv.cli.bench", HARNESS / "__init__.py",
+                                                  submodule_search_locations=[str(HARNESS)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["shmkv.cli.bench"] = module
+    spec.loader.exec_module(module)
+    shmkv.cli.bench = module  # type: ignore[attr-defined]
 
 
-def met(val: float, goal: tuple[str, float]) -> bool:
-    op, bound = goal
-    return {"<=": val <= bound, "<": val < bound, ">=": val >= bound}[op]
-
-
-def markdown(r: dict[str, float]) -> str:
-    lines = ["| scenario | shmkv | baseline | ratio | goal |", "| --- | --- | --- | --- | --- |"]
-    for what, key, base, base_key, ratio, how in ROWS:
-        if key not in r or ratio not in r:
-            continue
-        base_val = f" ({base_key} = {r[base_key]:.3g})" if base_key in r else ""
-        gk = ratio if ratio in GOALS else key
-        goal = GOALS.get(gk)
-        goal_s = f"{gk} {goal[0]} {goal[1]:g}: {'met' if met(r[gk], goal) else 'missed'}" if goal else ""
-        lines.append(f"| {what} | {key} = {r[key]:.3g} | {base}{base_val} | {r[ratio]:.3g} ({how}) | {goal_s} |")
-    return "\n".join(lines)
-
-
-def plot(r: dict[str, float], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'shmkv[plot]'") from None
-    keys = [k for k in ("decode_ratio", "handoff_read_ratio", "copy_prefix_ratio", "save_ratio", "load_vs_limit",
-                        "prefill_vs_limit") if k in r]
-    fig, ax = plt.subplots(figsize=(7, 3.4))
-    ax.barh(keys, [r[k] for k in keys], color=["#4a7" if met(r[k], GOALS[k]) else "#c55" for k in keys])
-    for i, k in enumerate(keys):
-        ax.plot([GOALS[k][1]] * 2, [i - 0.4, i + 0.4], "k--", lw=1)
-    ax.set_xlabel("ratio against the baseline measured in the same run (dashed: goal)")
-    ax.set_title("shmkv vs its baselines (green: goal met)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def shm_refusal(names: list[str], quick: bool) -> str | None:
-    """None if /dev/shm has the room the chosen scenarios need (the largest of them: they run
-    one after another), else what to say: how much, for which, how to get it, what fits."""
-    needs = {n: SHM_NEEDS[n](quick) + SHM_MARGIN for n in names}
-    worst = max(needs, key=lambda n: needs[n])
-    what = f"shmkv bench{' --quick' if quick else ''} (its largest scenario, {worst})"
-    try:
-        from shmkv.store._doctor import room
-    except ImportError:  # tools/bench_against.py runs this harness against older trees: say it plainly
-        st = os.statvfs("/dev/shm")
-        free = st.f_bavail * st.f_frsize
-        msg = None if free >= needs[worst] else (f"{what} needs {needs[worst] >> 20} MiB free in /dev/shm; it has "
-                                                 f"{free >> 20} MiB: `docker run --shm-size=...` gives more")
-    else:
-        msg = room(needs[worst], what)
-    if msg is None:
-        return None
-    st = os.statvfs("/dev/shm")
-    free = st.f_bavail * st.f_frsize
-    fit = [n for n in names if needs[n] <= free]
-    return f"shmkv bench: {msg}" + (f"; or run only what fits now: --only {','.join(fit)}" if fit else "")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="shmkv bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a short run (about half a minute)")
-    p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
-    p.add_argument("--only", help="comma-separated scenarios: " + ",".join(SCENARIOS))
-    p.add_argument("--markdown", action="store_true", help="also print the README's table (Markdown)")
-    p.add_argument("--plot", metavar="PNG", help="draw the main ratios (needs the plot extra: matplotlib)")
-    a = p.parse_args(argv)
-    names = a.only.split(",") if a.only else list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
-    if unknown:
-        p.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
-    refusal = shm_refusal(names, a.quick)
-    if refusal:  # before any scenario starts: not a CacheFullError traceback halfway through
-        print(refusal, file=sys.stderr)
-        return 1
-    results: dict[str, float] = {}
-    try:  # private: which crc32 the snapshots use; older trees keep it elsewhere
-        from shmkv._snapshot.format import CRC32
-    except ImportError:
-        CRC32 = "?"
-
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"numpy {np.__version__}, snapshot crc32 from {CRC32}{', quick' if a.quick else ''}", flush=True)
-    t_all = time.perf_counter()
-    for name in names:
-        if name == "wait" and not has_wait():
-            print("\n[wait] skipped: this version of shmkv has no Sequence.wait", flush=True)
-            continue
-        t0 = time.perf_counter()
-        r = SCENARIOS[name](a.quick)
-        results.update(r)
-        print(f"\n[{name}] ({time.perf_counter() - t0:.1f} s) baseline: {BASELINES[name]}")
-        for key, val in r.items():
-            goal = GOALS.get(key)
-            mark = f"   goal {goal[0]} {goal[1]:g}: {'met' if met(val, goal) else 'MISSED'}" if goal else ""
-            print(f"  {key:<30} {val:12.3f}{mark}")
-        sys.stdout.flush()
-    results["seconds"] = time.perf_counter() - t_all
-    if a.markdown:
-        print("\n" + markdown(results))
-    if a.plot:
-        plot(results, a.plot)
-    if a.json:
-        print(json.dumps(results))
-    return 0
-
+_load_harness()
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(importlib.import_module("shmkv.cli.bench.driver").main(sys.argv[1:]))

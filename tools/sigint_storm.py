@@ -103,11 +103,12 @@ def sigint_open() -> Iterator[None]:
 
 
 def install_gate() -> None:
-    """Put a gate in front of the SIGINT handler shmkv installed (``guard_sigint``): it passes
-    the signal (and the interrupted frame) on while ``GATE`` is open, drops it otherwise, so the
-    harness's own loop and bookkeeping are never interrupted."""
-    inner = signal.getsignal(signal.SIGINT)
-    assert callable(inner), inner
+    """Put a gate in front of shmkv's SIGINT handler (``interrupts._on_sigint``, which shmkv itself
+    installs only while a store lock is held): it passes the signal (and the interrupted frame)
+    on while ``GATE`` is open, drops it otherwise, so the harness's own loop and bookkeeping are
+    never interrupted. With the gate installed shmkv leaves the handler alone (it is not Python's
+    default one), so every SIGINT of a step goes through ``_on_sigint``, held lock or not."""
+    from shmkv._engine.interrupts import _on_sigint as inner
 
     def gated(signum: int, frame: Any) -> None:
         if GATE[0]:

@@ -6,16 +6,23 @@ first instruction, after a call into C, a backward jump). One landing between th
 and the bookkeeping, or at the first instruction of an ``__exit__``, would leave the lock
 held by a process that lives on (a REPL keeps the traceback and its frames). So the
 code that takes, gives up or rolls back a hold is *critical* (``critical``): while the main
-thread runs it (or anything it calls), this module's SIGINT handler, installed over
-Python's default one (``guard_sigint``), notes the signal instead of raising, and the
-interrupt is raised at the next safe point: the end of a release (the lock already given
-up), or while waiting for the lock (nothing held). Everything else (the body of a
-structural operation, a restore's reading) is interrupted as usual and its journaled
-transaction rolls back (``journal``). No system call on the lock path: blocking signals
-with ``pthread_sigmask`` cost 2.5 us a call here, and does not stop another thread from
-taking the signal for the process. A handler a program installs itself replaces ours
-(and ``asyncio.run`` installs its own only over Python's default one: with shmkv attached
-first, Ctrl-C in ``asyncio.run`` raises KeyboardInterrupt as before Python 3.11).
+thread runs it (or anything it calls), this module's SIGINT handler notes the signal
+instead of raising, and the interrupt is raised at the next safe point: the end of a
+release (the lock already given up), or while waiting for the lock (nothing held).
+Everything else (the body of a structural operation, a restore's reading) is interrupted
+as usual and its journaled transaction rolls back (``journal``).
+
+The handler stands in front of Python's default one only while the main thread holds a
+store lock: ``guard_sigint`` installs it as a lock is taken (before anything is held) and
+``released`` puts Python's default handler back when the main thread's last hold is given
+up. Outside those holds nothing of shmkv is on the SIGINT path: a program's own Ctrl-C
+raises in its own code (its traceback ends there) and ``asyncio.run``, which installs its
+handler only over Python's default one, handles Ctrl-C as without shmkv. A handler a
+program installs itself is left alone (no deferral under it: with ``asyncio.run`` the lock
+path is not shielded from a second Ctrl-C). No system call while a hold nests: one
+``sigaction`` to install and one to restore per outermost hold of the main thread;
+blocking signals with ``pthread_sigmask`` instead cost 2.5 us a call here and does not
+stop another thread from taking the signal for the process.
 """
 
 from __future__ import annotations
@@ -28,11 +35,13 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
-__all__ = ["critical", "deferred", "deliver_deferred", "guard_sigint"]
+__all__ = ["critical", "deferred", "deliver_deferred", "guard_sigint", "held", "released"]
 
 _CRITICAL: set[CodeType] = set()  # code whose frames defer SIGINT (and what they call)
 deferred: list[int] = []  # signals noted by _on_sigint, raised at the next safe point
 _main_ident = threading.main_thread().ident
+_installed = [False]  # _on_sigint is the SIGINT handler (put there by guard_sigint)
+_holds = [0]  # store-lock holds the main thread has (held / released)
 FnT = TypeVar("FnT", bound=Callable[..., Any])
 
 
@@ -53,15 +62,44 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     signal.default_int_handler(signum, frame)
 
 
+@critical  # a Ctrl-C inside it, ours installed, waits too
 def guard_sigint() -> None:
-    """Install the SIGINT handler that defers Ctrl-C out of lock-path code, over Python's
-    default handler only (a program's own handler is left alone). Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
+    """Put the SIGINT handler that defers Ctrl-C out of lock-path code in front of Python's
+    default handler (a program's own handler is left alone). Called as a store lock is taken,
+    before anything is held; main thread only, and once until ``released`` removes it."""
+    if _installed[0] or threading.get_ident() != _main_ident:
         return
     try:  # (_signal's: signal's own wrap the handler in an enum lookup that fails, ~50 us cold an attach)
         if _signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             _signal.signal(signal.SIGINT, _on_sigint)
+            _installed[0] = True
     except (ValueError, OSError):  # not the main interpreter, or no signals here
+        pass
+
+
+@critical  # a Ctrl-C inside it, ours installed, waits too
+def held() -> None:
+    """A store-lock hold begins (any thread: only the main thread's count)."""
+    if threading.get_ident() == _main_ident:
+        _holds[0] += 1
+
+
+@critical  # a Ctrl-C inside it, ours installed, waits too
+def released(dropped: bool = True) -> None:
+    """A hold ends (``dropped``), or an acquire gave up before holding (False). When the main
+    thread holds no store lock any more, Python's default SIGINT handler goes back in place,
+    unless a program replaced ours meanwhile. Call from critical code."""
+    if threading.get_ident() != _main_ident:
+        return
+    if dropped and _holds[0] > 0:
+        _holds[0] -= 1
+    if _holds[0] or not _installed[0]:
+        return
+    _installed[0] = False
+    try:
+        if _signal.getsignal(signal.SIGINT) is _on_sigint:
+            _signal.signal(signal.SIGINT, signal.default_int_handler)
+    except (ValueError, OSError):
         pass
 
 
@@ -77,6 +115,8 @@ def _after_fork_in_child() -> None:
     global _main_ident
     _main_ident = threading.get_ident()  # the forking thread is the child's main thread
     deferred.clear()
+    _holds[0] = 0  # the child holds none of the parent's locks
+    released(False)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

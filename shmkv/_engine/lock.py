@@ -62,7 +62,7 @@ from typing import Any, TypeVar
 import filelock
 
 from shmkv._engine import segment as _segment
-from shmkv._engine.interrupts import critical, deferred, deliver_deferred, guard_sigint
+from shmkv._engine.interrupts import critical, deferred, deliver_deferred, guard_sigint, held, released
 from shmkv.errors import LockTimeout, StoreClosedError
 
 DEFAULT_TIMEOUT = 30.0
@@ -157,7 +157,6 @@ class StoreLock:
         self._closed = False
         self._open()
         _open_locks.add(self)
-        guard_sigint()
 
     def _open(self) -> None:
         # The file has the segments' mode: whoever could open them can open it.
@@ -192,7 +191,9 @@ class StoreLock:
         Returns with the lock held (the holds this process now has: 1 for the outermost, what
         ``depth`` would say, without its fork check), or raises with it not held (a Ctrl-C
         included: see the module docstring)."""
+        guard_sigint()  # the deferring handler, from here until the main thread holds no lock (released)
         if self._closed:
+            released(False)
             raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
         if self._pid != os.getpid():
             self._open()  # first use in a forked child
@@ -202,6 +203,7 @@ class StoreLock:
         if not state.rlock.acquire(blocking=False) and not state.rlock.acquire(
             timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())
         ):
+            released(False)
             deliver_deferred()  # a Ctrl-C while waiting wins over the timeout
             raise self._timeout_error(timeout)
         op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
@@ -228,9 +230,11 @@ class StoreLock:
                     pass
                 state.fd = -1
             state.rlock.release()
+            released(False)
             deliver_deferred()  # nothing held now: a Ctrl-C deferred meanwhile is raised (chained)
             raise
         state.depth += 1
+        held()
         if deferred:  # a Ctrl-C while we took it: give it back, then raise it
             self.release()
         return state.depth
@@ -279,9 +283,11 @@ class StoreLock:
                 for fd in pending:
                     os.close(fd)
                 state.rlock.release()
+                released()
         else:
             state.rlock.release()  # raises (RuntimeError) if this thread does not hold it
             state.depth -= 1
+            released()
         if deferred:
             deliver_deferred()
 

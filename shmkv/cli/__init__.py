@@ -27,86 +27,9 @@ from shmkv.store._lifecycle import Owners, gc, list_stores, remove, store_owners
 from shmkv.store._lifecycle import load as load_snapshot
 from shmkv.store._store import Store, attach, engine_of
 from shmkv.cli._args import count_arg, ids_arg, seconds_arg
+from shmkv.cli._info import ProgressBar, info_of, print_info
+from shmkv.cli._words import for_the_shell, size
 from shmkv.errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
-
-
-class _Bar:
-    """A progress bar on stderr, shown only on a terminal (or when forced)."""
-
-    def __init__(self, label: str, enabled: bool) -> None:
-        self.label = label
-        self.enabled = enabled
-        self.last = 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < 0.1 and done < total):
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:4.0%} {done / 2**20:.1f}/{total / 2**20:.1f} MiB")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def _plural(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-def _info(store: Store, first: int = 8) -> dict[str, Any]:
-    lay = store.layout
-    seqs = []
-    for info in store.sequences():
-        try:
-            handle = store.sequence(info.id)
-            toks = handle.tokens[:first].tolist()
-            meta = handle.meta
-        except ShmkvError:
-            continue  # freed meanwhile
-        seqs.append({"id": info.id, "length": info.length, "capacity": info.capacity, "start": info.start,
-                     "lease_pid": info.lease_pid, "lease_alive": info.lease_alive, "finished": info.finished,
-                     "meta": meta, "first_tokens": toks})
-    st = store.stats()
-    return {
-        "name": store.name,
-        "layout": {"layers": lay.layers, "kv_heads": lay.kv_heads, "head_dim": lay.head_dim,
-                   "dtype": lay.dtype, "max_tokens": lay.max_tokens, "max_seqs": lay.max_seqs,
-                   "layer_types": list(lay.layer_types), "window": lay.window, "chunk": lay.chunk},
-        "persistent": store.persistent,
-        "stats": {k: getattr(st, k) for k in st.__dataclass_fields__},
-        "sequences": seqs,
-    }
-
-
-def _print_info(d: dict[str, Any]) -> None:
-    lay: dict[str, Any] = d["layout"]
-    st: dict[str, Any] = d["stats"]
-    print(f"store {d['name']}: layers={lay['layers']} kv_heads={lay['kv_heads']} head_dim={lay['head_dim']} "
-          f"dtype={lay['dtype']} max_tokens={lay['max_tokens']} max_seqs={lay['max_seqs']}"
-          f"{' persistent' if d['persistent'] else ''}")
-    print(f"  {st['sequences']} sequences, {st['tokens']} tokens, {st['free_tokens']} free cells, "
-          f"{st['bytes_used'] / 2**20:.2f} MiB used of {st['bytes_reserved'] / 2**20:.2f} MiB capacity, "
-          f"{_plural(st['clients'], 'read-write client')}")
-    print(f"  prefix cache: {st['prefix_hits']} hits, {st['prefix_misses']} misses, "
-          f"{st['prefix_tokens_reused']} tokens reused; {st['finished']} finished (cached, evictable), "
-          f"{st['evictions']} evicted")
-    if st["shared_tokens"]:  # shared prefix pages (docs/design.md §11): bytes read from another sequence's pages
-        held, once = st["bytes_held"], st["span_cells"] * (st["bytes_per_token"] - 16)
-        print(f"  shared prefix pages: {st['shared_tokens']} tokens read from {st['span_cells']} cells, "
-              f"{once / 2**20:.2f} MiB held once; {held / 2**20:.2f} MiB held "
-              f"(sharing ratio {st['bytes_used'] / held if held > 0 else 0:.2f}: bytes used / bytes held)")
-    if st["retained_cells"]:  # span cells kept for views of borrowers truncated inside their spans
-        print(f"  {st['retained_cells']} span cells retained for views of truncated borrowers (freed with them)")
-    if d["sequences"]:
-        print(f"  {'id':>6} {'length':>8} {'capacity':>8}  {'lease':<14} {'state':<9} first tokens")
-        for s in d["sequences"]:
-            lease = "-" if not s["lease_pid"] else f"{s['lease_pid']} {'alive' if s['lease_alive'] else 'dead'}"
-            state = "finished" if s["finished"] else "live"
-            meta = f"  meta {json.dumps(s['meta'], default=repr)}" if s["meta"] else ""
-            print(f"  {s['id']:>6} {s['length']:>8} {s['capacity']:>8}  {lease:<14} {state:<9} "
-                  f"{s['first_tokens']}{meta}")
 
 
 def verify(store: Store) -> list[str]:
@@ -198,8 +121,8 @@ def _cmd_ls(a: argparse.Namespace) -> int:
 
 def _cmd_info(a: argparse.Namespace) -> int:
     with attach(a.name, readonly=True) as s:
-        d = _info(s)
-    print(json.dumps(d)) if a.json else _print_info(d)
+        d = info_of(s)
+    print(json.dumps(d)) if a.json else print_info(d)
     return 0
 
 
@@ -208,14 +131,14 @@ def _cmd_watch(a: argparse.Namespace) -> int:
         n = 0
         try:
             while a.count is None or n < a.count:
-                d = _info(s)
+                d = info_of(s)
                 if a.json:
                     print(json.dumps(d), flush=True)
                 else:
                     if sys.stdout.isatty():
                         sys.stdout.write("\x1b[H\x1b[2J")
                     print(time.strftime("%H:%M:%S"), end=" ")
-                    _print_info(d)
+                    print_info(d)
                     sys.stdout.flush()
                 n += 1
                 if a.count is None or n < a.count:
@@ -227,7 +150,7 @@ def _cmd_watch(a: argparse.Namespace) -> int:
 
 def _cmd_save(a: argparse.Namespace) -> int:
     with attach(a.name, readonly=True) as s:
-        n = s.save(a.file, a.seq, progress=_Bar("save", a.progress or sys.stderr.isatty()))
+        n = s.save(a.file, a.seq, progress=ProgressBar("save", a.progress or sys.stderr.isatty()))
     print(f"saved {a.name} to {a.file} ({n} bytes)")
     return 0
 
@@ -235,7 +158,7 @@ def _cmd_save(a: argparse.Namespace) -> int:
 def _cmd_load(a: argparse.Namespace) -> int:
     try:
         s = load_snapshot(a.file, a.name, persistent=True,
-                          progress=_Bar("load", a.progress or sys.stderr.isatty()))
+                          progress=ProgressBar("load", a.progress or sys.stderr.isatty()))
     except StoreExistsError:
         raise StoreExistsError(
             f"a store named {a.name!r} exists already: choose another --name, or remove it first "
@@ -335,6 +258,7 @@ def _cmd_snapshot(a: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(a: argparse.Namespace) -> int:
+    from shmkv._engine.stitch import CACHE_LIMIT as _STITCH_LIMIT
     from shmkv.store._doctor import MAPS_PER_STORE, doctor
 
     d = doctor(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, tokens=a.tokens)
@@ -346,12 +270,15 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
           f"Python {d.python}, numpy {d.numpy}, shmkv {d.shmkv}")
     print(f"/dev/shm     {d.shm_path} ({d.shm_fs or 'missing'}): {d.shm_free / 2**20:.0f} MiB free of "
           f"{d.shm_size / 2**20:.0f} MiB{'' if d.shm_writable else ', NOT writable'}")
-    print(f"largest store {d.tokens_fit} tokens of {lay['layers']} layers x {lay['kv_heads']} KV heads x "
-          f"{lay['head_dim']} {lay['dtype']} ({d.bytes_per_token} bytes a token)")
+    given = any(x is not None for x in (a.layers, a.kv_heads, a.head_dim, a.dtype))
+    print(f"room         {d.tokens_fit:,} tokens fit in /dev/shm now, for a model of {lay['layers']} layers, "
+          f"{lay['kv_heads']} KV heads of {lay['head_dim']} dims, {lay['dtype']} ({size(d.bytes_per_token)} "
+          "a token, K and V)" + ("" if given else "; that is the default layout, an 8B Llama-3-sized model: "
+                                 "--layers, --kv-heads, --head-dim and --dtype give yours"))
     if d.max_map_count is not None:
-        print(f"mappings     vm.max_map_count {d.max_map_count}, {d.maps_in_use} in use by this process: room to "
-              f"attach about {d.stores_mappable} more stores ({MAPS_PER_STORE} mappings each) beside 16384 for "
-              "stitched views")
+        print(f"mappings     vm.max_map_count {d.max_map_count:,}, {d.maps_in_use:,} in use by this process: about "
+              f"{d.stores_mappable:,} more stores can be attached ({MAPS_PER_STORE} mappings each), keeping "
+              f"{2 * _STITCH_LIMIT:,} for the views of shared prefix pages")
     print(f"liveness     PID namespace {d.pid_namespace} "
           f"({'the initial one' if d.initial_pid_namespace else 'not the initial one: a container'}); "
           + ("liveness is a kernel lock: processes in other PID namespaces (containers sharing this /dev/shm) are "
@@ -374,25 +301,18 @@ def _cmd_demo(a: argparse.Namespace) -> int:
         summary = demo.run(workers=a.workers, new_tokens=a.tokens, snapshot=a.snapshot,
                            start_method=a.start_method, out=lambda m: print(m, flush=True))
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (the demo ignored a second one meanwhile)
         print("interrupted; the demo's store was removed", file=sys.stderr)
         return 130
     return 0 if summary["ok"] else 1
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    # The benchmarks are not part of the library: they live in the source checkout's
-    # tools/bench.py, beside the package directory. Replace this process with it (same
-    # arguments, same pid: signals and exit codes pass through unchanged).
-    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # shmkv/cli/ -> checkout
-    script = os.path.join(checkout, "tools", "bench.py")
-    if not os.path.isfile(script):
-        print(f"shmkv bench: {script} not found: the benchmarks ship with the source checkout, not with "
-              "the installed package; clone the repository, `pip install -e .` there and run "
-              "`shmkv bench` (or `python tools/bench.py`) from it", file=sys.stderr)
-        return 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, script, *a.bench_args])
+    # The benchmarks ship in the package (shmkv/cli/bench/), imported only here: numpy
+    # baselines, multiprocessing and the scenarios stay out of every other command.
+    from shmkv.cli.bench.driver import main as bench_main
+
+    return bench_main(a.bench_args)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -472,28 +392,38 @@ def _parser() -> argparse.ArgumentParser:
 
     add_cli(sub)
     # The bench parses its own options (--quick, --json, --only, ...): `shmkv bench --help` shows them.
-    sub.add_parser("bench", help="benchmarks against numpy, np.save and multiprocessing (tools/bench.py)",
+    sub.add_parser("bench", help="benchmarks against numpy, np.save and multiprocessing (`shmkv bench --help`)",
                    add_help=False).set_defaults(fn=_cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.cmd is None:  # bare `shmkv`: the help, as a usage error
-        parser.print_help()
-        return 2
-    if args.cmd == "bench":
-        args.bench_args = extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    cmd = ""
     try:
-        return int(args.fn(args))
-    except ShmkvError as e:
-        print(f"shmkv {args.cmd}: {e}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
-        return 1
+        parser = _parser()
+        args, extra = parser.parse_known_args(argv)
+        if args.cmd is None:  # bare `shmkv`: the help, as a usage error
+            parser.print_help()
+            return 2
+        cmd = f" {args.cmd}"
+        if args.cmd == "bench":
+            args.bench_args = extra
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        try:
+            return int(args.fn(args))
+        except ShmkvError as e:
+            msg = for_the_shell(str(e))
+            if getattr(args, "json", False):  # a script asked for JSON: the error too
+                print(json.dumps({"error": msg, "type": type(e).__name__}))
+            else:
+                print(f"shmkv{cmd}: {msg}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:
+            return 1
+    except KeyboardInterrupt:  # Ctrl-C at any moment: one line, no traceback; 130 as a shell reports it
+        print(f"shmkv{cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from shmkv.cli import _model
+from shmkv.cli._quiet import children_ignore_sigint
+from shmkv.cli._words import size
 from shmkv._snapshot import save as _save
 from shmkv.store import _doctor
 from shmkv.store._lifecycle import create
@@ -153,13 +157,15 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
                    max_tokens=max_tokens, max_seqs=len(prompts) + 2)
     procs: list[Any] = []
     try:
-        requests, results = ctx.Queue(), ctx.Queue()
+        with children_ignore_sigint():  # (multiprocessing's resource tracker may start here)
+            requests, results = ctx.Queue(), ctx.Queue()
         procs.append(ctx.Process(target=_tokenizer, args=(name, prompts, new_tokens, requests, workers)))
         procs += [ctx.Process(target=_worker, args=(name, w, new_tokens, requests, results)) for w in range(workers)]
         procs.append(ctx.Process(target=_snapshotter, args=(name, snapshot, 0.5, results)))
         t0 = time.perf_counter()
         for p in procs:
-            p.start()
+            with children_ignore_sigint():  # (one at a time: the window where SIGINT is ignored stays short)
+                p.start()
         got: list[Result] = []
         snap = None
         deadline = time.monotonic() + timeout
@@ -196,9 +202,10 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
         st = store.stats()
         out(f"prefix cache: {reused} of {total} prompt tokens reused, {total - reused} computed "
             f"({st.prefix_hits} hits, {st.prefix_misses} misses: create_sequence(prefix=...) found them)")
-        if st.prefix_hits:
-            out(f"shared prefix pages: {st.bytes_shared} bytes read in place from another sequence's pages, "
-                f"{st.bytes_shared // st.prefix_hits} bytes a request (not copied)")
+        if st.prefix_hits and st.shared_tokens:
+            out(f"shared prefix pages: {st.shared_tokens} tokens ({size(st.bytes_shared)}) read in place from "
+                f"another sequence's pages, not copied: {st.shared_tokens / st.prefix_hits:.0f} tokens "
+                f"({size(st.bytes_shared / st.prefix_hits)}) a request")
         out("each request's new tokens against a single-process numpy run without shmkv "
             "('matches': the same tokens):")
         for r in sorted(got, key=lambda r: r.index):
@@ -214,13 +221,21 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
             secs = sum(r.seconds for r in mine)
             out(f"worker {w}: {len(mine)} requests, {toks} tokens, {toks / secs if secs else 0:.0f} tokens/s")
         where = "" if keep_snapshot else "; removed at the end (--snapshot FILE keeps it)"
-        out(f"snapshot: {snap[1]}: {snap[2]} bytes, {snap[3]} sequences, written in {snap[4] * 1000:.1f} ms{where}")
+        out(f"snapshot: {snap[1]}: {size(snap[2])}, {snap[3]} sequences, written in {snap[4] * 1000:.1f} ms{where}")
         out(f"equal to a single-process run without shmkv: {'yes' if ok else 'NO'} "
             f"(wall time {wall:.1f} s, process start-up included)")
         return {"ok": ok, "tokens": {r.index: r.tokens for r in got}, "snapshot": snap[1] if keep_snapshot else None,
                 "store": name}
+    except KeyboardInterrupt:
+        # a second Ctrl-C (the terminal's to the process group, or timeout's second signal) waits
+        # until the clean-up below is done; the caller puts the handler back
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise
     finally:
         for p in procs:
+            if p.pid is None:  # never started (a Ctrl-C came first)
+                continue
             if p.is_alive():
                 p.terminate()
             p.join(10)

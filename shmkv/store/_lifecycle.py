@@ -36,7 +36,7 @@ from shmkv.store._store import (
     engine_of,
 )
 from shmkv.store._removal import remove_at_process_exit, remove_names
-from shmkv.errors import AccessDeniedError, CorruptStoreError, InvalidArgumentError, StoreNotFound
+from shmkv.errors import AccessDeniedError, CorruptStoreError, InvalidArgumentError, StoreExistsError, StoreNotFound
 
 
 def _check_mode(mode: object) -> int:
@@ -159,12 +159,19 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             "lower max_tokens= or the layout"
         )
     _check_lock_owner(name)
-    hseg = Segment.create(_segment.header_name(name), off.header_bytes, mode)
+    exists = (f"a store named {name!r} exists already: attach to it with shmkv.attach({name!r}), or remove it "
+              f"(shmkv.remove({name!r}) or `shmkv rm {name}`) first")
+    try:
+        hseg = Segment.create(_segment.header_name(name), off.header_bytes, mode)
+    except StoreExistsError:  # (its message names the segment, not the store)
+        raise StoreExistsError(exists) from None
     try:
         try:
             dseg = Segment.create(_segment.data_name(name), off.data_bytes, mode)
-        except BaseException:
+        except BaseException as e:
             hseg.unlink()
+            if isinstance(e, StoreExistsError):
+                raise StoreExistsError(exists) from None
             raise
         live = None
         try:
@@ -350,7 +357,7 @@ def gc(*, include_persistent: bool = False, grace: float = 30.0, snapshot_dirs: 
     return removed
 
 
-def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | None = None,
+def load(source: Any, name: str | None = None, *, persistent: bool = False, max_tokens: int | None = None,
          max_seqs: int | None = None, progress: Callable[[int, int], None] | None = None, **create_kw: Any) -> Store:
     """Create store ``name`` with a snapshot's layout and restore the whole snapshot into it.
 
@@ -358,9 +365,14 @@ def load(source: Any, name: str, *, persistent: bool = False, max_tokens: int | 
     finished. ``max_tokens``/``max_seqs`` default to at least the snapshot's. Like any store this
     process creates, the new store is removed when it is closed or the process exits, unless
     ``persistent=True`` (the ``shmkv load`` command passes it: its store stays until ``shmkv rm``).
+    ``name`` is required: the new store's name (a snapshot does not choose one; leaving it out
+    raises InvalidArgumentError). ``source`` is a snapshot file's path or a binary file object.
 
     Example:
         >>> store = shmkv.load("/tmp/cache.shmkv", "restored")   # doctest: +SKIP
     """
+    if name is None:
+        raise InvalidArgumentError(f"shmkv.load({source!r}) needs the new store's name: shmkv.load(path, name), "
+                                   "e.g. shmkv.load(path, 'restored')")
     return _restore.load_with(create, engine_of, source, name, persistent=persistent, max_tokens=max_tokens,
                                max_seqs=max_seqs, progress=progress, **create_kw)

@@ -4,7 +4,7 @@ moment."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shmkv._engine import header as _header
 from shmkv._engine.engine import Engine
@@ -37,7 +37,7 @@ class SequenceInfo:
     start: int
     lease_pid: int
     lease_alive: bool
-    generation: int
+    generation: int = field(repr=False)  # a change counter of the row, not a figure to read
     finished: bool = False  # seq.finish(): a cached prefix, evictable
 
 
