@@ -112,7 +112,6 @@ def token_ids(a: argparse.Namespace, vocab: int, tokenizer: Any) -> tuple[list[i
 
 
 def _load_model(model_dir: str, device: str) -> Any:
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -121,10 +120,11 @@ def _load_model(model_dir: str, device: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).to(device).eval()
 
 
-def worker(mode: str, model_dir: str, device: str, store_name: str | None, jobs: Any, results: Any) -> None:
-    """Answer requests from ``jobs`` until None; report ('ready', pid) first, then one tuple per request."""
+def worker(jobs: Any, results: Any, *, model_dir: str, device: str, store_name: str | None) -> None:
+    """Answer requests from ``jobs`` until None; report ('ready', pid) first, then one tuple per request:
+    through ``generate`` with a ``DynamicCache`` (``store_name`` None) or a ``ShmkvCache`` on that store."""
     try:
-        _serve(mode, model_dir, device, store_name, jobs, results)
+        _serve(jobs, results, model_dir=model_dir, device=device, store_name=store_name)
     except KeyboardInterrupt:
         pass
     except BaseException:
@@ -134,7 +134,7 @@ def worker(mode: str, model_dir: str, device: str, store_name: str | None, jobs:
         raise
 
 
-def _serve(mode: str, model_dir: str, device: str, store_name: str | None, jobs: Any, results: Any) -> None:
+def _serve(jobs: Any, results: Any, *, model_dir: str, device: str, store_name: str | None) -> None:
     import torch
     from transformers import DynamicCache
     from transformers.generation.streamers import BaseStreamer
@@ -194,25 +194,15 @@ def _serve(mode: str, model_dir: str, device: str, store_name: str | None, jobs:
 # -- memory ------------------------------------------------------------------------------------
 
 
-def _pss_kb(pid: int) -> int:
+def _rollup_kb(pid: int) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup``'s Pss fields in kB (Pss, Pss_Anon, Pss_File, Pss_Shmem)."""
+    out = {}
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _store_pss_kb(pid: int, files: tuple[str, ...]) -> int:
-    """Pss of ``pid``'s mappings of the store's /dev/shm files (``/proc/PID/smaps``)."""
-    total, inside = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            head = line.split(maxsplit=6)
-            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's first line
-                inside = len(head) >= 6 and os.path.basename(head[5].strip()).startswith(files)
-            elif inside and line.startswith("Pss:"):
-                total += int(line.split()[1])
-    return total
+            if line.startswith("Pss"):
+                k, v = line.split()[:2]
+                out[k.rstrip(":")] = int(v)
+    return out
 
 
 def store_bytes(name: str) -> int:
@@ -227,15 +217,21 @@ def store_bytes(name: str) -> int:
     return n
 
 
-def worker_memory(pids: list[int], store: str | None) -> int:
-    """Summed Pss of the workers in bytes, the store's pages counted once: its resident bytes."""
-    kb = 0
+def worker_memory(pids: list[int], store: str | None) -> tuple[int, int]:
+    """Summed Pss of the workers in bytes with the store's pages counted once and in full: the
+    workers' Pss of shared memory (Pss_Shmem: their share of the store pages they touched) is
+    replaced by the store's resident bytes. Also the same without the libraries' file pages
+    (Pss_Anon + store), whose share moves with every other process mapping torch."""
+    pss = anon = 0
     for pid in pids:
         try:
-            kb += _pss_kb(pid) - (_store_pss_kb(pid, (f"skv_{store}.",)) if store else 0)
+            r = _rollup_kb(pid)
         except (FileNotFoundError, ProcessLookupError):
-            pass
-    return kb * 1024 + (store_bytes(store) if store else 0)
+            continue
+        pss += r["Pss"] - r.get("Pss_Shmem", 0)
+        anon += r.get("Pss_Anon", 0)
+    held = store_bytes(store) if store else 0
+    return pss * 1024 + held, anon * 1024 + held
 
 
 # -- one mode --------------------------------------------------------------------------------
@@ -250,6 +246,8 @@ class Run:
     seconds: float = 0.0
     mem_peak: int = 0
     mem_end: int = 0
+    anon_peak: int = 0  # the same without the libraries' file pages
+    store_end: int = 0  # the store's resident bytes at the end
     new_tokens: int = 0
     restart_s: float = 0.0  # warm: load of the snapshot until every worker is ready
 
@@ -277,7 +275,7 @@ class Stack:
         self.stores = []
 
 
-def serve(stack: Stack, a: argparse.Namespace, mode: str, model_dir: str, store: str | None,
+def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, store: str | None,
           system: list[int], reqs: list[Request], snapshot: str | None = None) -> Run:
     """Start W workers, queue the requests in order (a second turn once its earlier answer is in),
     collect the answers and memory samples; then save the store (``snapshot``) and stop the workers."""
@@ -285,8 +283,8 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, model_dir: str, store:
     jobs, results = ctx.Queue(), ctx.Queue()
     run = Run(mode)
     t_start = time.monotonic()
-    stack.procs = [ctx.Process(target=worker, args=(mode, model_dir, a.device, store, jobs, results), daemon=True)
-                   for _ in range(a.workers)]
+    kw = dict(model_dir=model_dir, device=a.device, store_name=store)
+    stack.procs = [ctx.Process(target=worker, args=(jobs, results), kwargs=kw, daemon=True) for _ in range(a.workers)]
     for p in stack.procs:
         p.start()
     pids = [p.pid for p in stack.procs]
@@ -298,7 +296,8 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, model_dir: str, store:
 
     def sample() -> None:
         while not stop_sampling.wait(SAMPLE_S):
-            run.mem_peak = max(run.mem_peak, worker_memory(pids, store))
+            pss, anon = worker_memory(pids, store)
+            run.mem_peak, run.anon_peak = max(run.mem_peak, pss), max(run.anon_peak, anon)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -320,11 +319,12 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, model_dir: str, store:
             if len(run.tokens) % max(1, len(reqs) // 4) == 0:
                 print(f"    {mode}: {len(run.tokens)}/{len(reqs)} answered", flush=True)
         run.seconds = last - t0
-        run.mem_end = worker_memory(pids, store)  # the workers are still alive, the store still open
     finally:
         stop_sampling.set()
         sampler.join()
-    run.mem_peak = max(run.mem_peak, run.mem_end)
+    run.mem_end, anon = worker_memory(pids, store)  # the workers are still alive, the store still open
+    run.mem_peak, run.anon_peak = max(run.mem_peak, run.mem_end), max(run.anon_peak, anon)
+    run.store_end = store_bytes(store) if store else 0
     if snapshot is not None and store is not None:
         snapshotter(store, snapshot)
     stack.stop(jobs)
@@ -384,13 +384,14 @@ def point(stack: Stack, a: argparse.Namespace, config: Any, model_dir: str, toke
         for mode in order:
             print(f"    {mode} ...", flush=True)
             if mode == "baseline":
-                runs[mode].append(serve(stack, a, mode, model_dir, None, system, reqs))
+                runs[mode].append(serve(stack, a, mode, model_dir=model_dir, store=None, system=system, reqs=reqs))
                 continue
             name, snap = f"{a.store_prefix}s{tag}", os.path.join(stack.tmp, "snapshots", f"run{tag}.shmkv")
             os.makedirs(os.path.dirname(snap), exist_ok=True)
             owner = ShmkvCache.from_config(config, name, **cap)  # the model's dtype
             stack.stores.append(owner)
-            runs["shmkv"].append(serve(stack, a, "shmkv", model_dir, name, system, reqs, snapshot=snap))
+            runs["shmkv"].append(serve(stack, a, "shmkv", model_dir=model_dir, store=name, system=system, reqs=reqs,
+                                       snapshot=snap))
             stack.stop()  # every process stopped, the store removed
             assert store_bytes(name) == 0, f"store {name} outlived its stack"
             print("    warm restart ...", flush=True)
@@ -399,7 +400,7 @@ def point(stack: Stack, a: argparse.Namespace, config: Any, model_dir: str, toke
             stack.stores.append(shmkv.load(snap, wname, **cap))
             load_s = time.monotonic() - t
             os.unlink(snap)
-            run = serve(stack, a, "warm", model_dir, wname, system, reqs)
+            run = serve(stack, a, "warm", model_dir=model_dir, store=wname, system=system, reqs=reqs)
             run.restart_s += load_s
             runs["warm"].append(run)
             stack.stop()
@@ -426,6 +427,8 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
             "tokens_per_s": med(r.new_tokens / r.seconds for r in rs),
             "pss_peak_mib": med(r.mem_peak for r in rs) / 2**20,
             "pss_end_mib": med(r.mem_end for r in rs) / 2**20,
+            "anon_peak_mib": med(r.anon_peak for r in rs) / 2**20,
+            "store_mib": med(r.store_end for r in rs) / 2**20,
             "reused_tokens": med(sum(r.reused.values()) for r in rs),
             "ttft_ms": [t * 1e3 for r in rs for t in r.ttft],
         }
@@ -435,6 +438,7 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
     res.update(ttft_p50_ratio=s["ttft_p50_ms"] / b["ttft_p50_ms"], ttft_p95_ratio=s["ttft_p95_ms"] / b["ttft_p95_ms"],
                throughput_ratio=s["requests_per_s"] / b["requests_per_s"],
                pss_ratio=s["pss_peak_mib"] / b["pss_peak_mib"], pss_end_ratio=s["pss_end_mib"] / b["pss_end_mib"],
+               anon_ratio=s["anon_peak_mib"] / b["anon_peak_mib"],
                restart_ttft_ratio=w["ttft_p50_ms"] / s["ttft_p50_ms"],
                warm_throughput_ratio=w["requests_per_s"] / b["requests_per_s"])
     return res
@@ -442,14 +446,15 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
 
 def report(res: dict[str, Any]) -> None:
     print(f"  {'mode':<9} {'TTFT p50 ms':>11} {'p95 ms':>8} {'req/s':>7} {'tok/s':>7} {'Pss peak MiB':>12} "
-          f"{'end MiB':>8} {'reused':>7}")
+          f"{'end MiB':>8} {'anon MiB':>8} {'store MiB':>9} {'reused':>7}")
     for m in MODES:
         r = res[m]
         print(f"  {m:<9} {r['ttft_p50_ms']:>11.1f} {r['ttft_p95_ms']:>8.1f} {r['requests_per_s']:>7.2f} "
               f"{r['tokens_per_s']:>7.1f} {r['pss_peak_mib']:>12.1f} {r['pss_end_mib']:>8.1f} "
-              f"{r['reused_tokens']:>7.0f}")
+              f"{r['anon_peak_mib']:>8.1f} {r['store_mib']:>9.1f} {r['reused_tokens']:>7.0f}")
     print(f"  ratios: ttft_p50 {res['ttft_p50_ratio']:.3f}, ttft_p95 {res['ttft_p95_ratio']:.3f}, "
-          f"throughput {res['throughput_ratio']:.2f}, pss {res['pss_ratio']:.3f} (end {res['pss_end_ratio']:.3f}), "
+          f"throughput {res['throughput_ratio']:.2f}, pss {res['pss_ratio']:.3f} (end {res['pss_end_ratio']:.3f}, "
+          f"anon {res['anon_ratio']:.3f}), "
           f"restart_ttft {res['restart_ttft_ratio']:.2f} (restart {res['warm']['restart_s']:.1f} s); "
           f"same_tokens {res['same_tokens']}", flush=True)
 
