@@ -166,8 +166,8 @@ def _serve(jobs: Any, results: Any, *, model_dir: str, device: str, store_name: 
             cache: Any = DynamicCache(config=model.config)
         elif warmup:
             cache = ShmkvCache(store)  # the same code path, nothing looked up or kept
-        else:
-            cache = ShmkvCache.for_prompt(store, ids)
+        else:  # room for the answer: a borrower that outgrows its range moves and copies the borrowed prefix
+            cache = ShmkvCache.for_prompt(store, ids, capacity=len(prompt) + new)
         reused = cache.get_seq_length()
         streamer = FirstToken()
         with torch.no_grad():
