@@ -182,10 +182,10 @@ def _serve(jobs: Any, results: Any, *, model_dir: str, device: str, store_name: 
     try:
         while (job := jobs.get()) is not None:
             rid, prompt, new = job
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), time.process_time()
             out, reused, t_first = answer(prompt, new)
             results.put(("done", rid, os.getpid(), reused, out[0, len(prompt):].tolist(), t0, t_first,
-                         time.monotonic()))
+                         time.monotonic(), time.process_time() - c0))
     finally:
         if store is not None:
             store.close()
@@ -241,6 +241,7 @@ def worker_memory(pids: list[int], store: str | None) -> tuple[int, int]:
 class Run:
     mode: str
     ttft: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # the worker's CPU seconds per request
     tokens: dict[int, list[int]] = field(default_factory=dict)
     reused: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
@@ -311,7 +312,8 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, sto
                 prompts[r.rid] = base + r.user
                 jobs.put((r.rid, prompts[r.rid], a.new_tokens))
                 queued += 1
-            _, rid, _pid, reused, toks, t_deq, t_first, t_end = _next(results, stack.procs)
+            _, rid, _pid, reused, toks, t_deq, t_first, t_end, cpu = _next(results, stack.procs)
+            run.cpu.append(cpu)
             run.tokens[rid], run.reused[rid] = toks, reused
             run.ttft.append(t_first - t_deq)
             run.new_tokens += len(toks)
@@ -425,6 +427,7 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
             "ttft_p95_ms": med(_pct(r.ttft, 0.95) for r in rs) * 1e3,
             "requests_per_s": med(len(r.tokens) / r.seconds for r in rs),
             "tokens_per_s": med(r.new_tokens / r.seconds for r in rs),
+            "cpu_ms_per_request": med(statistics.mean(r.cpu) for r in rs) * 1e3,
             "pss_peak_mib": med(r.mem_peak for r in rs) / 2**20,
             "pss_end_mib": med(r.mem_end for r in rs) / 2**20,
             "anon_peak_mib": med(r.anon_peak for r in rs) / 2**20,
@@ -437,6 +440,7 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
     b, s, w = res["baseline"], res["shmkv"], res["warm"]
     res.update(ttft_p50_ratio=s["ttft_p50_ms"] / b["ttft_p50_ms"], ttft_p95_ratio=s["ttft_p95_ms"] / b["ttft_p95_ms"],
                throughput_ratio=s["requests_per_s"] / b["requests_per_s"],
+               cpu_throughput_ratio=b["cpu_ms_per_request"] / s["cpu_ms_per_request"],
                pss_ratio=s["pss_peak_mib"] / b["pss_peak_mib"], pss_end_ratio=s["pss_end_mib"] / b["pss_end_mib"],
                anon_ratio=s["anon_peak_mib"] / b["anon_peak_mib"],
                restart_ttft_ratio=w["ttft_p50_ms"] / s["ttft_p50_ms"],
@@ -445,15 +449,18 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
 
 
 def report(res: dict[str, Any]) -> None:
-    print(f"  {'mode':<9} {'TTFT p50 ms':>11} {'p95 ms':>8} {'req/s':>7} {'tok/s':>7} {'Pss peak MiB':>12} "
+    print(f"  {'mode':<9} {'TTFT p50 ms':>11} {'p95 ms':>8} {'req/s':>7} {'tok/s':>7} {'CPU ms/req':>10} "
+          f"{'Pss peak MiB':>12} "
           f"{'end MiB':>8} {'anon MiB':>8} {'store MiB':>9} {'reused':>7}")
     for m in MODES:
         r = res[m]
         print(f"  {m:<9} {r['ttft_p50_ms']:>11.1f} {r['ttft_p95_ms']:>8.1f} {r['requests_per_s']:>7.2f} "
-              f"{r['tokens_per_s']:>7.1f} {r['pss_peak_mib']:>12.1f} {r['pss_end_mib']:>8.1f} "
+              f"{r['tokens_per_s']:>7.1f} {r['cpu_ms_per_request']:>10.0f} {r['pss_peak_mib']:>12.1f} "
+              f"{r['pss_end_mib']:>8.1f} "
               f"{r['anon_peak_mib']:>8.1f} {r['store_mib']:>9.1f} {r['reused_tokens']:>7.0f}")
     print(f"  ratios: ttft_p50 {res['ttft_p50_ratio']:.3f}, ttft_p95 {res['ttft_p95_ratio']:.3f}, "
-          f"throughput {res['throughput_ratio']:.2f}, pss {res['pss_ratio']:.3f} (end {res['pss_end_ratio']:.3f}, "
+          f"throughput {res['throughput_ratio']:.2f} (CPU time per request: {res['cpu_throughput_ratio']:.2f}), "
+          f"pss {res['pss_ratio']:.3f} (end {res['pss_end_ratio']:.3f}, "
           f"anon {res['anon_ratio']:.3f}), "
           f"restart_ttft {res['restart_ttft_ratio']:.2f} (restart {res['warm']['restart_s']:.1f} s); "
           f"same_tokens {res['same_tokens']}", flush=True)
