@@ -534,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
             res = point(stack, a, config, model_dir, tokenizer)
             report(res)
             points.append(res)
+    except KeyboardInterrupt:
+        print("bench_serve: interrupted; its workers, stores and files are removed", file=sys.stderr)
+        return 130
     finally:
         stack.stop()
         shutil.rmtree(tmp, ignore_errors=True)
