@@ -38,7 +38,7 @@ def bench_serve():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # three stacks of spawned workers importing torch: 30 s idle, minutes when loaded
+@pytest.mark.timeout(600)  # three stacks of spawned workers importing torch: minutes on a loaded machine
 def test_tiny_run_same_tokens_every_key_nothing_left(bench_serve, capsys):
     prefix = unique_name("srv")
     temps = set(glob.glob(os.path.join(tempfile.gettempdir(), "bench_serve-*")))
