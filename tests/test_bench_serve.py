@@ -1,4 +1,5 @@
-"""tools/bench_serve.py, the end-to-end serving benchmark, on a tiny run through its main().
+"""The end-to-end serving benchmark (shmkv/cli/bench/serve.py, tools/bench_serve.py), on a tiny run
+through its main().
 
 Timings are never asserted: the run must finish, every mode must produce the same tokens, the JSON
 must carry every key the docs and the issue name, and the run's stores and temp files must be gone.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import sys
 import tempfile
 
 import pytest
@@ -22,27 +22,17 @@ importorskip_unless_ci("torch")
 importorskip_unless_ci("transformers", "5.0")
 importorskip_unless_ci("ml_dtypes")
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+from shmkv.cli.bench import serve, serve_stack  # noqa: E402  (torch is imported inside their functions)
+
 KEYS = ["ttft_p50_ratio", "ttft_p95_ratio", "throughput_ratio", "pss_ratio", "restart_ttft_ratio", "same_tokens"]
-
-
-@pytest.fixture(scope="module")
-def bench_serve():
-    sys.path.insert(0, TOOLS)  # spawned workers import the module by name: sys.path travels with spawn
-    try:
-        import bench_serve
-
-        yield bench_serve
-    finally:
-        sys.path.remove(TOOLS)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # three stacks of spawned workers importing torch: minutes on a loaded machine
-def test_tiny_run_same_tokens_every_key_nothing_left(bench_serve, capsys):
+def test_tiny_run_same_tokens_every_key_nothing_left(capsys):
     prefix = unique_name("srv")
     temps = set(glob.glob(os.path.join(tempfile.gettempdir(), "bench_serve-*")))
-    rc = bench_serve.main(["--size", "tiny", "--requests", "4", "--system", "64", "--user", "8", "--new-tokens", "4",
+    rc = serve.main(["--size", "tiny", "--requests", "4", "--system", "64", "--user", "8", "--new-tokens", "4",
                            "--workers", "1", "--second-every", "4", "--json", "--store-prefix", prefix])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -63,13 +53,13 @@ def test_tiny_run_same_tokens_every_key_nothing_left(bench_serve, capsys):
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "bench_serve-*"))) <= temps, "temp dir left"
 
 
-def test_workload_second_turns_follow_earlier_requests(bench_serve):
-    reqs = bench_serve.workload([1, 2, 3], [[i] for i in range(12)], every=4, lag=5)
+def test_workload_second_turns_follow_earlier_requests():
+    reqs = serve_stack.workload([1, 2, 3], [[i] for i in range(12)], every=4, lag=5)
     assert [(r.rid, r.parent) for r in reqs if r.parent is not None] == [(7, 2), (11, 6)]
-    assert all(r.parent is None for r in bench_serve.workload([1], [[i] for i in range(8)], every=0, lag=1))
+    assert all(r.parent is None for r in serve_stack.workload([1], [[i] for i in range(8)], every=0, lag=1))
 
 
-def test_worker_memory_counts_the_store_once(bench_serve):
+def test_worker_memory_counts_the_store_once():
     """The store counts once and in full, whether or not a worker's Pss holds its pages: the workers'
     Pss share of the store mappings is swapped for the store's resident bytes."""
     import numpy as np
@@ -80,17 +70,17 @@ def test_worker_memory_counts_the_store_once(bench_serve):
     with shmkv.create(name, layers=8, kv_heads=2, head_dim=64, dtype="float32", max_tokens=4096) as store:
         seq = store.create_sequence(capacity=2048)
         seq.extend(np.ones((8, 2048, 2, 64), np.float32), np.ones((8, 2048, 2, 64), np.float32))
-        held = bench_serve.store_bytes(name)
+        held = serve_stack.store_bytes(name)
         assert held >= 8 * 2048 * 2 * 64 * 4 * 2  # K and V of every layer: 16 MiB
         slack = 4 * 2**20
-        before = bench_serve._rollup_kb(os.getpid())["Pss"] * 1024
-        counted, anon = bench_serve.worker_memory([os.getpid()], name)
+        before = serve_stack._rollup_kb(os.getpid())["Pss"] * 1024
+        counted, anon = serve_stack.worker_memory([os.getpid()], name)
         assert abs(counted - (before + held)) < slack, (counted, before, held)  # pages not mapped here yet
         assert anon >= held
         views = [seq.kv(i) for i in range(8)]  # held while measuring: a view may map pages of its own
         assert sum(float(k.sum() + v.sum()) for k, v in views) == 2 * 8 * 2048 * 2 * 64  # every page read here
-        after = bench_serve._rollup_kb(os.getpid())["Pss"] * 1024
+        after = serve_stack._rollup_kb(os.getpid())["Pss"] * 1024
         assert after - before > held - slack  # this process's Pss now holds the store's pages ...
-        counted_after, _ = bench_serve.worker_memory([os.getpid()], name)
+        counted_after, _ = serve_stack.worker_memory([os.getpid()], name)
         assert abs(counted_after - counted) < slack, (counted_after, counted)  # ... and they still count once
         seq.free()

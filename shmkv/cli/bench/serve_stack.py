@@ -1,0 +1,320 @@
+"""The workers, the workload and the processes of the serving benchmark (``shmkv.cli.bench.serve``).
+
+A worker is a spawned process that imports this module by its package name
+(``shmkv.cli.bench.serve_stack.worker``), which works from an installed package and from a
+checkout alike; torch and transformers are imported inside the worker and ``point``'s callers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+TEXT = ("You are a careful assistant for a team that runs inference servers. Answer briefly, cite the "
+        "configuration option you rely on, say when you are unsure, and never invent numbers. ")
+QUESTIONS = ["How do I size the KV cache?", "Why is the first token slow?", "What does prefix caching save?",
+             "How many workers fit on two cores?", "What happens after a restart?", "Is greedy decoding exact?"]
+SAMPLE_S = 0.2
+
+
+# -- the workload --------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    rid: int
+    user: list[int]
+    parent: int | None  # a second turn continues this earlier request
+
+
+def workload(system: list[int], users: list[list[int]], every: int, lag: int) -> list[Request]:
+    """Request i is the next turn of request i - lag when i % every == every - 1 (and i >= lag)."""
+    return [Request(i, u, i - lag if every and i % every == every - 1 and i >= lag else None)
+            for i, u in enumerate(users)]
+
+
+def token_ids(a: argparse.Namespace, vocab: int, tokenizer: Any) -> tuple[list[int], list[list[int]]]:
+    """The system prompt (S ids) and R user turns (U ids each): random ids, or text through the tokenizer."""
+    import random
+
+    rng = random.Random(a.seed)
+    if tokenizer is None:
+        system = [1] + [rng.randrange(3, vocab) for _ in range(a.system - 1)]
+        return system, [[rng.randrange(3, vocab) for _ in range(a.user)] for _ in range(a.requests)]
+    ids = tokenizer(TEXT)["input_ids"]
+    more = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    while len(ids) < a.system:
+        ids += more
+    users = []
+    for i in range(a.requests):
+        u = tokenizer(f" Question {i}: {QUESTIONS[i % len(QUESTIONS)]} " * (1 + a.user // 8),
+                      add_special_tokens=False)["input_ids"]
+        users.append(u[: a.user])
+    return ids[: a.system], users
+
+
+# -- the worker process ----------------------------------------------------------------------
+
+
+def _load_model(model_dir: str, device: str) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    auto: Any = AutoModelForCausalLM  # its stubs type from_pretrained as a method of an instance
+    return auto.from_pretrained(model_dir, local_files_only=True).to(device).eval()
+
+
+def worker(jobs: Any, results: Any, *, model_dir: str, device: str, store_name: str | None) -> None:
+    """Answer requests from ``jobs`` until None; report ('ready', pid) first, then one tuple per request:
+    through ``generate`` with a ``DynamicCache`` (``store_name`` None) or a ``ShmkvCache`` on that store."""
+    try:
+        _serve(jobs, results, model_dir=model_dir, device=device, store_name=store_name)
+    except KeyboardInterrupt:
+        pass
+    except BaseException:
+        import traceback
+
+        results.put(("error", os.getpid(), traceback.format_exc()))
+        raise
+
+
+def _serve(jobs: Any, results: Any, *, model_dir: str, device: str, store_name: str | None) -> None:
+    import torch
+    from transformers import DynamicCache
+    from transformers.generation.streamers import BaseStreamer
+
+    import shmkv
+    from shmkv.transformers import ShmkvCache, cache_kwargs
+
+    torch.set_num_threads(1)  # W workers on a few cores: one thread each
+    model = _load_model(model_dir, device)
+    store = shmkv.attach(store_name) if store_name else None
+
+    class FirstToken(BaseStreamer):
+        """generate() puts the prompt first, then each new token: the second put is the first token."""
+
+        def __init__(self) -> None:
+            self.puts, self.t = 0, 0.0
+
+        def put(self, value: Any) -> None:
+            self.puts += 1
+            if self.puts == 2:
+                self.t = time.monotonic()
+
+        def end(self) -> None:
+            return None
+
+    def answer(prompt: list[int], new: int, warmup: bool = False) -> tuple[Any, int, float]:
+        ids = torch.tensor([prompt], device=device)
+        if store is None:
+            cache: Any = DynamicCache(config=model.config)
+        elif warmup:
+            cache = ShmkvCache(store)  # the same code path, nothing looked up or kept
+        else:  # room for the answer: a borrower that outgrows its range moves and copies the borrowed prefix
+            cache = ShmkvCache.for_prompt(store, ids, capacity=len(prompt) + new)
+        reused = cache.get_seq_length()
+        streamer = FirstToken()
+        with torch.no_grad():
+            out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, streamer=streamer)
+        if isinstance(cache, ShmkvCache):
+            cache.free() if warmup else cache.finish(out)
+        return out, reused, streamer.t
+
+    answer([2] * 8, 2, warmup=True)  # first calls allocate and initialise: not a request's cost
+    results.put(("ready", os.getpid()))
+    try:
+        while (job := jobs.get()) is not None:
+            rid, prompt, new = job
+            t0, c0 = time.monotonic(), time.process_time()
+            out, reused, t_first = answer(prompt, new)
+            results.put(("done", rid, os.getpid(), reused, out[0, len(prompt):].tolist(), t0, t_first,
+                         time.monotonic(), time.process_time() - c0))
+    finally:
+        if store is not None:
+            store.close()
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def _rollup_kb(pid: int) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup``'s Pss fields in kB (Pss, Pss_Anon, Pss_File, Pss_Shmem)."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss"):
+                k, v = line.split()[:2]
+                out[k.rstrip(":")] = int(v)
+    return out
+
+
+def store_bytes(name: str) -> int:
+    """Resident bytes of store ``name``'s files in /dev/shm (tmpfs allocates what was written)."""
+    n = 0
+    for f in os.listdir("/dev/shm"):
+        if f.startswith(f"skv_{name}."):
+            try:
+                n += os.stat(os.path.join("/dev/shm", f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return n
+
+
+def worker_memory(pids: list[int], store: str | None) -> tuple[int, int]:
+    """Summed Pss of the workers in bytes with the store's pages counted once and in full: the
+    workers' Pss of shared memory (Pss_Shmem: their share of the store pages they touched) is
+    replaced by the store's resident bytes. Also the same without the libraries' file pages
+    (Pss_Anon + store), whose share moves with every other process mapping torch."""
+    pss = anon = 0
+    for pid in pids:
+        try:
+            r = _rollup_kb(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        pss += r["Pss"] - r.get("Pss_Shmem", 0)
+        anon += r.get("Pss_Anon", 0)
+    held = store_bytes(store) if store else 0
+    return pss * 1024 + held, anon * 1024 + held
+
+
+# -- one mode --------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    mode: str
+    ttft: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # the worker's CPU seconds per request
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    reused: dict[int, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    mem_peak: int = 0
+    mem_end: int = 0
+    anon_peak: int = 0  # the same without the libraries' file pages
+    store_end: int = 0  # the store's resident bytes at the end
+    new_tokens: int = 0
+    restart_s: float = 0.0  # warm: load of the snapshot until every worker is ready
+
+
+class Stack:
+    """The processes and stores of the run: everything it started, stopped and removed on the way out."""
+
+    def __init__(self, tmp: str) -> None:
+        self.tmp = tmp
+        self.procs: list[Any] = []
+        self.stores: list[Any] = []
+
+    def stop(self, jobs: Any = None) -> None:
+        if jobs is not None:
+            for _ in self.procs:
+                jobs.put(None)
+        for p in self.procs:
+            p.join(30 if jobs is not None else 2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.procs = []
+        for s in self.stores:
+            s.close()
+        self.stores = []
+
+
+def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, store: str | None,
+          system: list[int], reqs: list[Request], snapshot: str | None = None) -> Run:
+    """Start W workers, queue the requests in order (a second turn once its earlier answer is in),
+    collect the answers and memory samples; then save the store (``snapshot``) and stop the workers."""
+    ctx = mp.get_context("spawn")
+    jobs, results = ctx.Queue(), ctx.Queue()
+    run = Run(mode)
+    t_start = time.monotonic()
+    kw = dict(model_dir=model_dir, device=a.device, store_name=store)
+    stack.procs = [ctx.Process(target=worker, args=(jobs, results), kwargs=kw, daemon=True) for _ in range(a.workers)]
+    for p in stack.procs:
+        p.start()
+    pids = [p.pid for p in stack.procs]
+    ready = 0
+    while ready < a.workers:
+        ready += _next(results, stack.procs)[0] == "ready"
+    run.restart_s = time.monotonic() - t_start
+    stop_sampling = threading.Event()
+
+    def sample() -> None:
+        while not stop_sampling.wait(SAMPLE_S):
+            pss, anon = worker_memory(pids, store)
+            run.mem_peak, run.anon_peak = max(run.mem_peak, pss), max(run.anon_peak, anon)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    prompts: dict[int, list[int]] = {}
+    queued, t0, last = 0, time.monotonic(), time.monotonic()
+    try:
+        while len(run.tokens) < len(reqs):
+            while queued < len(reqs) and (reqs[queued].parent is None or reqs[queued].parent in run.tokens):
+                r = reqs[queued]
+                base = system if r.parent is None else prompts[r.parent] + run.tokens[r.parent]
+                prompts[r.rid] = base + r.user
+                jobs.put((r.rid, prompts[r.rid], a.new_tokens))
+                queued += 1
+            _, rid, _pid, reused, toks, t_deq, t_first, t_end, cpu = _next(results, stack.procs)
+            run.cpu.append(cpu)
+            run.tokens[rid], run.reused[rid] = toks, reused
+            run.ttft.append(t_first - t_deq)
+            run.new_tokens += len(toks)
+            last = max(last, t_end)
+            if len(run.tokens) % max(1, len(reqs) // 4) == 0:
+                print(f"    {mode}: {len(run.tokens)}/{len(reqs)} answered", flush=True)
+        run.seconds = last - t0
+    finally:
+        stop_sampling.set()
+        sampler.join()
+    run.mem_end, anon = worker_memory(pids, store)  # the workers are still alive, the store still open
+    run.mem_peak, run.anon_peak = max(run.mem_peak, run.mem_end), max(run.anon_peak, anon)
+    run.store_end = store_bytes(store) if store else 0
+    if snapshot is not None and store is not None:
+        snapshotter(store, snapshot)
+    stack.stop(jobs)
+    return run
+
+
+def _next(results: Any, procs: list[Any], timeout: float = 600.0) -> tuple[Any, ...]:
+    """The next message from a worker; raises at once if one died or reported an error."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg: tuple[Any, ...] = results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode is not None]
+            if dead:
+                raise RuntimeError(f"a worker process died (exit codes {dead})") from None
+            continue
+        if msg[0] == "error":
+            raise RuntimeError(f"worker {msg[1]} failed:\n{msg[2]}")
+        return msg
+    raise TimeoutError(f"no answer from the workers within {timeout} s")
+
+
+def snapshotter(store: str, path: str) -> None:
+    """Save ``store`` as the snapshotter process does (``shmkv snapshot``), once, to ``path``."""
+    import shmkv
+
+    directory = os.path.dirname(path)
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shmkv.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    r = subprocess.run([sys.executable, "-m", "shmkv", "snapshot", store, "--dir", directory, "--count", "1",
+                        "--keep", "1", "--nice", "0"], capture_output=True, text=True, env=env, timeout=600)
+    if r.returncode:
+        raise RuntimeError(f"shmkv snapshot failed ({r.returncode}): {r.stderr[-2000:]}")
+    files = [f for f in os.listdir(directory) if f.startswith(f"{store}-") and f.endswith(".shmkv")]
+    os.replace(os.path.join(directory, files[0]), path)
