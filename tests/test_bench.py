@@ -30,6 +30,9 @@ NEW_KEYS = [  # issue 16: the keys the README table and the goals need
     "quantize_ratio", "dequantize_ratio",
 ]
 
+# the goals of the serving benchmark, which only `shmkv bench --only serve` runs
+SERVE_GOALS = {"ttft_p50_ratio", "throughput_ratio", "pss_ratio", "restart_ttft_ratio", "same_tokens"}
+
 
 @pytest.fixture(scope="module")
 def bench_cases():
@@ -57,13 +60,15 @@ def test_bench_command_quick_json_prints_every_key(bench_cases):
             "hf_": all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))}
     if os.environ.get("CI") == "true":
         assert all(have.values()), have
-    missing = [k for k in (*bench.GOALS, *NEW_KEYS) if k not in res
+    missing = [k for k in (*bench.GOALS, *NEW_KEYS) if k not in res and k not in SERVE_GOALS
                and all(have[p] for p in have if k.startswith(p))]
     assert not missing
     assert all(isinstance(v, (int, float)) and not np.isnan(v) for v in res.values())
     assert ("wait_wakeup_us" in res) == cases.has_wait()  # only where the library has Sequence.wait
     for name in cases.SCENARIOS:  # each scenario names its baseline, or says why it was skipped
-        if cases.lacking(name):
+        if name in cases.OPT_IN:  # not in a plain run
+            assert f"[{name}]" not in r.stdout
+        elif cases.lacking(name):
             assert f"[{name}] skipped: " in r.stdout
         else:
             assert f"[{name}]" in r.stdout and f"baseline: {cases.BASELINES[name]}" in r.stdout
@@ -120,6 +125,30 @@ def test_a_missed_goal_says_what_it_measures_and_a_busy_machine_is_named(monkeyp
     assert driver.main(["--only", "decode"]) == 0
     out = capsys.readouterr().out
     assert "busy" not in out and "MISSED" not in out and "goal <= 1.5: met" in out
+
+
+def test_the_serving_benchmark_runs_only_when_named(monkeypatch, capsys):
+    """It takes minutes: a plain run leaves it out, --only serve runs it and checks its goals."""
+    from shmkv.cli.bench import driver, goals, scenarios
+
+    ran: list[str] = []
+    for name in scenarios.SCENARIOS:
+        monkeypatch.setitem(scenarios.SCENARIOS, name, lambda quick, name=name: ran.append(name) or {})
+    monkeypatch.setattr(driver, "lacking", lambda name: None)
+    monkeypatch.setattr(driver, "shm_refusal", lambda names, quick: None)
+    assert driver.main(["--quick"]) == 0
+    assert "serve" in scenarios.SCENARIOS and ran == [n for n in scenarios.SCENARIOS if n != "serve"]
+    ran.clear()
+    monkeypatch.setitem(scenarios.SCENARIOS, "serve", lambda quick: {"ttft_p50_ratio": 0.5, "same_tokens": 1.0})
+    capsys.readouterr()
+    assert driver.main(["--only", "serve"]) == 0
+    out = capsys.readouterr().out
+    assert f"baseline: {scenarios.BASELINES['serve']}" in out
+    assert "goal <= 0.2: MISSED" in out and goals.WHAT["ttft_p50_ratio"] in out and "goal >= 1: met" in out
+    assert set(goals.GOALS) >= SERVE_GOALS
+    help_text = subprocess.run([sys.executable, "-m", "shmkv", "bench", "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+    assert "--only serve" in help_text and "serving benchmark" in help_text
 
 
 def test_bench_help_cites_no_file_outside_the_package_and_every_goal_says_what_it_measures():

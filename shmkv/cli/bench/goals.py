@@ -39,6 +39,11 @@ GOALS: dict[str, tuple[str, float]] = {
     "create_sequence_flat": ("<=", 1.2),
     "hf_generate_ratio": ("<=", 1.1),
     "hf_generate_ratio_b4": ("<=", 1.3),
+    "ttft_p50_ratio": ("<=", 0.2),
+    "throughput_ratio": (">=", 2.0),
+    "pss_ratio": ("<=", 1.0),
+    "restart_ttft_ratio": ("<=", 1.5),
+    "same_tokens": (">=", 1.0),
 }
 
 _TABLE = "with {n} sequences in the store, in microseconds"
@@ -79,6 +84,14 @@ WHAT: dict[str, str] = {
     "create_sequence_flat": "create_sequence time with 4096 sequences / with 16 (flat: 1.0)",
     "hf_generate_ratio": "model.generate() time with ShmkvCache / with DynamicCache, batch 1",
     "hf_generate_ratio_b4": "the same at batch 4",
+    "ttft_p50_ratio": "serving (shmkv bench --only serve): median time to first token with one shared store "
+                      "(ShmkvCache.for_prompt) / with DynamicCache, 2 workers, a 2,048-token system prompt",
+    "throughput_ratio": "serving: requests answered per second with the shared store / with DynamicCache",
+    "pss_ratio": "serving: the workers' peak memory (summed Pss, the store counted once in full) with the "
+                 "shared store / with DynamicCache",
+    "restart_ttft_ratio": "serving: median time to first token after a warm restart from a snapshot / before it",
+    "same_tokens": "serving: 1 when every request produced the same tokens in every mode (DynamicCache, "
+                   "shared store, warm restart), else 0",
 }
 
 

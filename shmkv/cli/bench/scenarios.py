@@ -1,5 +1,5 @@
 """The scenarios of ``shmkv bench`` by name: what each one's baseline is, in one sentence, what
-each needs beyond the core install, and the /dev/shm room each needs."""
+each needs beyond the core install, the /dev/shm room each needs, and which run only when named."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from .cases import (bench_copy_prefix, bench_decode, bench_handoff, bench_prefil
                     bench_truncate)
 from .cases_more import (TABLE_SIZES, bench_hf, bench_prefix, bench_quant, bench_remote, bench_table,
                          bench_wait, bench_workers, has_wait)
+from .serve import bench_serve
 from .timing import Figures
 
-__all__ = ["BASELINES", "EXTRAS", "SCENARIOS", "SHM_MARGIN", "SHM_NEEDS", "TABLE_SIZES", "has_wait", "lacking"]
+__all__ = ["BASELINES", "EXTRAS", "OPT_IN", "SCENARIOS", "SHM_MARGIN", "SHM_NEEDS", "TABLE_SIZES", "has_wait",
+           "lacking"]
 
 BASELINES = {
     "hf": "transformers' DynamicCache in model.generate() of the same tiny random-weight Llama, 256 new tokens, "
@@ -24,6 +26,7 @@ BASELINES = {
               "reading a stitched view (a donor's pages + own pages in one array) vs a plain view of the "
               "same bytes; 32 requests over a cached 2,048-token prompt: /dev/shm bytes held vs the distinct "
               "tokens' bytes, and each create vs a one-token extend",
+    "serve": "the same requests on the same workers with transformers' DynamicCache, no reuse between requests",
     "remote": "redis-py GET / pipelined SET of the same chunk bytes on the same throwaway redis-server",
     "decode": "the same per-token K/V slices written into preallocated numpy arrays in this process, "
               "taking the [0:t+1] views attention reads (and, for reference, np.concatenate growth)",
@@ -66,7 +69,11 @@ SCENARIOS: dict[str, Callable[[bool], Figures]] = {
     "prefix": bench_prefix,
     "remote": bench_remote,
     "hf": bench_hf,
+    "serve": bench_serve,
 }
+
+# Scenarios a plain `shmkv bench` leaves out (they take minutes): only `--only NAME` runs them.
+OPT_IN = {"serve"}
 
 _MiB = 1 << 20
 _TOK = 16 * 8 * 128 * 2 * 2  # bytes of one token of the 16-layer float16 shapes (K and V): 64 KiB
@@ -92,6 +99,9 @@ SHM_NEEDS: dict[str, Callable[[bool], int]] = {
     "prefix": lambda quick: 32 * _MiB,
     "remote": lambda quick: 2 * 2048 * _TOK,  # two stores: the pusher's and the puller's
     "hf": lambda quick: 16 * _MiB,
+    # one store at a time; the warm restart's, the largest, held 210 MiB at the quick size (S = 2048,
+    # W = 2); the full sweep's S = 4096 and W = 4 points hold more (estimated, not measured)
+    "serve": lambda quick: (256 if quick else 768) * _MiB,
 }
 SHM_MARGIN = 16 * _MiB  # headers, tables, the allocator's rounding
 
@@ -101,6 +111,7 @@ EXTRAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "remote": (("redis",), ("redis-server",),
                "the redis extra and a redis-server: pip install 'shmkv[redis]'; apt-get install redis-server"),
     "hf": (("torch", "transformers"), (), "the transformers extra: pip install torch 'shmkv[transformers]'"),
+    "serve": (("torch", "transformers"), (), "the transformers extra: pip install torch 'shmkv[transformers]'"),
     "quant": (("numba",), (), "the fast extra (numba: int8's compiled loops): pip install 'shmkv[fast]'"),
 }
 

@@ -254,6 +254,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def bench_serve(quick: bool) -> dict[str, float]:
+    """The ``serve`` scenario of ``shmkv bench`` (opt-in: ``--only serve``): this benchmark in a child
+    process, ``python -m shmkv.cli.bench.serve --json [--quick]``, its progress lines passed through;
+    the figures of the last JSON line that are numbers (same_tokens as 1.0 or 0.0, not the points)."""
+    import subprocess
+
+    import shmkv
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shmkv.__file__)))  # the child imports this shmkv
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [sys.executable, "-m", "shmkv.cli.bench.serve", "--json", *(["--quick"] if quick else [])]
+    lines: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as child:
+        assert child.stdout is not None
+        try:
+            for line in child.stdout:
+                lines.append(line)
+                if not line.startswith("{"):
+                    print(f"  {line.rstrip()}", flush=True)
+        except KeyboardInterrupt:  # the child had the same Ctrl-C: it removes its workers, stores and files
+            try:
+                child.wait(120)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            raise
+    if child.returncode or not lines:
+        raise RuntimeError(f"the serve scenario (python -m shmkv.cli.bench.serve) failed ({child.returncode}); "
+                           "its output is above")
+    return {k: float(v) for k, v in json.loads(lines[-1]).items() if isinstance(v, (int, float))}
+
+
 def _version(module: str) -> str:
     from importlib.metadata import version
 
