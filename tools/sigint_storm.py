@@ -107,12 +107,21 @@ def install_gate() -> None:
     installs only while a store lock is held): it passes the signal (and the interrupted frame)
     on while ``GATE`` is open, drops it otherwise, so the harness's own loop and bookkeeping are
     never interrupted. With the gate installed shmkv leaves the handler alone (it is not Python's
-    default one), so every SIGINT of a step goes through ``_on_sigint``, held lock or not."""
+    default one), so every SIGINT of a step goes through ``_on_sigint``, held lock or not. A
+    KeyboardInterrupt the handler raises closes the gate (no call between: nothing can interrupt
+    that)."""
     from shmkv._engine.interrupts import _on_sigint as inner
 
     def gated(signum: int, frame: Any) -> None:
         if GATE[0]:
-            inner(signum, frame)
+            try:
+                inner(signum, frame)
+            except BaseException:
+                # closed before anything else runs: the KeyboardInterrupt may come out at the
+                # entry of ``sigint_open``'s ``__exit__``, whose ``finally`` then never runs, and
+                # the harness's own bookkeeping must not take the next one
+                GATE[0] = False
+                raise
 
     signal.signal(signal.SIGINT, gated)
 
@@ -398,7 +407,13 @@ def child(name: str, donors: list[int], seed: int, ready: Any, stop: Any, releas
     install_gate()
     maps_attached = data_maps(name)
     ready.set()
-    storm.run(stop)
+    try:
+        storm.run(stop)
+    except BaseException:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.stderr.write(f"the storm loop raised (last steps {storm.log[-6:]}):\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        raise
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from shmkv._engine import interrupts
 
