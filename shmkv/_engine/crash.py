@@ -34,7 +34,7 @@ POINTS = (
     "compact.copied",  # a sliding window's compaction: the other buffer written
     "set_encoder.written",  # set_encoder: the new encoder written, the parent not switched
     "restore.published",  # restore: some rows published, not all, next id not advanced
-    "lease.taken",  # lease take-over: pid written, start time and token not
+    "lease.taken",  # lease take-over (journaled): client key and token written, pid not
     "finish.flagged",
     "share.borrowed",  # a reuse borrows a donor's pages: span recorded, its own pages punched out
     "share.unshared",  # copy-on-write: private copies of what a borrower keeps written, span not shrunk

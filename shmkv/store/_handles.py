@@ -203,13 +203,16 @@ def _take_lease(store: Owner, e: Engine, seq_id: int, token: int, client: int) -
         slot = e.slot_of(seq_id)
         row = e.row(slot)
         e.check_not_leased_by_other(row, int(seq_id))
-        if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
-            row[FLAGS] &= ~FINISHED
-            e.touch(row)
-        row[LEASE_CLIENT] = client
-        row[LEASE_TOKEN] = token
-        _crash.point("lease.taken")
-        row[LEASE_PID] = os.getpid()  # last: until then the old (dead) holder's lease stands
+        # journaled, as any change of a row's words: a crash or an exception before the end puts
+        # back the old lease (a dead holder's, or none) and the FINISHED flag, all of it
+        with e.changing(row):
+            if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
+                row[FLAGS] &= ~FINISHED
+                e.touch(row)
+            row[LEASE_CLIENT] = client
+            row[LEASE_TOKEN] = token
+            _crash.point("lease.taken")
+            row[LEASE_PID] = os.getpid()
     return Sequence(store, e, int(seq_id), slot, write=True, token=token)
 
 
