@@ -33,8 +33,8 @@ L, H, D = 2, 32, 32  # float32: a 4 KiB cell, one-cell page unit; int8: a 32-cel
 PROMPT = list(range(1, 97))  # the donor's prompt: three int8 page units
 _PKG = os.path.dirname(shmkv.__file__) + os.sep
 
-OPS = ("decode", "decode_moved", "extend", "extend_grow", "truncate_plain", "truncate_borrower", "copy_prefix", "fork",
-       "free", "create_prefix", "finish", "take_over", "restore", "save")
+OPS = ("decode", "decode_moved", "extend", "extend_grow", "truncate_plain", "truncate_borrower", "copy_prefix",
+       "copy_into_borrower", "fork", "free", "free_borrower", "create_prefix", "finish", "take_over", "restore", "save")
 
 
 def kv(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -160,10 +160,14 @@ def run_op(sc: Scene, op: str) -> None:
         a.truncate(40)
     elif op == "copy_prefix":
         st.copy_prefix(a.id, h["b"].id, 50)
+    elif op == "copy_into_borrower":  # the borrower's content replaced: its span goes back
+        st.copy_prefix(p.id, a.id, 30)
     elif op == "fork":
         sc.results.append(a.fork(70))
     elif op == "free":
         p.free()
+    elif op == "free_borrower":  # its borrowed span released (the donor's lent cells stay the donor's)
+        a.free()
     elif op == "create_prefix":
         sc.results.append(st.create_sequence(capacity=128, prefix=[*PROMPT[:90], 1]))
     elif op == "finish":
@@ -298,7 +302,7 @@ def _discard(h: Any) -> None:
 def _may_lose(op: str, role: str, sc: Scene, h: Any) -> bool:
     """Whether a held handle may have lost its sequence or lease through ``op``: then a fresh
     write handle can be taken, or the sequence is gone (never a lease nobody can use)."""
-    if op not in ("free", "finish", "restore"):
+    if op not in ("free", "free_borrower", "finish", "restore"):
         return False
     try:
         sc.store.sequence(h.id, write=True)
