@@ -183,14 +183,15 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
                 fut.result()  # raises the first mismatch
         if is_file and not reader.at_end():
             raise reader.fail(f"unexpected data after the last array (byte {reader.offset})")
+        caps = dict(taken)  # staged start -> capacity (a lookup, no generator: see ARCHITECTURE.md, Descriptors)
         for s, _, start in plan:  # written: now the rest of each range
-            core.settle(start, s.length, next(c for st_, c in taken if st_ == start))
+            core.settle(start, s.length, caps[start])
         # everything checked: publish
         # one atomic unit: after a crash, every sequence as it was (crash recovery in _store)
         with core.transaction():
             next_id = core.hdr[_header.W_NEXT_ID]
             for i, (s, existing, start) in enumerate(plan):
-                cap = next(c for st_, c in taken if st_ == start)
+                cap = caps[start]
                 assert s.tokens is not None and s.positions is not None
                 core.tokens[start : start + s.length] = s.tokens
                 core.positions[start : start + s.length] = s.positions
