@@ -2,7 +2,8 @@
 
 A child process (fork or spawn) loops over borrowers of a cached prefix: creates them
 (``create_sequence(prefix=...)``), reads them (``keys``, ``batch_kv``, a read-only attachment),
-extends them, truncates them into their spans (copy-on-write), forks them, ``copy_prefix``-es
+extends them, decodes into them (append to every layer, then commit; a Ctrl-C between the
+calls: ``discard``), truncates them into their spans (copy-on-write), forks them, ``copy_prefix``-es
 from them and frees them, catching KeyboardInterrupt around every step and going on (a REPL, a
 notebook, a server). The parent sends SIGINT every 0.2-3 ms meanwhile. K and V of every cell are
 derived from its token id (K = 4 * token + layer, V = -K), so any cell can be checked against
@@ -153,7 +154,7 @@ class Storm:
     # -- the steps (each runs with SIGINT open; its bookkeeping with SIGINT blocked) --------
 
     def step(self) -> None:
-        ops = ["create", "extend", "read", "truncate", "fork", "copy", "free", "ro", "batch"]
+        ops = ["create", "extend", "decode", "decode", "read", "truncate", "fork", "copy", "free", "ro", "batch"]
         if len(self.live) < 2:
             op = "create"
         elif len(self.live) > 8:
@@ -197,6 +198,34 @@ class Storm:
             self.pending = ("seq", sid, [before, before + new])
         with sigint_open():
             s.extend(k, v, tokens=new)
+        with no_sigint():
+            self.ref[sid] = before + new
+            self.pending = None
+
+    def op_decode(self) -> None:
+        """One decode step: a token appended to every layer, then committed. A Ctrl-C between
+        the calls leaves the appended tokens pending; the program drops them (``discard``), as
+        a REPL user or a server's step loop does, and the sequence holds its old tokens."""
+        sid, s = self.pick()
+        before = self.ref[sid]
+        if CAP - len(before) < 1:
+            return
+        new = self.fresh(1)
+        k, v = kv_of(new)
+        with no_sigint():
+            self.pending = ("seq", sid, [before, before + new])
+        try:
+            with sigint_open():
+                for layer in range(L):
+                    s.append(layer, k[layer, 0], v[layer, 0])
+                s.commit(tokens=new)
+        except KeyboardInterrupt:
+            with no_sigint():
+                try:
+                    s.discard()
+                except shmkv.ShmkvError:
+                    pass
+            raise
         with no_sigint():
             self.ref[sid] = before + new
             self.pending = None
