@@ -318,3 +318,42 @@ def test_save_while_two_writers_append(make_store, tmp_path, method):
         finally:
             loaded.close()
     assert lengths[-2:] == [n, n]
+
+
+def _hold_lease(store: shmkv.Store, seq_id: int, held, done) -> None:
+    """In a child: hold the write lease on ``seq_id`` until ``done`` is set."""
+    seq = store.sequence(seq_id, write=True)
+    held.set()
+    assert done.wait(60)
+    seq.release()
+
+
+def test_restore_refuses_a_sequence_a_live_process_leases_and_changes_nothing(make_store, tmp_path, shmkv_child):
+    """A restore replaces the store's sequences of the snapshot's ids; while another live process
+    holds the write lease on one of them it raises LeaseError naming that process and changes
+    nothing (all or nothing); once the lease is given up, the same restore goes through. (A
+    snapshotter restoring beside writers that take leases on any live sequence meets this.)"""
+    import multiprocessing as mp
+
+    store = make_store()
+    rng = np.random.default_rng(5)
+    ids = sorted(_fill(store, rng, n_seqs=3))
+    path = tmp_path / "before.shmkv"
+    store.save(path)
+    more = store.sequence(ids[1], write=True)  # changed after the save: a restore would take it back
+    lay = store.layout
+    more.extend(np.ones((lay.layers, 3, lay.kv_heads, lay.head_dim)), np.ones((lay.layers, 3, lay.kv_heads,
+                                                                                  lay.head_dim)))
+    more.release()
+    after = _content(store)
+    ctx = mp.get_context("fork")
+    held, done = ctx.Event(), ctx.Event()
+    child = shmkv_child.start(_hold_lease, store, ids[2], held, done, start_method="fork")
+    assert held.wait(60)
+    with pytest.raises(shmkv.LeaseError, match=f"sequence {ids[2]} .* leased by live process {child.pid}"):
+        store.restore(path)
+    assert _content(store) == after  # nothing restored, not even the sequences nobody leases
+    done.set()
+    child.result(60)
+    assert store.restore(path) == ids
+    assert len(store.sequence(ids[1])) == len(after[ids[1]][2]) - 3
