@@ -20,6 +20,14 @@ def _load_harness() -> None:
     """Register this checkout's shmkv/cli/bench as the package ``shmkv.cli.bench``."""
     import shmkv.cli  # the parent package: this checkout's or the one under test
 
+    try:  # the harness's one import from the cli package: an older tree may lack it
+        importlib.import_module("shmkv.cli._quiet")
+    except ImportError:
+        qspec = importlib.util.spec_from_file_location("shmkv.cli._quiet", HARNESS.parent / "_quiet.py")
+        assert qspec is not None and qspec.loader is not None
+        quiet = importlib.util.module_from_spec(qspec)
+        sys.modules["shmkv.cli._quiet"] = quiet
+        qspec.loader.exec_module(quiet)
     spec = importlib.util.spec_from_file_location("shmkv.cli.bench", HARNESS / "__init__.py",
                                                   submodule_search_locations=[str(HARNESS)])
     assert spec is not None and spec.loader is not None
