@@ -57,7 +57,7 @@ MODELS: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, num_key_value_heads=2),
 }
 MODES = ("baseline", "shmkv", "warm")
-GOALS = {  # issue 37, quick size, S = 2048, W = 2 on a 2-core CPU machine
+GOALS = {  # quick size, S = 2048, W = 2, on a 2-core CPU machine
     "ttft_p50_ratio": ("<=", 0.2), "throughput_ratio": (">=", 2.0), "pss_ratio": ("<=", 1.0),
     "restart_ttft_ratio": ("<=", 1.5), "same_tokens": ("==", True),
 }
