@@ -78,16 +78,33 @@ class Arena(Sharing):
 
         ``evict``: evict finished sequences (least recently used first, never row ``protect``)
         when no row is free."""
-        free = np.flatnonzero(self.table_np[:, STATE] == 0)
-        if free.size == 0 and evict and self._evict(0, 1, protect):
-            free = np.flatnonzero(self.table_np[:, STATE] == 0)
-        if free.size == 0:
+        slot = self._first_free_row(near)
+        if slot < 0 and evict and self._evict(0, 1, protect):
+            slot = self._first_free_row(near)
+        if slot < 0:
             raise CacheFullError(
                 f"store {self.name!r} has no free slot for {what}: all max_seqs={self.layout.max_seqs} rows hold "
                 "sequences or encoder caches; free some, or create the store with a larger max_seqs="
             )
-        i = int(np.searchsorted(free, near)) if near else 0
-        return int(free[i if i < free.size else 0])
+        return slot
+
+    def _first_free_row(self, near: int) -> int:
+        """The first free row of the table at or after row ``near``, else the first free row,
+        else -1 (lock held). Two vectorized passes at most (a comparison and the first match):
+        ~2 us at 256 rows, ~4 us at 4096."""
+        state = self.table_np[:, STATE]
+        if not 0 < near < state.size:
+            near = 0
+        after = state[near:] == 0
+        i = int(after.argmax())
+        if after[i]:
+            return near + i
+        if near:
+            before = state[:near] == 0
+            i = int(before.argmax())
+            if before[i]:
+                return i
+        return -1
 
     def free_ranges(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
         """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order,
@@ -340,13 +357,13 @@ class Arena(Sharing):
         borrower of shared pages); ``fill``: the pages of its first cells are reserved now (what
         its creator writes), the rest as its writes need them (pages.py); ``skip``: its first
         cells' K/V pages are borrowed, not reserved."""
-        has_row = bool((self.table_np[:, STATE] == 0).any())
+        slot = self._first_free_row(near)
         fit = self._place(self.free_ranges(), capacity, align)
-        if not has_row or fit is None:
+        if slot < 0 or fit is None:
             # one plan for the row and the cells together: evict only if both then fit
             self._evict(capacity, 1, protect, align)
             fit = None  # the ranges changed: _alloc looks again (and names the shortfall)
-        slot = self._free_slot("a new sequence", near=near)
+            slot = self._free_slot("a new sequence", near=near)
         # allocated, not pre-faulted: a prefill (extend) writes it through the descriptor and
         # pre-faults the rest then (_write_new); a first append pre-faults it all (before_appends)
         fill = max(min(fill, capacity), skip)
@@ -366,8 +383,7 @@ class Arena(Sharing):
 def fits(arena: Arena, capacity: int, align: int) -> bool:
     """Whether a free row and ``capacity`` free cells starting on a multiple of ``align`` (and
     room for them under ``max_tokens``) exist now, without evicting anything."""
-    return bool((arena.table_np[:, STATE] == 0).any()) and arena._place(arena.free_ranges(), capacity,
-                                                                         align) is not None
+    return arena._first_free_row(0) >= 0 and arena._place(arena.free_ranges(), capacity, align) is not None
 
 
 def _first_fit(gaps: list[tuple[int, int]], capacity: int, align: int) -> int | None:
