@@ -23,7 +23,6 @@ engine, and the public store (``Owner``: ``seq.store``, fork, pickling) only thr
 from __future__ import annotations
 
 import os
-import weakref
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,7 +47,7 @@ from shmkv._engine.header import (
     LENGTH,
     START,
 )
-from shmkv._engine.lease import live_writers, release_row
+from shmkv._engine.lease import live_writers
 from shmkv._sequence.reader import SeqReader
 from shmkv._sequence.reads import Reads
 from shmkv._sequence.structural import ShiftFn
@@ -108,11 +107,9 @@ class Sequence(Reads):
         # (the class's append/commit below say what they do, for help() and the docs).
         self.append = w.append  # type: ignore[method-assign]
         self.commit = w.commit  # type: ignore[method-assign]
-        self._fin: weakref.finalize[[memoryview, int, int, int], Sequence] | None = None
         w.refresh()
         if write:
-            live_writers[token] = self
-            self._fin = weakref.finalize(self, release_row, row, token, os.getpid(), self._epoch)
+            live_writers.add(token, self, row, self._epoch)
 
     def __repr__(self) -> str:
         kind = "write" if self._w.write else "read"
@@ -272,9 +269,7 @@ class Sequence(Reads):
         self._w.write = False
         self._w.drop_pending()
         self._w.mirror = None  # (an int8 mirror's memory: a read handle never appends)
-        live_writers.pop(self._token, None)
-        if self._fin is not None:
-            self._fin.detach()
+        live_writers.pop(self._token)
 
     def free(self) -> None:
         """Delete the sequence: its cells return to the store. Needs the lease, or no live holder."""

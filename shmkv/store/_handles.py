@@ -183,7 +183,7 @@ def _drop_unreturned(e: Engine, seq_id: int, token: int, *, free: bool) -> None:
     reached its caller (an exception after the work, KeyboardInterrupt included): free the new
     sequence, or give up the lease, if the row still holds ``token``. Best effort: the
     exception that got here is what the caller sees."""
-    live_writers.pop(token, None)
+    live_writers.pop(token)
     try:
         with e.locked():
             slot = e.slot_of(seq_id)
