@@ -80,7 +80,7 @@ def data_name(name: str) -> str:
 
 
 def lock_path(name: str) -> str:
-    return os.path.join(SHM_DIR, f"{PREFIX}{name}.lock")
+    return f"{SHM_DIR}/{PREFIX}{name}.lock"
 
 
 def shm_path(segment: str) -> str:

@@ -189,7 +189,7 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             del words, raw
             store = Store(name, hseg, dseg, layout, max_clients, creator=True, persistent=persistent,
                           lock_timeout=lock_timeout, live=live)
-            engine_of(store).register_client()
+            engine_of(store).join()
             _liveness.created_keys.add(creator_key)
         except BaseException:
             hseg.unlink()

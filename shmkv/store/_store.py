@@ -412,10 +412,11 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
        builds the arrays' views (no page touched), and maps the read-only waiter counts
        (the liveness file opened a second time on purpose: a mapping keeps a descriptor,
        which must never carry the liveness byte's lock into a fork);
-    4. read-write only, in one hold of the store lock: the recovery check (a dead holder's
-       transaction rolled back, odd generations repaired), the span sync (the shared prefix
-       pages the table lists, mapped here), the client table's check, and the liveness
-       registration (its byte of the liveness file, a key, its client row).
+    4. read-write only, the engine's ``join()`` (the one place that says it), in one hold of
+       the store lock: the recovery check (a dead holder's transaction rolled back, odd
+       generations repaired), the span sync (the shared prefix pages the table lists, mapped
+       here), the client table's check, and the liveness registration (its byte of the
+       liveness file, a key, its client row).
 
     Raises:
         StoreNotFound: no store of that name (the message says how to list them).
@@ -466,7 +467,7 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         raise
     if not readonly:
         try:
-            store._engine.register_client()
+            store._engine.join()
         except BaseException:
             store.close()
             raise
