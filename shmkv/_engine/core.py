@@ -138,13 +138,14 @@ class Core(Journal):
         # layer's view is its window region instead: a buffer of window_cells per slot.
         self.Kl = list(self.K)
         self.Vl = list(self.V)
-        self._full = [i for i in range(L) if i not in layout.bounded]
-        self._wc = layout.window_cells
-        nb, WT = len(layout.bounded), 2 * layout.max_seqs * layout.window_cells  # two buffers a slot
+        bounded = layout.bounded  # (a property: asked once, not once a layer)
+        self._full = [i for i in range(L) if i not in bounded]
+        self._wc = wc = layout.window_cells
+        nb, WT = len(bounded), 2 * layout.max_seqs * wc  # two buffers a slot
         if nb:
             self._WK = np.frombuffer(dmm, dt, nb * WT * H * D, off.wk_off).reshape(nb, WT, H, D)
             self._WV = np.frombuffer(dmm, dt, nb * WT * H * D, off.wv_off).reshape(nb, WT, H, D)
-            for j, layer in enumerate(layout.bounded):
+            for j, layer in enumerate(bounded):
                 self.Kl[layer], self.Vl[layer] = self._WK[j], self._WV[j]
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
