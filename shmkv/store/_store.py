@@ -459,14 +459,15 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
             time.sleep(0.001)  # the creator writes the magic last
         raw = hseg.array(np.uint8)
         layout, max_clients = read_header_once(words, raw, hseg.size, name)
-        persistent = words is not None and bool(words[_header.W_PERSISTENT])  # (read() refused a short one)
+        assert words is not None  # (read() refused a short one)
+        persistent = bool(words[_header.W_PERSISTENT])
+        data_bytes = int(words[_header.W_DATA_BYTES])  # (read() checked it against the layout's offsets)
         del words, raw
         dseg = Segment.open(_segment.data_name(name), readonly)
         opened.append(dseg)
-        off = _header.offsets(layout, max_clients)
-        if dseg.size < off.data_bytes:
+        if dseg.size < data_bytes:
             raise CorruptStoreError(
-                f"store {name!r}: data segment is {dseg.size} bytes, the header needs {off.data_bytes}"
+                f"store {name!r}: data segment is {dseg.size} bytes, the header needs {data_bytes}"
             )
     except StoreNotFound:
         hseg.close()
