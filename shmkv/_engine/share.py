@@ -103,7 +103,7 @@ _FIX = ("raise the limit (sysctl -w vm.max_map_count=262144), let this process h
 
 
 Want = dict[int, tuple[int, int, int]]  # slot -> (start, physical start, cells)
-_NO_REFUSAL = ShareError(errno.ENOMEM, os.strerror(errno.ENOMEM))  # what ``refused`` says before any
+_NO_REFUSAL = ShareError(errno.ENOMEM, os.strerror(errno.ENOMEM))  # ``refused`` until the kernel refuses one
 
 # Every live Shares, so a forked child can replace their locks: a thread of the parent may have
 # held one at the fork (inside sync/apply), and the child's copy would stay held by a thread it
