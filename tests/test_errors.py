@@ -154,6 +154,29 @@ def _forge(name: str, size: int, content: bytes) -> None:
     seg.close()
 
 
+@pytest.mark.parametrize("where", ["kv_heads", "layer kind"])
+def test_a_header_damaged_after_an_attach_is_refused_at_the_next(make_store, where):
+    """attach remembers the headers this process found intact (a forked worker inherits them):
+    one changed since is read and checked again, and refused; put back, it attaches again."""
+    store = make_store(layers=2)
+    shmkv.attach(store.name).close()
+    hdr = _segment.Segment.open(_segment.header_name(store.name), readonly=False)
+    raw = np.frombuffer(hdr.mm, np.uint8)
+    at = _header.W_KV_HEADS * 8 if where == "kv_heads" else _header.LAYER_KINDS_OFF + 1
+    was = int(raw[at])
+    raw[at] = was + 1
+    try:
+        with pytest.raises(shmkv.CorruptStoreError, match="damaged"):
+            shmkv.attach(store.name)
+    finally:
+        raw[at] = was
+        del raw
+        hdr.close()
+    again = shmkv.attach(store.name)
+    assert again.layout == store.layout
+    again.close()
+
+
 @pytest.mark.parametrize("what", ["foreign", "tiny", "version", "checksum", "no-data"])
 def test_foreign_or_damaged_header(make_store, what):
     if what in ("version", "checksum", "no-data"):

@@ -344,3 +344,27 @@ def test_regather_refuses_and_changes_nothing(make_store):
     with pytest.raises(shmkv.CacheFullError):
         store.regather(seqs, [0, 0, 0])
     unchanged()
+
+
+def test_commit_stores_the_ids_and_positions_given_for_one_token_or_many(make_store):
+    """commit(tokens=, positions=) of one token (the decode step: two word stores) and of many:
+    the ids and positions read back are the ones given, or -1 and the next positions."""
+    store = make_store()
+    seq = store.create_sequence(capacity=32)
+    rng = np.random.default_rng(5)
+    ids: list[int] = []
+    pos: list[int] = []
+    k_ref, v_ref = np.zeros((2, 0, H, D), np.float32), np.zeros((2, 0, H, D), np.float32)
+    for n, tok, p in [(1, None, None), (1, [7], None), (1, [8], [10]), (1, None, None),
+                      (3, [1, 2, 3], None), (2, None, [20, 25]), (1, None, [30]), (2, None, None)]:
+        k, v = kv(rng, 2, n)
+        for layer in range(2):
+            seq.append(layer, k[layer], v[layer])
+        assert seq.commit(tokens=tok, positions=p) == len(ids) + n
+        last = pos[-1] if pos else -1
+        ids += tok if tok is not None else [-1] * n
+        pos += p if p is not None else list(range(last + 1, last + 1 + n))
+        k_ref, v_ref = np.concatenate([k_ref, k], axis=1), np.concatenate([v_ref, v], axis=1)
+    assert seq.tokens.tolist() == ids
+    assert seq.positions.tolist() == pos
+    assert_holds(seq, k_ref, v_ref)

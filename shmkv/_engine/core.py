@@ -15,6 +15,7 @@ lock and keep a row's seqlock generation odd while they change it.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import weakref
@@ -56,6 +57,15 @@ def _words(mm: Any, offset: int, count: int) -> memoryview:
     return memoryview(mm)[offset : offset + 8 * count].cast("q")
 
 
+def _address(mm: Any, view: np.ndarray, at: int) -> int:
+    """The address of mapping ``mm``'s byte 0 in this process; ``view``: a view of it from byte
+    ``at``, asked when the mapping is read-only (ctypes takes only a writable buffer)."""
+    if view.flags.writeable:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    addr: int = view.ctypes.data - at
+    return addr
+
+
 def read_only_view(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
@@ -95,12 +105,12 @@ class Core(Journal):
         except BaseException:
             self._lock.close()
             raise
-        self.identity = int(hseg.array(np.int64, 1, 8 * _header.W_IDENTITY)[0])
         off = self._off = _header.offsets(layout, max_clients)
         hmm, dmm = hseg.mm, dseg.mm
         assert hmm is not None and dmm is not None
         self._max_clients = max_clients
         self.hdr = _words(hseg.mm, 0, _header.FIXED_BYTES // 8)
+        self.identity = self.hdr[_header.W_IDENTITY]
         self._table = _words(hseg.mm, off.seq_off, layout.max_seqs * SEQ_WORDS)
         self.table_np = np.frombuffer(hmm, np.int64, layout.max_seqs * SEQ_WORDS, off.seq_off).reshape(
             layout.max_seqs, SEQ_WORDS
@@ -128,13 +138,14 @@ class Core(Journal):
         # layer's view is its window region instead: a buffer of window_cells per slot.
         self.Kl = list(self.K)
         self.Vl = list(self.V)
-        self._full = [i for i in range(L) if i not in layout.bounded]
-        self._wc = layout.window_cells
-        nb, WT = len(layout.bounded), 2 * layout.max_seqs * layout.window_cells  # two buffers a slot
+        bounded = layout.bounded  # (a property: asked once, not once a layer)
+        self._full = [i for i in range(L) if i not in bounded]
+        self._wc = wc = layout.window_cells
+        nb, WT = len(bounded), 2 * layout.max_seqs * wc  # two buffers a slot
         if nb:
             self._WK = np.frombuffer(dmm, dt, nb * WT * H * D, off.wk_off).reshape(nb, WT, H, D)
             self._WV = np.frombuffer(dmm, dt, nb * WT * H * D, off.wv_off).reshape(nb, WT, H, D)
-            for j, layer in enumerate(layout.bounded):
+            for j, layer in enumerate(bounded):
                 self.Kl[layer], self.Vl[layer] = self._WK[j], self._WV[j]
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
@@ -158,8 +169,9 @@ class Core(Journal):
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
         self.waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
         self.ro_waiters = RowWaiters(name, layout.max_seqs)  # ... of read-only attachments (_engine/row_waiters.py)
-        self.length_addr0 = self.table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
-        self.waiters_addr0 = self.length_addr0 - 8 * LENGTH - off.seq_off + off.wait_off  # (changed atomically)
+        hbase = _address(hmm, self.table_np, off.seq_off)
+        self.length_addr0 = hbase + off.seq_off + 8 * LENGTH  # futex words (_sequence/waiting.py)
+        self.waiters_addr0 = hbase + off.wait_off  # (changed atomically)
         self.waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
         self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
@@ -171,14 +183,14 @@ class Core(Journal):
         self._reserved_at = -1  # the span epoch that record is valid at (Pages._record)
         # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
         self._owed: list[tuple[int, int]] = []
-        self._dbase = self.tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
+        self._dbase = _address(dmm, dbuf, 0)  # address of the data segment's byte 0
         # shared prefix pages (docs/design.md §11): what a span covers, and what this process has mapped
         pieces = [(base + i * off.layer_stride, off.cell_bytes) for base in (off.k_off, off.v_off) for i in self._full]
         if off.scale_stride:
             pieces += [(base + i * off.scale_stride, layout.kv_heads * 4) for base in (off.ks_off, off.vs_off)
                        for i in range(L)]
         self.shares = Shares(self.hdr, self.table_np, dmm, dseg.fileno(), pieces, readonly=hseg.readonly,
-                             reserved=self._reserved, owed=self._owed)
+                             reserved=self._reserved, owed=self._owed, base=self._dbase)
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Core] | None = \
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)
@@ -277,22 +289,26 @@ class Core(Journal):
 
     # -- clients ---------------------------------------------------------------
 
-    def register_client(self) -> None:
-        """Take a client slot (its byte of the liveness file) and write its row. Holding the byte
-        makes the row ours alone; the store lock is taken for recovery (attach is a way in)."""
-        with self.locked(scan=True):  # an attach is a cold entry: it repairs any odd generation
+    def join(self) -> None:
+        """What a read-write attachment (the creator's too) does to join the store, each step
+        once, in one hold of the store lock: 1. the recovery check (a dead holder's transaction
+        rolled back, odd generations made even: a cold entry scans every row); 2. the span sync
+        (the table's shared prefix pages mapped here); 3. the client table's check; 4. the
+        liveness registration (the first free byte of the liveness file locked, a key drawn,
+        the slot's client row written). 1 and 2 are the lock entry's (``locked(scan=True)``)."""
+        with self.locked(scan=True):  # 1, 2
             rows = self.clients_np
             pids, keys = rows[:, C_PID], rows[:, C_KEY]
-            bad = np.flatnonzero((pids < 0) | (pids > _segment.MAX_PID) | (keys < 0))  # (one pass, not a row a call)
-            if bad.size:
-                i = int(bad[0])
+            bad = (pids < 0) | (pids > _segment.MAX_PID) | (keys < 0)  # (one pass, not a row a call)
+            i = int(bad.argmax())  # (the first bad row, or row 0 when none is)
+            if bad[i]:
                 pid, key = int(rows[i, C_PID]), int(rows[i, C_KEY])
                 raise CorruptStoreError(
                     f"store {self.name!r}: client table row {i} holds pid {pid}, key {key}, "
                     "which no process has: the header was overwritten by something other than shmkv; "
                     f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
                 )
-            self._fill_client_row()
+            self._fill_client_row()  # 4
 
     def _fill_client_row(self) -> None:
         live = self._live
@@ -300,7 +316,7 @@ class Core(Journal):
         row = self.clients_np[_liveness.slot_of(key)]
         row[C_KEY] = key
         row[C_FLAGS] = 1
-        row[C_PID] = os.getpid()  # for display only: a pid means nothing in another PID namespace
+        row[C_PID] = live.pid  # (as it registered) for display only: no meaning in another PID namespace
 
     def client_key(self) -> int:
         """This attachment's client key, for a lease; a forked child registers a slot of its own

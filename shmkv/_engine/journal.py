@@ -338,7 +338,7 @@ class Journal:
         k = hdr[_header.W_UNDO_COUNT]
         if k:
             self._put_back()
-        odd = np.flatnonzero(self.table_np[:, GEN] & 1) if scan or k else ()
+        odd = (self.table_np[:, GEN] & 1).nonzero()[0] if scan or k else ()
         for slot in list(odd):
             self.row(int(slot))[GEN] += 1  # a bracket left open with no entry (a store of an older shmkv)
             self._wake(int(slot))

@@ -42,7 +42,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import secrets
 import struct
 import threading
 import weakref
@@ -76,11 +75,12 @@ CROSS_NAMESPACE_LIVENESS = True
 
 def live_path(name: str) -> str:
     """The liveness file of store ``name``."""
-    return os.path.join(_segment.SHM_DIR, f"{_segment.PREFIX}{name}{LIVE_SUFFIX}")
+    return f"{_segment.SHM_DIR}/{_segment.PREFIX}{name}{LIVE_SUFFIX}"
 
 
 def new_key(slot: int) -> int:
-    return (secrets.randbits(62 - SLOT_BITS) + 1) << SLOT_BITS | slot
+    # 62 - SLOT_BITS random bits from os.urandom (what secrets.randbits reads), plus one: never 0
+    return ((int.from_bytes(os.urandom(6), "little") >> (48 - 62 + SLOT_BITS)) + 1) << SLOT_BITS | slot
 
 
 def slot_of(key: int) -> int:

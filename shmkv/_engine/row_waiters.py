@@ -67,10 +67,9 @@ class RowWaiters:
                 fd = os.open(_liveness.live_path(name), flags | os.O_CLOEXEC | os.O_NOFOLLOW)
             except OSError:
                 continue
-            try:
-                if os.fstat(fd).st_size >= 4 * rows:
-                    mm = mmap.mmap(fd, file_bytes(rows), mmap.MAP_SHARED, prot)
-            except OSError:
+            try:  # (mmap refuses a file shorter than the map: ValueError)
+                mm = mmap.mmap(fd, file_bytes(rows), mmap.MAP_SHARED, prot)
+            except (OSError, ValueError):
                 mm = None
             finally:
                 os.close(fd)  # (the mapping keeps the file)

@@ -20,7 +20,6 @@ import contextlib
 import errno
 import mmap
 import os
-import re
 import stat
 import sys
 
@@ -42,7 +41,7 @@ from shmkv.errors import (
 
 SHM_DIR = "/dev/shm"
 PREFIX = "skv_"
-NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,24}")
+NAME_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"  # 1 to 24 of them
 # errors of a write or an allocation that mean "/dev/shm (or memory) is full"
 _FULL = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
 # Linux only; the value of MADV_POPULATE_WRITE (5.14+), absent from Python 3.11's mmap.
@@ -63,7 +62,8 @@ os.register_at_fork(after_in_child=_after_fork)
 
 def check_name(name: object) -> str:
     """Return ``name`` if it is a valid store name, else raise InvalidArgumentError."""
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+    # (str methods, not a regular expression: nothing but C code on attach's first line)
+    if not isinstance(name, str) or not 1 <= len(name) <= 24 or name.strip(NAME_CHARS):
         raise InvalidArgumentError(
             f"bad store name {name!r}: use 1 to 24 characters from [A-Za-z0-9_-] "
             "(macOS limits a whole segment name to 30 characters)"
@@ -80,7 +80,7 @@ def data_name(name: str) -> str:
 
 
 def lock_path(name: str) -> str:
-    return os.path.join(SHM_DIR, f"{PREFIX}{name}.lock")
+    return f"{SHM_DIR}/{PREFIX}{name}.lock"
 
 
 def shm_path(segment: str) -> str:

@@ -103,6 +103,7 @@ _FIX = ("raise the limit (sysctl -w vm.max_map_count=262144), let this process h
 
 
 Want = dict[int, tuple[int, int, int]]  # slot -> (start, physical start, cells)
+_NO_REFUSAL = ShareError(errno.ENOMEM, os.strerror(errno.ENOMEM))  # ``refused`` until the kernel refuses one
 
 # Every live Shares, so a forked child can replace their locks: a thread of the parent may have
 # held one at the fork (inside sync/apply), and the child's copy would stay held by a thread it
@@ -126,10 +127,11 @@ class Shares:
     so a remap never lands in unmapped address space) and a descriptor of its own."""
 
     def __init__(self, hdr: memoryview, table: np.ndarray, mm: Any, fd: int, pieces: list[tuple[int, int]], *,
-                 readonly: bool, reserved: tuple[list[tuple[int, int]], ...], owed: list[tuple[int, int]]) -> None:
+                 readonly: bool, reserved: tuple[list[tuple[int, int]], ...], owed: list[tuple[int, int]],
+                 base: int) -> None:
         self.hdr, self.table = hdr, table
         self.anchor = np.frombuffer(mm, np.uint8)
-        self.base = self.anchor.ctypes.data
+        self.base = base  # the address of the mapping's byte 0
         self.fd = os.dup(fd)
         self.pieces = pieces
         self.prot = PROT_READ | (0 if readonly else PROT_WRITE)
@@ -141,7 +143,7 @@ class Shares:
         # the ones whose cells may show neither their own pages nor the span (a revert failed)
         self.unmapped: Want = {}
         self.dirty: set[int] = set()
-        self.refused = ShareError(errno.ENOMEM, os.strerror(errno.ENOMEM))  # the last refusal
+        self.refused = _NO_REFUSAL  # the last refusal
         self.lock = threading.RLock()
         _LIVE.add(self)
 
@@ -196,7 +198,7 @@ class Shares:
         """The spans of the table (or of ``rows(slot)``, the rows as a rollback leaves them)."""
         t = self.table
         if rows is None:
-            idx = np.flatnonzero(t[:, SPAN_CELLS] > 0)
+            idx = (t[:, SPAN_CELLS] > 0).nonzero()[0]
             return {int(s): (int(t[s, START]), int(t[s, SPAN_PHYS]), int(t[s, SPAN_CELLS])) for s in idx
                     if t[s, STATE] == LIVE}
         out: Want = {}

@@ -88,37 +88,38 @@ def address(r: SeqReader) -> int:
     return r.port.length_addr0 + r.slot * 8 * SEQ_WORDS
 
 
-def _count(p: Port, slot: int, delta: int) -> None:
-    """Change row ``slot``'s shared waiter count by ``delta``, atomically between processes: the
-    header's (read-write attachments) or the liveness file's (read-only ones)."""
-    if p.readonly:
-        p.ro_waiters.add(slot, delta)
-    else:  # the low half of the int64 count: it never goes below 0, so no borrow reaches the high half
-        _futex.atomic_add(p.waiters_addr0 + 8 * slot, delta)
+def _count_word(p: Port, slot: int) -> int:
+    """The address of row ``slot``'s shared waiter count, changed atomically between processes:
+    the header's (read-write attachments: the low half of the int64 count, which never goes below
+    0, so no borrow reaches the high half) or the liveness file's (read-only ones)."""
+    return p.ro_waiters.addr0 + 4 * slot if p.readonly else p.waiters_addr0 + 8 * slot
 
 
-def _register(r: SeqReader) -> bool:
+def _register(r: SeqReader) -> int:
     """Count this thread as a waiter of the row: the shared count (atomically, no lock) and this
-    handle's own. Returns whether a shared count was raised (a read-only attachment that may
-    not write its liveness file, or no futex: none; the waiter then polls)."""
+    handle's own. Returns the shared count's address, for ``_unregister``; 0 when none was raised
+    (a read-only attachment that may not write its liveness file, or no futex: the waiter then
+    polls)."""
     p = r.port
-    shared = _futex.AVAILABLE and (not p.readonly or p.ro_waiters.writable)
+    word = _count_word(p, r.slot) if _futex.AVAILABLE and (not p.readonly or p.ro_waiters.writable) else 0
     with _row_waiters.LOCK:  # (close() takes this handle's counts off the row under it: drop_waiters)
         if p.closed:  # close() began: its drop may be over, a count raised now would stay raised
             raise StoreClosedError(f"store {p.name!r} is closed; sequence {r.id} is unusable")
-        if shared:
-            _count(p, r.slot, 1)
+        if word:
+            _futex.atomic_add(word, 1)
         p.waiting[r.slot] = p.waiting.get(r.slot, 0) + 1  # (close() reads it: its drop, its wake-up)
-    return shared
+    return word
 
 
-def _unregister(r: SeqReader, shared: bool) -> None:
+def _unregister(r: SeqReader, word: int) -> None:
+    """Take the thread's count off (``word``: what ``_register`` returned). A woken waiter runs
+    this cold, before it returns: the count's address is worked out before it slept."""
     p = r.port
     with _row_waiters.LOCK:
         if p.closed:
             return  # close() took this handle's counts off the row already
-        if shared:
-            _count(p, r.slot, -1)
+        if word:
+            _futex.atomic_add(word, -1)
         left = p.waiting.get(r.slot, 0) - 1
         if left > 0:
             p.waiting[r.slot] = left
@@ -140,7 +141,7 @@ def wait(r: SeqReader, length: int | None, timeout: float | None, cancel: thread
     if seen & 1 or row[GEN] != seen:
         seen = -1  # the row changed around that read: the first look of the loop is a full one
     addr = address(r)
-    shared = _register(r)
+    counted = _register(r)
     try:
         delay = _FIRST_SLEEP
         while True:
@@ -168,16 +169,16 @@ def wait(r: SeqReader, length: int | None, timeout: float | None, cancel: thread
                     f"timeout={timeout} s (its length is {now_len}); pass a larger timeout= or None"
                 )
             left = None if deadline is None else deadline - now
-            step = _CHUNK if shared else delay
+            step = _CHUNK if counted else delay
             step = step if left is None else min(step, left)
             if _futex.AVAILABLE:
                 _futex.wait(addr, word, step)
             else:
                 time.sleep(step)
-            if not shared:
+            if not counted:
                 delay = min(delay * 2, _MAX_SLEEP)
     finally:
-        _unregister(r, shared)
+        _unregister(r, counted)
 
 
 def wake_all(r: SeqReader) -> None:

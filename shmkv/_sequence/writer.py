@@ -67,8 +67,8 @@ class SeqWriter:
     # cost CPython's shared-key instance dicts)
     __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch",
                  "gen", "here", "id", "isfull", "length", "lent_past", "lim", "mirror", "pending", "plain", "port",
-                 "positions", "r", "ro_waiters", "room", "row", "slot", "staged", "start", "token", "tokens",
-                 "unmapped", "vfrom", "waddr", "waiters", "wc", "write")
+                 "positions", "positions_mv", "r", "ro_waiters", "room", "row", "slot", "staged", "start", "token",
+                 "tokens", "tokens_mv", "unmapped", "vfrom", "waddr", "waiters", "wc", "write")
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
@@ -83,6 +83,9 @@ class SeqWriter:
         self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
         self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
         self.tokens, self.positions = r.tokens, r.positions
+        # the same words as memoryviews: a commit of one token stores its id and position with
+        # no numpy call (a commit that wakes a waiter runs cold, and every call there counts)
+        self.tokens_mv, self.positions_mv = r.tokens.data, r.positions.data
         self.unmapped = r.shares.unmapped  # rows whose shared pages are not mapped here (read: refused)
         self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
         self.ro_waiters = p.ro_waiters.counts  # ... of read-only attachments
@@ -325,8 +328,7 @@ class SeqWriter:
             row = self.row
             length = row[LENGTH]
             s = self.start + length
-            P = self.positions
-            last = int(P[s - 1]) if length else -1
+            last = self.positions_mv[s - 1] if length else -1
             if n == 0:
                 if (tokens is not None and np.size(tokens)) or (positions is not None and np.size(positions)):
                     raise InvalidArgumentError("commit: tokens/positions given but no token is pending")
@@ -341,17 +343,12 @@ class SeqWriter:
                     )
             if self.staged and self.mirror is not None:  # int8: all layers' pending tokens quantized, one pass
                 self.mirror.quantize(length, n, s, self)
-            if tok is None:
-                self.tokens[s : s + n] = -1
+            if n == 1:  # (the decode step: two word stores)
+                self.tokens_mv[s] = -1 if tok is None else int(tok[0])
+                self.positions_mv[s] = last + 1 if pos is None else int(pos[0])
             else:
-                self.tokens[s : s + n] = tok
-            if pos is None:
-                if n == 1:
-                    P[s] = last + 1
-                else:
-                    P[s : s + n] = np.arange(last + 1, last + 1 + n)
-            else:
-                P[s : s + n] = pos
+                self.tokens[s : s + n] = -1 if tok is None else tok
+                self.positions[s : s + n] = np.arange(last + 1, last + 1 + n) if pos is None else pos
             zero = [0] * self.L
             row[LENGTH] = length + n  # publish: one aligned 8-byte store, after the data
             self.length, self.pending, self.staged = length + n, zero, False  # (with it: no call between)

@@ -34,6 +34,7 @@ from shmkv.store._store import (
     Store,
     check_timeout,
     engine_of,
+    read_header_once,
 )
 from shmkv.store._removal import remove_at_process_exit, remove_names
 from shmkv.errors import AccessDeniedError, CorruptStoreError, InvalidArgumentError, StoreExistsError, StoreNotFound
@@ -186,10 +187,11 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             _header.write(words, raw, layout, off, max_clients=max_clients, creator_pid=os.getpid(),
                           creator_client=creator_key, persistent=persistent,
                           identity=secrets.randbits(62) + 1, session=session_tag())
+            read_header_once(words, raw, hseg.size, name)  # (checked as written; workers forked from here know it)
             del words, raw
             store = Store(name, hseg, dseg, layout, max_clients, creator=True, persistent=persistent,
                           lock_timeout=lock_timeout, live=live)
-            engine_of(store).register_client()
+            engine_of(store).join()
             _liveness.created_keys.add(creator_key)
         except BaseException:
             hseg.unlink()

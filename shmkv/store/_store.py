@@ -394,6 +394,28 @@ def check_timeout(name: str, value: object) -> float:
     return float(value)
 
 
+# Headers this process found intact (a forked child inherits them): the words read() checks (the
+# fixed block's first 22 but the generation and next id, which change), the layer kinds and the
+# segment's size -> what read() returned. A header equal to one is decoded and checked already.
+_KEY_WORDS = np.array([w for w in range(22) if w not in (_header.W_GENERATION, _header.W_NEXT_ID)])
+_READ: dict[bytes, tuple[Layout, int]] = {}
+
+
+def read_header_once(words: np.ndarray | None, raw: np.ndarray, size: int, name: str) -> tuple[Layout, int]:
+    """``header.read``, once for each header this process sees (the creator's, or an attach's)."""
+    if words is None:  # (too short: read() says so)
+        return _header.read(np.zeros(64, np.int64), raw, size, name)
+    kinds = _header.LAYER_KINDS_OFF + min(max(int(words[_header.W_LAYERS]), 0), _header.MAX_LAYERS)
+    key = words[_KEY_WORDS].tobytes() + raw[_header.LAYER_KINDS_OFF : kinds].tobytes() + size.to_bytes(8, "little")
+    got = _READ.get(key)
+    if got is None:
+        got = _header.read(words, raw, size, name)
+        if len(_READ) >= 64:
+            _READ.clear()
+        _READ[key] = got
+    return got
+
+
 def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
            lock_timeout: float = _lock.DEFAULT_TIMEOUT) -> Store:
     """Attach to the existing store ``name``.
@@ -412,10 +434,11 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
        builds the arrays' views (no page touched), and maps the read-only waiter counts
        (the liveness file opened a second time on purpose: a mapping keeps a descriptor,
        which must never carry the liveness byte's lock into a fork);
-    4. read-write only, in one hold of the store lock: the recovery check (a dead holder's
-       transaction rolled back, odd generations repaired), the span sync (the shared prefix
-       pages the table lists, mapped here), the client table's check, and the liveness
-       registration (its byte of the liveness file, a key, its client row).
+    4. read-write only, the engine's ``join()`` (the one place that says it), in one hold of
+       the store lock: the recovery check (a dead holder's transaction rolled back, odd
+       generations repaired), the span sync (the shared prefix pages the table lists, mapped
+       here), the client table's check, and the liveness registration (its byte of the
+       liveness file, a key, its client row).
 
     Raises:
         StoreNotFound: no store of that name (the message says how to list them).
@@ -435,16 +458,16 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         while words is not None and int(words[_header.W_MAGIC]) == 0 and time.monotonic() < deadline:
             time.sleep(0.001)  # the creator writes the magic last
         raw = hseg.array(np.uint8)
-        layout, max_clients = _header.read(words if words is not None else np.zeros(64, np.int64), raw,
-                                           hseg.size, name)
-        persistent = words is not None and bool(words[_header.W_PERSISTENT])  # (read() refused a short one)
+        layout, max_clients = read_header_once(words, raw, hseg.size, name)
+        assert words is not None  # (read() refused a short one)
+        persistent = bool(words[_header.W_PERSISTENT])
+        data_bytes = int(words[_header.W_DATA_BYTES])  # (read() checked it against the layout's offsets)
         del words, raw
         dseg = Segment.open(_segment.data_name(name), readonly)
         opened.append(dseg)
-        off = _header.offsets(layout, max_clients)
-        if dseg.size < off.data_bytes:
+        if dseg.size < data_bytes:
             raise CorruptStoreError(
-                f"store {name!r}: data segment is {dseg.size} bytes, the header needs {off.data_bytes}"
+                f"store {name!r}: data segment is {dseg.size} bytes, the header needs {data_bytes}"
             )
     except StoreNotFound:
         hseg.close()
@@ -466,7 +489,7 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         raise
     if not readonly:
         try:
-            store._engine.register_client()
+            store._engine.join()
         except BaseException:
             store.close()
             raise
