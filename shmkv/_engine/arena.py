@@ -246,7 +246,7 @@ class Arena(Sharing):
     def get_meta(self, slot: int) -> bytes:
         """A sequence's packed metadata, as stored (the caller checks the row's seqlock); while
         another process's transaction logged it, as its rollback leaves it (``_engine/journal.py``, 7)."""
-        rec = self._settled_meta(slot) if self.hdr[_header.W_UNDO_COUNT] and not self._depth else self.meta[slot]
+        rec = self._settled_meta(slot) if self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth else self.meta[slot]
         n = int.from_bytes(rec[:8].tobytes(), "little")
         return bytes(rec[8 : 8 + min(n, _header.META_BYTES)].tobytes())
 

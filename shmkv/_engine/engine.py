@@ -11,11 +11,24 @@ sequence layer and snapshots see.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from shmkv._engine import crash as _crash
+from shmkv._engine import header as _header
+from shmkv._engine import liveness as _liveness
+from shmkv._engine import segment as _segment
 from shmkv._engine.arena import Arena
+from shmkv._engine.core import release_views
 from shmkv._engine.header import (
+    C_FLAGS,
+    C_KEY,
+    C_PID,
+    LIVE,
+    SEQ_WORDS,
+    STATE,
+    Layout,
     CAPACITY,
     CLEAN,
     FLAGS,
@@ -31,14 +44,127 @@ from shmkv._engine.header import (
     with_leads,
 )
 from shmkv._engine.intervals import take_interval
+from shmkv._engine.journal import Journal
 from shmkv._engine.prefix_hash import lead_levels
-from shmkv.errors import CacheFullError, NotSupportedError
+from shmkv._engine.segment import Segment
+from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
 
 __all__ = ["Engine"]
 
 
 class Engine(Arena):
     """A store's engine (see the module docstring): this class adds the cell moves."""
+
+    def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
+                 creator: bool, persistent: bool, lock_timeout: float,
+                 live: _liveness.Liveness | None = None) -> None:
+        super().__init__(name, hseg, dseg, layout, max_clients, creator=creator, persistent=persistent,
+                         lock_timeout=lock_timeout, live=live)
+        self.journal = journal = Journal(
+            readonly=self.readonly, lock_timeout=self.lock_timeout, layout=layout, hdr=self.hdr,
+            table_np=self.table_np, undo_np=self._undo_np, undo=self._undo, meta_w=self._meta_w,
+            meta_mv=self._meta_mv, lock=self._lock, row=self.row, row_slot=self._row_slot,
+            slot_hint=self._slot_hint, here=self.here, free=self._free, waiters=self.waiters,
+            ro_waiters=self.ro_waiters, length_addr0=self.length_addr0, shares=self.shares, record=self._rec,
+            check_open=self.check_open, check_writable=self.check_writable, settle_span=self._settle_span)
+        # the journal's operations, bound once (the sequence layer copies them onto its hot path)
+        self.locked, self.reading, self.settled_row = journal.locked, journal.reading, journal.settled_row
+        self.transaction, self.changing, self.log_meta = journal.transaction, journal.changing, journal.log_meta
+        self.new_incarnation = journal.new_incarnation
+        self._forget, self._spans_odd, self._settled_meta = journal.forget, journal.spans_odd, journal.settled_meta
+
+    def release(self) -> None:
+        """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
+        release_views(self.journal, self.name)
+        super().release()
+
+    # -- clients ---------------------------------------------------------------
+
+    def register_client(self) -> None:
+        """Take a client slot (its byte of the liveness file) and write its row. Holding the byte
+        makes the row ours alone; the store lock is taken for recovery (attach is a way in)."""
+        with self.locked(scan=True):  # an attach is a cold entry: it repairs any odd generation
+            rows = self.clients_np
+            pids, keys = rows[:, C_PID], rows[:, C_KEY]
+            bad = np.flatnonzero((pids < 0) | (pids > _segment.MAX_PID) | (keys < 0))  # (one pass, not a row a call)
+            if bad.size:
+                i = int(bad[0])
+                pid, key = int(rows[i, C_PID]), int(rows[i, C_KEY])
+                raise CorruptStoreError(
+                    f"store {self.name!r}: client table row {i} holds pid {pid}, key {key}, "
+                    "which no process has: the header was overwritten by something other than shmkv; "
+                    f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
+                )
+            self._fill_client_row()
+
+    def _fill_client_row(self) -> None:
+        live = self._live
+        key = live.key or live.register(self._max_clients)
+        row = self.clients_np[_liveness.slot_of(key)]
+        row[C_KEY] = key
+        row[C_FLAGS] = 1
+        row[C_PID] = os.getpid()  # for display only: a pid means nothing in another PID namespace
+
+    def client_key(self) -> int:
+        """This attachment's client key, for a lease; a forked child registers a slot of its own
+        first (the parent's descriptor was dropped at fork, see liveness)."""
+        live = self._live
+        if live.key and live.pid == os.getpid():
+            return live.key
+        with self.locked():
+            live.reopen_in_child()
+            if not live.key:
+                self._fill_client_row()
+        return live.key
+
+    # -- the sequence table ----------------------------------------------------
+
+    def slot_of(self, seq_id: object) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
+            raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
+        seq_id = int(seq_id)
+        # A created sequence lives in row id % max_seqs (Store.create_sequence picks its id so);
+        # one a restore placed elsewhere is found once by a scan, then by a hint: ids are never
+        # reused, so a remembered slot is right exactly when its row still holds that id, live.
+        own = seq_id % self.layout.max_seqs
+        b = own * SEQ_WORDS
+        if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
+            return own
+        slot = self._slot_hint.get(seq_id)
+        if slot is not None:
+            b = slot * SEQ_WORDS
+            if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
+                return slot
+        t = self.table_np
+        hits = np.flatnonzero((t[:, ID] == seq_id) & (t[:, STATE] == LIVE))
+        if hits.size:
+            if len(self._slot_hint) > 4 * self.layout.max_seqs:
+                self._slot_hint.clear()
+            self._slot_hint[seq_id] = int(hits[0])
+        if hits.size == 0 and self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth:
+            # a transaction is in the undo log (a dead writer's, or a live one's): look at the
+            # rows as its rollback would leave them (``_engine/journal.py``, invariant 7)
+            with self.reading():
+                for slot in range(self.layout.max_seqs):
+                    w = self.settled_row(slot)
+                    if w[ID] == seq_id and w[STATE] == LIVE:
+                        return slot
+        if hits.size == 0:
+            raise SequenceNotFound(
+                f"store {self.name!r} has no sequence {seq_id!r}: it was freed or never created "
+                "(store.sequences() lists the live ones)"
+            )
+        return int(hits[0])
+
+    def listed_rows(self) -> list[list[int]]:
+        """The words of the table's rows a listing reads (``store.sequences()``): the live ones as
+        they are; while a transaction is in the undo log, every row as its rollback leaves it
+        (``journal`` 7): the caller keeps those whose STATE is LIVE."""
+        if self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth:
+            with self.reading():
+                return [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
+        rows: list[list[int]] = self.table_np[self.table_np[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
+        return rows
 
     def copy_all_layers(self, src: int, dst: int, n: int) -> None:
         """Copy n cells of every layer's main-arena K/V (and scales): encoder ranges."""

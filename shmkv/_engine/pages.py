@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from shmkv._engine import header as _header
 from shmkv._engine.core import Core
 from shmkv._engine.free_ranges import mark_pages
 from shmkv._engine.intervals import add_interval, clear, covers, overlaps, take_interval
+from shmkv._engine.journal import Journal
 
 __all__ = ["Pages", "add_interval", "covers", "take_interval"]
 
@@ -41,15 +43,23 @@ __all__ = ["Pages", "add_interval", "covers", "take_interval"]
 class Pages(Core):
     """Reservation and fresh-range writes of a store handle (see the module docstring)."""
 
+    # the journal's operations, bound by Engine.__init__ (until the parts that use them hold it)
+    journal: Journal
+    changing: Callable[..., AbstractContextManager[None]]
+    log_meta: Callable[[int], None]
+    _forget: Callable[..., None]
+    _spans_odd: Callable[[], None]
+    _settled_meta: Callable[[int], np.ndarray]
+
     def _record(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This process's reservation record, dropped when the span epoch moved: a borrow in any
         process (or one rolled back) punches its range's pages out, in a transaction that moves
         the epoch, and a range recorded here might be one of them. Re-reserving allocated pages
         is one cheap fallocate; writing into a hole on a full /dev/shm is a SIGBUS."""
         e = self.hdr[_header.W_SPANS]
-        if e != self._reserved_at:
+        if e != self._rec.at:
             clear(*self._reserved)  # (atomic for this process's other threads: intervals)
-            self._reserved_at = e
+            self._rec.at = e
         return self._reserved
 
     def _reserve(self, start: int, count: int, all_layers: bool = False, populate: bool = True) -> None:

@@ -233,7 +233,7 @@ class Sharing(Pages):
     def _lent_from(self, start: int) -> int:
         """The most cells any live row borrows, or keeps taken, from cell ``start`` on (0: none;
         lock held). A scan of the table once per span epoch and start: only a transaction that
-        changes spans changes it, and that moves the epoch (odd meanwhile: ``Journal._spans_odd``,
+        changes spans changes it, and that moves the epoch (odd meanwhile: ``Journal.spans_odd``,
         also on a rollback and a recovery), so a lending donor's speculative step scans nothing
         """
         e = self.hdr[_header.W_SPANS]
