@@ -276,14 +276,14 @@ def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_
     system = P(1, 4 * BLOCK)  # a multiple of the page unit: all of it borrowed
     d, _ = serve(st, system)
     d.finish()
-    calls = {"check_room": 0, "reserve": 0, "_put": 0}
+    calls = {"check_room": 0, "reserve": 0, "put": 0}
     kv_puts = []
-    for cls, name in ((_segment.Segment, "check_room"), (_segment.Segment, "reserve"), (Pages, "_put")):
+    for cls, name in ((_segment.Segment, "check_room"), (_segment.Segment, "reserve"), (Pages, "put")):
         real = getattr(cls, name)
 
         def counted(*a, _real=real, _name=name, **k):
             calls[_name] += 1
-            if _name == "_put" and a[1].ndim > 1:
+            if _name == "put" and a[1].ndim > 1:
                 kv_puts.append(a[1].shape)
             return _real(*a, **k)
 
@@ -292,7 +292,7 @@ def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_
     s = st.create_sequence(capacity=200, prefix=p)
     assert len(s) == len(system) and s._row[_header.SPAN_CELLS] == len(system)
     # (token ids, positions and hashes written through the descriptor: that allocates their pages)
-    assert calls == {"check_room": 1, "reserve": 0, "_put": 3} and kv_puts == [], (calls, kv_puts)
+    assert calls == {"check_room": 1, "reserve": 0, "put": 3} and kv_puts == [], (calls, kv_puts)
     monkeypatch.undo()
     k, v = np.ones((2, 2, 3, 2, 128), np.float32)
     s.extend(k, v, tokens=[1, 2, 3])

@@ -161,18 +161,15 @@ class Core:
         self.waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
         self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
         self.here = counts_here(name, layout.max_seqs)  # (writer.kept)
-        # cell intervals this process reserved (see Pages._reserve): [full layers, all layers],
-        # of which ``_owed`` (full layers) are allocated but never touched here
+        # cell intervals this process reserved (pages.Pages.reserve)
         self._rec = Record()
-        self._reserved, self._owed = self._rec.cells, self._rec.owed
-        self._dbase = self.tokens.ctypes.data - off.tokens_off  # address of the data segment's byte 0
         # shared prefix pages (docs/design.md §11): what a span covers, and what this process has mapped
         pieces = [(base + i * off.layer_stride, off.cell_bytes) for base in (off.k_off, off.v_off) for i in self._full]
         if off.scale_stride:
             pieces += [(base + i * off.scale_stride, layout.kv_heads * 4) for base in (off.ks_off, off.vs_off)
                        for i in range(L)]
         self.shares = Shares(self.hdr, self.table_np, dmm, dseg.fileno(), pieces, readonly=hseg.readonly,
-                             reserved=self._reserved, owed=self._owed)
+                             reserved=self._rec.cells, owed=self._rec.owed)
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Core] | None = \
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)

@@ -43,8 +43,8 @@ from shmkv._engine.header import (
     leads,
     with_leads,
 )
-from shmkv._engine.intervals import take_interval
 from shmkv._engine.journal import Journal
+from shmkv._engine.pages import Pages
 from shmkv._engine.prefix_hash import lead_levels
 from shmkv._engine.segment import Segment
 from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
@@ -72,10 +72,20 @@ class Engine(Arena):
         self.transaction, self.changing, self.log_meta = journal.transaction, journal.changing, journal.log_meta
         self.new_incarnation = journal.new_incarnation
         self._forget, self._spans_odd, self._settled_meta = journal.forget, journal.spans_odd, journal.settled_meta
+        self.pages = pages = Pages(
+            layout=layout, off=self._off, dseg=dseg, hdr=self.hdr, record=self._rec, Kl=self.Kl, Vl=self.Vl,
+            KS=self.KS, VS=self.VS, tokens=self.tokens, positions=self.positions, hashes=self._hashes,
+            full=self._full, shares=self.shares)
+        # what the sequence layer, snapshots and the store call of it, bound once
+        self.room, self.settle, self.owes = pages.room, pages.settle, pages.owes
+        self.before_appends = pages.before_appends
+        self.file_copier, self.write_new, self.reserve_window = pages.file_copier, pages.write_new, pages.reserve_window
+        self._reserve, self._stage, self._page_unit_reserve = pages.reserve, pages.stage, pages.page_unit_reserve
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
         release_views(self.journal, self.name)
+        release_views(self.pages, self.name)
         super().release()
 
     # -- clients ---------------------------------------------------------------
@@ -193,43 +203,12 @@ class Engine(Arena):
         new_start = self.alloc(cap, evict=True, protect=protect, populate=False,
                                fill=max((dst + n for _, dst, n in full), default=0))  # pages for what it copies
         for src, dst, n in full:
-            self._copy_cells(start + src, new_start + dst, n)
-        self._fill(new_start, cap)
+            self.pages.copy_cells(start + src, new_start + dst, n)
+        self.pages.fill(new_start, cap)
         a0, b0 = self.wcell(slot, wb), self.wcell(slot, 1 - wb)
         for src, dst, n in window:
             self._copy_window(a0 + src, b0 + dst, n)
         return new_start, 1 - wb
-
-    def _copy_cells(self, src: int, dst: int, n: int, kv_from: int = 0) -> None:
-        """Copy n cells of every layer, token id and position (lock held; overlap-safe); K, V and
-        scales from cell ``kv_from`` on only (the cells before it are borrowed: _engine/sharing.py)."""
-        if n <= 0 or src == dst:
-            return
-        tok_src, tok_dst, tok_n = src, dst, n
-        src, dst, n = src + kv_from, dst + kv_from, n - kv_from
-        if n > 0:  # (none: a reuse that borrows all it copies)
-            # into fresh cells (a new range): through the descriptor, which skips zeroing them
-            fresh = self._fresh(dst, n) and (src + n <= dst or dst + n <= src)
-            # cells of a span not mapped here: read where they physically are, never as holes
-            parts = self.shares.sources(src, src + n) if self.shares.unmapped else [(src, src, n)]
-            # one layer at a time: a 4-D slice over all layers spans overlapping address
-            # extents, and numpy would then copy through a temporary (half the bandwidth)
-            for arrs in ([self.Kl[i] for i in self._full], [self.Vl[i] for i in self._full], self.KS, self.VS):
-                for layer in arrs if arrs is not None else ():
-                    for at, read, c in parts:
-                        to = dst + at - src
-                        if fresh:
-                            self._put(layer[to : to + c], layer[read : read + c])
-                        else:
-                            np.copyto(layer[to : to + c], layer[read : read + c])
-            if fresh:
-                take_interval(self._owed, dst, dst + n)
-        src, dst, n = tok_src, tok_dst, tok_n
-        for arr in (self.tokens, self.positions, self._hashes):
-            if kv_from:  # a borrower's fresh range: their pages are allocated by this write
-                self._put(arr[dst : dst + n], arr[src : src + n])  # (Sharing._page_unit_reserve)
-            else:
-                arr[dst : dst + n] = arr[src : src + n]
 
     def copy_prefix_rows(self, s_slot: int, d_slot: int, n: int, *, held: bool = False, share: int = 0,
                          reserved: bool = False) -> None:
@@ -260,8 +239,8 @@ class Engine(Arena):
                 # (their pages allocated first: a range has them only as its writes need them),
                 # unless it lends cells it no longer holds (_engine/sharing.py)
                 if not reserved:
-                    self._page_unit_reserve(d_row[START], n, share)
-                self._copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)
+                    self.pages.page_unit_reserve(d_row[START], n, share)
+                self.pages.copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)
                 self._copy_window(src_win, self.wcell(d_slot, d_row[WBUF]), n - lo)
                 _crash.point("copy_prefix.copied")
             else:  # never over dst's committed cells: a fresh range and dst's other window buffer
@@ -269,8 +248,8 @@ class Engine(Arena):
                 # never evict the operation's own rows (a finished, unleased src or dst is a candidate)
                 new_start = self.alloc(max(n, d_row[CAPACITY]), evict=True, protect=(s_slot, d_slot),
                                         populate=False, fill=n)
-                self._copy_cells(s_row[START], new_start, n)
-                self._fill(new_start, max(n, d_row[CAPACITY]))
+                self.pages.copy_cells(s_row[START], new_start, n)
+                self.pages.fill(new_start, max(n, d_row[CAPACITY]))
                 wb = 1 - d_row[WBUF]
                 self._copy_window(src_win, self.wcell(d_slot, wb), n - lo)
                 _crash.point("copy_prefix.copied")
@@ -308,8 +287,8 @@ class Engine(Arena):
             if before[1] + cap + after[1] >= want and new_start + keep <= start and not row[FLAGS] & LENT:
                 # slide down into free cells before it, never over its own committed cells (nor
                 # over cells it lent: tests/test_crash.py::test_random_kills...[shared] found it)
-                self._reserve(new_start, keep)
-                self._copy_cells(start, new_start, keep)  # (no overlap: the condition above)
+                self.pages.reserve(new_start, keep)
+                self.pages.copy_cells(start, new_start, keep)  # (no overlap: the condition above)
                 _crash.point("grow.slid")
                 row[START], row[CAPACITY] = new_start, want
                 return
@@ -318,8 +297,8 @@ class Engine(Arena):
                 new_start = self.alloc(want, evict=want == needed, protect=protect, populate=False, fill=keep)
             except CacheFullError:
                 continue
-            self._copy_cells(start, new_start, keep)
-            self._fill(new_start, want)  # the appends that made it grow go on there
+            self.pages.copy_cells(start, new_start, keep)
+            self.pages.fill(new_start, want)  # the appends that made it grow go on there
             _crash.point("grow.copied")
             row[START] = new_start
             _crash.point("grow.switched")

@@ -36,6 +36,9 @@ Crash points: ``share.borrowed``, ``share.unshared``, ``share.released``, ``shar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import numpy as np
 
 from shmkv._engine import crash as _crash
@@ -43,16 +46,30 @@ from shmkv._engine import header as _header
 from shmkv._engine.header import (CAPACITY, FINISHED, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, SPAN_TAKEN,
                                   START, STATE)
 from shmkv._engine.free_ranges import mark_pages
-from shmkv._engine.intervals import add_interval, covers
+from shmkv._engine.core import Core
+from shmkv._engine.journal import Journal
 from shmkv._engine.pages import Pages
 from shmkv._engine.share import max_borrowers
 from shmkv.errors import CacheFullError, ShareError
 
 
-class Sharing(Pages):
+class Sharing(Core):
     """The span-keeping part of a store handle (see the module docstring; lock held throughout)."""
 
     _lent_seen: tuple[int, int, int] = (-1, -1, 0)  # (span epoch, start, lent end): _lent_from
+
+    # the parts' operations, bound by Engine.__init__ (until the parts that use them hold their own)
+    journal: Journal
+    pages: Pages
+    changing: Callable[..., AbstractContextManager[None]]
+    log_meta: Callable[[int], None]
+    _forget: Callable[..., None]
+    _spans_odd: Callable[[], None]
+    _settled_meta: Callable[[int], np.ndarray]
+    _reserve: Callable[..., None]
+    _stage: Callable[[int, int], None]
+    _page_unit_reserve: Callable[[int, int, int], None]
+    reserve_window: Callable[[int], None]
 
     def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
               evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
@@ -63,9 +80,6 @@ class Sharing(Pages):
     def page_unit(self) -> int:
         """The fewest cells that fill whole pages in every per-layer array (docs/design.md §11)."""
         return self._off.page_unit
-
-    def _copy_cells(self, src: int, dst: int, n: int, kv_from: int = 0) -> None:
-        raise NotImplementedError  # Arena's
 
     def lend(self, donor: int, n: int) -> tuple[int, int, int]:
         """(physical first cell, cells, owner row or -1) a reuse of ``n`` tokens of row ``donor``
@@ -267,8 +281,8 @@ class Sharing(Pages):
             ) from e
 
     def _lender_moves(self, row: memoryview, new_start: int, keep: int) -> None:
-        self._copy_cells(row[START], new_start, keep)
-        self._fill(new_start, row[CAPACITY])
+        self.pages.copy_cells(row[START], new_start, keep)
+        self.pages.fill(new_start, row[CAPACITY])
         _crash.point("share.moved")
         row[START] = new_start
 
@@ -327,24 +341,6 @@ class Sharing(Pages):
         t = self.table_np
         b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_TAKEN] > 0)]
         return list(zip(b[:, SPAN_PHYS].tolist(), b[:, SPAN_TAKEN].tolist(), strict=True))
-
-    def _page_unit_reserve(self, start: int, count: int, skip: int) -> None:
-        """Reserve the first ``count`` cells of a borrower's range: every array's pages but those
-        of its first ``skip`` cells: K/V and scales there are borrowed, and their token ids,
-        positions and hashes are written through the descriptor by the copy that follows
-        (``_copy_cells`` with ``kv_from``: pwrite allocates their pages, and a full /dev/shm is
-        CacheFullError from it, never a SIGBUS; three fallocate calls fewer a create).
-        What ``_reserve(start + skip, count - skip, populate=False)`` does."""
-        off = self._off  # (their room is checked as a reservation's would be: a clear refusal first)
-        self._dseg.check_room([(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off,
-                                                                          off.hashes_off)])
-        done = self._record()[False]
-        if count <= skip or covers(done, start + skip, start + count):
-            return
-        mark_pages(self.hdr, start + count)
-        self._dseg.reserve(self._cell_ranges(start + skip, count - skip), populate=False)
-        add_interval(done, start + skip, start + count)
-        add_interval(self._owed, start + skip, start + count)
 
 
 def _covered(parts: list[tuple[int, int]]) -> int:

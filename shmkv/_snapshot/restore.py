@@ -126,7 +126,7 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
             if s.length > lay.max_tokens:
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
                                      f"store {core.name!r}'s max_tokens={lay.max_tokens}")
-            try:  # from a file the arrays arrive through the descriptor, which allocates (_stage)
+            try:  # from a file the arrays arrive through the descriptor, which allocates (Pages.stage)
                 start = core.alloc(cap, taken, stage=direct, fill=s.length)  # the rest: as writes need it
             except CacheFullError:
                 cap = max(1, s.length)
