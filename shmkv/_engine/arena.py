@@ -5,6 +5,8 @@ Their pages (reservation, writes through the descriptor): ``_engine/pages.py``."
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -36,11 +38,26 @@ from shmkv._engine.intervals import add_interval, take_interval
 from shmkv._engine.prefix import COVERS
 from shmkv._engine.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError
-from shmkv._engine.sharing import Sharing
+from shmkv._engine.core import Core
+from shmkv._engine.journal import Journal
+from shmkv._engine.pages import Pages
 
 
-class Arena(Sharing):
+class Arena(Core):
     """The cell-placing half of a store handle (the table and the lock are ``Core``'s)."""
+
+    # the parts' operations, bound by Engine.__init__ (until the parts that use them hold their own)
+    journal: Journal
+    pages: Pages
+    _spans_taken: Callable[[], list[tuple[int, int]]]
+    changing: Callable[..., AbstractContextManager[None]]
+    log_meta: Callable[[int], None]
+    _forget: Callable[..., None]
+    _settled_meta: Callable[[int], np.ndarray]
+    _reserve: Callable[..., None]
+    _stage: Callable[[int, int], None]
+    _page_unit_reserve: Callable[[int, int, int], None]
+    reserve_window: Callable[[int], None]
 
     def kv_bytes(self, layers: int) -> int:
         """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""

@@ -47,6 +47,7 @@ from shmkv._engine.journal import Journal
 from shmkv._engine.pages import Pages
 from shmkv._engine.prefix_hash import lead_levels
 from shmkv._engine.segment import Segment
+from shmkv._engine.sharing import Sharing
 from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
 
 __all__ = ["Engine"]
@@ -60,13 +61,18 @@ class Engine(Arena):
                  live: _liveness.Liveness | None = None) -> None:
         super().__init__(name, hseg, dseg, layout, max_clients, creator=creator, persistent=persistent,
                          lock_timeout=lock_timeout, live=live)
+
+        def settle_span(slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
+            spans.settle_span(slot, row, was, was_len)  # the journal's one call up, to the sharing part built below
+
         self.journal = journal = Journal(
             readonly=self.readonly, lock_timeout=self.lock_timeout, layout=layout, hdr=self.hdr,
             table_np=self.table_np, undo_np=self._undo_np, undo=self._undo, meta_w=self._meta_w,
             meta_mv=self._meta_mv, lock=self._lock, row=self.row, row_slot=self._row_slot,
             slot_hint=self._slot_hint, here=self.here, free=self._free, waiters=self.waiters,
             ro_waiters=self.ro_waiters, length_addr0=self.length_addr0, shares=self.shares, record=self._rec,
-            check_open=self.check_open, check_writable=self.check_writable, settle_span=self._settle_span)
+            check_open=self.check_open, check_writable=self.check_writable,
+            settle_span=settle_span)
         # the journal's operations, bound once (the sequence layer copies them onto its hot path)
         self.locked, self.reading, self.settled_row = journal.locked, journal.reading, journal.settled_row
         self.transaction, self.changing, self.log_meta = journal.transaction, journal.changing, journal.log_meta
@@ -81,11 +87,20 @@ class Engine(Arena):
         self.before_appends = pages.before_appends
         self.file_copier, self.write_new, self.reserve_window = pages.file_copier, pages.write_new, pages.reserve_window
         self._reserve, self._stage, self._page_unit_reserve = pages.reserve, pages.stage, pages.page_unit_reserve
+        self.spans = spans = Sharing(
+            name=name, off=self._off, hdr=self.hdr, table_np=self.table_np, row=self.row, dseg=dseg,
+            shares=self.shares, free=self._free, journal=journal, pages=pages, alloc=self.alloc)
+        self.lend, self.borrow, self.lent_end = spans.lend, spans.borrow, spans.lent_end
+        self.move_lender = spans.move_lender
+        self.shared_cells, self.held_cells = spans.shared_cells, spans.held_cells
+        self.retained_cells, self.committed_held = spans.retained_cells, spans.committed_held
+        self._spans_taken, self.page_unit = spans.spans_taken, self._off.page_unit
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
         release_views(self.journal, self.name)
         release_views(self.pages, self.name)
+        release_views(self.spans, self.name)
         super().release()
 
     # -- clients ---------------------------------------------------------------
