@@ -74,13 +74,13 @@ def test_the_stand_in_scan_finds_what_a_scan_of_every_row_finds(make_store):
 
 
 def _gaps_current(e) -> bool:
-    return e._free.tag == e.hdr[_header.W_ALLOCS]
+    return e.arena._free.tag == e.hdr[_header.W_ALLOCS]
 
 
 def _check_gaps(st) -> None:
     e = engine_of(st)
     with st.transaction():
-        assert e.free_ranges() == e._derive_free_ranges()
+        assert e.free_ranges() == e.arena._derive_free_ranges()
 
 
 def test_a_borrow_keeps_the_free_ranges_and_they_stay_right(make_store):
@@ -103,19 +103,19 @@ def test_a_borrow_keeps_the_free_ranges_and_they_stay_right(make_store):
         _check_gaps(st)
         reqs.append(s)
     derived = []
-    real = e._derive_free_ranges
+    real = e.arena._derive_free_ranges
 
     def counting(*a, **k):
         derived.append(1)
         return real(*a, **k)
 
-    e._derive_free_ranges = counting
+    e.arena._derive_free_ranges = counting
     try:
         s, n = serve(st, np.concatenate([system, P(50, 9) + 30_000]))
         assert n == len(system) and s._row[_header.SPAN_CELLS] > 0
         assert derived == []  # the whole create went by the kept gaps
     finally:
-        del e._derive_free_ranges
+        del e.arena._derive_free_ranges
     reqs.append(s)
     reqs[0].truncate(BLOCK)  # a borrower into its span: copy-on-write
     _check_gaps(st)

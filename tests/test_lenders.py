@@ -205,7 +205,7 @@ def _decode_counts(make_store, monkeypatch, *, lends: bool, how: str, steps: int
 
     monkeypatch.setattr(_journal._Entered, "__enter__", counting_enter)
     counting = e.table_np.view(_CountingTable)
-    for part in (e, e.journal, e.spans):  # every part that reads the table
+    for part in (e, e.journal, e.arena, e.spans):  # every part that reads the table
         monkeypatch.setattr(part, "table_np", counting)
     _CountingTable.scans = 0
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -38,26 +37,34 @@ from shmkv._engine.intervals import add_interval, take_interval
 from shmkv._engine.prefix import COVERS
 from shmkv._engine.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError
-from shmkv._engine.core import Core
+from shmkv._engine.free_ranges import FreeRanges
+from shmkv._engine.header import Layout, Offsets
 from shmkv._engine.journal import Journal
 from shmkv._engine.pages import Pages
+from shmkv._engine.prefix import PrefixIndex
+from shmkv._engine.sharing import spans_taken
 
 
-class Arena(Core):
-    """The cell-placing half of a store handle (the table and the lock are ``Core``'s)."""
+class Arena:
+    """The cell-placing part of a store handle, held by the engine (see the module docstring).
 
-    # the parts' operations, bound by Engine.__init__ (until the parts that use them hold their own)
-    journal: Journal
-    pages: Pages
-    _spans_taken: Callable[[], list[tuple[int, int]]]
-    changing: Callable[..., AbstractContextManager[None]]
-    log_meta: Callable[[int], None]
-    _forget: Callable[..., None]
-    _settled_meta: Callable[[int], np.ndarray]
-    _reserve: Callable[..., None]
-    _stage: Callable[[int, int], None]
-    _page_unit_reserve: Callable[[int, int, int], None]
-    reserve_window: Callable[[int], None]
+    Its own state is this process's free-range cache (``_engine/free_ranges.py``, kept current
+    by the journal too). The rest it is given, and binds once (create and free are hot): the
+    table and its rows, the prefix index, the journal's row changes, the pages part's
+    reservations."""
+
+    def __init__(self, *, name: str, layout: Layout, off: Offsets, hdr: memoryview, table_np: np.ndarray,
+                 meta: np.ndarray, index: PrefixIndex, row: Callable[[int], memoryview],
+                 lease_holder: Callable[[memoryview], tuple[int, bool]], free: FreeRanges, journal: Journal,
+                 pages: Pages) -> None:
+        self.name, self.layout, self._off, self.hdr, self.table_np = name, layout, off, hdr, table_np
+        self.meta, self.index, self.row, self._lease_holder = meta, index, row, lease_holder
+        self._free, self.KS, self._wc = free, pages.KS, layout.window_cells
+        self.journal = journal
+        self.changing, self.log_meta = journal.changing, journal.log_meta
+        self._forget, self._settled_meta = journal.forget, journal.settled_meta
+        self._reserve, self._stage, self.reserve_window = pages.reserve, pages.stage, pages.reserve_window
+        self._page_unit_reserve = pages.page_unit_reserve
 
     def kv_bytes(self, layers: int) -> int:
         """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
@@ -127,7 +134,7 @@ class Arena(Core):
         t = self.table_np
         used = t[:, STATE] != 0
         starts, caps = t[:, START][used], t[:, CAPACITY][used]  # a column first: a cheaper gather
-        taken = (taken or []) + self._spans_taken()  # a span's cells: taken while a row borrows them
+        taken = (taken or []) + spans_taken(t)  # a span's cells: taken while a row borrows them
         if taken:
             extra = np.asarray(taken, np.int64).reshape(-1, 2)
             starts, caps = np.concatenate([starts, extra[:, 0]]), np.concatenate([caps, extra[:, 1]])

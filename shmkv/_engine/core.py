@@ -1,6 +1,6 @@
 """The core of a store handle: its mappings, the sequence table and its seqlocks, the store
-lock, crash recovery, clients and leases, closing. ``Pages``, ``Arena`` and ``Engine`` build on it:
-``engine.Engine`` is what ``Store`` (the API) holds.
+lock, clients and leases, closing. ``engine.Engine``, what ``Store`` (the API) holds, builds on
+it and composes the parts that work on these (journal, pages, arena, spans).
 
 Concurrency (docs/design.md §3; the numbered invariants 1-5 of ARCHITECTURE.md): the
 hot path publishes a sequence's length after its cells; structural operations hold the store
@@ -35,7 +35,6 @@ from shmkv._engine.header import (
 )
 from shmkv._engine.own_changes import counts_here
 from shmkv._engine.lease import live_writers
-from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.intervals import Record
 from shmkv._engine.prefix import PrefixIndex
 from shmkv._engine.row_waiters import RowWaiters
@@ -66,10 +65,9 @@ def _close_segments(hseg: Segment, dseg: Segment, live: _liveness.Liveness) -> N
 
 
 class Core:
-    """What a store handle holds and the rules for touching it (see the module docstring).
-
-    ``Store`` is the public face and holds it; ``Sequence``, ``_snapshot`` and ``Batch`` reach
-    the shared-memory state through it as a ``port.Port``."""
+    """What a store handle maps and the rules for touching it (see the module docstring): the
+    base of ``engine.Engine``, which ``Store`` holds; ``Sequence``, ``_snapshot`` and ``Batch``
+    reach the shared-memory state through the engine as a ``port.Port``."""
 
     def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
                  creator: bool, persistent: bool, lock_timeout: float,
@@ -159,7 +157,6 @@ class Core:
         self.length_addr0 = self.table_np.ctypes.data + 8 * LENGTH  # futex words (_sequence/waiting.py)
         self.waiters_addr0 = self.length_addr0 - 8 * LENGTH - off.seq_off + off.wait_off  # (changed atomically)
         self.waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
-        self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
         self.here = counts_here(name, layout.max_seqs)  # (writer.kept)
         # cell intervals this process reserved (pages.Pages.reserve)
         self._rec = Record()

@@ -1,12 +1,15 @@
-"""The engine a ``Store`` holds: the top of the chain ``Journal`` (the one way into the lock,
-journaled transactions, crash recovery) -> ``Core`` (mappings, table, clients, leases,
-closing) -> ``Pages`` (reservation, writes through the descriptor) -> ``Arena`` (where cells
-go: free ranges, allocation, eviction, rows, encoder ranges) -> ``Engine``: the cell moves of
-a sequence (copy_prefix between rows, growth, the fresh ranges truncate/remove/shift_left
-rewrite into), all under the store lock and never over cells a row points to (journal
-invariant 1). One object over one set of mappings: the parts are modules, not members, so the
-hot path calls their methods with no hop. It implements ``port.Port``, the narrow core the
-sequence layer and snapshots see.
+"""The engine a ``Store`` holds: ``Core`` (its one base: the mappings, the sequence table, clients,
+leases, closing) and the parts it composes, wired in ``Engine.__init__``: ``journal``
+(``Journal``: the one way into the lock, journaled transactions, crash recovery), ``pages``
+(``Pages``: reservation, writes through the descriptor, cell copies), ``arena`` (``Arena``:
+where cells go: free ranges, allocation, eviction, rows, encoder ranges) and ``spans``
+(``Sharing``: shared prefix pages). Each part is given what it uses in its constructor; the one
+call up, the journal's ``settle_span`` at the end of a change of a borrowing or lending row,
+is a hook passed in too. This class adds the cell moves of a sequence (copy_prefix between
+rows, growth, the fresh ranges truncate/remove/shift_left rewrite into), all under the store
+lock and never over cells a row points to (journal invariant 1), and binds the parts'
+operations that the sequence layer, snapshots and the store use as its own attributes, once:
+it implements ``port.Port`` with no call layer on the hot path.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import segment as _segment
 from shmkv._engine.arena import Arena
-from shmkv._engine.core import release_views
+from shmkv._engine.core import Core, release_views
+from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.header import (
     C_FLAGS,
     C_KEY,
@@ -53,7 +57,7 @@ from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError
 __all__ = ["Engine"]
 
 
-class Engine(Arena):
+class Engine(Core):
     """A store's engine (see the module docstring): this class adds the cell moves."""
 
     def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
@@ -65,42 +69,52 @@ class Engine(Arena):
         def settle_span(slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
             spans.settle_span(slot, row, was, was_len)  # the journal's one call up, to the sharing part built below
 
+        free = FreeRanges()  # this process's cache of the free ranges: the placing part's, kept by the journal too
         self.journal = journal = Journal(
             readonly=self.readonly, lock_timeout=self.lock_timeout, layout=layout, hdr=self.hdr,
             table_np=self.table_np, undo_np=self._undo_np, undo=self._undo, meta_w=self._meta_w,
             meta_mv=self._meta_mv, lock=self._lock, row=self.row, row_slot=self._row_slot,
-            slot_hint=self._slot_hint, here=self.here, free=self._free, waiters=self.waiters,
+            slot_hint=self._slot_hint, here=self.here, free=free, waiters=self.waiters,
             ro_waiters=self.ro_waiters, length_addr0=self.length_addr0, shares=self.shares, record=self._rec,
-            check_open=self.check_open, check_writable=self.check_writable,
-            settle_span=settle_span)
-        # the journal's operations, bound once (the sequence layer copies them onto its hot path)
-        self.locked, self.reading, self.settled_row = journal.locked, journal.reading, journal.settled_row
-        self.transaction, self.changing, self.log_meta = journal.transaction, journal.changing, journal.log_meta
-        self.new_incarnation = journal.new_incarnation
-        self._forget, self._spans_odd, self._settled_meta = journal.forget, journal.spans_odd, journal.settled_meta
+            check_open=self.check_open, check_writable=self.check_writable, settle_span=settle_span)
         self.pages = pages = Pages(
             layout=layout, off=self._off, dseg=dseg, hdr=self.hdr, record=self._rec, Kl=self.Kl, Vl=self.Vl,
             KS=self.KS, VS=self.VS, tokens=self.tokens, positions=self.positions, hashes=self._hashes,
             full=self._full, shares=self.shares)
-        # what the sequence layer, snapshots and the store call of it, bound once
+        t = self.table_np
+        self.arena = arena = Arena(
+            name=name, layout=layout, off=self._off, hdr=self.hdr, table_np=t, meta=self.meta, index=self.index,
+            row=self.row, lease_holder=self._lease_holder, free=free, journal=journal, pages=pages)
+        self.spans = spans = Sharing(
+            name=name, off=self._off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
+            free=free, journal=journal, pages=pages, alloc=arena.alloc)
+        # What the sequence layer, snapshots and the store call, bound once: the same names as
+        # before the parts, and no call layer on the hot path (a handle copies these).
+        self.locked, self.reading, self.settled_row = journal.locked, journal.reading, journal.settled_row
+        self.transaction, self.changing, self.log_meta = journal.transaction, journal.changing, journal.log_meta
+        self.new_incarnation = journal.new_incarnation
         self.room, self.settle, self.owes = pages.room, pages.settle, pages.owes
         self.before_appends = pages.before_appends
         self.file_copier, self.write_new, self.reserve_window = pages.file_copier, pages.write_new, pages.reserve_window
-        self._reserve, self._stage, self._page_unit_reserve = pages.reserve, pages.stage, pages.page_unit_reserve
-        self.spans = spans = Sharing(
-            name=name, off=self._off, hdr=self.hdr, table_np=self.table_np, row=self.row, dseg=dseg,
-            shares=self.shares, free=self._free, journal=journal, pages=pages, alloc=self.alloc)
+        self.kv_bytes, self.free_tokens, self.free_ranges, self.alloc = (arena.kv_bytes, arena.free_tokens,
+                                                                         arena.free_ranges, arena.alloc)
+        self.new_row, self.free_row, self.restored = arena.new_row, arena.free_row, arena.restored
+        self.touch = arena.touch
+        self.set_meta, self.get_meta, self.wcell = arena.set_meta, arena.get_meta, arena.wcell
+        self.index_blocks, self.unindexing = arena.index_blocks, arena.unindexing
+        self.set_encoder, self.drop_encoder = arena.set_encoder, arena.drop_encoder
         self.lend, self.borrow, self.lent_end = spans.lend, spans.borrow, spans.lent_end
         self.move_lender = spans.move_lender
         self.shared_cells, self.held_cells = spans.shared_cells, spans.held_cells
         self.retained_cells, self.committed_held = spans.retained_cells, spans.committed_held
-        self._spans_taken, self.page_unit = spans.spans_taken, self._off.page_unit
+        self.page_unit, self.cells = self._off.page_unit, self._off.cells
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
         release_views(self.journal, self.name)
         release_views(self.pages, self.name)
         release_views(self.spans, self.name)
+        release_views(self.arena, self.name)
         super().release()
 
     # -- clients ---------------------------------------------------------------

@@ -293,7 +293,7 @@ class Sharing:
         live = t[t[:, STATE] == LIVE]
         own = zip((live[:, START] + live[:, SPAN_CELLS]).tolist(), (live[:, START] + live[:, CAPACITY]).tolist(),
                   strict=True)
-        return _covered(list(own) + [(a, a + m) for a, m in self.spans_taken()])
+        return _covered(list(own) + [(a, a + m) for a, m in spans_taken(t)])
 
     def retained_cells(self) -> int:
         """Cells taken only because a borrower keeps them for views of its committed cells
@@ -322,12 +322,12 @@ class Sharing:
         parts += zip(live[b, SPAN_PHYS].tolist(), (live[b, SPAN_PHYS] + span[b]).tolist(), strict=True)
         return _covered(parts)
 
-    def spans_taken(self) -> list[tuple[int, int]]:
-        """(start, cells) of what every live span keeps taken (``SPAN_TAKEN``), whoever else
-        holds the cells."""
-        t = self.table_np
-        b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_TAKEN] > 0)]
-        return list(zip(b[:, SPAN_PHYS].tolist(), b[:, SPAN_TAKEN].tolist(), strict=True))
+
+def spans_taken(t: np.ndarray) -> list[tuple[int, int]]:
+    """(start, cells) of what every live span of table ``t`` keeps taken (``SPAN_TAKEN``),
+    whoever else holds the cells."""
+    b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_TAKEN] > 0)]
+    return list(zip(b[:, SPAN_PHYS].tolist(), b[:, SPAN_TAKEN].tolist(), strict=True))
 
 
 def _covered(parts: list[tuple[int, int]]) -> int:
