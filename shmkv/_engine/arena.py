@@ -160,8 +160,8 @@ class Arena:
         ``fill`` cells (default: all; the rest as writes need them, pages.py).
 
         ``evict``: evict finished sequences (least recently used first, never row ``protect``,
-        or the rows of a tuple) when no free range is large enough. ``populate``: see _reserve;
-        ``stage``: see _stage."""
+        or the rows of a tuple) when no free range is large enough. ``populate``: see Pages.reserve;
+        ``stage``: see Pages.stage."""
         gaps = self.free_ranges(taken)
         fit = self._place(gaps, capacity, align)
         if fit is None and evict and self._evict(capacity, 0, protect, align, taken):
