@@ -23,7 +23,7 @@ from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import segment as _segment
 from shmkv._engine.arena import Arena
-from shmkv._engine.core import Core, release_views
+from shmkv._engine.core import Closed, Core, release_views
 from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.header import (
     C_FLAGS,
@@ -111,10 +111,9 @@ class Engine(Core):
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
-        release_views(self.journal, self.name)
-        release_views(self.pages, self.name)
-        release_views(self.spans, self.name)
-        release_views(self.arena, self.name)
+        for part in (self.journal, self.pages, self.arena, self.spans):
+            if not isinstance(part, Closed):  # (a release cut short and run again: Core.release closed it)
+                release_views(part, self.name)
         super().release()
 
     # -- clients ---------------------------------------------------------------
