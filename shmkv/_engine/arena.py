@@ -23,7 +23,6 @@ from shmkv._engine.header import (
     ENCODER,
     LIVE,
     STATE,
-    CLEAN,
     FINISHED,
     FLAGS,
     IDX_BLOCKS,
@@ -59,23 +58,11 @@ class Arena:
                  pages: Pages) -> None:
         self.name, self.layout, self._off, self.hdr, self.table_np = name, layout, off, hdr, table_np
         self.meta, self.index, self.row, self._lease_holder = meta, index, row, lease_holder
-        self._free, self.KS, self._wc = free, pages.KS, layout.window_cells
+        self._free, self._wc = free, layout.window_cells
         self.journal = journal
-        self.changing, self.log_meta = journal.changing, journal.log_meta
-        self._forget, self._settled_meta = journal.forget, journal.settled_meta
+        self.changing, self.log_meta, self._forget = journal.changing, journal.log_meta, journal.forget
         self._reserve, self._stage, self.reserve_window = pages.reserve, pages.stage, pages.reserve_window
         self._page_unit_reserve = pages.page_unit_reserve
-
-    def kv_bytes(self, layers: int) -> int:
-        """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
-        scales = self.layout.kv_heads * 4 if self.KS is not None else 0
-        return 2 * layers * (self._off.cell_bytes + scales)
-
-    @property
-    def cells(self) -> int:
-        """Cells of the data arena: ``max_tokens`` and the slack page-unit alignment may leave
-        unused before ranges (``header.offsets``), address space only."""
-        return self._off.cells
 
     def free_tokens(self, gaps: list[tuple[int, int]]) -> int:
         """Cells new ranges may still take, of the free ranges ``gaps``: ``max_tokens`` less
@@ -260,26 +247,6 @@ class Arena:
         # complete: out of the undo log, so the unit's later use of its cells stays safe (rule 4)
         self._forget(slot, *([enc] if enc >= 0 else []))
 
-    def set_meta(self, slot: int, packed: bytes) -> None:
-        """Write a sequence's packed metadata (lock held, row changing)."""
-        self.log_meta(slot)
-        rec = self.meta[slot]
-        rec[8 : 8 + len(packed)] = np.frombuffer(packed, np.uint8)
-        rec[:8] = np.frombuffer(len(packed).to_bytes(8, "little"), np.uint8)
-
-    def get_meta(self, slot: int) -> bytes:
-        """A sequence's packed metadata, as stored (the caller checks the row's seqlock); while
-        another process's transaction logged it, as its rollback leaves it (``_engine/journal.py``, 7)."""
-        rec = self._settled_meta(slot) if self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth else self.meta[slot]
-        n = int.from_bytes(rec[:8].tobytes(), "little")
-        return bytes(rec[8 : 8 + min(n, _header.META_BYTES)].tobytes())
-
-    def touch(self, row: memoryview) -> None:
-        """Mark a use of a sequence for LRU eviction (lock held)."""
-        clock = self.hdr[_header.W_CLOCK] + 1
-        self.hdr[_header.W_CLOCK] = clock
-        row[RECENCY] = clock
-
     def index_blocks(self, slot: int, upto: int, source: int = -1) -> None:
         """Index the sequence's whole blocks up to token ``upto`` (lock held); set NOINDEX when a
         block cannot be (a token id -1, tokens moved by remove or shift_left). ``source``: the row
@@ -312,20 +279,6 @@ class Arena:
         lost = self.index.displaced_by(slot, nb, lv)
         if lost:
             self.hdr[_header.W_INDEX_USED] += self.index.rehome(lost, exclude=slot)
-
-    def restored(self, slot: int, finished: bool, clean: int, meta: bytes) -> None:
-        """A sequence a snapshot restore just published (lock held; called oldest use first):
-        its prefix-cache state, a fresh recency, and its blocks in the index."""
-        row = self.row(slot)
-        # finished (evictable) only while nobody holds its lease: a restore over a sequence this
-        # process writes keeps it the writer's
-        row[FLAGS] = FINISHED if finished and not self._lease_holder(row)[1] else 0
-        row[CLEAN] = clean
-        row[IDX_BLOCKS] = 0
-        with self.changing(row):
-            self.set_meta(slot, meta)
-        self.touch(row)
-        self.index_blocks(slot, row[LENGTH])
 
     def wcell(self, slot: int, wbuf: int) -> int:
         """First cell of window buffer ``wbuf`` (0 or 1) of ``slot`` in the bounded layers' arrays."""

@@ -205,6 +205,11 @@ class Core:
                 f"store {self.name!r} is attached read-only: attach with shmkv.attach({self.name!r}) to modify it"
             )
 
+    def kv_bytes(self, layers: int) -> int:
+        """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
+        scales = self.layout.kv_heads * 4 if self.KS is not None else 0
+        return 2 * layers * (self._off.cell_bytes + scales)
+
     # -- closing (Store.close runs these steps; each may be cut short and run again) ----------
 
     def lock_owned(self) -> bool:

@@ -7,7 +7,8 @@ where cells go: free ranges, allocation, eviction, rows, encoder ranges) and ``s
 call up, the journal's ``settle_span`` at the end of a change of a borrowing or lending row,
 is a hook passed in too. This class adds the cell moves of a sequence (copy_prefix between
 rows, growth, the fresh ranges truncate/remove/shift_left rewrite into), all under the store
-lock and never over cells a row points to (journal invariant 1), and binds the parts'
+lock and never over cells a row points to (journal invariant 1), a sequence's meta record and
+recency, and binds the parts'
 operations that the sequence layer, snapshots and the store use as its own attributes, once:
 it implements ``port.Port`` with no call layer on the hot path.
 """
@@ -35,12 +36,14 @@ from shmkv._engine.header import (
     Layout,
     CAPACITY,
     CLEAN,
+    FINISHED,
     FLAGS,
     ID,
     IDX_BLOCKS,
     LENGTH,
     LENT,
     NOINDEX,
+    RECENCY,
     START,
     WBUF,
     WIN_OFF,
@@ -96,11 +99,8 @@ class Engine(Core):
         self.room, self.settle, self.owes = pages.room, pages.settle, pages.owes
         self.before_appends = pages.before_appends
         self.file_copier, self.write_new, self.reserve_window = pages.file_copier, pages.write_new, pages.reserve_window
-        self.kv_bytes, self.free_tokens, self.free_ranges, self.alloc = (arena.kv_bytes, arena.free_tokens,
-                                                                         arena.free_ranges, arena.alloc)
-        self.new_row, self.free_row, self.restored = arena.new_row, arena.free_row, arena.restored
-        self.touch = arena.touch
-        self.set_meta, self.get_meta, self.wcell = arena.set_meta, arena.get_meta, arena.wcell
+        self.free_tokens, self.free_ranges, self.alloc = arena.free_tokens, arena.free_ranges, arena.alloc
+        self.new_row, self.free_row, self.wcell = arena.new_row, arena.free_row, arena.wcell
         self.index_blocks, self.unindexing = arena.index_blocks, arena.unindexing
         self.set_encoder, self.drop_encoder = arena.set_encoder, arena.drop_encoder
         self.lend, self.borrow, self.lent_end = spans.lend, spans.borrow, spans.lent_end
@@ -203,6 +203,43 @@ class Engine(Core):
                 return [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
         rows: list[list[int]] = self.table_np[self.table_np[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
         return rows
+
+    # -- a sequence's meta record, recency and restore bookkeeping (lock held) ----------------
+
+    def set_meta(self, slot: int, packed: bytes) -> None:
+        """Write a sequence's packed metadata (lock held, row changing)."""
+        self.log_meta(slot)
+        rec = self.meta[slot]
+        rec[8 : 8 + len(packed)] = np.frombuffer(packed, np.uint8)
+        rec[:8] = np.frombuffer(len(packed).to_bytes(8, "little"), np.uint8)
+
+    def get_meta(self, slot: int) -> bytes:
+        """A sequence's packed metadata, as stored (the caller checks the row's seqlock); while
+        another process's transaction logged it, as its rollback leaves it (``_engine/journal.py``, 7)."""
+        j = self.journal
+        rec = j.settled_meta(slot) if self.hdr[_header.W_UNDO_COUNT] and not j.depth else self.meta[slot]
+        n = int.from_bytes(rec[:8].tobytes(), "little")
+        return bytes(rec[8 : 8 + min(n, _header.META_BYTES)].tobytes())
+
+    def touch(self, row: memoryview) -> None:
+        """Mark a use of a sequence for LRU eviction (lock held)."""
+        clock = self.hdr[_header.W_CLOCK] + 1
+        self.hdr[_header.W_CLOCK] = clock
+        row[RECENCY] = clock
+
+    def restored(self, slot: int, finished: bool, clean: int, meta: bytes) -> None:
+        """A sequence a snapshot restore just published (lock held; called oldest use first):
+        its prefix-cache state, a fresh recency, and its blocks in the index."""
+        row = self.row(slot)
+        # finished (evictable) only while nobody holds its lease: a restore over a sequence this
+        # process writes keeps it the writer's
+        row[FLAGS] = FINISHED if finished and not self._lease_holder(row)[1] else 0
+        row[CLEAN] = clean
+        row[IDX_BLOCKS] = 0
+        with self.changing(row):
+            self.set_meta(slot, meta)
+        self.touch(row)
+        self.index_blocks(slot, row[LENGTH])
 
     def copy_all_layers(self, src: int, dst: int, n: int) -> None:
         """Copy n cells of every layer's main-arena K/V (and scales): encoder ranges."""
