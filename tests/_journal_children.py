@@ -59,7 +59,7 @@ def sigint_loop(name: str) -> None:
                             pass
         except KeyboardInterrupt as e:
             kept[:] = [e]
-            report = f"caught {int(store._engine._lock.is_held)} {store._engine._depth}"
+            report = f"caught {int(store._engine._lock.is_held)} {store._engine.journal.depth}"
             if report != "caught 0 0" and not bad:  # what went wrong, for the test's message
                 bad.append(e)
                 traceback.print_exception(e)
@@ -93,7 +93,7 @@ def _step(store: shmkv.Store, i: int, w: shmkv.Sequence, src: shmkv.Sequence, ds
             return True
         if cmd.strip() == "pause":  # (a "go" that a Ctrl-C kept from the wait below is read here: ignored)
             e = store._engine
-            print(f"paused {int(e._lock.is_held)} {e._depth}", flush=True)  # holding nothing until "go"
+            print(f"paused {int(e._lock.is_held)} {e.journal.depth}", flush=True)  # holding nothing until "go"
             if not sys.stdin.readline():
                 return True
     return False

@@ -76,7 +76,7 @@ def test_store_larger_than_dev_shm_fails_cleanly_when_written(make_store):
 
 
 def test_reserved_intervals_merge():
-    """The per-process record of reserved cells (Pages._reserve skips what it covers)."""
+    """The per-process record of reserved cells (Pages.reserve skips what it covers)."""
     from shmkv._engine.pages import add_interval as _add_interval
 
     spans: list[tuple[int, int]] = []

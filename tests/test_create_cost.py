@@ -74,13 +74,13 @@ def test_the_stand_in_scan_finds_what_a_scan_of_every_row_finds(make_store):
 
 
 def _gaps_current(e) -> bool:
-    return e._free.tag == e.hdr[_header.W_ALLOCS]
+    return e.arena._free.tag == e.hdr[_header.W_ALLOCS]
 
 
 def _check_gaps(st) -> None:
     e = engine_of(st)
     with st.transaction():
-        assert e.free_ranges() == e._derive_free_ranges()
+        assert e.free_ranges() == e.arena._derive_free_ranges()
 
 
 def test_a_borrow_keeps_the_free_ranges_and_they_stay_right(make_store):
@@ -103,19 +103,19 @@ def test_a_borrow_keeps_the_free_ranges_and_they_stay_right(make_store):
         _check_gaps(st)
         reqs.append(s)
     derived = []
-    real = e._derive_free_ranges
+    real = e.arena._derive_free_ranges
 
     def counting(*a, **k):
         derived.append(1)
         return real(*a, **k)
 
-    e._derive_free_ranges = counting
+    e.arena._derive_free_ranges = counting
     try:
         s, n = serve(st, np.concatenate([system, P(50, 9) + 30_000]))
         assert n == len(system) and s._row[_header.SPAN_CELLS] > 0
         assert derived == []  # the whole create went by the kept gaps
     finally:
-        del e._derive_free_ranges
+        del e.arena._derive_free_ranges
     reqs.append(s)
     reqs[0].truncate(BLOCK)  # a borrower into its span: copy-on-write
     _check_gaps(st)
@@ -276,14 +276,14 @@ def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_
     system = P(1, 4 * BLOCK)  # a multiple of the page unit: all of it borrowed
     d, _ = serve(st, system)
     d.finish()
-    calls = {"check_room": 0, "reserve": 0, "_put": 0}
+    calls = {"check_room": 0, "reserve": 0, "put": 0}
     kv_puts = []
-    for cls, name in ((_segment.Segment, "check_room"), (_segment.Segment, "reserve"), (Pages, "_put")):
+    for cls, name in ((_segment.Segment, "check_room"), (_segment.Segment, "reserve"), (Pages, "put")):
         real = getattr(cls, name)
 
         def counted(*a, _real=real, _name=name, **k):
             calls[_name] += 1
-            if _name == "_put" and a[1].ndim > 1:
+            if _name == "put" and a[1].ndim > 1:
                 kv_puts.append(a[1].shape)
             return _real(*a, **k)
 
@@ -292,7 +292,7 @@ def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_
     s = st.create_sequence(capacity=200, prefix=p)
     assert len(s) == len(system) and s._row[_header.SPAN_CELLS] == len(system)
     # (token ids, positions and hashes written through the descriptor: that allocates their pages)
-    assert calls == {"check_room": 1, "reserve": 0, "_put": 3} and kv_puts == [], (calls, kv_puts)
+    assert calls == {"check_room": 1, "reserve": 0, "put": 3} and kv_puts == [], (calls, kv_puts)
     monkeypatch.undo()
     k, v = np.ones((2, 2, 3, 2, 128), np.float32)
     s.extend(k, v, tokens=[1, 2, 3])

@@ -587,7 +587,7 @@ def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_
         with pytest.raises(RuntimeError), e.locked(), e.transaction():
             with e.changing(row, foreign=True):
                 row[FLAGS] |= LENT
-            e._spans_odd()  # (what a borrow does first: the mark is cleared only while spans change)
+            e.journal.spans_odd()  # (what a borrow does first: the mark is cleared only while spans change)
             row[LENGTH] = 4  # the holder's lock-free commit and release, meanwhile
             row[LEASE_PID] = 0
             if whole:

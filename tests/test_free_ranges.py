@@ -33,7 +33,7 @@ def churn(name: str, seed: int, rounds: int) -> int:
 
 def check(store: shmkv.Store) -> None:
     with store.transaction():
-        assert store._engine.free_ranges() == store._engine._derive_free_ranges()
+        assert store._engine.free_ranges() == store._engine.arena._derive_free_ranges()
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

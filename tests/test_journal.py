@@ -233,7 +233,7 @@ def test_an_exception_at_every_crash_point_rolls_back(make_store, tmp_path, exc)
         exc.__traceback__ = None  # its frames hold the operation's write handle (and lease)
         del got
         gc.collect()
-        assert store._engine.hdr[_header.W_UNDO_COUNT] == 0 and store._engine._depth == 0, point
+        assert store._engine.hdr[_header.W_UNDO_COUNT] == 0 and store._engine.journal.depth == 0, point
         now = _without(state(store), x.id)
         if point.startswith("compact"):  # commits before the one that compacts are complete
             b_now = next(g for g in now if g[0] == ids["b"])

@@ -129,20 +129,20 @@ def test_own_span_changes_keep_the_reservation_record(make_store):
     d.extend(k, v, tokens=prompt)
     d.finish()
     ds = _start(st, d.id)
-    assert covers(e._record()[False], ds, ds + 300)  # (its pages: what it wrote, tests/test_lazy_pages.py)
+    assert covers(e.pages.record()[False], ds, ds + 300)  # (its pages: what it wrote, tests/test_lazy_pages.py)
     b = st.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
     assert st.stats().shared_tokens > 0
     bs, u = _start(st, b.id), e.page_unit
-    rec = e._record()[False]
+    rec = e.pages.record()[False]
     assert covers(rec, ds, ds + 300)  # kept across this process's own span change
     assert not covers(rec, bs, bs + u)  # ... but for the borrower's punched pages
     b.free()  # its span released (the holes stay): still this process's own change
-    assert covers(e._record()[False], ds, ds + 300)
+    assert covers(e.pages.record()[False], ds, ds + 300)
     c = shmkv.attach(st.name)
     try:
         c.create_sequence(capacity=1024, prefix=np.r_[prompt, [2]])  # a borrow by another attachment
         assert c.stats().shared_tokens > 0
-        assert e._record() == ([], [])  # dropped: re-reserved on next use
+        assert e.pages.record() == ([], [])  # dropped: re-reserved on next use
     finally:
         c.close()
 

@@ -5,6 +5,7 @@ Their pages (reservation, writes through the descriptor): ``_engine/pages.py``."
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,7 +23,6 @@ from shmkv._engine.header import (
     ENCODER,
     LIVE,
     STATE,
-    CLEAN,
     FINISHED,
     FLAGS,
     IDX_BLOCKS,
@@ -36,22 +36,33 @@ from shmkv._engine.intervals import add_interval, take_interval
 from shmkv._engine.prefix import COVERS
 from shmkv._engine.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError
-from shmkv._engine.sharing import Sharing
+from shmkv._engine.free_ranges import FreeRanges
+from shmkv._engine.header import Layout, Offsets
+from shmkv._engine.journal import Journal
+from shmkv._engine.pages import Pages
+from shmkv._engine.prefix import PrefixIndex
+from shmkv._engine.sharing import spans_taken
 
 
-class Arena(Sharing):
-    """The cell-placing half of a store handle (the table and the lock are ``Core``'s)."""
+class Arena:
+    """The cell-placing part of a store handle, held by the engine (see the module docstring).
 
-    def kv_bytes(self, layers: int) -> int:
-        """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
-        scales = self.layout.kv_heads * 4 if self.KS is not None else 0
-        return 2 * layers * (self._off.cell_bytes + scales)
+    Its own state is this process's free-range cache (``_engine/free_ranges.py``, kept current
+    by the journal too). The rest it is given, and binds once (create and free are hot): the
+    table and its rows, the prefix index, the journal's row changes, the pages part's
+    reservations."""
 
-    @property
-    def cells(self) -> int:
-        """Cells of the data arena: ``max_tokens`` and the slack page-unit alignment may leave
-        unused before ranges (``header.offsets``), address space only."""
-        return self._off.cells
+    def __init__(self, *, name: str, layout: Layout, off: Offsets, hdr: memoryview, table_np: np.ndarray,
+                 meta: np.ndarray, index: PrefixIndex, row: Callable[[int], memoryview],
+                 lease_holder: Callable[[memoryview], tuple[int, bool]], free: FreeRanges, journal: Journal,
+                 pages: Pages) -> None:
+        self.name, self.layout, self._off, self.hdr, self.table_np = name, layout, off, hdr, table_np
+        self.meta, self.index, self.row, self._lease_holder = meta, index, row, lease_holder
+        self._free, self._wc = free, layout.window_cells
+        self.journal = journal
+        self.changing, self.log_meta, self._forget = journal.changing, journal.log_meta, journal.forget
+        self._reserve, self._stage, self.reserve_window = pages.reserve, pages.stage, pages.reserve_window
+        self._page_unit_reserve = pages.page_unit_reserve
 
     def free_tokens(self, gaps: list[tuple[int, int]]) -> int:
         """Cells new ranges may still take, of the free ranges ``gaps``: ``max_tokens`` less
@@ -127,7 +138,7 @@ class Arena(Sharing):
         t = self.table_np
         used = t[:, STATE] != 0
         starts, caps = t[:, START][used], t[:, CAPACITY][used]  # a column first: a cheaper gather
-        taken = (taken or []) + self._spans_taken()  # a span's cells: taken while a row borrows them
+        taken = (taken or []) + spans_taken(t)  # a span's cells: taken while a row borrows them
         if taken:
             extra = np.asarray(taken, np.int64).reshape(-1, 2)
             starts, caps = np.concatenate([starts, extra[:, 0]]), np.concatenate([caps, extra[:, 1]])
@@ -153,8 +164,8 @@ class Arena(Sharing):
         ``fill`` cells (default: all; the rest as writes need them, pages.py).
 
         ``evict``: evict finished sequences (least recently used first, never row ``protect``,
-        or the rows of a tuple) when no free range is large enough. ``populate``: see _reserve;
-        ``stage``: see _stage."""
+        or the rows of a tuple) when no free range is large enough. ``populate``: see Pages.reserve;
+        ``stage``: see Pages.stage."""
         gaps = self.free_ranges(taken)
         fit = self._place(gaps, capacity, align)
         if fit is None and evict and self._evict(capacity, 0, protect, align, taken):
@@ -253,26 +264,6 @@ class Arena(Sharing):
         # complete: out of the undo log, so the unit's later use of its cells stays safe (rule 4)
         self._forget(slot, *([enc] if enc >= 0 else []))
 
-    def set_meta(self, slot: int, packed: bytes) -> None:
-        """Write a sequence's packed metadata (lock held, row changing)."""
-        self.log_meta(slot)
-        rec = self.meta[slot]
-        rec[8 : 8 + len(packed)] = np.frombuffer(packed, np.uint8)
-        rec[:8] = np.frombuffer(len(packed).to_bytes(8, "little"), np.uint8)
-
-    def get_meta(self, slot: int) -> bytes:
-        """A sequence's packed metadata, as stored (the caller checks the row's seqlock); while
-        another process's transaction logged it, as its rollback leaves it (``_engine/journal.py``, 7)."""
-        rec = self._settled_meta(slot) if self.hdr[_header.W_UNDO_COUNT] and not self._depth else self.meta[slot]
-        n = int.from_bytes(rec[:8].tobytes(), "little")
-        return bytes(rec[8 : 8 + min(n, _header.META_BYTES)].tobytes())
-
-    def touch(self, row: memoryview) -> None:
-        """Mark a use of a sequence for LRU eviction (lock held)."""
-        clock = self.hdr[_header.W_CLOCK] + 1
-        self.hdr[_header.W_CLOCK] = clock
-        row[RECENCY] = clock
-
     def index_blocks(self, slot: int, upto: int, source: int = -1) -> None:
         """Index the sequence's whole blocks up to token ``upto`` (lock held); set NOINDEX when a
         block cannot be (a token id -1, tokens moved by remove or shift_left). ``source``: the row
@@ -305,20 +296,6 @@ class Arena(Sharing):
         lost = self.index.displaced_by(slot, nb, lv)
         if lost:
             self.hdr[_header.W_INDEX_USED] += self.index.rehome(lost, exclude=slot)
-
-    def restored(self, slot: int, finished: bool, clean: int, meta: bytes) -> None:
-        """A sequence a snapshot restore just published (lock held; called oldest use first):
-        its prefix-cache state, a fresh recency, and its blocks in the index."""
-        row = self.row(slot)
-        # finished (evictable) only while nobody holds its lease: a restore over a sequence this
-        # process writes keeps it the writer's
-        row[FLAGS] = FINISHED if finished and not self._lease_holder(row)[1] else 0
-        row[CLEAN] = clean
-        row[IDX_BLOCKS] = 0
-        with self.changing(row):
-            self.set_meta(slot, meta)
-        self.touch(row)
-        self.index_blocks(slot, row[LENGTH])
 
     def wcell(self, slot: int, wbuf: int) -> int:
         """First cell of window buffer ``wbuf`` (0 or 1) of ``slot`` in the bounded layers' arrays."""

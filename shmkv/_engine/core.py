@@ -1,6 +1,6 @@
 """The core of a store handle: its mappings, the sequence table and its seqlocks, the store
-lock, crash recovery, clients and leases, closing. ``Pages``, ``Arena`` and ``Engine`` build on it:
-``engine.Engine`` is what ``Store`` (the API) holds.
+lock, clients and leases, closing. ``engine.Engine``, what ``Store`` (the API) holds, builds on
+it and composes the parts that work on these (journal, pages, arena, spans).
 
 Concurrency (docs/design.md §3; the numbered invariants 1-5 of ARCHITECTURE.md): the
 hot path publishes a sequence's length after its cells; structural operations hold the store
@@ -31,23 +31,19 @@ from shmkv._engine import lock as _lock
 from shmkv._engine import row_waiters as _row_waiters
 from shmkv._engine import segment as _segment
 from shmkv._engine.header import (
-    C_FLAGS, C_KEY, C_PID, CLIENT_WORDS, ID, LEASE_CLIENT, LENGTH, LEASE_PID, LEASE_TOKEN,
-    SEQ_WORDS, LIVE, STATE, INDEX_WORDS, Layout,
+    C_KEY, CLIENT_WORDS, LEASE_CLIENT, LENGTH, LEASE_PID, LEASE_TOKEN,
+    SEQ_WORDS, INDEX_WORDS, Layout,
 )
-from shmkv._engine.journal import Journal
 from shmkv._engine.own_changes import counts_here
 from shmkv._engine.lease import live_writers
-from shmkv._engine.free_ranges import FreeRanges
+from shmkv._engine.intervals import Record
 from shmkv._engine.prefix import PrefixIndex
 from shmkv._engine.row_waiters import RowWaiters
 from shmkv._engine.segment import Segment
 from shmkv._engine.share import Shares
 from shmkv.errors import (
-    CorruptStoreError,
-    InvalidArgumentError,
     LeaseError,
     ReadOnlyError,
-    SequenceNotFound,
     StoreClosedError,
 )
 
@@ -78,11 +74,10 @@ def _close_segments(hseg: Segment, dseg: Segment, live: _liveness.Liveness) -> N
     dseg.close()
 
 
-class Core(Journal):
-    """What a store handle holds and the rules for touching it (see the module docstring).
-
-    ``Store`` is the public face and holds it; ``Sequence``, ``_snapshot`` and ``Batch`` reach
-    the shared-memory state through it as a ``port.Port``."""
+class Core:
+    """What a store handle maps and the rules for touching it (see the module docstring): the
+    base of ``engine.Engine``, which ``Store`` holds; ``Sequence``, ``_snapshot`` and ``Batch``
+    reach the shared-memory state through the engine as a ``port.Port``."""
 
     def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
                  creator: bool, persistent: bool, lock_timeout: float,
@@ -161,28 +156,22 @@ class Core(Journal):
         self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
         self._rows: dict[int, memoryview] = {}  # slot -> its row (see _row)
         self._row_slot: dict[int, int] = {}  # id(row) -> slot
-        # crash recovery: the undo log (see "crash recovery" below) and this process's unit
+        # the undo log and the meta records, as the journal reads and writes them (_engine/journal.py)
         self._undo_np = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.UNDO_WORDS, off.undo_off).reshape(
             layout.max_seqs, _header.UNDO_WORDS)
         self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
                                      off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
+        self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self.waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
         self.ro_waiters = RowWaiters(name, layout.max_seqs)  # ... of read-only attachments (_engine/row_waiters.py)
         hbase = _address(hmm, self.table_np, off.seq_off)
         self.length_addr0 = hbase + off.seq_off + 8 * LENGTH  # futex words (_sequence/waiting.py)
         self.waiters_addr0 = hbase + off.wait_off  # (changed atomically)
         self.waiting: dict[int, int] = {}  # slot -> this handle's threads waiting on it
-        self._free = FreeRanges()  # this process's cache of the free ranges (_engine/free_ranges.py)
-        self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
-        self._depth = 0
-        self._logged: dict[int, memoryview] = {}
         self.here = counts_here(name, layout.max_seqs)  # (writer.kept)
-        # cell intervals this process reserved (see Pages._reserve): [full layers, all layers]
-        self._reserved: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
-        self._reserved_at = -1  # the span epoch that record is valid at (Pages._record)
-        # ... of which these (full layers) are allocated but never touched here (Pages._reserve)
-        self._owed: list[tuple[int, int]] = []
+        # cell intervals this process reserved (pages.Pages.reserve)
+        self._rec = Record()
         self._dbase = _address(dmm, dbuf, 0)  # address of the data segment's byte 0
         # shared prefix pages (docs/design.md §11): what a span covers, and what this process has mapped
         pieces = [(base + i * off.layer_stride, off.cell_bytes) for base in (off.k_off, off.v_off) for i in self._full]
@@ -190,7 +179,7 @@ class Core(Journal):
             pieces += [(base + i * off.scale_stride, layout.kv_heads * 4) for base in (off.ks_off, off.vs_off)
                        for i in range(L)]
         self.shares = Shares(self.hdr, self.table_np, dmm, dseg.fileno(), pieces, readonly=hseg.readonly,
-                             reserved=self._reserved, owed=self._owed, base=self._dbase)
+                             reserved=self._rec.cells, owed=self._rec.owed, base=self._dbase)
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
         self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Core] | None = \
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)
@@ -228,6 +217,11 @@ class Core(Journal):
             raise ReadOnlyError(
                 f"store {self.name!r} is attached read-only: attach with shmkv.attach({self.name!r}) to modify it"
             )
+
+    def kv_bytes(self, layers: int) -> int:
+        """Bytes of K and V (and int8 scales) of one token in ``layers`` layers."""
+        scales = self.layout.kv_heads * 4 if self.KS is not None else 0
+        return 2 * layers * (self._off.cell_bytes + scales)
 
     # -- closing (Store.close runs these steps; each may be cut short and run again) ----------
 
@@ -276,10 +270,7 @@ class Core(Journal):
         segments unmaps them at once. What the caller still holds (views, Sequence handles)
         keeps its own pages mapped and valid until it is collected (never a segfault); a closed
         handle only checks it is closed."""
-        closed = Closed(self.name)
-        for attr, value in list(vars(self).items()):
-            if _holds_views(value):
-                setattr(self, attr, closed)
+        release_views(self, self.name)
         self._live.close()
         self._lock.close()
         self._hseg.close()  # unmapped now, unless views (or handles) the caller keeps hold them
@@ -288,47 +279,6 @@ class Core(Journal):
             self._finalizer.detach()
 
     # -- clients ---------------------------------------------------------------
-
-    def join(self) -> None:
-        """What a read-write attachment (the creator's too) does to join the store, each step
-        once, in one hold of the store lock: 1. the recovery check (a dead holder's transaction
-        rolled back, odd generations made even: a cold entry scans every row); 2. the span sync
-        (the table's shared prefix pages mapped here); 3. the client table's check; 4. the
-        liveness registration (the first free byte of the liveness file locked, a key drawn,
-        the slot's client row written). 1 and 2 are the lock entry's (``locked(scan=True)``)."""
-        with self.locked(scan=True):  # 1, 2
-            rows = self.clients_np
-            pids, keys = rows[:, C_PID], rows[:, C_KEY]
-            bad = (pids < 0) | (pids > _segment.MAX_PID) | (keys < 0)  # (one pass, not a row a call)
-            i = int(bad.argmax())  # (the first bad row, or row 0 when none is)
-            if bad[i]:
-                pid, key = int(rows[i, C_PID]), int(rows[i, C_KEY])
-                raise CorruptStoreError(
-                    f"store {self.name!r}: client table row {i} holds pid {pid}, key {key}, "
-                    "which no process has: the header was overwritten by something other than shmkv; "
-                    f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
-                )
-            self._fill_client_row()  # 4
-
-    def _fill_client_row(self) -> None:
-        live = self._live
-        key = live.key or live.register(self._max_clients)
-        row = self.clients_np[_liveness.slot_of(key)]
-        row[C_KEY] = key
-        row[C_FLAGS] = 1
-        row[C_PID] = live.pid  # (as it registered) for display only: no meaning in another PID namespace
-
-    def client_key(self) -> int:
-        """This attachment's client key, for a lease; a forked child registers a slot of its own
-        first (the parent's descriptor was dropped at fork, see liveness)."""
-        live = self._live
-        if live.key and live.pid == os.getpid():
-            return live.key
-        with self.locked():
-            live.reopen_in_child()
-            if not live.key:
-                self._fill_client_row()
-        return live.key
 
     def alive(self, key: int) -> bool:
         """Whether client key ``key`` (a lease's, the creator's) is alive: its byte is locked."""
@@ -346,53 +296,6 @@ class Core(Journal):
         live.close()
 
     # -- the sequence table ----------------------------------------------------
-
-    def slot_of(self, seq_id: object) -> int:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
-            raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
-        seq_id = int(seq_id)
-        # A created sequence lives in row id % max_seqs (Store.create_sequence picks its id so);
-        # one a restore placed elsewhere is found once by a scan, then by a hint: ids are never
-        # reused, so a remembered slot is right exactly when its row still holds that id, live.
-        own = seq_id % self.layout.max_seqs
-        b = own * SEQ_WORDS
-        if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
-            return own
-        slot = self._slot_hint.get(seq_id)
-        if slot is not None:
-            b = slot * SEQ_WORDS
-            if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
-                return slot
-        t = self.table_np
-        hits = np.flatnonzero((t[:, ID] == seq_id) & (t[:, STATE] == LIVE))
-        if hits.size:
-            if len(self._slot_hint) > 4 * self.layout.max_seqs:
-                self._slot_hint.clear()
-            self._slot_hint[seq_id] = int(hits[0])
-        if hits.size == 0 and self.hdr[_header.W_UNDO_COUNT] and not self._depth:
-            # a transaction is in the undo log (a dead writer's, or a live one's): look at the
-            # rows as its rollback would leave them (``_engine/journal.py``, invariant 7)
-            with self.reading():
-                for slot in range(self.layout.max_seqs):
-                    w = self.settled_row(slot)
-                    if w[ID] == seq_id and w[STATE] == LIVE:
-                        return slot
-        if hits.size == 0:
-            raise SequenceNotFound(
-                f"store {self.name!r} has no sequence {seq_id!r}: it was freed or never created "
-                "(store.sequences() lists the live ones)"
-            )
-        return int(hits[0])
-
-    def listed_rows(self) -> list[list[int]]:
-        """The words of the table's rows a listing reads (``store.sequences()``): the live ones as
-        they are; while a transaction is in the undo log, every row as its rollback leaves it
-        (``journal`` 7): the caller keeps those whose STATE is LIVE."""
-        if self.hdr[_header.W_UNDO_COUNT] and not self._depth:
-            with self.reading():
-                return [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
-        rows: list[list[int]] = self.table_np[self.table_np[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
-        return rows
 
     def row(self, slot: int) -> memoryview:
         """Row ``slot`` of the sequence table (one memoryview a slot, reused: the journal's changing() knows it)."""
@@ -458,6 +361,14 @@ class Closed:
 
     def __getattr__(self, attr: str) -> NoReturn:
         self._raise()
+
+
+def release_views(obj: object, name: str) -> None:
+    """Replace every attribute of ``obj`` that is, or holds, a view of a mapping with ``Closed``."""
+    closed = Closed(name)
+    for attr, value in list(vars(obj).items()):
+        if _holds_views(value):
+            setattr(obj, attr, closed)
 
 
 def _holds_views(value: object, depth: int = 2) -> bool:

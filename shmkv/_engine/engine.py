@@ -1,44 +1,249 @@
-"""The engine a ``Store`` holds: the top of the chain ``Journal`` (the one way into the lock,
-journaled transactions, crash recovery) -> ``Core`` (mappings, table, clients, leases,
-closing) -> ``Pages`` (reservation, writes through the descriptor) -> ``Arena`` (where cells
-go: free ranges, allocation, eviction, rows, encoder ranges) -> ``Engine``: the cell moves of
-a sequence (copy_prefix between rows, growth, the fresh ranges truncate/remove/shift_left
-rewrite into), all under the store lock and never over cells a row points to (journal
-invariant 1). One object over one set of mappings: the parts are modules, not members, so the
-hot path calls their methods with no hop. It implements ``port.Port``, the narrow core the
-sequence layer and snapshots see.
+"""The engine a ``Store`` holds: ``Core`` (its one base: the mappings, the sequence table, clients,
+leases, closing) and the parts it composes, wired in ``Engine.__init__``: ``journal``
+(``Journal``: the one way into the lock, journaled transactions, crash recovery), ``pages``
+(``Pages``: reservation, writes through the descriptor, cell copies), ``arena`` (``Arena``:
+where cells go: free ranges, allocation, eviction, rows, encoder ranges) and ``spans``
+(``Sharing``: shared prefix pages). Each part is given what it uses in its constructor; the one
+call up, the journal's ``settle_span`` at the end of a change of a borrowing or lending row,
+is a hook passed in too. This class adds the cell moves of a sequence (copy_prefix between
+rows, growth, the fresh ranges truncate/remove/shift_left rewrite into), all under the store
+lock and never over cells a row points to (journal invariant 1), a sequence's meta record and
+recency, and binds the parts'
+operations that the sequence layer, snapshots and the store use as its own attributes, once:
+it implements ``port.Port`` with no call layer on the hot path.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from shmkv._engine import crash as _crash
+from shmkv._engine import header as _header
+from shmkv._engine import liveness as _liveness
+from shmkv._engine import segment as _segment
 from shmkv._engine.arena import Arena
+from shmkv._engine.core import Closed, Core, release_views
+from shmkv._engine.free_ranges import FreeRanges
 from shmkv._engine.header import (
+    C_FLAGS,
+    C_KEY,
+    C_PID,
+    LIVE,
+    SEQ_WORDS,
+    STATE,
+    Layout,
     CAPACITY,
     CLEAN,
+    FINISHED,
     FLAGS,
     ID,
     IDX_BLOCKS,
     LENGTH,
     LENT,
     NOINDEX,
+    RECENCY,
     START,
     WBUF,
     WIN_OFF,
     leads,
     with_leads,
 )
-from shmkv._engine.intervals import take_interval
+from shmkv._engine.journal import Journal
+from shmkv._engine.pages import Pages
 from shmkv._engine.prefix_hash import lead_levels
-from shmkv.errors import CacheFullError, NotSupportedError
+from shmkv._engine.segment import Segment
+from shmkv._engine.sharing import Sharing
+from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
 
 __all__ = ["Engine"]
 
 
-class Engine(Arena):
+class Engine(Core):
     """A store's engine (see the module docstring): this class adds the cell moves."""
+
+    def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
+                 creator: bool, persistent: bool, lock_timeout: float,
+                 live: _liveness.Liveness | None = None) -> None:
+        super().__init__(name, hseg, dseg, layout, max_clients, creator=creator, persistent=persistent,
+                         lock_timeout=lock_timeout, live=live)
+
+        def settle_span(slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
+            spans.settle_span(slot, row, was, was_len)  # the journal's one call up, to the sharing part built below
+
+        free = FreeRanges()  # this process's cache of the free ranges: the placing part's, kept by the journal too
+        self.journal = journal = Journal(
+            readonly=self.readonly, lock_timeout=self.lock_timeout, layout=layout, hdr=self.hdr,
+            table_np=self.table_np, undo_np=self._undo_np, undo=self._undo, meta_w=self._meta_w,
+            meta_mv=self._meta_mv, lock=self._lock, row=self.row, row_slot=self._row_slot,
+            slot_hint=self._slot_hint, here=self.here, free=free, waiters=self.waiters,
+            ro_waiters=self.ro_waiters, length_addr0=self.length_addr0, shares=self.shares, record=self._rec,
+            check_open=self.check_open, check_writable=self.check_writable, settle_span=settle_span)
+        self.pages = pages = Pages(
+            layout=layout, off=self._off, dseg=dseg, hdr=self.hdr, record=self._rec, Kl=self.Kl, Vl=self.Vl,
+            KS=self.KS, VS=self.VS, tokens=self.tokens, positions=self.positions, hashes=self._hashes,
+            full=self._full, shares=self.shares, dbase=self._dbase)
+        t = self.table_np
+        self.arena = arena = Arena(
+            name=name, layout=layout, off=self._off, hdr=self.hdr, table_np=t, meta=self.meta, index=self.index,
+            row=self.row, lease_holder=self._lease_holder, free=free, journal=journal, pages=pages)
+        self.spans = spans = Sharing(
+            name=name, off=self._off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
+            free=free, journal=journal, pages=pages, alloc=arena.alloc)
+        # What the sequence layer, snapshots and the store call, bound once: the same names as
+        # before the parts, and no call layer on the hot path (a handle copies these).
+        self.locked, self.reading, self.settled_row = journal.locked, journal.reading, journal.settled_row
+        self.transaction, self.changing, self.log_meta = journal.transaction, journal.changing, journal.log_meta
+        self.new_incarnation = journal.new_incarnation
+        self.room, self.settle, self.owes = pages.room, pages.settle, pages.owes
+        self.before_appends = pages.before_appends
+        self.file_copier, self.write_new, self.reserve_window = pages.file_copier, pages.write_new, pages.reserve_window
+        self.free_tokens, self.free_ranges, self.alloc = arena.free_tokens, arena.free_ranges, arena.alloc
+        self.new_row, self.free_row, self.wcell = arena.new_row, arena.free_row, arena.wcell
+        self.index_blocks, self.unindexing = arena.index_blocks, arena.unindexing
+        self.set_encoder, self.drop_encoder = arena.set_encoder, arena.drop_encoder
+        self.lend, self.borrow, self.lent_end = spans.lend, spans.borrow, spans.lent_end
+        self.move_lender = spans.move_lender
+        self.shared_cells, self.held_cells = spans.shared_cells, spans.held_cells
+        self.retained_cells, self.committed_held = spans.retained_cells, spans.committed_held
+        self.page_unit, self.cells = self._off.page_unit, self._off.cells
+
+    def release(self) -> None:
+        """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
+        for part in (self.journal, self.pages, self.arena, self.spans):
+            if not isinstance(part, Closed):  # (a release cut short and run again: Core.release closed it)
+                release_views(part, self.name)
+        super().release()
+
+    # -- clients ---------------------------------------------------------------
+
+    def join(self) -> None:
+        """What a read-write attachment (the creator's too) does to join the store, each step
+        once, in one hold of the store lock: 1. the recovery check (a dead holder's transaction
+        rolled back, odd generations made even: a cold entry scans every row); 2. the span sync
+        (the table's shared prefix pages mapped here); 3. the client table's check; 4. the
+        liveness registration (the first free byte of the liveness file locked, a key drawn,
+        the slot's client row written). 1 and 2 are the lock entry's (``locked(scan=True)``)."""
+        with self.locked(scan=True):  # 1, 2
+            rows = self.clients_np
+            pids, keys = rows[:, C_PID], rows[:, C_KEY]
+            bad = (pids < 0) | (pids > _segment.MAX_PID) | (keys < 0)  # (one pass, not a row a call)
+            i = int(bad.argmax())  # (the first bad row, or row 0 when none is)
+            if bad[i]:
+                pid, key = int(rows[i, C_PID]), int(rows[i, C_KEY])
+                raise CorruptStoreError(
+                    f"store {self.name!r}: client table row {i} holds pid {pid}, key {key}, "
+                    "which no process has: the header was overwritten by something other than shmkv; "
+                    f"check it with `shmkv verify {self.name}`, save what you need and create the store anew"
+                )
+            self._fill_client_row()  # 4
+
+    def _fill_client_row(self) -> None:
+        live = self._live
+        key = live.key or live.register(self._max_clients)
+        row = self.clients_np[_liveness.slot_of(key)]
+        row[C_KEY] = key
+        row[C_FLAGS] = 1
+        row[C_PID] = live.pid  # (as it registered) for display only: no meaning in another PID namespace
+
+    def client_key(self) -> int:
+        """This attachment's client key, for a lease; a forked child registers a slot of its own
+        first (the parent's descriptor was dropped at fork, see liveness)."""
+        live = self._live
+        if live.key and live.pid == os.getpid():
+            return live.key
+        with self.locked():
+            live.reopen_in_child()
+            if not live.key:
+                self._fill_client_row()
+        return live.key
+
+    # -- the sequence table ----------------------------------------------------
+
+    def slot_of(self, seq_id: object) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
+            raise InvalidArgumentError(f"sequence id {seq_id!r} must be an int (Sequence.id)")
+        seq_id = int(seq_id)
+        # A created sequence lives in row id % max_seqs (Store.create_sequence picks its id so);
+        # one a restore placed elsewhere is found once by a scan, then by a hint: ids are never
+        # reused, so a remembered slot is right exactly when its row still holds that id, live.
+        own = seq_id % self.layout.max_seqs
+        b = own * SEQ_WORDS
+        if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
+            return own
+        slot = self._slot_hint.get(seq_id)
+        if slot is not None:
+            b = slot * SEQ_WORDS
+            if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
+                return slot
+        t = self.table_np
+        hits = np.flatnonzero((t[:, ID] == seq_id) & (t[:, STATE] == LIVE))
+        if hits.size:
+            if len(self._slot_hint) > 4 * self.layout.max_seqs:
+                self._slot_hint.clear()
+            self._slot_hint[seq_id] = int(hits[0])
+        if hits.size == 0 and self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth:
+            # a transaction is in the undo log (a dead writer's, or a live one's): look at the
+            # rows as its rollback would leave them (``_engine/journal.py``, invariant 7)
+            with self.reading():
+                for slot in range(self.layout.max_seqs):
+                    w = self.settled_row(slot)
+                    if w[ID] == seq_id and w[STATE] == LIVE:
+                        return slot
+        if hits.size == 0:
+            raise SequenceNotFound(
+                f"store {self.name!r} has no sequence {seq_id!r}: it was freed or never created "
+                "(store.sequences() lists the live ones)"
+            )
+        return int(hits[0])
+
+    def listed_rows(self) -> list[list[int]]:
+        """The words of the table's rows a listing reads (``store.sequences()``): the live ones as
+        they are; while a transaction is in the undo log, every row as its rollback leaves it
+        (``journal`` 7): the caller keeps those whose STATE is LIVE."""
+        if self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth:
+            with self.reading():
+                return [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
+        rows: list[list[int]] = self.table_np[self.table_np[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
+        return rows
+
+    # -- a sequence's meta record, recency and restore bookkeeping (lock held) ----------------
+
+    def set_meta(self, slot: int, packed: bytes) -> None:
+        """Write a sequence's packed metadata (lock held, row changing)."""
+        self.log_meta(slot)
+        rec = self.meta[slot]
+        rec[8 : 8 + len(packed)] = np.frombuffer(packed, np.uint8)
+        rec[:8] = np.frombuffer(len(packed).to_bytes(8, "little"), np.uint8)
+
+    def get_meta(self, slot: int) -> bytes:
+        """A sequence's packed metadata, as stored (the caller checks the row's seqlock); while
+        another process's transaction logged it, as its rollback leaves it (``_engine/journal.py``, 7)."""
+        j = self.journal
+        rec = j.settled_meta(slot) if self.hdr[_header.W_UNDO_COUNT] and not j.depth else self.meta[slot]
+        n = int.from_bytes(rec[:8].tobytes(), "little")
+        return bytes(rec[8 : 8 + min(n, _header.META_BYTES)].tobytes())
+
+    def touch(self, row: memoryview) -> None:
+        """Mark a use of a sequence for LRU eviction (lock held)."""
+        clock = self.hdr[_header.W_CLOCK] + 1
+        self.hdr[_header.W_CLOCK] = clock
+        row[RECENCY] = clock
+
+    def restored(self, slot: int, finished: bool, clean: int, meta: bytes) -> None:
+        """A sequence a snapshot restore just published (lock held; called oldest use first):
+        its prefix-cache state, a fresh recency, and its blocks in the index."""
+        row = self.row(slot)
+        # finished (evictable) only while nobody holds its lease: a restore over a sequence this
+        # process writes keeps it the writer's
+        row[FLAGS] = FINISHED if finished and not self._lease_holder(row)[1] else 0
+        row[CLEAN] = clean
+        row[IDX_BLOCKS] = 0
+        with self.changing(row):
+            self.set_meta(slot, meta)
+        self.touch(row)
+        self.index_blocks(slot, row[LENGTH])
 
     def copy_all_layers(self, src: int, dst: int, n: int) -> None:
         """Copy n cells of every layer's main-arena K/V (and scales): encoder ranges."""
@@ -67,43 +272,12 @@ class Engine(Arena):
         new_start = self.alloc(cap, evict=True, protect=protect, populate=False,
                                fill=max((dst + n for _, dst, n in full), default=0))  # pages for what it copies
         for src, dst, n in full:
-            self._copy_cells(start + src, new_start + dst, n)
-        self._fill(new_start, cap)
+            self.pages.copy_cells(start + src, new_start + dst, n)
+        self.pages.fill(new_start, cap)
         a0, b0 = self.wcell(slot, wb), self.wcell(slot, 1 - wb)
         for src, dst, n in window:
             self._copy_window(a0 + src, b0 + dst, n)
         return new_start, 1 - wb
-
-    def _copy_cells(self, src: int, dst: int, n: int, kv_from: int = 0) -> None:
-        """Copy n cells of every layer, token id and position (lock held; overlap-safe); K, V and
-        scales from cell ``kv_from`` on only (the cells before it are borrowed: _engine/sharing.py)."""
-        if n <= 0 or src == dst:
-            return
-        tok_src, tok_dst, tok_n = src, dst, n
-        src, dst, n = src + kv_from, dst + kv_from, n - kv_from
-        if n > 0:  # (none: a reuse that borrows all it copies)
-            # into fresh cells (a new range): through the descriptor, which skips zeroing them
-            fresh = self._fresh(dst, n) and (src + n <= dst or dst + n <= src)
-            # cells of a span not mapped here: read where they physically are, never as holes
-            parts = self.shares.sources(src, src + n) if self.shares.unmapped else [(src, src, n)]
-            # one layer at a time: a 4-D slice over all layers spans overlapping address
-            # extents, and numpy would then copy through a temporary (half the bandwidth)
-            for arrs in ([self.Kl[i] for i in self._full], [self.Vl[i] for i in self._full], self.KS, self.VS):
-                for layer in arrs if arrs is not None else ():
-                    for at, read, c in parts:
-                        to = dst + at - src
-                        if fresh:
-                            self._put(layer[to : to + c], layer[read : read + c])
-                        else:
-                            np.copyto(layer[to : to + c], layer[read : read + c])
-            if fresh:
-                take_interval(self._owed, dst, dst + n)
-        src, dst, n = tok_src, tok_dst, tok_n
-        for arr in (self.tokens, self.positions, self._hashes):
-            if kv_from:  # a borrower's fresh range: their pages are allocated by this write
-                self._put(arr[dst : dst + n], arr[src : src + n])  # (Sharing._page_unit_reserve)
-            else:
-                arr[dst : dst + n] = arr[src : src + n]
 
     def copy_prefix_rows(self, s_slot: int, d_slot: int, n: int, *, held: bool = False, share: int = 0,
                          reserved: bool = False) -> None:
@@ -134,8 +308,8 @@ class Engine(Arena):
                 # (their pages allocated first: a range has them only as its writes need them),
                 # unless it lends cells it no longer holds (_engine/sharing.py)
                 if not reserved:
-                    self._page_unit_reserve(d_row[START], n, share)
-                self._copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)
+                    self.pages.page_unit_reserve(d_row[START], n, share)
+                self.pages.copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)
                 self._copy_window(src_win, self.wcell(d_slot, d_row[WBUF]), n - lo)
                 _crash.point("copy_prefix.copied")
             else:  # never over dst's committed cells: a fresh range and dst's other window buffer
@@ -143,8 +317,8 @@ class Engine(Arena):
                 # never evict the operation's own rows (a finished, unleased src or dst is a candidate)
                 new_start = self.alloc(max(n, d_row[CAPACITY]), evict=True, protect=(s_slot, d_slot),
                                         populate=False, fill=n)
-                self._copy_cells(s_row[START], new_start, n)
-                self._fill(new_start, max(n, d_row[CAPACITY]))
+                self.pages.copy_cells(s_row[START], new_start, n)
+                self.pages.fill(new_start, max(n, d_row[CAPACITY]))
                 wb = 1 - d_row[WBUF]
                 self._copy_window(src_win, self.wcell(d_slot, wb), n - lo)
                 _crash.point("copy_prefix.copied")
@@ -182,8 +356,8 @@ class Engine(Arena):
             if before[1] + cap + after[1] >= want and new_start + keep <= start and not row[FLAGS] & LENT:
                 # slide down into free cells before it, never over its own committed cells (nor
                 # over cells it lent: tests/test_crash.py::test_random_kills...[shared] found it)
-                self._reserve(new_start, keep)
-                self._copy_cells(start, new_start, keep)  # (no overlap: the condition above)
+                self.pages.reserve(new_start, keep)
+                self.pages.copy_cells(start, new_start, keep)  # (no overlap: the condition above)
                 _crash.point("grow.slid")
                 row[START], row[CAPACITY] = new_start, want
                 return
@@ -192,8 +366,8 @@ class Engine(Arena):
                 new_start = self.alloc(want, evict=want == needed, protect=protect, populate=False, fill=keep)
             except CacheFullError:
                 continue
-            self._copy_cells(start, new_start, keep)
-            self._fill(new_start, want)  # the appends that made it grow go on there
+            self.pages.copy_cells(start, new_start, keep)
+            self.pages.fill(new_start, want)  # the appends that made it grow go on there
             _crash.point("grow.copied")
             row[START] = new_start
             _crash.point("grow.switched")

@@ -75,7 +75,7 @@ def mark_pages(hdr: memoryview, end: int) -> None:
     arrays a span covers (K/V of full layers, int8 scales): pages are allocated only in a
     row's range, or in a range staged by a restore, and every such range's end is marked
     under the lock, when a row's range changes (``FreeRanges.changed``) and before a
-    reservation under the lock allocates anything (``Pages._reserve``, ``_stage``; a crash
+    reservation under the lock allocates anything (``Pages.reserve``, ``stage``; a crash
     between the two leaves it marked). A write handle's reservations (lock-free, ``room``)
     stay inside its row's range, marked already. It never falls: a rolled-back range may have
     pages. So a borrower whose span starts at or above the mark as its create found it has no

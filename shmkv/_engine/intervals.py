@@ -77,3 +77,17 @@ def _add(spans: list[tuple[int, int]], a: int, b: int) -> None:
         b = max(b, spans[j][1])
         j += 1
     spans[i:j] = [(a, b)]
+
+
+class Record:
+    """This process's reservation record (page tables are per process): the cells whose pages it
+    reserved, ``cells`` (full layers, all layers), of which ``owed`` are allocated but never
+    touched here, valid at span epoch ``at`` (``pages.Pages.record``; the journal keeps ``at`` in
+    step with this process's own span changes, ``share.Shares`` takes punched cells out)."""
+
+    __slots__ = ("at", "cells", "owed")
+
+    def __init__(self) -> None:
+        self.cells: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+        self.owed: list[tuple[int, int]] = []
+        self.at = -1

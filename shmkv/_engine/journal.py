@@ -40,7 +40,7 @@ Invariants (each names the function that keeps it):
     owner is dead or is this process. Cold entries (attach, restore, a locked save,
     ``shmkv verify --repair``) scan for odd generations whatever the count says.
 6.  Frees inside a transaction (evictions to make room) are complete on their own: their
-    rows leave the log when done (``_forget``), even again, so neither a rollback nor a
+    rows leave the log when done (``forget``), even again, so neither a rollback nor a
     recovery resurrects a row whose cells were then reused.
 7.  Readers that cannot roll back (read-only attachments) read a logged row as the rollback
     would leave it (``settled_row``), under a shared lock that excludes live writers.
@@ -79,8 +79,11 @@ from shmkv._engine.lease import with_release
 from shmkv._engine.lock import StoreLock
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from shmkv._engine.free_ranges import FreeRanges
     from shmkv._engine.header import Layout
+    from shmkv._engine.intervals import Record
     from shmkv._engine.row_waiters import RowWaiters
     from shmkv._engine.share import Shares
 
@@ -101,58 +104,50 @@ def incarnation(gen: int) -> int:
 
 
 class Journal:
-    """The journal half of a store handle (``Core`` builds on it; see the module docstring).
+    """The journal of a store handle, a part the engine holds (see the module docstring).
 
-    Per process: ``_depth`` (open transaction brackets) and ``_logged`` (slots this process's
-    open transaction logged and made odd); they change only with the lock held."""
+    Per process: ``depth`` (open transaction brackets) and ``_logged`` (slots this process's
+    open transaction logged and made odd); they change only with the lock held. What it
+    works on is passed in: the engine's mappings, its lock, its rows, and the parts whose
+    per-process state a transaction keeps current (the free-range cache, the span mappings,
+    the reservation record); ``settle_span`` is the sharing part's hook, run at the end of
+    every change of a row that borrows or lends (``_engine/sharing.py``)."""
 
-    # provided by Core
-    name: str
-    readonly: bool
-    lock_timeout: float
-    layout: Layout
-    hdr: memoryview
-    _table: memoryview
-    table_np: np.ndarray
-    _undo_np: np.ndarray
-    _undo: Any
-    _meta_w: np.ndarray
-    _meta_mv: Any
-    _lock: StoreLock
-    _row_slot: dict[int, int]
-    _slot_hint: dict[int, int]
-    _depth: int
-    _logged: dict[int, memoryview]
-    here: list[int]  # this process's non-foreign changes per row (_engine/own_changes.py)
-    _free: FreeRanges  # this process's free ranges (_engine/free_ranges.py): kept by changing
-    waiters: memoryview  # Sequence.wait's sleepers per row (woken when a transaction ends)
-    ro_waiters: RowWaiters  # ... of read-only attachments
-    length_addr0: int
-    shares: Shares  # what this process has mapped of the table's spans (_engine/share.py)
-    _reserved_at: int  # the span epoch this process's reservation record is valid at (Pages._record)
-
-    def row(self, slot: int) -> memoryview:
-        raise NotImplementedError
-
-    def check_open(self) -> None:
-        raise NotImplementedError
-
-    def check_writable(self) -> None:
-        raise NotImplementedError
-
-    def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
-        raise NotImplementedError
+    def __init__(self, *, readonly: bool, lock_timeout: float, layout: Layout, hdr: memoryview,
+                 table_np: np.ndarray, undo_np: np.ndarray, undo: Any, meta_w: np.ndarray, meta_mv: Any,
+                 lock: StoreLock, row: Callable[[int], memoryview], row_slot: dict[int, int],
+                 slot_hint: dict[int, int], here: list[int], free: FreeRanges, waiters: memoryview,
+                 ro_waiters: RowWaiters, length_addr0: int, shares: Shares, record: Record,
+                 check_open: Callable[[], None], check_writable: Callable[[], None],
+                 settle_span: Callable[[int, memoryview, tuple[int, int, int], int], None]) -> None:
+        self.readonly, self.lock_timeout, self.layout = readonly, lock_timeout, layout
+        self.hdr, self.table_np = hdr, table_np
+        self._undo_np, self._undo, self._meta_w, self._meta_mv = undo_np, undo, meta_w, meta_mv
+        self._lock = lock
+        self.row = row  # the engine's rows (one memoryview a slot: ``_row_slot`` names them)
+        self._row_slot, self._slot_hint = row_slot, slot_hint
+        self.here = here  # this process's non-foreign changes per row (_engine/own_changes.py)
+        self._free = free  # this process's free ranges (_engine/free_ranges.py): kept by changing
+        self.waiters = waiters  # Sequence.wait's sleepers per row (woken when a transaction ends)
+        self.ro_waiters = ro_waiters  # ... of read-only attachments
+        self.length_addr0 = length_addr0
+        self.shares = shares  # what this process has mapped of the table's spans (_engine/share.py)
+        self._record = record  # this process's reservation record: its span epoch kept in step (pages.py)
+        self.check_open, self.check_writable = check_open, check_writable
+        self._settle_span = settle_span
+        self.depth = 0
+        self._logged: dict[int, memoryview] = {}
 
     def _spans_current(self, depth: int) -> None:
         """At a lock entry (lock held): map the table's spans as they are now."""
         hdr = self.hdr
-        if depth == 1 and not self._depth and hdr[_W_SPANS] & 1 and not hdr[_header.W_UNDO_COUNT]:
+        if depth == 1 and not self.depth and hdr[_W_SPANS] & 1 and not hdr[_header.W_UNDO_COUNT]:
             # odd with nothing in the log: a dead holder's frees inside a larger transaction left
             # the log (invariant 6) with the spans they changed complete; the change is over
             hdr[_W_SPANS] += 1
         self.shares.sync()
 
-    def _spans_odd(self) -> None:
+    def spans_odd(self) -> None:
         """A transaction is about to change spans (lock held): the span epoch odd until it ends,
         so every other process re-maps after it (``_engine/share.py``); this one is current."""
         hdr = self.hdr
@@ -160,8 +155,9 @@ class Journal:
         if not e & 1:
             hdr[_W_SPANS] = e + 1
             self.shares.applied = e + 1
-            if self._reserved_at == e:  # this process's own punches keep its record exact (Pages._record)
-                self._reserved_at = e + 1
+            record = self._record
+            if record.at == e:  # this process's own punches keep its record exact (Pages.record)
+                record.at = e + 1
         self._free.tag = -1  # spans hold cells: the gaps are derived again
         hdr[_header.W_ALLOCS] += 1
 
@@ -184,7 +180,7 @@ class Journal:
         """Row ``slot``'s words as a rollback would leave them (under ``reading``): the logged
         words while a dead process's transaction is in the log; the row itself otherwise, and
         while this process's own transaction is open."""
-        if not self._depth:
+        if not self.depth:
             for i in range(self.hdr[_header.W_UNDO_COUNT]):
                 if self._undo_np[i, 0] & _SLOT_MASK == slot:
                     logged: list[int] = self._undo_np[i, 1 : 1 + SEQ_WORDS].tolist()
@@ -195,7 +191,7 @@ class Journal:
         words: list[int] = self.table_np[slot].tolist()
         return words
 
-    def _settled_meta(self, slot: int) -> np.ndarray:
+    def settled_meta(self, slot: int) -> np.ndarray:
         """Row ``slot``'s meta record (bytes) as a rollback would leave it (see settled_row)."""
         for i in range(self.hdr[_header.W_UNDO_COUNT]):
             e = self._undo_np[i]
@@ -250,7 +246,7 @@ class Journal:
                     e[0] |= _META_LOGGED
                 return
 
-    def _forget(self, *slots: int) -> None:
+    def forget(self, *slots: int) -> None:
         """A free inside a larger transaction is complete: its rows leave the log, their
         generation even again (invariant 6)."""
         hdr = self.hdr
@@ -282,8 +278,9 @@ class Journal:
         if e & 1:  # spans changed: even again, after the rows (a reader that saw them sees it moved)
             hdr[_W_SPANS] = e + 1
             self.shares.applied = e + 1
-            if self._reserved_at == e:  # (see _spans_odd)
-                self._reserved_at = e + 1
+            record = self._record
+            if record.at == e:  # (see spans_odd)
+                record.at = e + 1
         hdr[_header.W_UNDO_COUNT] = 0
         for slot in self._logged:
             self._wake(slot)
@@ -332,7 +329,7 @@ class Journal:
     def _recover(self, scan: bool = True) -> int:
         """Roll back the transaction a dead process (or this one, interrupted) left (lock held);
         make odd generations even (invariant 5). Returns the rows put back."""
-        self._depth = 0
+        self.depth = 0
         self._logged.clear()
         hdr = self.hdr
         k = hdr[_header.W_UNDO_COUNT]
@@ -373,7 +370,7 @@ class _Entered:
         j.check_writable()
         lock = j._lock
         depth = lock.acquire(j.lock_timeout)  # (lock.depth would ask getpid again: ~0.3 us)
-        if depth == 1 and (self.scan or j.hdr[_header.W_UNDO_COUNT] or j._depth):
+        if depth == 1 and (self.scan or j.hdr[_header.W_UNDO_COUNT] or j.depth):
             try:
                 j._recover(self.scan)
             except BaseException:
@@ -425,13 +422,13 @@ class _Txn:
 
     @critical
     def __enter__(self) -> None:
-        self.j._depth += 1
+        self.j.depth += 1
 
     @critical
     def __exit__(self, exc_type: object, *exc: object) -> None:
         j = self.j
-        j._depth -= 1
-        if j._depth == 0:
+        j.depth -= 1
+        if j.depth == 0:
             if exc_type is None:
                 j._end()
             else:
@@ -451,7 +448,7 @@ class _Change:
     @critical
     def __enter__(self) -> None:
         j, row = self.j, self.row
-        j._depth += 1  # first: whatever happens next, __exit__ or a recovery ends the transaction
+        j.depth += 1  # first: whatever happens next, __exit__ or a recovery ends the transaction
         slot = j._row_slot[id(row)]
         if slot not in j._logged:
             try:
@@ -467,7 +464,7 @@ class _Change:
             j.here[slot] += 1
         if j.hdr[_W_SPANS]:  # (0: no span ever in this store, so no row borrows or lends: the common case)
             if row[SPAN_TAKEN]:  # a borrower: its span, or what it keeps taken, may change (_engine/sharing.py)
-                j._spans_odd()
+                j.spans_odd()
             elif row[FLAGS] & LENT:
                 j._free.tag = -1
         self.slot = slot
@@ -486,8 +483,8 @@ class _Change:
                     err, exc_type = e, type(e)
             if j._free.brackets.pop(self.slot) != (row[STATE], row[START], row[CAPACITY]):
                 j._free.changed(self.was, row, j.hdr)
-        j._depth -= 1
-        if j._depth == 0:
+        j.depth -= 1
+        if j.depth == 0:
             if exc_type is None:
                 j._end()
             else:

@@ -28,7 +28,7 @@ forked child closes the inherited descriptor at once (``register_at_fork``: the
 parent keeps its lock, and a dead parent is not kept alive by its children; only in the
 moment between the fork and the child's at-fork hooks does the child share it). A
 child that writes through an inherited handle registers a slot of its own first
-(``Core._client_key``).
+(``Engine.client_key``).
 
 Read-only attachments register nothing: they cannot write the client table (it
 is mapped read-only), hold no leases and keep no store alive. They open the

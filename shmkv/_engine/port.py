@@ -236,7 +236,7 @@ class Port(Protocol):
 
     @property
     def page_unit(self) -> int:
-        """The fewest cells that fill whole pages in every per-layer array (sharing.Sharing)."""
+        """The fewest cells that fill whole pages in every per-layer array (header.Offsets.page_unit)."""
         ...
 
     def room(self, start: int, lo: int, hi: int) -> None:

@@ -26,7 +26,7 @@ even when the transaction ends (or is rolled back), so:
 3. Shared cells are never written: a borrower that truncates below its span gets private
    copies first (copy-on-write), one whose range moves (growth, remove, shift_left,
    copy_prefix) or is freed drops its span, and a donor that truncates into lent cells moves,
-   or, with no free range, stays and moves before its next write there (``Sharing._settle_span``,
+   or, with no free range, stays and moves before its next write there (``Sharing.settle_span``,
    run at the end of every change of such a row; ``_sequence/room.py``).
 4. Cells a process may still map are not reused: a process re-maps only at its next read or
    lock entry, so after a borrower's copy-on-write another process's views of its committed

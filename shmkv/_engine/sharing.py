@@ -4,7 +4,7 @@ A reuse of a cached prefix (``create_sequence(prefix=)``) borrows the donor's fi
 (``m`` a multiple of the page unit) instead of copying them: ``lend`` plans it, ``borrow``
 records the span in the new row (a journaled change) and maps it (or, when this process cannot
 map it, out of ``vm.max_map_count``, copies it instead, in the same transaction: a process at
-its map limit gets a plain copy, never a ShareError it can avoid). ``_settle_span`` runs at the
+its map limit gets a plain copy, never a ShareError it can avoid). ``settle_span`` runs at the
 end of every change of a row that borrows or lends (``Journal._Change``) and keeps shared cells
 unwritten:
 
@@ -36,36 +36,37 @@ Crash points: ``share.borrowed``, ``share.unshared``, ``share.released``, ``shar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import header as _header
 from shmkv._engine.header import (CAPACITY, FINISHED, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, SPAN_TAKEN,
                                   START, STATE)
-from shmkv._engine.free_ranges import mark_pages
-from shmkv._engine.intervals import add_interval, covers
+from shmkv._engine.free_ranges import FreeRanges, mark_pages
+from shmkv._engine.header import Offsets
+from shmkv._engine.journal import Journal
 from shmkv._engine.pages import Pages
-from shmkv._engine.share import max_borrowers
+from shmkv._engine.segment import Segment
+from shmkv._engine.share import Shares, max_borrowers
 from shmkv.errors import CacheFullError, ShareError
 
 
-class Sharing(Pages):
-    """The span-keeping part of a store handle (see the module docstring; lock held throughout)."""
+class Sharing:
+    """The span-keeping part of a store handle, a part the engine holds (see the module
+    docstring; lock held throughout). Its own state is one per-process hint (``_lent_seen``);
+    it changes rows through the journal, writes private copies through the pages part, and
+    takes fresh ranges for a lender that moves through ``alloc``, the placing part's."""
 
-    _lent_seen: tuple[int, int, int] = (-1, -1, 0)  # (span epoch, start, lent end): _lent_from
-
-    def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
-              evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
-              stage: bool = False, align: int = 1, fill: int | None = None) -> int:
-        raise NotImplementedError  # Arena's
-
-    @property
-    def page_unit(self) -> int:
-        """The fewest cells that fill whole pages in every per-layer array (docs/design.md §11)."""
-        return self._off.page_unit
-
-    def _copy_cells(self, src: int, dst: int, n: int, kv_from: int = 0) -> None:
-        raise NotImplementedError  # Arena's
+    def __init__(self, *, name: str, off: Offsets, hdr: memoryview, table_np: np.ndarray,
+                 row: Callable[[int], memoryview], dseg: Segment, shares: Shares, free: FreeRanges,
+                 journal: Journal, pages: Pages, alloc: Callable[..., int]) -> None:
+        self.name, self._off, self.hdr, self.table_np, self.row = name, off, hdr, table_np, row
+        self._dseg, self.shares, self._free = dseg, shares, free
+        self.journal, self.pages, self.alloc = journal, pages, alloc
+        self.changing, self._spans_odd = journal.changing, journal.spans_odd
+        self._lent_seen: tuple[int, int, int] = (-1, -1, 0)  # (span epoch, start, lent end): _lent_from
 
     def lend(self, donor: int, n: int) -> tuple[int, int, int]:
         """(physical first cell, cells, owner row or -1) a reuse of ``n`` tokens of row ``donor``
@@ -138,7 +139,7 @@ class Sharing(Pages):
         if current and hdr[_header.W_ALLOCS] == allocs + 1:
             # The span lies inside its owner's range or inside the span it borrows on (``lend``),
             # cells taken already: the free ranges are what they were. The epoch step above made
-            # them stale (and ``_settle_span``); with nothing else changed (one step of the
+            # them stale (and ``settle_span``); with nothing else changed (one step of the
             # counter: any range or span change steps it), they stay current here, so the next
             # create does not derive them again from the table.
             self._free.tag = allocs + 1
@@ -157,7 +158,7 @@ class Sharing(Pages):
         for off, cb in pieces:
             self._dseg.write(off + start * cb, memoryview(raw[off + src * cb : off + (src + m) * cb]))  # type: ignore[arg-type]  # a buffer
 
-    def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
+    def settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
         """The end of a change of a row that borrows or lends (see the module docstring;
         ``was``: its (state, start, capacity) and ``was_len`` its length before the change). A
         lender moves off its loans only in the change that took its length below them (its
@@ -233,7 +234,7 @@ class Sharing(Pages):
     def _lent_from(self, start: int) -> int:
         """The most cells any live row borrows, or keeps taken, from cell ``start`` on (0: none;
         lock held). A scan of the table once per span epoch and start: only a transaction that
-        changes spans changes it, and that moves the epoch (odd meanwhile: ``Journal._spans_odd``,
+        changes spans changes it, and that moves the epoch (odd meanwhile: ``Journal.spans_odd``,
         also on a rollback and a recovery), so a lending donor's speculative step scans nothing
         """
         e = self.hdr[_header.W_SPANS]
@@ -248,7 +249,7 @@ class Sharing(Pages):
 
     def move_lender(self, slot: int, row: memoryview, keep: int) -> None:
         """Move a lender to a fresh range of its capacity, keeping its first ``keep`` cells (lock
-        held, row changing; its LENT flag goes at the change's end: ``_settle_span``).
+        held, row changing; its LENT flag goes at the change's end: ``settle_span``).
         CacheFullError when no range is free, nothing changed."""
         self._lender_moves(row, self._lender_range(slot, row, keep), keep)
 
@@ -267,8 +268,8 @@ class Sharing(Pages):
             ) from e
 
     def _lender_moves(self, row: memoryview, new_start: int, keep: int) -> None:
-        self._copy_cells(row[START], new_start, keep)
-        self._fill(new_start, row[CAPACITY])
+        self.pages.copy_cells(row[START], new_start, keep)
+        self.pages.fill(new_start, row[CAPACITY])
         _crash.point("share.moved")
         row[START] = new_start
 
@@ -292,7 +293,7 @@ class Sharing(Pages):
         live = t[t[:, STATE] == LIVE]
         own = zip((live[:, START] + live[:, SPAN_CELLS]).tolist(), (live[:, START] + live[:, CAPACITY]).tolist(),
                   strict=True)
-        return _covered(list(own) + [(a, a + m) for a, m in self._spans_taken()])
+        return _covered(list(own) + [(a, a + m) for a, m in spans_taken(t)])
 
     def retained_cells(self) -> int:
         """Cells taken only because a borrower keeps them for views of its committed cells
@@ -321,30 +322,12 @@ class Sharing(Pages):
         parts += zip(live[b, SPAN_PHYS].tolist(), (live[b, SPAN_PHYS] + span[b]).tolist(), strict=True)
         return _covered(parts)
 
-    def _spans_taken(self) -> list[tuple[int, int]]:
-        """(start, cells) of what every live span keeps taken (``SPAN_TAKEN``), whoever else
-        holds the cells."""
-        t = self.table_np
-        b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_TAKEN] > 0)]
-        return list(zip(b[:, SPAN_PHYS].tolist(), b[:, SPAN_TAKEN].tolist(), strict=True))
 
-    def _page_unit_reserve(self, start: int, count: int, skip: int) -> None:
-        """Reserve the first ``count`` cells of a borrower's range: every array's pages but those
-        of its first ``skip`` cells: K/V and scales there are borrowed, and their token ids,
-        positions and hashes are written through the descriptor by the copy that follows
-        (``_copy_cells`` with ``kv_from``: pwrite allocates their pages, and a full /dev/shm is
-        CacheFullError from it, never a SIGBUS; three fallocate calls fewer a create).
-        What ``_reserve(start + skip, count - skip, populate=False)`` does."""
-        off = self._off  # (their room is checked as a reservation's would be: a clear refusal first)
-        self._dseg.check_room([(base + start * 8, skip * 8) for base in (off.tokens_off, off.positions_off,
-                                                                          off.hashes_off)])
-        done = self._record()[False]
-        if count <= skip or covers(done, start + skip, start + count):
-            return
-        mark_pages(self.hdr, start + count)
-        self._dseg.reserve(self._cell_ranges(start + skip, count - skip), populate=False)
-        add_interval(done, start + skip, start + count)
-        add_interval(self._owed, start + skip, start + count)
+def spans_taken(t: np.ndarray) -> list[tuple[int, int]]:
+    """(start, cells) of what every live span of table ``t`` keeps taken (``SPAN_TAKEN``),
+    whoever else holds the cells."""
+    b = t[(t[:, STATE] == LIVE) & (t[:, SPAN_TAKEN] > 0)]
+    return list(zip(b[:, SPAN_PHYS].tolist(), b[:, SPAN_TAKEN].tolist(), strict=True))
 
 
 def _covered(parts: list[tuple[int, int]]) -> int:

@@ -118,7 +118,7 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
                     f"store {core.name!r} has no free sequence slot for sequence {s.id} of {reader.where} "
                     f"(max_seqs={lay.max_seqs}); free sequences or restore fewer (seq_ids=)"
                 )
-            else:  # a new sequence: -1 - the slot it will take, its id's own (see Core.slot_of) if free
+            else:  # a new sequence: -1 - the slot it will take, its id's own (see Engine.slot_of) if free
                 own = s.id % lay.max_seqs
                 slot = -1 - (free_slots.pop(free_slots.index(own)) if own in free_set else free_slots.pop(0))
                 free_set.discard(-1 - slot)
@@ -126,7 +126,7 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
             if s.length > lay.max_tokens:
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
                                      f"store {core.name!r}'s max_tokens={lay.max_tokens}")
-            try:  # from a file the arrays arrive through the descriptor, which allocates (_stage)
+            try:  # from a file the arrays arrive through the descriptor, which allocates (Pages.stage)
                 start = core.alloc(cap, taken, stage=direct, fill=s.length)  # the rest: as writes need it
             except CacheFullError:
                 cap = max(1, s.length)

@@ -97,7 +97,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
         align = e.page_unit if sharing and (toks is not None or protect >= 0) and max(capacity, n) >= e.page_unit \
             else 1
         phys, m, owner = e.lend(donor, n) if n else (0, 0, -1)
-        if align > 1 and not fits(e, max(capacity, n), align) and fits(e, max(capacity, n), 1):
+        if align > 1 and not fits(e.arena, max(capacity, n), align) and fits(e.arena, max(capacity, n), 1):
             # only an unaligned range fits: take it and copy the prefix rather than evict
             # anything to borrow or lend
             align, phys, m, owner = 1, 0, 0, -1

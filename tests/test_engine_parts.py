@@ -1,0 +1,96 @@
+"""The engine is composed of parts it holds (ARCHITECTURE.md, "Store holds its engine"), checked
+from the source with ``ast``: no class of ``shmkv/_engine`` inherits from a class of the project
+that itself inherits from one (a part is held, not a link of a class chain), and no method
+there is a ``NotImplementedError`` stub for a method that lives further down a chain. The
+engine's parts are wired in its one constructor (checked on a live store below)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+
+import shmkv
+
+ENGINE = Path(shmkv.__file__).parent / "_engine"
+
+
+def _trees(root: Path) -> dict[str, ast.Module]:
+    return {str(p.relative_to(root)): ast.parse(p.read_text(encoding="utf-8")) for p in sorted(root.rglob("*.py"))}
+
+
+def _base(node: ast.expr) -> str:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def chained(project: dict[str, ast.Module], checked: dict[str, ast.Module]) -> list[str]:
+    """``module: Class(Base)`` for each class of ``checked`` whose base is a class of ``project``
+    that has a base of the project itself."""
+    bases: dict[str, set[str]] = {}
+    for tree in project.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(_base(b) for b in node.bases)
+    found = []
+    for name, tree in checked.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                found += [f"{name}: {node.name}({b})" for b in map(_base, node.bases)
+                          if bases.get(b, set()) & set(bases)]
+    return found
+
+
+def stubs(checked: dict[str, ast.Module]) -> list[str]:
+    """``module: function`` for each function whose body (a docstring aside) only raises
+    NotImplementedError."""
+    found = []
+    for name, tree in checked.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                if len(body) == 1 and isinstance(body[0], ast.Raise) and body[0].exc is not None \
+                        and _base(body[0].exc if not isinstance(body[0].exc, ast.Call) else body[0].exc.func) \
+                        == "NotImplementedError":
+                    found.append(f"{name}: {node.name}")
+    return found
+
+
+def test_no_engine_class_is_a_link_of_a_chain() -> None:
+    project = _trees(ENGINE.parent)
+    assert chained(project, _trees(ENGINE)) == []
+
+
+def test_no_engine_method_is_a_stub_for_one_further_down() -> None:
+    assert stubs(_trees(ENGINE)) == []
+
+
+def test_the_checks_catch_what_they_should() -> None:
+    src = {
+        "m.py": ast.parse(
+            "class A:\n    def f(self):\n        raise NotImplementedError\n"
+            "class B(A):\n    def g(self):\n        '''doc'''\n        raise NotImplementedError()\n"
+            "class C(B): pass\nclass D(A): pass\nclass E(Exception): pass\nclass F(E): pass\n"
+        )
+    }
+    assert chained(src, src) == ["m.py: C(B)"]  # (F(E): E inherits from no class of the project)
+    assert stubs(src) == ["m.py: f", "m.py: g"]
+
+
+def test_the_parts_are_held_and_their_operations_bound_once(make_store) -> None:
+    """The engine's operations that the sequence layer calls are its parts' own bound methods
+    (no call layer between), and closing releases the parts' views too, again if run again."""
+    store = make_store(layers=1, kv_heads=1, head_dim=8, max_tokens=256, max_seqs=4)
+    e = store._engine
+    assert e.changing.__self__ is e.journal and e.locked.__self__ is e.journal
+    assert e.alloc.__self__ is e.arena and e.new_row.__self__ is e.arena
+    assert e.room.__self__ is e.pages and e.borrow.__self__ is e.spans
+    assert e.spans.alloc.__self__ is e.arena and e.arena.journal is e.journal is e.spans.journal
+    parts = (e.journal, e.pages, e.arena, e.spans)
+    assert all(isinstance(v, (memoryview, np.ndarray)) for v in (e.journal.hdr, e.arena.table_np))
+    seq = store.create_sequence(capacity=16)
+    seq.release()
+    store.close()
+    for part in parts:  # (tests/test_lifecycle.py checks that the mappings are gone)
+        assert not any(isinstance(v, (memoryview, np.ndarray)) for v in vars(part).values()), part
+    e.release()  # a release cut short runs again (Store.close's steps): nothing left to do, no error
