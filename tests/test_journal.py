@@ -375,7 +375,7 @@ def test_sigints_never_leave_the_lock_held(make_store):
 
 def test_only_the_journal_takes_the_store_lock():
     """One way in: outside _engine/journal.py (and the lock itself) no code acquires the store
-    lock or holds it directly; everything goes through Journal._locked / _reading."""
+    lock or holds it directly; everything goes through Journal.locked / reading."""
     import pathlib
     import re
 

@@ -342,7 +342,7 @@ class Arena:
             fit = None  # the ranges changed: _alloc looks again (and names the shortfall)
             slot = self._free_slot("a new sequence", near=near)
         # allocated, not pre-faulted: a prefill (extend) writes it through the descriptor and
-        # pre-faults the rest then (_write_new); a first append pre-faults it all (before_appends)
+        # pre-faults the rest then (Pages.write_new); a first append pre-faults it all (before_appends)
         fill = max(min(fill, capacity), skip)
         if fit is None and skip:
             fit = self.alloc(capacity, populate=False, align=align, stage=True, fill=fill)  # (only checks the room)

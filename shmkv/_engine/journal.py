@@ -11,8 +11,8 @@ first lock holder, and every crash point armed to raise instead).
 
 The objects and their states (as SQLite's pager.c states its own)::
 
-    lock      free --entered()--> held --release--> free
-              (entered() is the one way in: it rolls back a dead holder's transaction first)
+    lock      free --locked()--> held --release--> free
+              (locked() is the one way in: it rolls back a dead holder's transaction first)
     txn       none --transaction()/changing()--> open --end: commit | exception: rollback--> none
     row       even GEN --changing(row)--> odd GEN, logged --txn end--> even GEN, out of the log
 
@@ -24,7 +24,7 @@ Invariants (each names the function that keeps it):
     to it at the end (``arena.py``, ``_sequence/structural.py``, ``_snapshot``: their callers keep it).
 2.  Before any word of a row changes, the row's words (and, when it changes, its meta
     record) are in the undo log and the log's count, one word, is published after the entry
-    (``_log_row``, ``_log_meta``). ``changing(row)`` logs the row before it makes its
+    (``_log_row``, ``log_meta``). ``changing(row)`` logs the row before it makes its
     generation odd.
 3.  A row changed by an open transaction keeps an odd generation until the outermost
     transaction ends (``_Change.__enter__`` makes it odd once, ``_end`` makes every logged
@@ -33,7 +33,7 @@ Invariants (each names the function that keeps it):
 4.  A transaction ends by committing (count to 0 after the rows are even: ``_end``), or, if
     an exception of any kind leaves it, by rolling back its own entries first and then
     re-raising (``_rollback``): the store is as before the operation.
-5.  Whoever takes the lock through ``entered()`` and finds a non-zero count, or a
+5.  Whoever takes the lock through ``locked()`` and finds a non-zero count, or a
     transaction of its own left open, rolls the logged rows back (``_recover``): every
     row as it was, with an even generation above any it had, so handles reload; odd
     generations without an entry are made even too. With the lock held, the count's
