@@ -56,15 +56,16 @@ def prompt_ids(input_ids: Any, attention_mask: Any) -> list[np.ndarray | None] |
     row that may hold padding (its cells are computed with the padding masked out, which a match
     by ids cannot tell): with ``attention_mask`` the rows it shows unpadded, without one a
     single row (a batch of several is padded to its longest row)."""
-    rows = token_rows(input_ids, "input_ids")
+    ids = token_rows(input_ids, "input_ids")
+    rows: list[np.ndarray | None] = list(ids)
     if attention_mask is None:
         return rows if len(rows) == 1 else None
     mask = token_rows(attention_mask, "attention_mask")
-    if len(mask) != len(rows) or any(len(m) != len(r) for m, r in zip(mask, rows, strict=True)):
+    if len(mask) != len(ids) or any(len(m) != len(r) for m, r in zip(mask, ids, strict=True)):
         raise InvalidArgumentError(
-            f"attention_mask {[len(m) for m in mask]} must have the shape of input_ids {[len(r) for r in rows]}"
+            f"attention_mask {[len(m) for m in mask]} must have the shape of input_ids {[len(r) for r in ids]}"
         )
-    kept = [r if bool((m != 0).all()) else None for r, m in zip(rows, mask, strict=True)]
+    kept: list[np.ndarray | None] = [r if bool((m != 0).all()) else None for r, m in zip(ids, mask, strict=True)]
     return kept if any(r is not None for r in kept) else None
 
 
