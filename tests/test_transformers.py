@@ -450,6 +450,21 @@ def test_sliding_model_long_prompt(qwen_sliding, cache_of, memory, n):
     assert list(seq.held_positions(1)[-7:]) == list(range(n + 22, n + 29))
 
 
+@pytest.mark.parametrize("memory", [None, 5])
+def test_sliding_model_for_prompt_records_the_prompt_at_its_prefill(qwen_sliding, cache_of, memory):
+    """A prompt longer than the window buffer takes between commits (memory=5) is committed in steps at
+    the end of its forward: the ids go with it, as with a forward committed at once."""
+    store = cache_of(qwen_sliding, dtype="float32", memory=memory).store
+    ids = prompt(1, 40)
+    assert memory is None or ids.shape[1] > store.layout.step  # committed in steps
+    cache = ShmkvCache.for_prompt(store, ids)
+    out = generate(qwen_sliding, ids, cache, max_new_tokens=1)  # the prefill alone
+    assert torch.equal(out.sequences, generate(qwen_sliding, ids, max_new_tokens=1).sequences)
+    seq = store.sequence(cache.sequence_ids[0])
+    assert seq.tokens.tolist() == ids[0].tolist()  # recorded before finish
+    cache.finish(out)
+
+
 def test_sliding_model_left_padded_batch(qwen_sliding, cache_of):
     ids = prompt(2, 30, seed=4)
     mask = torch.ones_like(ids)
