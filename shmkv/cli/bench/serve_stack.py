@@ -178,12 +178,17 @@ def wait_hint(prompt: list[int], in_flight: list[list[int]], cached: list[list[i
     cached; else 0 (no wait). What a scheduler with a shared prefix cache does for requests that
     arrive together (SGLang's in-batch prefix caching computes a shared prefix once, too)."""
 
-    def common(a: list[int], b: list[int]) -> int:
-        n = min(len(a), len(b))
-        return next((i for i in range(n) if a[i] != b[i]), n)
+    def common(other: list[int]) -> int:  # bisection over list comparisons (C loops), 2n ids compared
+        lo, hi = 0, min(len(prompt), len(other))
+        if prompt[:hi] == other[:hi]:
+            return hi
+        while hi - lo > 1:  # the first lo ids agree, the first hi do not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if prompt[lo:mid] == other[lo:mid] else (lo, mid)
+        return lo
 
-    want = min(max((common(prompt, p) for p in in_flight), default=0), len(prompt) - 1)
-    return want if want > max((common(prompt, c) for c in cached), default=0) else 0
+    want = min(max((common(p) for p in in_flight), default=0), len(prompt) - 1)
+    return want if want > max((common(c) for c in cached), default=0) else 0
 
 
 # -- memory ------------------------------------------------------------------------------------
