@@ -16,7 +16,7 @@ import tempfile
 import pytest
 from conftest import importorskip_unless_ci
 
-from shmkv.testing import shm_entries, unique_name
+from shmkv.testing import shm_entries, start_in_process, unique_name
 
 importorskip_unless_ci("torch")
 importorskip_unless_ci("transformers", "5.0")
@@ -83,4 +83,36 @@ def test_worker_memory_counts_the_store_once():
         assert after - before > held - slack  # this process's Pss now holds the store's pages ...
         counted_after, _ = serve_stack.worker_memory([os.getpid()], name)
         assert abs(counted_after - counted) < slack, (counted_after, counted)  # ... and they still count once
+        seq.free()
+
+
+def test_wait_hint_waits_only_for_more_than_the_cache_holds():
+    system = [1, 2, 3, 4, 5, 6]
+    assert serve_stack.wait_hint([*system, 9], [[*system, 8]], []) == 6  # the first requests: the system prompt
+    assert serve_stack.wait_hint([*system, 9], [[*system, 8]], [[*system, 7, 7]]) == 0  # cached already
+    assert serve_stack.wait_hint([*system, 9], [[*system, 9, 5]], [[1, 2]]) == 6  # at most len - 1
+    assert serve_stack.wait_hint([*system, 9], [], []) == 0
+
+
+def test_await_prefix_sleeps_until_another_processes_prefill_commits(tmp_path):
+    """A worker whose prompt shares a prefix with another process's prefill in progress sleeps on that
+    sequence and wakes when the prefill commits with its ids: the store then holds the shared prefix."""
+    import numpy as np
+    from _serve_children import await_then_match
+    from test_wait import wait_for_file
+
+    import shmkv
+
+    name = unique_name("srvw")
+    prompt = list(range(3, 43))
+    ready = str(tmp_path / "sleeping")
+    with shmkv.create(name, layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=1024) as store:
+        seq = store.create_sequence(capacity=64)  # this process's prefill in progress: nothing committed
+        child = start_in_process(await_then_match, name, [*prompt, 7, 8], len(prompt), ready, timeout=120)
+        wait_for_file(ready, child)  # the child sleeps on it
+        assert store.match_prefix([*prompt, 7, 8]) == 0
+        k = np.ones((2, len(prompt), 2, 8), np.float32)
+        seq.extend(k, k, tokens=prompt)
+        held, sleeps = child.result()
+        assert held == len(prompt) and sleeps >= 1
         seq.free()

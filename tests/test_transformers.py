@@ -298,6 +298,46 @@ def test_for_prompt_batch_reuses_the_shortest_match(llama, cache_of):
     assert store.match_prefix(out.sequences[0].tolist()) == out.sequences.shape[1] - 1
 
 
+def test_for_prompt_caches_the_prompt_from_its_prefill_on(llama, cache_of):
+    """generate's first forward commits the prompt with its ids: another request reuses it while
+    this one still generates, before finish. Rows that may be padded are not recorded so early."""
+    from transformers.generation.streamers import BaseStreamer
+
+    store = cache_of(llama, dtype="float32").store
+    ids = torch.tensor([[*SYSTEM, 40, 41, 42]])
+    probe = [*ids[0].tolist(), 99]
+    seen = []
+
+    class Probe(BaseStreamer):  # generate puts the prompt, then each new token after its forward
+        def put(self, value):
+            seen.append(store.match_prefix(probe))
+
+        def end(self):
+            return None
+
+    cache = ShmkvCache.for_prompt(store, ids)
+    out = generate(llama, ids, cache, streamer=Probe())
+    assert seen[0] == 0  # before the first forward: nothing cached
+    assert seen[1:] == [ids.shape[1]] * NEW  # from the prefill on, before finish: the whole prompt
+    assert torch.equal(out.sequences, generate(llama, ids, DynamicCache()).sequences)
+    cache.finish(out)  # the prompt's ids again, and the new tokens'
+    assert store.match_prefix(out.sequences[0].tolist()) == out.sequences.shape[1] - 1
+
+    padded, mask = left_padded()  # row 0 padded by 4
+    rows = [[*r, 99] for r in padded.tolist()]
+    before = [store.match_prefix(r) for r in rows]
+    unmasked = ShmkvCache.for_prompt(store, padded)  # two rows, no mask: none recorded early
+    generate(llama, padded, unmasked, mask=mask, max_new_tokens=1)
+    assert [store.match_prefix(r) for r in rows] == before
+    unmasked.free()
+    masked = ShmkvCache.for_prompt(store, padded, attention_mask=mask)  # the unpadded row only
+    generate(llama, padded, masked, mask=mask, max_new_tokens=1)
+    assert [store.match_prefix(r) for r in rows] == [before[0], padded.shape[1]]
+    masked.free()
+    with pytest.raises(shmkv.InvalidArgumentError, match="attention_mask"):
+        ShmkvCache.for_prompt(store, padded, attention_mask=mask[:, 1:])
+
+
 # -- 3. crop (assisted and prompt-lookup decoding), beam search, batch ops ----------------------------
 
 
@@ -408,6 +448,21 @@ def test_sliding_model_long_prompt(qwen_sliding, cache_of, memory, n):
     assert len(seq.keys(0)) == n + 29
     assert len(seq.keys(1)) <= lay.window_cells
     assert list(seq.held_positions(1)[-7:]) == list(range(n + 22, n + 29))
+
+
+@pytest.mark.parametrize("memory", [None, 5])
+def test_sliding_model_for_prompt_records_the_prompt_at_its_prefill(qwen_sliding, cache_of, memory):
+    """A prompt longer than the window buffer takes between commits (memory=5) is committed in steps at
+    the end of its forward: the ids go with it, as with a forward committed at once."""
+    store = cache_of(qwen_sliding, dtype="float32", memory=memory).store
+    ids = prompt(1, 40)
+    assert memory is None or ids.shape[1] > store.layout.step  # committed in steps
+    cache = ShmkvCache.for_prompt(store, ids)
+    out = generate(qwen_sliding, ids, cache, max_new_tokens=1)  # the prefill alone
+    assert torch.equal(out.sequences, generate(qwen_sliding, ids, max_new_tokens=1).sequences)
+    seq = store.sequence(cache.sequence_ids[0])
+    assert seq.tokens.tolist() == ids[0].tolist()  # recorded before finish
+    cache.finish(out)
 
 
 def test_sliding_model_left_padded_batch(qwen_sliding, cache_of):

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from shmkv.transformers._compat import cache_keyword, cache_kwargs
 from shmkv.transformers._layout import layout_from_config, storage_dtype
-from shmkv.transformers._prefix import check_finish, prompt_sequences, record_finish
+from shmkv.transformers._prefix import check_finish, prompt_ids, prompt_sequences, record_finish
 from shmkv.transformers._rows import Rows
 from shmkv.store._lifecycle import create
 from shmkv.store._store import Store, attach
@@ -210,7 +210,8 @@ class ShmkvCache(Cache):
         return cache
 
     @classmethod
-    def for_prompt(cls, store: Store, input_ids: Any, *, capacity: int | None = None) -> ShmkvCache:
+    def for_prompt(cls, store: Store, input_ids: Any, *, capacity: int | None = None,
+                   attention_mask: Any = None) -> ShmkvCache:
         """A cache whose rows start from the longest prefix of their prompt cached in ``store``
         (docs/design.md §8), by any process: ``generate(input_ids, cache=cache)`` then
         computes only the rest.
@@ -227,15 +228,26 @@ class ShmkvCache(Cache):
                 plus 256 for what ``generate`` adds. A row that outgrows it moves to a larger
                 range, copying the tokens it shares with the cached prefix: give the prompt
                 plus ``max_new_tokens`` when generating more.
+            attention_mask: the mask given to generate, if any.
+
+        The forward that computes the rest of the prompt (generate's first) records its ids
+        as it commits: from then on the prompt is a cached prefix for every process, while
+        this request still generates (``finish`` adds the new tokens' ids). Only rows known
+        to hold no padding are recorded so early: those ``attention_mask`` shows unpadded,
+        or without a mask a batch of one row (a padded row's cells were computed with the
+        padding masked out, which a match by ids cannot tell). ``input_ids`` must be the ids
+        given to ``generate``.
 
         Example:
             >>> cache = ShmkvCache.for_prompt(store, input_ids)              # doctest: +SKIP
             >>> out = model.generate(input_ids, **cache_kwargs(model, cache))  # doctest: +SKIP
             >>> cache.finish(out)          # now a cached prefix for every process  # doctest: +SKIP
         """
+        early = prompt_ids(input_ids, attention_mask)
         seqs, n = prompt_sequences(store, input_ids, capacity)
         cache = cls(store, capacity=capacity)
         cache._rows.adopt(seqs, n)
+        cache._rows.prompt = early
         return cache
 
     def finish(self, output_ids: Any, attention_mask: Any = None) -> None:

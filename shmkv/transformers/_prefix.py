@@ -51,6 +51,24 @@ def prompt_sequences(store: Store, input_ids: Any, capacity: int | None) -> tupl
     return seqs, n
 
 
+def prompt_ids(input_ids: Any, attention_mask: Any) -> list[np.ndarray | None] | None:
+    """Per row of ``for_prompt``'s ``input_ids``, the ids its prefill commits with, or None for a
+    row that may hold padding (its cells are computed with the padding masked out, which a match
+    by ids cannot tell): with ``attention_mask`` the rows it shows unpadded, without one a
+    single row (a batch of several is padded to its longest row)."""
+    ids = token_rows(input_ids, "input_ids")
+    rows: list[np.ndarray | None] = list(ids)
+    if attention_mask is None:
+        return rows if len(rows) == 1 else None
+    mask = token_rows(attention_mask, "attention_mask")
+    if len(mask) != len(ids) or any(len(m) != len(r) for m, r in zip(mask, ids, strict=True)):
+        raise InvalidArgumentError(
+            f"attention_mask {[len(m) for m in mask]} must have the shape of input_ids {[len(r) for r in ids]}"
+        )
+    kept: list[np.ndarray | None] = [r if bool((m != 0).all()) else None for r, m in zip(ids, mask, strict=True)]
+    return kept if any(r is not None for r in kept) else None
+
+
 def check_finish(seqs: list[Sequence], length: int, output_ids: Any,
                  attention_mask: Any) -> list[tuple[Sequence, np.ndarray | None]]:
     """``ShmkvCache.finish``'s checks, before anything is recorded: per row, its sequence and the

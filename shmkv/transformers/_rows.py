@@ -123,9 +123,13 @@ class Rows:
         self.record = False
         self._cell = (self.layout.kv_heads, self.layout.head_dim)
         self._dtype: torch.dtype | None = None
+        # for_prompt's ids per row (None: a row that may be padded): the forward that commits
+        # them records them (commit(tokens=)), so the prompt is a cached prefix for every
+        # process from its prefill on, not only from finish()
+        self.prompt: list[np.ndarray | None] | None = None
 
     def adopt(self, seqs: list[Sequence], length: int) -> None:
-        self.seqs, self.length, self._fwd, self._undo = seqs, length, None, None
+        self.seqs, self.length, self._fwd, self._undo, self.prompt = seqs, length, None, None, None
 
     @property
     def pending(self) -> bool:
@@ -254,11 +258,12 @@ class Rows:
         assert seqs is not None
         if fwd.deferred:  # each row's tokens of every layer, committed in steps a window takes
             stash = fwd.stash
+            tokens = self._prompt_tokens(fwd.q)
             try:
                 for row, s in enumerate(seqs):
                     k_all = np.stack([st[0][row] for st in stash if st is not None])
                     v_all = np.stack([st[1][row] for st in stash if st is not None])
-                    s.extend(k_all, v_all, in_steps=True)
+                    s.extend(k_all, v_all, tokens[row], in_steps=True)
             except BaseException:  # e.g. CacheFullError: every row back to where the forward began
                 self._fwd = None
                 for s in seqs:
@@ -267,10 +272,24 @@ class Rows:
             if self.record and self.layout.bounded:
                 self._undo = _Undo(self.length, fwd, self.layout.bounded, _dtypes.storage(self.layout.dtype))
         else:
-            for s in seqs:
-                s.commit()
+            for s, t in zip(seqs, self._prompt_tokens(fwd.q), strict=True):
+                s.commit(t)
         self.length += fwd.q
         self._fwd = None
+
+    def _prompt_tokens(self, q: int) -> list[np.ndarray | None]:
+        """Per row, the ids of the ``q`` tokens the forward commits when they are ``prompt``'s
+        next ones, else None (-1: no id). The prompt is dropped once a forward reaches its end."""
+        seqs, prompt, lo = self.seqs, self.prompt, self.length
+        assert seqs is not None
+        if prompt is None:
+            return [None] * len(seqs)
+        n = max(len(r) for r in prompt if r is not None)
+        if lo + q >= n:
+            self.prompt = None
+        if lo + q > n:  # not the prompt's rest (generate computes exactly that)
+            return [None] * len(seqs)
+        return [None if r is None else r[lo : lo + q] for r in prompt]
 
     def drop_pending(self) -> None:
         """Drop the tokens of a forward that did not reach its last layer (every row back to
@@ -283,14 +302,14 @@ class Rows:
 
     def release(self) -> None:
         """Give up every row's lease (pending tokens go with it); the rows stay."""
-        self._fwd, self._undo = None, None
+        self._fwd, self._undo, self.prompt = None, None, None
         for s in self.seqs or ():
             s.release()
 
     def forget(self) -> list[Sequence]:
         """Empty rows (no forward, length 0); returns the sequences they held."""
         seqs, self.seqs = self.seqs or [], None
-        self.length, self._fwd, self._undo = 0, None, None
+        self.length, self._fwd, self._undo, self.prompt = 0, None, None, None
         return seqs
 
     def held(self, layer: int, which: int) -> torch.Tensor | None:
@@ -312,6 +331,7 @@ class Rows:
         """Every row keeps its first ``n`` tokens (n <= length). Back into a forward that was
         committed in steps, sliding/chunked layers get their window from ``_undo``."""
         self.drop_pending()
+        self.prompt = None
         undo = self._undo
         if undo is not None and n < undo.start:
             undo = self._undo = None  # before the last forward: as far as the layers hold
@@ -327,6 +347,7 @@ class Rows:
         """New row i holds old row ``idx[i]`` (indices checked by the caller)."""
         assert self.seqs is not None
         self.drop_pending()
+        self.prompt = None
         self.seqs = self.store.regather(self.seqs, idx)
         if self._undo is not None:  # (arrays shared between rows: only ever read)
             self._undo.select(idx)

@@ -9,7 +9,10 @@ Three modes, the same requests in the same order:
 
 * baseline: each worker runs ``generate`` with transformers' ``DynamicCache``, no reuse;
 * shmkv: the workers share one store; ``ShmkvCache.for_prompt`` starts each request from the
-  longest prefix any process cached, ``cache.finish`` keeps each finished request cached;
+  longest prefix any process cached (a prompt is cached from its prefill on), ``cache.finish``
+  keeps each finished request cached; a request that shares a longer prefix with one in flight
+  than with the cached ones (the first requests: the system prompt) waits for that prefill
+  instead of computing the same prefix again (the wait counts in its TTFT);
 * warm: the shmkv stack's store saved by a snapshotter process (``shmkv snapshot --count 1``),
   every process stopped and the store removed, a new stack started from the snapshot file
   (``shmkv.load``), the same requests again.

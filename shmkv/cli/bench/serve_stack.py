@@ -135,14 +135,60 @@ def _serve(jobs: Any, results: Any, *, model_dir: str, device: str, store_name: 
     results.put(("ready", os.getpid()))
     try:
         while (job := jobs.get()) is not None:
-            rid, prompt, new = job
+            rid, prompt, new, want = job
             t0, c0 = time.monotonic(), time.process_time()
+            if store is not None and want and store.match_prefix(prompt) < want:
+                await_prefix(store, prompt, want)  # inside the request's TTFT and CPU time
             out, reused, t_first = answer(prompt, new)
             results.put(("done", rid, os.getpid(), reused, out[0, len(prompt):].tolist(), t0, t_first,
                          time.monotonic(), time.process_time() - c0))
     finally:
         if store is not None:
             store.close()
+
+
+def await_prefix(store: Any, prompt: list[int], want: int, timeout: float = 60.0) -> None:
+    """Until ``store`` holds ``want`` tokens of ``prompt``: another worker computes them right now
+    (its prefill commits them with their ids, ``ShmkvCache.for_prompt``), so this worker sleeps
+    on the length of the other workers' sequences in progress (futex) instead of computing the
+    same prefix again. Gives up (and computes them) when no other worker has a prefill in
+    progress for about a second, or after ``timeout`` seconds."""
+    import shmkv
+
+    me, deadline, idle = os.getpid(), time.monotonic() + timeout, 0
+    while store.match_prefix(prompt) < want and time.monotonic() < deadline:
+        busy = [i.id for i in store.sequences()
+                if i.lease_alive and i.lease_pid != me and not i.finished and i.length < want]
+        if not busy:
+            idle += 1
+            if idle > 500:  # the other worker has not even started it: compute it here
+                return
+            time.sleep(0.002)
+            continue
+        idle = 0
+        try:
+            store.sequence(busy[0]).wait(want, timeout=0.05)
+        except (shmkv.WaitTimeout, shmkv.SequenceNotFound):
+            pass
+
+
+def wait_hint(prompt: list[int], in_flight: list[list[int]], cached: list[list[int]]) -> int:
+    """Tokens of ``prompt`` worth waiting for: the longest prefix it shares with a request in flight
+    (queued or running), when that is longer than what it shares with what the answered requests
+    cached; else 0 (no wait). What a scheduler with a shared prefix cache does for requests that
+    arrive together (SGLang's in-batch prefix caching computes a shared prefix once, too)."""
+
+    def common(other: list[int]) -> int:  # bisection over list comparisons (C loops), 2n ids compared
+        lo, hi = 0, min(len(prompt), len(other))
+        if prompt[:hi] == other[:hi]:
+            return hi
+        while hi - lo > 1:  # the first lo ids agree, the first hi do not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if prompt[lo:mid] == other[lo:mid] else (lo, mid)
+        return lo
+
+    want = min(max((common(p) for p in in_flight), default=0), len(prompt) - 1)
+    return want if want > max((common(c) for c in cached), default=0) else 0
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -264,7 +310,11 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, sto
                 r = reqs[queued]
                 base = system if r.parent is None else prompts[r.parent] + run.tokens[r.parent]
                 prompts[r.rid] = base + r.user
-                jobs.put((r.rid, prompts[r.rid], a.new_tokens))
+                want = 0
+                if store is not None:  # the baseline has no cache to wait for
+                    in_flight = [p for q, p in prompts.items() if q not in run.tokens and q != r.rid]
+                    want = wait_hint(prompts[r.rid], in_flight, [prompts[q] + run.tokens[q] for q in run.tokens])
+                jobs.put((r.rid, prompts[r.rid], a.new_tokens, want))
                 queued += 1
             _, rid, _pid, reused, toks, t_deq, t_first, t_end, cpu = _next(results, stack.procs)
             run.cpu.append(cpu)
