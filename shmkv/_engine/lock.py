@@ -26,7 +26,7 @@ Why the RLock:
   child closes every inherited descriptor right after fork (``register_at_fork``),
   starts with fresh RLocks (the parent's may be held by a thread the child does
   not have), and each lock re-opens its file on first use in the new process
-  (it checks ``os.getpid()``).
+  (``_forget_inherited``, run in the child at the fork, leaves it no pid).
 
 Readers of a read-only attachment open the file read-only and may take
 ``LOCK_SH`` (``held(shared=True)``): flock needs no write access. A timeout is
@@ -195,8 +195,8 @@ class StoreLock:
         if self._closed:
             released(False)
             raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
-        if self._pid != os.getpid():
-            self._open()  # first use in a forked child
+        if not self._pid:  # first use in a forked child (_forget_inherited zeroed it at the fork:
+            self._open()   # no getpid system call a hold)
         state = self._state
         assert state is not None
         deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
