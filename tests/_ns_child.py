@@ -19,7 +19,7 @@ import numpy as np
 
 import shmkv
 from shmkv import cli
-from shmkv._engine import lock as _lock
+from shmkv._engine import lifecycle_lock as _lifecycle_lock
 from shmkv.store import _lifecycle
 
 stores: dict[str, shmkv.Store] = {}
@@ -60,7 +60,7 @@ def handle(req: dict[str, Any]) -> Any:
             cli.main(["ls", "--json"])
         return next(r for r in json.loads(out.getvalue()) if r["name"] == name)
     if op == "collect":  # gc's judgement of this one store (never a global gc in a test)
-        with _lock.lifecycle(name):
+        with _lifecycle_lock.lifecycle(name):
             return _lifecycle._collect(name, include_persistent=False, grace=30.0)
     if op == "close":
         stores.pop(name).close()

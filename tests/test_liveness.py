@@ -31,7 +31,7 @@ import pytest
 
 import shmkv
 from shmkv import cli
-from shmkv._engine import lock as _lock
+from shmkv._engine import lifecycle_lock as _lifecycle_lock
 from shmkv.store import _lifecycle
 from shmkv.testing import unique_name
 
@@ -137,7 +137,7 @@ def _ls(name: str) -> dict[str, Any]:
 
 def _collect(name: str) -> bool:
     """gc's judgement of one store (a test never runs a global gc)."""
-    with _lock.lifecycle(name):
+    with _lifecycle_lock.lifecycle(name):
         return _lifecycle._collect(name, include_persistent=False, grace=30.0)
 
 

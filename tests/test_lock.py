@@ -10,7 +10,7 @@ import time
 import pytest
 
 import shmkv
-from shmkv._engine import lock as _lock
+from shmkv._engine import lifecycle_lock as _lifecycle_lock
 from shmkv._engine import segment as _segment
 from shmkv.testing import ChildProcess, shm_entries, start_in_process, unique_name
 
@@ -340,7 +340,7 @@ def test_lifecycle_lock_serializes_and_times_out(tmp_path):
     release = threading.Event()
 
     def holder() -> None:
-        with _lock.lifecycle(name):
+        with _lifecycle_lock.lifecycle(name):
             entered.set()
             release.wait(30)
 
@@ -349,22 +349,22 @@ def test_lifecycle_lock_serializes_and_times_out(tmp_path):
     try:
         assert entered.wait(30)
         # filelock is per thread: another thread waits, and gives up at its timeout
-        with pytest.raises(shmkv.LockTimeout, match="lifecycle"), _lock.lifecycle(name, timeout=0.2):
+        with pytest.raises(shmkv.LockTimeout, match="lifecycle"), _lifecycle_lock.lifecycle(name, timeout=0.2):
             pass
     finally:
         release.set()
         t.join(30)
-    with _lock.lifecycle(name, timeout=5), _lock.lifecycle(name, timeout=5):  # re-entrant
+    with _lifecycle_lock.lifecycle(name, timeout=5), _lifecycle_lock.lifecycle(name, timeout=5):  # re-entrant
         pass
-    os.unlink(_lock.lifecycle_path(name))
+    os.unlink(_lifecycle_lock.lifecycle_path(name))
 
 
 def test_gc_orphan_lock_file_is_removed_only_without_a_store(store):
     lock_file = _segment.lock_path(store.name)
-    _lock.remove_orphan(store.name, lock_file)  # the store exists: kept
+    _lifecycle_lock.remove_orphan(store.name, lock_file)  # the store exists: kept
     assert os.path.exists(lock_file)
     name = unique_name()
     stray = _segment.lock_path(name)
     open(stray, "w").close()
-    _lock.remove_orphan(name, stray)
-    assert not os.path.exists(stray) and not os.path.exists(_lock.lifecycle_path(name))
+    _lifecycle_lock.remove_orphan(name, stray)
+    assert not os.path.exists(stray) and not os.path.exists(_lifecycle_lock.lifecycle_path(name))

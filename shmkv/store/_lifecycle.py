@@ -23,6 +23,7 @@ from shmkv._engine import header as _header
 from shmkv._engine import row_waiters as _row_waiters
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
+from shmkv._engine import lifecycle_lock as _lifecycle_lock
 from shmkv._engine import segment as _segment
 from shmkv._snapshot import restore as _restore
 from shmkv._snapshot import save as _save
@@ -139,7 +140,7 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
                    lock_timeout=lock_timeout)
 
 
-@_lock.lifecycle_op
+@_lifecycle_lock.lifecycle_op
 def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any, max_tokens: int, max_seqs: int,
             layer_types: list[str] | None, window: int | None, chunk: int | None, memory: int | None,
             persistent: bool, mode: int, max_clients: int, lock_timeout: float) -> Store:
@@ -340,7 +341,7 @@ def gc(*, include_persistent: bool = False, grace: float = 30.0, snapshot_dirs: 
     removed = []
     names = set(list_stores())
     for name in sorted(names):
-        with _lock.lifecycle(name):  # no create or remove of this name between the check and the removal
+        with _lifecycle_lock.lifecycle(name):  # no create or remove of this name between the check and the removal
             try:
                 if _collect(name, include_persistent, grace):
                     removed.append(name)
@@ -348,11 +349,11 @@ def gc(*, include_persistent: bool = False, grace: float = 30.0, snapshot_dirs: 
                 continue  # changed owner meanwhile: not ours to judge
     pre = _segment.PREFIX
     for f in _segment.listdir():  # data segments and lock files whose header is gone
-        for suf in (".d", ".lock", _liveness.LIVE_SUFFIX, _lock.LIFECYCLE_SUFFIX):
+        for suf in (".d", ".lock", _liveness.LIVE_SUFFIX, _lifecycle_lock.LIFECYCLE_SUFFIX):
             if f.startswith(pre) and f.endswith(suf) and f[len(pre) : -len(suf)] not in names and _ours(f):
                 mtime = _segment.segment_mtime(f)
                 if mtime is not None and time.time() - mtime > grace:
-                    _lock.remove_orphan(f[len(pre) : -len(suf)], os.path.join(_segment.SHM_DIR, f))
+                    _lifecycle_lock.remove_orphan(f[len(pre) : -len(suf)], os.path.join(_segment.SHM_DIR, f))
     if snapshot_dirs:
         for directory in [snapshot_dirs] if isinstance(snapshot_dirs, (str, os.PathLike)) else snapshot_dirs:
             _save.remove_stale_temps(os.fspath(directory))

@@ -12,7 +12,7 @@ import numpy as np
 
 from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
-from shmkv._engine import lock as _lock
+from shmkv._engine import lifecycle_lock as _lifecycle_lock
 from shmkv._engine import segment as _segment
 from shmkv._engine.segment import Segment
 from shmkv.errors import AccessDeniedError, StoreNotFound
@@ -20,7 +20,7 @@ from shmkv.errors import AccessDeniedError, StoreNotFound
 __all__ = ["exit_removals", "magic_words", "read_identity", "remove_at_process_exit", "remove_if_same", "remove_names"]
 
 
-@_lock.lifecycle_op
+@_lifecycle_lock.lifecycle_op
 def remove_names(name: str) -> bool:
     """Unlink the segments, then the lock and liveness files (never those while a segment exists)."""
     found = _segment.unlink(_segment.header_name(name))
