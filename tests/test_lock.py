@@ -355,8 +355,8 @@ def test_lifecycle_lock_serializes_and_times_out(tmp_path):
         release.set()
         t.join(30)
     with _lifecycle_lock.lifecycle(name, timeout=5), _lifecycle_lock.lifecycle(name, timeout=5):  # re-entrant
-        pass
-    os.unlink(_lifecycle_lock.lifecycle_path(name))
+        assert os.path.exists(_lifecycle_lock.lifecycle_path(name))
+    assert not os.path.exists(_lifecycle_lock.lifecycle_path(name))  # no store of that name: its file goes too
 
 
 def test_gc_orphan_lock_file_is_removed_only_without_a_store(store):

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import filelock
 
 from shmkv._engine import segment as _segment
+from shmkv._engine.interrupts import critical, deferred, deliver_deferred, guard_sigint, held, released
 from shmkv._engine.lock import DEFAULT_TIMEOUT
 from shmkv.errors import LockTimeout
 
 LIFECYCLE_SUFFIX = ".life"
+_POLL_FIRST, _POLL_MAX = 0.5e-3, 5e-3  # polled (see _take_lifecycle): from 0.5 ms, backing off to 5 ms
 
 _lifecycle_locks: dict[tuple[str, int], filelock.FileLock] = {}
 
@@ -43,58 +45,115 @@ def _lifecycle_lock(path: str, mode: int) -> filelock.FileLock:
     return lock
 
 
-@contextmanager
-def lifecycle(name: str, timeout: float = DEFAULT_TIMEOUT, *, mode: int = 0o600) -> Iterator[None]:
+class lifecycle:  # (lower case: used as ``with lifecycle(name):``, as it was a function)
     """Serialize create / remove / gc of store ``name`` across processes (re-entrant per thread).
+
+    Its ``__enter__`` and ``__exit__`` are lock-path code (``critical``): a Ctrl-C while the
+    lock file is made and locked, or while it is dropped and unlocked, is raised once that is
+    done, so a Ctrl-C never leaves the lock held or its file behind; the block itself is
+    interrupted as usual. On the way out the file is removed if no store of that name exists
+    (a remove, a create that failed): it lives exactly as long as the store.
 
     When the lock file belongs to another user and its mode shuts us out, the block
     runs without it: what it then does to that user's store meets the same
     permission wall and reports it there (gc skips such stores).
     """
-    _segment.check_name(name)  # the name becomes a path: check it before anything is created
+
+    __slots__ = ("_lock", "mode", "name", "timeout")
+
+    def __init__(self, name: str, timeout: float = DEFAULT_TIMEOUT, *, mode: int = 0o600) -> None:
+        _segment.check_name(name)  # the name becomes a path: check it before anything is created
+        self.name, self.timeout, self.mode = name, timeout, mode
+        self._lock: filelock.FileLock | None = None
+
+    @critical
+    def __enter__(self) -> None:
+        guard_sigint()  # the deferring handler, from here until the main thread holds no lock
+        try:
+            self._lock = _take_lifecycle(self.name, self.timeout, self.mode)
+        except BaseException:
+            released(False)
+            deliver_deferred()
+            raise
+        held()
+        if deferred:  # a Ctrl-C while we took it: give it back (and the file), then raise it
+            self.__exit__(None, None, None)
+
+    @critical
+    def __exit__(self, *exc: object) -> None:
+        lock, self._lock = self._lock, None
+        try:
+            _drop_lifecycle_file_if_no_store(self.name)
+        finally:
+            if lock is not None:
+                lock.release()
+            released()
+        deliver_deferred()
+
+
+@critical
+def _take_lifecycle(name: str, timeout: float, mode: int) -> filelock.FileLock | None:
+    """The lifecycle lock of ``name``, taken (None: its file is another user's and shuts us out).
+    Polled, so that a Ctrl-C deferred meanwhile is raised while nothing is held."""
     lock = _lifecycle_lock(lifecycle_path(name), mode)
-    try:
-        lock.acquire(timeout=timeout, poll_interval=0.0005)
-    except filelock.Timeout:
-        raise LockTimeout(
-            f"store {name!r}: lifecycle lock {lifecycle_path(name)} not acquired within {timeout} s; "
-            "another process is creating or removing that store"
-        ) from None
-    except PermissionError:
-        yield
-        return
-    except OSError as e:  # the lock file cannot be made: /dev/shm has no byte or inode left
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _segment.shm_full(os.path.basename(lifecycle_path(name)), e) from None
-        raise
-    try:
-        yield
-    finally:
-        lock.release()
+    deadline = time.monotonic() + timeout
+    delay = _POLL_FIRST
+    while True:
+        try:
+            lock.acquire(blocking=False)
+            return lock
+        except filelock.Timeout:
+            pass
+        except PermissionError:
+            return None
+        except OSError as e:  # the lock file cannot be made: /dev/shm has no byte or inode left
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _segment.shm_full(os.path.basename(lifecycle_path(name)), e) from None
+            raise
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LockTimeout(
+                f"store {name!r}: lifecycle lock {lifecycle_path(name)} not acquired within {timeout} s; "
+                "another process is creating or removing that store"
+            )
+        time.sleep(min(delay, left))
+        deliver_deferred()  # nothing of the lock is held yet
+        delay = min(2 * delay, _POLL_MAX)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def lifecycle_op(fn: F) -> F:
-    """Decorate a function whose first argument is a store name: it runs under that name's lifecycle lock.
+_NOTHING: Any = object()
 
-    If no store of that name exists afterwards (removed, or a create that failed), the
-    lifecycle lock file is removed too: it lives exactly as long as the store.
-    """
+
+def lifecycle_op(*, undo: Callable[[Any], object] | None = None) -> Callable[[F], F]:
+    """Decorate a function whose first argument is a store name: it runs under that name's lifecycle
+    lock (whose file is removed on the way out if no store of that name exists: see ``lifecycle``).
+
+    ``undo(result)`` runs if the function returned but a Ctrl-C deferred while the lock was given
+    up is raised on the way out: the caller gets the KeyboardInterrupt, not the result, so what the
+    result holds must not outlive the call (a create's store is removed)."""
     import functools
 
-    @functools.wraps(fn)
-    def wrapper(name: str, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(name, str):
-            return fn(name, *args, **kwargs)  # the function's own check reports the bad name
-        with lifecycle(name, mode=kwargs.get("mode", 0o600)):
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(name: str, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(name, str):
+                return fn(name, *args, **kwargs)  # the function's own check reports the bad name
+            result = _NOTHING
             try:
-                return fn(name, *args, **kwargs)
-            finally:
-                _drop_lifecycle_file_if_no_store(name)
+                with lifecycle(name, mode=kwargs.get("mode", 0o600)):
+                    result = fn(name, *args, **kwargs)
+            except BaseException:
+                if result is not _NOTHING and undo is not None:
+                    undo(result)
+                raise
+            return result
 
-    return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature; mypy cannot see it
+        return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature; mypy cannot see it
+
+    return decorate
 
 
 def _drop_lifecycle_file_if_no_store(name: str) -> None:
@@ -115,4 +174,3 @@ def remove_orphan(name: str, path: str) -> None:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-            _drop_lifecycle_file_if_no_store(name)

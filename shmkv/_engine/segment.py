@@ -161,13 +161,13 @@ class Segment:
             os.fchmod(fd, mode)  # shm_open's mode is filtered by the umask
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            return cls(name, size, False, mm, fd)  # (inside: a Ctrl-C at its entry leaves nothing)
         except BaseException as e:
             os.close(fd)
             _unlink_quietly(name)
             if isinstance(e, OSError):
                 raise os_error(e, name, size) from None
             raise
-        return cls(name, size, False, mm, fd)
 
     @classmethod
     def open(cls, name: str, readonly: bool) -> Segment:
@@ -184,12 +184,12 @@ class Segment:
                 raise StoreNotFound(f"segment {name!r} is empty (being created, or a leftover)")
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+            return cls(name, size, readonly, mm, fd)
         except BaseException as e:
             os.close(fd)
             if isinstance(e, OSError):
                 raise os_error(e, name, size) from None
             raise
-        return cls(name, size, readonly, mm, fd)
 
     def reserve(self, ranges: list[tuple[int, int]], populate: bool = True) -> None:
         """Allocate the pages of every ``(offset, length)`` range now, or raise CacheFullError.

@@ -243,24 +243,26 @@ def load_with(create: Callable[..., S], core_of: Callable[[S], Port], source: An
               max_tokens: int | None, max_seqs: int | None, progress: Progress | None, **create_kw: Any) -> S:
     """``shmkv.load``: ``create`` (``shmkv.create``) store ``name`` with a snapshot's layout, restore it all
     into its engine (``core_of``)."""
-    with open_source(source) as (reader, is_file):
-        snap = reader.header()
-        lay = snap.layout
-        # an encoder cache takes a table row and a range of its own
-        encoders = [s for s in snap.sequences if s.encoder_length]
-        need_tokens = sum(max(1, s.length) for s in snap.sequences) + sum(s.encoder_length for s in encoders)
-        store = create(
-            name, layers=lay.layers, kv_heads=lay.kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
-            max_tokens=max_tokens or max(lay.max_tokens, need_tokens),
-            max_seqs=max_seqs or max(lay.max_seqs, len(snap.sequences) + len(encoders)),
-            layer_types=list(lay.layer_types), window=lay.window or None, chunk=lay.chunk or None,
-            memory=lay.memory or None, persistent=persistent, **create_kw,
-        )
-        try:
+    store: S | None = None
+    try:
+        with open_source(source) as (reader, is_file):
+            snap = reader.header()
+            lay = snap.layout
+            # an encoder cache takes a table row and a range of its own
+            encoders = [s for s in snap.sequences if s.encoder_length]
+            need_tokens = sum(max(1, s.length) for s in snap.sequences) + sum(s.encoder_length for s in encoders)
+            store = create(
+                name, layers=lay.layers, kv_heads=lay.kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
+                max_tokens=max_tokens or max(lay.max_tokens, need_tokens),
+                max_seqs=max_seqs or max(lay.max_seqs, len(snap.sequences) + len(encoders)),
+                layer_types=list(lay.layer_types), window=lay.window or None, chunk=lay.chunk or None,
+                memory=lay.memory or None, persistent=persistent, **create_kw,
+            )
             _restore(core_of(store), reader, snap, is_file, seq_ids=None, progress=progress)
-        except BaseException:
+    except BaseException:  # (a Ctrl-C as the source is closed too: the caller gets no store)
+        if store is not None:
             store.unlink()
-            raise
+        raise
     return store
 
 

@@ -140,7 +140,11 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
                    lock_timeout=lock_timeout)
 
 
-@_lifecycle_lock.lifecycle_op
+def _undo_create(store: Store) -> None:
+    store.unlink()
+
+
+@_lifecycle_lock.lifecycle_op(undo=_undo_create)  # a Ctrl-C raised as the lock is given up: the caller has no store
 def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any, max_tokens: int, max_seqs: int,
             layer_types: list[str] | None, window: int | None, chunk: int | None, memory: int | None,
             persistent: bool, mode: int, max_clients: int, lock_timeout: float) -> Store:
@@ -194,6 +198,8 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
                           lock_timeout=lock_timeout, live=live)
             engine_of(store).join()
             _liveness.created_keys.add(creator_key)
+            if not persistent:
+                remove_at_process_exit(name, engine_of(store).identity)
         except BaseException:
             hseg.unlink()
             dseg.unlink()
@@ -209,8 +215,6 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
     except BaseException:
         hseg.close()
         raise
-    if not persistent:
-        remove_at_process_exit(name, engine_of(store).identity)
     return store
 
 

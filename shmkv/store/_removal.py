@@ -14,15 +14,21 @@ from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lifecycle_lock as _lifecycle_lock
 from shmkv._engine import segment as _segment
+from shmkv._engine.interrupts import critical
 from shmkv._engine.segment import Segment
 from shmkv.errors import AccessDeniedError, StoreNotFound
 
 __all__ = ["exit_removals", "magic_words", "read_identity", "remove_at_process_exit", "remove_if_same", "remove_names"]
 
 
-@_lifecycle_lock.lifecycle_op
+@_lifecycle_lock.lifecycle_op()
+@critical
 def remove_names(name: str) -> bool:
-    """Unlink the segments, then the lock and liveness files (never those while a segment exists)."""
+    """Unlink the segments, then the lock and liveness files (never those while a segment exists).
+
+    Lock-path code (``critical``): a Ctrl-C meanwhile is raised once every name is gone, so the
+    store is never left half removed (a header gone, its data segment and lock file still there,
+    which nothing would ever remove)."""
     found = _segment.unlink(_segment.header_name(name))
     found = _segment.unlink(_segment.data_name(name)) or found
     for path, what in ((_segment.lock_path(name), "lock file"), (_liveness.live_path(name), "liveness file")):

@@ -1,0 +1,176 @@
+"""A Ctrl-C at any function entry of shmkv (or of filelock, which holds the lifecycle lock) while a
+store is created, closed by its creator or removed leaves nothing of it in /dev/shm once the
+program carries on as it would: a create that raised left nothing (the program has no handle to
+remove it with); a create that returned gives a handle whose close() removes everything; a close
+or a remove that raised is tried again and then leaves nothing.
+
+A SIGINT is delivered through the handler installed at that moment (shmkv's defers it inside its
+critical sections, as it does a real signal), at the N-th call event, for every N of an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import filelock
+import pytest
+
+import shmkv
+from shmkv.testing import shm_entries, unique_name
+
+_ROOTS = (os.path.dirname(shmkv.__file__) + os.sep, os.path.dirname(filelock.__file__) + os.sep)
+OPS = ("create", "close", "remove", "persistent_create", "load", "persistent_load")
+_SNAP: dict[str, str] = {}
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+class _Trace:
+    """Counts call events in shmkv's and filelock's code; at the ``fire``-th, calls the installed
+    SIGINT handler."""
+
+    def __init__(self, fire: int = 0) -> None:
+        self.fire, self.count, self.where = fire, 0, ""
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(_ROOTS):
+            self.count += 1
+            if self.count == self.fire:
+                self.where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+                handler = signal.getsignal(signal.SIGINT)
+                assert callable(handler)
+                handler(signal.SIGINT, frame)
+
+
+def _create(name: str, persistent: bool = False) -> shmkv.Store:
+    return shmkv.create(name, layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=64, max_seqs=4,
+                        persistent=persistent)
+
+
+def _snapshot() -> str:
+    """A snapshot of two sequences (made once), for load."""
+    if not _SNAP:
+        import atexit
+        import tempfile
+
+        import numpy as np
+
+        fd, path = tempfile.mkstemp(suffix=".shmkv")
+        os.close(fd)
+        atexit.register(os.unlink, path)
+        with _create(unique_name("ccs")) as st:
+            for n in (5, 9):
+                s = st.create_sequence(capacity=16)
+                k = np.ones((2, n, 2, 8), np.float32)
+                s.extend(k, -k, tokens=np.arange(n))
+            st.save(path)
+        _SNAP["path"] = path
+    return _SNAP["path"]
+
+
+def _start(op: str, name: str, store: shmkv.Store | None) -> shmkv.Store | None:
+    """Run ``op`` (what the trace watches); the store it made, if any."""
+    if op == "create":
+        return _create(name)
+    if op == "persistent_create":
+        return _create(name, persistent=True)
+    if op in ("load", "persistent_load"):
+        return shmkv.load(_snapshot(), name, persistent=op == "persistent_load")
+    assert store is not None
+    if op == "close":
+        store.close()
+    else:
+        shmkv.remove(name)
+    return store
+
+
+def _mine(name: str) -> list[str]:
+    return sorted(f for f in shm_entries() if f.startswith(f"skv_{name}."))
+
+
+def _retry(fn: Callable[[], Any]) -> Any:
+    """What a program does after a Ctrl-C it caught: the call again (a Ctrl-C deferred by a critical
+    section may still come out of the first retry)."""
+    for attempt in range(3):
+        try:
+            return fn()
+        except KeyboardInterrupt:
+            if attempt == 2:
+                raise
+    return None
+
+
+def trial(op: str, point: int) -> tuple[str, list[str]]:
+    """One run of ``op`` interrupted at call event ``point`` (0: not at all); where it fired, and what
+    of the store is left once the program carried on."""
+    name = unique_name("cc")
+    store = None
+    if op in ("close", "remove"):
+        store = _create(name)
+    tr = _Trace(point)
+    sys.settrace(tr)
+    try:
+        store = _start(op, name, store)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    try:  # the program carries on
+        if op in ("create", "persistent_create", "load", "persistent_load"):
+            if store is not None:  # returned: its handle removes it
+                if op.startswith("persistent"):
+                    _retry(lambda: shmkv.remove(name))
+                _retry(store.close)
+        elif op == "close":
+            assert store is not None
+            _retry(store.close)
+        else:
+            try:
+                _retry(lambda: shmkv.remove(name))
+            except shmkv.StoreNotFound:
+                pass
+            assert store is not None
+            _retry(store.close)
+        return tr.where, _mine(name)
+    finally:
+        left = _mine(name)
+        if left:  # whatever the trial found, the machine is left clean
+            for f in left:
+                try:
+                    os.unlink(os.path.join("/dev/shm", f))
+                except FileNotFoundError:
+                    pass
+
+
+def points(op: str) -> int:
+    tr = _Trace()
+    name = unique_name("cc")
+    store = _create(name) if op in ("close", "remove") else None
+    _snapshot()
+    sys.settrace(tr)
+    try:
+        store = _start(op, name, store)
+    finally:
+        sys.settrace(None)
+    if op.startswith("persistent"):
+        shmkv.remove(name)
+    assert store is not None
+    store.close()
+    assert not _mine(name)
+    return tr.count
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_ctrl_c_at_every_function_entry_of_a_cold_path_leaves_nothing_behind(op: str) -> None:
+    n = points(op)
+    assert n > 10, f"{op}: only {n} call events: the trace does not see the operation"
+    problems = []
+    for point in range(1, n + 1):
+        where, left = trial(op, point)
+        if left:
+            problems.append(f"{op} point {point}/{n} ({where}): left {left}")
+    assert not problems, "\n".join(problems[:30]) + f"\n({len(problems)} of {n} points)"
