@@ -32,6 +32,39 @@ from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 
+class temporary_directory:  # (lower case: used as tempfile.TemporaryDirectory is)
+    """``with temporary_directory("prefix-") as path:`` a new directory under $TMPDIR, removed on the
+    way out, also when a Ctrl-C cuts its making or its removal short: its removal at exit is
+    registered before the directory exists (tempfile.TemporaryDirectory registers it after
+    making it, and gives it up before removing the directory)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def __enter__(self) -> str:
+        import atexit
+        import functools
+        import secrets
+        import shutil
+        import tempfile
+
+        while True:
+            path = os.path.join(tempfile.gettempdir(), f"{self.prefix}{secrets.token_hex(6)}")
+            self.remove = functools.partial(shutil.rmtree, path, ignore_errors=True)
+            atexit.register(self.remove)
+            try:
+                os.mkdir(path, 0o700)
+                return path
+            except FileExistsError:  # (another's: never ours to remove)
+                atexit.unregister(self.remove)
+
+    def __exit__(self, *exc: object) -> None:
+        import atexit
+
+        self.remove()
+        atexit.unregister(self.remove)  # (if a Ctrl-C comes first, the exit removes it)
+
+
 def parser(doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 

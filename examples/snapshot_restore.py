@@ -5,10 +5,9 @@ Run: python examples/snapshot_restore.py
 
 from __future__ import annotations
 
-from _cli import run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+from _cli import run, temporary_directory  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
 
 import os
-import tempfile
 
 import numpy as np
 
@@ -18,7 +17,7 @@ import shmkv
 def main() -> None:
     rng = np.random.default_rng(0)
     name = f"snap{os.getpid()}"
-    with tempfile.TemporaryDirectory(prefix="shmkv-example-") as tmp:  # removed on the way out
+    with temporary_directory("shmkv-example-") as tmp:  # removed on the way out, Ctrl-C or not
         path = os.path.join(tmp, "cache.shmkv")
         with shmkv.create(name, layers=3, kv_heads=2, head_dim=8, dtype="int8") as store:
             seq = store.create_sequence(capacity=64)

@@ -23,12 +23,11 @@ Run: ``python examples/transformers_workers.py [--model PATH] [--system TEXT]
 
 from __future__ import annotations
 
-from _cli import parser, run  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+from _cli import parser, run, temporary_directory  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
 
 import argparse
 import multiprocessing as mp
 import os
-import tempfile
 import time
 
 
@@ -122,7 +121,7 @@ def options() -> argparse.ArgumentParser:
 
 
 def main(a: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
+    with temporary_directory("shmkv-example-") as tmp:
         # torch writes its compile cache under $TMPDIR unless told where: here, removed at the end
         # (the spawned processes inherit it)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "torchinductor"))

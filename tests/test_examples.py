@@ -168,3 +168,57 @@ def test_transformers_workers_on_a_local_checkpoint(tmp_path):
     assert all(w in vocab for s in said for w in s.split()), said
     assert [f for f in shm_entries() if re.fullmatch(rf"skv_[a-z]+{p.pid}\.\w+", f)] == []
     assert list(tmp.iterdir()) == []
+
+
+# Runs `with temporary_directory(...)` once uninterrupted (the directory gone at the block's end),
+# then once for every call event (any Python code: tempfile, shutil, atexit's callers) with a
+# KeyboardInterrupt raised there, as a Ctrl-C is at a function's entry; prints the point count.
+TEMPDIR_TRIALS = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from _cli import temporary_directory
+
+def body():
+    with temporary_directory("shmkv-example-") as path:
+        assert os.path.isdir(path)
+    return path
+
+assert not os.path.exists(body())  # removed at the block's end, not only at exit
+count = 0
+def counting(frame, event, arg):
+    global count
+    count += event == "call"
+sys.settrace(counting)
+body()
+sys.settrace(None)
+n, fired = count, 0
+for point in range(1, n + 1):
+    seen = 0
+    def tracer(frame, event, arg):
+        global seen
+        if event == "call":
+            seen += 1
+            if seen == point:
+                raise KeyboardInterrupt
+    sys.settrace(tracer)
+    try:
+        body()
+    except KeyboardInterrupt:
+        fired += 1
+    finally:
+        sys.settrace(None)
+print(n, fired)
+"""
+
+
+def test_the_examples_temporary_directory_is_removed_whatever_a_ctrl_c_cuts_short(tmp_path):
+    """The directory an example writes its snapshot or model to is gone when the process ends,
+    whichever function entry of its making or removal a Ctrl-C lands on."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = subprocess.run([sys.executable, "-c", TEMPDIR_TRIALS, str(DIR)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stderr
+    n, fired = map(int, r.stdout.split())
+    assert n > 5 and fired == n, (n, fired)  # every point raised inside the block's making or removal
+    assert os.listdir(tmp) == []
