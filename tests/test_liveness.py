@@ -259,3 +259,42 @@ def test_forked_child_does_not_keep_a_dead_parent_alive(make_store, drivers):
         store.sequence(a.id, write=True).release()  # the dead parent's lease is taken over
     finally:
         os.kill(sleeper, signal.SIGKILL)
+
+
+_HOLD_AND_EXIT = """
+import os, sys, threading
+import shmkv
+store = shmkv.attach(sys.argv[1])
+made = threading.Event()
+
+def worker():  # a daemon thread's frame: never unwound, so the handle is never dropped
+    seq = store.create_sequence(capacity=8)  # a live write handle, never released
+    print(seq.id, flush=True)
+    made.set()
+    threading.Event().wait()
+
+threading.Thread(target=worker, daemon=True).start()
+made.wait(60)
+if sys.argv[2] == "hard":
+    os._exit(0)  # no interpreter exit: nothing of this process runs after
+"""
+
+
+@pytest.mark.parametrize("how", ["normal", "hard"])
+def test_an_interpreter_that_exits_holding_a_write_handle_gives_its_lease_back(make_store, how):
+    """A program that ends normally with a write handle it never released (held by a daemon
+    thread, so never dropped) gives the lease back at exit (the row shows no holder, not a dead
+    one); one that ends without its interpreter's exit
+    (os._exit) leaves its pid there, for the liveness file to tell that the holder is dead."""
+    store = make_store(layers=1, kv_heads=1, head_dim=4, dtype="float32", max_tokens=64, max_seqs=4)
+    r = subprocess.run([sys.executable, "-c", _HOLD_AND_EXIT, store.name, how], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    seq_id = int(r.stdout.split()[0])
+    info = [s for s in store.sequences() if s.id == seq_id]
+    assert len(info) == 1
+    if how == "normal":
+        assert info[0].lease_pid == 0
+    else:
+        assert info[0].lease_pid != 0 and not info[0].lease_alive
+    store.sequence(seq_id, write=True).release()  # either way another process takes it

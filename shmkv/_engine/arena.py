@@ -30,6 +30,8 @@ from shmkv._engine.header import (
     RECENCY,
     LEADS_MASK,
     STANDIN,
+    Layout,
+    Offsets,
     leads,
 )
 from shmkv._engine.intervals import add_interval, take_interval
@@ -37,7 +39,6 @@ from shmkv._engine.prefix import COVERS
 from shmkv._engine.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError
 from shmkv._engine.free_ranges import FreeRanges
-from shmkv._engine.header import Layout, Offsets
 from shmkv._engine.journal import Journal
 from shmkv._engine.pages import Pages
 from shmkv._engine.prefix import PrefixIndex
