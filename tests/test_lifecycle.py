@@ -292,3 +292,33 @@ def test_a_view_outliving_close_reads_its_data(dtype, kinds, how):
         if name in shmkv.list_stores():
             shmkv.remove(name)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-300:], r.stderr[-2000:])
+
+
+def test_a_header_is_decoded_once_and_every_other_header_on_its_own():
+    """read_header_once answers an intact header it decoded before from what it found then, keeps at
+    most READ_KEPT of them, and never answers another header, or a damaged copy of one it knows,
+    from them: each gets its own layout, or CorruptStoreError."""
+    from shmkv._engine import header as _header
+    from shmkv.store import _store
+
+    def header(identity: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+        layout = _header.make_layout(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=max_tokens,
+                                     max_seqs=4)
+        off = _header.offsets(layout, 4)
+        raw = np.zeros(off.header_bytes, np.uint8)
+        words = raw[: _header.FIXED_BYTES].view(np.int64)
+        _header.write(words, raw, layout, off, max_clients=4, creator_pid=1, creator_client=1, persistent=False,
+                      identity=identity)
+        return words, raw, off.header_bytes
+
+    kept = _store.READ_KEPT
+    for i in range(2 * kept + 3):
+        words, raw, size = header(10_000 + i, 64 + 8 * (i % 5))
+        layout, clients = _store.read_header_once(words, raw, size, "h")
+        assert (layout.max_tokens, clients) == (64 + 8 * (i % 5), 4)
+        again, _ = _store.read_header_once(words, raw, size, "h")
+        assert again is layout  # decoded once: the same answer, not another decode
+        assert 1 <= len(_store._READ) <= kept
+    words[_header.W_MAX_TOKENS] += 8  # a known header, one word changed (its checksum not)
+    with pytest.raises(shmkv.CorruptStoreError, match="checksum"):
+        _store.read_header_once(words, raw, size, "h")

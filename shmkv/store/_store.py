@@ -397,8 +397,11 @@ def check_timeout(name: str, value: object) -> float:
 # Headers this process found intact (a forked child inherits them): the words read() checks (the
 # fixed block's first 22 but the generation and next id, which change), the layer kinds and the
 # segment's size -> what read() returned. A header equal to one is decoded and checked already.
+# At most READ_KEPT headers are kept: a process sees a few stores; one that sees more forgets them
+# all and decodes each again (one read(), tens of microseconds), rather than holding every header.
 _KEY_WORDS = np.array([w for w in range(22) if w not in (_header.W_GENERATION, _header.W_NEXT_ID)])
 _READ: dict[bytes, tuple[Layout, int]] = {}
+READ_KEPT = 64
 
 
 def read_header_once(words: np.ndarray | None, raw: np.ndarray, size: int, name: str) -> tuple[Layout, int]:
@@ -410,7 +413,7 @@ def read_header_once(words: np.ndarray | None, raw: np.ndarray, size: int, name:
     got = _READ.get(key)
     if got is None:
         got = _header.read(words, raw, size, name)
-        if len(_READ) >= 64:
+        if len(_READ) >= READ_KEPT:
             _READ.clear()
         _READ[key] = got
     return got
