@@ -16,6 +16,7 @@ lock and keep a row's seqlock generation odd while they change it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import weakref
@@ -147,10 +148,8 @@ class Core:
         s_strides = (off.scale_stride, H * 4, 4)
         self.KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
         self.VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
-        # what every Sequence handle reads through (Kr, Vr): built once, at the first handle, not
+        # what every Sequence handle reads through (Kr, Vr) is built once, at the first handle, not
         # per handle (a handle is made per request) nor by an attach that makes none
-        self._Kr: list[np.ndarray] | None = None
-        self._Vr: list[np.ndarray] | None = None
         self.KSl = list(self.KS) if self.KS is not None else None
         self.VSl = list(self.VS) if self.VS is not None else None
         self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
@@ -185,27 +184,15 @@ class Core:
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)
         self._finalizer.atexit = False  # at exit the process closes them anyway
 
-    @property
+    @functools.cached_property  # (stored on the instance at the first use: later reads are plain lookups)
     def Kr(self) -> list[np.ndarray]:
         """Read-only views of ``Kl``, built at the first use (see ``__init__``)."""
-        if self._Kr is None:
-            self._Kr = [read_only_view(a) for a in self.Kl]
-        return self._Kr
+        return [read_only_view(a) for a in self.Kl]
 
-    @Kr.setter
-    def Kr(self, value: list[np.ndarray]) -> None:
-        self._Kr = value
-
-    @property
+    @functools.cached_property
     def Vr(self) -> list[np.ndarray]:
         """Read-only views of ``Vl``, built at the first use."""
-        if self._Vr is None:
-            self._Vr = [read_only_view(a) for a in self.Vl]
-        return self._Vr
-
-    @Vr.setter
-    def Vr(self, value: list[np.ndarray]) -> None:
-        self._Vr = value
+        return [read_only_view(a) for a in self.Vl]
 
     def check_open(self) -> None:
         if self.shut:

@@ -80,12 +80,17 @@ class Port(Protocol):
     VS: np.ndarray | None
     Kl: Arrays
     Vl: Arrays
-    Kr: Arrays
-    Vr: Arrays
     KSl: Arrays | None
     VSl: Arrays | None
     tokens: np.ndarray
     positions: np.ndarray
+
+    @property
+    def Kr(self) -> Arrays: ...
+
+    @property
+    def Vr(self) -> Arrays: ...
+
     # waiting
     waiters: memoryview
     waiters_addr0: int
