@@ -50,6 +50,7 @@ from shmkv._engine.header import (
     W_PREFIX_HITS,
     W_PREFIX_MISSES,
     W_PREFIX_REUSED,
+    W_UNDO_COUNT,
     WBUF,
     WIN_OFF,
     Layout,
@@ -97,19 +98,23 @@ class Counters(NamedTuple):
 class Rows:
     """The store layer's operations on row and header words, a part the engine holds (see the
     module docstring). No state of its own: the header, table and meta views, and the
-    journal's, the pages' and the engine's operations it calls."""
+    journal's and the pages' operations it calls."""
 
     def __init__(self, *, layout: Layout, hdr: memoryview, table_np: np.ndarray, meta: np.ndarray,
-                 journal: Journal, owes: Callable[[int, int], bool], touch: Callable[[memoryview], None],
-                 listed_rows: Callable[[], list[list[int]]], page_unit: int) -> None:
+                 journal: Journal, owes: Callable[[int, int], bool], page_unit: int) -> None:
         self.layout = layout
         self.hdr = hdr
         self.table_np = table_np
         self.meta = meta
-        self._new_incarnation, self._log_meta = journal.new_incarnation, journal.log_meta
-        self._owes, self._touch = owes, touch
-        self._listed_rows = listed_rows
+        self.journal = journal
+        self._owes = owes
         self._page_unit = page_unit
+
+    def touch(self, row: memoryview) -> None:
+        """Mark a use of a sequence for LRU eviction: the recency clock's next value (lock held)."""
+        clock = self.hdr[W_CLOCK] + 1
+        self.hdr[W_CLOCK] = clock
+        row[RECENCY] = clock
 
     # -- a new sequence --------------------------------------------------------------------
 
@@ -130,7 +135,7 @@ class Rows:
         next_id = hdr[W_NEXT_ID]
         seq_id = next_id + (slot - next_id) % self.layout.max_seqs
         hdr[W_NEXT_ID] = seq_id + 1
-        self._new_incarnation(row)
+        self.journal.new_incarnation(row)
         row[ID] = seq_id
         row[START] = start
         row[CAPACITY] = capacity
@@ -143,9 +148,9 @@ class Rows:
         row[IDX_BLOCKS] = 0
         row[CLEAN] = -1
         row[SPAN_PHYS] = row[SPAN_CELLS] = row[SPAN_TAKEN] = 0
-        self._log_meta(slot)
+        self.journal.log_meta(slot)
         self.meta[slot, :8] = 0
-        clock = hdr[W_CLOCK] + 1  # (Engine.touch, written out: one call less a create)
+        clock = hdr[W_CLOCK] + 1  # (touch, written out: one call less a create)
         hdr[W_CLOCK] = clock
         row[RECENCY] = clock
         row[LEASE_CLIENT] = client
@@ -159,7 +164,7 @@ class Rows:
         recency is fresh) or none (``n`` 0: a miss), in the header's statistics."""
         hdr = self.hdr
         if n:
-            clock = hdr[W_CLOCK] + 1  # (Engine.touch of the donor's row, written out)
+            clock = hdr[W_CLOCK] + 1  # (touch of the donor's row, written out)
             hdr[W_CLOCK] = clock
             self.table_np[donor, RECENCY] = clock
             hdr[W_PREFIX_HITS] += 1
@@ -181,10 +186,10 @@ class Rows:
         """The lease of ``row`` to (``client``, ``token``) of this process (row changing: a crash
         or an exception before the end puts back the old lease and the FINISHED flag); a
         finished sequence taken back (a chat's next turn) is no longer evictable and gets a
-        fresh recency (``Engine.touch``)."""
+        fresh recency."""
         if row[FLAGS] & FINISHED:
             row[FLAGS] &= ~FINISHED
-            self._touch(row)
+            self.touch(row)
         row[LEASE_CLIENT] = client
         row[LEASE_TOKEN] = token
         _crash.point("lease.taken")
@@ -216,11 +221,19 @@ class Rows:
         return bool(self.hdr[W_PERSISTENT])
 
     def listed_sequences(self) -> list[SequenceRow]:
-        """The live sequences' rows (``Engine.listed_rows``: as a rollback leaves them while a
-        transaction is in the undo log), in table order."""
+        """The live sequences' rows, in table order, as a listing reads them
+        (``store.sequences()``): as they are; while a transaction is in the undo log, as its
+        rollback leaves them (``_engine/journal.py``, 7)."""
+        j = self.journal
+        if self.hdr[W_UNDO_COUNT] and not j.depth:
+            with j.reading():
+                rows = [j.settled_row(slot) for slot in range(self.layout.max_seqs)]
+        else:
+            t = self.table_np
+            rows = t[t[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
         return [SequenceRow(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], r[LEASE_CLIENT], r[GEN],
                             bool(r[FLAGS] & FINISHED))
-                for r in self._listed_rows() if r[STATE] == LIVE]
+                for r in rows if r[STATE] == LIVE]
 
     def occupancy(self) -> Occupancy:
         """The table's sums, read at one moment (no lock: a figure, not a decision)."""
