@@ -92,8 +92,8 @@ class Engine(Core):
         self.spans = spans = Sharing(
             name=name, off=self._off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
             free=free, journal=journal, pages=pages, alloc=arena.alloc)
-        self.rows = rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=self.meta, journal=journal,
-                                owes=pages.owes, page_unit=self._off.page_unit)
+        self.rows = rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=self.meta, clients_np=self.clients_np,
+                                journal=journal, owes=pages.owes, page_unit=self._off.page_unit)
         # What the sequence layer, snapshots and the store call, bound once: the same names as
         # before the parts, and no call layer on the hot path (a handle copies these).
         self.locked, self.reading, self.settled_row = journal.locked, journal.reading, journal.settled_row

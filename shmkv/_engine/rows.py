@@ -97,15 +97,16 @@ class Counters(NamedTuple):
 
 class Rows:
     """The store layer's operations on row and header words, a part the engine holds (see the
-    module docstring). No state of its own: the header, table and meta views, and the
-    journal's and the pages' operations it calls."""
+    module docstring). No state of its own: the header, table, meta and client-table views, and
+    the journal's and the pages' operations it calls."""
 
     def __init__(self, *, layout: Layout, hdr: memoryview, table_np: np.ndarray, meta: np.ndarray,
-                 journal: Journal, owes: Callable[[int, int], bool], page_unit: int) -> None:
+                 clients_np: np.ndarray, journal: Journal, owes: Callable[[int, int], bool], page_unit: int) -> None:
         self.layout = layout
         self.hdr = hdr
         self.table_np = table_np
         self.meta = meta
+        self.clients_np = clients_np
         self.journal = journal
         self._owes = owes
         self._page_unit = page_unit
@@ -215,6 +216,11 @@ class Rows:
         holds ``n`` cells and starts on a page unit."""
         return bool(share.ENABLED and not row[LENGTH] and not row[SPAN_TAKEN] and not row[FLAGS] & LENT
                     and n <= row[CAPACITY] and not row[START] % self._page_unit)
+
+    def client_rows(self) -> list[tuple[int, int]]:
+        """(pid, client key) of each row of the client table that names a process (a pid and a
+        key), in slot order; whether it is alive is the liveness file's to say (``Core.alive``)."""
+        return [(pid, key) for pid, key, _flags, _ in self.clients_np.tolist() if pid and key > 0]
 
     def persistent(self) -> bool:
         """Whether the store outlives its creator's close (a header word set at create)."""

@@ -61,11 +61,7 @@ class StoreStats:
 def live_clients(e: Engine) -> list[int]:
     """``Store.clients``: pids of the live read-write attachments (one per attachment)."""
     e.check_open()
-    out = []
-    for pid, key, _flags, _ in e.clients_np.tolist():
-        if pid and key > 0 and e.alive(key):
-            out.append(pid)
-    return out
+    return [pid for pid, key in e.rows.client_rows() if e.alive(key)]
 
 
 def sequence_infos(e: Engine) -> list[SequenceInfo]:
