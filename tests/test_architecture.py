@@ -21,6 +21,9 @@ delete its line).
 6. No module over 500 lines, no class over 350.
 7. The top of ``shmkv/`` holds at most 12 entries: the public surface and one
    subpackage per concern (see ARCHITECTURE.md).
+8. The rooms of ``OWN_NO_WORDS`` (``store``) name no row column or header word of
+   ``_engine/header.py`` (``START``, ``W_NEXT_ID``, ``C_KEY``, ``FINISHED`` ...) and touch no raw
+   view of the engine (``.hdr``, ``.table_np``, ``.clients_np``): they use the engine's named operations.
 """
 
 from __future__ import annotations
@@ -510,3 +513,60 @@ def test_the_table_checks_catch_what_they_should() -> None:
         "the drawing's floor 2 line does not name mid",
         "top (floor 2) may import mid (floor 2): not down a floor",
     ]
+
+
+# Rooms that name no row column or header word and touch no raw view of the engine (rule 8); the
+# engine's ``rows`` part and ``_engine/unattached.py`` read and write those words for them.
+OWN_NO_WORDS = ("store",)
+RAW_VIEWS = {"hdr", "table_np", "clients_np"}
+
+
+def header_word_names(header: ast.Module) -> set[str]:
+    """The names ``header.py`` gives the words of a row, of the header and of a client row, and
+    their values: its module-level names assigned several at once from ints
+    (``STATE, ID, ... = range(11)``, ``W_MAGIC, W_VERSION, ... = 0, 1, ...``, ``LIVE, ENCODER = 1, 2``)."""
+    found: set[str] = set()
+    for node in header.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple):
+            value = node.value
+            ints = (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "range") or (
+                isinstance(value, ast.Tuple)
+                and all(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in value.elts))
+            if ints:
+                found |= {t.id for t in node.targets[0].elts if isinstance(t, ast.Name)}
+    return found
+
+
+def raw_word_uses(modules: dict[str, ast.Module], rooms: tuple[str, ...], words: set[str]) -> set[tuple[str, str]]:
+    """(module, name) for each import of one of ``words`` from ``_engine.header`` and each
+    attribute named one of them or a raw view (``.hdr``), in the modules of ``rooms``."""
+    found: set[tuple[str, str]] = set()
+    for name, tree in modules.items():
+        if room_of(name) not in rooms:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("_engine.header"):
+                found |= {(name, alias.name) for alias in node.names if alias.name in words}
+            elif isinstance(node, ast.Attribute) and (node.attr in words or node.attr in RAW_VIEWS):
+                found.add((name, f".{node.attr}"))
+    return found
+
+
+def test_the_store_names_no_row_or_header_word() -> None:
+    modules = _modules()
+    words = header_word_names(modules["_engine.header"])
+    assert {"START", "LEASE_PID", "GEN", "FLAGS", "W_NEXT_ID", "W_PREFIX_HITS", "C_KEY", "FINISHED"} <= words
+    _check("row and header words named outside the engine", raw_word_uses(modules, OWN_NO_WORDS, words), set())
+
+
+def test_the_word_check_catches_what_it_should() -> None:
+    header = ast.parse("A, B = range(2)\nW_X, W_Y = 3, 4\nF = 7\nM, N = 8, 7 << 8\ndef f(): pass\n")
+    words = header_word_names(header)
+    assert words == {"A", "B", "W_X", "W_Y"}
+    modules = {
+        "store.m": ast.parse("from shmkv._engine.header import A, F, Layout\nfrom shmkv._engine import header\n"
+                             "def g(e, row):\n    return row[A], e.hdr[header.W_X], e.rows.length(row), e.table_np\n"),
+        "_engine.k": ast.parse("from shmkv._engine.header import A\nx = e.hdr\n"),
+    }
+    assert raw_word_uses(modules, ("store",), words) == {
+        ("store.m", "A"), ("store.m", ".hdr"), ("store.m", ".W_X"), ("store.m", ".table_np")}

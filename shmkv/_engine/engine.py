@@ -2,13 +2,14 @@
 leases, closing) and the parts it composes, wired in ``Engine.__init__``: ``journal``
 (``Journal``: the one way into the lock, journaled transactions, crash recovery), ``pages``
 (``Pages``: reservation, writes through the descriptor, cell copies), ``arena`` (``Arena``:
-where cells go: free ranges, allocation, eviction, rows, encoder ranges) and ``spans``
-(``Sharing``: shared prefix pages). Each part is given what it uses in its constructor; the one
-call up, the journal's ``settle_span`` at the end of a change of a borrowing or lending row,
-is a hook passed in too. This class adds the cell moves of a sequence (copy_prefix between
-rows, growth, the fresh ranges truncate/remove/shift_left rewrite into), all under the store
-lock and never over cells a row points to (journal invariant 1), a sequence's meta record and
-recency, and binds the parts'
+where cells go: free ranges, allocation, eviction, rows, encoder ranges), ``spans``
+(``Sharing``: shared prefix pages) and ``rows`` (``Rows``: the row and header words the store
+layer sets and reads, as named operations: ``store/`` indexes no row itself). Each part is
+given what it uses in its constructor; the one call up, the journal's ``settle_span`` at the
+end of a change of a borrowing or lending row, is a hook passed in too. This class adds the
+cell moves of a sequence (copy_prefix between rows, growth, the fresh ranges
+truncate/remove/shift_left rewrite into), all under the store lock and never over cells a row
+points to (journal invariant 1), a sequence's meta record and recency, and binds the parts'
 operations that the sequence layer, snapshots and the store use as its own attributes, once:
 it implements ``port.Port`` with no call layer on the hot path.
 """
@@ -43,7 +44,6 @@ from shmkv._engine.header import (
     LENGTH,
     LENT,
     NOINDEX,
-    RECENCY,
     START,
     WBUF,
     WIN_OFF,
@@ -53,6 +53,7 @@ from shmkv._engine.header import (
 from shmkv._engine.journal import Journal
 from shmkv._engine.pages import Pages
 from shmkv._engine.prefix_hash import lead_levels
+from shmkv._engine.rows import Rows
 from shmkv._engine.segment import Segment
 from shmkv._engine.sharing import Sharing
 from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
@@ -91,6 +92,8 @@ class Engine(Core):
         self.spans = spans = Sharing(
             name=name, off=self._off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
             free=free, journal=journal, pages=pages, alloc=arena.alloc)
+        self.rows = rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=self.meta, clients_np=self.clients_np,
+                                journal=journal, owes=pages.owes, page_unit=self._off.page_unit)
         # What the sequence layer, snapshots and the store call, bound once: the same names as
         # before the parts, and no call layer on the hot path (a handle copies these).
         self.locked, self.reading, self.settled_row = journal.locked, journal.reading, journal.settled_row
@@ -108,10 +111,11 @@ class Engine(Core):
         self.shared_cells, self.held_cells = spans.shared_cells, spans.held_cells
         self.retained_cells, self.committed_held = spans.retained_cells, spans.committed_held
         self.page_unit, self.cells = self._off.page_unit, self._off.cells
+        self.touch = rows.touch
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
-        for part in (self.journal, self.pages, self.arena, self.spans):
+        for part in (self.journal, self.pages, self.arena, self.spans, self.rows):
             if not isinstance(part, Closed):  # (a release cut short and run again: Core.release closed it)
                 release_views(part, self.name)
         super().release()
@@ -198,16 +202,6 @@ class Engine(Core):
             )
         return int(hits[0])
 
-    def listed_rows(self) -> list[list[int]]:
-        """The words of the table's rows a listing reads (``store.sequences()``): the live ones as
-        they are; while a transaction is in the undo log, every row as its rollback leaves it
-        (``journal`` 7): the caller keeps those whose STATE is LIVE."""
-        if self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth:
-            with self.reading():
-                return [self.settled_row(slot) for slot in range(self.layout.max_seqs)]
-        rows: list[list[int]] = self.table_np[self.table_np[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
-        return rows
-
     # -- a sequence's meta record, recency and restore bookkeeping (lock held) ----------------
 
     def set_meta(self, slot: int, packed: bytes) -> None:
@@ -224,12 +218,6 @@ class Engine(Core):
         rec = j.settled_meta(slot) if self.hdr[_header.W_UNDO_COUNT] and not j.depth else self.meta[slot]
         n = int.from_bytes(rec[:8].tobytes(), "little")
         return bytes(rec[8 : 8 + min(n, _header.META_BYTES)].tobytes())
-
-    def touch(self, row: memoryview) -> None:
-        """Mark a use of a sequence for LRU eviction (lock held)."""
-        clock = self.hdr[_header.W_CLOCK] + 1
-        self.hdr[_header.W_CLOCK] = clock
-        row[RECENCY] = clock
 
     def restored(self, slot: int, finished: bool, clean: int, meta: bytes) -> None:
         """A sequence a snapshot restore just published (lock held; called oldest use first):

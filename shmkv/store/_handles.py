@@ -4,45 +4,21 @@ handle ``Store.sequence`` makes itself), undoing either for a handle that never 
 caller, and ``copy_prefix``.
 
 ``store._store.Store`` keeps the public methods (and their documentation) and calls these
-with its engine; everything here goes through the engine's public API (``_engine.engine.Engine``).
+with its engine; everything here goes through the engine's public API (``_engine.engine.Engine``),
+and the words of a row or of the header only through its ``rows`` part (``_engine/rows.py``).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from shmkv._engine import crash as _crash
-from shmkv._engine import header as _header
 from shmkv._engine import share
 from shmkv._engine.arena import fits
 from shmkv._engine.engine import Engine
 from shmkv._engine.checks import count
-from shmkv._engine.header import (
-    CAPACITY,
-    CLEAN,
-    ENC_SLOT,
-    FINISHED,
-    FLAGS,
-    GEN,
-    ID,
-    IDX_BLOCKS,
-    LEASE_CLIENT,
-    LEASE_PID,
-    LEASE_TOKEN,
-    LENGTH,
-    LENT,
-    LIVE,
-    SPAN_CELLS,
-    SPAN_PHYS,
-    SPAN_TAKEN,
-    START,
-    STATE,
-    WBUF,
-    WIN_OFF,
-)
 from shmkv._engine.lease import live_writers, new_token, own_token
 from shmkv._engine.prefix_hash import as_tokens
 from shmkv._sequence.handle import Owner, Sequence
@@ -85,10 +61,11 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
     token = new_token()
     client = e.client_key()
     with e.locked():
-        mark = e.hdr[_header.W_PAGE_MARK]  # (before the new range: a span above it has no pages to punch)
+        # (the mark before the new range: a span above it has no pages to punch)
+        next_id, mark = e.rows.next_id_and_page_mark()
         n, _, donor = e.index.match(toks) if toks is not None else (0, 0, -1)
-        # the id decides the row: id % max_seqs, so that any process finds it at once (_slot_of)
-        next_id, rows = e.hdr[_header.W_NEXT_ID], e.layout.max_seqs
+        # the id decides the row: id % max_seqs, so that any process finds it at once (slot_of)
+        rows = e.layout.max_seqs
         # a prompt's sequence starts on a page unit: it may lend its pages, or borrow (docs/design.md §11;
         # a range shorter than a unit never lends: no alignment waste)
         # (not when sharing is off: ENABLED false or nothing to share)
@@ -110,50 +87,20 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
             n, donor, m = 0, -1, 0  # only the donor's eviction makes room: a miss, which may evict it
             slot, start = e.new_row(capacity, protect=protect, near=next_id % rows, align=align)
         row = e.row(slot)
-        seq_id = next_id + (slot - next_id) % rows  # the next id of that row: ids skip the rows in use
-        e.hdr[_header.W_NEXT_ID] = seq_id + 1  # ids are never reused: a rolled-back create skips one
-        made += (seq_id, token)
         with e.transaction():  # the row and its prefix: both, or after a crash neither
             with e.changing(row):
-                e.new_incarnation(row)
-                row[ID] = seq_id
-                row[START] = start
-                row[CAPACITY] = max(capacity, n)
-                row[LENGTH] = 0
-                row[WIN_OFF] = 0
-                row[WBUF] = 0
-                row[ENC_SLOT] = 0
-                _crash.point("create.row")
-                row[FLAGS] = 0
-                row[IDX_BLOCKS] = 0
-                row[CLEAN] = -1
-                row[SPAN_PHYS] = row[SPAN_CELLS] = row[SPAN_TAKEN] = 0
-                e.log_meta(slot)
-                e.meta[slot, :8] = 0
-                e.touch(row)
-                row[LEASE_CLIENT] = client
-                row[LEASE_TOKEN] = token
-                row[LEASE_PID] = os.getpid()
-                row[STATE] = LIVE
+                # (the next id of that row, claimed: ids are never reused, a rolled-back create skips one)
+                seq_id = e.rows.init_row(slot, row, start, max(capacity, n), client=client, token=token)
+                made += (seq_id, token)
             if n:
                 e.copy_prefix_rows(donor, slot, n, share=m, reserved=True)  # (new_row reserved them)
                 if m:
                     e.borrow(slot, phys, m, owner, mark=mark)
                 _crash.point("create.copied")
         if toks is not None:
-            hdr = e.hdr
-            if n:
-                e.touch(e.row(donor))
-                hdr[_header.W_PREFIX_HITS] += 1
-                hdr[_header.W_PREFIX_REUSED] += n
-            else:
-                hdr[_header.W_PREFIX_MISSES] += 1
+            e.rows.count_prefix(donor, n)  # (a hit also makes the donor's recency fresh)
         seq = Sequence(store, e, seq_id, slot, write=True, token=token)
-        if e.owes(start, row[CAPACITY]):
-            # its range is allocated, not pre-faulted (_new_row): a step of the row's seqlock
-            # sends the handle's first write down its checked path, where a prefill (extend)
-            # writes through the descriptor and appends pre-fault the range first
-            row[GEN] += 2
+        e.rows.owe_first_touch(row)  # (after the handle is made: its first write takes the checked path)
     if tier is not None:
         if toks is None:
             raise InvalidArgumentError("create_sequence: tier= needs prefix= (the prompt's token ids)")
@@ -188,12 +135,12 @@ def _drop_unreturned(e: Engine, seq_id: int, token: int, *, free: bool) -> None:
         with e.locked():
             slot = e.slot_of(seq_id)
             row = e.row(slot)
-            if row[LEASE_TOKEN] != token:
+            if e.rows.lease_token(row) != token:
                 return
             if free:
                 e.free_row(slot)
             else:
-                row[LEASE_PID] = 0  # what release() does
+                e.rows.release_lease(row)  # what release() does
     except ShmkvError:  # closed, gone, or the lock is busy: nothing more to do here
         pass
 
@@ -206,13 +153,7 @@ def _take_lease(store: Owner, e: Engine, seq_id: int, token: int, client: int) -
         # journaled, as any change of a row's words: a crash or an exception before the end puts
         # back the old lease (a dead holder's, or none) and the FINISHED flag, all of it
         with e.changing(row):
-            if row[FLAGS] & FINISHED:  # taken back (a chat's next turn): no longer evictable
-                row[FLAGS] &= ~FINISHED
-                e.touch(row)
-            row[LEASE_CLIENT] = client
-            row[LEASE_TOKEN] = token
-            _crash.point("lease.taken")
-            row[LEASE_PID] = os.getpid()
+            e.rows.take_lease_words(row, client, token)  # (a finished sequence taken back: no longer evictable)
     return Sequence(store, e, int(seq_id), slot, write=True, token=token)
 
 
@@ -225,15 +166,12 @@ def copy_prefix(e: Engine, src_id: int, dst_id: int, n: int) -> None:
         s_row = e.row(e.slot_of(src_id))
         d_slot = e.slot_of(dst_id)
         d_row = e.row(d_slot)
-        if n > s_row[LENGTH]:
-            raise InvalidArgumentError(
-                f"copy_prefix: n={n} exceeds the length {s_row[LENGTH]} of sequence {src_id}"
-            )
+        if n > (length := e.rows.length(s_row)):
+            raise InvalidArgumentError(f"copy_prefix: n={n} exceeds the length {length} of sequence {src_id}")
         e.check_not_leased_by_other(d_row, int(dst_id), allow_token=own_token(d_row))
         s_slot = e.slot_of(src_id)
         phys, m, owner = 0, 0, -1
-        if (share.ENABLED and not d_row[LENGTH] and not d_row[SPAN_TAKEN] and not d_row[FLAGS] & LENT
-                and n <= d_row[CAPACITY] and not d_row[START] % e.page_unit):
+        if e.rows.may_borrow_into(d_row, n):
             # an empty dst on a page unit borrows src's whole units, as a reused prompt does
             # (fork and regather)
             phys, m, owner = e.lend(s_slot, n)

@@ -25,10 +25,10 @@ from shmkv._engine import liveness as _liveness
 from shmkv._engine import lock as _lock
 from shmkv._engine import lifecycle_lock as _lifecycle_lock
 from shmkv._engine import segment as _segment
+from shmkv._engine import unattached as _unattached
 from shmkv._snapshot import restore as _restore
 from shmkv._snapshot import save as _save
 from shmkv._engine.checks import count
-from shmkv._engine.header import C_KEY, C_PID, CLIENT_WORDS
 from shmkv._engine.segment import Segment
 from shmkv.store._store import (
     DEFAULT_MAX_CLIENTS,
@@ -187,7 +187,8 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             _row_waiters.prepare(live.fd, layout.max_seqs)  # read-only waiters' counts (zeroed)
             creator_key = live.take(0)
             hseg.reserve([(0, off.header_bytes)])
-            words = hseg.array(np.int64, _header.FIXED_BYTES // 8)
+            words = _unattached.fixed_words(hseg)
+            assert words is not None  # (the segment holds the whole header)
             raw = hseg.array(np.uint8)
             _header.write(words, raw, layout, off, max_clients=max_clients, creator_pid=os.getpid(),
                           creator_client=creator_key, persistent=persistent,
@@ -284,31 +285,33 @@ def store_owners(name: str) -> Owners | Unjudged:
     except (StoreNotFound, AccessDeniedError):
         return Unjudged.UNREADABLE
     try:
-        return _owners_in(hseg, name) if hseg.size >= _header.FIXED_BYTES else Unjudged.UNREADABLE
+        return _owners_in(hseg, name)
     finally:
         hseg.close()
 
 
 def _owners_in(hseg: Segment, name: str) -> Owners | Unjudged:
-    words = hseg.array(np.int64, _header.FIXED_BYTES // 8)
-    if int(words[_header.W_MAGIC]) == _header.MAGIC and int(words[_header.W_VERSION]) != _header.FORMAT_VERSION:
+    words = _unattached.fixed_words(hseg)
+    if words is None:
+        return Unjudged.UNREADABLE
+    if _unattached.other_version(words):
         return Unjudged.OTHER_VERSION
     try:
         layout, max_clients = _header.read(words, hseg.array(np.uint8), hseg.size, name)
     except CorruptStoreError:
         return Unjudged.UNREADABLE
     off = _header.offsets(layout, max_clients)
-    rows = hseg.array(np.int64, max_clients * CLIENT_WORDS, off.client_off).reshape(-1, CLIENT_WORDS)
-    row_keys = rows[:, C_KEY].tolist()
-    creator = (int(words[_header.W_CREATOR_PID]), int(words[_header.W_CREATOR_CLIENT]))
-    clients = [(int(p), int(k)) for p, k in rows[:, [C_PID, C_KEY]].tolist() if p]
+    rows = _unattached.clients_of(hseg, off, max_clients)
+    row_keys = [key for _, key in rows]
+    creator = _unattached.creator_of(words)
+    clients = [(pid, key) for pid, key in rows if pid]
 
     def held(key: int) -> tuple[int, int]:
         slot = _liveness.slot_of(key)
         return key, (row_keys[slot] if key > 0 and slot < max_clients else 0)
 
     alive = _liveness.alive_keys(name, [held(creator[1]), *(held(k) for _, k in clients)])
-    return Owners(creator=creator, clients=clients, persistent=bool(words[_header.W_PERSISTENT]),
+    return Owners(creator=creator, clients=clients, persistent=_unattached.persistent_of(words),
                   alive=None if alive is None else frozenset(alive))
     # (the arrays over the mapping die with this frame, before the caller closes it)
 

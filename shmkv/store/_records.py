@@ -6,23 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shmkv._engine import header as _header
 from shmkv._engine.engine import Engine
-from shmkv._engine.header import (
-    CAPACITY,
-    ENCODER,
-    FINISHED,
-    FLAGS,
-    GEN,
-    ID,
-    LEASE_CLIENT,
-    LEASE_PID,
-    LENGTH,
-    LIVE,
-    START,
-    STATE,
-    WIN_OFF,
-)
 
 __all__ = ["SequenceInfo", "StoreStats", "live_clients", "sequence_infos", "store_stats"]
 
@@ -77,45 +61,31 @@ class StoreStats:
 def live_clients(e: Engine) -> list[int]:
     """``Store.clients``: pids of the live read-write attachments (one per attachment)."""
     e.check_open()
-    out = []
-    for pid, key, _flags, _ in e.clients_np.tolist():
-        if pid and key > 0 and e.alive(key):
-            out.append(pid)
-    return out
+    return [pid for pid, key in e.rows.client_rows() if e.alive(key)]
 
 
 def sequence_infos(e: Engine) -> list[SequenceInfo]:
     """``Store.sequences``: the live sequences, in id order."""
     e.check_open()
     out = []
-    table = e.listed_rows()
     asked: dict[int, bool] = {}  # client key -> alive: one question per writer, however many leases
-    for r in table:
-        if r[STATE] != LIVE:
-            continue
-        key, alive = r[LEASE_CLIENT], False
-        if r[LEASE_PID]:
+    for r in e.rows.listed_sequences():
+        key, alive = r.lease_client, False
+        if r.lease_pid:
             known = asked.get(key)
             alive = asked[key] = e.alive(key) if known is None else known
-        out.append(SequenceInfo(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], alive, r[GEN],
-                                bool(r[FLAGS] & FINISHED)))
+        out.append(SequenceInfo(r.id, r.length, r.capacity, r.start, r.lease_pid, alive, r.generation, r.finished))
     return sorted(out, key=lambda s: s.id)
 
 
 def store_stats(e: Engine, bytes_per_token: int) -> StoreStats:
     """``Store.stats``: occupancy (sequences, tokens, free cells and bytes)."""
     e.check_open()
-    e.check_open()
-    t = e.table_np
-    live = t[t[:, STATE] == LIVE]
-    encoders = t[t[:, STATE] == ENCODER]
+    table = e.rows.occupancy()
     gaps = e.free_ranges()
     bpt = bytes_per_token
-    tokens = int(live[:, LENGTH].sum())
-    reserved = int(live[:, CAPACITY].sum())
-    enc_tokens = int(encoders[:, LENGTH].sum())
+    tokens, reserved, enc_tokens, kept = table.tokens, table.reserved, table.encoder_tokens, table.window_tokens
     enc_bpt = e.kv_bytes(e.layout.layers)  # an encoder token has every layer
-    kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if e.layout.bounded else 0
     wbytes = e.kv_bytes(len(e.layout.bounded))  # per token the bounded layers keep
     shared, span_cells = e.shared_cells()
     retained = e.retained_cells()
@@ -123,9 +93,10 @@ def store_stats(e: Engine, bytes_per_token: int) -> StoreStats:
     bytes_used = tokens * bpt + kept * wbytes + enc_tokens * enc_bpt
     # the K/V of tokens read from a span are held once, by the span (also when its donor is gone)
     bytes_held = bytes_used - (tokens - e.committed_held()) * (bpt - 16) if shared else bytes_used
+    counters = e.rows.counters()
     return StoreStats(
         name=e.name,
-        sequences=int(live.shape[0]),
+        sequences=table.sequences,
         max_seqs=e.layout.max_seqs,
         tokens=tokens,
         reserved_tokens=reserved,
@@ -134,17 +105,17 @@ def store_stats(e: Engine, bytes_per_token: int) -> StoreStats:
         largest_free_range=max(0, min(max((s for _, s in gaps), default=0), e.free_tokens(gaps))),
         bytes_per_token=bpt,
         bytes_used=bytes_used,
-        bytes_reserved=held * (bpt - 16) + reserved * 16 + int(live.shape[0]) * 2 * e.layout.window_cells * wbytes
-        + int(encoders[:, CAPACITY].sum()) * enc_bpt,
+        bytes_reserved=held * (bpt - 16) + reserved * 16 + table.sequences * 2 * e.layout.window_cells * wbytes
+        + table.encoder_cells * enc_bpt,
         encoder_tokens=enc_tokens,
         window_tokens=kept,
         clients=len(live_clients(e)),
-        generation=int(e.hdr[_header.W_GENERATION]),
-        finished=int(((live[:, FLAGS] & FINISHED) != 0).sum()),
-        prefix_hits=int(e.hdr[_header.W_PREFIX_HITS]),
-        prefix_misses=int(e.hdr[_header.W_PREFIX_MISSES]),
-        prefix_tokens_reused=int(e.hdr[_header.W_PREFIX_REUSED]),
-        evictions=int(e.hdr[_header.W_EVICTIONS]),
+        generation=counters.generation,
+        finished=table.finished,
+        prefix_hits=counters.prefix_hits,
+        prefix_misses=counters.prefix_misses,
+        prefix_tokens_reused=counters.prefix_tokens_reused,
+        evictions=counters.evictions,
         shared_tokens=shared,
         bytes_shared=shared * (bpt - 16),
         span_cells=span_cells,

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
-from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import lifecycle_lock as _lifecycle_lock
 from shmkv._engine import segment as _segment
+from shmkv._engine import unattached as _unattached
 from shmkv._engine.interrupts import critical
 from shmkv._engine.segment import Segment
 from shmkv.errors import AccessDeniedError, StoreNotFound
+
+T = TypeVar("T")
 
 __all__ = ["exit_removals", "magic_words", "read_identity", "remove_at_process_exit", "remove_if_same", "remove_names"]
 
@@ -41,28 +45,31 @@ def remove_names(name: str) -> bool:
     return found
 
 
-def magic_words(name: str, *which: int) -> tuple[int, ...] | None:
-    """Words ``which`` of ``name``'s header if it has the shmkv magic, else None (no header,
-    not ours to read, too small, or not a shmkv header)."""
+def _in_header(name: str, read: Callable[[np.ndarray], T | None]) -> T | None:
+    """``read`` of ``name``'s header's fixed words, None when there is no header, it is not ours
+    to read or too small (``read`` answers None for a header without the shmkv magic)."""
     try:
         hseg = Segment.open(_segment.header_name(name), readonly=True)
     except (StoreNotFound, AccessDeniedError):
         return None
     try:
-        if hseg.size < _header.FIXED_BYTES:
-            return None
-        words = hseg.array(np.int64, _header.FIXED_BYTES // 8)
-        out = tuple(int(words[w]) for w in which) if int(words[_header.W_MAGIC]) == _header.MAGIC else None
+        words = _unattached.fixed_words(hseg)
+        out = None if words is None else read(words)
         del words
         return out
     finally:
         hseg.close()
 
 
+def magic_words(name: str, *which: int) -> tuple[int, ...] | None:
+    """Words ``which`` of ``name``'s header if it has the shmkv magic, else None (no header,
+    not ours to read, too small, or not a shmkv header)."""
+    return _in_header(name, lambda words: _unattached.magic_words(words, which))
+
+
 def read_identity(name: str) -> int | None:
     """The store identity in ``name``'s header, None when there is no readable shmkv header."""
-    words = magic_words(name, _header.W_IDENTITY)  # (a version-1 header holds 0 there: never ours)
-    return words[0] if words is not None else None
+    return _in_header(name, _unattached.identity_of)
 
 
 def remove_if_same(name: str, identity: int) -> bool:

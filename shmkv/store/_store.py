@@ -18,6 +18,7 @@ from shmkv._sequence import group as _group
 from shmkv._engine import header as _header
 from shmkv._engine import lock as _lock
 from shmkv._engine import segment as _segment
+from shmkv._engine import unattached as _unattached
 from shmkv._snapshot import restore as _restore
 from shmkv._snapshot import save as _save
 from shmkv._engine.engine import Engine
@@ -108,7 +109,7 @@ class Store:
     def persistent(self) -> bool:
         e = self._engine
         e.check_open()
-        return bool(e.hdr[_header.W_PERSISTENT])
+        return e.rows.persistent()
 
     def close(self) -> None:
         """Give up this handle's leases, close its descriptors and unmap (views the caller still
@@ -142,7 +143,7 @@ class Store:
         plan: tuple[bool, bool] | None = self.__dict__.get("_close_plan")
         if plan is None:
             if remove is None:
-                remove = e.creator and not bool(e.hdr[_header.W_PERSISTENT])
+                remove = e.creator and not e.rows.persistent()
             inherited = e.inherited()
             plan = self._close_plan = (bool(remove) and not inherited, inherited)
             e.closed = True  # closing counts: a handle whose lease is dropped next says StoreClosedError
@@ -394,12 +395,11 @@ def check_timeout(name: str, value: object) -> float:
     return float(value)
 
 
-# Headers this process found intact (a forked child inherits them): the words read() checks (the
-# fixed block's first 22 but the generation and next id, which change), the layer kinds and the
-# segment's size -> what read() returned. A header equal to one is decoded and checked already.
+# Headers this process found intact (a forked child inherits them): what read() decides from (the
+# words it checks, the layer kinds and the segment's size: ``unattached.read_key``) -> what it
+# returned. A header equal to one is decoded and checked already.
 # At most READ_KEPT headers are kept: a process sees a few stores; one that sees more forgets them
 # all and decodes each again (one read(), tens of microseconds), rather than holding every header.
-_KEY_WORDS = np.array([w for w in range(22) if w not in (_header.W_GENERATION, _header.W_NEXT_ID)])
 _READ: dict[bytes, tuple[Layout, int]] = {}
 READ_KEPT = 64
 
@@ -408,8 +408,7 @@ def read_header_once(words: np.ndarray | None, raw: np.ndarray, size: int, name:
     """``header.read``, once for each header this process sees (the creator's, or an attach's)."""
     if words is None:  # (too short: read() says so)
         return _header.read(np.zeros(64, np.int64), raw, size, name)
-    kinds = _header.LAYER_KINDS_OFF + min(max(int(words[_header.W_LAYERS]), 0), _header.MAX_LAYERS)
-    key = words[_KEY_WORDS].tobytes() + raw[_header.LAYER_KINDS_OFF : kinds].tobytes() + size.to_bytes(8, "little")
+    key = _unattached.read_key(words, raw, size)
     got = _READ.get(key)
     if got is None:
         got = _header.read(words, raw, size, name)
@@ -456,15 +455,15 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         raise StoreNotFound(f"no store named {name!r} (shmkv.list_stores() or `shmkv ls` lists them)") from None
     opened: list[Segment] = []
     try:
-        words = hseg.array(np.int64, _header.FIXED_BYTES // 8) if hseg.size >= 512 else None
+        words = _unattached.fixed_words(hseg)
         deadline = time.monotonic() + timeout
-        while words is not None and int(words[_header.W_MAGIC]) == 0 and time.monotonic() < deadline:
+        while words is not None and not _unattached.published(words) and time.monotonic() < deadline:
             time.sleep(0.001)  # the creator writes the magic last
         raw = hseg.array(np.uint8)
         layout, max_clients = read_header_once(words, raw, hseg.size, name)
         assert words is not None  # (read() refused a short one)
-        persistent = bool(words[_header.W_PERSISTENT])
-        data_bytes = int(words[_header.W_DATA_BYTES])  # (read() checked it against the layout's offsets)
+        persistent = _unattached.persistent_of(words)
+        data_bytes = _unattached.data_bytes_of(words)  # (read() checked it against the layout's offsets)
         del words, raw
         dseg = Segment.open(_segment.data_name(name), readonly)
         opened.append(dseg)

@@ -1,0 +1,259 @@
+"""The row and header words the store layer (``store/``) sets and reads, as named operations: a
+new sequence's id and row, a write lease taken over or given back, the prefix statistics, the
+step of a fresh row's seqlock that sends its first write down the checked path, and typed
+readers of what a store reports. The store never indexes a row or the header itself: the column
+names stay in ``_engine`` (``header.py`` holds the layout), and so does the order of the words
+that a crash point or a reader relies on.
+
+Lock held, unless said; each write of a row's words is inside the caller's ``changing(row)``
+(journaled: all of its words or none), as the operation's docstring says.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from shmkv._engine import crash as _crash
+from shmkv._engine import share
+from shmkv._engine.header import (
+    CAPACITY,
+    CLEAN,
+    ENC_SLOT,
+    ENCODER,
+    FINISHED,
+    FLAGS,
+    GEN,
+    ID,
+    IDX_BLOCKS,
+    LEASE_CLIENT,
+    LEASE_PID,
+    LEASE_TOKEN,
+    LENGTH,
+    LENT,
+    LIVE,
+    RECENCY,
+    SPAN_CELLS,
+    SPAN_PHYS,
+    SPAN_TAKEN,
+    START,
+    STATE,
+    W_CLOCK,
+    W_EVICTIONS,
+    W_GENERATION,
+    W_NEXT_ID,
+    W_PAGE_MARK,
+    W_PERSISTENT,
+    W_PREFIX_HITS,
+    W_PREFIX_MISSES,
+    W_PREFIX_REUSED,
+    W_UNDO_COUNT,
+    WBUF,
+    WIN_OFF,
+    Layout,
+)
+from shmkv._engine.journal import Journal
+
+__all__ = ["Counters", "Occupancy", "Rows", "SequenceRow"]
+
+
+class SequenceRow(NamedTuple):
+    """A live sequence's row as ``store.sequences()`` lists it."""
+
+    id: int
+    length: int
+    capacity: int
+    start: int
+    lease_pid: int
+    lease_client: int
+    generation: int
+    finished: bool
+
+
+class Occupancy(NamedTuple):
+    """The table's sums at one moment (``store.stats()``)."""
+
+    sequences: int  # live rows
+    tokens: int  # their committed tokens
+    reserved: int  # their cells
+    window_tokens: int  # tokens the bounded layers hold (0 without bounded layers)
+    finished: int
+    encoder_tokens: int
+    encoder_cells: int
+
+
+class Counters(NamedTuple):
+    """The header's counters (``store.stats()``)."""
+
+    generation: int
+    prefix_hits: int
+    prefix_misses: int
+    prefix_tokens_reused: int
+    evictions: int
+
+
+class Rows:
+    """The store layer's operations on row and header words, a part the engine holds (see the
+    module docstring). No state of its own: the header, table, meta and client-table views, and
+    the journal's and the pages' operations it calls."""
+
+    def __init__(self, *, layout: Layout, hdr: memoryview, table_np: np.ndarray, meta: np.ndarray,
+                 clients_np: np.ndarray, journal: Journal, owes: Callable[[int, int], bool], page_unit: int) -> None:
+        self.layout = layout
+        self.hdr = hdr
+        self.table_np = table_np
+        self.meta = meta
+        self.clients_np = clients_np
+        self.journal = journal
+        self._owes = owes
+        self._page_unit = page_unit
+
+    def touch(self, row: memoryview) -> None:
+        """Mark a use of a sequence for LRU eviction: the recency clock's next value (lock held)."""
+        clock = self.hdr[W_CLOCK] + 1
+        self.hdr[W_CLOCK] = clock
+        row[RECENCY] = clock
+
+    # -- a new sequence --------------------------------------------------------------------
+
+    def next_id_and_page_mark(self) -> tuple[int, int]:
+        """(the next sequence id, the page mark) as a create reads them before it places its row:
+        the id's row is where the search for a free row starts; a span at or above the mark has
+        no pages to punch (``Sharing.borrow``)."""
+        hdr = self.hdr
+        return hdr[W_NEXT_ID], hdr[W_PAGE_MARK]
+
+    def init_row(self, slot: int, row: memoryview, start: int, capacity: int, *, client: int, token: int) -> int:
+        """Claim the next id of row ``slot`` and write the row of a new, empty sequence leased to
+        (``client``, ``token``) of this process, its meta record empty and its recency fresh
+        (row changing); return its id. The id is the next id of that row (ids skip the rows in
+        use: a sequence lives in row ``id % max_seqs``) and is never reused: the next id moves
+        past it at once, so a rolled-back create skips one."""
+        hdr = self.hdr
+        next_id = hdr[W_NEXT_ID]
+        seq_id = next_id + (slot - next_id) % self.layout.max_seqs
+        hdr[W_NEXT_ID] = seq_id + 1
+        self.journal.new_incarnation(row)
+        row[ID] = seq_id
+        row[START] = start
+        row[CAPACITY] = capacity
+        row[LENGTH] = 0
+        row[WIN_OFF] = 0
+        row[WBUF] = 0
+        row[ENC_SLOT] = 0
+        _crash.point("create.row")
+        row[FLAGS] = 0
+        row[IDX_BLOCKS] = 0
+        row[CLEAN] = -1
+        row[SPAN_PHYS] = row[SPAN_CELLS] = row[SPAN_TAKEN] = 0
+        self.journal.log_meta(slot)
+        self.meta[slot, :8] = 0
+        clock = hdr[W_CLOCK] + 1  # (touch, written out: one call less a create)
+        hdr[W_CLOCK] = clock
+        row[RECENCY] = clock
+        row[LEASE_CLIENT] = client
+        row[LEASE_TOKEN] = token
+        row[LEASE_PID] = os.getpid()
+        row[STATE] = LIVE
+        return int(seq_id)
+
+    def count_prefix(self, donor: int, n: int) -> None:
+        """A create with a prompt reused ``n`` tokens of row ``donor`` (a hit: the donor's
+        recency is fresh) or none (``n`` 0: a miss), in the header's statistics."""
+        hdr = self.hdr
+        if n:
+            clock = hdr[W_CLOCK] + 1  # (touch of the donor's row, written out)
+            hdr[W_CLOCK] = clock
+            self.table_np[donor, RECENCY] = clock
+            hdr[W_PREFIX_HITS] += 1
+            hdr[W_PREFIX_REUSED] += n
+        else:
+            hdr[W_PREFIX_MISSES] += 1
+
+    def owe_first_touch(self, row: memoryview) -> None:
+        """A new row whose range is allocated but not pre-faulted (``Arena.new_row``): a step of
+        its seqlock (after its handle was made) sends the handle's first write down its checked
+        path, where a prefill (extend) writes through the descriptor and appends pre-fault the
+        range first."""
+        if self._owes(row[START], row[CAPACITY]):
+            row[GEN] += 2
+
+    # -- a write lease ---------------------------------------------------------------------
+
+    def take_lease_words(self, row: memoryview, client: int, token: int) -> None:
+        """The lease of ``row`` to (``client``, ``token``) of this process (row changing: a crash
+        or an exception before the end puts back the old lease and the FINISHED flag); a
+        finished sequence taken back (a chat's next turn) is no longer evictable and gets a
+        fresh recency."""
+        if row[FLAGS] & FINISHED:
+            row[FLAGS] &= ~FINISHED
+            self.touch(row)
+        row[LEASE_CLIENT] = client
+        row[LEASE_TOKEN] = token
+        _crash.point("lease.taken")
+        row[LEASE_PID] = os.getpid()
+
+    def lease_token(self, row: memoryview) -> int:
+        """The token of the handle that holds (or last held) ``row``'s lease."""
+        return int(row[LEASE_TOKEN])
+
+    def release_lease(self, row: memoryview) -> None:
+        """Give ``row``'s lease back, as a handle's release() does (no lock needed: one word)."""
+        row[LEASE_PID] = 0
+
+    # -- readers ---------------------------------------------------------------------------
+
+    def length(self, row: memoryview) -> int:
+        """The committed length of ``row``'s sequence."""
+        return int(row[LENGTH])
+
+    def may_borrow_into(self, row: memoryview, n: int) -> bool:
+        """Whether ``row`` may borrow a donor's first ``n`` cells as a reused prompt does (fork,
+        regather): sharing is on, the row is empty, keeps no span's cells taken, lends nothing,
+        holds ``n`` cells and starts on a page unit."""
+        return bool(share.ENABLED and not row[LENGTH] and not row[SPAN_TAKEN] and not row[FLAGS] & LENT
+                    and n <= row[CAPACITY] and not row[START] % self._page_unit)
+
+    def client_rows(self) -> list[tuple[int, int]]:
+        """(pid, client key) of each row of the client table that names a process (a pid and a
+        key), in slot order; whether it is alive is the liveness file's to say (``Core.alive``)."""
+        return [(pid, key) for pid, key, _flags, _ in self.clients_np.tolist() if pid and key > 0]
+
+    def persistent(self) -> bool:
+        """Whether the store outlives its creator's close (a header word set at create)."""
+        return bool(self.hdr[W_PERSISTENT])
+
+    def listed_sequences(self) -> list[SequenceRow]:
+        """The live sequences' rows, in table order, as a listing reads them
+        (``store.sequences()``): as they are; while a transaction is in the undo log, as its
+        rollback leaves them (``_engine/journal.py``, 7)."""
+        j = self.journal
+        if self.hdr[W_UNDO_COUNT] and not j.depth:
+            with j.reading():
+                rows = [j.settled_row(slot) for slot in range(self.layout.max_seqs)]
+        else:
+            t = self.table_np
+            rows = t[t[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
+        return [SequenceRow(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], r[LEASE_CLIENT], r[GEN],
+                            bool(r[FLAGS] & FINISHED))
+                for r in rows if r[STATE] == LIVE]
+
+    def occupancy(self) -> Occupancy:
+        """The table's sums, read at one moment (no lock: a figure, not a decision)."""
+        t = self.table_np
+        live = t[t[:, STATE] == LIVE]
+        encoders = t[t[:, STATE] == ENCODER]
+        kept = int((live[:, LENGTH] - live[:, WIN_OFF]).sum()) if self.layout.bounded else 0
+        return Occupancy(
+            sequences=int(live.shape[0]), tokens=int(live[:, LENGTH].sum()), reserved=int(live[:, CAPACITY].sum()),
+            window_tokens=kept, finished=int(((live[:, FLAGS] & FINISHED) != 0).sum()),
+            encoder_tokens=int(encoders[:, LENGTH].sum()), encoder_cells=int(encoders[:, CAPACITY].sum()))
+
+    def counters(self) -> Counters:
+        """The header's counters: the store generation and the prefix and eviction statistics."""
+        hdr = self.hdr
+        return Counters(int(hdr[W_GENERATION]), int(hdr[W_PREFIX_HITS]), int(hdr[W_PREFIX_MISSES]),
+                        int(hdr[W_PREFIX_REUSED]), int(hdr[W_EVICTIONS]))
