@@ -51,6 +51,12 @@ class Filler:
         self.split = []
 
 
+def map_count() -> int:
+    """This process's memory mappings now (lines of /proc/self/maps)."""
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
 def digest(*arrays: Any) -> str:
     h = hashlib.sha256()
     for a in arrays:
@@ -84,7 +90,8 @@ def near_the_limit(name: str, readonly: bool, path: str, got: Any, ready: Any) -
     """Attach ``name``, fill this process's mappings but a few, tell the parent (``ready``),
     get the ids (donor, other row, borrower mapped before, new borrower) from ``got``, and try
     every read path: of the new borrower (its span cannot be mapped here) and of the others.
-    Then free the mappings and read the borrower again. Returns what each path did, and digests."""
+    Then free the mappings and read the borrower again. Returns what each path did (and the
+    mappings this process held after each: ``maps``), and digests."""
     import torch  # (imported before the filling: loading a library takes mappings)
 
     store = shmkv.attach(name, readonly=readonly)
@@ -175,7 +182,10 @@ def near_the_limit(name: str, readonly: bool, path: str, got: Any, ready: Any) -
                           "reuse_copied": lambda: reuse(False), "copy_prefix_shared": lambda: copy_prefix(True),
                           "copy_prefix_copied": lambda: copy_prefix(False)})
         copies: dict[str, np.ndarray] = {}
-        out["paths"] = {what: refused(fn) for what, fn in paths.items()}
+        out["paths"], out["maps"] = {}, {"start": map_count()}
+        for what, fn in paths.items():
+            out["paths"][what] = refused(fn)
+            out["maps"][what] = map_count()
         out["copies"] = copies
         out["still_unmapped"] = sorted(eng.shares.unmapped)
         out["torch"] = torch.__name__
