@@ -46,6 +46,16 @@ class Filler:
         for _ in range(slack):
             _libc.mprotect(self.addr + self.split.pop() * PAGE, PAGE, 0)
 
+    def leave(self, free: int) -> None:
+        """Fill, then give back mappings until exactly ``free`` are left (``free_mappings``):
+        merges give back two each; one more taken by splitting the last page off the range."""
+        self.fill(slack=0)
+        while free_mappings() < free:
+            _libc.mprotect(self.addr + self.split.pop() * PAGE, PAGE, 0)
+        if free_mappings() > free:
+            _libc.mprotect(self.addr + (self.PAGES - 1) * PAGE, PAGE, 1)
+        assert free_mappings() == free
+
     def release(self) -> None:
         _libc.munmap(self.addr, self.PAGES * PAGE)
         self.split = []
@@ -55,6 +65,15 @@ def map_count() -> int:
     """This process's memory mappings now (lines of /proc/self/maps)."""
     with open("/proc/self/maps", "rb") as f:
         return sum(1 for _ in f)
+
+
+def free_mappings() -> int:
+    """How many more mappings the kernel lets this process make (-1: one over vm.max_map_count;
+    [vsyscall], listed in /proc/self/maps, is not one of its mappings)."""
+    with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
+    with open("/proc/self/maps", "rb") as f:
+        return limit - sum(1 for line in f if not line.rstrip().endswith(b"[vsyscall]"))
 
 
 def digest(*arrays: Any) -> str:
