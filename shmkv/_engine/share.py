@@ -243,7 +243,7 @@ class Shares:
                 got = SPARE.put_back(args)  # (one over the limit: Spare)
             if got in (None, MAP_FAILED) or got != addr:
                 return i
-        if phys == start and not SPARE.addr:
+        if phys == start and pieces and not SPARE.addr:
             SPARE.keep()  # (given up for a put-back that failed even so: this one gave mappings back)
         return len(pieces)
 
