@@ -46,9 +46,34 @@ class Filler:
         for _ in range(slack):
             _libc.mprotect(self.addr + self.split.pop() * PAGE, PAGE, 0)
 
+    def leave(self, free: int) -> None:
+        """Fill, then give back mappings until exactly ``free`` are left (``free_mappings``):
+        merges give back two each; one more taken by splitting the last page off the range."""
+        self.fill(slack=0)
+        while free_mappings() < free:
+            _libc.mprotect(self.addr + self.split.pop() * PAGE, PAGE, 0)
+        if free_mappings() > free:
+            _libc.mprotect(self.addr + (self.PAGES - 1) * PAGE, PAGE, 1)
+        assert free_mappings() == free
+
     def release(self) -> None:
         _libc.munmap(self.addr, self.PAGES * PAGE)
         self.split = []
+
+
+def map_count() -> int:
+    """This process's memory mappings now (lines of /proc/self/maps)."""
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+def free_mappings() -> int:
+    """How many more mappings the kernel lets this process make (-1: one over vm.max_map_count;
+    [vsyscall], listed in /proc/self/maps, is not one of its mappings)."""
+    with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
+    with open("/proc/self/maps", "rb") as f:
+        return limit - sum(1 for line in f if not line.rstrip().endswith(b"[vsyscall]"))
 
 
 def digest(*arrays: Any) -> str:
@@ -84,7 +109,8 @@ def near_the_limit(name: str, readonly: bool, path: str, got: Any, ready: Any) -
     """Attach ``name``, fill this process's mappings but a few, tell the parent (``ready``),
     get the ids (donor, other row, borrower mapped before, new borrower) from ``got``, and try
     every read path: of the new borrower (its span cannot be mapped here) and of the others.
-    Then free the mappings and read the borrower again. Returns what each path did, and digests."""
+    Then free the mappings and read the borrower again. Returns what each path did (and the
+    mappings this process held after each: ``maps``), and digests."""
     import torch  # (imported before the filling: loading a library takes mappings)
 
     store = shmkv.attach(name, readonly=readonly)
@@ -175,7 +201,10 @@ def near_the_limit(name: str, readonly: bool, path: str, got: Any, ready: Any) -
                           "reuse_copied": lambda: reuse(False), "copy_prefix_shared": lambda: copy_prefix(True),
                           "copy_prefix_copied": lambda: copy_prefix(False)})
         copies: dict[str, np.ndarray] = {}
-        out["paths"] = {what: refused(fn) for what, fn in paths.items()}
+        out["paths"], out["maps"] = {}, {"start": map_count()}
+        for what, fn in paths.items():
+            out["paths"][what] = refused(fn)
+            out["maps"][what] = map_count()
         out["copies"] = copies
         out["still_unmapped"] = sorted(eng.shares.unmapped)
         out["torch"] = torch.__name__

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from _share_map_children import Filler, content
+from _share_map_children import Filler, content, free_mappings, refused
 
 import shmkv
 from shmkv._engine.header import SPAN_CELLS
@@ -34,6 +34,48 @@ def reuse_at_the_limit(name: str, prompt: list[int], donor_id: int) -> dict[str,
         out["shared_tokens"] = store.stats().shared_tokens
         s.release()
         f.release()
+    finally:
+        filler.release()
+    store.close()
+    return out
+
+
+def put_back_with_free(name: str, free: int, prompt: list[int], got: Any, ready: Any) -> dict[str, Any]:
+    """Attach ``name``, map what is there, leave exactly ``free`` mappings free, reuse the
+    prompt's prefix (the span refused: a copy), tell the parent (``ready``), get a borrower's id
+    (created meanwhile by the parent: its span cannot be mapped here) from ``got``, read it
+    (refused), copy its prefix into a new sequence. What each did, and this process's mappings
+    after each: free, rows left ``dirty`` (their own pages not put back) and ``unmapped``."""
+    store = shmkv.attach(name)
+    for info in store.sequences():
+        len(store.sequence(info.id))
+    eng = engine_of(store)
+    sh = eng.shares
+    filler = Filler()
+    out: dict[str, Any] = {}
+
+    def after() -> dict[str, Any]:
+        return {"over": free_mappings() < 0, "dirty": sorted(sh.dirty), "unmapped": sorted(sh.unmapped)}
+
+    try:
+        filler.leave(free)
+        try:
+            s = store.create_sequence(capacity=1024, prefix=np.asarray(prompt))
+            out["reuse"] = (s.id, len(s), content(store, s.id), int(eng.table_np[eng.slot_of(s.id), SPAN_CELLS]))
+        except Exception as err:
+            out["reuse"] = f"{type(err).__name__}: {err}"
+        out["after_reuse"] = after()
+        ready.set()
+        b = store.sequence(got.get(timeout=60))
+        out["read"] = refused(lambda: b.keys(0))
+        out["after_read"] = after()
+        try:
+            dst = store.create_sequence(capacity=1024, prefix=[999_999])
+            store.copy_prefix(b.id, dst.id, len(b) - 3)
+            out["copy"] = (dst.id, np.array(dst.keys(0)))
+        except Exception as err:
+            out["copy"] = f"{type(err).__name__}: {err}"
+        out["after_copy"] = after()
     finally:
         filler.release()
     store.close()

@@ -159,6 +159,57 @@ def test_a_process_at_the_real_limit_copies_the_prefix(make_store, start_method)
     assert kv_content(b1) == kv_content(d)
 
 
+@pytest.mark.parametrize("free", [1, 2, 3, 4])
+def test_a_refused_span_is_put_back_whatever_mappings_are_free(make_store, free):
+    """No patching: a child left exactly ``free`` mappings under vm.max_map_count. A span's array
+    mapped in the middle of the data segment's region costs two, and the kernel maps it with one
+    free: with an odd count free the child ends one over the limit, where the kernel refuses
+    every mmap, the put-back of the arrays mapped before the refusal too. Whatever the count, the
+    refused span is put back: the child's own reuse copies the donor's prefix (no ShareError),
+    another process's borrower is refused at a read and a copy_prefix from it gives its bytes;
+    after each the child is within the limit, no row left dirty, only that borrower unmapped."""
+    import multiprocessing as mp
+
+    from _share_maplimit_children import put_back_with_free
+    from _share_map_children import content
+
+    from shmkv.testing import start_in_process
+
+    st = lim_store(make_store)
+    rng = np.random.default_rng(11)
+    d, p = make_donor(st, rng)
+    want = content(st, d.id)
+    ctx = mp.get_context("fork")
+    got, ready = ctx.Queue(), ctx.Event()
+    child = start_in_process(put_back_with_free, st.name, free, [*p.tolist(), 1], got, ready, start_method="fork",
+                             timeout=120)
+    try:
+        assert ready.wait(60)
+        b = st.create_sequence(capacity=1024, prefix=np.r_[p, [2]])
+        k, v = kv_pair(rng, 40)
+        b.extend(k, v, tokens=np.arange(2, 42))
+        b.finish()
+        assert engine_of(st).table_np[engine_of(st).slot_of(b.id), SPAN_CELLS] > 0
+        got.put(b.id)
+        out = child.result()
+    finally:
+        child.kill()
+        got.close()
+    clean = {"over": False, "dirty": [], "unmapped": []}
+    slot_b = engine_of(st).slot_of(b.id)
+    assert isinstance(out["reuse"], tuple), out["reuse"]
+    s_id, s_len, s_digest, s_span = out["reuse"]
+    assert (s_len, s_digest, s_span) == (PROMPT, want, 0) and content(st, s_id) == want
+    assert out["after_reuse"] == clean
+    assert out["read"] == "refused"
+    assert out["after_read"] == {**clean, "unmapped": [slot_b]}
+    assert isinstance(out["copy"], tuple), out["copy"]
+    dst_id, dst_k = out["copy"]
+    assert dst_k.shape[0] == len(b) - 3 and np.array_equal(dst_k, np.asarray(b.keys(0))[: len(b) - 3])
+    assert np.array_equal(np.asarray(st.sequence(dst_id).keys(0)), dst_k)
+    assert out["after_copy"] == {**clean, "unmapped": [slot_b]}
+
+
 @pytest.mark.parametrize("end", ["exception", "kill"])
 def test_a_fallback_cut_short_leaves_nothing(make_store, monkeypatch, end):
     """The fallback runs inside the create's transaction: an exception right after its copy

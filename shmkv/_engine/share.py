@@ -39,6 +39,13 @@ a quarter of ``vm.max_map_count``; beyond it a reuse copies as before. A process
 mappings leave no room for a span it would borrow (the kernel refuses: ENOMEM) copies too
 (``Sharing.borrow``, ``drop_refused``); one that cannot map another process's borrower leaves
 that row ``unmapped`` here, unreadable (ShareError) until a retry maps it.
+
+A refused span is put back whatever the count: mapping an array's span in the middle of the
+data segment's region costs two mappings and the kernel allows it with one free, leaving the
+process one over the limit, where it refuses every mmap, the put-back of the arrays mapped
+before the refusal too (merging their regions again, which gives mappings back). A process holds
+one mapping in reserve for that (``Spare``): unmapped, it brings the process back to the limit,
+where the put-back is allowed.
 """
 
 from __future__ import annotations
@@ -59,16 +66,21 @@ import numpy as np
 from shmkv._engine import header as _header
 from shmkv._engine.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
 from shmkv._engine.intervals import take_interval
-from shmkv._engine.stitch import MAP_FAILED, MAP_FIXED, MAP_SHARED, PROT_READ, PROT_WRITE, LIBC, libc_mmap
+from shmkv._engine.stitch import (LIBC, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_SHARED, PROT_NONE, PROT_READ,
+                                  PROT_WRITE, libc_mmap)
 from shmkv.errors import ShareError
 
-__all__ = ["ENABLED", "MAP_BUDGET", "Shares", "max_borrowers"]
+__all__ = ["ENABLED", "MAP_BUDGET", "SPARE", "Shares", "Spare", "max_borrowers"]
 
 PAGE = mmap.PAGESIZE
 _PUNCH = 3  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _fallocate = LIBC.fallocate
 _fallocate.restype = ctypes.c_int
 _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+_munmap = LIBC.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_mmap_spare = libc_mmap  # (the spare's own: a test that makes ``libc_mmap`` refuse spans leaves it be)
 
 _SPIN = 2000
 
@@ -111,9 +123,54 @@ _NO_REFUSAL = ShareError(errno.ENOMEM, os.strerror(errno.ENOMEM))  # ``refused``
 _LIVE: weakref.WeakSet[Shares] = weakref.WeakSet()
 
 
+class Spare:
+    """The mapping a process holds in reserve to put cells' own pages back (see the module
+    docstring): one page of anonymous shared memory, PROT_NONE (no memory; never merged with a
+    neighbour, so unmapping it gives one mapping back; a forked child inherits it).
+
+    ``put_back`` gives it up for a put-back the kernel refused (ENOMEM) and takes it again once
+    that put-back is done, or, if it failed even so, after the next one that succeeds
+    (``Shares._map``): a put-back gives two mappings back (or, over the array's own pages, none,
+    and then it needed one free), so taking the spare again never takes the process over the
+    limit."""
+
+    def __init__(self) -> None:
+        self.addr = 0  # (0: none held)
+        self.lock = threading.Lock()
+
+    def keep(self) -> None:
+        """Map the spare if this process holds none (none if the kernel refuses)."""
+        with self.lock:
+            self._keep()
+
+    def _keep(self) -> None:
+        if not self.addr:
+            got = _mmap_spare(None, PAGE, PROT_NONE, MAP_SHARED | MAP_ANONYMOUS, -1, 0)
+            if got not in (None, MAP_FAILED):
+                self.addr = got
+
+    def put_back(self, args: tuple[int, int, int, int, int, int]) -> Any:
+        """``libc_mmap(*args)`` (an array's own pages mapped back; the kernel refused it already)
+        with the spare unmapped; the spare mapped again if it succeeded. MAP_FAILED (errno ENOMEM
+        as the kernel gave it) when this process holds no spare."""
+        with self.lock:
+            addr, self.addr = self.addr, 0
+            if not addr or _munmap(addr, PAGE) != 0:
+                self.addr = addr
+                return MAP_FAILED
+            got = libc_mmap(*args)
+            if got not in (None, MAP_FAILED):
+                self._keep()
+            return got
+
+
+SPARE = Spare()
+
+
 def _after_fork_in_child() -> None:
     for shares in list(_LIVE):
         shares.lock = threading.RLock()
+    SPARE.lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -146,6 +203,7 @@ class Shares:
         self.refused = _NO_REFUSAL  # the last refusal
         self.lock = threading.RLock()
         _LIVE.add(self)
+        SPARE.keep()
 
     def __del__(self) -> None:
         fd, self.fd = getattr(self, "fd", -1), -1
@@ -179,9 +237,14 @@ class Shares:
         """Map cells [phys, phys + m) at cells [start, start + m) of each of ``pieces``; how many were."""
         for i, (off, cb) in enumerate(pieces):
             addr = self.base + off + start * cb
-            got = libc_mmap(addr, m * cb, self.prot, MAP_SHARED | MAP_FIXED, self.fd, off + phys * cb)
+            args = (addr, m * cb, self.prot, MAP_SHARED | MAP_FIXED, self.fd, off + phys * cb)
+            got = libc_mmap(*args)
+            if got != addr and phys == start and ctypes.get_errno() == errno.ENOMEM:
+                got = SPARE.put_back(args)  # (one over the limit: Spare)
             if got in (None, MAP_FAILED) or got != addr:
                 return i
+        if phys == start and pieces and not SPARE.addr:
+            SPARE.keep()  # (given up for a put-back that failed even so: this one gave mappings back)
         return len(pieces)
 
     def punch(self, start: int, m: int, *, holes: bool = False) -> None:
