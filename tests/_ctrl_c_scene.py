@@ -182,25 +182,28 @@ def run_op(sc: Scene, op: str) -> None:
         raise ValueError(op)
 
 
-class _Trace:
-    """Counts call events in shmkv's code; at the ``fire``-th, calls the installed SIGINT handler."""
+class Trace:
+    """Counts call events in the code under ``roots`` (shmkv's by default); at the ``fire``-th,
+    calls the SIGINT handler installed at that moment."""
 
-    def __init__(self, fire: int = 0) -> None:
-        self.fire = fire
+    def __init__(self, fire: int = 0, roots: tuple[str, ...] = (_PKG,)) -> None:
+        self.fire, self.roots = fire, roots
         self.count = 0
         self.where = ""
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(_PKG):
+        if event == "call" and frame.f_code.co_filename.startswith(self.roots):
             self.count += 1
             if self.count == self.fire:
-                self.where = f"{frame.f_code.co_filename[len(_PKG):]}:{frame.f_code.co_name}"
+                path = frame.f_code.co_filename
+                root = next(r for r in self.roots if path.startswith(r))
+                self.where = f"{path[len(root):]}:{frame.f_code.co_name}"
                 handler = signal.getsignal(signal.SIGINT)
                 assert callable(handler)
                 handler(signal.SIGINT, frame)
 
 
-def _traced(fn: Callable[[], None], tr: _Trace) -> bool:
+def _traced(fn: Callable[[], None], tr: Trace) -> bool:
     """Run fn under the trace; whether a KeyboardInterrupt came out of it."""
     sys.settrace(tr)
     try:
@@ -217,7 +220,7 @@ def points(op: str, dtype: str) -> int:
     sc = scene(dtype)
     try:
         prepare(sc, op)
-        tr = _Trace()
+        tr = Trace()
         assert not _traced(lambda: run_op(sc, op), tr)
         return tr.count
     finally:
@@ -239,7 +242,7 @@ def trial(op: str, dtype: str, point: int, before: dict[int, list[int]] | None =
     out: list[str] = []
     try:
         prepare(sc, op)
-        tr = _Trace(point)
+        tr = Trace(point)
         interrupted = _traced(lambda: run_op(sc, op), tr)
         tag = f"{op}/{dtype} point {point} ({tr.where or 'not fired'}{', raised' if interrupted else ''})"
         # the process carries on: three decode steps through every handle it holds

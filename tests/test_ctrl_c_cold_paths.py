@@ -12,13 +12,13 @@ uninterrupted run.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import filelock
 import pytest
+from _ctrl_c_scene import Trace
 
 import shmkv
 from shmkv.testing import shm_entries, unique_name
@@ -27,23 +27,6 @@ _ROOTS = (os.path.dirname(shmkv.__file__) + os.sep, os.path.dirname(filelock.__f
 OPS = ("create", "close", "remove", "persistent_create", "load", "persistent_load")
 _SNAP: dict[str, str] = {}
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-class _Trace:
-    """Counts call events in shmkv's and filelock's code; at the ``fire``-th, calls the installed
-    SIGINT handler."""
-
-    def __init__(self, fire: int = 0) -> None:
-        self.fire, self.count, self.where = fire, 0, ""
-
-    def __call__(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(_ROOTS):
-            self.count += 1
-            if self.count == self.fire:
-                self.where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
-                handler = signal.getsignal(signal.SIGINT)
-                assert callable(handler)
-                handler(signal.SIGINT, frame)
 
 
 def _create(name: str, persistent: bool = False) -> shmkv.Store:
@@ -104,14 +87,16 @@ def _retry(fn: Callable[[], Any]) -> Any:
     return None
 
 
-def trial(op: str, point: int) -> tuple[str, list[str]]:
-    """One run of ``op`` interrupted at call event ``point`` (0: not at all); where it fired, and what
-    of the store is left once the program carried on."""
+def trial(op: str, point: int) -> tuple[Trace, list[str]]:
+    """One run of ``op`` interrupted at call event ``point`` (0: not at all); its trace (where it
+    fired, how many call events it saw), and what of the store is left once the program carried on."""
     name = unique_name("cc")
     store = None
     if op in ("close", "remove"):
         store = _create(name)
-    tr = _Trace(point)
+    if op.endswith("load"):
+        _snapshot()  # made once, outside the trace
+    tr = Trace(point, _ROOTS)
     sys.settrace(tr)
     try:
         store = _start(op, name, store)
@@ -135,7 +120,7 @@ def trial(op: str, point: int) -> tuple[str, list[str]]:
                 pass
             assert store is not None
             _retry(store.close)
-        return tr.where, _mine(name)
+        return tr, _mine(name)
     finally:
         left = _mine(name)
         if left:  # whatever the trial found, the machine is left clean
@@ -147,20 +132,9 @@ def trial(op: str, point: int) -> tuple[str, list[str]]:
 
 
 def points(op: str) -> int:
-    tr = _Trace()
-    name = unique_name("cc")
-    store = _create(name) if op in ("close", "remove") else None
-    _snapshot()
-    sys.settrace(tr)
-    try:
-        store = _start(op, name, store)
-    finally:
-        sys.settrace(None)
-    if op.startswith("persistent"):
-        shmkv.remove(name)
-    assert store is not None
-    store.close()
-    assert not _mine(name)
+    """The call events of an uninterrupted run of ``op``, which leaves nothing behind either."""
+    tr, left = trial(op, 0)
+    assert not left, f"{op}: an uninterrupted run left {left}"
     return tr.count
 
 
@@ -170,7 +144,7 @@ def test_a_ctrl_c_at_every_function_entry_of_a_cold_path_leaves_nothing_behind(o
     assert n > 10, f"{op}: only {n} call events: the trace does not see the operation"
     problems = []
     for point in range(1, n + 1):
-        where, left = trial(op, point)
+        tr, left = trial(op, point)
         if left:
-            problems.append(f"{op} point {point}/{n} ({where}): left {left}")
+            problems.append(f"{op} point {point}/{n} ({tr.where}): left {left}")
     assert not problems, "\n".join(problems[:30]) + f"\n({len(problems)} of {n} points)"
