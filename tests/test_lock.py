@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -357,6 +358,41 @@ def test_lifecycle_lock_serializes_and_times_out(tmp_path):
     with _lifecycle_lock.lifecycle(name, timeout=5), _lifecycle_lock.lifecycle(name, timeout=5):  # re-entrant
         assert os.path.exists(_lifecycle_lock.lifecycle_path(name))
     assert not os.path.exists(_lifecycle_lock.lifecycle_path(name))  # no store of that name: its file goes too
+
+
+def test_a_ctrl_c_while_waiting_for_the_lifecycle_lock_is_raised_while_waiting():
+    """Waiting is polled: a Ctrl-C that arrives (deferred by the lock path) is raised at the next
+    poll, with nothing held, not after the timeout."""
+    name = unique_name()
+    entered, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with _lifecycle_lock.lifecycle(name):
+            entered.set()
+            release.wait(30)
+
+    def ctrl_c_in_the_poll(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "poll" and frame.f_code.co_filename.endswith("lock.py"):
+            handler = signal.getsignal(signal.SIGINT)
+            assert handler is not signal.default_int_handler  # the lock path's, which defers it
+            handler(signal.SIGINT, frame)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert entered.wait(30)
+        sys.settrace(ctrl_c_in_the_poll)
+        try:
+            with pytest.raises(KeyboardInterrupt) as info, _lifecycle_lock.lifecycle(name, timeout=5):
+                pass
+        finally:
+            sys.settrace(None)
+        assert info.value.__context__ is None  # not raised after a LockTimeout
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # no lock held any more
+    finally:
+        release.set()
+        t.join(30)
+    assert not os.path.exists(_lifecycle_lock.lifecycle_path(name))
 
 
 def test_gc_orphan_lock_file_is_removed_only_without_a_store(store):

@@ -10,6 +10,7 @@ the inode's link count after locking), so remove may unlink it last.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -19,11 +20,10 @@ import filelock
 
 from shmkv._engine import segment as _segment
 from shmkv._engine.interrupts import critical, deferred, deliver_deferred, guard_sigint, held, released
-from shmkv._engine.lock import DEFAULT_TIMEOUT
+from shmkv._engine.lock import DEFAULT_TIMEOUT, poll
 from shmkv.errors import LockTimeout
 
 LIFECYCLE_SUFFIX = ".life"
-_POLL_FIRST, _POLL_MAX = 0.5e-3, 5e-3  # polled (see _take_lifecycle): from 0.5 ms, backing off to 5 ms
 
 _lifecycle_locks: dict[tuple[str, int], filelock.FileLock] = {}
 
@@ -96,34 +96,31 @@ def _take_lifecycle(name: str, timeout: float, mode: int) -> filelock.FileLock |
     """The lifecycle lock of ``name``, taken (None: its file is another user's and shuts us out).
     Polled, so that a Ctrl-C deferred meanwhile is raised while nothing is held."""
     lock = _lifecycle_lock(lifecycle_path(name), mode)
-    deadline = time.monotonic() + timeout
-    delay = _POLL_FIRST
-    while True:
+
+    def try_once() -> bool:
         try:
             lock.acquire(blocking=False)
-            return lock
+            return True
         except filelock.Timeout:
-            pass
-        except PermissionError:
-            return None
+            return False
         except OSError as e:  # the lock file cannot be made: /dev/shm has no byte or inode left
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _segment.shm_full(os.path.basename(lifecycle_path(name)), e) from None
             raise
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise LockTimeout(
-                f"store {name!r}: lifecycle lock {lifecycle_path(name)} not acquired within {timeout} s; "
-                "another process is creating or removing that store"
-            )
-        time.sleep(min(delay, left))
-        deliver_deferred()  # nothing of the lock is held yet
-        delay = min(2 * delay, _POLL_MAX)
+
+    def timed_out() -> LockTimeout:
+        return LockTimeout(f"store {name!r}: lifecycle lock {lifecycle_path(name)} not acquired within {timeout} s; "
+                           "another process is creating or removing that store")
+
+    try:
+        if not try_once():
+            poll(try_once, time.monotonic() + timeout, timed_out)
+    except PermissionError:
+        return None
+    return lock
 
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
 _NOTHING: Any = object()
 
 
@@ -134,7 +131,6 @@ def lifecycle_op(*, undo: Callable[[Any], object] | None = None) -> Callable[[F]
     ``undo(result)`` runs if the function returned but a Ctrl-C deferred while the lock was given
     up is raised on the way out: the caller gets the KeyboardInterrupt, not the result, so what the
     result holds must not outlive the call (a create's store is removed)."""
-    import functools
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
@@ -156,10 +152,14 @@ def lifecycle_op(*, undo: Callable[[Any], object] | None = None) -> Callable[[F]
     return decorate
 
 
+def _has_store(name: str) -> bool:
+    return os.path.exists(_segment.shm_path(_segment.header_name(name)))
+
+
 def _drop_lifecycle_file_if_no_store(name: str) -> None:
     # Called with the lifecycle lock held; filelock sees the unlink (link count 0) and its
     # waiters start over on a new file, so unlinking a held lock file is safe here.
-    if not os.path.exists(_segment.shm_path(_segment.header_name(name))):
+    if not _has_store(name):
         try:
             os.unlink(lifecycle_path(name))
         except (FileNotFoundError, PermissionError):  # gone, or another user's (gc skips those)
@@ -169,7 +169,7 @@ def _drop_lifecycle_file_if_no_store(name: str) -> None:
 def remove_orphan(name: str, path: str) -> None:
     """gc: remove ``path`` (a data segment or lock file of store ``name``) if the store's header is gone."""
     with lifecycle(name):
-        if not os.path.exists(_segment.shm_path(_segment.header_name(name))):
+        if not _has_store(name):
             try:
                 os.unlink(path)
             except FileNotFoundError:

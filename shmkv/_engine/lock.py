@@ -57,6 +57,31 @@ DEFAULT_TIMEOUT = 30.0
 _POLL_FIRST, _POLL_MAX = 50e-6, 2e-3  # flock has no timeout: poll LOCK_NB, backing off to 2 ms
 
 
+@critical
+def poll(try_once: Callable[[], bool], deadline: float | None, timed_out: Callable[[], BaseException]) -> None:
+    """Call ``try_once`` until it returns True, sleeping between tries from 50 us, doubling up to
+    2 ms; raise ``timed_out()`` past ``deadline`` (None: never). Nothing is held between tries, so
+    a Ctrl-C deferred meanwhile is raised there. The caller made its own first try."""
+    delay = _POLL_FIRST
+    while True:
+        left = _POLL_MAX if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise timed_out()
+        time.sleep(min(delay, left))
+        deliver_deferred()
+        delay = min(2 * delay, _POLL_MAX)
+        if try_once():
+            return
+
+
+def _try_flock(fd: int, op: int) -> bool:
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
 class _ProcessState:
     """What one process knows about one lock file: its RLock and who holds the flock."""
 
@@ -235,19 +260,7 @@ class StoreLock:
             pass
         # Polled, also without a timeout (flock blocking in the kernel would retry after a
         # deferred Ctrl-C and never raise it): at most 2 ms late.
-        delay = _POLL_FIRST
-        while True:
-            left = _POLL_MAX if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise self._timeout_error(timeout)
-            time.sleep(min(delay, left))
-            deliver_deferred()  # nothing of the flock is held yet
-            delay = min(2 * delay, _POLL_MAX)
-            try:
-                fcntl.flock(fd, op | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                pass
+        poll(lambda: _try_flock(fd, op), deadline, lambda: self._timeout_error(timeout))
 
     @critical
     def release(self) -> None:
