@@ -161,6 +161,63 @@ def test_ctrl_c_in_an_example_prints_one_line(path, after, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+_BENCH_CTRL_C = """
+import sys
+import multiprocessing.process
+import multiprocessing.queues
+from shmkv.cli import main
+
+if sys.argv[1] in ("queue", "twice"):  # right after the 128 MiB payload is handed to the Queue's feeder thread
+    put = multiprocessing.queues.Queue.put
+
+    def put_then_ctrl_c(self, obj, *args, **kwargs):
+        put(self, obj, *args, **kwargs)
+        if isinstance(obj, list):
+            raise KeyboardInterrupt
+
+    multiprocessing.queues.Queue.put = put_then_ctrl_c
+    if sys.argv[1] == "twice":  # and a second Ctrl-C as the scenario's cleanup begins
+        import shmkv.cli.bench.cases as cases
+
+        def ctrl_c(procs):
+            raise KeyboardInterrupt
+
+        cases.kill = ctrl_c
+else:  # right after the first receiver started, before the scenario lists it
+    start = multiprocessing.process.BaseProcess.start
+
+    def start_then_ctrl_c(self):
+        start(self)
+        multiprocessing.process.BaseProcess.start = start
+        raise KeyboardInterrupt
+
+    multiprocessing.process.BaseProcess.start = start_then_ctrl_c
+sys.exit(main(["bench", "--quick", "--only", "handoff"]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["queue", "twice", "start"])
+def test_a_ctrl_c_in_the_bench_between_a_child_and_its_cleanup_still_exits(where):
+    """The bench exits at a Ctrl-C however its children stand: a child started but not yet in its
+    scenario's list, a Queue's feeder thread still sending to a receiver that is killed, or a
+    second Ctrl-C that cuts the scenario's cleanup short (``timeout -s INT`` sends two)."""
+    p = subprocess.Popen([sys.executable, "-c", _BENCH_CTRL_C, where], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        pytest.fail(f"the bench did not exit after a Ctrl-C ({where})")
+    finally:
+        left = [f for f in os.listdir("/dev/shm") if f.startswith(f"shmkv-bench-{p.pid}-")]
+        for f in left:  # (what a failed run left: the machine stays clean)
+            os.unlink(os.path.join("/dev/shm", f))
+    assert p.returncode == 130 and err.strip() == "shmkv bench: interrupted", (p.returncode, err)
+    assert not left, left
+
+
 @pytest.mark.slow
 def test_ctrl_c_in_the_bench_prints_one_line():
     r = subprocess.run(["timeout", "-s", "INT", "8", *_shmkv_command(), "bench", "--quick", "--only", "handoff"],

@@ -210,6 +210,9 @@ def bench_handoff(quick: bool) -> Figures:
         for kind in ("shmkv", "shmfile", "queue", "pipe"):
             if kind == "queue":
                 inputs[kind] = ctx.Queue()
+                # not joined at exit: after a Ctrl-C its feeder thread may be blocked sending to
+                # a killed receiver (in the normal run the receiver reads everything before it ends)
+                inputs[kind].cancel_join_thread()
                 theirs = inputs[kind]
             else:
                 theirs, inputs[kind] = ctx.Pipe(duplex=False)

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import time
 
@@ -33,6 +34,7 @@ from shmkv.cli._quiet import quiet_children
 
 from .goals import GOALS, WHAT, listing, met
 from .scenarios import BASELINES, OPT_IN, SCENARIOS, SHM_MARGIN, SHM_NEEDS, lacking
+from .timing import end_children, remove_scratch
 
 ROWS = [  # (what, shmkv key, baseline text, baseline key or None, ratio key, how the ratio reads)
     ("per-token append + commit, 32 layers", "decode_us_per_token", "preallocated numpy slices",
@@ -227,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {'':<30} {'':12} ({WHAT[key]})")
             sys.stdout.flush()
     except KeyboardInterrupt:
+        # A second Ctrl-C (``timeout -s INT`` signals the process and then its group) may have cut
+        # a scenario's cleanup short: from here on SIGINT is ignored, and what a cleanup may have
+        # left is ended here: children (one started just before the Ctrl-C is in no list yet) and
+        # this process's scratch files. Its stores go at exit (a creator removes its stores).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        end_children()
+        remove_scratch()
         print("shmkv bench: interrupted", file=sys.stderr)
         return 130
     finally:

@@ -282,6 +282,7 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, sto
     collect the answers and memory samples; then save the store (``snapshot``) and stop the workers."""
     ctx = mp.get_context("spawn")
     jobs, results = ctx.Queue(), ctx.Queue()
+    jobs.cancel_join_thread()  # not joined at exit: after a Ctrl-C no killed worker reads what it still sends
     run = Run(mode)
     t_start = time.monotonic()
     kw = dict(model_dir=model_dir, device=a.device, store_name=store)

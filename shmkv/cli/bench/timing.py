@@ -72,6 +72,13 @@ def kill(procs: list[Any]) -> None:
     reap(procs, grace=0)
 
 
+def end_children() -> None:
+    """Kill and reap every child process this process still has (after a Ctrl-C)."""
+    import multiprocessing
+
+    kill(multiprocessing.active_children())
+
+
 def reap(procs: list[Any], grace: float = 10.0) -> None:
     for p in procs:
         p.join(grace)
@@ -88,3 +95,14 @@ def as_bytes(a: np.ndarray) -> memoryview:
 def shm_scratch(tag: str) -> str:
     """A path in /dev/shm for a baseline's plain file (not a store: the leak checks ignore it)."""
     return os.path.join("/dev/shm", f"shmkv-bench-{os.getpid()}-{tag}")
+
+
+def remove_scratch() -> None:
+    """Remove every scratch file of this process (``shm_scratch``)."""
+    prefix = os.path.basename(shm_scratch(""))
+    for f in os.listdir("/dev/shm"):
+        if f.startswith(prefix):
+            try:
+                os.unlink(os.path.join("/dev/shm", f))
+            except FileNotFoundError:
+                pass
