@@ -50,7 +50,6 @@ __all__ = ["SavedRow", "SnapshotRows"]
 class SavedRow(NamedTuple):
     """A sequence's row as a snapshot saves it, and its encoder range's place."""
 
-    live: bool
     id: int
     length: int
     capacity: int
@@ -102,26 +101,27 @@ class SnapshotRows:
             if r[STATE] == LIVE:
                 enc = r[ENC_SLOT]
                 e_start, e_len = (rows[enc - 1][START], rows[enc - 1][LENGTH]) if enc else (0, 0)
-                out[slot] = SavedRow(True, r[ID], r[LENGTH], r[CAPACITY], r[START], r[GEN], r[WIN_OFF], e_len,
+                out[slot] = SavedRow(r[ID], r[LENGTH], r[CAPACITY], r[START], r[GEN], r[WIN_OFF], e_len,
                                      e_start, bool(r[FLAGS] & FINISHED), r[RECENCY], r[CLEAN], r[WBUF])
         return out
 
-    def read_seqlocked(self, slot: int, read: Callable[[SavedRow], T], busy: Callable[[], T]) -> T:
-        """``read`` of row ``slot``'s words (what a save keeps), and what it reads beside them
-        (tokens, meta), kept only if the row's generation was even and unchanged around it
-        (``seqlock.SAVE``); ``busy()`` when it stays odd or moving. ``read`` may be given a torn
-        row: it must not raise on one (the caller checks ``live`` after)."""
+    def read_seqlocked(self, slot: int, read: Callable[[SavedRow], T],
+                       busy: Callable[[], tuple[bool, T]]) -> tuple[bool, T]:
+        """(whether row ``slot`` holds a live sequence, ``read`` of its words: what a save keeps,
+        and what it reads beside them, tokens and meta), kept only if the row's generation was
+        even and unchanged around it (``seqlock.SAVE``); ``busy()`` when it stays odd or moving.
+        ``read`` may be given a torn row: it must not raise on one (the caller checks ``live``)."""
         row = self.row(slot)
         row_of = self.row
 
-        def words() -> T:
+        def words() -> tuple[bool, T]:
             g = row[GEN]
             enc = row[ENC_SLOT]
             erow = row_of(enc - 1) if enc else None
             e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
-            return read(SavedRow(row[STATE] == LIVE, row[ID], row[LENGTH], row[CAPACITY], row[START], g,
-                                 row[WIN_OFF], e_len, e_start, bool(row[FLAGS] & FINISHED), row[RECENCY],
-                                 row[CLEAN], row[WBUF]))
+            return row[STATE] == LIVE, read(SavedRow(row[ID], row[LENGTH], row[CAPACITY], row[START], g, row[WIN_OFF],
+                                                     e_len, e_start, bool(row[FLAGS] & FINISHED), row[RECENCY],
+                                                     row[CLEAN], row[WBUF]))
 
         return seqlocked(row, GEN, words, SAVE, busy)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import re
 import secrets
@@ -100,12 +101,8 @@ def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[SeqReco
         if locked:
             out.append(_record(core, slot, settled[slot]))
             continue
-
-        def read(r: SavedRow, slot: int = slot) -> tuple[bool, SeqRecord]:
-            return r.live, _record(core, slot, r)
-
         # a structural op (a move, say) running past SAVE's tries: _Busy, captured again under the lock
-        live, seq = rows.read_seqlocked(slot, read, _busy)
+        live, seq = rows.read_seqlocked(slot, functools.partial(_record, core, slot), _busy)
         if live:
             out.append(seq)
         elif ids is not None:
