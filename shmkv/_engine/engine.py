@@ -3,8 +3,9 @@ leases, closing) and the parts it composes, wired in ``Engine.__init__``: ``jour
 (``Journal``: the one way into the lock, journaled transactions, crash recovery), ``pages``
 (``Pages``: reservation, writes through the descriptor, cell copies), ``arena`` (``Arena``:
 where cells go: free ranges, allocation, eviction, rows, encoder ranges), ``spans``
-(``Sharing``: shared prefix pages) and ``rows`` (``Rows``: the row and header words the store
-layer sets and reads, as named operations: ``store/`` indexes no row itself). Each part is
+(``Sharing``: shared prefix pages), ``rows`` (``Rows``: the row and header words the store
+layer sets and reads, as named operations: ``store/`` indexes no row itself) and
+``snapshot_rows`` (``SnapshotRows``: those a snapshot saves and restores). Each part is
 given what it uses in its constructor; the one call up, the journal's ``settle_span`` at the
 end of a change of a borrowing or lending row, is a hook passed in too. This class adds the
 cell moves of a sequence (copy_prefix between rows, growth, the fresh ranges
@@ -56,6 +57,7 @@ from shmkv._engine.prefix_hash import lead_levels
 from shmkv._engine.rows import Rows
 from shmkv._engine.segment import Segment
 from shmkv._engine.sharing import Sharing
+from shmkv._engine.snapshot_rows import SnapshotRows
 from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
 
 __all__ = ["Engine"]
@@ -94,6 +96,8 @@ class Engine(Core):
             free=free, journal=journal, pages=pages, alloc=arena.alloc)
         self.rows = rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=self.meta, clients_np=self.clients_np,
                                 journal=journal, owes=pages.owes, page_unit=self._off.page_unit)
+        self.snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
+                                          reading=journal.reading, settled_row=journal.settled_row)
         # What the sequence layer, snapshots and the store call, bound once: the same names as
         # before the parts, and no call layer on the hot path (a handle copies these).
         self.locked, self.reading, self.settled_row = journal.locked, journal.reading, journal.settled_row
@@ -115,7 +119,7 @@ class Engine(Core):
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
-        for part in (self.journal, self.pages, self.arena, self.spans, self.rows):
+        for part in (self.journal, self.pages, self.arena, self.spans, self.rows, self.snapshot_rows):
             if not isinstance(part, Closed):  # (a release cut short and run again: Core.release closed it)
                 release_views(part, self.name)
         super().release()

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from shmkv._engine.header import Layout
     from shmkv._engine.row_waiters import RowWaiters
     from shmkv._engine.share import Shares
+    from shmkv._engine.snapshot_rows import SnapshotRows
 
 Arrays = list[np.ndarray]
 Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Engine.rewrite
@@ -63,8 +64,8 @@ class Port(Protocol):
         waiting: this handle's own sleepers per row (``close()`` wakes them).
 
     For ``_snapshot``:
-        hdr: the fixed header as int64 words (``header.W_*``: next id, undo count, ...).
-        table_np: the sequence table as an int64 array ``[max_seqs, SEQ_WORDS]`` (a live view).
+        snapshot_rows: the row and header words a save captures and a restore publishes, as
+            named operations (``_engine/snapshot_rows.py``; ``_snapshot`` names no word).
         lock_path: the store lock's file.
     """
 
@@ -98,8 +99,7 @@ class Port(Protocol):
     length_addr0: int
     waiting: dict[int, int]
     # for _snapshot
-    hdr: memoryview
-    table_np: np.ndarray
+    snapshot_rows: SnapshotRows
     lock_path: str
     # shared prefix pages: a reader re-maps (``shares.sync``) when the span epoch moved (_engine/share.py)
     shares: Shares

@@ -51,13 +51,14 @@ from shmkv._engine.header import (
     W_PREFIX_MISSES,
     W_PREFIX_REUSED,
     W_UNDO_COUNT,
+    W_UNDO_PID,
     WBUF,
     WIN_OFF,
     Layout,
 )
 from shmkv._engine.journal import Journal
 
-__all__ = ["Counters", "Occupancy", "Rows", "SequenceRow"]
+__all__ = ["Counters", "Occupancy", "Rows", "SequenceRow", "TableRow"]
 
 
 class SequenceRow(NamedTuple):
@@ -71,6 +72,21 @@ class SequenceRow(NamedTuple):
     lease_client: int
     generation: int
     finished: bool
+
+
+class TableRow(NamedTuple):
+    """A row of the sequence table as ``shmkv verify`` checks it."""
+
+    kind: str  # "free", "live" (a sequence), "encoder" (a sequence's encoder cache), "unknown" (no such state)
+    id: int
+    start: int
+    capacity: int
+    length: int
+    generation: int
+    window_offset: int
+
+
+_KINDS = {0: "free", LIVE: "live", ENCODER: "encoder"}
 
 
 class Occupancy(NamedTuple):
@@ -257,3 +273,19 @@ class Rows:
         hdr = self.hdr
         return Counters(int(hdr[W_GENERATION]), int(hdr[W_PREFIX_HITS]), int(hdr[W_PREFIX_MISSES]),
                         int(hdr[W_PREFIX_REUSED]), int(hdr[W_EVICTIONS]))
+
+    def table_rows(self) -> list[TableRow]:
+        """Every row of the sequence table, in table order, as it is (one copy; no lock: a
+        check of what is there, ``shmkv verify``)."""
+        return [TableRow(_KINDS.get(r[STATE], "unknown"), r[ID], r[START], r[CAPACITY], r[LENGTH], r[GEN], r[WIN_OFF])
+                for r in self.table_np.tolist()]
+
+    def undo_log(self) -> tuple[int, int]:
+        """(the rows the undo log holds, the pid of the process whose transaction logged them):
+        (0, ...) when no transaction is open or left by a dead process."""
+        hdr = self.hdr
+        return int(hdr[W_UNDO_COUNT]), int(hdr[W_UNDO_PID])
+
+    def next_id(self) -> int:
+        """The next sequence id a create gives (every id given is below it)."""
+        return int(self.hdr[W_NEXT_ID])

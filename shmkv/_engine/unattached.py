@@ -1,10 +1,12 @@
 """A store's header as a process reads it without attaching (no engine exists there): an attach
 waiting for its creator's magic word and checking the header once, a removal comparing a
-store's identity, gc and the pytest plugin judging its owners. The word indices stay here and
+store's identity, gc and the pytest plugin judging its owners (``origin_of``). The word indices stay here and
 in ``header.py``; callers get values.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,13 +28,14 @@ from shmkv._engine.header import (
     W_MAGIC,
     W_NEXT_ID,
     W_PERSISTENT,
+    W_SESSION,
     W_VERSION,
     Offsets,
 )
 from shmkv._engine.segment import Segment
 
-__all__ = ["clients_of", "creator_of", "data_bytes_of", "fixed_words", "identity_of", "magic_words",
-           "other_version", "persistent_of", "published", "read_key"]
+__all__ = ["Origin", "clients_of", "creator_of", "data_bytes_of", "fixed_words", "identity_of",
+           "origin_of", "other_version", "persistent_of", "published", "read_key"]
 
 
 def fixed_words(hseg: Segment) -> np.ndarray | None:
@@ -46,15 +49,28 @@ def published(words: np.ndarray) -> bool:
     return int(words[W_MAGIC]) != 0
 
 
-def magic_words(words: np.ndarray, which: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Words ``which`` (``header.W_*``) if the header has the shmkv magic, else None."""
-    return tuple(int(words[w]) for w in which) if int(words[W_MAGIC]) == MAGIC else None
-
-
 def identity_of(words: np.ndarray) -> int | None:
     """The store identity of a header with the shmkv magic (a version-1 header holds 0 there:
     never a store we know), else None."""
     return int(words[W_IDENTITY]) if int(words[W_MAGIC]) == MAGIC else None
+
+
+class Origin(NamedTuple):
+    """Where a store comes from: the session tag of the test run (or the environment) that created
+    it (0: none), its identity, and its creator's pid (for display only) and client key."""
+
+    session: int
+    identity: int
+    creator_pid: int
+    creator_client: int
+
+
+def origin_of(words: np.ndarray) -> Origin | None:
+    """The origin of a header with the shmkv magic, else None."""
+    if int(words[W_MAGIC]) != MAGIC:
+        return None
+    return Origin(int(words[W_SESSION]), int(words[W_IDENTITY]), int(words[W_CREATOR_PID]),
+                  int(words[W_CREATOR_CLIENT]))
 
 
 def other_version(words: np.ndarray) -> bool:

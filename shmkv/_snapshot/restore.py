@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from shmkv._engine import crash as _crash
-from shmkv._engine import header as _header
 from shmkv._engine.checks import int_list
 from shmkv._engine.lease import own_token
 from shmkv._snapshot.format import (
@@ -26,18 +25,6 @@ from shmkv._snapshot.format import (
     open_source,
     seq_parts,
     token_bytes,
-)
-from shmkv._engine.header import (
-    CAPACITY,
-    ENC_SLOT,
-    ID,
-    LEASE_PID,
-    LENGTH,
-    LIVE,
-    START,
-    STATE,
-    WBUF,
-    WIN_OFF,
 )
 from shmkv.errors import (
     CacheFullError,
@@ -99,18 +86,17 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
     # a regular file's arrays are copied by the kernel (sendfile) into ranges only staged for them
     direct = is_file and seekable_fd(reader.f) is not None
     with core.locked(scan=True):  # the journal's way in: a dead holder's transaction rolled back first
-        t = core.table_np
+        rows = core.snapshot_rows
         plan: list[tuple[SeqRecord, int, int]] = []  # (seq, existing slot or -1 - new slot, staged start)
         enc_start: dict[int, int] = {}  # staged encoder ranges
         enc_slot: dict[int, int] = {}
         taken: list[tuple[int, int]] = []
-        free_slots = [int(i) for i in np.flatnonzero(t[:, STATE] == 0)]
+        free_slots = rows.free_slots()
         free_set = set(free_slots)
         for s in snap.sequences:
             if s.id not in selected:
                 continue
-            hits = np.flatnonzero((t[:, ID] == s.id) & (t[:, STATE] == LIVE))
-            slot = int(hits[0]) if hits.size else -1
+            slot = rows.live_slot_of(s.id)
             if slot >= 0:
                 core.check_not_leased_by_other(core.row(slot), s.id, allow_token=_own(core, slot))
             elif not free_slots:
@@ -189,7 +175,7 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
         # everything checked: publish
         # one atomic unit: after a crash, every sequence as it was (crash recovery in _store)
         with core.transaction():
-            next_id = core.hdr[_header.W_NEXT_ID]
+            past = 0  # the ids restored end below it
             for i, (s, existing, start) in enumerate(plan):
                 cap = caps[start]
                 assert s.tokens is not None and s.positions is not None
@@ -203,29 +189,25 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
                     if existing < 0:
                         core.new_incarnation(row)  # a handle on a freed sequence of that id stays dead
                         core.reserve_window(slot)
-                        row[WBUF] = 0
                     # a live sequence's window goes into its other buffer (its own stays intact)
-                    wb = 1 - row[WBUF] if existing >= 0 else 0
+                    wb = rows.restore_buffer(row, fresh=existing < 0)
                     w = core.wcell(slot, wb)
                     for (sid, r, layer), buf in windows.items():
                         if sid == s.id:
                             (core.Kl if r == 0 else core.Vl)[layer][w : w + buf.shape[0]] = buf
-                    row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF] = start, cap, s.length, s.window_offset
-                    row[WBUF] = wb
-                    if existing < 0:
-                        row[ID], row[LEASE_PID], row[ENC_SLOT] = s.id, 0, 0
-                        row[STATE] = LIVE
+                    rows.publish(row, start, cap, s.length, window_offset=s.window_offset, wbuf=wb,
+                                 new_id=None if existing >= 0 else s.id)
                     if s.encoder_length:
                         core.set_encoder(row, s.encoder_length, enc_start[s.id], enc_slot[s.id])
                     else:
                         core.drop_encoder(row)
                 if i == 0:
                     _crash.point("restore.published")
-                next_id = max(next_id, s.id + 1)
+                past = max(past, s.id + 1)
             # the prefix cache: finished flags, LRU order (oldest use first) and the index
             for s, existing, _ in sorted(plan, key=lambda p: p[0].recency):
                 core.restored(existing if existing >= 0 else -1 - existing, s.finished, s.clean, s.meta)
-            core.hdr[_header.W_NEXT_ID] = next_id  # inside the unit: rows back after a crash, ids not reused
+            rows.raise_next_id(past)  # inside the unit: rows back after a crash, ids not reused
     return [p[0].id for p in plan]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import re
 import secrets
@@ -27,10 +28,8 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn
 import msgpack
 import numpy as np
 
-from shmkv._engine import header as _header
 from shmkv._engine import segment as _segment
 from shmkv._engine.checks import int_list
-from shmkv._engine.seqlock import SAVE, seqlocked
 from shmkv._snapshot.format import (
     seekable_fd,
     ID_HINT,
@@ -43,22 +42,6 @@ from shmkv._snapshot.format import (
     layout_dict,
     seq_parts,
 )
-from shmkv._engine.header import (
-    CAPACITY,
-    CLEAN,
-    ENC_SLOT,
-    FINISHED,
-    FLAGS,
-    GEN,
-    ID,
-    LENGTH,
-    LIVE,
-    RECENCY,
-    START,
-    STATE,
-    WBUF,
-    WIN_OFF,
-)
 from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
@@ -70,6 +53,7 @@ from shmkv.errors import (
 
 if TYPE_CHECKING:
     from shmkv._engine.port import Port
+    from shmkv._engine.snapshot_rows import SavedRow
 
 _SAVE_ATTEMPTS = 4
 
@@ -89,71 +73,57 @@ def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[SeqReco
     """Each sequence's (start, length, generation) and token ids/positions.
 
     ``locked`` (the store lock through the journal, or a read-only attachment's shared
-    lock): the rows as a rollback would leave them (``settled_row``: a dead process's
+    lock): the rows as a rollback would leave them (``settled_rows``: a dead process's
     transaction is never captured). Else seqlocked, and ``_Busy`` when a row stays odd:
     a transaction is open (its rows stay odd until it ends), so the caller saves again
     under the lock."""
-    t = core.table_np
+    rows = core.snapshot_rows
     if locked:
-        rows = {slot: core.settled_row(slot) for slot in range(len(t))}
+        settled = rows.settled_rows()
         if ids is None:
-            slots = [s for s, r in rows.items() if r[STATE] == LIVE]
+            slots = list(settled)
         else:
             slots = []
             for i in ids:
-                hit = [s for s, r in rows.items() if r[STATE] == LIVE and r[ID] == i]
+                hit = [s for s, r in settled.items() if r.id == i]
                 if not hit:
                     raise SequenceNotFound(f"store {core.name!r} has no sequence {i!r}: it was freed or never "
                                            "created (store.sequences() lists the live ones)")
                 slots.append(hit[0])
-    elif core.hdr[_header.W_UNDO_COUNT]:
+    elif rows.undo_pending():
         raise _Busy  # a transaction is open (or a dead one is in the log): save under the lock
     elif ids is None:
-        slots = [int(i) for i in np.flatnonzero(t[:, STATE] == LIVE)]
+        slots = rows.live_slots()
     else:
         slots = [core.slot_of(i) for i in ids]
     out = []
     for slot in slots:
         if locked:
-            r = rows[slot]
-            enc = r[ENC_SLOT]
-            e_start, e_len = (rows[enc - 1][START], rows[enc - 1][LENGTH]) if enc else (0, 0)
-            start, length = r[START], r[LENGTH]
-            out.append(SeqRecord(r[ID], length, r[CAPACITY], start, r[GEN], slot,
-                            core.tokens[start : start + length].copy(), core.positions[start : start + length].copy(),
-                            r[WIN_OFF], e_len, e_start, bool(r[FLAGS] & FINISHED), r[RECENCY], r[CLEAN],
-                            core.get_meta(slot), r[WBUF]))
+            out.append(_record(core, slot, settled[slot]))
             continue
-        row = core.row(slot)
-
-        def read(row: memoryview = row, slot: int = slot) -> tuple[bool, SeqRecord]:
-            g = row[GEN]
-            sid, start, cap, length, woff = row[ID], row[START], row[CAPACITY], row[LENGTH], row[WIN_OFF]
-            flags, recency, clean, wbuf = row[FLAGS], row[RECENCY], row[CLEAN], row[WBUF]
-            meta = core.get_meta(slot)
-            enc = row[ENC_SLOT]
-            erow = core.row(enc - 1) if enc else None
-            e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
-            toks = core.tokens[start : start + length].copy()
-            poss = core.positions[start : start + length].copy()
-            return row[STATE] == LIVE, SeqRecord(sid, length, cap, start, g, slot, toks, poss, woff, e_len, e_start,
-                                            bool(flags & FINISHED), recency, clean, meta, wbuf)
-
         # a structural op (a move, say) running past SAVE's tries: _Busy, captured again under the lock
-        live, seq = seqlocked(row, GEN, read, SAVE, _busy)
+        live, seq = rows.read_seqlocked(slot, functools.partial(_record, core, slot), _busy)
         if live:
             out.append(seq)
         elif ids is not None:
             raise SequenceNotFound(f"store {core.name!r}: sequence {seq.id} was freed during the save")
-    if not locked and core.hdr[_header.W_UNDO_COUNT]:
+    if not locked and rows.undo_pending():
         raise _Busy  # a transaction began meanwhile: its rows may be in what was read
-    if core.hdr[_header.W_SPANS] != core.shares.applied:  # shared prefix pages mapped as the rows say
-        core.shares.sync(core.reading, core.settled_row)
+    rows.map_spans()  # shared prefix pages mapped as the rows say
     for s in out if core.shares.unmapped else ():  # never a row whose shared pages are holes here
         core.shares.readable(s.slot, f"sequence {s.id} of store {core.name!r} (saving it)")
     if ids is not None and len({s.id for s in out}) != len(out):
         raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice")
     return sorted(out, key=lambda s: s.id)
+
+
+def _record(core: Port, slot: int, r: SavedRow) -> SeqRecord:
+    """What a snapshot keeps of sequence row ``slot`` (its words ``r``): its tokens, positions
+    and meta record copied beside them."""
+    start, length = r.start, r.length
+    return SeqRecord(r.id, length, r.capacity, start, r.generation, slot, core.tokens[start : start + length].copy(),
+                     core.positions[start : start + length].copy(), r.window_offset, r.encoder_length,
+                     r.encoder_start, r.finished, r.recency, r.clean, core.get_meta(slot), r.wbuf)
 
 
 def _hold(core: Port) -> AbstractContextManager[None]:
@@ -164,7 +134,8 @@ def _hold(core: Port) -> AbstractContextManager[None]:
 
 
 def _unchanged(core: Port, seqs: list[SeqRecord]) -> bool:
-    return all(core.row(s.slot)[GEN] == s.gen and core.row(s.slot)[ID] == s.id for s in seqs)
+    unchanged = core.snapshot_rows.unchanged
+    return all(unchanged(s.slot, s.id, s.gen) for s in seqs)
 
 
 def _regions(core: Port) -> tuple[Any, ...]:

@@ -18,10 +18,8 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 
 from shmkv import __version__
-from shmkv._engine import header as _header
 from shmkv._engine import segment as _segment
 from shmkv.store._lifecycle import Owners, gc, list_stores, remove, store_owners
 from shmkv.store._lifecycle import load as load_snapshot
@@ -36,37 +34,35 @@ def verify(store: Store) -> list[str]:
     """Check the header's invariants; return the problems found (empty: all good)."""
     problems = []
     lay = store.layout
-    hdr = engine_of(store).hdr
-    pending = int(hdr[_header.W_UNDO_COUNT])
+    engine = engine_of(store)
+    pending, pid = engine.rows.undo_log()
     if pending:
-        pid = int(hdr[_header.W_UNDO_PID])
         problems.append(f"a structural operation of pid {pid} left {pending} row(s) to roll back (it died, or is "
                         "running now): `shmkv verify --repair NAME` (or any structural operation) rolls it back")
-    t = engine_of(store).table_np.copy()
-    live = t[t[:, _header.STATE] == _header.LIVE]
-    if not np.isin(t[:, _header.STATE], (0, _header.LIVE, _header.ENCODER)).all():
+    table = engine.rows.table_rows()
+    live = [r for r in table if r.kind == "live"]
+    if any(r.kind == "unknown" for r in table):
         problems.append("a sequence slot has an unknown state")
     # encoder caches own ranges of cells too
-    ranges = [(r[_header.START], r[_header.CAPACITY], f"encoder of {r[_header.ID]}")
-              for r in t[t[:, _header.STATE] == _header.ENCODER].tolist()]
-    for row in live.tolist():
-        sid, start, cap, length, gen = (row[_header.ID], row[_header.START], row[_header.CAPACITY],
-                                        row[_header.LENGTH], row[_header.GEN])
-        if start < 0 or start + cap > engine_of(store).cells:
+    ranges = [(r.start, r.capacity, f"encoder of {r.id}") for r in table if r.kind == "encoder"]
+    next_id = engine.rows.next_id()
+    for row in live:
+        sid, start, cap, length, gen = row.id, row.start, row.capacity, row.length, row.generation
+        if start < 0 or start + cap > engine.cells:
             problems.append(f"sequence {sid}: range [{start}, {start + cap}) outside the arena's "
-                            f"{engine_of(store).cells} cells (max_tokens={lay.max_tokens} and alignment slack)")
+                            f"{engine.cells} cells (max_tokens={lay.max_tokens} and alignment slack)")
         if not 0 <= length <= cap:
             problems.append(f"sequence {sid}: length {length} outside capacity {cap}")
-        woff = row[_header.WIN_OFF]
+        woff = row.window_offset
         if lay.bounded and not (0 <= woff <= length and length - woff <= lay.window_cells):
             problems.append(f"sequence {sid}: sliding/chunked layers hold tokens {woff}..{length}, "
                             f"more than their {lay.window_cells} cells or out of order")
         if gen & 1:
             problems.append(f"sequence {sid}: generation {gen} is odd (a structural change is running or died)")
-        if sid >= int(hdr[_header.W_NEXT_ID]) or sid < 1:
-            problems.append(f"sequence {sid}: id not below next id {int(hdr[_header.W_NEXT_ID])}")
+        if sid >= next_id or sid < 1:
+            problems.append(f"sequence {sid}: id not below next id {next_id}")
         ranges.append((start, cap, f"sequence {sid}"))
-    ids = live[:, _header.ID].tolist()
+    ids = [r.id for r in live]
     if len(set(ids)) != len(ids):
         problems.append("sequence ids repeat")
     ranges.sort()

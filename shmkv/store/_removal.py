@@ -22,7 +22,7 @@ from shmkv.errors import AccessDeniedError, StoreNotFound
 
 T = TypeVar("T")
 
-__all__ = ["exit_removals", "magic_words", "read_identity", "remove_at_process_exit", "remove_if_same", "remove_names"]
+__all__ = ["exit_removals", "origin", "read_identity", "remove_at_process_exit", "remove_if_same", "remove_names"]
 
 
 @_lifecycle_lock.lifecycle_op()
@@ -61,10 +61,10 @@ def _in_header(name: str, read: Callable[[np.ndarray], T | None]) -> T | None:
         hseg.close()
 
 
-def magic_words(name: str, *which: int) -> tuple[int, ...] | None:
-    """Words ``which`` of ``name``'s header if it has the shmkv magic, else None (no header,
-    not ours to read, too small, or not a shmkv header)."""
-    return _in_header(name, lambda words: _unattached.magic_words(words, which))
+def origin(name: str) -> _unattached.Origin | None:
+    """Where store ``name`` comes from (session tag, identity, creator) if its header has the
+    shmkv magic, else None (no header, not ours to read, too small, or not a shmkv header)."""
+    return _in_header(name, _unattached.origin_of)
 
 
 def read_identity(name: str) -> int | None:

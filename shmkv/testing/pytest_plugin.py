@@ -34,11 +34,10 @@ from typing import Any
 
 import pytest
 
-from shmkv._engine import header as _header
 from shmkv._engine import liveness as _liveness
 from shmkv._engine import segment as _segment
 from shmkv.store._lifecycle import SESSION_ENV, Owners, create, session_tag, store_owners
-from shmkv.store._removal import magic_words, remove_if_same
+from shmkv.store._removal import origin, remove_if_same
 from shmkv.store._store import Store, attach, engine_of
 from shmkv.errors import ShmkvError
 from shmkv.testing import ChildProcess, shm_entries, unique_name
@@ -75,11 +74,10 @@ def _judged(name: str, session: int) -> tuple[int, str] | None:
 
     Ours: created with this session's tag, by this very process or by one that is dead.
     """
-    words = magic_words(name, _header.W_SESSION, _header.W_IDENTITY, _header.W_CREATOR_PID,
-                         _header.W_CREATOR_CLIENT)
-    if words is None:
+    made = origin(name)
+    if made is None:
         return None
-    tag, identity, pid, key = words
+    tag, identity, pid, key = made
     if not session or tag != session:
         return None
     if key in _liveness.created_keys:
