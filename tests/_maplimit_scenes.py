@@ -63,6 +63,8 @@ def refusing(monkeypatch, *stores, spans_from=1, put_back=True):
     shares = [engine_of(s).shares for s in stores]
 
     def mmap(*args):
+        if args[3] & share.MAP_ANONYMOUS:  # the spare's page (Spare): not a cell's mapping
+            return real(*args)
         addr, off = args[0], args[5]  # (addr, length, prot, flags, fd, offset)
         own = any(sh.base <= addr < sh.base + sh.anchor.nbytes and off == addr - sh.base for sh in shares)
         spans = sum(1 for c in calls if not c[0]) + (not own)

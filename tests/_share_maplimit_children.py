@@ -99,6 +99,8 @@ def die_in_the_fallback(name: str, prompt: list[int]) -> None:
     real_mmap, real_copy = share.libc_mmap, Sharing._copy_span
 
     def mmap(*args: Any) -> Any:
+        if args[3] & share.MAP_ANONYMOUS:  # the spare's page (Spare): not a cell's mapping
+            return real_mmap(*args)
         if args[5] != args[0] - sh.base:  # a span (another cell's pages): refused
             ctypes.set_errno(errno.ENOMEM)
             return share.MAP_FAILED

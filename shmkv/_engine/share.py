@@ -80,7 +80,6 @@ _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 _munmap = LIBC.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_mmap_spare = libc_mmap  # (the spare's own: a test that makes ``libc_mmap`` refuse spans leaves it be)
 
 _SPIN = 2000
 
@@ -145,7 +144,7 @@ class Spare:
 
     def _keep(self) -> None:
         if not self.addr:
-            got = _mmap_spare(None, PAGE, PROT_NONE, MAP_SHARED | MAP_ANONYMOUS, -1, 0)
+            got = libc_mmap(None, PAGE, PROT_NONE, MAP_SHARED | MAP_ANONYMOUS, -1, 0)
             if got not in (None, MAP_FAILED):
                 self.addr = got
 
