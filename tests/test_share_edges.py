@@ -416,3 +416,38 @@ def test_02_read_checks_before_it_copies(make_store, monkeypatch):
             assert (np.asarray(k) == want).all(), "read() returned the holes of an unmapped row as data"
     finally:
         ro.close()
+
+
+def _mapping_at(addr: int) -> tuple[int, int] | None:
+    """The /proc/self/maps range that holds ``addr``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return lo, hi
+    return None
+
+
+def test_the_spare_stays_one_mapping_of_its_own_beside_twins():
+    """The spare is one mapping of one page, also with mappings of the same kind right beside it
+    (the kernel never merges two anonymous shared mappings), so unmapping it gives exactly one back."""
+    share.SPARE.keep()
+    addr = share.SPARE.addr
+    assert addr and _mapping_at(addr) == (addr, addr + share.PAGE)
+    fixed_noreplace = 0x100000
+    twins = []
+    try:
+        for at in (addr - share.PAGE, addr + share.PAGE):
+            got = share.libc_mmap(at, share.PAGE, share.PROT_NONE,
+                                  share.MAP_SHARED | share.MAP_ANONYMOUS | fixed_noreplace, -1, 0)
+            if got == at:
+                twins.append(at)
+            elif got not in (None, share.MAP_FAILED):
+                share._munmap(got, share.PAGE)
+        assert twins, "no free page beside the spare to map a twin into"
+        assert _mapping_at(addr) == (addr, addr + share.PAGE)
+        for at in twins:
+            assert _mapping_at(at) == (at, at + share.PAGE)
+    finally:
+        for at in twins:
+            share._munmap(at, share.PAGE)
