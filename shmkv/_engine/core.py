@@ -108,26 +108,24 @@ class Core:
         self.hdr = _words(hseg.mm, 0, _header.FIXED_BYTES // 8)
         self.identity = self.hdr[_header.W_IDENTITY]
         self._table = _words(hseg.mm, off.seq_off, layout.max_seqs * SEQ_WORDS)
-        self.table_np = np.frombuffer(hmm, np.int64, layout.max_seqs * SEQ_WORDS, off.seq_off).reshape(
-            layout.max_seqs, SEQ_WORDS
-        )
-        self.clients_np = np.frombuffer(hmm, np.int64, max_clients * CLIENT_WORDS, off.client_off).reshape(
-            max_clients, CLIENT_WORDS
-        )
+        # every array over a mapping is an np.ndarray over one np.frombuffer of it (which holds the
+        # mmap's export), never np.ndarray over the mmap itself: close() would unmap under live views
+        # (tests/test_lifecycle.py::test_a_view_outliving_close...); one array each, not a reshape too
+        hbuf = np.frombuffer(hmm, np.uint8)
+        ms = layout.max_seqs
+        self.table_np = np.ndarray((ms, SEQ_WORDS), np.int64, hbuf, off.seq_off)
+        self.clients_np = np.ndarray((max_clients, CLIENT_WORDS), np.int64, hbuf, off.client_off)
         dt = _dtypes.storage(layout.dtype)
         L, T, H, D = layout.layers, off.cells, layout.kv_heads, layout.head_dim  # T: max_tokens and the slack
         it = np.dtype(dt).itemsize
         kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (docs/design.md §11)
-        # over np.frombuffer (it holds the mmap's export), never np.ndarray over the mmap: close()
-        # would unmap under live views (tests/test_lifecycle.py::test_a_view_outliving_close...)
         dbuf = np.frombuffer(dmm, np.uint8)
         self.K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
         self.V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
-        self.tokens = np.frombuffer(dmm, np.int64, T, off.tokens_off)
-        self.positions = np.frombuffer(dmm, np.int64, T, off.positions_off)
-        self._hashes = np.frombuffer(dmm, np.int64, T, off.hashes_off)
-        self.meta = np.frombuffer(hmm, np.uint8, layout.max_seqs * _header.META_RECORD, off.meta_off).reshape(
-            layout.max_seqs, _header.META_RECORD)
+        self.tokens = np.ndarray((T,), np.int64, dbuf, off.tokens_off)
+        self.positions = np.ndarray((T,), np.int64, dbuf, off.positions_off)
+        self._hashes = np.ndarray((T,), np.int64, dbuf, off.hashes_off)
+        self.meta = np.ndarray((ms, _header.META_RECORD), np.uint8, hbuf, off.meta_off)
         self.index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
                                   self.tokens, self.positions, self._hashes, layout=layout)
         # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
@@ -139,8 +137,8 @@ class Core:
         self._wc = wc = layout.window_cells
         nb, WT = len(bounded), 2 * layout.max_seqs * wc  # two buffers a slot
         if nb:
-            self._WK = np.frombuffer(dmm, dt, nb * WT * H * D, off.wk_off).reshape(nb, WT, H, D)
-            self._WV = np.frombuffer(dmm, dt, nb * WT * H * D, off.wv_off).reshape(nb, WT, H, D)
+            self._WK = np.ndarray((nb, WT, H, D), dt, dbuf, off.wk_off)
+            self._WV = np.ndarray((nb, WT, H, D), dt, dbuf, off.wv_off)
             for j, layer in enumerate(bounded):
                 self.Kl[layer], self.Vl[layer] = self._WK[j], self._WV[j]
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
@@ -156,10 +154,8 @@ class Core:
         self._rows: dict[int, memoryview] = {}  # slot -> its row (see _row)
         self._row_slot: dict[int, int] = {}  # id(row) -> slot
         # the undo log and the meta records, as the journal reads and writes them (_engine/journal.py)
-        self._undo_np = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.UNDO_WORDS, off.undo_off).reshape(
-            layout.max_seqs, _header.UNDO_WORDS)
-        self._meta_w = np.frombuffer(hmm, np.int64, layout.max_seqs * _header.META_RECORD // 8,
-                                     off.meta_off).reshape(layout.max_seqs, _header.META_RECORD // 8)
+        self._undo_np = np.ndarray((ms, _header.UNDO_WORDS), np.int64, hbuf, off.undo_off)
+        self._meta_w = np.ndarray((ms, _header.META_RECORD // 8), np.int64, hbuf, off.meta_off)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self.waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row

@@ -133,6 +133,7 @@ from __future__ import annotations
 import functools
 import math
 import mmap
+import struct
 import zlib
 from dataclasses import dataclass
 
@@ -405,11 +406,12 @@ def offsets(layout: Layout, max_clients: int) -> Offsets:
 
 _CHECKED_WORDS = [W_LAYERS, W_KV_HEADS, W_HEAD_DIM, W_DTYPE, W_MAX_TOKENS, W_MAX_SEQS, W_MAX_CLIENTS,
                   W_CREATOR_PID, W_CREATOR_CLIENT, W_PERSISTENT, W_WINDOW, W_CHUNK, W_MEMORY, W_IDENTITY, W_SESSION]
+_CHECKED_BYTES = struct.Struct(f"={len(_CHECKED_WORDS)}q")  # (their int64 bytes, as the header holds them)
 
 
-def _checksum(words: np.ndarray, kinds: bytes) -> int:
-    # only words that never change after create (not the generation or next id)
-    return zlib.crc32(kinds, zlib.crc32(np.asarray(words)[_CHECKED_WORDS].tobytes()))
+def _checksum(words: np.ndarray | list[int], kinds: bytes) -> int:
+    # only words that never change after create (not the generation or next id); an array or its list
+    return zlib.crc32(kinds, zlib.crc32(_CHECKED_BYTES.pack(*[int(words[i]) for i in _CHECKED_WORDS])))
 
 
 def write(words: np.ndarray, raw: np.ndarray, layout: Layout, off: Offsets, *, max_clients: int,
@@ -448,44 +450,36 @@ def read(words: np.ndarray, raw: np.ndarray, segment_size: int, name: str) -> tu
     """
     if segment_size < FIXED_BYTES:
         raise CorruptStoreError(f"segment {name!r} is {segment_size} bytes, too small for a shmkv header")
-    if int(words[W_MAGIC]) != MAGIC:
+    w = words.tolist()  # (Python ints, read once: what follows decides from this copy)
+    if w[W_MAGIC] != MAGIC:
         raise CorruptStoreError(f"segment {name!r} is not a shmkv store (bad magic)")
-    version = int(words[W_VERSION])
+    version = w[W_VERSION]
     if version != FORMAT_VERSION:
         raise CorruptStoreError(f"store {name!r} has header version {version}; this shmkv reads version "
                                 f"{FORMAT_VERSION}: open it with the shmkv that made it, or remove it "
                                 f"(shmkv rm {name}) and create it again")
-    layers = int(words[W_LAYERS])
+    layers = w[W_LAYERS]
     if not 1 <= layers <= MAX_LAYERS or LAYER_KINDS_OFF + layers > segment_size:
         raise CorruptStoreError(f"store {name!r} header is damaged (layers={layers})")
     kinds = raw[LAYER_KINDS_OFF : LAYER_KINDS_OFF + layers].tobytes()
-    if _checksum(words, kinds) != int(words[W_CHECKSUM]):
+    if _checksum(w, kinds) != w[W_CHECKSUM]:
         raise CorruptStoreError(f"store {name!r} header is damaged (layout checksum mismatch)")
     try:
         layer_types = tuple(LAYER_KINDS[b] for b in kinds)
-        dtype = _dtypes.from_code(int(words[W_DTYPE]))
+        dtype = _dtypes.from_code(w[W_DTYPE])
     except (IndexError, KeyError, ValueError):
         raise CorruptStoreError(f"store {name!r} header is damaged (layer kinds or dtype)") from None
-    layout = Layout(
-        layers=layers,
-        kv_heads=int(words[W_KV_HEADS]),
-        head_dim=int(words[W_HEAD_DIM]),
-        dtype=dtype,
-        max_tokens=int(words[W_MAX_TOKENS]),
-        max_seqs=int(words[W_MAX_SEQS]),
-        layer_types=layer_types,
-        window=int(words[W_WINDOW]),
-        chunk=int(words[W_CHUNK]),
-        memory=int(words[W_MEMORY]),
-    )
-    max_clients = int(words[W_MAX_CLIENTS])
+    layout = Layout(layers=layers, kv_heads=w[W_KV_HEADS], head_dim=w[W_HEAD_DIM], dtype=dtype,
+                    max_tokens=w[W_MAX_TOKENS], max_seqs=w[W_MAX_SEQS], layer_types=layer_types,
+                    window=w[W_WINDOW], chunk=w[W_CHUNK], memory=w[W_MEMORY])
+    max_clients = w[W_MAX_CLIENTS]
     off = offsets(layout, max_clients)
-    if off.header_bytes != int(words[W_HEADER_BYTES]) or off.header_bytes > segment_size:
+    if off.header_bytes != w[W_HEADER_BYTES] or off.header_bytes > segment_size:
         raise CorruptStoreError(
             f"store {name!r} header is damaged (tables need {off.header_bytes} bytes, "
             f"segment has {segment_size})"
         )
-    if off.data_bytes != int(words[W_DATA_BYTES]):
+    if off.data_bytes != w[W_DATA_BYTES]:
         raise CorruptStoreError(f"store {name!r} header is damaged (data size mismatch)")
     return layout, max_clients
 

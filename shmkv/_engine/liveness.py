@@ -174,8 +174,11 @@ class Liveness:
 
         The caller writes the client row: holding the byte makes the row this attachment's alone."""
         self.reopen_in_child()
+        fd = self.fd
         for slot in range(max_clients):
-            if try_take(self.fd, slot):
+            # a held byte is passed over as asked (F_OFD_GETLK: no OSError raised and caught a
+            # live client); a free one is taken, or passed over if someone took it meanwhile
+            if not byte_held(fd, slot) and try_take(fd, slot):
                 return self._holding(slot)
         raise CacheFullError(
             f"store {self.name!r}: all {max_clients} client slots hold live processes; "
