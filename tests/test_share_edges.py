@@ -428,26 +428,33 @@ def _mapping_at(addr: int) -> tuple[int, int] | None:
     return None
 
 
-def test_the_spare_stays_one_mapping_of_its_own_beside_twins():
-    """The spare is one mapping of one page, also with mappings of the same kind right beside it
-    (the kernel never merges two anonymous shared mappings), so unmapping it gives exactly one back."""
-    share.SPARE.keep()
-    addr = share.SPARE.addr
-    assert addr and _mapping_at(addr) == (addr, addr + share.PAGE)
-    fixed_noreplace = 0x100000
+def test_the_spare_stays_one_mapping_of_its_own_beside_twins(monkeypatch):
+    """The spare is one mapping of one page, and mappings of its kind stay apart even right beside
+    one another (the kernel never merges two anonymous shared mappings), so unmapping a spare
+    gives exactly one mapping back."""
+    real, calls = share.libc_mmap, []
+
+    def recording(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(share, "libc_mmap", recording)
+    spare = share.Spare()
+    spare.keep()
+    monkeypatch.setattr(share, "libc_mmap", real)
+    assert spare.addr and _mapping_at(spare.addr) == (spare.addr, spare.addr + share.PAGE)
+    _, length, prot, flags, fd, offset = calls[0]  # the spare's own mmap call
+    page, fixed_noreplace, private = share.PAGE, 0x100000, 0x02
+    hole = real(None, 3 * page, share.PROT_NONE, private | share.MAP_ANONYMOUS, -1, 0)
+    assert hole not in (None, share.MAP_FAILED)
+    share._munmap(hole, 3 * page)  # three free pages in a row, for three twins of the spare
     twins = []
     try:
-        for at in (addr - share.PAGE, addr + share.PAGE):
-            got = share.libc_mmap(at, share.PAGE, share.PROT_NONE,
-                                  share.MAP_SHARED | share.MAP_ANONYMOUS | fixed_noreplace, -1, 0)
-            if got == at:
-                twins.append(at)
-            elif got not in (None, share.MAP_FAILED):
-                share._munmap(got, share.PAGE)
-        assert twins, "no free page beside the spare to map a twin into"
-        assert _mapping_at(addr) == (addr, addr + share.PAGE)
-        for at in twins:
-            assert _mapping_at(at) == (at, at + share.PAGE)
+        for at in (hole, hole + page, hole + 2 * page):
+            got = real(at, length, prot, flags | fixed_noreplace, fd, offset)
+            assert got == at, f"page {at:#x} of the hole was taken meanwhile"
+            twins.append(at)
+        assert [_mapping_at(at) for at in twins] == [(at, at + page) for at in twins]
     finally:
-        for at in twins:
-            share._munmap(at, share.PAGE)
+        for at in [*twins, spare.addr]:
+            share._munmap(at, page)
