@@ -11,7 +11,7 @@ words inside ``changing(row)``: all of them or none), in the order it wrote them
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
@@ -64,6 +64,14 @@ class SavedRow(NamedTuple):
     wbuf: int
 
 
+def _saved(r: Sequence[int], erow: Sequence[int] | None) -> SavedRow:
+    """What a save keeps of row words ``r`` (a row, or its settled copy), and of its encoder
+    row's ``erow`` (None: it has none)."""
+    e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
+    return SavedRow(r[ID], r[LENGTH], r[CAPACITY], r[START], r[GEN], r[WIN_OFF], e_len, e_start,
+                    bool(r[FLAGS] & FINISHED), r[RECENCY], r[CLEAN], r[WBUF])
+
+
 class SnapshotRows:
     """The snapshot's operations on row and header words, a part the engine holds (see the
     module docstring). No state of its own: the header and table views, ``row``, the span
@@ -96,14 +104,8 @@ class SnapshotRows:
         (``settled_row``: the store lock, or a read-only attachment's shared lock, held): a
         dead process's transaction is never captured. In table order."""
         rows = [self.settled_row(slot) for slot in range(len(self.table_np))]
-        out = {}
-        for slot, r in enumerate(rows):
-            if r[STATE] == LIVE:
-                enc = r[ENC_SLOT]
-                e_start, e_len = (rows[enc - 1][START], rows[enc - 1][LENGTH]) if enc else (0, 0)
-                out[slot] = SavedRow(r[ID], r[LENGTH], r[CAPACITY], r[START], r[GEN], r[WIN_OFF], e_len,
-                                     e_start, bool(r[FLAGS] & FINISHED), r[RECENCY], r[CLEAN], r[WBUF])
-        return out
+        return {slot: _saved(r, rows[r[ENC_SLOT] - 1] if r[ENC_SLOT] else None)
+                for slot, r in enumerate(rows) if r[STATE] == LIVE}
 
     def read_seqlocked(self, slot: int, read: Callable[[SavedRow], T],
                        busy: Callable[[], tuple[bool, T]]) -> tuple[bool, T]:
@@ -115,13 +117,8 @@ class SnapshotRows:
         row_of = self.row
 
         def words() -> tuple[bool, T]:
-            g = row[GEN]
             enc = row[ENC_SLOT]
-            erow = row_of(enc - 1) if enc else None
-            e_start, e_len = (erow[START], erow[LENGTH]) if erow is not None else (0, 0)
-            return row[STATE] == LIVE, read(SavedRow(row[ID], row[LENGTH], row[CAPACITY], row[START], g, row[WIN_OFF],
-                                                     e_len, e_start, bool(row[FLAGS] & FINISHED), row[RECENCY],
-                                                     row[CLEAN], row[WBUF]))
+            return row[STATE] == LIVE, read(_saved(row, row_of(enc - 1) if enc else None))
 
         return seqlocked(row, GEN, words, SAVE, busy)
 
