@@ -13,6 +13,8 @@ from shmkv.errors import InvalidArgumentError
 
 def count(name: str, value: object, minimum: int = 0) -> int:
     """``value`` as an int, checked to be an integer (not a bool) >= ``minimum``."""
+    if type(value) is int and value >= minimum:  # (the common case, on the speculative-decoding path)
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgumentError(f"{name}={value!r} must be an int >= {minimum}")
     if value < minimum:

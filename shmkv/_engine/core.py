@@ -195,7 +195,8 @@ class Core:
             raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
 
     def check_writable(self) -> None:
-        self.check_open()
+        if self.shut:
+            self.check_open()  # raises
         if self.readonly:
             raise ReadOnlyError(
                 f"store {self.name!r} is attached read-only: attach with shmkv.attach({self.name!r}) to modify it"

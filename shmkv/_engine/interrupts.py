@@ -13,21 +13,22 @@ Everything else (the body of a structural operation, a restore's reading) is int
 as usual and its journaled transaction rolls back (``journal``).
 
 The handler stands in front of Python's default one only while the main thread holds a
-store lock: ``guard_sigint`` installs it as a lock is taken (before anything is held) and
-``released`` puts Python's default handler back when the main thread's last hold is given
-up. Outside those holds nothing of shmkv is on the SIGINT path: a program's own Ctrl-C
-raises in its own code (its traceback ends there) and ``asyncio.run``, which installs its
-handler only over Python's default one, handles Ctrl-C as without shmkv. A handler a
-program installs itself is left alone (no deferral under it: with ``asyncio.run`` the lock
-path is not shielded from a second Ctrl-C). No system call while a hold nests: one
-``sigaction`` to install and one to restore per outermost hold of the main thread;
-blocking signals with ``pthread_sigmask`` instead cost 2.5 us a call here and does not
-stop another thread from taking the signal for the process.
+store lock: ``hold`` installs it as a lock is taken (before anything is held) and ``unhold``
+puts Python's default handler back when the main thread's last hold ends. Outside those
+holds nothing of shmkv is on the SIGINT path: a program's own Ctrl-C raises in its own code
+(its traceback ends there) and ``asyncio.run``, which installs its handler only over
+Python's default one, handles Ctrl-C as without shmkv. A handler a program installs itself
+is left alone (no deferral under it: with ``asyncio.run`` the lock path is not shielded from
+a second Ctrl-C). No system call while a hold nests: one ``sigaction`` to install and one to
+restore per outermost hold of the main thread; blocking signals with ``pthread_sigmask``
+instead cost 2.5 us a call here and does not stop another thread from taking the signal for
+the process.
 """
 
 from __future__ import annotations
 
-import _signal  # signal's C half (see guard_sigint)
+import _signal  # signal's C half (see hold)
+import _thread
 import os
 import signal
 import threading
@@ -35,13 +36,14 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
-__all__ = ["critical", "deferred", "deliver_deferred", "guard_sigint", "held", "released"]
+__all__ = ["critical", "deferred", "deliver_deferred", "hold", "unhold"]
 
 _CRITICAL: set[CodeType] = set()  # code whose frames defer SIGINT (and what they call)
 deferred: list[int] = []  # signals noted by _on_sigint, raised at the next safe point
 _main_ident = threading.main_thread().ident
-_installed = [False]  # _on_sigint is the SIGINT handler (put there by guard_sigint)
-_holds = [0]  # store-lock holds the main thread has (held / released)
+_get_ident = _thread.get_ident  # (threading's, without the module lookup: on every lock hold)
+_installed = False  # _on_sigint is the SIGINT handler (put there by hold)
+_holds = 0  # store-lock holds the main thread has or is taking (hold / unhold)
 FnT = TypeVar("FnT", bound=Callable[..., Any])
 
 
@@ -63,39 +65,39 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
 
 
 @critical  # a Ctrl-C inside it, ours installed, waits too
-def guard_sigint() -> None:
-    """Put the SIGINT handler that defers Ctrl-C out of lock-path code in front of Python's
-    default handler (a program's own handler is left alone). Called as a store lock is taken,
-    before anything is held; main thread only, and once until ``released`` removes it."""
-    if _installed[0] or threading.get_ident() != _main_ident:
+def hold() -> None:
+    """A store-lock hold begins: called as a lock is taken, before anything is held, and
+    matched by one ``unhold`` whether the hold is then taken or given up (any thread: only the
+    main thread's count). The main thread's first puts the SIGINT handler that defers Ctrl-C
+    out of lock-path code in front of Python's default handler (a program's own handler is
+    left alone)."""
+    global _holds, _installed
+    if _get_ident() != _main_ident:
+        return
+    _holds += 1
+    if _installed:
         return
     try:  # (_signal's: signal's own wrap the handler in an enum lookup that fails, ~50 us cold an attach)
         if _signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             _signal.signal(signal.SIGINT, _on_sigint)
-            _installed[0] = True
+            _installed = True
     except (ValueError, OSError):  # not the main interpreter, or no signals here
         pass
 
 
 @critical  # a Ctrl-C inside it, ours installed, waits too
-def held() -> None:
-    """A store-lock hold begins (any thread: only the main thread's count)."""
-    if threading.get_ident() == _main_ident:
-        _holds[0] += 1
-
-
-@critical  # a Ctrl-C inside it, ours installed, waits too
-def released(dropped: bool = True) -> None:
-    """A hold ends (``dropped``), or an acquire gave up before holding (False). When the main
-    thread holds no store lock any more, Python's default SIGINT handler goes back in place,
-    unless a program replaced ours meanwhile. Call from critical code."""
-    if threading.get_ident() != _main_ident:
+def unhold() -> None:
+    """A hold ends (given up, or never taken). When the main thread holds no store lock any
+    more, Python's default SIGINT handler goes back in place, unless a program replaced ours
+    meanwhile. Call from critical code."""
+    global _holds, _installed
+    if _get_ident() != _main_ident:
         return
-    if dropped and _holds[0] > 0:
-        _holds[0] -= 1
-    if _holds[0] or not _installed[0]:
+    if _holds > 0:
+        _holds -= 1
+    if _holds or not _installed:
         return
-    _installed[0] = False
+    _installed = False
     try:
         if _signal.getsignal(signal.SIGINT) is _on_sigint:
             _signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -105,18 +107,18 @@ def released(dropped: bool = True) -> None:
 
 def deliver_deferred() -> None:
     """Raise a Ctrl-C that lock-path code deferred (call at a safe point, main thread)."""
-    if deferred and threading.get_ident() == _main_ident:
+    if deferred and _get_ident() == _main_ident:
         signum = deferred[0]
         deferred.clear()
         signal.default_int_handler(signum, None)
 
 
 def _after_fork_in_child() -> None:
-    global _main_ident
-    _main_ident = threading.get_ident()  # the forking thread is the child's main thread
+    global _main_ident, _holds
+    _main_ident = _get_ident()  # the forking thread is the child's main thread
     deferred.clear()
-    _holds[0] = 0  # the child holds none of the parent's locks
-    released(False)
+    _holds = 0  # the child holds none of the parent's locks
+    unhold()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

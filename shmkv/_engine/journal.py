@@ -282,8 +282,10 @@ class Journal:
             if record.at == e:  # (see spans_odd)
                 record.at = e + 1
         hdr[_header.W_UNDO_COUNT] = 0
+        waiters, ro = self.waiters, self.ro_waiters.counts
         for slot in self._logged:
-            self._wake(slot)
+            if waiters[slot] or ro[slot]:  # (_wake's test, inlined: once a structural operation)
+                self._wake(slot)
         self._logged.clear()
 
     @critical

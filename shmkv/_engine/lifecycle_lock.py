@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import filelock
 
 from shmkv._engine import segment as _segment
-from shmkv._engine.interrupts import critical, deferred, deliver_deferred, guard_sigint, held, released
+from shmkv._engine.interrupts import critical, deferred, deliver_deferred, hold, unhold
 from shmkv._engine.lock import DEFAULT_TIMEOUT, poll
 from shmkv.errors import LockTimeout
 
@@ -68,14 +68,13 @@ class lifecycle:  # (lower case: used as ``with lifecycle(name):``, as it was a 
 
     @critical
     def __enter__(self) -> None:
-        guard_sigint()  # the deferring handler, from here until the main thread holds no lock
+        hold()  # the deferring handler, from here until the main thread holds no lock
         try:
             self._lock = _take_lifecycle(self.name, self.timeout, self.mode)
         except BaseException:
-            released(False)
+            unhold()
             deliver_deferred()
             raise
-        held()
         if deferred:  # a Ctrl-C while we took it: give it back (and the file), then raise it
             self.__exit__(None, None, None)
 
@@ -87,7 +86,7 @@ class lifecycle:  # (lower case: used as ``with lifecycle(name):``, as it was a 
         finally:
             if lock is not None:
                 lock.release()
-            released()
+            unhold()
         deliver_deferred()
 
 

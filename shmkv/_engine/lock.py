@@ -50,7 +50,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from shmkv._engine.interrupts import critical, deferred, deliver_deferred, guard_sigint, held, released
+from shmkv._engine.interrupts import critical, deferred, deliver_deferred, hold, unhold
 from shmkv.errors import LockTimeout, StoreClosedError
 
 DEFAULT_TIMEOUT = 30.0
@@ -72,6 +72,11 @@ def poll(try_once: Callable[[], bool], deadline: float | None, timed_out: Callab
         delay = min(2 * delay, _POLL_MAX)
         if try_once():
             return
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """When a wait of ``timeout`` s that starts now ends (None: never)."""
+    return None if timeout is None or timeout < 0 else time.monotonic() + timeout
 
 
 def _try_flock(fd: int, op: int) -> bool:
@@ -203,21 +208,25 @@ class StoreLock:
         Returns with the lock held (the holds this process now has: 1 for the outermost, what
         ``depth`` would say, without its fork check), or raises with it not held (a Ctrl-C
         included: see the module docstring)."""
-        guard_sigint()  # the deferring handler, from here until the main thread holds no lock (released)
+        hold()  # the deferring handler, from here until the main thread holds no lock (unhold)
         if self._closed:
-            released(False)
+            unhold()
             raise StoreClosedError(f"store {self.name!r} is closed: attach again with shmkv.attach({self.name!r})")
         if not self._pid:  # first use in a forked child (_forget_inherited zeroed it at the fork:
-            self._open()   # no getpid system call a hold)
+            try:           # no getpid system call a hold)
+                self._open()
+            except BaseException:
+                unhold()
+                raise
         state = self._state
         assert state is not None
-        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
-        if not state.rlock.acquire(blocking=False) and not state.rlock.acquire(
-            timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())
-        ):
-            released(False)
-            deliver_deferred()  # a Ctrl-C while waiting wins over the timeout
-            raise self._timeout_error(timeout)
+        deadline = None  # worked out when something has to be waited for
+        if not state.rlock.acquire(False):
+            deadline = _deadline(timeout)
+            if not state.rlock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+                unhold()
+                deliver_deferred()  # a Ctrl-C while waiting wins over the timeout
+                raise self._timeout_error(timeout)
         op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         outer = state.depth == 0
         try:
@@ -228,7 +237,10 @@ class StoreLock:
                 # recorded before the system call: whatever stops us after it, the descriptor
                 # to unlock is known (an unlock of a flock not taken is harmless)
                 state.fd, state.mode = self._fd, op
-                self._flock(self._fd, op, deadline, timeout)
+                try:
+                    fcntl.flock(self._fd, op | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    self._flock(self._fd, op, deadline, timeout)
             elif op == fcntl.LOCK_EX and state.mode == fcntl.LOCK_SH:
                 # An exclusive section inside a shared one: flock converts, not atomically (another
                 # process may take the lock in between): the outer shared section must re-check.
@@ -242,11 +254,10 @@ class StoreLock:
                     pass
                 state.fd = -1
             state.rlock.release()
-            released(False)
+            unhold()
             deliver_deferred()  # nothing held now: a Ctrl-C deferred meanwhile is raised (chained)
             raise
         state.depth += 1
-        held()
         if deferred:  # a Ctrl-C while we took it: give it back, then raise it
             self.release()
         return state.depth
@@ -258,6 +269,8 @@ class StoreLock:
             return
         except BlockingIOError:
             pass
+        if deadline is None:  # (the wait starts here: nothing waited for the thread lock)
+            deadline = _deadline(timeout)
         # Polled, also without a timeout (flock blocking in the kernel would retry after a
         # deferred Ctrl-C and never raise it): at most 2 ms late.
         poll(lambda: _try_flock(fd, op), deadline, lambda: self._timeout_error(timeout))
@@ -279,15 +292,16 @@ class StoreLock:
             finally:
                 state.depth = 0
                 state.fd = -1
-                pending, state.close_after = state.close_after, []
-                for fd in pending:
-                    os.close(fd)
+                if state.close_after:
+                    pending, state.close_after = state.close_after, []
+                    for fd in pending:
+                        os.close(fd)
                 state.rlock.release()
-                released()
+                unhold()
         else:
             state.rlock.release()  # raises (RuntimeError) if this thread does not hold it
             state.depth -= 1
-            released()
+            unhold()
         if deferred:
             deliver_deferred()
 
