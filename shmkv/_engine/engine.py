@@ -54,7 +54,7 @@ from shmkv._engine.header import (
 from shmkv._engine.journal import Journal
 from shmkv._engine.pages import Pages
 from shmkv._engine.prefix_hash import lead_levels
-from shmkv._engine.rows import Rows
+from shmkv._engine.rows import Rows, live_slot
 from shmkv._engine.segment import Segment
 from shmkv._engine.sharing import Sharing
 from shmkv._engine.snapshot_rows import SnapshotRows
@@ -200,13 +200,12 @@ class Engine(Core):
             b = slot * SEQ_WORDS
             if self._table[b + ID] == seq_id and self._table[b + STATE] == LIVE:
                 return slot
-        t = self.table_np
-        hits = np.flatnonzero((t[:, ID] == seq_id) & (t[:, STATE] == LIVE))
-        if hits.size:
+        found = live_slot(self.table_np, seq_id)
+        if found >= 0:
             if len(self._slot_hint) > 4 * self.layout.max_seqs:
                 self._slot_hint.clear()
-            self._slot_hint[seq_id] = int(hits[0])
-        if hits.size == 0 and self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth:
+            self._slot_hint[seq_id] = found
+        if found < 0 and self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth:
             # a transaction is in the undo log (a dead writer's, or a live one's): look at the
             # rows as its rollback would leave them (``_engine/journal.py``, invariant 7)
             with self.reading():
@@ -214,12 +213,12 @@ class Engine(Core):
                     w = self.settled_row(slot)
                     if w[ID] == seq_id and w[STATE] == LIVE:
                         return slot
-        if hits.size == 0:
+        if found < 0:
             raise SequenceNotFound(
                 f"store {self.name!r} has no sequence {seq_id!r}: it was freed or never created "
                 "(store.sequences() lists the live ones)"
             )
-        return int(hits[0])
+        return found
 
     # -- a sequence's meta record, recency and restore bookkeeping (lock held) ----------------
 

@@ -61,6 +61,13 @@ from shmkv._engine.journal import Journal
 __all__ = ["Counters", "Occupancy", "Rows", "SequenceRow", "TableRow"]
 
 
+def live_slot(table: np.ndarray, seq_id: int) -> int:
+    """The row of ``table`` (max_seqs x SEQ_WORDS) that holds live sequence ``seq_id``, -1 when
+    none does (a scan: ``Engine.slot_of`` looks at the id's own row and a hint first)."""
+    hits = np.flatnonzero((table[:, ID] == seq_id) & (table[:, STATE] == LIVE))
+    return int(hits[0]) if hits.size else -1
+
+
 class SequenceRow(NamedTuple):
     """A live sequence's row as ``store.sequences()`` lists it."""
 

@@ -37,6 +37,7 @@ from shmkv._engine.header import (
     WBUF,
     WIN_OFF,
 )
+from shmkv._engine.rows import live_slot
 from shmkv._engine.seqlock import SAVE, seqlocked
 
 if TYPE_CHECKING:
@@ -143,18 +144,13 @@ class SnapshotRows:
 
     def live_slot_of(self, seq_id: int) -> int:
         """The row of live sequence ``seq_id``, -1 when there is none."""
-        t = self.table_np
-        hits = np.flatnonzero((t[:, ID] == seq_id) & (t[:, STATE] == LIVE))
-        return int(hits[0]) if hits.size else -1
+        return live_slot(self.table_np, seq_id)
 
     def restore_buffer(self, row: memoryview, *, fresh: bool) -> int:
         """The window buffer a restored row's window goes into (row changing): a fresh row's
-        buffer 0 (its word set now), a live row's other one (its own stays intact until
-        ``publish`` switches the row to it)."""
-        if fresh:
-            row[WBUF] = 0
-            return 0
-        return 1 - row[WBUF]
+        buffer 0, a live row's other one (its own stays intact until ``publish`` switches the
+        row to it, which also sets the word)."""
+        return 0 if fresh else 1 - row[WBUF]
 
     def publish(self, row: memoryview, start: int, capacity: int, length: int, *, window_offset: int, wbuf: int,
                 new_id: int | None) -> None:
