@@ -25,6 +25,8 @@ delete its line).
    slots ARCHITECTURE.md lists) name no row column or header word of ``_engine/header.py``
    (``START``, ``W_NEXT_ID``, ``C_KEY``, ``FINISHED`` ...) and touch no raw view of the engine
    (``.hdr``, ``.table_np``, ``.clients_np``): they use the engine's named operations.
+   ``_sequence`` names them only in the hot-path slots that ARCHITECTURE.md's table lists (and in
+   the functions of ``KNOWN_COLD_WORD_USES``, still to become engine operations).
 """
 
 from __future__ import annotations
@@ -560,6 +562,95 @@ def test_no_room_but_the_engine_names_a_row_or_header_word() -> None:
     assert {"START", "LEASE_PID", "GEN", "FLAGS", "W_NEXT_ID", "W_PREFIX_HITS", "C_KEY", "FINISHED"} <= words
     assert set(OWN_NO_WORDS) == {room_of(m) for m in modules} - {"_engine", "_sequence"}  # a new room included
     _check("row and header words named outside the engine", raw_word_uses(modules, OWN_NO_WORDS, words), set())
+
+
+# Functions of ``_sequence`` that name row or header words though they are off the hot path: each is
+# to become a named operation of the engine. The allow-list only shrinks.
+KNOWN_COLD_WORD_USES = {
+    "_sequence.bulk:extend_in_steps", "_sequence.bulk:set_encoder",
+    "_sequence.handle:Sequence._drop_lease", "_sequence.handle:Sequence.finish", "_sequence.handle:Sequence.fork",
+    "_sequence.handle:Sequence.meta",
+    "_sequence.reader:SeqReader.encoder_kv", "_sequence.reader:SeqReader.encoder_kv.encoder",
+    "_sequence.reader:SeqReader.encoder_length", "_sequence.reader:SeqReader.settled_words",
+    "_sequence.reads:Reads.lease_pid", "_sequence.rewind:rewind",
+    "_sequence.room:grow", "_sequence.room:leave_loans", "_sequence.room:make_room", "_sequence.room:mind_loans",
+    "_sequence.structural:remove", "_sequence.structural:set_tokens", "_sequence.structural:shift_left",
+    "_sequence.structural:taint",
+}
+
+
+def word_slots(modules: dict[str, ast.Module], room: str, words: set[str]) -> set[str]:
+    """``module:Qualified.function`` for each function of ``room`` whose own body (not a nested
+    function's) names one of ``words`` or a raw view (``.hdr``); ``module:<module>`` for a use at
+    a module's top level outside its imports."""
+    def own_uses(node: ast.AST) -> bool:
+        stack = list(ast.iter_child_nodes(node))
+        while stack:
+            n = stack.pop()
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+                continue
+            if (isinstance(n, ast.Name) and n.id in words) or (
+                    isinstance(n, ast.Attribute) and (n.attr in words or n.attr in RAW_VIEWS)):
+                return True
+            stack.extend(ast.iter_child_nodes(n))
+        return False
+
+    found: set[str] = set()
+
+    def walk(name: str, node: ast.AST, qual: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if own_uses(child):
+                    found.add(f"{name}:{'.'.join([*qual, child.name])}")
+                walk(name, child, [*qual, child.name])
+            elif isinstance(child, ast.ClassDef):
+                if own_uses(child):  # (a class attribute)
+                    found.add(f"{name}:{'.'.join([*qual, child.name])}")
+                walk(name, child, [*qual, child.name])
+
+    for name, tree in modules.items():
+        if room_of(name) != room:
+            continue
+        top = ast.Module(body=[n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                           ast.ClassDef))], type_ignores=[])
+        if own_uses(top):
+            found.add(f"{name}:<module>")
+        walk(name, tree, [])
+    return found
+
+
+def hot_path_slots() -> set[str]:
+    """The functions ARCHITECTURE.md's table of the sequence layer's hot-path slots lists."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    section = text.split("### The sequence layer's hot-path slots", 1)[1].split("\n#", 1)[0]
+    return set(re.findall(r"^\| `(_sequence\.[\w.]+:[\w.<>]+)` \|", section, re.MULTILINE))
+
+
+def test_the_sequence_layer_names_words_only_in_its_listed_hot_path_slots() -> None:
+    """Rule 8 for ``_sequence``: a row or header word is named only in a hot-path slot that
+    ARCHITECTURE.md lists (or in a function of the shrinking ``KNOWN_COLD_WORD_USES``)."""
+    modules = _modules()
+    words = header_word_names(modules["_engine.header"])
+    hot = hot_path_slots()
+    assert len(hot) > 10, "ARCHITECTURE.md's table of hot-path slots was not found"
+    assert not hot & KNOWN_COLD_WORD_USES, sorted(hot & KNOWN_COLD_WORD_USES)
+    found = word_slots(modules, "_sequence", words)
+    wordless = sorted(hot - found)
+    assert not wordless, f"ARCHITECTURE.md lists slots that name no word (delete them): {wordless}"
+    _check("functions of _sequence naming row or header words off its listed hot path", found - hot,
+           KNOWN_COLD_WORD_USES)
+
+
+def test_the_slot_check_catches_what_it_should() -> None:
+    words = {"START", "GEN"}
+    modules = {
+        "_sequence.m": ast.parse("from shmkv._engine.header import START\nX = START + 1\n"
+                                 "class C:\n    def f(self, row):\n        def g():\n            return row[GEN]\n"
+                                 "        return g\n    def h(self, e):\n        return e.hdr\n"
+                                 "def k(row):\n    return row[0]\n"),
+        "store.n": ast.parse("def f(row):\n    return row[START]\n"),
+    }
+    assert word_slots(modules, "_sequence", words) == {"_sequence.m:<module>", "_sequence.m:C.f.g", "_sequence.m:C.h"}
 
 
 def test_the_word_check_catches_what_it_should() -> None:
