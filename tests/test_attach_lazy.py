@@ -4,13 +4,16 @@ at the first use of any of them, and what they show then is what an eager build 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from _prefix_children import check, serve, serve_and_finish
 
 import shmkv
+from shmkv._engine import segment as _segment
 from shmkv._engine.engine import _LAZY
-from shmkv.testing import run_in_process
+from shmkv.testing import run_in_process, unique_name
 
 VIEWS = ("K", "V", "tokens", "positions", "_hashes", "meta", "Kl", "Vl", "KS", "VS", "KSl", "VSl")
 
@@ -79,3 +82,18 @@ def test_a_closed_attachment_that_built_nothing_says_closed(make_store):
             getattr(e, attr)(0) if attr in ("alloc", "rows") else getattr(e, attr)[0]
     with pytest.raises(AttributeError):
         e.no_such_attribute  # noqa: B018 (an attribute of no part stays an AttributeError)
+
+
+def test_an_empty_header_segment_is_no_store(tmp_path):
+    """Segment.open maps the whole segment at once (its size from mmap): an empty one, a store
+    being created or a leftover, is StoreNotFound, its descriptor closed."""
+    name = unique_name("empty")
+    path = os.path.join(_segment.SHM_DIR, _segment.header_name(name))
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(shmkv.StoreNotFound, match="no store named"):
+            shmkv.attach(name)
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        os.unlink(path)
