@@ -5,6 +5,7 @@ at the first use of any of them, and what they show then is what an eager build 
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -69,6 +70,32 @@ def test_a_prefix_lookup_after_a_lazy_attach_finds_what_another_process_cached(m
                 seq.finish()
         finally:
             other.close()
+
+
+def test_threads_that_first_use_an_attachment_at_once_read_the_same(make_store):
+    store = make_store(layers=2, kv_heads=1, head_dim=8, max_tokens=256, max_seqs=4)
+    seq = store.create_sequence(capacity=32)
+    k = np.arange(2 * 6 * 8, dtype=np.float32).reshape(2, 6, 1, 8)
+    seq.extend(k, k + 1, tokens=np.arange(6))
+    other = shmkv.attach(store.name)
+    go, got = threading.Barrier(4), []
+
+    def first_use() -> None:
+        go.wait(timeout=30)
+        s = other.sequence(seq.id)
+        got.append((s.tokens.tolist(), [s.values(layer).tolist() for layer in range(2)],
+                    other.match_prefix(np.arange(6)), other.stats().sequences))
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        want = (list(range(6)), [(k[layer] + 1).tolist() for layer in range(2)], store.match_prefix(np.arange(6)), 1)
+        assert got == [want] * 4
+    finally:
+        other.close()
 
 
 def test_a_closed_attachment_that_built_nothing_says_closed(make_store):

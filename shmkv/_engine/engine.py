@@ -134,7 +134,10 @@ class Engine(Core):
     def _build_parts(self) -> None:
         """The data views (``Core.data_views``) and the parts a structural operation, a
         sequence's data or a prefix lookup uses, wired to each other and to the journal, and
-        their operations bound as the engine's own. Run again from the start if cut short."""
+        their operations bound as the engine's own. Run again from the start if cut short. Two
+        threads that both find them missing may both build: the parts keep no state of their own
+        but the sharing part's lent-end hint (``free``, the record and the journal are shared),
+        so whichever set a caller holds works on the same rows and pages."""
         self.data_views()
         name, layout, off, t, journal, free = self.name, self.layout, self._off, self.table_np, self.journal, self._free
         dseg = self._dseg
