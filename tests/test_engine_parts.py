@@ -2,7 +2,7 @@
 from the source with ``ast``: no class of ``shmkv/_engine`` inherits from a class of the project
 that itself inherits from one (a part is held, not a link of a class chain), and no method
 there is a ``NotImplementedError`` stub for a method that lives further down a chain. The
-engine's parts are wired in its one constructor (checked on a live store below)."""
+engine's parts are wired in one place (checked on a live store below)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine import core as _core
+from shmkv._engine import engine as _engine
 from shmkv._engine import segment as _segment
 from shmkv.store import _handles
 
@@ -88,7 +88,7 @@ def test_attach_interrupted_while_the_handle_is_built_leaks_no_descriptor(make_s
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_core, "PrefixIndex", interrupted)  # late in the handle's construction
+    monkeypatch.setattr(_engine, "Journal", interrupted)  # the handle's construction's last step
     for readonly in (False, True):
         with pytest.raises(KeyboardInterrupt):
             shmkv.attach(store.name, readonly=readonly)

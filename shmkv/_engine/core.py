@@ -115,41 +115,10 @@ class Core:
         ms = layout.max_seqs
         self.table_np = np.ndarray((ms, SEQ_WORDS), np.int64, hbuf, off.seq_off)
         self.clients_np = np.ndarray((max_clients, CLIENT_WORDS), np.int64, hbuf, off.client_off)
-        dt = _dtypes.storage(layout.dtype)
-        L, T, H, D = layout.layers, off.cells, layout.kv_heads, layout.head_dim  # T: max_tokens and the slack
-        it = np.dtype(dt).itemsize
-        kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (docs/design.md §11)
-        dbuf = np.frombuffer(dmm, np.uint8)
-        self.K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
-        self.V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
-        self.tokens = np.ndarray((T,), np.int64, dbuf, off.tokens_off)
-        self.positions = np.ndarray((T,), np.int64, dbuf, off.positions_off)
-        self._hashes = np.ndarray((T,), np.int64, dbuf, off.hashes_off)
-        self.meta = np.ndarray((ms, _header.META_RECORD), np.uint8, hbuf, off.meta_off)
-        self.index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
-                                  self.tokens, self.positions, self._hashes, layout=layout)
-        # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
-        # layer's view is its window region instead: a buffer of window_cells per slot.
-        self.Kl = list(self.K)
-        self.Vl = list(self.V)
+        L = layout.layers
         bounded = layout.bounded  # (a property: asked once, not once a layer)
-        self._full = [i for i in range(L) if i not in bounded]
-        self._wc = wc = layout.window_cells
-        nb, WT = len(bounded), 2 * layout.max_seqs * wc  # two buffers a slot
-        if nb:
-            self._WK = np.ndarray((nb, WT, H, D), dt, dbuf, off.wk_off)
-            self._WV = np.ndarray((nb, WT, H, D), dt, dbuf, off.wv_off)
-            for j, layer in enumerate(bounded):
-                self.Kl[layer], self.Vl[layer] = self._WK[j], self._WV[j]
-        # int8 stores: one float32 scale per (layer, cell, head) for K and for V
-        S = L * T * H if layout.dtype == "int8" else 0
-        s_strides = (off.scale_stride, H * 4, 4)
-        self.KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
-        self.VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
-        # what every Sequence handle reads through (Kr, Vr) is built once, at the first handle, not
-        # per handle (a handle is made per request) nor by an attach that makes none
-        self.KSl = list(self.KS) if self.KS is not None else None
-        self.VSl = list(self.VS) if self.VS is not None else None
+        self._full = [i for i in range(L) if i not in bounded]  # the layers that are not sliding/chunked
+        dbuf = np.frombuffer(dmm, np.uint8)  # (the data views: ``data_views``, at their first use)
         self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
         self._rows: dict[int, memoryview] = {}  # slot -> its row (see _row)
         self._row_slot: dict[int, int] = {}  # id(row) -> slot
@@ -179,6 +148,49 @@ class Core:
         self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Core] | None = \
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)
         self._finalizer.atexit = False  # at exit the process closes them anyway
+
+    def data_views(self) -> None:
+        """Map the views of the data segment (K, V, tokens, positions, hashes, per-layer views,
+        int8 scales), the meta records and the prefix index. Only a sequence's data, a prefix
+        lookup and a structural operation read them, so an attach does not build them:
+        ``Engine.__getattr__`` calls this at the first use of any of them."""
+        layout, off = self.layout, self._off
+        hmm, dmm = self._hseg.mm, self._dseg.mm
+        assert hmm is not None and dmm is not None
+        hbuf, dbuf = np.frombuffer(hmm, np.uint8), np.frombuffer(dmm, np.uint8)
+        ms = layout.max_seqs
+        dt = _dtypes.storage(layout.dtype)
+        L, T, H, D = layout.layers, off.cells, layout.kv_heads, layout.head_dim  # T: max_tokens and the slack
+        it = np.dtype(dt).itemsize
+        kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (docs/design.md §11)
+        self.K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
+        self.V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
+        self.tokens = np.ndarray((T,), np.int64, dbuf, off.tokens_off)
+        self.positions = np.ndarray((T,), np.int64, dbuf, off.positions_off)
+        self._hashes = np.ndarray((T,), np.int64, dbuf, off.hashes_off)
+        self.meta = np.ndarray((ms, _header.META_RECORD), np.uint8, hbuf, off.meta_off)
+        self.index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
+                                  self.tokens, self.positions, self._hashes, layout=layout)
+        # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
+        # layer's view is its window region instead: a buffer of window_cells per slot.
+        Kl, Vl = list(self.K), list(self.V)
+        bounded = layout.bounded
+        nb, WT = len(bounded), 2 * layout.max_seqs * layout.window_cells  # two buffers a slot
+        if nb:
+            self._WK = np.ndarray((nb, WT, H, D), dt, dbuf, off.wk_off)
+            self._WV = np.ndarray((nb, WT, H, D), dt, dbuf, off.wv_off)
+            for j, layer in enumerate(bounded):
+                Kl[layer], Vl[layer] = self._WK[j], self._WV[j]
+        self.Kl, self.Vl = Kl, Vl
+        # int8 stores: one float32 scale per (layer, cell, head) for K and for V
+        S = L * T * H if layout.dtype == "int8" else 0
+        s_strides = (off.scale_stride, H * 4, 4)
+        self.KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
+        self.VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
+        # what every Sequence handle reads through (Kr, Vr) is built once, at the first handle, not
+        # per handle (a handle is made per request) nor by an attach that makes none
+        self.KSl = list(self.KS) if self.KS is not None else None
+        self.VSl = list(self.VS) if self.VS is not None else None
 
     @functools.cached_property  # (stored on the instance at the first use: later reads are plain lookups)
     def Kr(self) -> list[np.ndarray]:

@@ -18,6 +18,7 @@ it implements ``port.Port`` with no call layer on the hot path.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +64,17 @@ from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError
 __all__ = ["Engine"]
 
 
+# What an attach does not build (``Engine.__getattr__`` builds them all at the first use of one):
+# the data views of ``Core.data_views``, the parts but the journal, and the parts' bound operations.
+_LAZY = frozenset((
+    "K", "V", "tokens", "positions", "_hashes", "meta", "index", "Kl", "Vl", "KS", "VS", "KSl", "VSl",
+    "pages", "arena", "spans", "rows", "snapshot_rows",
+    "room", "settle", "owes", "before_appends", "file_copier", "write_new", "reserve_window",
+    "free_tokens", "free_ranges", "alloc", "new_row", "free_row", "wcell", "index_blocks", "unindexing",
+    "set_encoder", "drop_encoder", "lend", "borrow", "lent_end", "move_lender",
+    "shared_cells", "held_cells", "retained_cells", "committed_held", "touch",
+))
+
 _SMALL_TABLE = 1024  # client rows that join checks with Python's min and max (numpy's ufuncs beyond)
 
 
@@ -89,37 +101,60 @@ class Engine(Core):
         super().__init__(name, hseg, dseg, layout, max_clients, creator=creator, persistent=persistent,
                          lock_timeout=lock_timeout, live=live)
 
-        def settle_span(slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
-            spans.settle_span(slot, row, was, was_len)  # the journal's one call up, to the sharing part built below
-
-        free = FreeRanges()  # this process's cache of the free ranges: the placing part's, kept by the journal too
+        # Built now: what joining the store uses (the journal: the lock entry, the recovery check,
+        # the span sync). The rest is built at its first use (``__getattr__``, ``_LAZY``).
+        self._free = free = FreeRanges()  # this process's free ranges: the placing part's, kept by the journal too
         self.journal = journal = Journal(
             readonly=self.readonly, lock_timeout=self.lock_timeout, layout=layout, hdr=self.hdr,
             table_np=self.table_np, undo_np=self._undo_np, undo=self._undo, meta_w=self._meta_w,
             meta_mv=self._meta_mv, lock=self._lock, row=self.row, row_slot=self._row_slot,
             slot_hint=self._slot_hint, here=self.here, free=free, waiters=self.waiters,
             ro_waiters=self.ro_waiters, length_addr0=self.length_addr0, shares=self.shares, record=self._rec,
-            check_open=self.check_open, check_writable=self.check_writable, settle_span=settle_span)
-        self.pages = pages = Pages(
-            layout=layout, off=self._off, dseg=dseg, hdr=self.hdr, record=self._rec, Kl=self.Kl, Vl=self.Vl,
-            KS=self.KS, VS=self.VS, tokens=self.tokens, positions=self.positions, hashes=self._hashes,
-            full=self._full, shares=self.shares, dbase=self._dbase)
-        t = self.table_np
-        self.arena = arena = Arena(
-            name=name, layout=layout, off=self._off, hdr=self.hdr, table_np=t, meta=self.meta, index=self.index,
-            row=self.row, lease_holder=self._lease_holder, free=free, journal=journal, pages=pages)
-        self.spans = spans = Sharing(
-            name=name, off=self._off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
-            free=free, journal=journal, pages=pages, alloc=arena.alloc)
-        self.rows = rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=self.meta, clients_np=self.clients_np,
-                                journal=journal, owes=pages.owes, page_unit=self._off.page_unit)
-        self.snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
-                                          reading=journal.reading, settled_row=journal.settled_row)
+            check_open=self.check_open, check_writable=self.check_writable, settle_span=self._settle_span)
         # What the sequence layer, snapshots and the store call, bound once: the same names as
         # before the parts, and no call layer on the hot path (a handle copies these).
         self.locked, self.reading, self.settled_row = journal.locked, journal.reading, journal.settled_row
         self.transaction, self.changing, self.log_meta = journal.transaction, journal.changing, journal.log_meta
         self.new_incarnation = journal.new_incarnation
+        self.page_unit, self.cells = self._off.page_unit, self._off.cells
+
+    def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
+        self.spans.settle_span(slot, row, was, was_len)  # the journal's one call up, to the sharing part
+
+    def __getattr__(self, attr: str) -> Any:
+        """An attribute not set yet: one of ``_LAZY`` (the data views and the parts but the
+        journal) builds them all, once, and is returned; any other is an AttributeError."""
+        if attr not in _LAZY:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        if self.__dict__.get("shut"):
+            return Closed(self.name)  # (what release() leaves in place of the views)
+        self._build_parts()
+        return object.__getattribute__(self, attr)
+
+    def _build_parts(self) -> None:
+        """The data views (``Core.data_views``) and the parts a structural operation, a
+        sequence's data or a prefix lookup uses, wired to each other and to the journal, and
+        their operations bound as the engine's own. Run again from the start if cut short. Two
+        threads that both find them missing may both build: the parts keep no state of their own
+        but the sharing part's lent-end hint (``free``, the record and the journal are shared),
+        so whichever set a caller holds works on the same rows and pages."""
+        self.data_views()
+        name, layout, off, t, journal, free = self.name, self.layout, self._off, self.table_np, self.journal, self._free
+        dseg = self._dseg
+        self.pages = pages = Pages(
+            layout=layout, off=off, dseg=dseg, hdr=self.hdr, record=self._rec, Kl=self.Kl, Vl=self.Vl,
+            KS=self.KS, VS=self.VS, tokens=self.tokens, positions=self.positions, hashes=self._hashes,
+            full=self._full, shares=self.shares, dbase=self._dbase)
+        self.arena = arena = Arena(
+            name=name, layout=layout, off=off, hdr=self.hdr, table_np=t, meta=self.meta, index=self.index,
+            row=self.row, lease_holder=self._lease_holder, free=free, journal=journal, pages=pages)
+        self.spans = spans = Sharing(
+            name=name, off=off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
+            free=free, journal=journal, pages=pages, alloc=arena.alloc)
+        self.rows = rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=self.meta, clients_np=self.clients_np,
+                                journal=journal, owes=pages.owes, page_unit=off.page_unit)
+        self.snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
+                                          reading=journal.reading, settled_row=journal.settled_row)
         self.room, self.settle, self.owes = pages.room, pages.settle, pages.owes
         self.before_appends = pages.before_appends
         self.file_copier, self.write_new, self.reserve_window = pages.file_copier, pages.write_new, pages.reserve_window
@@ -131,13 +166,14 @@ class Engine(Core):
         self.move_lender = spans.move_lender
         self.shared_cells, self.held_cells = spans.shared_cells, spans.held_cells
         self.retained_cells, self.committed_held = spans.retained_cells, spans.committed_held
-        self.page_unit, self.cells = self._off.page_unit, self._off.cells
         self.touch = rows.touch
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
-        for part in (self.journal, self.pages, self.arena, self.spans, self.rows, self.snapshot_rows):
-            if not isinstance(part, Closed):  # (a release cut short and run again: Core.release closed it)
+        for attr in ("journal", "pages", "arena", "spans", "rows", "snapshot_rows"):
+            part = self.__dict__.get(attr)  # (a part never built holds nothing)
+            # (a release cut short and run again: Core.release closed it)
+            if part is not None and not isinstance(part, Closed):
                 release_views(part, self.name)
         super().release()
 

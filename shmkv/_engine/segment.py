@@ -179,14 +179,21 @@ class Segment:
         except OSError as e:
             raise os_error(e, name) from None
         try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                raise StoreNotFound(f"segment {name!r} is empty (being created, or a leftover)")
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-            return cls(name, size, readonly, mm, fd)
+            try:  # length 0: the whole segment, whose size mmap asks the kernel (one fstat, not two)
+                mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, prot)
+            except ValueError:  # (mmap refuses an empty file)
+                raise StoreNotFound(f"segment {name!r} is empty (being created, or a leftover)") from None
+            return cls(name, len(mm), readonly, mm, fd)
         except BaseException as e:
-            os.close(fd)
+            size = None
+            try:
+                if isinstance(e, OSError):
+                    size = os.fstat(fd).st_size  # (for the message)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
             if isinstance(e, OSError):
                 raise os_error(e, name, size) from None
             raise

@@ -100,13 +100,16 @@ def clients_of(hseg: Segment, off: Offsets, max_clients: int) -> list[tuple[int,
     return out
 
 
-# The words header.read() checks: the fixed block's first 22 but the generation and next id, which change.
-_KEY_WORDS = np.array([w for w in range(22) if w not in (W_GENERATION, W_NEXT_ID)])
+# The words header.read() checks: the fixed block's first 22 but the generation and next id, which
+# change (their bytes are zeroed in a key).
+_KEY_WORDS, _CHANGING = 22, (W_GENERATION, W_NEXT_ID)
 
 
 def read_key(words: np.ndarray, raw: np.ndarray, size: int) -> bytes:
     """What ``header.read`` decides from: the words it checks, the layer kinds and the segment's
     size. Two headers with the same key read the same (a cache of read()'s answers keys on it)."""
     kinds = LAYER_KINDS_OFF + min(max(int(words[W_LAYERS]), 0), MAX_LAYERS)
-    key: bytes = words[_KEY_WORDS].tobytes() + raw[LAYER_KINDS_OFF:kinds].tobytes() + size.to_bytes(8, "little")
-    return key
+    key = bytearray(words[:_KEY_WORDS].tobytes())  # (a slice: no fancy index, cold in a fresh process)
+    for w in _CHANGING:
+        key[8 * w : 8 * w + 8] = bytes(8)
+    return bytes(key) + raw[LAYER_KINDS_OFF:kinds].tobytes() + size.to_bytes(8, "little")

@@ -434,10 +434,10 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
        checks the header (version, layout, checksum) and computes the layout's offsets;
     2. opens and maps the data segment and checks its size;
     3. opens the store lock's file (stat-ing the header for a mode only when it must create
-       it), installs the deferred Ctrl-C handler (main thread), opens the liveness file,
-       builds the arrays' views (no page touched), and maps the read-only waiter counts
-       (the liveness file opened a second time on purpose: a mapping keeps a descriptor,
-       which must never carry the liveness byte's lock into a fork);
+       it), installs the deferred Ctrl-C handler (main thread), opens the liveness file, maps
+       the read-only waiter counts (a second descriptor on purpose: a mapping keeps one, which
+       must never carry the liveness byte's lock into a fork), builds the header's views and
+       the journal (the data views and other parts: at their first use, ``Engine.__getattr__``);
     4. read-write only, the engine's ``join()`` (the one place that says it), in one hold of
        the store lock: the recovery check (a dead holder's transaction rolled back, odd
        generations repaired), the span sync (the shared prefix pages the table lists, mapped
