@@ -20,7 +20,7 @@ import functools
 import mmap
 import os
 import weakref
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -75,10 +75,44 @@ def _close_segments(hseg: Segment, dseg: Segment, live: _liveness.Liveness) -> N
     dseg.close()
 
 
+class DataViews(NamedTuple):
+    """What ``Core.data_views`` maps (see there)."""
+
+    K: np.ndarray
+    V: np.ndarray
+    tokens: np.ndarray
+    positions: np.ndarray
+    hashes: np.ndarray
+    meta: np.ndarray
+    prefix_index: PrefixIndex
+    Kl: list[np.ndarray]
+    Vl: list[np.ndarray]
+    KS: np.ndarray | None
+    VS: np.ndarray | None
+    KSl: list[np.ndarray] | None
+    VSl: list[np.ndarray] | None
+
+
 class Core:
     """What a store handle maps and the rules for touching it (see the module docstring): the
     base of ``engine.Engine``, which ``Store`` holds; ``Sequence``, ``_snapshot`` and ``Batch``
     reach the shared-memory state through the engine as a ``port.Port``."""
+
+    # The data views (``data_views``), set together with the engine's parts at their first use
+    # (``Engine._build_parts``); an attach that only joins maps none of them.
+    K: np.ndarray
+    V: np.ndarray
+    tokens: np.ndarray
+    positions: np.ndarray
+    _hashes: np.ndarray
+    meta: np.ndarray
+    index: PrefixIndex
+    Kl: list[np.ndarray]
+    Vl: list[np.ndarray]
+    KS: np.ndarray | None
+    VS: np.ndarray | None
+    KSl: list[np.ndarray] | None
+    VSl: list[np.ndarray] | None
 
     def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
                  creator: bool, persistent: bool, lock_timeout: float,
@@ -149,11 +183,11 @@ class Core:
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)
         self._finalizer.atexit = False  # at exit the process closes them anyway
 
-    def data_views(self) -> None:
-        """Map the views of the data segment (K, V, tokens, positions, hashes, per-layer views,
-        int8 scales), the meta records and the prefix index. Only a sequence's data, a prefix
-        lookup and a structural operation read them, so an attach does not build them:
-        ``Engine.__getattr__`` calls this at the first use of any of them."""
+    def data_views(self) -> DataViews:
+        """The views of the data segment (K, V, tokens, positions, hashes, per-layer views, int8
+        scales), the meta records and the prefix index. Only a sequence's data, a prefix lookup
+        and a structural operation read them, so an attach does not build them:
+        ``Engine.__getattr__`` sets them, with the parts, at the first use of any of them."""
         layout, off = self.layout, self._off
         hmm, dmm = self._hseg.mm, self._dseg.mm
         assert hmm is not None and dmm is not None
@@ -163,34 +197,34 @@ class Core:
         L, T, H, D = layout.layers, off.cells, layout.kv_heads, layout.head_dim  # T: max_tokens and the slack
         it = np.dtype(dt).itemsize
         kv_strides = (off.layer_stride, H * D * it, D * it, it)  # layers page-aligned (docs/design.md §11)
-        self.K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
-        self.V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
-        self.tokens = np.ndarray((T,), np.int64, dbuf, off.tokens_off)
-        self.positions = np.ndarray((T,), np.int64, dbuf, off.positions_off)
-        self._hashes = np.ndarray((T,), np.int64, dbuf, off.hashes_off)
-        self.meta = np.ndarray((ms, _header.META_RECORD), np.uint8, hbuf, off.meta_off)
-        self.index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
-                                  self.tokens, self.positions, self._hashes, layout=layout)
+        K = np.ndarray((L, T, H, D), dt, dbuf, off.k_off, kv_strides)
+        V = np.ndarray((L, T, H, D), dt, dbuf, off.v_off, kv_strides)
+        tokens = np.ndarray((T,), np.int64, dbuf, off.tokens_off)
+        positions = np.ndarray((T,), np.int64, dbuf, off.positions_off)
+        hashes = np.ndarray((T,), np.int64, dbuf, off.hashes_off)
+        index = PrefixIndex(_words(hmm, off.index_off, off.index_slots * INDEX_WORDS), self._table,
+                            tokens, positions, hashes, layout=layout)
         # Per-layer views: slicing one is cheaper than a 4-D index. A sliding or chunked
         # layer's view is its window region instead: a buffer of window_cells per slot.
-        Kl, Vl = list(self.K), list(self.V)
+        Kl, Vl = list(K), list(V)
         bounded = layout.bounded
         nb, WT = len(bounded), 2 * layout.max_seqs * layout.window_cells  # two buffers a slot
         if nb:
-            self._WK = np.ndarray((nb, WT, H, D), dt, dbuf, off.wk_off)
-            self._WV = np.ndarray((nb, WT, H, D), dt, dbuf, off.wv_off)
+            WK = np.ndarray((nb, WT, H, D), dt, dbuf, off.wk_off)
+            WV = np.ndarray((nb, WT, H, D), dt, dbuf, off.wv_off)
             for j, layer in enumerate(bounded):
-                Kl[layer], Vl[layer] = self._WK[j], self._WV[j]
-        self.Kl, self.Vl = Kl, Vl
+                Kl[layer], Vl[layer] = WK[j], WV[j]
         # int8 stores: one float32 scale per (layer, cell, head) for K and for V
         S = L * T * H if layout.dtype == "int8" else 0
         s_strides = (off.scale_stride, H * 4, 4)
-        self.KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
-        self.VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
+        KS = np.ndarray((L, T, H), np.float32, dbuf, off.ks_off, s_strides) if S else None
+        VS = np.ndarray((L, T, H), np.float32, dbuf, off.vs_off, s_strides) if S else None
         # what every Sequence handle reads through (Kr, Vr) is built once, at the first handle, not
         # per handle (a handle is made per request) nor by an attach that makes none
-        self.KSl = list(self.KS) if self.KS is not None else None
-        self.VSl = list(self.VS) if self.VS is not None else None
+        return DataViews(K, V, tokens, positions, hashes, np.ndarray((ms, _header.META_RECORD), np.uint8, hbuf,
+                                                                     off.meta_off),
+                         index, Kl, Vl, KS, VS, list(KS) if KS is not None else None,
+                         list(VS) if VS is not None else None)
 
     @functools.cached_property  # (stored on the instance at the first use: later reads are plain lookups)
     def Kr(self) -> list[np.ndarray]:

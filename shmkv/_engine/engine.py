@@ -134,39 +134,47 @@ class Engine(Core):
     def _build_parts(self) -> None:
         """The data views (``Core.data_views``) and the parts a structural operation, a
         sequence's data or a prefix lookup uses, wired to each other and to the journal, and
-        their operations bound as the engine's own. Run again from the start if cut short. Two
-        threads that both find them missing may both build: the parts keep no state of their own
-        but the sharing part's lent-end hint (``free``, the record and the journal are shared),
-        so whichever set a caller holds works on the same rows and pages."""
-        self.data_views()
+        their operations bound as the engine's own: worked out into locals, then set in one
+        statement with no call in it, so a Ctrl-C leaves all of them or none (the next use
+        builds them again). Two threads that both find them missing may both build: the parts
+        keep no state of their own but the sharing part's lent-end hint (``free``, the record
+        and the journal are shared), so whichever set a caller holds works on the same rows and
+        pages."""
+        v = self.data_views()
         name, layout, off, t, journal, free = self.name, self.layout, self._off, self.table_np, self.journal, self._free
         dseg = self._dseg
-        self.pages = pages = Pages(
-            layout=layout, off=off, dseg=dseg, hdr=self.hdr, record=self._rec, Kl=self.Kl, Vl=self.Vl,
-            KS=self.KS, VS=self.VS, tokens=self.tokens, positions=self.positions, hashes=self._hashes,
+        pages = Pages(
+            layout=layout, off=off, dseg=dseg, hdr=self.hdr, record=self._rec, Kl=v.Kl, Vl=v.Vl,
+            KS=v.KS, VS=v.VS, tokens=v.tokens, positions=v.positions, hashes=v.hashes,
             full=self._full, shares=self.shares, dbase=self._dbase)
-        self.arena = arena = Arena(
-            name=name, layout=layout, off=off, hdr=self.hdr, table_np=t, meta=self.meta, index=self.index,
+        arena = Arena(
+            name=name, layout=layout, off=off, hdr=self.hdr, table_np=t, meta=v.meta, index=v.prefix_index,
             row=self.row, lease_holder=self._lease_holder, free=free, journal=journal, pages=pages)
-        self.spans = spans = Sharing(
+        spans = Sharing(
             name=name, off=off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
             free=free, journal=journal, pages=pages, alloc=arena.alloc)
-        self.rows = rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=self.meta, clients_np=self.clients_np,
-                                journal=journal, owes=pages.owes, page_unit=off.page_unit)
-        self.snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
-                                          reading=journal.reading, settled_row=journal.settled_row)
-        self.room, self.settle, self.owes = pages.room, pages.settle, pages.owes
-        self.before_appends = pages.before_appends
-        self.file_copier, self.write_new, self.reserve_window = pages.file_copier, pages.write_new, pages.reserve_window
-        self.free_tokens, self.free_ranges, self.alloc = arena.free_tokens, arena.free_ranges, arena.alloc
-        self.new_row, self.free_row, self.wcell = arena.new_row, arena.free_row, arena.wcell
-        self.index_blocks, self.unindexing = arena.index_blocks, arena.unindexing
-        self.set_encoder, self.drop_encoder = arena.set_encoder, arena.drop_encoder
-        self.lend, self.borrow, self.lent_end = spans.lend, spans.borrow, spans.lent_end
-        self.move_lender = spans.move_lender
-        self.shared_cells, self.held_cells = spans.shared_cells, spans.held_cells
-        self.retained_cells, self.committed_held = spans.retained_cells, spans.committed_held
-        self.touch = rows.touch
+        rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=v.meta, clients_np=self.clients_np,
+                    journal=journal, owes=pages.owes, page_unit=off.page_unit)
+        snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
+                                     reading=journal.reading, settled_row=journal.settled_row)
+        (self.K, self.V, self.tokens, self.positions, self._hashes, self.meta, self.index, self.Kl, self.Vl,
+         self.KS, self.VS, self.KSl, self.VSl,
+         self.pages, self.arena, self.spans, self.rows, self.snapshot_rows,
+         self.room, self.settle, self.owes, self.before_appends,
+         self.file_copier, self.write_new, self.reserve_window,
+         self.free_tokens, self.free_ranges, self.alloc, self.new_row, self.free_row, self.wcell,
+         self.index_blocks, self.unindexing, self.set_encoder, self.drop_encoder,
+         self.lend, self.borrow, self.lent_end, self.move_lender,
+         self.shared_cells, self.held_cells, self.retained_cells, self.committed_held,
+         self.touch) = (
+            *v, pages, arena, spans, rows, snapshot_rows,
+            pages.room, pages.settle, pages.owes, pages.before_appends,
+            pages.file_copier, pages.write_new, pages.reserve_window,
+            arena.free_tokens, arena.free_ranges, arena.alloc, arena.new_row, arena.free_row, arena.wcell,
+            arena.index_blocks, arena.unindexing, arena.set_encoder, arena.drop_encoder,
+            spans.lend, spans.borrow, spans.lent_end, spans.move_lender,
+            spans.shared_cells, spans.held_cells, spans.retained_cells, spans.committed_held,
+            rows.touch)
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
