@@ -148,7 +148,8 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
                pss_ratio=s["pss_peak_mib"] / b["pss_peak_mib"], pss_end_ratio=s["pss_end_mib"] / b["pss_end_mib"],
                anon_ratio=s["anon_peak_mib"] / b["anon_peak_mib"],
                restart_ttft_ratio=w["ttft_p50_ms"] / s["ttft_p50_ms"],
-               warm_throughput_ratio=w["requests_per_s"] / b["requests_per_s"])
+               warm_throughput_ratio=w["requests_per_s"] / b["requests_per_s"],
+               on_cpu_ratio=s["workers_on_cpu_fraction"] / b["workers_on_cpu_fraction"])
     return res
 
 
@@ -172,7 +173,8 @@ def report(res: dict[str, Any]) -> None:
               f"a core {r['workers_runqueue_fraction']:.0%}, asleep {r['workers_asleep_fraction']:.0%}; the scheduler "
               f"used {r['scheduler_cores']:.2f} cores, other processes {r['other_cores']:.2f}")
     print(f"  ratios: ttft_p50 {res['ttft_p50_ratio']:.3f}, ttft_p95 {res['ttft_p95_ratio']:.3f}, "
-          f"throughput {res['throughput_ratio']:.2f} (CPU time per request: {res['cpu_throughput_ratio']:.2f}), "
+          f"throughput {res['throughput_ratio']:.2f} (CPU time per request: {res['cpu_throughput_ratio']:.2f}, "
+          f"times the workers' share of the CPU: {res['on_cpu_ratio']:.2f}), "
           f"pss {res['pss_ratio']:.3f} (end {res['pss_end_ratio']:.3f}, "
           f"anon {res['anon_ratio']:.3f}), "
           f"restart_ttft {res['restart_ttft_ratio']:.2f} (restart {res['warm']['restart_s']:.1f} s); "
