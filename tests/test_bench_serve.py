@@ -44,6 +44,10 @@ def test_tiny_run_same_tokens_every_key_nothing_left(capsys):
         assert res[f"{m}_ttft_p50_ms"] > 0 and res[f"{m}_ttft_p95_ms"] >= res[f"{m}_ttft_p50_ms"], res
         assert res[f"{m}_requests_per_s"] > 0 and res[f"{m}_pss_peak_mib"] > 0, res
         assert res[f"{m}_cpu_ms_per_request"] > 0, res
+        shares = [res[f"{m}_worker_{k}_fraction"] for k in ("busy", "prefix_wait", "queue_empty", "handoff",
+                                                               "between", "tail")]
+        assert sum(shares) == pytest.approx(1.0) and shares[0] > 0, (m, shares)
+        assert 0 < res[f"{m}_workers_on_cpu_fraction"] <= 1, res
     assert res["baseline_reused_tokens"] == 0
     # request 3 is the next turn of request 0: the shmkv mode reuses the system prompt on every request
     # but the first, and request 0's whole turn on request 3; warm has everything cached
@@ -116,3 +120,39 @@ def test_await_prefix_sleeps_until_another_processes_prefill_commits(tmp_path):
         held, sleeps = child.result()
         assert held == len(prompt) and sleeps >= 1
         seq.free()
+
+
+def test_worker_time_splits_each_workers_window():
+    T = serve_stack.Times
+    run = serve_stack.Run("shmkv", workers=3, t0=100.0, last=110.0)
+    # worker 1: busy from the start, 0.5 s from an answer to its next get, busy to the end
+    # worker 2: 2 s asleep on a prefix in flight; later 2 s in get before the scheduler queued, 0.5 s handoff
+    # worker 3: answered nothing
+    for rid, pid, put, t in [(0, 1, 100.0, T(99.0, 100.0, 100.0, 100.0, 101.0, 104.0)),
+                             (2, 1, 100.0, T(104.5, 104.5, 104.5, 104.5, 105.0, 110.0)),
+                             (1, 2, 100.0, T(100.0, 100.0, 102.0, 102.0, 103.0, 105.0)),
+                             (3, 2, 107.0, T(105.0, 107.5, 107.5, 107.5, 108.0, 109.0))]:
+        run.times[rid], run.pid[rid], run.put[rid] = t, pid, put
+    got = serve_stack.worker_time(run)
+    want = {"busy": 14.0, "prefix_wait": 2.0, "queue_empty": 2.0, "handoff": 0.5, "between": 0.5, "tail": 11.0}
+    assert got == pytest.approx({k: v / 30 for k, v in want.items()})
+    assert sum(got.values()) == pytest.approx(1.0)
+
+
+def test_cpu_shares_of_the_window():
+    run = serve_stack.Run("baseline", workers=2, cpu_window=(10.0, 15.0, 12.0, 6.0, 1.0))
+    assert serve_stack.cpu_shares(run) == pytest.approx({
+        "workers_on_cpu_fraction": 0.6, "workers_runqueue_fraction": 0.3, "workers_asleep_fraction": 0.1,
+        "scheduler_cores": 0.1, "other_cores": 0.2})
+
+
+def test_cpu_seconds_counts_this_process_on_a_cpu():
+    import time
+
+    before = serve_stack.cpu_seconds([os.getpid()])
+    start = time.process_time()
+    while time.process_time() - start < 0.2:  # spin: CPU time, not a wait
+        pass
+    machine, on_cpu, _ready, me = (b - a for a, b in zip(before, serve_stack.cpu_seconds([os.getpid()]), strict=True))
+    assert on_cpu >= 0.19 and me >= 0.17, (on_cpu, me)  # os.times counts clock ticks (10 ms)
+    assert machine >= 0.17, machine

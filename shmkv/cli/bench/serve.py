@@ -49,7 +49,7 @@ import tempfile
 import time
 from typing import Any
 
-from .serve_stack import Run, Stack, serve, store_bytes, token_ids, workload
+from .serve_stack import Run, Stack, cpu_shares, serve, store_bytes, token_ids, worker_time, workload
 
 MODELS: dict[str, dict[str, Any]] = {
     # initializer_range 0.2 (HF default 0.02): peaky logits, so greedy choices are not near-ties that
@@ -135,6 +135,10 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
             "reused_tokens": med(sum(r.reused.values()) for r in rs),
             "ttft_ms": [t * 1e3 for r in rs for t in r.ttft],
         }
+        shares = [worker_time(r) for r in rs]
+        res[m].update({f"worker_{k}_fraction": med(x[k] for x in shares) for k in shares[0]})
+        cpus = [cpu_shares(r) for r in rs]
+        res[m].update({k: med(x[k] for x in cpus) for k in cpus[0]})
         if m == "warm":
             res[m]["restart_s"] = med(r.restart_s for r in rs)
     b, s, w = res["baseline"], res["shmkv"], res["warm"]
@@ -144,7 +148,8 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
                pss_ratio=s["pss_peak_mib"] / b["pss_peak_mib"], pss_end_ratio=s["pss_end_mib"] / b["pss_end_mib"],
                anon_ratio=s["anon_peak_mib"] / b["anon_peak_mib"],
                restart_ttft_ratio=w["ttft_p50_ms"] / s["ttft_p50_ms"],
-               warm_throughput_ratio=w["requests_per_s"] / b["requests_per_s"])
+               warm_throughput_ratio=w["requests_per_s"] / b["requests_per_s"],
+               on_cpu_ratio=s["workers_on_cpu_fraction"] / b["workers_on_cpu_fraction"])
     return res
 
 
@@ -158,8 +163,18 @@ def report(res: dict[str, Any]) -> None:
               f"{r['tokens_per_s']:>7.1f} {r['cpu_ms_per_request']:>10.0f} {r['pss_peak_mib']:>12.1f} "
               f"{r['pss_end_mib']:>8.1f} "
               f"{r['anon_peak_mib']:>8.1f} {r['store_mib']:>9.1f} {r['reused_tokens']:>7.0f}")
+    for m in MODES:
+        r = res[m]
+        print(f"  {m:<9} workers busy {r['worker_busy_fraction']:.0%} of the window; idle: prefix wait "
+              f"{r['worker_prefix_wait_fraction']:.0%}, queue empty {r['worker_queue_empty_fraction']:.0%}, "
+              f"handoff {r['worker_handoff_fraction']:.0%}, between {r['worker_between_fraction']:.0%}, "
+              f"tail {r['worker_tail_fraction']:.0%}")
+        print(f"  {'':<9} each worker on a CPU {r['workers_on_cpu_fraction']:.0%} of the window, waiting for "
+              f"a core {r['workers_runqueue_fraction']:.0%}, asleep {r['workers_asleep_fraction']:.0%}; the scheduler "
+              f"used {r['scheduler_cores']:.2f} cores, other processes {r['other_cores']:.2f}")
     print(f"  ratios: ttft_p50 {res['ttft_p50_ratio']:.3f}, ttft_p95 {res['ttft_p95_ratio']:.3f}, "
-          f"throughput {res['throughput_ratio']:.2f} (CPU time per request: {res['cpu_throughput_ratio']:.2f}), "
+          f"throughput {res['throughput_ratio']:.2f} (CPU time per request: {res['cpu_throughput_ratio']:.2f}, "
+          f"times the workers' share of the CPU: {res['on_cpu_ratio']:.2f}), "
           f"pss {res['pss_ratio']:.3f} (end {res['pss_end_ratio']:.3f}, "
           f"anon {res['anon_ratio']:.3f}), "
           f"restart_ttft {res['restart_ttft_ratio']:.2f} (restart {res['warm']['restart_s']:.1f} s); "

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 TEXT = ("You are a careful assistant for a team that runs inference servers. Answer briefly, cite the "
         "configuration option you rely on, say when you are unsure, and never invent numbers. ")
@@ -62,6 +62,17 @@ def token_ids(a: argparse.Namespace, vocab: int, tokenizer: Any) -> tuple[list[i
 
 
 # -- the worker process ----------------------------------------------------------------------
+
+
+class Times(NamedTuple):
+    """A worker's monotonic clock (one clock for every process) around one request."""
+
+    get: float  # it asked the queue for its next request
+    deq: float  # it had the request
+    waited: float  # the prefill of a shared prefix in flight was done (= deq when there was no wait)
+    gen: float  # the cache was made (for_prompt): generate() starts
+    first: float  # the first new token
+    end: float  # generate() returned
 
 
 def _load_model(model_dir: str, device: str) -> Any:
@@ -114,7 +125,7 @@ def _serve(jobs: Any, results: Any, *, model_dir: str, device: str, store_name: 
         def end(self) -> None:
             return None
 
-    def answer(prompt: list[int], new: int, warmup: bool = False) -> tuple[Any, int, float]:
+    def answer(prompt: list[int], new: int, warmup: bool = False) -> tuple[Any, int, float, float]:
         ids = torch.tensor([prompt], device=device)
         if store is None:
             cache: Any = DynamicCache(config=model.config)
@@ -123,25 +134,30 @@ def _serve(jobs: Any, results: Any, *, model_dir: str, device: str, store_name: 
         else:  # room for the answer: a borrower that outgrows its range moves and copies the borrowed prefix
             cache = ShmkvCache.for_prompt(store, ids, capacity=len(prompt) + new)
         reused = cache.get_seq_length()
-        streamer = FirstToken()
+        streamer, t_gen = FirstToken(), time.monotonic()
         with torch.no_grad():
             out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False, streamer=streamer)
         if isinstance(cache, ShmkvCache):
             cache.free() if warmup else cache.finish(out)
-        return out, reused, streamer.t
+        return out, reused, t_gen, streamer.t
 
     answer([2] * 8, 2, warmup=True)  # first calls allocate and initialise: not a request's cost
     results.put(("ready", os.getpid()))
     try:
-        while (job := jobs.get()) is not None:
+        while True:
+            t_get = time.monotonic()
+            if (job := jobs.get()) is None:
+                break
             rid, prompt, new, want = job
             t0, c0 = time.monotonic(), time.process_time()
             if store is not None and want and store.match_prefix(prompt) < want:
                 await_prefix(store, prompt, want)  # inside the request's TTFT and CPU time
-            out, reused, t_first = answer(prompt, new)
-            results.put(("done", rid, os.getpid(), reused, out[0, len(prompt):].tolist(), t0, t_first,
-                         time.monotonic(), time.process_time() - c0))
+            t_waited = time.monotonic()
+            out, reused, t_gen, t_first = answer(prompt, new)
+            t_end = time.monotonic()
+            results.put(("done", rid, os.getpid(), reused, out[0, len(prompt):].tolist(),
+                         Times(t_get, t0, t_waited, t_gen, t_first, t_end), time.process_time() - c0))
     finally:
         if store is not None:
             store.close()
@@ -234,6 +250,26 @@ def worker_memory(pids: list[int], store: str | None) -> tuple[int, int]:
     return pss * 1024 + held, anon * 1024 + held
 
 
+def cpu_seconds(pids: list[int]) -> tuple[float, float, float, float]:
+    """Seconds so far: the machine's busy CPU (every core, /proc/stat), the processes ``pids``' time on
+    a CPU and their time ready to run on a run queue (summed over their threads,
+    /proc/PID/task/*/schedstat), and this process's CPU (every thread)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    machine = (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    run = queued = 0
+    for pid in pids:
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    on, wait = f.read().split()[:2]
+                run, queued = run + int(on), queued + int(wait)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    me = os.times()
+    return machine, run / 1e9, queued / 1e9, me.user + me.system
+
+
 # -- one mode --------------------------------------------------------------------------------
 
 
@@ -251,6 +287,51 @@ class Run:
     store_end: int = 0  # the store's resident bytes at the end
     new_tokens: int = 0
     restart_s: float = 0.0  # warm: load of the snapshot until every worker is ready
+    workers: int = 0
+    times: dict[int, Times] = field(default_factory=dict)
+    pid: dict[int, int] = field(default_factory=dict)  # the worker that answered each request
+    put: dict[int, float] = field(default_factory=dict)  # when the scheduler queued each request
+    t0: float = 0.0  # the timed window: from the first request queued to the last answer
+    last: float = 0.0
+    cpu_window: tuple[float, ...] = ()  # wall; machine, workers on a CPU, workers ready, scheduler (cpu_seconds)
+
+
+def cpu_shares(run: Run) -> dict[str, float]:
+    """Over the timed window: the fraction of it each worker (on average) ran on a CPU, was ready to
+    run but waited for a core (run queue: other processes had the cores), slept (idle: waiting for a
+    request, another worker's prefill, a lock); the cores the scheduler used (its memory sampler
+    included) and the cores the machine's other processes used."""
+    wall, machine, run_s, queued_s, scheduler = run.cpu_window
+    n = wall * max(1, run.workers)
+    return {"workers_on_cpu_fraction": run_s / n, "workers_runqueue_fraction": queued_s / n,
+            "workers_asleep_fraction": max(0.0, 1 - (run_s + queued_s) / n), "scheduler_cores": scheduler / wall,
+            "other_cores": max(0.0, machine - run_s - scheduler) / wall}
+
+
+def worker_time(run: Run) -> dict[str, float]:
+    """How the workers spent the timed window, as fractions of (workers x window): ``busy`` (from a
+    request's cache lookup to its last token), ``prefix_wait`` (asleep on a shared prefix another
+    worker computes), ``queue_empty`` (in ``jobs.get`` before the scheduler had queued the request),
+    ``handoff`` (in ``jobs.get`` with the request queued: the pipe, unpickling), ``between`` (from an
+    answer to the next ``jobs.get``: sending the answer), ``tail`` (after its last answer, or the
+    whole window for a worker that answered nothing)."""
+    window = run.last - run.t0
+    out = dict.fromkeys(("busy", "prefix_wait", "queue_empty", "handoff", "between", "tail"), 0.0)
+    pids = sorted(set(run.pid.values()))
+    out["tail"] = window * max(0, run.workers - len(pids))
+    for pid in pids:
+        prev = run.t0
+        for rid, t in sorted(((r, t) for r, t in run.times.items() if run.pid[r] == pid), key=lambda x: x[1].deq):
+            get = max(t.get, run.t0)
+            out["between"] += get - prev
+            empty = min(max(0.0, run.put[rid] - get), t.deq - get)
+            out["queue_empty"] += empty
+            out["handoff"] += t.deq - get - empty
+            out["prefix_wait"] += t.waited - t.deq
+            out["busy"] += t.end - t.waited
+            prev = t.end
+        out["tail"] += run.last - prev
+    return {k: v / (window * max(1, run.workers, len(pids))) for k, v in out.items()}
 
 
 class Stack:
@@ -283,7 +364,7 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, sto
     ctx = mp.get_context("spawn")
     jobs, results = ctx.Queue(), ctx.Queue()
     jobs.cancel_join_thread()  # not joined at exit: after a Ctrl-C no killed worker reads what it still sends
-    run = Run(mode)
+    run = Run(mode, workers=a.workers)
     t_start = time.monotonic()
     kw = dict(model_dir=model_dir, device=a.device, store_name=store)
     stack.procs = [ctx.Process(target=worker, args=(jobs, results), kwargs=kw, daemon=True) for _ in range(a.workers)]
@@ -305,6 +386,7 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, sto
     sampler.start()
     prompts: dict[int, list[int]] = {}
     queued, t0, last = 0, time.monotonic(), time.monotonic()
+    cpu0 = cpu_seconds(pids)
     try:
         while len(run.tokens) < len(reqs):
             while queued < len(reqs) and (reqs[queued].parent is None or reqs[queued].parent in run.tokens):
@@ -315,17 +397,20 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, sto
                 if store is not None:  # the baseline has no cache to wait for
                     in_flight = [p for q, p in prompts.items() if q not in run.tokens and q != r.rid]
                     want = wait_hint(prompts[r.rid], in_flight, [prompts[q] + run.tokens[q] for q in run.tokens])
+                run.put[r.rid] = time.monotonic()
                 jobs.put((r.rid, prompts[r.rid], a.new_tokens, want))
                 queued += 1
-            _, rid, _pid, reused, toks, t_deq, t_first, t_end, cpu = _next(results, stack.procs)
+            _, rid, pid, reused, toks, times, cpu = _next(results, stack.procs)
             run.cpu.append(cpu)
-            run.tokens[rid], run.reused[rid] = toks, reused
-            run.ttft.append(t_first - t_deq)
+            run.tokens[rid], run.reused[rid], run.times[rid], run.pid[rid] = toks, reused, times, pid
+            run.ttft.append(times.first - times.deq)
             run.new_tokens += len(toks)
-            last = max(last, t_end)
+            last = max(last, times.end)
             if len(run.tokens) % max(1, len(reqs) // 4) == 0:
                 print(f"    {mode}: {len(run.tokens)}/{len(reqs)} answered", flush=True)
-        run.seconds = last - t0
+        cpu1 = cpu_seconds(pids)
+        run.seconds, run.t0, run.last = last - t0, t0, last
+        run.cpu_window = (time.monotonic() - t0, *(b - a for a, b in zip(cpu0, cpu1, strict=True)))
     finally:
         stop_sampling.set()
         sampler.join()
