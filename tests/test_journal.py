@@ -408,3 +408,17 @@ def test_a_ctrl_c_on_the_lock_path_is_raised_once_the_lock_is_given_up(make_stor
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # back once the lock is free
     with pytest.raises(KeyboardInterrupt):  # elsewhere it is raised at once, as always
         signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 1024, 1025, 5000])
+def test_the_scan_for_odd_generations_finds_exactly_the_odd_rows(rows: int) -> None:
+    """Recovery's scan (``seqlock.odd_rows``: Python up to 1,024 rows, numpy beyond) finds the
+    rows whose generation is odd, incarnation bits included, as a plain numpy reference does."""
+    from shmkv._engine.seqlock import odd_rows
+
+    rng = np.random.default_rng(rows)
+    gens = rng.integers(0, 1 << 50, rows, dtype=np.int64)
+    gens[rng.random(rows) < 0.9] &= ~1  # most even, as in a live store
+    table = np.zeros((rows, 4), np.int64)
+    table[:, 2] = gens
+    assert odd_rows(table[:, 2]) == np.flatnonzero(gens % 2 == 1).tolist()

@@ -77,6 +77,7 @@ from shmkv._engine.header import CAPACITY, FLAGS, GEN, LEASE_PID, LENGTH, LENT, 
 from shmkv._engine.interrupts import critical
 from shmkv._engine.lease import with_release
 from shmkv._engine.lock import StoreLock
+from shmkv._engine.seqlock import odd_rows
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -337,11 +338,11 @@ class Journal:
         k = hdr[_header.W_UNDO_COUNT]
         if k:
             self._put_back()
-        odd = (self.table_np[:, GEN] & 1).nonzero()[0] if scan or k else ()
-        for slot in list(odd):
-            self.row(int(slot))[GEN] += 1  # a bracket left open with no entry (a store of an older shmkv)
-            self._wake(int(slot))
-        if len(odd):
+        odd = odd_rows(self.table_np[:, GEN]) if scan or k else []
+        for slot in odd:
+            self.row(slot)[GEN] += 1  # a bracket left open with no entry (a store of an older shmkv)
+            self._wake(slot)
+        if odd:
             self._free.unknown(hdr)
         if hdr[_header.W_SPANS] & 1:
             hdr[_header.W_SPANS] += 1
