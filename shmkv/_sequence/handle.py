@@ -107,8 +107,8 @@ class Sequence(Reads):
         # (the class's append/commit below say what they do, for help() and the docs).
         self.append = w.append  # type: ignore[method-assign]
         self.commit = w.commit  # type: ignore[method-assign]
-        w.refresh()
-        if write:
+        if write:  # (a read handle's reads look at the row themselves: it never uses the addressing)
+            w.refresh()
             live_writers.add(token, self, row, self._epoch)
 
     def __repr__(self) -> str:
