@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import numpy as np
 
@@ -147,3 +148,22 @@ def cow_and_reuse(name: str, borrower: int) -> int:
         return int(st.stats().shared_tokens)
     finally:
         st.close()
+
+
+def flip_free_rows_span_words(name: str, started: Any, stop: Any, flips: Any) -> None:
+    """In a child: keep rewriting the span word of every row but the first (free rows: no span
+    is wanted either way) until ``stop``; ``started`` once it began; the rewrites in ``flips``."""
+    from shmkv._engine.header import SPAN_CELLS
+
+    store = shmkv.attach(name)
+    try:
+        t = engine_of(store).table_np
+        i = 0
+        started.set()
+        while not stop.is_set():
+            t[1:, SPAN_CELLS] = i & 1
+            i += 1
+        t[1:, SPAN_CELLS] = 0
+        flips.value = i
+    finally:
+        store.close()

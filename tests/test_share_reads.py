@@ -754,3 +754,31 @@ def test_a_process_with_sharing_off_reads_and_copies_on_write_borrowers(make_sto
     assert len(store.sequences()) == 3
     for info in store.sequences():
         assert _verify(store.sequence(info.id)) is True
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_the_span_sync_reads_a_table_that_another_process_writes_meanwhile(make_store, method):
+    """A lock-free span sync (``Shares.wanted``) reads the live table while other processes write
+    it: it works on a copy of the span column (numpy's nonzero over the live column raised
+    "number of non-zero array elements changed" when a count changed between its passes)."""
+    import multiprocessing as mp
+
+    from _share_read_children import flip_free_rows_span_words
+
+    store = make_store(layers=1, kv_heads=1, head_dim=8, max_tokens=8192, max_seqs=4096)
+    ctx = mp.get_context(method)
+    started, stop, flips = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+    child = ctx.Process(target=flip_free_rows_span_words, args=(store.name, started, stop, flips))
+    child.start()
+    try:
+        assert started.wait(60)
+        shares = engine_of(store).shares
+        for _ in range(3000):
+            assert shares.wanted() == {}  # (free rows: none wanted, whatever their span word says)
+    finally:
+        stop.set()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert child.exitcode == 0 and flips.value > 0

@@ -260,8 +260,10 @@ class Shares:
         """The spans of the table (or of ``rows(slot)``, the rows as a rollback leaves them)."""
         t = self.table
         if rows is None:
-            # (nonzero on the column: no comparison ufunc, cold in a fresh process or a forked child)
-            idx = t[:, SPAN_CELLS].nonzero()[0]
+            # nonzero on a copy of the column: other processes write the table meanwhile, and numpy's
+            # nonzero on the live column raises when the count changes between its two passes (no
+            # comparison ufunc either: cold in a fresh process or a forked child)
+            idx = t[:, SPAN_CELLS].copy().nonzero()[0]
             return {int(s): (int(t[s, START]), int(t[s, SPAN_PHYS]), int(t[s, SPAN_CELLS])) for s in idx
                     if t[s, STATE] == LIVE and t[s, SPAN_CELLS] > 0}
         out: Want = {}
