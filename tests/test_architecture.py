@@ -567,8 +567,6 @@ def test_no_room_but_the_engine_names_a_row_or_header_word() -> None:
 # Functions of ``_sequence`` that name row or header words though they are off the hot path: each is
 # to become a named operation of the engine. The allow-list only shrinks.
 KNOWN_COLD_WORD_USES = {
-    "_sequence.bulk:extend_in_steps", "_sequence.bulk:set_encoder",
-    "_sequence.rewind:rewind",
     "_sequence.room:grow", "_sequence.room:leave_loans", "_sequence.room:make_room", "_sequence.room:mind_loans",
     "_sequence.structural:remove", "_sequence.structural:set_tokens", "_sequence.structural:shift_left",
     "_sequence.structural:taint",
