@@ -38,6 +38,7 @@ from shmkv._engine.header import (
     LENGTH,
     LENT,
     LIVE,
+    NOINDEX,
     RECENCY,
     SPAN_CELLS,
     SPAN_PHYS,
@@ -58,8 +59,12 @@ from shmkv._engine.header import (
     WBUF,
     WIN_OFF,
     Layout,
+    leads,
+    with_leads,
 )
 from shmkv._engine.journal import Journal
+from shmkv._engine.prefix import COVERS
+from shmkv._engine.prefix_hash import BLOCK, lead_levels
 from shmkv._engine.seqlock import HANDLE, seqlocked
 
 __all__ = ["Counters", "Occupancy", "Rows", "SequenceRow", "TableRow"]
@@ -288,6 +293,29 @@ class Rows:
         if n == 0:
             row[WIN_OFF] = 0
 
+    def switch_range(self, row: memoryview, start: int, wbuf: int, length: int, woff: int | None = None) -> None:
+        """A structural operation's switch of ``row`` to the content it wrote where no row points
+        (row changing; the crash point before it is the operation's): its range's first cell
+        and window buffer, then its window offset (when given), then its length."""
+        row[START], row[WBUF] = start, wbuf
+        if woff is not None:
+            row[WIN_OFF] = woff
+        row[LENGTH] = length
+
+    def taint(self, row: memoryview, n: int) -> None:
+        """Tokens from ``n`` on are no faithful prefix computation any more (row changing):
+        ``CLEAN`` at most ``n``, no index blocks or leads past it, no block from here on
+        indexable (NOINDEX) until a truncate below it."""
+        clean = row[CLEAN]
+        row[CLEAN] = n if clean < 0 else min(clean, n)
+        row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
+        row[FLAGS] = with_leads(row[FLAGS], min(leads(row[FLAGS]), lead_levels(n))) | NOINDEX
+
+    def indexable_again(self, row: memoryview) -> None:
+        """Ids given to tokens that had none (``set_tokens``, row changing): blocks from the
+        row's indexed ones on may be indexable now (NOINDEX cleared)."""
+        row[FLAGS] &= ~NOINDEX
+
     # -- readers ---------------------------------------------------------------------------
 
     def length(self, row: memoryview) -> int:
@@ -297,6 +325,23 @@ class Rows:
     def capacity(self, row: memoryview) -> int:
         """The cells of ``row``'s range."""
         return int(row[CAPACITY])
+
+    def start(self, row: memoryview) -> int:
+        """The first cell of ``row``'s range."""
+        return int(row[START])
+
+    def placement(self, row: memoryview) -> tuple[int, int, int]:
+        """(first cell, capacity, window offset) of ``row``: what a write handle's addressing is
+        worked out from (``SeqWriter.cache``)."""
+        return row[START], row[CAPACITY], row[WIN_OFF]
+
+    def lends(self, row: memoryview) -> bool:
+        """Whether ``row`` is flagged LENT (it may lend cells to borrowers: ``_engine/sharing.py``)."""
+        return bool(row[FLAGS] & LENT)
+
+    def covers(self, row: memoryview) -> bool:
+        """Whether ``row``'s prefix-index entries may stand for other holders (``prefix.COVERS``)."""
+        return bool(row[FLAGS] & COVERS)
 
     def window(self, row: memoryview) -> tuple[int, int]:
         """(window offset, window buffer) of ``row``: the oldest token its sliding/chunked layers
