@@ -25,8 +25,8 @@ delete its line).
    slots ARCHITECTURE.md lists) name no row column or header word of ``_engine/header.py``
    (``START``, ``W_NEXT_ID``, ``C_KEY``, ``FINISHED`` ...) and touch no raw view of the engine
    (``.hdr``, ``.table_np``, ``.clients_np``): they use the engine's named operations.
-   ``_sequence`` names them only in the hot-path slots that ARCHITECTURE.md's table lists (and in
-   the functions of ``KNOWN_COLD_WORD_USES``, still to become engine operations).
+   ``_sequence`` names them only in the hot-path slots that ARCHITECTURE.md's table lists
+   (``KNOWN_COLD_WORD_USES``, the functions off it that still do, is empty).
 """
 
 from __future__ import annotations
@@ -564,19 +564,9 @@ def test_no_room_but_the_engine_names_a_row_or_header_word() -> None:
     _check("row and header words named outside the engine", raw_word_uses(modules, OWN_NO_WORDS, words), set())
 
 
-# Functions of ``_sequence`` that name row or header words though they are off the hot path: each is
-# to become a named operation of the engine. The allow-list only shrinks.
-KNOWN_COLD_WORD_USES = {
-    "_sequence.bulk:extend_in_steps", "_sequence.bulk:set_encoder",
-    "_sequence.handle:Sequence._drop_lease", "_sequence.handle:Sequence.finish", "_sequence.handle:Sequence.fork",
-    "_sequence.handle:Sequence.meta",
-    "_sequence.reader:SeqReader.encoder_kv", "_sequence.reader:SeqReader.encoder_kv.encoder",
-    "_sequence.reader:SeqReader.encoder_length", "_sequence.reader:SeqReader.settled_words",
-    "_sequence.reads:Reads.lease_pid", "_sequence.rewind:rewind",
-    "_sequence.room:grow", "_sequence.room:leave_loans", "_sequence.room:make_room", "_sequence.room:mind_loans",
-    "_sequence.structural:remove", "_sequence.structural:set_tokens", "_sequence.structural:shift_left",
-    "_sequence.structural:taint",
-}
+# Functions of ``_sequence`` that name row or header words though they are off the hot path. Empty:
+# off the hot path the sequence layer calls the engine's rows part (Port.rows); keep it so.
+KNOWN_COLD_WORD_USES: set[str] = set()
 
 
 def word_slots(modules: dict[str, ast.Module], room: str, words: set[str]) -> set[str]:
@@ -628,7 +618,7 @@ def hot_path_slots() -> set[str]:
 
 def test_the_sequence_layer_names_words_only_in_its_listed_hot_path_slots() -> None:
     """Rule 8 for ``_sequence``: a row or header word is named only in a hot-path slot that
-    ARCHITECTURE.md lists (or in a function of the shrinking ``KNOWN_COLD_WORD_USES``)."""
+    ARCHITECTURE.md lists (or in a function of ``KNOWN_COLD_WORD_USES``, which is empty)."""
     modules = _modules()
     words = header_word_names(modules["_engine.header"])
     hot = hot_path_slots()

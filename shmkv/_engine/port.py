@@ -27,6 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from shmkv._engine.header import Layout
     from shmkv._engine.row_waiters import RowWaiters
+    from shmkv._engine.rows import Rows
     from shmkv._engine.share import Shares
     from shmkv._engine.snapshot_rows import SnapshotRows
 
@@ -63,6 +64,11 @@ class Port(Protocol):
             ``length_addr0 + slot * 8 * SEQ_WORDS``): its low half is the futex word.
         waiting: this handle's own sleepers per row (``close()`` wakes them).
 
+    Row words off the hot path:
+        rows: the row words the sequence layer reads and writes outside its hot-path slots
+            (ARCHITECTURE.md lists those), as named operations (``_engine/rows.py``: a lease
+            given back, ``finish``'s flag, the encoder range, ``rewind``'s words ...).
+
     For ``_snapshot``:
         snapshot_rows: the row and header words a save captures and a restore publishes, as
             named operations (``_engine/snapshot_rows.py``; ``_snapshot`` names no word).
@@ -98,6 +104,8 @@ class Port(Protocol):
     ro_waiters: RowWaiters
     length_addr0: int
     waiting: dict[int, int]
+    # row words off the hot path (_sequence)
+    rows: Rows
     # for _snapshot
     snapshot_rows: SnapshotRows
     lock_path: str

@@ -1,9 +1,11 @@
 """The row and header words the store layer (``store/``) sets and reads, as named operations: a
 new sequence's id and row, a write lease taken over or given back, the prefix statistics, the
 step of a fresh row's seqlock that sends its first write down the checked path, and typed
-readers of what a store reports. The store never indexes a row or the header itself: the column
-names stay in ``_engine`` (``header.py`` holds the layout), and so does the order of the words
-that a crash point or a reader relies on.
+readers of what a store reports; and those the sequence layer (``_sequence``, through
+``Port.rows``) reads and writes off its hot path (``finish``'s flag, the encoder range,
+``rewind``'s words ...). Neither indexes a row or the header there: the column names stay in
+``_engine`` (``header.py`` holds the layout), and so does the order of the words that a crash
+point or a reader relies on.
 
 Lock held, unless said; each write of a row's words is inside the caller's ``changing(row)``
 (journaled: all of its words or none), as the operation's docstring says.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import numpy as np
@@ -35,6 +38,7 @@ from shmkv._engine.header import (
     LENGTH,
     LENT,
     LIVE,
+    NOINDEX,
     RECENCY,
     SPAN_CELLS,
     SPAN_PHYS,
@@ -55,8 +59,13 @@ from shmkv._engine.header import (
     WBUF,
     WIN_OFF,
     Layout,
+    leads,
+    with_leads,
 )
 from shmkv._engine.journal import Journal
+from shmkv._engine.prefix import COVERS
+from shmkv._engine.prefix_hash import BLOCK, lead_levels
+from shmkv._engine.seqlock import HANDLE, seqlocked
 
 __all__ = ["Counters", "Occupancy", "Rows", "SequenceRow", "TableRow"]
 
@@ -119,9 +128,9 @@ class Counters(NamedTuple):
 
 
 class Rows:
-    """The store layer's operations on row and header words, a part the engine holds (see the
-    module docstring). No state of its own: the header, table, meta and client-table views, and
-    the journal's and the pages' operations it calls."""
+    """The store layer's (and the sequence layer's, off its hot path) operations on row and header
+    words, a part the engine holds (see the module docstring). No state of its own: the header,
+    table, meta and client-table views, and the journal's and the pages' operations it calls."""
 
     def __init__(self, *, layout: Layout, hdr: memoryview, table_np: np.ndarray, meta: np.ndarray,
                  clients_np: np.ndarray, journal: Journal, owes: Callable[[int, int], bool], page_unit: int) -> None:
@@ -227,11 +236,125 @@ class Rows:
         """Give ``row``'s lease back, as a handle's release() does (no lock needed: one word)."""
         row[LEASE_PID] = 0
 
+    def release_own_lease(self, row: memoryview, token: int) -> None:
+        """Give ``row``'s lease back if the handle ``token`` of this process holds it, as
+        ``Sequence.release`` does (no lock needed: one word)."""
+        if row[LEASE_TOKEN] == token and row[LEASE_PID] == os.getpid():
+            row[LEASE_PID] = 0
+
+    # -- a sequence's words off its hot path (``_sequence``) -------------------------------
+
+    def mark_finished(self, row: memoryview) -> None:
+        """``seq.finish()``'s words (row changing): the FINISHED flag (evictable, a cached
+        prefix), then a fresh recency; the crash point ``finish.flagged`` between them."""
+        row[FLAGS] |= FINISHED
+        _crash.point("finish.flagged")
+        self.touch(row)
+
+    def encoder_range(self, words: memoryview | list[int],
+                      words_of: Callable[[int], memoryview | list[int]]) -> tuple[int, int] | None:
+        """(first cell, length) of the encoder range of the sequence whose row holds ``words``,
+        its encoder's row read from ``words_of`` (``Port.row``; ``settled_row`` under ``reading``,
+        ``words`` then its own settled words too: the caller reads them under the row's seqlock
+        or the lock); None when it has none."""
+        enc = words[ENC_SLOT]
+        if not enc:
+            return None
+        e = words_of(enc - 1)
+        return e[START], e[LENGTH]
+
+    def encoder_seqlocked(self, row: memoryview, slot: int, row_of: Callable[[int], memoryview],
+                          hold: Callable[[], AbstractContextManager[None]]) -> tuple[int, int] | None:
+        """``encoder_range`` of ``row`` (row ``slot``; ``row_of``: ``Port.row``) read under its
+        seqlock, a reader's way (``seq.encoder_kv``): a structural change running all along is
+        waited out under ``hold`` and read as a rollback leaves it, never a silently empty result."""
+        settled = self.journal.settled_row
+        return seqlocked(row, GEN, lambda: self.encoder_range(row_of(slot), row_of), HANDLE,
+                         lambda: self.encoder_range(settled(slot), settled), hold=hold)
+
+    def settled_words(self, slot: int) -> tuple[int, int, int, int, int, int, int]:
+        """(state, id, start, capacity, length, window offset, window buffer) of row ``slot`` as
+        a rollback leaves it (under ``reading``: a reader's fallback, ``SeqReader.settled_words``)."""
+        r = self.journal.settled_row(slot)
+        return r[STATE], r[ID], r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF], r[WBUF]
+
+    def rewound(self, row: memoryview, n: int, window: tuple[int, int] | None) -> None:
+        """``seq.rewind``'s row words (row changing): the length ``n``; with ``window`` (buffer,
+        offset), the switch to the window written into that buffer first (WBUF, WIN_OFF, then
+        the length), without it the crash point ``rewind.truncated`` after the length; a length
+        of 0 holds no window offset."""
+        if window is None:
+            row[LENGTH] = n
+            _crash.point("rewind.truncated")
+        else:
+            row[WBUF] = window[0]
+            row[WIN_OFF] = window[1]
+            row[LENGTH] = n
+        if n == 0:
+            row[WIN_OFF] = 0
+
+    def switch_range(self, row: memoryview, start: int, wbuf: int, length: int, woff: int | None = None) -> None:
+        """A structural operation's switch of ``row`` to the content it wrote where no row points
+        (row changing; the crash point before it is the operation's): its range's first cell
+        and window buffer, then its window offset (when given), then its length."""
+        row[START], row[WBUF] = start, wbuf
+        if woff is not None:
+            row[WIN_OFF] = woff
+        row[LENGTH] = length
+
+    def taint(self, row: memoryview, n: int) -> None:
+        """Tokens from ``n`` on are no faithful prefix computation any more (row changing):
+        ``CLEAN`` at most ``n``, no index blocks or leads past it, no block from here on
+        indexable (NOINDEX) until a truncate below it."""
+        clean = row[CLEAN]
+        row[CLEAN] = n if clean < 0 else min(clean, n)
+        row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
+        row[FLAGS] = with_leads(row[FLAGS], min(leads(row[FLAGS]), lead_levels(n))) | NOINDEX
+
+    def indexable_again(self, row: memoryview) -> None:
+        """Ids given to tokens that had none (``set_tokens``, row changing): blocks from the
+        row's indexed ones on may be indexable now (NOINDEX cleared)."""
+        row[FLAGS] &= ~NOINDEX
+
     # -- readers ---------------------------------------------------------------------------
 
     def length(self, row: memoryview) -> int:
         """The committed length of ``row``'s sequence."""
         return int(row[LENGTH])
+
+    def capacity(self, row: memoryview) -> int:
+        """The cells of ``row``'s range."""
+        return int(row[CAPACITY])
+
+    def start(self, row: memoryview) -> int:
+        """The first cell of ``row``'s range."""
+        return int(row[START])
+
+    def placement(self, row: memoryview) -> tuple[int, int, int]:
+        """(first cell, capacity, window offset) of ``row``: what a write handle's addressing is
+        worked out from (``SeqWriter.cache``)."""
+        return row[START], row[CAPACITY], row[WIN_OFF]
+
+    def lends(self, row: memoryview) -> bool:
+        """Whether ``row`` is flagged LENT (it may lend cells to borrowers: ``_engine/sharing.py``)."""
+        return bool(row[FLAGS] & LENT)
+
+    def covers(self, row: memoryview) -> bool:
+        """Whether ``row``'s prefix-index entries may stand for other holders (``prefix.COVERS``)."""
+        return bool(row[FLAGS] & COVERS)
+
+    def window(self, row: memoryview) -> tuple[int, int]:
+        """(window offset, window buffer) of ``row``: the oldest token its sliding/chunked layers
+        hold and which of its slot's two buffers holds them."""
+        return row[WIN_OFF], row[WBUF]
+
+    def generation(self, row: memoryview) -> int:
+        """``row``'s seqlock generation (odd while a structural operation changes it)."""
+        return int(row[GEN])
+
+    def lease_pid(self, row: memoryview) -> int:
+        """The pid holding ``row``'s write lease, 0 when none (for display: ``seq.lease_pid``)."""
+        return int(row[LEASE_PID])
 
     def may_borrow_into(self, row: memoryview, n: int) -> bool:
         """Whether ``row`` may borrow a donor's first ``n`` cells as a reused prompt does (fork,

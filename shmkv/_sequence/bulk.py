@@ -14,7 +14,7 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine.checks import ints
-from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENGTH, LENT
+from shmkv._engine.header import CAPACITY, FLAGS, LENGTH, LENT
 from shmkv._sequence import quant as _quant
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.room import leave_loans
@@ -82,15 +82,15 @@ def extend_in_steps(w: SeqWriter, k_all: np.ndarray, v_all: np.ndarray, tokens: 
     n = k_all.shape[1]
     tok = None if tokens is None else ints("tokens", tokens, n)
     pos = None if positions is None else ints("positions", positions, n)
-    row = w.row
-    length = row[LENGTH]
+    row, rows = w.row, w.r.rows
+    length = rows.length(row)
     if pos is not None:
         last = int(w.positions[w.start + length - 1]) if length else -1
         if pos[0] <= last or np.any(np.diff(pos) <= 0):
             raise InvalidArgumentError(
                 f"extend: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
             )
-    if length + n > row[CAPACITY]:
+    if length + n > rows.capacity(row):
         w.grow(length + n)
     try:
         for a in range(0, n, step):
@@ -145,4 +145,4 @@ def set_encoder(w: SeqWriter, k_all: Any, v_all: Any) -> None:
                 for x, arrs, scales in ((k_all[layer], K, KS), (v_all[layer], V, VS)):
                     write_rows(w, arrs[layer], None if scales is None else scales[layer], start, x)
             _crash.point("set_encoder.written")
-        Int8Mirror.moved(w, row[GEN])  # our own change: pending decoder tokens stay
+        Int8Mirror.moved(w, w.r.rows.generation(row))  # our own change: pending decoder tokens stay

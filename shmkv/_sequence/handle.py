@@ -22,7 +22,6 @@ engine, and the public store (``Owner``: ``seq.store``, fork, pickling) only thr
 
 from __future__ import annotations
 
-import os
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,17 +35,6 @@ from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence import rewind as _seq_rewind
 from shmkv._sequence import structural as _seq_structural
 from shmkv._engine.checks import pack_meta, count
-from shmkv._engine.header import (
-    CAPACITY,
-    ENC_SLOT,
-    FINISHED,
-    FLAGS,
-    GEN,
-    LEASE_PID,
-    LEASE_TOKEN,
-    LENGTH,
-    START,
-)
 from shmkv._engine.lease import live_writers
 from shmkv._sequence.reader import SeqReader
 from shmkv._sequence.reads import Reads
@@ -260,10 +248,8 @@ class Sequence(Reads):
             self._drop_lease()
 
     def _drop_lease(self) -> None:
-        row = self._row
         try:
-            if row[LEASE_TOKEN] == self._token and row[LEASE_PID] == os.getpid():
-                row[LEASE_PID] = 0
+            self._r.rows.release_own_lease(self._row, self._token)
         except (ValueError, TypeError):
             pass
         self._w.write = False
@@ -300,9 +286,7 @@ class Sequence(Reads):
             row = self._row
             self._r.span_unlocked()
             with p.changing(row):  # journaled: an exception before the end leaves it unfinished
-                row[FLAGS] |= FINISHED
-                _crash.point("finish.flagged")
-                p.touch(row)
+                self._r.rows.mark_finished(row)
             self._drop_lease()
 
     def fork(self, n: int | None = None, capacity: int | None = None) -> Sequence:
@@ -319,10 +303,9 @@ class Sequence(Reads):
                 _crash.point("fork.child")
                 try:
                     st.copy_prefix(self.id, child.id, n)
-                    enc = self._row[ENC_SLOT]
-                    if enc:  # the child decodes against the same encoder output
-                        erow = p.row(enc - 1)
-                        src, m = erow[START], erow[LENGTH]
+                    enc = self._r.rows.encoder_range(self._row, p.row)
+                    if enc is not None:  # the child decodes against the same encoder output
+                        src, m = enc
                         with p.changing(child._row):
                             dst = p.set_encoder(child._row, m)
                             p.copy_all_layers(src, dst, m)
@@ -332,7 +315,7 @@ class Sequence(Reads):
             child._w.refresh()
             # the refresh above takes the child's first append off the checked path, which is
             # where a new range's pages are pre-faulted: do it here (not on the per-token path)
-            p.before_appends(child._w.start, child._row[CAPACITY])
+            p.before_appends(child._w.start, self._r.rows.capacity(child._row))
         return child
 
     @property
@@ -357,7 +340,7 @@ class Sequence(Reads):
             self._r.span_unlocked()
             with p.changing(row):
                 p.set_meta(self._slot, packed)
-            Int8Mirror.moved(self._w, row[GEN])  # our own change: pending tokens stay
+            Int8Mirror.moved(self._w, self._r.rows.generation(row))  # our own change: pending tokens stay
 
 
 def writer_for(store: Owner, seq_id: int) -> Sequence | None:

@@ -20,7 +20,7 @@ from shmkv._sequence import quant as _quant
 from shmkv._sequence import waiting as _waiting
 from shmkv._engine.checks import count, ints
 from shmkv._engine.core import read_only_view
-from shmkv._engine.header import CAPACITY, ENC_SLOT, GEN, ID, LENGTH, LIVE, START, STATE, W_SPANS, WBUF, WIN_OFF
+from shmkv._engine.header import CAPACITY, GEN, ID, LENGTH, LIVE, START, STATE, W_SPANS, WBUF, WIN_OFF
 from shmkv._engine.journal import INCARNATION_SHIFT
 from shmkv._engine.seqlock import HANDLE, seqlocked
 from shmkv._sequence.visibility import attention_mask, visible_from
@@ -80,6 +80,7 @@ class SeqReader:
     wbase    first cell of the row's active window buffer as the latest ``span`` saw it
     reading  the port's reading lock, and ``owned`` its lock_owned: bound once, passed to every
              seqlocked read (``_engine.seqlock``)
+    rows     the engine's rows part (``_engine/rows.py``): the row's words off the hot path
     ======== ================================================================================
 
     The writer's (``SeqWriter``) beyond these:
@@ -104,7 +105,7 @@ class SeqReader:
     """
 
     __slots__ = ("KS", "Kr", "L", "VS", "Vr", "arena", "cell", "dtype", "id", "inc", "isfull", "owned", "plain",
-                 "port", "positions", "reading", "row", "shares", "slot", "tokens", "wbase", "wc")
+                 "port", "positions", "reading", "row", "rows", "shares", "slot", "tokens", "wbase", "wc")
 
     def __init__(self, port: Port, seq_id: int, slot: int, row: memoryview) -> None:
         self.port = port
@@ -121,6 +122,7 @@ class SeqReader:
         # bound once here: every seqlocked read passes them (the rest of the port is called through it)
         self.reading, self.owned = port.reading, port.lock_owned
         self.shares = port.shares  # shared prefix pages: the mapping a read needs current (mapped)
+        self.rows = port.rows  # (kept: a closed store's handle still reads its own row's words)
 
     # -- the row ---------------------------------------------------------------------
 
@@ -138,8 +140,7 @@ class SeqReader:
 
     def settled_words(self) -> Words:
         """The row's words under ``reading`` (read-only attachments see a dead operation rolled back)."""
-        r = self.port.settled_row(self.slot)
-        return r[STATE], r[ID], r[START], r[CAPACITY], r[LENGTH], r[WIN_OFF], r[WBUF]
+        return self.rows.settled_words(self.slot)
 
     def live(self, words: Words) -> tuple[int, int, int, int]:
         """(start, capacity, length, window offset) of consistent ``words``; SequenceNotFound if
@@ -348,26 +349,16 @@ class SeqReader:
     def encoder_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         layer = self.layer(layer)
         self.check()
-
-        def encoder(rows: Callable[[int], Any]) -> tuple[int, int]:
-            """(first cell, length) of the encoder range, from the rows ``rows`` gives."""
-            enc = rows(self.slot)[ENC_SLOT]
-            if not enc:
-                return 0, 0
-            e = rows(enc - 1)
-            return e[START], e[LENGTH]
-
-        # a structural change running all along is waited out: never a silently empty result
-        a, n = self.mapped(lambda: seqlocked(self.row, GEN, lambda: encoder(self.port.row), HANDLE,
-                                             lambda: encoder(self.port.settled_row), hold=self.reading))
+        a, n = self.mapped(lambda: self.rows.encoder_seqlocked(self.row, self.slot, self.port.row, self.reading)
+                           ) or (0, 0)
         K, V, KS, VS = self.arena
         ks = KS[layer, a : a + n] if KS is not None else None
         vs = VS[layer, a : a + n] if VS is not None else None
         return self.decode(K[layer, a : a + n], ks), self.decode(V[layer, a : a + n], vs)
 
     def encoder_length(self) -> int:
-        enc = self.row[ENC_SLOT]
-        return int(self.port.row(enc - 1)[LENGTH]) if enc else 0
+        enc = self.rows.encoder_range(self.row, self.port.row)
+        return 0 if enc is None else int(enc[1])
 
     def torch_kv(self, layer: int, writable: tuple[Arrays, Arrays],
                  cells: tuple[int, int] | None = None) -> tuple[Any, Any]:

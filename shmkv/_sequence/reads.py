@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmkv._engine.header import LEASE_PID
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import extent as _extent
 
@@ -86,7 +85,7 @@ class Reads:
 
     @property
     def lease_pid(self) -> int:
-        return int(self._row[LEASE_PID])
+        return self._r.rows.lease_pid(self._row)
 
     def keys(self, layer: int) -> np.ndarray:
         """Committed keys ``layer`` holds, ``[n, kv_heads, head_dim]``: a read-only zero-copy

@@ -23,7 +23,6 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine.checks import count
-from shmkv._engine.header import LENGTH, WBUF, WIN_OFF
 from shmkv._sequence.structural import structural, unindex_from
 from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError
@@ -46,8 +45,9 @@ def rewind(w: SeqWriter, n: Any, k_window: Any, v_window: Any) -> None:
     if k.dtype.kind != "f" or v.dtype.kind != "f":
         raise InvalidArgumentError(f"rewind: k_window dtype {k.dtype} / v_window dtype {v.dtype} must be float")
     m = k.shape[1]
+    rows = w.r.rows
     with structural(w, "rewind") as row:
-        length = row[LENGTH]
+        length = rows.length(row)
         if n > length:
             raise InvalidArgumentError(
                 f"rewind: n={n} exceeds the length {length} of sequence {w.id}: rewind only goes back"
@@ -63,19 +63,14 @@ def rewind(w: SeqWriter, n: Any, k_window: Any, v_window: Any) -> None:
                 f"rewind: a window of m={m} tokens before n={n}; a next token needs the {lay.keep} "
                 f"before it on sliding/chunked layers: pass m >= {min(n, lay.keep)}"
             )
-        if woff >= row[WIN_OFF]:  # the layers hold all of it already: a plain truncate
-            row[LENGTH] = n
-            _crash.point("rewind.truncated")
+        held_from, wb = rows.window(row)
+        if woff >= held_from:  # the layers hold all of it already: a plain truncate
+            rows.rewound(row, n, None)
         else:
-            wb = row[WBUF]
             b0 = w.port.wcell(w.slot, 1 - wb)  # the other buffer: no row points there
             for i, layer in enumerate(lay.bounded):
                 w.Kw[layer][b0 : b0 + m] = k[i]
                 w.Vw[layer][b0 : b0 + m] = v[i]
             _crash.point("rewind.copied")
-            row[WBUF] = 1 - wb
-            row[WIN_OFF] = woff
-            row[LENGTH] = n
-        if n == 0:
-            row[WIN_OFF] = 0
+            rows.rewound(row, n, (1 - wb, woff))  # WBUF, WIN_OFF, LENGTH (WIN_OFF 0 at a length of 0)
         unindex_from(w, row, n)

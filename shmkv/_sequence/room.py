@@ -29,12 +29,14 @@ none is free, nothing written).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from shmkv._engine.header import CAPACITY, FLAGS, GEN, LENGTH, LENT, START, WIN_OFF
 from shmkv._engine.port import Port
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv.errors import CacheFullError
+
+if TYPE_CHECKING:
+    from shmkv._sequence.reader import SeqReader
 
 __all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "Roomed", "chunk", "grow", "leave_loans", "limits", "make_room",
            "mind_loans"]
@@ -47,6 +49,7 @@ class Roomed(Protocol):
     """What of a write handle (``SeqWriter``) these functions use."""
 
     port: Port
+    r: SeqReader  # (its ``rows``: the engine's rows part, the row's words)
     row: memoryview
     id: int
     slot: int
@@ -83,9 +86,9 @@ def limits(w: Roomed, cap: int, woff: int, room: int | None = None) -> list[int]
 def make_room(w: Roomed, end: int) -> None:
     """Allocate the pages for tokens up to ``end`` (within the capacity) and the chunk after
     them, before an append writes there (CacheFullError from here: nothing written)."""
-    row = w.row
-    cap = row[CAPACITY]
-    lo = max(w.room, row[LENGTH])
+    row, rows = w.row, w.r.rows
+    cap = rows.capacity(row)
+    lo = max(w.room, rows.length(row))
     if end <= lo:
         hi = lo
     else:
@@ -107,16 +110,16 @@ def mind_loans(w: Roomed) -> None:
     """After the handle's own structural change of a row that lends (lock held): when it now
     holds fewer tokens than it lent cells (it could not move: ``_engine/sharing.py``), its
     room stops at its length, so its next append goes through ``leave_loans`` first."""
-    row = w.row
-    if w.port.lent_end(w.slot) > row[LENGTH]:  # (no scan on a speculative step: cached per span epoch)
+    length = w.r.rows.length(w.row)  # (lock held: it stays)
+    if w.port.lent_end(w.slot) > length:  # (no scan on a speculative step: cached per span epoch)
         w.lent_past = True
-        if w.room > row[LENGTH]:
+        if w.room > length:
             c = w.cached
             if c is not None:  # (together, as in make_room: lim above room would write past it)
-                lim = limits(w, c[1], c[2], row[LENGTH])
-                w.room, w.lim = row[LENGTH], lim
+                lim = limits(w, c[1], c[2], length)
+                w.room, w.lim = length, lim
             else:
-                w.room = row[LENGTH]
+                w.room = length
 
 
 def grow(w: Roomed, needed: int) -> None:
@@ -128,7 +131,8 @@ def grow(w: Roomed, needed: int) -> None:
             f"max_tokens={p.layout.max_tokens}: truncate or shift_left it, or create the store with "
             "a larger max_tokens= (nothing was written)"
         )
-    keep = w.row[LENGTH] + max(w.pending)
+    rows = w.r.rows
+    keep = rows.length(w.row) + max(w.pending)
     with p.locked():
         row = w.row
         try:
@@ -136,8 +140,8 @@ def grow(w: Roomed, needed: int) -> None:
                 p.relocate(w.slot, row, needed, keep)
         finally:  # our own change (or none): pending tokens stay valid; the addressing before
             # the generation (a Ctrl-C between them: see leave_loans)
-            w.cache(row[START], row[CAPACITY], row[WIN_OFF])
-            Int8Mirror.moved(w, row[GEN])
+            w.cache(*rows.placement(row))
+            Int8Mirror.moved(w, rows.generation(row))
 
 
 def leave_loans(w: Roomed) -> None:
@@ -145,10 +149,11 @@ def leave_loans(w: Roomed) -> None:
     it to a fresh range first (CacheFullError while none is free: nothing written, nothing
     moved). Its pending tokens move with it."""
     p = w.port
+    rows = w.r.rows
     with p.locked():
         row = w.row
-        keep = row[LENGTH] + max(w.pending)
-        if not row[FLAGS] & LENT or p.lent_end(w.slot) <= row[LENGTH]:
+        keep = rows.length(row) + max(w.pending)
+        if not rows.lends(row) or p.lent_end(w.slot) <= rows.length(row):
             w.lent_past = False  # until its own next structural change (mind_loans) or someone else's
             return
         try:
@@ -158,5 +163,5 @@ def leave_loans(w: Roomed) -> None:
         finally:  # our own change (or none): pending tokens stay valid. The addressing first, the
             # generation last: a Ctrl-C between them leaves a generation that sends the next write
             # through need_writer
-            w.cache(row[START], row[CAPACITY], row[WIN_OFF])
-            Int8Mirror.moved(w, row[GEN])
+            w.cache(*rows.placement(row))
+            Int8Mirror.moved(w, rows.generation(row))

@@ -5,7 +5,7 @@ the row's seqlock generation odd while it changes, the handle's addressing refre
 Each writes its result where no row points (a fresh range, the other window buffer) and
 switches the row to it at the end, so a crash at any point leaves the sequence as it was
 (crash recovery: see ``_engine/journal.py``). They also keep the prefix-index words of the row right
-(``unindex_from``, ``taint``).
+(``unindex_from``; the engine's ``Rows.taint``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from shmkv._engine.header import (
     LENT,
     NOINDEX,
     START,
-    WBUF,
     WIN_OFF,
     LEADS_MASK,
     leads,
@@ -116,14 +115,6 @@ def unindex_from(w: SeqWriter, row: memoryview, n: int) -> None:
         row[FLAGS] = flags & ~NOINDEX
 
 
-def taint(row: memoryview, n: int) -> None:
-    """Tokens from n on are no faithful prefix computation any more (lock held)."""
-    clean = row[CLEAN]
-    row[CLEAN] = n if clean < 0 else min(clean, n)
-    row[IDX_BLOCKS] = min(row[IDX_BLOCKS], n // BLOCK)
-    row[FLAGS] = with_leads(row[FLAGS], min(leads(row[FLAGS]), lead_levels(n))) | NOINDEX
-
-
 def check_resumable(w: SeqWriter, row: memoryview, new_len: int, what: str) -> None:
     """Refuse a change after which sliding/chunked layers would miss tokens a new one needs."""
     woff = row[WIN_OFF]
@@ -161,30 +152,30 @@ def truncate(w: SeqWriter, n: int) -> None:
 
 def shift_left(w: SeqWriter, n: int) -> None:
     n = count("n", n)
+    rows = w.r.rows
     with structural(w, "shift_left") as row:
-        length = row[LENGTH]
+        length = rows.length(row)
         if n > length:
             raise InvalidArgumentError(f"shift_left: n={n} exceeds the length {length} of sequence {w.id}")
         if n == 0:
             return
-        woff = row[WIN_OFF]
+        woff = rows.window(row)[0]
         keep_from = max(n, woff)  # the oldest token the window buffers keep
-        if row[FLAGS] & COVERS:  # (before the row's hashes move) holders its entries stood for get theirs
+        if rows.covers(row):  # (before the row's hashes move) holders its entries stood for get theirs
             w.port.unindexing(w.slot, 0)
         new_start, wb = w.port.rewrite(w.slot, [(n, 0, length - n)], [(keep_from - woff, 0, length - keep_from)])
         _crash.point("shift_left.copied")
-        row[START], row[WBUF] = new_start, wb
-        row[WIN_OFF] = max(0, woff - n)
-        row[LENGTH] = length - n
+        rows.switch_range(row, new_start, wb, length - n, max(0, woff - n))
         if n:  # token 0 no longer sits at position 0: no longer a donor
-            taint(row, 0)
+            rows.taint(row, 0)
 
 
 def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
     begin = count("begin", begin)
     end = count("end", end)
+    rows = w.r.rows
     with structural(w, "remove") as row:
-        length, start = row[LENGTH], row[START]
+        length, start = rows.length(row), rows.start(row)
         if not begin <= end <= length:
             raise InvalidArgumentError(
                 f"remove: need 0 <= begin <= end <= length, got begin={begin} end={end} length={length}"
@@ -194,7 +185,7 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
         lay = w.port.layout
         P = w.positions
         moved = length - end
-        woff = row[WIN_OFF]
+        woff = rows.window(row)[0]
         if lay.bounded:
             if begin < woff:
                 raise NotSupportedError(
@@ -221,7 +212,7 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
                         f"it must return float keys shaped {src.shape}"
                     )
                 new_keys.append(out)
-        if row[FLAGS] & COVERS:  # (before the row's hashes move) holders its entries stood for get theirs
+        if rows.covers(row):  # (before the row's hashes move) holders its entries stood for get theirs
             w.port.unindexing(w.slot, begin)
         # the result goes where no row points (a fresh range, the other window buffer), then the
         # row switches to it: a crash at any point leaves the sequence as it was
@@ -235,10 +226,9 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
                 # re-encoded: values (and their scales) stay as moved
                 write_rows(w, w.Kw[layer], None if w.KS is None else w.KS[layer], lo, keys)
         _crash.point("remove.copied")
-        row[START], row[WBUF] = new_start, wb
-        row[LENGTH] = length - (end - begin)
+        rows.switch_range(row, new_start, wb, length - (end - begin))
         # the moved tokens were computed with the removed ones in context: not a prefix to reuse
-        taint(row, begin)
+        rows.taint(row, begin)
 
 
 def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
@@ -281,6 +271,6 @@ def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:
             return
         with w.port.changing(row):
             cells[:] = a
-            row[FLAGS] &= ~NOINDEX  # blocks from IDX_BLOCKS on may be indexable now
-        Int8Mirror.moved(w, row[GEN])  # our own change: pending tokens stay
+            w.r.rows.indexable_again(row)  # blocks from IDX_BLOCKS on may be indexable now
+        Int8Mirror.moved(w, w.r.rows.generation(row))  # our own change: pending tokens stay
         w.port.index_blocks(w.slot, length)
