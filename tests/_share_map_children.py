@@ -116,7 +116,7 @@ def near_the_limit(name: str, readonly: bool, path: str, got: Any, ready: Any) -
     store = shmkv.attach(name, readonly=readonly)
     lay = store.layout
     for info in store.sequences():  # what is there now mapped (a read-only attachment maps at a read)
-        len(store.sequence(info.id))
+        store.sequence(info.id).keys(0)  # (a read maps its span; opening a read handle does not)
     filler = Filler()
     out: dict[str, Any] = {}
     try:

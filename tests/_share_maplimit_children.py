@@ -19,7 +19,7 @@ def reuse_at_the_limit(name: str, prompt: list[int], donor_id: int) -> dict[str,
     what each gave (lengths, digests, spans), with the mappings still full."""
     store = shmkv.attach(name)
     for info in store.sequences():  # what is there now mapped (before the filling)
-        len(store.sequence(info.id))
+        store.sequence(info.id).keys(0)  # (a read maps its span; opening a read handle does not)
     eng = engine_of(store)
     filler = Filler()
     out: dict[str, Any] = {}
@@ -48,7 +48,7 @@ def put_back_with_free(name: str, free: int, prompt: list[int], got: Any, ready:
     after each: free, rows left ``dirty`` (their own pages not put back) and ``unmapped``."""
     store = shmkv.attach(name)
     for info in store.sequences():
-        len(store.sequence(info.id))
+        store.sequence(info.id).keys(0)  # (a read maps its span; opening a read handle does not)
     eng = engine_of(store)
     sh = eng.shares
     filler = Filler()
