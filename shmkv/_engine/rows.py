@@ -69,6 +69,8 @@ from shmkv._engine.seqlock import HANDLE, seqlocked
 
 __all__ = ["Counters", "Occupancy", "Rows", "SequenceRow", "TableRow"]
 
+_LISTED = [ID, LENGTH, CAPACITY, START, LEASE_PID, LEASE_CLIENT, GEN]  # SequenceRow's columns but the last
+
 
 def live_slot(table: np.ndarray, seq_id: int) -> int:
     """The row of ``table`` (max_seqs x SEQ_WORDS) that holds live sequence ``seq_id``, -1 when
@@ -377,15 +379,18 @@ class Rows:
         (``store.sequences()``): as they are; while a transaction is in the undo log, as its
         rollback leaves them (``_engine/journal.py``, 7)."""
         j = self.journal
+        make = SequenceRow._make  # (tuple.__new__: no Python-level __new__ a row)
         if self.hdr[W_UNDO_COUNT] and not j.depth:
             with j.reading():
                 rows = [j.settled_row(slot) for slot in range(self.layout.max_seqs)]
-        else:
-            t = self.table_np
-            rows = t[t[:, STATE] == LIVE].tolist()  # (one copy, one tolist)
-        return [SequenceRow(r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], r[LEASE_CLIENT], r[GEN],
-                            bool(r[FLAGS] & FINISHED))
-                for r in rows if r[STATE] == LIVE]
+            return [make((r[ID], r[LENGTH], r[CAPACITY], r[START], r[LEASE_PID], r[LEASE_CLIENT], r[GEN],
+                          bool(r[FLAGS] & FINISHED)))
+                    for r in rows if r[STATE] == LIVE]
+        t = self.table_np
+        live = t[t[:, STATE] == LIVE]  # (one copy: the columns below are read from it, at one moment)
+        columns = live[:, _LISTED].T.tolist()
+        finished = (live[:, FLAGS] & FINISHED != 0).tolist()
+        return list(map(make, zip(*columns, finished, strict=True)))
 
     def occupancy(self) -> Occupancy:
         """The table's sums, read at one moment (no lock: a figure, not a decision)."""
