@@ -38,6 +38,9 @@ def test_an_attach_builds_only_the_journal_and_a_first_use_builds_the_rest(make_
     try:
         e = other._engine
         assert "journal" in vars(e) and not set(vars(e)) & _LAZY
+        attached = set(vars(e))
+        assert e.rows is not None  # the first use of one builds every one: exactly the names __getattr__ answers for
+        assert set(vars(e)) - attached == _LAZY
         assert e.alloc.__self__ is e.arena and e.spans.alloc.__self__ is e.arena  # one build: one set of parts
         assert e.arena.journal is e.journal is e.spans.journal and e.arena.index is e.index
         assert e.pages.Kl is e.Kl and e.rows.clients_np is e.clients_np
