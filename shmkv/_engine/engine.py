@@ -57,6 +57,7 @@ from shmkv._engine.pages import Pages
 from shmkv._engine.prefix_hash import lead_levels
 from shmkv._engine.rows import Rows, live_slot
 from shmkv._engine.segment import Segment
+from shmkv._engine.seqlock import SMALL_TABLE
 from shmkv._engine.sharing import Sharing
 from shmkv._engine.snapshot_rows import SnapshotRows
 from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
@@ -75,15 +76,13 @@ _LAZY = frozenset((
     "shared_cells", "held_cells", "retained_cells", "committed_held", "touch",
 ))
 
-_SMALL_TABLE = 1024  # client rows that join checks with Python's min and max (numpy's ufuncs beyond)
-
 
 def _first_bad_client(rows: np.ndarray) -> int:
     """The first client row whose pid or key no process has (-1: none). A small table (the
     default's 128 rows) is cleared by min and max over two lists: no numpy ufunc to set up in a
     fresh process (tens of microseconds each, cold), the whole check a few microseconds."""
     pids, keys = rows[:, C_PID], rows[:, C_KEY]
-    if len(rows) <= _SMALL_TABLE:
+    if len(rows) <= SMALL_TABLE:
         p = pids.tolist()
         if min(p) >= 0 and max(p) <= _segment.MAX_PID and min(keys.tolist()) >= 0:
             return -1

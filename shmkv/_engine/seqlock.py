@@ -34,7 +34,7 @@ import numpy as np
 
 T = TypeVar("T")
 
-__all__ = ["HANDLE", "SAVE", "VERIFY", "Retry", "odd_rows", "seqlocked"]
+__all__ = ["HANDLE", "SAVE", "SMALL_TABLE", "VERIFY", "Retry", "odd_rows", "seqlocked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +82,15 @@ def seqlocked(words: memoryview, gen: int, read: Callable[[], T], policy: Retry,
         return fallback()
 
 
-_SMALL_TABLE = 1024  # rows that odd_rows looks at in Python
+# A table of at most this many rows is scanned in Python lists: numpy's first ufunc in a fresh or
+# forked process costs ~0.1 ms, more than the whole scan (the recovery scan, the client check).
+SMALL_TABLE = 1024
 
 
 def odd_rows(gens: np.ndarray) -> list[int]:
     """The rows whose generation (``gens``: the table's GEN column) is odd: changing, or left so
     by a dead process. A small table in Python: numpy's first ``&`` in a fresh or forked process
     costs ~0.1 ms, which an attach's recovery scan would pay."""
-    if len(gens) <= _SMALL_TABLE:
+    if len(gens) <= SMALL_TABLE:
         return [slot for slot, g in enumerate(gens.tolist()) if g & 1]
     return [int(slot) for slot in (gens & 1).nonzero()[0]]
