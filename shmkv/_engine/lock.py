@@ -240,11 +240,12 @@ class StoreLock:
                 try:
                     fcntl.flock(self._fd, op | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    self._flock(self._fd, op, deadline, timeout)
+                    self._wait_flock(self._fd, op, deadline, timeout)
             elif op == fcntl.LOCK_EX and state.mode == fcntl.LOCK_SH:
                 # An exclusive section inside a shared one: flock converts, not atomically (another
                 # process may take the lock in between): the outer shared section must re-check.
-                self._flock(state.fd, op, deadline, timeout)
+                if not _try_flock(state.fd, op):
+                    self._wait_flock(state.fd, op, deadline, timeout)
                 state.mode = op
         except BaseException:
             if outer and state.fd >= 0:  # -1: closed by another thread before anything was taken
@@ -263,13 +264,11 @@ class StoreLock:
         return state.depth
 
     @critical
-    def _flock(self, fd: int, op: int, deadline: float | None, timeout: float | None) -> None:
-        try:
-            fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        if deadline is None:  # (the wait starts here: nothing waited for the thread lock)
+    def _wait_flock(self, fd: int, op: int, deadline: float | None, timeout: float | None) -> None:
+        """Wait for the flock a non-blocking try was just refused. ``deadline`` is the thread
+        lock's, when the caller waited for that one; None when it did not, and the wait starts
+        here (or when the wait has no end: ``_deadline(timeout)`` is None again then)."""
+        if deadline is None:
             deadline = _deadline(timeout)
         # Polled, also without a timeout (flock blocking in the kernel would retry after a
         # deferred Ctrl-C and never raise it): at most 2 ms late.
