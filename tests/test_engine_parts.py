@@ -94,3 +94,31 @@ def test_the_parts_are_held_and_their_operations_bound_once(make_store) -> None:
     for part in parts:  # (tests/test_lifecycle.py checks that the mappings are gone)
         assert not any(isinstance(v, (memoryview, np.ndarray)) for v in vars(part).values()), part
     e.release()  # a release cut short runs again (Store.close's steps): nothing left to do, no error
+
+
+def test_a_listing_reads_the_same_records_whichever_way_it_reads_the_rows(make_store) -> None:
+    """``store.sequences()`` reads the live rows at once through numpy, or, while a transaction
+    of another holder is in the undo log, each row as its rollback leaves it: with nothing to
+    roll back, both ways give the same records, field by field."""
+    from shmkv._engine.header import W_UNDO_COUNT
+
+    store = make_store(layers=1, kv_heads=1, head_dim=8, max_tokens=512, max_seqs=8)
+    made = [store.create_sequence(capacity=16 + 8 * i) for i in range(5)]
+    for i, seq in enumerate(made):
+        seq.extend(np.ones((1, i + 1, 1, 8), np.float32), np.ones((1, i + 1, 1, 8), np.float32),
+                   tokens=np.arange(i + 1))
+    made[1].finish()
+    made[3].free()
+    made[4].release()  # one row without a lease
+    rows = store._engine.rows
+    direct = rows.listed_sequences()
+    shared_hdr = rows.hdr
+    rows.hdr = hdr = np.array(shared_hdr)  # a private copy: the undo log looks busy to this listing only
+    hdr[W_UNDO_COUNT] = 1
+    try:
+        settled = rows.listed_sequences()
+    finally:
+        rows.hdr = shared_hdr
+    assert [r.id for r in direct] == [s.id for s in made if s is not made[3]]
+    assert settled == direct and [type(r) for r in settled] == [type(r) for r in direct]
+    assert [r.finished for r in direct] == [False, True, False, False]
