@@ -22,9 +22,18 @@ if os.environ.get("CI"):
 START_METHODS = ["fork", "spawn", "forkserver"]
 
 
+FRESH_INTERPRETERS = {"spawn", "forkserver"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:  # the plugin's leak check, on for our own suite
-        item.add_marker(pytest.mark.shmkv_leak_check)
+    for item in items:
+        item.add_marker(pytest.mark.shmkv_leak_check)  # the plugin's leak check, on for our own suite
+        # The fast tier (-m "not slow") keeps a test's fork variant; its spawn and forkserver
+        # variants start fresh interpreters (a second each) and run with the whole suite.
+        params = getattr(item, "callspec", None)
+        if params is not None and any(isinstance(v, str) and v in FRESH_INTERPRETERS
+                                      for v in params.params.values()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ def _offsets(engine: object, attr: str) -> list[tuple[int, tuple[int, ...], tupl
     return [(a.ctypes.data - origin, a.shape, a.strides, a.dtype.str) for a in arrays]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sliding", "int8"])
 def test_an_attach_builds_only_the_journal_and_a_first_use_builds_the_rest(make_store, kind):
     shape = {"layer_types": ["full", "sliding", "full"], "window": 32} if kind == "sliding" else {"dtype": "int8"}

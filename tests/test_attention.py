@@ -309,6 +309,7 @@ def test_batch_bad_input_commits_nothing(make_store):
     assert a.length == 4 and b.length == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float64", "int8"])
 def test_encoder_cache(make_store, tmp_path, dtype):
     rng = np.random.default_rng(21)

@@ -76,6 +76,7 @@ def test_bench_command_quick_json_prints_every_key(bench_cases):
     assert r.returncode == 2 and "nonsense" in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_runs_as_a_script():
     r = subprocess.run([sys.executable, os.path.join(TOOLS, "bench.py"), "--quick", "--json", "--only",
                         "decode,truncate"], capture_output=True, text=True, timeout=300)
@@ -151,6 +152,7 @@ def test_the_serving_benchmark_runs_only_when_named(monkeypatch, capsys):
     assert "--only serve" in help_text and "serving benchmark" in help_text
 
 
+@pytest.mark.slow
 def test_bench_help_cites_no_file_outside_the_package_and_every_goal_says_what_it_measures():
     r = subprocess.run([console_script(), "bench", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--goals" in r.stdout
@@ -200,6 +202,7 @@ def _children_of(pid: int) -> list[int]:
         return []
 
 
+@pytest.mark.slow
 def test_bench_fails_fast_naming_a_killed_child():
     """Regression: a crashed hand-off child left the bench waiting 5 minutes on its queue."""
     p = subprocess.Popen([console_script(), "bench", "--quick", "--only", "handoff"], stdout=subprocess.PIPE,

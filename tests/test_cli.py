@@ -57,6 +57,7 @@ def live_store(live_owner):
     return live_owner[0]
 
 
+@pytest.mark.slow
 def test_demo_equals_single_process_run(tmp_path):
     lines: list[str] = []
     summary = demo.run(workers=2, new_tokens=6, prompts=demo.PROMPTS[:3], snapshot=str(tmp_path / "d.shmkv"),
@@ -69,6 +70,7 @@ def test_demo_equals_single_process_run(tmp_path):
     assert summary["store"] not in shmkv.list_stores()
 
 
+@pytest.mark.slow
 def test_demo_command_says_what_it_does_and_leaves_nothing(tmp_path):
     """Through the console script: what starts comes first, '=' is gone for a word that is
     explained, the timing is labelled, and no snapshot file is left in the temp directory."""
@@ -98,6 +100,7 @@ def store_entries(starting_line: str | bytes) -> list[str]:
     return [f for f in shm_entries() if f.startswith(f"skv_{name}.")]
 
 
+@pytest.mark.slow
 def test_demo_command_and_interrupt(tmp_path):
     p = subprocess.Popen([SHMKV, "demo", "--tokens", "3000", "--snapshot", str(tmp_path / "i.shmkv")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -120,6 +123,7 @@ def test_demo_command_and_interrupt(tmp_path):
     assert not store_entries(seen[1])
 
 
+@pytest.mark.slow
 def test_inspection_commands_on_a_live_store(live_store, tmp_path):
     name = live_store
     store = shmkv.attach(name, readonly=True)
@@ -162,6 +166,7 @@ def test_inspection_commands_on_a_live_store(live_store, tmp_path):
         store.close()
 
 
+@pytest.mark.slow
 def test_snapshotter_stops_on_sigterm(live_store, tmp_path):
     out = tmp_path / "snaps"
     p = subprocess.Popen([sys.executable, "-m", "shmkv", "snapshot", live_store, "--dir", str(out),
@@ -178,6 +183,7 @@ def test_snapshotter_stops_on_sigterm(live_store, tmp_path):
         assert shmkv.read_header(out / f).seq_ids
 
 
+@pytest.mark.slow
 def test_errors_and_usage():
     missing = unique_name("nope")
     r = shmkv_cmd("info", missing)
@@ -187,6 +193,7 @@ def test_errors_and_usage():
     assert shmkv_cmd("rm", missing).returncode == 1
 
 
+@pytest.mark.slow
 def test_rm_refuses_a_store_with_live_writers_unless_forced(live_owner):
     name, child = live_owner
     r = shmkv_cmd("rm", name)
@@ -198,6 +205,7 @@ def test_rm_refuses_a_store_with_live_writers_unless_forced(live_owner):
     assert name not in shmkv.list_stores()
 
 
+@pytest.mark.slow
 def test_ls_says_who_keeps_a_store_alive(live_owner):
     name, child = live_owner
     r = shmkv_cmd("ls")
@@ -252,6 +260,7 @@ def test_load_onto_an_existing_name_names_the_store(make_store, tmp_path):
     assert r.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_info_wording(live_store):
     r = shmkv_cmd("info", live_store)
     assert r.returncode == 0, r.stderr
@@ -327,6 +336,7 @@ def test_verify_finds_problems(make_store):
     assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True
 
 
+@pytest.mark.slow
 def test_doctor_says_whose_layout_its_room_is_for():
     r = shmkv_cmd("doctor")
     room = [x for x in r.stdout.splitlines() if x.startswith("room ")]

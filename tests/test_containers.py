@@ -43,6 +43,7 @@ store.close()
 """
 
 
+@pytest.mark.slow
 def test_one_store_two_processes_in_a_private_64mib_shm():
     name = unique_name("ctr")
     shm = 'mount --make-rprivate / && mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"'
@@ -74,6 +75,7 @@ def test_one_store_two_processes_in_a_private_64mib_shm():
     assert p.returncode == 0, err  # no SIGBUS, a clean close
 
 
+@pytest.mark.slow
 def test_demo_runs_in_docker_default_64mib_shm():
     r = in_private_shm([PY, "-m", "shmkv", "demo"], "64m", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -52,6 +52,7 @@ def _check_usable(store: shmkv.Store, tmp_path) -> None:
     state(store)  # every cell still the K/V of its token id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", _crash.POINTS)
 def test_killed_at_every_crash_point(make_store, tmp_path, point):
     snap = str(tmp_path / "snap.shmkv")
@@ -110,6 +111,7 @@ def test_every_structural_operation_has_a_crash_point():
         assert f'_crash.point("{p}")' in src, p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["plain", "shared"])
 def test_random_kills_of_a_writer_doing_mixed_operations(make_store, layout):
     """``shared``: cells of 1 KiB (a page unit of 4 cells), so that reuses of the writer's shared
@@ -141,6 +143,7 @@ def test_random_kills_of_a_writer_doing_mixed_operations(make_store, layout):
     assert recovered > 0  # some kills landed inside structural operations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lock_timeout", [30.0, 0.01])
 def test_reader_on_a_read_only_attachment_through_long_structural_operations(make_store, lock_timeout):
     from _crash_children import copier, reader
@@ -168,6 +171,7 @@ def test_reader_on_a_read_only_attachment_through_long_structural_operations(mak
         assert got["timeouts"] == 0  # only LockTimeout may fail a read, and only when the timeout is short
 
 
+@pytest.mark.slow
 def test_verify_reports_a_dead_operation_and_repair_rolls_it_back(make_store, tmp_path):
     store = make_store(**LAYOUT)
     ids = base(store)

@@ -140,6 +140,7 @@ def points(op: str) -> int:
     return tr.count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", OPS)
 def test_a_ctrl_c_at_every_function_entry_of_a_cold_path_leaves_nothing_behind(op: str) -> None:
     n = points(op)

@@ -38,6 +38,7 @@ def _run(op: str, dtype: str, every: int) -> None:
     assert not problems, "\n".join(problems[:20])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
 def test_a_ctrl_c_at_every_fifth_function_entry_leaves_every_sequence_right(op: str, dtype: str) -> None:

@@ -123,6 +123,7 @@ def _store_of(entry: str) -> str:
     return entry.split("_", 1)[1].rsplit(".", 1)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", RUNNABLE, ids=[_rel(p) for p in RUNNABLE])
 def test_page_runs(page: pathlib.Path, tmp_path: pathlib.Path):
     rel = _rel(page)

@@ -42,6 +42,7 @@ def doctor_json(*args: str, size: str | None = None, pid_ns: bool = False) -> tu
     return r.returncode, json.loads(r.stdout), r.stderr
 
 
+@pytest.mark.slow
 def test_doctor_here():
     code, d, _ = doctor_json()
     assert code == 0 and d["ok"] and d["problems"] == []
@@ -90,6 +91,7 @@ def dataclass_frozen_error() -> type[Exception]:
     return dataclasses.FrozenInstanceError
 
 
+@pytest.mark.slow
 def test_doctor_tokens_that_do_not_fit_exit_1():
     too_many = 2 * _doctor.shm_space()[0] // 256  # twice all of /dev/shm: never fits, whatever others free
     code, d, _ = doctor_json("--layers", "4", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float16",
@@ -117,6 +119,7 @@ def test_maps_per_store():
             s.close()
 
 
+@pytest.mark.slow
 @needs_unshare
 def test_doctor_in_docker_default_64mib_shm():
     code, d, _ = doctor_json(size="64m")

@@ -10,6 +10,7 @@ import ast
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import shmkv
 
@@ -56,6 +57,7 @@ def stubs(checked: dict[str, ast.Module]) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_no_engine_class_is_a_link_of_a_chain() -> None:
     project = _trees(ENGINE.parent)
     assert chained(project, _trees(ENGINE)) == []

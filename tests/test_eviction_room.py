@@ -177,6 +177,7 @@ class Model:
         raise shmkv.CacheFullError("the model: no room")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unit", sorted(LAYOUTS))
 @pytest.mark.parametrize("mix", ["varied", "uniform"])
 @pytest.mark.parametrize("seed", [0, 1, 2])

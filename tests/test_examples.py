@@ -75,6 +75,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [*PROGRAMS, DIR / "toymodel.py"], ids=lambda p: p.name)
 def test_example_answers_help_without_making_anything(path, tmp_path):
     """`python examples/X.py --help`: its usage, exit 0, before any store or process is made (the
@@ -88,6 +89,7 @@ def test_example_answers_help_without_making_anything(path, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # three processes import torch: minutes on a loaded machine
 @pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: p.name)
 def test_example_runs(path, tmp_path):
@@ -112,6 +114,7 @@ def test_example_runs(path, tmp_path):
     assert list(tmp.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_transformers_workers_on_a_local_checkpoint(tmp_path):
     """Issue 26: ``transformers_workers.py --model PATH`` on a checkpoint with its tokenizer: text

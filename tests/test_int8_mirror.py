@@ -46,6 +46,7 @@ def _step(seq: shmkv.Sequence, rng: np.random.Generator, n: int, dtype: type = n
         np.testing.assert_array_equal(v[-n:], _dequantized(new[1]))
 
 
+@pytest.mark.slow
 def test_int8_append_views_equal_the_dequantized_cells_at_every_step(make_store):
     print(f"seed={SEED}")
     rng = np.random.default_rng(SEED)

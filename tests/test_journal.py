@@ -174,6 +174,7 @@ def _check_after(store: shmkv.Store, ids: dict) -> None:
     fresh.free()
 
 
+@pytest.mark.slow
 def test_crash_matrix(make_store, tmp_path):
     """Every crash point x every first lock holder (the issue's must-show 1)."""
     t0 = time.monotonic()
@@ -213,6 +214,7 @@ def test_crash_matrix(make_store, tmp_path):
     assert cells == len(POINTS) * len(HOLDERS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), shmkv.CacheFullError("armed: the store is full")],
                          ids=["KeyboardInterrupt", "CacheFullError"])
 def test_an_exception_at_every_crash_point_rolls_back(make_store, tmp_path, exc):

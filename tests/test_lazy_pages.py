@@ -110,6 +110,7 @@ def test_growth_and_a_move_allocate_only_what_they_copy(make_store):
 CHILD = str(Path(__file__).with_name("_lazy_pages_child.py"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_a_full_dev_shm_during_appends_beyond_the_chunk_is_cache_full_and_nothing_is_lost(dtype):
     """In a 16 MiB /dev/shm (a private tmpfs) a sequence of a larger capacity is created, prefilled,

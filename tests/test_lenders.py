@@ -525,6 +525,7 @@ def _holds_its_tokens(seq: shmkv.Sequence) -> None:
                                       err_msg=f"sequence {seq.id} layer {layer}")
 
 
+@pytest.mark.slow
 def test_threads_decode_a_donor_that_goes_below_its_loans_while_others_borrow_and_fill(make_store) -> None:
     """Three threads of one process, each with its own attachment: the donor's writer decodes
     (speculative steps, and now and then a rollback deep below what it lent, then a prefill

@@ -269,6 +269,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["created", "attached", "readonly"])
 @pytest.mark.parametrize(("dtype", "kinds"), [  # int8 stores have full layers only
     *[(dt, kinds) for dt in ("float32", "float16") for kinds in ("full,full", "full,sliding", "chunked,full")],

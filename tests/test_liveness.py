@@ -280,6 +280,7 @@ if sys.argv[2] == "hard":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["normal", "hard"])
 def test_an_interpreter_that_exits_holding_a_write_handle_gives_its_lease_back(make_store, how):
     """A program that ends normally with a write handle it never released (held by a daemon

@@ -248,6 +248,7 @@ def _run_with_store(fn):  # fork only: the closure and the inherited store come 
     return fn(None)
 
 
+@pytest.mark.slow
 def test_inherited_descriptor_does_not_keep_a_dead_holders_lock(store, tmp_path):
     ready, gpid_path = str(tmp_path / "ready"), str(tmp_path / "grandchild")
     child = start_in_process(fork_then_die_holding, store.name, ready, gpid_path, start_method="spawn",
@@ -272,6 +273,7 @@ def test_inherited_descriptor_does_not_keep_a_dead_holders_lock(store, tmp_path)
                 pass
 
 
+@pytest.mark.slow
 def test_readers_share_a_lock_on_a_readonly_attachment(store, tmp_path):
     ready = str(tmp_path / "ready")
     reader = start_in_process(hold_lock, store.name, ready, True, timeout=120)
@@ -300,6 +302,7 @@ def _fcntl_flags(fd: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
+@pytest.mark.slow
 def test_closing_a_handle_while_holding_keeps_the_lock_until_release(store):
     second = shmkv.attach(store.name)
     with second.transaction():

@@ -52,6 +52,7 @@ def check(seq: shmkv.Sequence, m: Model, where: str) -> None:
     np.testing.assert_array_equal(seq.positions, m.positions, err_msg=where)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16", "int8"])
 def test_random_operations_match_model(make_store, seed, dtype):

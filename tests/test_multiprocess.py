@@ -114,6 +114,7 @@ def test_second_handle_in_same_process_conflicts(store):
     assert store.sequence(seq.id, write=True).writable
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "close", "kill"])
 def test_attaching_process_exit_leaves_store_usable(store, how):
     seq = store.create_sequence(capacity=8)

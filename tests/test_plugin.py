@@ -103,6 +103,7 @@ def run_sample(pytester, leak_check: bool = True, **files: str):
     return result, _session_stores() - before
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fixtures_and_child_outcomes(pytester):
     result, left = run_sample(pytester, test_sample=SAMPLE)
@@ -116,6 +117,7 @@ def test_fixtures_and_child_outcomes(pytester):
     assert left == set()
 
 
+@pytest.mark.slow
 def test_leak_check_names_the_leak(pytester):
     a, b, c = unique_name("leaky"), unique_name("allow"), unique_name("clean")
     result, left = run_sample(pytester, test_leaky=LEAKY.format(a=a, b=b, c=c))
@@ -127,6 +129,7 @@ def test_leak_check_names_the_leak(pytester):
     shmkv.remove(b)
 
 
+@pytest.mark.slow
 def test_plugin_can_be_disabled(pytester):
     pytester.makepyfile(test_off="def test_x(shmkv_store):\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:shmkv", "-q")
@@ -134,6 +137,7 @@ def test_plugin_can_be_disabled(pytester):
     assert "fixture 'shmkv_store' not found" in result.stdout.str()
 
 
+@pytest.mark.slow
 def test_leak_check_is_opt_in(pytester):
     """Another project's suite (no ini option, no marker) gets the fixtures but no leak check."""
     a, b, c = unique_name("leaky"), unique_name("allow"), unique_name("clean")
@@ -184,6 +188,7 @@ def _wait_for(path, what, proc=None, timeout=120.0):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_leak_check_never_touches_another_programs_stores(pytester, tmp_path, monkeypatch):
     """Issue 12, item 1: while a plugin-enabled suite runs a test, another program creates a
@@ -242,6 +247,7 @@ def test_child_leaks(shmkv_store, shmkv_child):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_leak_by_a_dead_child_of_the_test_is_judged(pytester, method):
     """A store that a (now dead) child of the test created is the test's leak: named and removed."""

@@ -212,6 +212,7 @@ def test_sliding_layers_cut_the_match_back_to_a_resumable_point(make_store):
     assert len(t) == 99 and t.can_resume(99)
 
 
+@pytest.mark.slow
 def test_many_processes_create_finish_and_match(make_store):
     """Several processes serve overlapping prompts at once; every reuse is checked against a recompute."""
     store = make_store(layers=2, kv_heads=2, head_dim=4, max_tokens=6000, max_seqs=48)
@@ -263,6 +264,7 @@ def test_a_snapshot_keeps_the_prefix_cache_warm(make_store, tmp_path):
         shmkv.remove(loaded.name) if loaded.name in shmkv.list_stores() else None
 
 
+@pytest.mark.slow
 def test_info_shows_the_prefix_cache(big):
     import json
     import subprocess

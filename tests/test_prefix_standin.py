@@ -273,6 +273,7 @@ def test_a_crash_while_copies_get_their_entries(make_store):
     check(s, q, st.layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system_n", [40, 6])  # past two whole blocks; below one block (a lead)
 def test_a_copy_that_went_on_inside_a_block_is_matched_in_full(st, system_n):
     """A copy that holds more of a prompt than its source only inside a partial block has no entry

@@ -115,6 +115,7 @@ _BIG = float(np.finfo(np.float32).max)  # every finite float32 (the int8 scale i
 _floats = st.floats(min_value=-_BIG, max_value=_BIG, allow_nan=False, allow_infinity=False, width=32)
 
 
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("SHMKV_HYPOTHESIS_EXAMPLES", "300")), deadline=None)
 @given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=3, max_dims=3, max_side=6), elements=_floats))
 def test_int8_codec_bound_property(x):

@@ -204,24 +204,28 @@ def _same_on_both_paths(x: np.ndarray) -> None:
         np.testing.assert_array_equal(_bits(s), _bits(want_s))
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(hnp.arrays(np.float16, _ROWS, elements=_F16))
 def test_float16_rows_property(x):
     _same_on_both_paths(x)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(hnp.arrays(np.float32, _ROWS, elements=_F32))
 def test_float32_rows_property(x):
     _same_on_both_paths(x)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(hnp.arrays(np.float64, _ROWS, elements=_F64))
 def test_float64_rows_property(x):
     _same_on_both_paths(x)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(hnp.arrays(np.uint16, _ROWS))
 def test_bfloat16_rows_property(bits):
@@ -351,6 +355,7 @@ def _run(code: str, **env: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 def test_numba_is_imported_only_when_an_int8_store_quantizes():
     _numba()
     code = (
@@ -372,6 +377,7 @@ def test_numba_is_imported_only_when_an_int8_store_quantizes():
     assert _run(code, SHMKV_NUMBA="0").split() == ["False", "False", "False"]
 
 
+@pytest.mark.slow
 def test_a_generic_numba_target_uses_the_integer_conversion(tmp_path):
     """NUMBA_CPU_NAME=generic (portable caches in container images): numba then compiles for a
     CPU without F16C, where LLVM lowers the float16 conversion to a helper numba does not link

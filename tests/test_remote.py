@@ -493,6 +493,7 @@ def test_nothing_listening(make_store, tiers):
 # -- 8. a Redis Cluster --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_create_sequence_through_a_three_node_cluster(make_store, tiers, capsys):
     _need_redis()
     with RedisCluster(3) as cl:

@@ -250,6 +250,7 @@ def test_03_fork_and_copy_prefix_borrow(make_store):
     assert np.asarray(child.keys(0))[:100].tobytes() == want[0][0][: 100 * H * D * 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("readonly", [False, True])
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_path, start_method, readonly):

@@ -14,6 +14,7 @@ from _maplimit_scenes import D, H, L, PROMPT, data_mappings, kv_content, lim_sto
 from shmkv.store._store import engine_of
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("at_call", [2, 3])
 def test_a_ctrl_c_inside_a_borrows_mapping_leaves_no_alias(make_store, monkeypatch, at_call):
     """A Ctrl-C (KeyboardInterrupt, raised between bytecodes: here right after the kernel mapped

@@ -34,6 +34,7 @@ def _unshared(store, seq):
         and slot not in sh.dirty
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spans_from", [1, 3], ids=["first-array", "third-array"])
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 @pytest.mark.parametrize("how", ["create", "copy_prefix", "fork"])
@@ -159,6 +160,7 @@ def test_a_process_at_the_real_limit_copies_the_prefix(make_store, start_method)
     assert kv_content(b1) == kv_content(d)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("free", [1, 2, 3, 4])
 def test_a_refused_span_is_put_back_whatever_mappings_are_free(make_store, free):
     """No patching: a child left exactly ``free`` mappings under vm.max_map_count. A span's array

@@ -158,6 +158,7 @@ def _apply(op, store, donor, borrower, tmp_path):
     return []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_structural_ops_on_donor_and_borrower_equal_copies(make_store, dtype, op, tmp_path):
@@ -228,6 +229,7 @@ def test_a_view_of_a_borrower_outlives_close_and_free(make_store):
     gc.collect()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
 @pytest.mark.parametrize("readonly", [True, False])
 def test_a_reader_in_another_pid_namespace_reads_the_borrower(make_store, readonly):
@@ -305,6 +307,7 @@ def _writer(store, ops: int, rng) -> int:
     return spans
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_threads_reading_while_spans_come_and_go(make_store, seed):
     import threading
@@ -397,6 +400,7 @@ def test_hf_generate_over_a_borrowed_system_prompt_equals_dynamic_cache(tmp_path
 # -- SIGKILL inside every share.* unit, with other processes' mappings of the spans -------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("point", "op"), [("share.borrowed", "borrow"), ("share.unshared", "unshare"),
                                            ("share.released", "release"), ("share.moved", "move")])
 def test_a_kill_inside_a_share_unit_leaves_every_read_right(make_store, point, op):
@@ -473,6 +477,7 @@ def _invariants(store) -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 4])
 def test_a_full_store_evicting_donors_and_borrowers_keeps_every_cell(make_store, seed):
     """A store of 3,072 cells: borrowers of two prompts created, truncated (copy-on-write), freed,
@@ -719,6 +724,7 @@ def test_a_fork_child_with_inherited_spans_reads_cells_its_parent_reused(make_st
     assert got == tuple(a + b for a, b in want) and _same(_content(g), want)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
 def test_transparent_huge_pages_on_dev_shm():
     """/dev/shm mounted with huge=always (2 MiB pages; spans remapped and punched at 4 KiB): a
@@ -756,6 +762,7 @@ def test_a_process_with_sharing_off_reads_and_copies_on_write_borrowers(make_sto
         assert _verify(store.sequence(info.id)) is True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_the_span_sync_reads_a_table_that_another_process_writes_meanwhile(make_store, method):
     """A lock-free span sync (``Shares.wanted``) reads the live table while other processes write

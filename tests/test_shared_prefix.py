@@ -329,6 +329,7 @@ def test_a_lender_that_grows_never_slides_over_what_it_lent(make_store):
     assert np.array_equal(d.keys(0)[40:], k2[0].astype(np.float16))
 
 
+@pytest.mark.slow
 def test_chaos_with_sharing(make_store, tmp_path):
     """Two writers doing mixed operations on shared prompts (tests/_crash_children.stress: reuses
     borrow; truncates, removes, shift_lefts, forks, frees un-share or release), SIGKILLed at random

@@ -224,6 +224,7 @@ def _damaged_variants(data: bytes, rng: random.Random) -> list[tuple[str, bytes]
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_damaged_files_are_refused_and_store_untouched(make_store, tmp_path, dtype):
     seed = 20261122
@@ -249,6 +250,7 @@ def test_damaged_files_are_refused_and_store_untouched(make_store, tmp_path, dty
     assert len(target.sequences()) == 3
 
 
+@pytest.mark.slow
 def test_killing_the_saver_never_damages_the_target(make_store, tmp_path):
     store = make_store(layers=4, kv_heads=4, head_dim=64, max_tokens=8192, max_seqs=4)
     rng = np.random.default_rng(6)

@@ -47,6 +47,7 @@ def test_pieces_in_order_read_and_write_through(file):
     assert v.shape == (2, PAGE // 4) and v.view(np.uint8)[0, 0] == 4
 
 
+@pytest.mark.slow
 def test_the_mapping_lives_as_long_as_its_last_view(file):
     _, fd = file
     gc.collect()
@@ -141,6 +142,7 @@ def test_over_a_store_layer(make_store):
         st.close()
 
 
+@pytest.mark.slow
 def test_cache_is_bounded_and_releases(file):
     _, fd = file
     gc.collect()

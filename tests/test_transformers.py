@@ -199,6 +199,7 @@ def _child_generate(model_dir, name, seq_ids, ids):
         return out.sequences.tolist(), cache.get_seq_length()
 
 
+@pytest.mark.slow
 def test_prefill_in_one_process_continue_in_another(llama, cache_of, tmp_path):
     # spawn only: torch's thread pools do not survive fork, and forkserver imports it the same way
     llama.save_pretrained(tmp_path)
@@ -231,6 +232,7 @@ def _child_for_prompt(model_dir, name, ids):
         store.close()
 
 
+@pytest.mark.slow
 def test_for_prompt_reuses_across_processes_and_finish_caches(llama, cache_of, tmp_path):
     llama.save_pretrained(tmp_path)
     store = cache_of(llama, dtype="float32").store
@@ -501,6 +503,7 @@ def _zero_copy_child(name):
     return True
 
 
+@pytest.mark.slow
 def test_zero_copy_views_and_no_warning(llama, cache_of):
     cache = cache_of(llama, dtype="float32")
     assert run_in_process(_zero_copy_child, cache.store.name, timeout=120)

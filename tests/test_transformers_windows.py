@@ -143,6 +143,7 @@ def kind_of(model):
 # -- 1. generate scenarios against DynamicCache --------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("beams, sample", [(2, False), (4, False), (2, True)], ids=["beam2", "beam4", "beam_sample"])
@@ -162,6 +163,7 @@ def test_beam_search(cache_of, kind, batch, beams, sample):
     assert len(cache.sequence_ids) == batch * beams
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_assisted_decoding_with_a_long_first_forward(cache_of, kind):
     """The first forward (the prompt and the candidates) is longer than the store's memory, so
@@ -194,6 +196,7 @@ def test_prompt_lookup_decoding(cache_of, kind):
     same_output(out, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("batch", [1, 2])
 def test_generate_restarted_from_a_copy_and_new_tokens_only(cache_of, kind, batch):
@@ -349,6 +352,7 @@ RANDOM = int(os.environ.get("SHMKV_HF_RANDOM", "25"))  # sequences per config (4
 OPS = ("update", "update", "update", "crop", "reorder_cache", "batch_repeat_interleave", "batch_select_indices")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_random_operation_sequences(kind):
     """RANDOM seeded sequences of 12 operations per config; after each, every layer's keys and

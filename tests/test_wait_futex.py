@@ -157,6 +157,7 @@ def test_close_wakes_the_handles_own_waiters(make_store, readonly):
         other.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["close", "remove"])
 @pytest.mark.parametrize("readonly", [False, True])
 def test_a_close_or_removal_in_another_process_does_not_end_a_wait(make_store, what, readonly):
