@@ -7,6 +7,7 @@ engine's parts are wired in one place (checked on a live store below)."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,31 @@ def test_a_listing_reads_the_same_records_whichever_way_it_reads_the_rows(make_s
     assert [r.id for r in direct] == [s.id for s in made if s is not made[3]]
     assert settled == direct and [type(r) for r in settled] == [type(r) for r in direct]
     assert [r.finished for r in direct] == [False, True, False, False]
+
+
+def test_the_records_a_listing_makes_are_sequence_infos_like_any_other(make_store) -> None:
+    """``store.sequences()`` makes its records without the frozen class's ``__init__``: each is a
+    ``SequenceInfo`` equal, field by field, to one the constructor makes, with the same hash and
+    repr, and as frozen."""
+    import dataclasses
+
+    from shmkv.store._records import SequenceInfo
+
+    store = make_store(layers=1, kv_heads=1, head_dim=8, max_tokens=256, max_seqs=8)
+    a, b = store.create_sequence(capacity=16), store.create_sequence(capacity=32)
+    a.extend(np.ones((1, 3, 1, 8), np.float32), np.ones((1, 3, 1, 8), np.float32), tokens=[5, 6, 7])
+    b.finish()
+    listed = store.sequences()
+    assert len(listed) == 2
+    for info in listed:
+        made = SequenceInfo(*(getattr(info, f.name) for f in dataclasses.fields(SequenceInfo)))
+        assert type(info) is SequenceInfo and info == made and hash(info) == hash(made) and repr(info) == repr(made)
+        assert dataclasses.astuple(info) == dataclasses.astuple(made)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            info.length = 0  # type: ignore[misc]
+    assert [(i.id, i.length, i.capacity, i.finished, i.lease_alive) for i in listed] == [
+        (a.id, 3, 16, False, True), (b.id, 0, 32, True, False)]  # (finish gives the lease up)
+    rows = store._engine.rows.listed_sequences()
+    assert [(i.id, i.length, i.capacity, i.start, i.lease_pid, i.generation, i.finished) for i in listed] == [
+        (r.id, r.length, r.capacity, r.start, r.lease_pid, r.generation, r.finished) for r in rows]
+    assert listed[0].lease_pid == os.getpid() and listed[1].lease_pid == 0 and listed[0].start != listed[1].start
