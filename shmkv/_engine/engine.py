@@ -101,7 +101,8 @@ class Engine(Core):
                          lock_timeout=lock_timeout, live=live)
 
         # Built now: what joining the store uses (the journal: the lock entry, the recovery check,
-        # the span sync). The rest is built at its first use (``__getattr__``, ``_LAZY``).
+        # the span sync). The rest is built at its first use (``__getattr__``, ``_LAZY``), or at
+        # the end here for the store's creator.
         self._free = free = FreeRanges()  # this process's free ranges: the placing part's, kept by the journal too
         self.journal = journal = Journal(
             readonly=self.readonly, lock_timeout=self.lock_timeout, layout=layout, hdr=self.hdr,
@@ -116,6 +117,8 @@ class Engine(Core):
         self.transaction, self.changing, self.log_meta = journal.transaction, journal.changing, journal.log_meta
         self.new_incarnation = journal.new_incarnation
         self.page_unit, self.cells = self._off.page_unit, self._off.cells
+        if creator:  # about to make sequences: its first create_sequence does not build them
+            self._build_parts()
 
     def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
         self.spans.settle_span(slot, row, was, was_len)  # the journal's one call up, to the sharing part
