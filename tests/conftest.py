@@ -22,7 +22,7 @@ if os.environ.get("CI"):
 START_METHODS = ["fork", "spawn", "forkserver"]
 
 
-FRESH_INTERPRETERS = {"spawn", "forkserver"}
+FRESH_INTERPRETERS = set(START_METHODS) - {"fork"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -100,13 +100,15 @@ def _shmkv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     if not _leak_check_enabled(request):
         yield
         return
-    # What exists now (the previous test's garbage is already collected) is frozen out of the
-    # collector, so the collection below walks only the objects this test made: a full
-    # collection over torch's and transformers' objects costs a tenth of a second, every test.
+    # What exists now is frozen out of the collector for the test's duration, so the collection
+    # after it walks only the objects the test made (a full one over torch's and transformers'
+    # objects costs a tenth of a second, every test); thawed after it, so that garbage the
+    # session makes later among those objects is collected as usual.
     gc.freeze()
     before = shm_entries()
     yield
     gc.collect()  # handles dropped by the test close their descriptors now
+    gc.unfreeze()
     session = session_tag()
     pre, suf = _segment.PREFIX, ".h"
     leaked = []
