@@ -2,7 +2,9 @@
 store is created, closed by its creator or removed leaves nothing of it in /dev/shm once the
 program carries on as it would: a create that raised left nothing (the program has no handle to
 remove it with); a create that returned gives a handle whose close() removes everything; a close
-or a remove that raised is tried again and then leaves nothing.
+or a remove that raised is tried again and then leaves nothing; a close that raised and is not
+tried again (the program exits: a second Ctrl-C that comes while the first unwinds through a
+``with`` block) leaves the store to the creator's exit, which removes it.
 
 A SIGINT is delivered through the handler installed at that moment (shmkv's defers it inside its
 critical sections, as it does a real signal), at the N-th call event, for every N of an
@@ -21,10 +23,11 @@ import pytest
 from _ctrl_c_scene import Trace
 
 import shmkv
+from shmkv.store import _removal
 from shmkv.testing import shm_entries, unique_name
 
 _ROOTS = (os.path.dirname(shmkv.__file__) + os.sep, os.path.dirname(filelock.__file__) + os.sep)
-OPS = ("create", "close", "remove", "persistent_create", "load", "persistent_load")
+OPS = ("create", "close", "close_then_exit", "remove", "persistent_create", "load", "persistent_load")
 _SNAP: dict[str, str] = {}
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -64,7 +67,7 @@ def _start(op: str, name: str, store: shmkv.Store | None) -> shmkv.Store | None:
     if op in ("load", "persistent_load"):
         return shmkv.load(_snapshot(), name, persistent=op == "persistent_load")
     assert store is not None
-    if op == "close":
+    if op in ("close", "close_then_exit"):
         store.close()
     else:
         shmkv.remove(name)
@@ -87,12 +90,24 @@ def _retry(fn: Callable[[], Any]) -> Any:
     return None
 
 
+def _exit(name: str) -> None:
+    """What this process's exit does for store ``name`` (and only for it: other tests' stores stay
+    registered)."""
+    others = {k: v for k, v in _removal.exit_removals.items() if k[0] != name}
+    for k in others:
+        del _removal.exit_removals[k]
+    try:
+        _removal._remove_at_exit()
+    finally:
+        _removal.exit_removals.update(others)
+
+
 def trial(op: str, point: int) -> tuple[Trace, list[str]]:
     """One run of ``op`` interrupted at call event ``point`` (0: not at all); its trace (where it
     fired, how many call events it saw), and what of the store is left once the program carried on."""
     name = unique_name("cc")
     store = None
-    if op in ("close", "remove"):
+    if op in ("close", "close_then_exit", "remove"):
         store = _create(name)
     if op.endswith("load"):
         _snapshot()  # made once, outside the trace
@@ -113,6 +128,8 @@ def trial(op: str, point: int) -> tuple[Trace, list[str]]:
         elif op == "close":
             assert store is not None
             _retry(store.close)
+        elif op == "close_then_exit":
+            _exit(name)
         else:
             try:
                 _retry(lambda: shmkv.remove(name))

@@ -22,7 +22,8 @@ from shmkv.errors import AccessDeniedError, StoreNotFound
 
 T = TypeVar("T")
 
-__all__ = ["exit_removals", "origin", "read_identity", "remove_at_process_exit", "remove_if_same", "remove_names"]
+__all__ = ["exit_removals", "origin", "read_identity", "remove_at_process_exit", "remove_if_same", "remove_names",
+           "remove_then_forget"]
 
 
 @_lifecycle_lock.lifecycle_op()
@@ -83,6 +84,13 @@ def remove_if_same(name: str, identity: int) -> bool:
 # and has not closed: removed at interpreter exit, by the creating process only (a forked
 # child that exits must not remove them), and only if their identity is unchanged.
 exit_removals: dict[tuple[str, int], tuple[int, int]] = {}
+
+
+def remove_then_forget(name: str, identity: int) -> None:
+    """Remove store ``name`` if it still holds ``identity``; then, not before, this process's exit has
+    nothing left to remove for it (a Ctrl-C until then leaves the removal to the exit)."""
+    remove_if_same(name, identity)
+    exit_removals.pop((name, identity), None)
 
 
 @atexit.register

@@ -30,7 +30,7 @@ from shmkv._engine.segment import Segment
 from shmkv._sequence.handle import Sequence, drop_lease
 from shmkv.store import _handles, _records
 from shmkv.store._records import SequenceInfo, StoreStats
-from shmkv.store._removal import exit_removals, read_identity, remove_if_same
+from shmkv.store._removal import read_identity, remove_then_forget
 from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
@@ -163,10 +163,8 @@ class Store:
                 e.drop_waiters()  # (read-only: counts in the liveness file, no lock)
             e.shut_down(wake=not inherited)  # our client row, the liveness byte; this handle's sleepers wake
         e.release()  # every view this handle holds dropped, the descriptors closed: unmapped now
-        if e.creator and not inherited:
-            exit_removals.pop((self.name, e.identity), None)
         if remove:
-            remove_if_same(self.name, e.identity)
+            remove_then_forget(self.name, e.identity)
         self._close_done = True
 
     def unlink(self) -> None:
@@ -178,7 +176,7 @@ class Store:
         store.unlink()`` removes a created, attached or persistent store (once; then it does nothing).
         """
         self._close(remove=False)
-        remove_if_same(self.name, self._engine.identity)
+        remove_then_forget(self.name, self._engine.identity)
 
     def transaction(self) -> AbstractContextManager[None]:
         """Hold the store lock across several structural operations (a context manager).
