@@ -16,7 +16,9 @@ Used by tests/test_ctrl_c_everywhere.py; usable by hand:
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -107,6 +109,23 @@ def _died_holding(store: shmkv.Store, seq_id: int) -> None:
 
 
 SNAPSHOT_OPS = ("restore", "save")  # the ops that restore the scene's snapshot or save over it
+_SNAPSHOTS: dict[tuple[str, str], str] = {}  # (dtype, op) -> the scene's snapshot, saved once
+
+
+def _link_snapshot(st: shmkv.Store, dtype: str, op: str, path: str) -> None:
+    """The scene's snapshot at ``path``: saved once for ``dtype`` and ``op`` (every scene holds the
+    same sequences), a hard link to that file afterwards (a save over ``path`` replaces the link)."""
+    saved = _SNAPSHOTS.get((dtype, op))
+    if saved is None:
+        keep = tempfile.mkdtemp(prefix="shmkv-ctrlc-snap-")
+        atexit.register(shutil.rmtree, keep, True)
+        saved = os.path.join(keep, "scene.shmkv")
+        st.save(saved)
+        _SNAPSHOTS[(dtype, op)] = saved
+    try:
+        os.link(saved, path)
+    except OSError:  # (another file system)
+        shutil.copyfile(saved, path)
 
 
 def scene(dtype: str, op: str) -> Scene:
@@ -132,7 +151,7 @@ def scene(dtype: str, op: str) -> Scene:
         _died_holding(st, orphan.id)
         snap = os.path.join(tmp.name, "scene.shmkv")
         if op in SNAPSHOT_OPS:
-            st.save(snap)
+            _link_snapshot(st, dtype, op, snap)
         return Scene(st, {"a": a, "p": p, "b": b}, {"donor": donor.id, "a": a.id, "p": p.id, "b": b.id,
                                                     "orphan": orphan.id}, snap, tmp)
     except BaseException:
@@ -205,6 +224,7 @@ class Trace:
         if event == "call" and frame.f_code.co_filename.startswith(self.roots):
             self.count += 1
             if self.count == self.fire:
+                sys.settrace(None)  # (the events after it are not counted: an interrupted run's count is its point)
                 path = frame.f_code.co_filename
                 root = next(r for r in self.roots if path.startswith(r))
                 self.where = f"{path[len(root):]}:{frame.f_code.co_name}"
