@@ -20,6 +20,7 @@ import atexit
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -92,20 +93,60 @@ class Scene:
         self.tmp.cleanup()
 
 
-def _died_holding(store: shmkv.Store, seq_id: int) -> None:
-    """A forked child takes the lease on ``seq_id`` and dies holding it."""
-    name = store.name
+_HOLDER = r"""
+import os
+import sys
+
+import shmkv
+
+for line in sys.stdin:  # "store-name sequence-id": a forked child takes that lease and dies holding it
+    name, seq_id = line.split()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            st = shmkv.attach(name)
-            st.sequence(seq_id, write=True)
+            shmkv.attach(name).sequence(int(seq_id), write=True)
             code = 0
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+class _Holders:
+    """A small process (shmkv and numpy imported, nothing else) that forks the leaseholders that
+    die: a fork of this one costs half of what a fork of a test process that imported torch does."""
+
+    proc: subprocess.Popen[str] | None = None
+
+    def died_holding(self, store: shmkv.Store, seq_id: int) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            root = os.path.dirname(os.path.dirname(shmkv.__file__))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+            self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{store.name} {seq_id}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "0", "the leaseholder did not take its lease"
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.close()
+            try:
+                proc.wait(10)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                proc.stdout.close()
+
+
+holders = _Holders()  # stopped by the tests' module fixture, or at exit
+atexit.register(holders.stop)
 
 
 SNAPSHOT_OPS = ("restore", "save")  # the ops that restore the scene's snapshot or save over it
@@ -148,7 +189,7 @@ def scene(dtype: str, op: str) -> Scene:
         orphan = st.create_sequence(capacity=64)
         orphan.extend(*kv(list(range(8000, 8012))), tokens=list(range(8000, 8012)))
         orphan.release()
-        _died_holding(st, orphan.id)
+        holders.died_holding(st, orphan.id)
         snap = os.path.join(tmp.name, "scene.shmkv")
         if op in SNAPSHOT_OPS:
             _link_snapshot(st, dtype, op, snap)

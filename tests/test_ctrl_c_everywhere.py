@@ -16,14 +16,22 @@ operation); the slow tier takes all the others, so that the two together take ev
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from _ctrl_c_scene import OPS, expected, points, trial
+from _ctrl_c_scene import OPS, expected, holders, points, trial
 
 DTYPES = ["float32", "int8"]
 # A Ctrl-C that lands in a finalizer (a generator closed by the garbage collector) is printed and
 # ignored by Python, as a real one is: what is checked is that the store and the handles are right.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_holders() -> Iterator[None]:
+    yield
+    holders.stop()
 
 
 SAMPLE = 12  # points an operation in the fast tier
