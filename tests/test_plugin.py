@@ -256,3 +256,59 @@ def test_leak_by_a_dead_child_of_the_test_is_judged(pytester, method):
     result.assert_outcomes(passed=1, errors=1)
     assert f"left shmkv stores behind: ['{name}']" in result.stdout.str()
     assert left == set()
+
+
+XDIST_WAIT = '''
+import os, time
+import shmkv
+
+def wait_for(path):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "never came: " + path
+        time.sleep(0.01)
+
+def make(store, name):
+    shmkv.create(name, layers=1, kv_heads=1, head_dim=2, persistent=True).close()
+'''
+
+XDIST_A = XDIST_WAIT + '''
+def test_a(shmkv_store, shmkv_child):
+    shmkv_child.run(make, shmkv_store, "{name}", start_method="fork")  # made by a child, now dead
+    open("{made}", "w").close()
+    wait_for("{checked}")  # the other worker's test ended while it existed, and was checked
+    shmkv.remove("{name}")  # still there: this test cleans up after itself
+'''
+
+XDIST_B = XDIST_WAIT + '''
+def test_b_runs_meanwhile():
+    wait_for("{made}")
+
+def test_b_after():
+    open("{checked}", "w").close()
+
+def test_b_last():  # (an xdist worker runs a test once it has the next one, or is told to stop)
+    pass
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_under_xdist_a_worker_never_judges_another_workers_store(pytester, tmp_path):
+    """Under pytest-xdist, a store that one worker's test made through a child that died is not a
+    leak of the test another worker runs meanwhile: that worker's leak check leaves it alone."""
+    pytest.importorskip("xdist")
+    name = unique_name("xdist")
+    paths = dict(name=name, made=tmp_path / "made", checked=tmp_path / "checked")
+    pytester.makeini("[pytest]\nshmkv_leak_check = true\n")
+    pytester.makepyfile(test_a=XDIST_A.format(**paths), test_b=XDIST_B.format(**paths))
+    try:
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-n", "2", "--dist", "loadfile",
+                                               timeout=200)
+        result.assert_outcomes(passed=4)
+        assert "left shmkv stores behind" not in result.stdout.str()
+    finally:
+        try:
+            shmkv.remove(name)
+        except shmkv.StoreNotFound:
+            pass

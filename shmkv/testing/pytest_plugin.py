@@ -17,7 +17,8 @@ Leak check (opt-in: ``shmkv_leak_check = true`` in the pytest ini options, or
 leave no shmkv store behind; one that does fails and names them (they are then
 removed). It judges only stores created by this test session's own process
 tree (the plugin sets ``SHMKV_PYTEST_SESSION`` in the environment unless it is
-inherited, and every store records its creator's value), and of those only the ones that appeared
+inherited, and every store records its creator's value; each pytest-xdist worker
+is a session of its own), and of those only the ones that appeared
 during the test and whose creator is the test process itself or is dead. It
 never touches a store of another process: other programs on the machine, or
 a live worker the test left running. Opt a test out with
@@ -56,8 +57,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "shmkv_leak_check: fail this test if it leaves shmkv stores behind")
     # Every process this session starts inherits the tag (set before any forkserver starts).
     # A pytest run inside a test keeps the tag it inherits: it is part of that test's process tree.
+    # A pytest-xdist worker runs tests beside the other workers: it takes a tag of its own, so that
+    # its leak check never judges (nor removes) a store of another worker's test.
     config.stash[_previous_tag] = previous = os.environ.get(SESSION_ENV)
-    if not previous:
+    if not previous or hasattr(config, "workerinput"):
         os.environ[SESSION_ENV] = secrets.token_hex(8)
 
 
