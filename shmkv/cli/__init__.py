@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import itertools
 import json
 import os
 import signal
@@ -23,53 +22,12 @@ from shmkv import __version__
 from shmkv._engine import segment as _segment
 from shmkv.store._lifecycle import Owners, gc, list_stores, remove, store_owners
 from shmkv.store._lifecycle import load as load_snapshot
-from shmkv.store._store import Store, attach, engine_of
+from shmkv.store._store import attach
+from shmkv.store._verify import verify
 from shmkv.cli._args import count_arg, ids_arg, seconds_arg
 from shmkv.cli._info import ProgressBar, info_of, print_info
 from shmkv.cli._words import for_the_shell, size
 from shmkv.errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
-
-
-def verify(store: Store) -> list[str]:
-    """Check the header's invariants; return the problems found (empty: all good)."""
-    problems = []
-    lay = store.layout
-    engine = engine_of(store)
-    pending, pid = engine.rows.undo_log()
-    if pending:
-        problems.append(f"a structural operation of pid {pid} left {pending} row(s) to roll back (it died, or is "
-                        "running now): `shmkv verify --repair NAME` (or any structural operation) rolls it back")
-    table = engine.rows.table_rows()
-    live = [r for r in table if r.kind == "live"]
-    if any(r.kind == "unknown" for r in table):
-        problems.append("a sequence slot has an unknown state")
-    # encoder caches own ranges of cells too
-    ranges = [(r.start, r.capacity, f"encoder of {r.id}") for r in table if r.kind == "encoder"]
-    next_id = engine.rows.next_id()
-    for row in live:
-        sid, start, cap, length, gen = row.id, row.start, row.capacity, row.length, row.generation
-        if start < 0 or start + cap > engine.cells:
-            problems.append(f"sequence {sid}: range [{start}, {start + cap}) outside the arena's "
-                            f"{engine.cells} cells (max_tokens={lay.max_tokens} and alignment slack)")
-        if not 0 <= length <= cap:
-            problems.append(f"sequence {sid}: length {length} outside capacity {cap}")
-        woff = row.window_offset
-        if lay.bounded and not (0 <= woff <= length and length - woff <= lay.window_cells):
-            problems.append(f"sequence {sid}: sliding/chunked layers hold tokens {woff}..{length}, "
-                            f"more than their {lay.window_cells} cells or out of order")
-        if gen & 1:
-            problems.append(f"sequence {sid}: generation {gen} is odd (a structural change is running or died)")
-        if sid >= next_id or sid < 1:
-            problems.append(f"sequence {sid}: id not below next id {next_id}")
-        ranges.append((start, cap, f"sequence {sid}"))
-    ids = [r.id for r in live]
-    if len(set(ids)) != len(ids):
-        problems.append("sequence ids repeat")
-    ranges.sort()
-    for (s1, c1, i1), (s2, _, i2) in itertools.pairwise(ranges):
-        if s1 + c1 > s2:
-            problems.append(f"{i1} and {i2} overlap at cell {s2}")
-    return problems
 
 
 def _liveness(name: str) -> dict[str, Any]:
