@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 import shmkv
-from shmkv.testing import unique_name
+from shmkv.testing import assert_store_state, unique_name
 
 L, H, D = 2, 32, 32  # float32: a 4 KiB cell, one-cell page unit; int8: a 32-cell page unit
 PROMPT = list(range(1, 97))  # the donor's prompt: three int8 page units
@@ -348,6 +348,10 @@ def trial(op: str, dtype: str, point: int, before: dict[int, list[int]] | None =
                     break
         from shmkv._engine import interrupts
         interrupts.deferred.clear()
+        try:
+            assert_store_state(sc.store)
+        except AssertionError as e:
+            out.append(f"{tag}: {e}")
         seen, bad = problems_of(sc.store, tag)
         out += bad
         ro = shmkv.attach(sc.store.name, readonly=True)

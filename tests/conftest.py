@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
 
 import shmkv
+from shmkv.testing import assert_store_state
 
 pytest_plugins = ["pytester"]
 
@@ -36,14 +38,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+def _checked_at_rest(stores: list[shmkv.Store]) -> None:
+    """After the test: every store it made that is still open (read-write) keeps its invariants."""
+    for s in stores:
+        if not s.closed and not s.readonly:
+            assert_store_state(s)
+
+
 @pytest.fixture
 def make_store(shmkv_store_factory):
-    return shmkv_store_factory
+    made: list[shmkv.Store] = []
+
+    def factory(**kw):
+        s = shmkv_store_factory(**kw)
+        made.append(s)
+        return s
+
+    yield factory
+    _checked_at_rest(made)
 
 
 @pytest.fixture
-def store(shmkv_store: shmkv.Store) -> shmkv.Store:
-    return shmkv_store
+def store(shmkv_store: shmkv.Store) -> Iterator[shmkv.Store]:
+    yield shmkv_store
+    _checked_at_rest([shmkv_store])
 
 
 def importorskip_unless_ci(modname: str, minversion: str | None = None):

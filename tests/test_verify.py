@@ -55,3 +55,55 @@ def test_each_broken_word_is_reported_and_the_rest_is_not(make_store) -> None:
         e.hdr[W_UNDO_COUNT], e.hdr[W_UNDO_PID] = 0, 0
     assert len(problems) == 1 and problems[0].startswith("a structural operation of pid 4242 left 2 row(s)")
     assert cli.verify(store) == []
+
+
+def test_each_broken_span_word_is_reported(make_store) -> None:
+    """The shared pages' words (``_engine/audit.py``): a borrower's span and its donor's flag."""
+    from shmkv._engine import header as h
+
+    store = make_store(layers=2, kv_heads=32, head_dim=32, dtype="float32", max_tokens=1024, max_seqs=8)
+    prompt = list(range(1, 41))
+    k = np.ones((2, 40, 32, 32), np.float32)
+    donor = store.create_sequence(capacity=64, prefix=prompt)
+    donor.extend(k, -k, tokens=prompt)
+    donor.finish()
+    borrower = store.create_sequence(capacity=64, prefix=[*prompt[:32], 7])
+    other = store.create_sequence(capacity=16)
+    e = engine_of(store)
+    unit = e.page_unit
+    d, b, o = e.row(e.slot_of(donor.id)), e.row(e.slot_of(borrower.id)), e.row(e.slot_of(other.id))
+    assert b[h.SPAN_CELLS] >= unit and b[h.SPAN_PHYS] == d[h.START] and d[h.FLAGS] & h.LENT, "no span to break"
+    assert cli.verify(store) == []
+
+    def reported(row, word, value, expect):
+        was = row[word]
+        row[word] = value
+        try:
+            problems = cli.verify(store)
+            assert any(expect in p for p in problems), problems
+        finally:
+            row[word] = was
+        assert cli.verify(store) == []
+
+    reported(d, h.FLAGS, d[h.FLAGS] & ~h.LENT, f"sequence {donor.id} lends cells")
+    reported(b, h.SPAN_TAKEN, b[h.SPAN_CELLS] - 1, "not whole page units")
+    if unit > 1:
+        reported(b, h.SPAN_TAKEN, b[h.SPAN_TAKEN] + 1, "not whole page units")
+    reported(b, h.LENGTH, b[h.SPAN_CELLS] - 1, f"holds {b[h.SPAN_CELLS] - 1} tokens")
+    reported(b, h.SPAN_PHYS, o[h.START] + unit, f"overlap the range [{o[h.START]}, {o[h.START] + o[h.CAPACITY]})")
+    reported(b, h.SPAN_PHYS, o[h.START], f"sequence {other.id} lends cells")  # (taken for its owner)
+    reported(b, h.SPAN_PHYS, b[h.START], "inside its own range")
+    reported(b, h.SPAN_PHYS, e.cells - unit, "outside the arena")
+    reported(b, h.SPAN_TAKEN, d[h.CAPACITY] + unit, "run past its owner")
+    words = [b[w] for w in (h.SPAN_PHYS, h.SPAN_CELLS, h.SPAN_TAKEN)]
+    b[h.SPAN_PHYS], b[h.SPAN_CELLS], b[h.SPAN_TAKEN] = unit, 0, 0
+    try:
+        assert [p for p in cli.verify(store) if "with no cell taken" in p], cli.verify(store)
+    finally:
+        b[h.SPAN_PHYS], b[h.SPAN_CELLS], b[h.SPAN_TAKEN] = words
+    spans = e.hdr[h.W_SPANS]
+    e.hdr[h.W_SPANS] = spans | 1
+    try:
+        assert [p for p in cli.verify(store) if "span epoch" in p and "is odd" in p]
+    finally:
+        e.hdr[h.W_SPANS] = spans

@@ -6,6 +6,25 @@ liveness file is locked, see ``liveness``) and LEASE_TOKEN words. The token tell
 this process's handles apart; a lease of one of this process's attachments whose
 token has no live handle here belongs to a handle that was dropped without
 ``release()`` and may be taken again.
+
+A row's lease and its states (as the journal's, ``_engine/journal.py``)::
+
+    none      LEASE_PID 0 (LEASE_CLIENT and LEASE_TOKEN keep the last holder's, for a rollback's
+              comparison: ``with_release``)
+    held      LEASE_PID, LEASE_CLIENT, LEASE_TOKEN: a live write handle's
+    orphaned  held, by a client whose byte of the liveness file is free (its process died), or
+              by this process under a token no live handle has (dropped without release())
+
+    none --create_sequence, fork, sequence(write=True)     [lock; journaled: Rows.take_lease_words]--> held
+    held --release(), finish(), the handle collected, exit [no lock: LEASE_PID 0; release_row]--> none
+    held --its holder dies, or drops its handle unreleased---------------------------------------> orphaned
+    orphaned --sequence(write=True)                         [lock; journaled take-over]----------> held
+    any --free, an eviction, a restore over the row         [lock; journaled]--> the row is gone
+
+Who may take it is one question, asked under the lock: ``Core._lease_holder`` (alive: this
+process's handle of that token lives, or another client's byte is locked). A release writes one
+word without the lock; a rollback of a change that logged the row before the release keeps it
+released (``with_release``, journal invariant 10).
 """
 
 from __future__ import annotations

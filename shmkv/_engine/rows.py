@@ -23,6 +23,7 @@ import numpy as np
 
 from shmkv._engine import crash as _crash
 from shmkv._engine import share
+from shmkv._engine.audit import span_problems
 from shmkv._engine.header import (
     CAPACITY,
     CLEAN,
@@ -48,6 +49,7 @@ from shmkv._engine.header import (
     STATE,
     W_CLOCK,
     W_EVICTIONS,
+    W_SPANS,
     W_GENERATION,
     W_NEXT_ID,
     W_PAGE_MARK,
@@ -418,6 +420,11 @@ class Rows:
         check of what is there, ``shmkv verify``)."""
         return [TableRow(_KINDS.get(r[STATE], "unknown"), r[ID], r[START], r[CAPACITY], r[LENGTH], r[GEN], r[WIN_OFF])
                 for r in self.table_np.tolist()]
+
+    def span_problems(self, cells: int) -> list[str]:
+        """What the table's span words break of their rules at rest, one copy of the table read
+        without the lock (``_engine/audit.py``; ``shmkv verify``)."""
+        return span_problems(self.table_np.copy(), int(self.hdr[W_SPANS]), self._page_unit, cells)
 
     def undo_log(self) -> tuple[int, int]:
         """(the rows the undo log holds, the pid of the process whose transaction logged them):

@@ -33,6 +33,17 @@ even when the transaction ends (or is rolled back), so:
    cells still show the span's cells. Those stay taken (row word ``SPAN_TAKEN``) until the
    borrower is freed or moves, which is what invalidates views (docs/stores.md).
 
+The span epoch (header word ``W_SPANS``) and a process's mapping of it, as the journal states its
+objects::
+
+    epoch     0 (no span ever: the common case, nothing to do)
+              even E --the first change of a span-bearing row in a transaction (spans_odd)--> E+1
+              odd E+1 --the transaction ends: commit (_end), rollback (_put_back), or the recovery
+                        after its process died (_recover, _spans_current)--> E+2
+    applied   a process's ``Shares.applied``: == the epoch --the epoch moves--> stale
+              stale --Shares.sync, at its next read of a row's cells or its next lock entry
+                      (waiting out an odd epoch)--> == the epoch
+
 Mapping count: a borrower costs about two mappings a shared array (2 x full layers, plus 2 x
 layers of int8 scales) in every process attached; ``max_borrowers`` keeps live borrowers within
 a quarter of ``vm.max_map_count``; beyond it a reuse copies as before. A process whose own

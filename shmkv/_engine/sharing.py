@@ -27,6 +27,27 @@ unwritten:
   must stay as they are while anyone borrows them or keeps them taken (what it lent: the
   most any row keeps taken, ``_lent_from``).
 
+A borrower's span and its donor's flag, as the journal states its objects (each arrow a
+journaled change of the row, ``settle_span`` at its end)::
+
+    borrower  no span --create_sequence(prefix=), fork, copy_prefix into an empty row (borrow)-->
+                         mapping m cells: SPAN_CELLS = SPAN_TAKEN = m at SPAN_PHYS
+              mapping --truncate / clear / rewind below m (_unshare: copy-on-write)--> mapping
+                         the whole units below its length, keeping taken those under its
+                         committed cells (SPAN_TAKEN >= SPAN_CELLS; 0 mapped: taken only)
+              mapping, taken --a later truncate (_give_up_past)--> taking fewer
+              mapping, taken --freed, or its range moved (growth, remove, shift_left,
+                         copy_prefix into it, restore)--> no span: its cells free, views void
+    donor     own --a borrow of its cells--> LENT
+              LENT --its change ends with nobody borrowing from its start, or it moved or was
+                     freed--> own
+              LENT, length below what it lent --its truncate: moves to a fresh range
+                     (_move_lender), or stays while no range is free and moves before its next
+                     write there (``_sequence/room.py``)--> own, elsewhere
+              (a freed donor's lent cells stay taken by the spans until their last borrower goes)
+
+``_engine/audit.py`` states what these words promise at rest, and ``shmkv verify`` checks it.
+
 What a span keeps taken is bounded by what it borrowed: ``SPAN_CELLS <= SPAN_TAKEN <=`` the
 cells it borrowed, rounded to page units below its length; ``stats().retained_cells`` counts
 the cells taken only that way (no range, no mapped span holds them).

@@ -42,6 +42,7 @@ def verify(store: Store) -> list[str]:
         if sid >= next_id or sid < 1:
             problems.append(f"sequence {sid}: id not below next id {next_id}")
         ranges.append((start, cap, f"sequence {sid}"))
+    problems += engine.rows.span_problems(engine.cells)
     ids = [r.id for r in live]
     if len(set(ids)) != len(ids):
         problems.append("sequence ids repeat")

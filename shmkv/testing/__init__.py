@@ -6,6 +6,7 @@
   the parent with the child's traceback attached.
 * :func:`shm_entries` lists the shmkv segments and lock files in /dev/shm, for
   leak checks.
+* :func:`assert_store_state` fails when a store breaks an invariant that holds at rest.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 from shmkv._engine import segment as _segment
 
-__all__ = ["ChildFailed", "ChildProcess", "run_in_process", "shm_entries", "start_in_process", "unique_name"]
+__all__ = ["ChildFailed", "ChildProcess", "assert_store_state", "run_in_process", "shm_entries", "start_in_process",
+           "unique_name"]
 
 _counter = itertools.count()
 
@@ -33,6 +35,23 @@ def unique_name(prefix: str = "t") -> str:
 def shm_entries() -> set[str]:
     """shmkv segments and lock files currently in /dev/shm."""
     return {f for f in _segment.listdir() if f.startswith(_segment.PREFIX)}
+
+
+def assert_store_state(store: Any) -> None:
+    """Raise AssertionError naming every invariant ``store`` (a ``shmkv.Store``) breaks at rest:
+    ``shmkv verify``'s checks (ranges inside the arena and apart, lengths within capacities,
+    even generations, an empty undo log, sequence ids) and those of the shared pages' words
+    (``_engine/audit.py``). A read-write handle checks under the store lock, taken the one way
+    in (``store.transaction()``: a dead process's transaction is rolled back first), so that no
+    structural operation is in flight; a read-only one checks the table as it is."""
+    from shmkv.store._verify import verify
+
+    if store.readonly:
+        problems = verify(store)
+    else:
+        with store.transaction():
+            problems = verify(store)
+    assert not problems, f"store {store.name!r}: " + "; ".join(problems)
 
 
 class ChildFailed(AssertionError):
