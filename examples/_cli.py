@@ -65,6 +65,20 @@ class temporary_directory:  # (lower case: used as tempfile.TemporaryDirectory i
         atexit.unregister(self.remove)  # (if a Ctrl-C comes first, the exit removes it)
 
 
+class uninterrupted_imports:  # (lower case: a with-block helper, as temporary_directory)
+    """``with uninterrupted_imports():`` imports of seconds (torch, transformers) that a Ctrl-C must
+    not cut in the middle: a module left half imported can break a later import of another one
+    (numpy's submodule in sys.modules without its attribute: a RecursionError at the next import
+    that asks for it). SIGINT is blocked meanwhile; a Ctrl-C that came is delivered once the
+    imports are done, as the KeyboardInterrupt ``run`` turns into one line."""
+
+    def __enter__(self) -> None:
+        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def __exit__(self, *exc: object) -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+
+
 def parser(doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 

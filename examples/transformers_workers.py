@@ -23,7 +23,7 @@ Run: ``python examples/transformers_workers.py [--model PATH] [--system TEXT]
 
 from __future__ import annotations
 
-from _cli import parser, run, temporary_directory  # first, before numpy and shmkv: --help, Ctrl-C (not about shmkv)
+from _cli import parser, run, temporary_directory, uninterrupted_imports  # first: --help, Ctrl-C (not about shmkv)
 
 import argparse
 import multiprocessing as mp
@@ -135,13 +135,15 @@ def demo(model_dir: str, checkpoint: bool, system_text: str, user_texts: list[st
     t_start = time.perf_counter()
     print("loading torch and transformers (10 s or more on a busy machine) ...", flush=True)
     try:
-        import torch
-        from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
-        from transformers.utils import logging
+        with uninterrupted_imports():  # (a Ctrl-C meanwhile comes out once they are done)
+            import torch
+            from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
+            from transformers.utils import logging
+
+            from shmkv.transformers import ShmkvCache, cache_kwargs
     except ImportError:
         print("transformers_workers.py needs torch and transformers: pip install 'shmkv[transformers]'")
         return 0
-    from shmkv.transformers import ShmkvCache, cache_kwargs
 
     logging.disable_progress_bar()
     torch.set_num_threads(1)  # as each worker (_model): the speeds below compare like with like

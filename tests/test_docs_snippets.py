@@ -27,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -136,9 +137,11 @@ def test_page_runs(page: pathlib.Path, tmp_path: pathlib.Path):
         server = RedisServer()
         for b in found:
             b["code"] = str(b["code"]).replace(REDIS_URL[rel], server.url)
-    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work = tmp_path / "work"
     work.mkdir()
-    tmp.mkdir()
+    # TMPDIR short: a forkserver's socket is made in it, and an AF_UNIX path holds 107 bytes
+    # (tmp_path under pytest-xdist's basetemp comes close)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="skv-doc-"))
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps(found))
     cmd = [sys.executable, "-W", "error", RUNNER, str(spec), str(work)]
@@ -155,9 +158,10 @@ def test_page_runs(page: pathlib.Path, tmp_path: pathlib.Path):
     finally:
         if server is not None:
             server.stop()
+        left_tmp = [f for f in os.listdir(tmp) if not LIBRARY_TMP.fullmatch(f)]
+        shutil.rmtree(tmp, ignore_errors=True)
     assert r.returncode == 0, f"{rel} failed (exit {r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
     assert not left, f"{rel} left stores in /dev/shm: {sorted(left)}"
-    left_tmp = [f for f in os.listdir(tmp) if not LIBRARY_TMP.fullmatch(f)]
     assert left_tmp == [], f"{rel} left files in TMPDIR: {left_tmp}"
     saved = {b["file"] for b in found if b["file"]}
     assert set(os.listdir(work)) == saved, f"{rel}: the working directory holds {os.listdir(work)}"

@@ -225,3 +225,31 @@ def test_the_examples_temporary_directory_is_removed_whatever_a_ctrl_c_cuts_shor
     n, fired = map(int, r.stdout.split())
     assert n > 5 and fired == n, (n, fired)  # every point raised inside the block's making or removal
     assert os.listdir(tmp) == []
+
+
+# A SIGINT sent to itself inside `with uninterrupted_imports():` (an import of a module that sends
+# it, half way through its code) does not cut the import short: the module is whole, and the
+# KeyboardInterrupt comes once the block is done.
+UNINTERRUPTED = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+from _cli import uninterrupted_imports
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+try:
+    with uninterrupted_imports():
+        import halfway
+        print("imported", halfway.DONE, flush=True)
+except KeyboardInterrupt:
+    print("interrupted after", "halfway" in sys.modules and sys.modules["halfway"].DONE)
+"""
+
+
+def test_a_ctrl_c_during_an_examples_heavy_imports_comes_after_them(tmp_path):
+    (tmp_path / "halfway.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                         "for _ in range(1000):\n    pass\nDONE = True\n")
+    r = subprocess.run([sys.executable, "-c", UNINTERRUPTED, str(DIR), str(tmp_path)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["imported True", "interrupted after True"], r.stdout
