@@ -4,7 +4,7 @@ See README.md for a tour, docs/design.md for the contract and ARCHITECTURE.md fo
 """
 
 from shmkv._sequence.batch import Batch
-from shmkv._engine.header import Layout
+from shmkv._engine.table.header import Layout
 from shmkv._sequence.handle import Sequence
 from shmkv._snapshot.format import Snapshot, read_header
 from shmkv.store._doctor import Doctor, doctor

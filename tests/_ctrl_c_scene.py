@@ -346,7 +346,7 @@ def trial(op: str, dtype: str, point: int, before: dict[int, list[int]] | None =
                     continue
                 if out:
                     break
-        from shmkv._engine import interrupts
+        from shmkv._engine.locking import interrupts
         interrupts.deferred.clear()
         try:
             assert_store_state(sc.store)

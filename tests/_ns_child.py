@@ -19,7 +19,7 @@ import numpy as np
 
 import shmkv
 from shmkv import cli
-from shmkv._engine import lifecycle_lock as _lifecycle_lock
+from shmkv._engine.locking import lifecycle_lock as _lifecycle_lock
 from shmkv.store import _lifecycle
 
 stores: dict[str, shmkv.Store] = {}

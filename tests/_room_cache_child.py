@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 import shmkv
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 
 L, H, D = 2, 8, 64  # float32: a cell of K and V over both layers is 8 KiB
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shmkv
-from shmkv._engine import futex
+from shmkv._engine.clients import futex
 from shmkv.cli.bench import serve_stack
 
 

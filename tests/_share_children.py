@@ -29,7 +29,7 @@ def verifier(name: str, seconds: float) -> dict[str, int]:
     import numpy as np
     from _crash_children import kv
 
-    from shmkv._engine.header import GEN
+    from shmkv._engine.table.header import GEN
 
     store = shmkv.attach(name, readonly=True)
     out = {"reads": 0, "changed": 0, "gone": 0, "timeouts": 0}

@@ -9,7 +9,7 @@ import numpy as np
 from _share_map_children import Filler, content, free_mappings, refused
 
 import shmkv
-from shmkv._engine.header import SPAN_CELLS
+from shmkv._engine.table.header import SPAN_CELLS
 from shmkv.store._store import engine_of
 
 
@@ -91,8 +91,8 @@ def die_in_the_fallback(name: str, prompt: list[int]) -> None:
     import os
     import signal
 
-    from shmkv._engine import share
-    from shmkv._engine.sharing import Sharing
+    from shmkv._engine.spans import share
+    from shmkv._engine.spans.sharing import Sharing
 
     store = shmkv.attach(name)
     sh = engine_of(store).shares

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import shmkv
-from shmkv._engine.header import START
+from shmkv._engine.table.header import START
 from shmkv.store._store import engine_of
 
 
@@ -101,7 +101,7 @@ def read_inherited_after(store: shmkv.Store, conn: object) -> tuple[bytes, ...]:
 def borrow_truncate_compare() -> bool:
     """Standalone (run in a private /dev/shm): a borrower of 3,000 tokens of 8 x 128 float16,
     truncated into its span and extended, and a second borrower, equal the same with copies."""
-    from shmkv._engine import share
+    from shmkv._engine.spans import share
     from shmkv.testing import unique_name
 
     layers, heads, dim = 3, 8, 128
@@ -153,7 +153,7 @@ def cow_and_reuse(name: str, borrower: int) -> int:
 def flip_free_rows_span_words(name: str, started: Any, stop: Any, flips: Any) -> None:
     """In a child: keep rewriting the span word of every row but the first (free rows: no span
     is wanted either way) until ``stop``; ``started`` once it began; the rewrites in ``flips``."""
-    from shmkv._engine.header import SPAN_CELLS
+    from shmkv._engine.table.header import SPAN_CELLS
 
     store = shmkv.attach(name)
     try:

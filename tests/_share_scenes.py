@@ -4,7 +4,7 @@ A finished donor of three page units (``n`` tokens), leased again by ``other`` (
 process); borrowers of it made by ``store`` (the borrowers' process), each over the donor's
 whole prefix; then the rest of the store filled (by ``other``) so no range is free and the
 donor cannot move. A truncate of the donor below what it lent then leaves it lending cells it no
-longer holds (``_engine/sharing.py``): its next write past its length must move it first.
+longer holds (``_engine/spans/sharing.py``): its next write past its length must move it first.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Lent:
 
     def spans(self, store: shmkv.Store) -> list[int]:
         """SPAN_CELLS of each borrower's row."""
-        from shmkv._engine.header import SPAN_CELLS
+        from shmkv._engine.table.header import SPAN_CELLS
 
         e = store._engine
         return [int(e.row(e.slot_of(b.id))[SPAN_CELLS]) for b in self.borrowers]
@@ -51,7 +51,7 @@ class Lent:
 def die_at(point: str, at: Any, go: Any) -> None:
     """In a child: at crash point ``point``, set event ``at``, wait for ``go`` (120 s at most:
     the parent looks at the store meanwhile, then ``let_go_and_reap``), then SIGKILL itself."""
-    from shmkv._engine import crash
+    from shmkv._engine.locking import crash
 
     def pause_then_die(name: str) -> None:
         if name == point:

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from shmkv._engine import stitch
+from shmkv._engine.spans import stitch
 
 
 def read_stitched(path: str, pieces: list[tuple[int, int]], count: int) -> list[int]:

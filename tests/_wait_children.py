@@ -13,7 +13,7 @@ def wait_for_commit(name: str, seq_id: int, ready_path: str) -> tuple[int, int, 
     Returns (length returned by wait, time.monotonic_ns() when it returned, each futex wait of
     the wait as (its timeout, what it returned: False when it timed out)).
     """
-    from shmkv._engine import futex
+    from shmkv._engine.clients import futex
 
     sleeps: list[tuple[float | None, bool]] = []
     real = futex.wait

@@ -22,7 +22,7 @@ delete its line).
 7. The top of ``shmkv/`` holds at most 12 entries: the public surface and one
    subpackage per concern (see ARCHITECTURE.md).
 8. The rooms of ``OWN_NO_WORDS`` (every room but ``_engine`` and ``_sequence``, whose hot-path
-   slots ARCHITECTURE.md lists) name no row column or header word of ``_engine/header.py``
+   slots ARCHITECTURE.md lists) name no row column or header word of ``_engine/table/header.py``
    (``START``, ``W_NEXT_ID``, ``C_KEY``, ``FINISHED`` ...) and touch no raw view of the engine
    (``.hdr``, ``.table_np``, ``.clients_np``): they use the engine's named operations.
    ``_sequence`` names them only in the hot-path slots that ARCHITECTURE.md's table lists
@@ -68,7 +68,7 @@ KNOWN_LARGE: set[str] = set()
 
 def _name(path: Path) -> str:
     """A module's dotted name below ``shmkv`` (``__init__`` for the package itself,
-    ``_engine`` for ``_engine/__init__.py``, ``_engine.header`` for ``_engine/header.py``)."""
+    ``_engine`` for ``_engine/__init__.py``, ``_engine.table.header`` for ``_engine/table/header.py``)."""
     parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
     if parts[-1] == "__init__" and len(parts) > 1:
         parts.pop()
@@ -324,7 +324,7 @@ def private_imports(modules: dict[str, ast.Module]) -> set[tuple[str, str]]:
 
 
 def room_of(module: str) -> str:
-    """The room a module belongs to: its top-level entry of ``shmkv/`` (``_engine.header`` is in
+    """The room a module belongs to: its top-level entry of ``shmkv/`` (``_engine.table.header`` is in
     ``_engine``; the package's own ``__init__`` is the room ``__init__``)."""
     return module.split(".", maxsplit=1)[0]
 
@@ -519,7 +519,7 @@ def test_the_table_checks_catch_what_they_should() -> None:
 
 
 # Rooms that name no row column or header word and touch no raw view of the engine (rule 8); the
-# engine's ``rows`` part and ``_engine/unattached.py`` read and write those words for them.
+# engine's ``rows`` part and ``_engine/table/unattached.py`` read and write those words for them.
 # Every room but the engine and the sequence layer (whose hot-path slots ARCHITECTURE.md lists).
 OWN_NO_WORDS = ("__init__", "__main__", "errors", "store", "_snapshot", "cli", "testing", "remote", "transformers")
 RAW_VIEWS = {"hdr", "table_np", "clients_np"}
@@ -542,14 +542,14 @@ def header_word_names(header: ast.Module) -> set[str]:
 
 
 def raw_word_uses(modules: dict[str, ast.Module], rooms: tuple[str, ...], words: set[str]) -> set[tuple[str, str]]:
-    """(module, name) for each import of one of ``words`` from ``_engine.header`` and each
+    """(module, name) for each import of one of ``words`` from ``_engine.table.header`` and each
     attribute named one of them or a raw view (``.hdr``), in the modules of ``rooms``."""
     found: set[tuple[str, str]] = set()
     for name, tree in modules.items():
         if room_of(name) not in rooms:
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("_engine.header"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("_engine.table.header"):
                 found |= {(name, alias.name) for alias in node.names if alias.name in words}
             elif isinstance(node, ast.Attribute) and (node.attr in words or node.attr in RAW_VIEWS):
                 found.add((name, f".{node.attr}"))
@@ -558,7 +558,7 @@ def raw_word_uses(modules: dict[str, ast.Module], rooms: tuple[str, ...], words:
 
 def test_no_room_but_the_engine_names_a_row_or_header_word() -> None:
     modules = _modules()
-    words = header_word_names(modules["_engine.header"])
+    words = header_word_names(modules["_engine.table.header"])
     assert {"START", "LEASE_PID", "GEN", "FLAGS", "W_NEXT_ID", "W_PREFIX_HITS", "C_KEY", "FINISHED"} <= words
     assert set(OWN_NO_WORDS) == {room_of(m) for m in modules} - {"_engine", "_sequence"}  # a new room included
     _check("row and header words named outside the engine", raw_word_uses(modules, OWN_NO_WORDS, words), set())
@@ -620,7 +620,7 @@ def test_the_sequence_layer_names_words_only_in_its_listed_hot_path_slots() -> N
     """Rule 8 for ``_sequence``: a row or header word is named only in a hot-path slot that
     ARCHITECTURE.md lists (or in a function of ``KNOWN_COLD_WORD_USES``, which is empty)."""
     modules = _modules()
-    words = header_word_names(modules["_engine.header"])
+    words = header_word_names(modules["_engine.table.header"])
     hot = hot_path_slots()
     assert len(hot) > 10, "ARCHITECTURE.md's table of hot-path slots was not found"
     assert not hot & KNOWN_COLD_WORD_USES, sorted(hot & KNOWN_COLD_WORD_USES)
@@ -634,7 +634,7 @@ def test_the_sequence_layer_names_words_only_in_its_listed_hot_path_slots() -> N
 def test_the_slot_check_catches_what_it_should() -> None:
     words = {"START", "GEN"}
     modules = {
-        "_sequence.m": ast.parse("from shmkv._engine.header import START\nX = START + 1\n"
+        "_sequence.m": ast.parse("from shmkv._engine.table.header import START\nX = START + 1\n"
                                  "class C:\n    def f(self, row):\n        def g():\n            return row[GEN]\n"
                                  "        return g\n    def h(self, e):\n        return e.hdr\n"
                                  "def k(row):\n    return row[0]\n"),
@@ -648,9 +648,10 @@ def test_the_word_check_catches_what_it_should() -> None:
     words = header_word_names(header)
     assert words == {"A", "B", "W_X", "W_Y"}
     modules = {
-        "store.m": ast.parse("from shmkv._engine.header import A, F, Layout\nfrom shmkv._engine import header\n"
+        "store.m": ast.parse("from shmkv._engine.table.header import A, F, Layout\n"
+                             "from shmkv._engine.table import header\n"
                              "def g(e, row):\n    return row[A], e.hdr[header.W_X], e.rows.length(row), e.table_np\n"),
-        "_engine.k": ast.parse("from shmkv._engine.header import A\nx = e.hdr\n"),
+        "_engine.k": ast.parse("from shmkv._engine.table.header import A\nx = e.hdr\n"),
     }
     assert raw_word_uses(modules, ("store",), words) == {
         ("store.m", "A"), ("store.m", ".hdr"), ("store.m", ".W_X"), ("store.m", ".table_np")}

@@ -12,7 +12,7 @@ import pytest
 from _prefix_children import check, serve, serve_and_finish
 
 import shmkv
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 from shmkv._engine.engine import _LAZY
 from shmkv.testing import run_in_process, unique_name
 

@@ -77,7 +77,7 @@ def test_store_larger_than_dev_shm_fails_cleanly_when_written(make_store):
 
 def test_reserved_intervals_merge():
     """The per-process record of reserved cells (Pages.reserve skips what it covers)."""
-    from shmkv._engine.pages import add_interval as _add_interval
+    from shmkv._engine.memory.pages import add_interval as _add_interval
 
     spans: list[tuple[int, int]] = []
     for a, b in [(10, 20), (30, 40), (20, 30), (0, 5), (5, 8), (50, 60), (45, 55), (100, 110)]:

@@ -225,8 +225,8 @@ def test_ls_says_who_keeps_a_store_alive(live_owner):
 def test_ls_prints_a_line_when_there_are_no_stores(tmp_path):
     # The machine's /dev/shm may hold other programs' stores: run the installed script's own
     # code with an empty directory in its place.
-    code = ("import runpy, sys, shmkv._engine.segment as s; s.SHM_DIR = sys.argv[1]; sys.argv = [sys.argv[2], 'ls']; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    code = ("import runpy, sys, shmkv._engine.memory.segment as s; s.SHM_DIR = sys.argv[1]; "
+            "sys.argv = [sys.argv[2], 'ls']; runpy.run_path(sys.argv[0], run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), SHMKV], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
@@ -315,20 +315,20 @@ def test_verify_finds_problems(make_store):
     a = store.create_sequence(capacity=8)
     b = store.create_sequence(capacity=8)
     assert cli.verify(store) == []
-    a._row[shmkv._engine.header.CAPACITY] = 20  # damage: a now overlaps b
+    a._row[shmkv._engine.table.header.CAPACITY] = 20  # damage: a now overlaps b
     problems = cli.verify(store)
     assert any("sequence 1 and sequence 2 overlap" in p for p in problems), problems
-    a._row[shmkv._engine.header.CAPACITY] = 8
-    b._row[shmkv._engine.header.LENGTH] = 99
+    a._row[shmkv._engine.table.header.CAPACITY] = 8
+    b._row[shmkv._engine.table.header.LENGTH] = 99
     assert any("outside capacity" in p for p in cli.verify(store))
-    b._row[shmkv._engine.header.LENGTH] = 0
+    b._row[shmkv._engine.table.header.LENGTH] = 0
     # regression: the range check once read `not 0 <= start and ...` and never fired
     cells = engine_of(store).cells  # max_tokens and the alignment slack
-    b._row[shmkv._engine.header.START] = cells - 4
+    b._row[shmkv._engine.table.header.START] = cells - 4
     assert any(f"outside the arena's {cells} cells" in p for p in cli.verify(store))
-    b._row[shmkv._engine.header.START] = cells - 8  # (in the slack: no problem)
+    b._row[shmkv._engine.table.header.START] = cells - 8  # (in the slack: no problem)
     assert cli.verify(store) == []
-    b._row[shmkv._engine.header.START] = 8
+    b._row[shmkv._engine.table.header.START] = 8
     # an encoder cache is a row of its own (state 2) with a range of its own: not a problem
     a.set_encoder(np.ones((2, 3, 2, 4)), np.ones((2, 3, 2, 4)))
     assert cli.verify(store) == []

@@ -1,7 +1,7 @@
 """Crash safety (issue 11): a process SIGKILLed inside any structural operation leaves the store
 exactly as before or after it, for the next process that takes the lock.
 
-Every named crash point (shmkv._engine.crash.POINTS) is hit by a child process with SHMKV_CRASH_AT set;
+Every named crash point (shmkv._engine.locking.crash.POINTS) is hit by a child process with SHMKV_CRASH_AT set;
 the test then checks, from this process: the logical content equals the state before the
 operation or the state after it (the same operation run here without a crash), every cell's K/V
 is that of its token id, generations are even, `shmkv verify` is clean, leases can be taken over,
@@ -23,8 +23,8 @@ import pytest
 from _crash_children import LAYOUT, base, fill, layout_for, op, prepare, state, stress
 
 import shmkv
-from shmkv._engine import crash as _crash
-from shmkv._engine import header as _header
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.table import header as _header
 from shmkv import cli
 from shmkv.testing import start_in_process
 
@@ -105,7 +105,7 @@ def test_every_structural_operation_has_a_crash_point():
     ops = {"create", "free", "truncate", "grow", "copy_prefix", "fork", "remove", "shift_left", "compact",
            "set_encoder", "restore", "lease", "finish", "share", "rewind"}
     assert ops == {p.split(".")[0] for p in _crash.POINTS}
-    pkg = pathlib.Path(_crash.__file__).parent.parent  # the package: points sit in every subpackage
+    pkg = pathlib.Path(shmkv.__file__).parent  # the package: points sit in every subpackage
     src = "".join(f.read_text() for f in pkg.rglob("*.py"))
     for p in _crash.POINTS:  # each named point is placed in the code
         assert f'_crash.point("{p}")' in src, p

@@ -17,11 +17,11 @@ import pytest
 from _prefix_children import check, serve
 
 import _namespaces
-from shmkv._engine import header as _header
-from shmkv._engine import segment as _segment
-from shmkv._engine.header import LENGTH, LIVE, RECENCY, SEQ_WORDS, START, STATE, ID
-from shmkv._engine.prefix_hash import BLOCK, block_hashes
-from shmkv._engine.prefix_scan import copies, table_holders
+from shmkv._engine.table import header as _header
+from shmkv._engine.memory import segment as _segment
+from shmkv._engine.table.header import LENGTH, LIVE, RECENCY, SEQ_WORDS, START, STATE, ID
+from shmkv._engine.prefixes.prefix_hash import BLOCK, block_hashes
+from shmkv._engine.prefixes.prefix_scan import copies, table_holders
 from shmkv.store._store import engine_of
 from shmkv.testing import unique_name
 
@@ -141,7 +141,7 @@ def test_a_borrow_keeps_the_free_ranges_and_they_stay_right(make_store):
 def test_a_rolled_back_borrow_leaves_free_ranges_that_are_right(make_store, monkeypatch):
     """An exception after the borrow (inside the create's transaction) rolls it back: the gaps are
     derived again, and equal the table's."""
-    from shmkv._engine import crash as _crash
+    from shmkv._engine.locking import crash as _crash
 
     st = make_store(**LAYOUT)
     system = P(1, 4 * BLOCK)
@@ -270,7 +270,7 @@ def test_a_create_that_borrows_all_it_reuses_checks_the_room_once_and_copies_no_
     reservation (no fallocate: copy_prefix_rows does not reserve what new_row did, and the token
     ids, positions and hashes are written through the descriptor, which allocates their pages),
     no write of K/V (nothing of it is copied); its content is the donor's."""
-    from shmkv._engine.pages import Pages
+    from shmkv._engine.memory.pages import Pages
 
     st = make_store(**LAYOUT)
     system = P(1, 4 * BLOCK)  # a multiple of the page unit: all of it borrowed
@@ -308,7 +308,7 @@ def test_the_match_steps_down_from_the_whole_prompt(make_store, monkeypatch):
     search: a request one or two blocks past a cached prompt costs at most 3 probes of the index,
     and every cut of a prompt matches exactly what the cached rows hold (as the binary search
     found it), from none to all of it."""
-    from shmkv._engine.prefix import PrefixIndex
+    from shmkv._engine.prefixes.prefix import PrefixIndex
 
     st = make_store(**LAYOUT)
     e = engine_of(st)
@@ -343,7 +343,7 @@ def _held(st) -> int:
 
 
 def _counting_punches(monkeypatch) -> list[int]:
-    from shmkv._engine import share
+    from shmkv._engine.spans import share
 
     calls: list[int] = []
     real = share._fallocate

@@ -105,7 +105,7 @@ def test_a_commit_without_token_ids_flags_its_row_under_the_store_lock(make_stor
     process sets on this leased row under the store lock (a borrow from it, a copy of it): the
     writer's read-modify-write must wait for the lock, or it can write back flags without the
     other's bit (a donor that forgot it lent writes over its borrowers' cells)."""
-    from shmkv._engine.header import FLAGS, LENT, NOINDEX
+    from shmkv._engine.table.header import FLAGS, LENT, NOINDEX
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
     seq = store.create_sequence(capacity=64)
@@ -142,7 +142,7 @@ def test_a_speculative_step_without_token_ids_takes_no_lock_to_commit(make_store
     Hugging Face adapter's, rolled back): the next id-less commit then flags nothing and takes no
     lock (it cost every speculative step a lock, 20% of truncate_step_us). A truncate back into
     tokens with ids clears it, and the next completed block is indexed again."""
-    from shmkv._engine.header import FLAGS, NOINDEX
+    from shmkv._engine.table.header import FLAGS, NOINDEX
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
     seq = store.create_sequence(capacity=64)
@@ -192,8 +192,8 @@ def test_a_rolled_back_borrow_keeps_the_donors_commit(make_store, dtype: str, mo
     When that create then fails and rolls back, the donor's commit stays: the rollback puts
     back the donor's flags, never its length (the review of session 30: the whole row was put
     back and a returned commit, whose waiters were woken, was lost)."""
-    from shmkv._engine import crash
-    from shmkv._engine.header import FLAGS, LENT
+    from shmkv._engine.locking import crash
+    from shmkv._engine.table.header import FLAGS, LENT
 
     store = make_store(layers=3, kv_heads=2, head_dim=64, dtype=dtype, max_tokens=16384, max_seqs=8)
     other = shmkv.attach(store.name)  # the requester's process
@@ -229,8 +229,8 @@ def test_a_rolled_back_move_off_the_loans_keeps_the_borrowers_commit(make_store,
     row's change); its borrower commits meanwhile. When the move fails and rolls back, the
     borrower's commit stays, the donor stays where it was, still lending, and its next extend
     moves it."""
-    from shmkv._engine import crash
-    from shmkv._engine.header import FLAGS, LENT, START
+    from shmkv._engine.locking import crash
+    from shmkv._engine.table.header import FLAGS, LENT, START
 
     store = kv_store(make_store, dtype)
     other = shmkv.attach(store.name)  # the donor's process
@@ -272,7 +272,7 @@ def test_a_borrower_killed_mid_transaction_keeps_the_donors_commit(make_store) -
     its borrow: the recovery (another process's next lock) puts back the donor's flags only."""
     import multiprocessing as mp
 
-    from shmkv._engine.header import FLAGS, LENT
+    from shmkv._engine.table.header import FLAGS, LENT
 
     store = make_store(layers=3, kv_heads=2, head_dim=64, dtype="float16", max_tokens=16384, max_seqs=8)
     donor, toks, n = _donor_mid_step(store, 5)
@@ -310,7 +310,7 @@ def test_a_borrower_that_saw_its_change_end_before_the_span_epoch_maps_again(mak
     another attachment's change of the borrower's row (``changing(row, foreign=True)``, as a
     borrow marking a decoding donor LENT makes: since a donor's truncate no longer gives its
     borrowers private copies, the span itself is not what changes)."""
-    from shmkv._engine.header import GEN, W_SPANS
+    from shmkv._engine.table.header import GEN, W_SPANS
 
     store = make_store(layers=3, kv_heads=2, head_dim=64, dtype="float16", max_tokens=4096, max_seqs=8)
     other = shmkv.attach(store.name)  # the donor's process

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine import liveness as _liveness
+from shmkv._engine.clients import liveness as _liveness
 from shmkv.store import _doctor
 from shmkv.testing import unique_name
 from _namespaces import PY, available, in_private_shm
@@ -55,7 +55,7 @@ def test_doctor_here():
     assert d["bytes_per_token"] == 2 * 32 * 8 * 128 * 2
     assert d["tokens_fit"] == d["shm_free"] // d["bytes_per_token"]
     assert d["max_map_count"] == int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
-    from shmkv._engine.stitch import CACHE_LIMIT  # what is left once a full cache of stitched views is mapped
+    from shmkv._engine.spans.stitch import CACHE_LIMIT  # what is left once a full cache of stitched views is mapped
 
     assert d["stores_mappable"] == (d["max_map_count"] - d["maps_in_use"] - 2 * CACHE_LIMIT) // _doctor.MAPS_PER_STORE
     assert d["proc_matches_pid_namespace"] is True

@@ -103,7 +103,7 @@ def test_a_listing_reads_the_same_records_whichever_way_it_reads_the_rows(make_s
     """``store.sequences()`` reads the live rows at once through numpy, or, while a transaction
     of another holder is in the undo log, each row as its rollback leaves it: with nothing to
     roll back, both ways give the same records, field by field."""
-    from shmkv._engine.header import W_UNDO_COUNT
+    from shmkv._engine.table.header import W_UNDO_COUNT
 
     store = make_store(layers=1, kv_heads=1, head_dim=8, max_tokens=512, max_seqs=8)
     made = [store.create_sequence(capacity=16 + 8 * i) for i in range(5)]

@@ -8,8 +8,8 @@ import pytest
 from _prefix_children import check, kv_for
 
 import shmkv
-from shmkv._engine import share
-from shmkv._engine.header import CAPACITY, FINISHED, FLAGS, ID, LIVE, RECENCY, SPAN_CELLS, SPAN_PHYS, START, STATE
+from shmkv._engine.spans import share
+from shmkv._engine.table.header import CAPACITY, FINISHED, FLAGS, ID, LIVE, RECENCY, SPAN_CELLS, SPAN_PHYS, START, STATE
 from shmkv.store._store import engine_of
 
 

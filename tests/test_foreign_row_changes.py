@@ -30,9 +30,9 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine import crash
-from shmkv._engine import header as _header
-from shmkv._engine.header import FLAGS, LEASE_PID, LENT, START
+from shmkv._engine.locking import crash
+from shmkv._engine.table import header as _header
+from shmkv._engine.table.header import FLAGS, LEASE_PID, LENT, START
 from shmkv.testing import unique_name
 from _share_scenes import borrow_and_die, die_at, kv_store, lent_in_a_full_store, let_go_and_reap
 
@@ -573,7 +573,7 @@ def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_
     rolled back keeps the LENGTH and LEASE_PID its holder wrote meanwhile; once the same
     transaction changes that row as a whole (not foreign), its rollback puts every word back
     but a release of the lease (``lease.with_release``)."""
-    from shmkv._engine.header import LENGTH
+    from shmkv._engine.table.header import LENGTH
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
     seq = store.create_sequence(capacity=64)
@@ -606,7 +606,7 @@ def test_a_rolled_back_copy_prefix_of_this_process_drops_the_pending_tokens(make
     handle of this process with tokens pending there must drop them, never commit what the
     copy left (the review of this session: kept() took it for someone else's harmless change
     and committed the source's keys, or punched holes read as zeros)."""
-    from shmkv._engine import crash
+    from shmkv._engine.locking import crash
 
     L, H, D = 2, 2, 64
     store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=16384, max_seqs=8)

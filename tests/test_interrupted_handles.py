@@ -14,7 +14,7 @@ import pytest
 
 import shmkv
 from shmkv._engine import engine as _engine
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 from shmkv.store import _handles
 
 

@@ -1,4 +1,4 @@
-"""The per-process interval lists (pages reserved and owed: ``_engine/pages.py``) are changed
+"""The per-process interval lists (pages reserved and owed: ``_engine/memory/pages.py``) are changed
 from several threads of one process: a decode thread's ``room`` (no store lock) beside another
 thread's punch or reservation (under it). Each change is atomic: no update is lost."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from shmkv._engine.intervals import add_interval, covers, take_interval
+from shmkv._engine.memory.intervals import add_interval, covers, take_interval
 
 
 def test_interval_changes_from_two_threads_lose_nothing() -> None:

@@ -1,7 +1,7 @@
 """The journal (issue 22): recovery on every way into the store lock, rollback on exceptions,
 Ctrl-C on the lock path, ids never reused.
 
-The crash matrix: a child is SIGKILLed at every crash point (shmkv._engine.crash.POINTS);
+The crash matrix: a child is SIGKILLed at every crash point (shmkv._engine.locking.crash.POINTS);
 the killed store's segments are copied once (its image), and each first lock holder runs
 on a fresh copy of that image: the store equals the state before the operation or after
 it (every cell the K/V of its token id: _crash_children.state), generations are even,
@@ -27,9 +27,9 @@ from _crash_children import LAYOUT, base, fill, layout_for, op, prepare, state
 
 import shmkv
 from shmkv import cli
-from shmkv._engine import crash as _crash
-from shmkv._engine import header as _header
-from shmkv._engine import segment as _segment
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.table import header as _header
+from shmkv._engine.memory import segment as _segment
 from shmkv.store import _lifecycle
 from shmkv.testing import unique_name
 
@@ -376,7 +376,7 @@ def test_sigints_never_leave_the_lock_held(make_store):
 
 
 def test_only_the_journal_takes_the_store_lock():
-    """One way in: outside _engine/journal.py (and the lock itself) no code acquires the store
+    """One way in: outside _engine/locking/journal.py (and the lock itself) no code acquires the store
     lock or holds it directly; everything goes through Journal.locked / reading."""
     import pathlib
     import re
@@ -386,7 +386,7 @@ def test_only_the_journal_takes_the_store_lock():
     found = []
     for f in sorted(pkg.rglob("*.py")):
         rel = f.relative_to(pkg).as_posix()
-        if rel in ("_engine/journal.py", "_engine/lock.py"):
+        if rel in ("_engine/locking/journal.py", "_engine/locking/lock.py"):
             continue
         for n, text in enumerate(f.read_text().splitlines(), 1):
             if direct.search(text) and not (rel == "_engine/core.py" and "StoreLock(" in text):
@@ -397,7 +397,7 @@ def test_only_the_journal_takes_the_store_lock():
 def test_a_ctrl_c_on_the_lock_path_is_raised_once_the_lock_is_given_up(make_store):
     """A SIGINT that lands in lock-path code (here a stand-in marked critical) is deferred, then
     raised by the release: the lock is free when the KeyboardInterrupt reaches the caller."""
-    from shmkv._engine import interrupts as _interrupts
+    from shmkv._engine.locking import interrupts as _interrupts
 
     store = make_store(**LAYOUT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # no lock held: Python's own
@@ -416,7 +416,7 @@ def test_a_ctrl_c_on_the_lock_path_is_raised_once_the_lock_is_given_up(make_stor
 def test_the_scan_for_odd_generations_finds_exactly_the_odd_rows(rows: int) -> None:
     """Recovery's scan (``seqlock.odd_rows``: Python up to 1,024 rows, numpy beyond) finds the
     rows whose generation is odd, incarnation bits included, as a plain numpy reference does."""
-    from shmkv._engine.seqlock import odd_rows
+    from shmkv._engine.table.seqlock import odd_rows
 
     rng = np.random.default_rng(rows)
     gens = rng.integers(0, 1 << 50, rows, dtype=np.int64)

@@ -34,9 +34,9 @@ import pytest
 
 import shmkv
 from _share_scenes import H, D, L, die_at, lent_in_a_full_store, let_go_and_reap
-from shmkv._engine import crash
-from shmkv._engine.header import FLAGS, LENGTH, LENT, SPAN_CELLS, START
-from shmkv._engine import journal as _journal
+from shmkv._engine.locking import crash
+from shmkv._engine.table.header import FLAGS, LENGTH, LENT, SPAN_CELLS, START
+from shmkv._engine.locking import journal as _journal
 from shmkv._sequence.writer import SeqWriter
 
 MAX_TOKENS = {"float16": 2048, "bfloat16": 2048, "float32": 4096, "int8": 8192}
@@ -65,7 +65,7 @@ def _sigint_entering_cache(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A real SIGINT at the first instruction of the ``SeqWriter.cache`` call that ends the
     ``finally`` of ``leave_loans`` or ``SeqWriter.grow`` (once): where the interpreter's eval
     breaker raises a Ctrl-C that arrived just before. ``signal.raise_signal`` runs the handler
-    at once, so shmkv's handler (``_engine/interrupts.py``) defers it if that path is
+    at once, so shmkv's handler (``_engine/locking/interrupts.py``) defers it if that path is
     critical, as it would a Ctrl-C from the terminal."""
     orig = SeqWriter.cache
     fired: list[str] = []

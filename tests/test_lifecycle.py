@@ -12,7 +12,7 @@ from conftest import START_METHODS
 
 import shmkv
 from shmkv.store import _lifecycle
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 from shmkv.testing import ChildFailed, run_in_process, unique_name
 
 
@@ -299,7 +299,7 @@ def test_a_header_is_decoded_once_and_every_other_header_on_its_own():
     """read_header_once answers an intact header it decoded before from what it found then, keeps at
     most READ_KEPT of them, and never answers another header, or a damaged copy of one it knows,
     from them: each gets its own layout, or CorruptStoreError."""
-    from shmkv._engine import header as _header
+    from shmkv._engine.table import header as _header
     from shmkv.store import _store
 
     def header(identity: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:

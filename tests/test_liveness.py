@@ -31,7 +31,7 @@ import pytest
 
 import shmkv
 from shmkv import cli
-from shmkv._engine import lifecycle_lock as _lifecycle_lock
+from shmkv._engine.locking import lifecycle_lock as _lifecycle_lock
 from shmkv.store import _lifecycle
 from shmkv.testing import unique_name
 

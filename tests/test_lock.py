@@ -11,8 +11,8 @@ import time
 import pytest
 
 import shmkv
-from shmkv._engine import lifecycle_lock as _lifecycle_lock
-from shmkv._engine import segment as _segment
+from shmkv._engine.locking import lifecycle_lock as _lifecycle_lock
+from shmkv._engine.memory import segment as _segment
 from shmkv.testing import ChildProcess, shm_entries, start_in_process, unique_name
 
 START_METHODS = ["fork", "spawn", "forkserver"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine import header as _header
+from shmkv._engine.table import header as _header
 from shmkv.testing import unique_name
 
 SAMPLE = '''

@@ -18,9 +18,9 @@ from _prefix_children import check, kv_for, serve
 
 import shmkv
 from shmkv import cli
-from shmkv._engine import header as _header
-from shmkv._engine.prefix import LEADMARK
-from shmkv._engine.prefix_hash import BLOCK, LEAD
+from shmkv._engine.table import header as _header
+from shmkv._engine.prefixes.prefix import LEADMARK
+from shmkv._engine.prefixes.prefix_hash import BLOCK, LEAD
 from shmkv.testing import run_in_process
 
 HERE = os.path.dirname(__file__)

@@ -25,9 +25,9 @@ from conftest import START_METHODS
 
 import shmkv
 import shmkv.cli
-from shmkv._engine import header as _header
+from shmkv._engine.table import header as _header
 from shmkv.store import _lifecycle
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 from shmkv._snapshot import save as _save
 from shmkv._snapshot import format as _snapshot_format
 from shmkv.store import _removal

@@ -18,9 +18,9 @@ import pytest
 from _share_read_children import digest, free_and_reuse, kv, kv_of
 
 import shmkv
-from shmkv._engine import share
+from shmkv._engine.spans import share
 from shmkv.cli import verify
-from shmkv._engine.header import START
+from shmkv._engine.table.header import START
 from shmkv.store._store import engine_of
 from shmkv.testing import run_in_process
 
@@ -456,7 +456,7 @@ def _invariants(store) -> str | None:
     """No two live ranges overlap; a span's cells, and those a truncated borrower keeps taken
     (``SPAN_TAKEN``), are in no live range but their owner's (the row at the span's first cell,
     borrowing nothing, at least that long: it never writes them)."""
-    from shmkv._engine.header import CAPACITY, ID, LENGTH, LIVE, SPAN_CELLS, SPAN_PHYS, SPAN_TAKEN, STATE
+    from shmkv._engine.table.header import CAPACITY, ID, LENGTH, LIVE, SPAN_CELLS, SPAN_PHYS, SPAN_TAKEN, STATE
 
     t = engine_of(store).table_np
     live = t[t[:, STATE] == LIVE]
@@ -571,7 +571,7 @@ def test_ctrl_c_inside_a_share_unit_rolls_it_back(make_store, point, op):
     """KeyboardInterrupt raised inside a share.* unit (as a Ctrl-C there would be): the unit is
     rolled back, every cell reads right here and in a read-only attachment, and the same
     operation then succeeds."""
-    from shmkv._engine import crash
+    from shmkv._engine.locking import crash
 
     store = _store(make_store)
     prompt = np.arange(1000, 1300)

@@ -12,7 +12,7 @@ import pytest
 from _share_children import read_inherited, read_sequence
 
 import shmkv
-from shmkv._engine import share
+from shmkv._engine.spans import share
 from shmkv.testing import run_in_process
 
 PROMPT = 300
@@ -420,7 +420,7 @@ def test_an_odd_span_epoch_with_an_empty_log_ends_at_the_next_lock(make_store):
     """A holder killed after its frees inside a larger transaction left the log (journal invariant
     6) leaves the span epoch odd with nothing to roll back: the next lock entry ends it, so every
     process re-maps and none waits for it forever."""
-    from shmkv._engine import header as _header
+    from shmkv._engine.table import header as _header
 
     store = _store(make_store)
     rng = np.random.default_rng(15)

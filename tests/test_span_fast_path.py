@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine import header as _header
-from shmkv._engine import share
-from shmkv._engine.intervals import covers
+from shmkv._engine.table import header as _header
+from shmkv._engine.spans import share
+from shmkv._engine.memory.intervals import covers
 from shmkv.store._store import engine_of
 
 L, H, D = 3, 4, 64

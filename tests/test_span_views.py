@@ -1,5 +1,5 @@
 """Views another process holds of a borrower's committed cells stay right across the
-borrower's truncate inside its span (docs/stores.md, what invalidates a view; ``_engine/sharing.py``).
+borrower's truncate inside its span (docs/stores.md, what invalidates a view; ``_engine/spans/sharing.py``).
 
 A borrower that truncates inside its span keeps the whole page units below its new length
 shared and copies the rest it keeps to its own pages; an idle process still maps the span
@@ -186,7 +186,7 @@ def test_an_interrupted_truncate_keeps_what_the_span_kept(make_store, monkeypatc
     """A Ctrl-C inside a borrower's copy-on-write (crash point ``share.unshared``: its copies
     written, its span words not yet) rolls the truncate back with the words it keeps taken:
     the length, the mapped span and the retained cells are what they were, its cells too."""
-    from shmkv._engine import crash
+    from shmkv._engine.locking import crash
 
     store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float32", max_tokens=4096, max_seqs=64)
     u = store._engine.page_unit

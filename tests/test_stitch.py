@@ -11,7 +11,7 @@ import pytest
 from _stitch_children import read_inherited, read_stitched
 
 import shmkv
-from shmkv._engine import stitch
+from shmkv._engine.spans import stitch
 from shmkv.testing import run_in_process
 
 PAGE = stitch.PAGE

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine.header import ID, LIVE, STATE
+from shmkv._engine.table.header import ID, LIVE, STATE
 
 
 def _row_of(store: shmkv.Store, seq_id: int) -> int:

@@ -16,8 +16,8 @@ import textwrap
 import _namespaces
 import pytest
 
-from shmkv._engine import cachestat as _cachestat
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import cachestat as _cachestat
+from shmkv._engine.memory import segment as _segment
 from shmkv.testing import unique_name
 
 PAGE = mmap.PAGESIZE
@@ -74,8 +74,8 @@ def test_a_reservation_over_fallocated_pages_fits_a_room_smaller_than_it(seg, mo
 
 CHILD = textwrap.dedent("""
     import json, os
-    from shmkv._engine import segment as _segment
-    from shmkv._engine import cachestat
+    from shmkv._engine.memory import segment as _segment
+    from shmkv._engine.memory import cachestat
 
     def free():
         st = os.statvfs("/dev/shm")

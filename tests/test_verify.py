@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from shmkv import cli
-from shmkv._engine.header import ENC_SLOT, GEN, ID, START, STATE, W_NEXT_ID, W_UNDO_COUNT, W_UNDO_PID
+from shmkv._engine.table.header import ENC_SLOT, GEN, ID, START, STATE, W_NEXT_ID, W_UNDO_COUNT, W_UNDO_PID
 from shmkv.store._store import engine_of
 
 
@@ -58,8 +58,8 @@ def test_each_broken_word_is_reported_and_the_rest_is_not(make_store) -> None:
 
 
 def test_each_broken_span_word_is_reported(make_store) -> None:
-    """The shared pages' words (``_engine/audit.py``): a borrower's span and its donor's flag."""
-    from shmkv._engine import header as h
+    """The shared pages' words (``_engine/table/audit.py``): a borrower's span and its donor's flag."""
+    from shmkv._engine.table import header as h
 
     store = make_store(layers=2, kv_heads=32, head_dim=32, dtype="float32", max_tokens=1024, max_seqs=8)
     prompt = list(range(1, 41))

@@ -13,7 +13,7 @@ from _wait_children import wait_for_commit
 from conftest import START_METHODS
 
 import shmkv
-from shmkv._engine import futex as _futex
+from shmkv._engine.clients import futex as _futex
 from shmkv.testing import start_in_process
 
 

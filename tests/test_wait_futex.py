@@ -14,7 +14,7 @@ from _wait_children import close_or_remove, wait_read_write
 from conftest import START_METHODS
 
 import shmkv
-from shmkv._engine import futex as _futex
+from shmkv._engine.clients import futex as _futex
 from shmkv.testing import start_in_process
 
 pytestmark = pytest.mark.skipif(not _futex.AVAILABLE, reason="futex(2): Linux x86-64 only")

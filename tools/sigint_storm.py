@@ -111,7 +111,7 @@ def install_gate() -> None:
     default one), so every SIGINT of a step goes through ``_on_sigint``, held lock or not. A
     KeyboardInterrupt the handler raises closes the gate (no call between: nothing can interrupt
     that)."""
-    from shmkv._engine.interrupts import _on_sigint as inner
+    from shmkv._engine.locking.interrupts import _on_sigint as inner
 
     def gated(signum: int, frame: Any) -> None:
         if GATE[0]:
@@ -444,7 +444,7 @@ def child(name: str, donors: list[int], seed: int, ready: Any, stop: Any, releas
         sys.stderr.flush()
         raise
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from shmkv._engine import interrupts
+    from shmkv._engine.locking import interrupts
 
     interrupts.deferred.clear()
     try:

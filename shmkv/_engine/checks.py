@@ -7,7 +7,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from shmkv._engine.header import META_BYTES
+from shmkv._engine.table.header import META_BYTES
 from shmkv.errors import InvalidArgumentError
 
 

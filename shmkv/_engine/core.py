@@ -6,7 +6,7 @@ Concurrency (docs/design.md §3; the numbered invariants 1-5 of ARCHITECTURE.md)
 hot path publishes a sequence's length after its cells; structural operations hold the store
 lock and keep a row's seqlock generation odd while they change it.
 
-* Structural operations change rows inside journaled transactions (``_engine/journal.py``: the one
+* Structural operations change rows inside journaled transactions (``_engine/locking/journal.py``: the one
   way into the lock, the undo log, rollback and crash recovery).
 * Liveness: every read-write attachment holds a slot of the client table and
   that slot's byte of the liveness file (a kernel lock, see ``liveness``); a lease
@@ -24,24 +24,24 @@ from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
-from shmkv._engine import dtypes as _dtypes
-from shmkv._engine import futex as _futex
-from shmkv._engine import header as _header
-from shmkv._engine import liveness as _liveness
-from shmkv._engine import lock as _lock
-from shmkv._engine import row_waiters as _row_waiters
-from shmkv._engine import segment as _segment
-from shmkv._engine.header import (
+from shmkv._engine.table import dtypes as _dtypes
+from shmkv._engine.clients import futex as _futex
+from shmkv._engine.table import header as _header
+from shmkv._engine.clients import liveness as _liveness
+from shmkv._engine.locking import lock as _lock
+from shmkv._engine.clients import row_waiters as _row_waiters
+from shmkv._engine.memory import segment as _segment
+from shmkv._engine.table.header import (
     C_KEY, CLIENT_WORDS, LEASE_CLIENT, LENGTH, LEASE_PID, LEASE_TOKEN,
     SEQ_WORDS, INDEX_WORDS, Layout,
 )
-from shmkv._engine.own_changes import counts_here
-from shmkv._engine.lease import live_writers
-from shmkv._engine.intervals import Record
-from shmkv._engine.prefix import PrefixIndex
-from shmkv._engine.row_waiters import RowWaiters
-from shmkv._engine.segment import Segment
-from shmkv._engine.share import Shares
+from shmkv._engine.locking.own_changes import counts_here
+from shmkv._engine.clients.lease import live_writers
+from shmkv._engine.memory.intervals import Record
+from shmkv._engine.prefixes.prefix import PrefixIndex
+from shmkv._engine.clients.row_waiters import RowWaiters
+from shmkv._engine.memory.segment import Segment
+from shmkv._engine.spans.share import Shares
 from shmkv.errors import (
     LeaseError,
     ReadOnlyError,
@@ -156,13 +156,14 @@ class Core:
         self._slot_hint: dict[int, int] = {}  # sequence id -> table row, checked on use (see _slot_of)
         self._rows: dict[int, memoryview] = {}  # slot -> its row (see _row)
         self._row_slot: dict[int, int] = {}  # id(row) -> slot
-        # the undo log and the meta records, as the journal reads and writes them (_engine/journal.py)
+        # the undo log and the meta records, as the journal reads and writes them (_engine/locking/journal.py)
         self._undo_np = np.ndarray((ms, _header.UNDO_WORDS), np.int64, hbuf, off.undo_off)
         self._meta_w = np.ndarray((ms, _header.META_RECORD // 8), np.int64, hbuf, off.meta_off)
         self._undo = _RowViews(hmm, off.undo_off, _header.UNDO_WORDS)  # memoryviews: fast to copy into
         self._meta_mv = _RowViews(hmm, off.meta_off, _header.META_RECORD // 8)
         self.waiters = _words(hmm, off.wait_off, layout.max_seqs)  # Sequence.wait's sleepers per row
-        self.ro_waiters = RowWaiters(name, layout.max_seqs)  # ... of read-only attachments (_engine/row_waiters.py)
+        # ... of read-only attachments (_engine/clients/row_waiters.py)
+        self.ro_waiters = RowWaiters(name, layout.max_seqs)
         hbase = _address(hmm, self.table_np, off.seq_off)
         self.length_addr0 = hbase + off.seq_off + 8 * LENGTH  # futex words (_sequence/waiting.py)
         self.waiters_addr0 = hbase + off.wait_off  # (changed atomically)

@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
-from shmkv._engine import header as _header
-from shmkv._engine import liveness as _liveness
-from shmkv._engine import segment as _segment
-from shmkv._engine.arena import Arena
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.table import header as _header
+from shmkv._engine.clients import liveness as _liveness
+from shmkv._engine.memory import segment as _segment
+from shmkv._engine.placement.arena import Arena
 from shmkv._engine.core import Closed, Core, release_views
-from shmkv._engine.free_ranges import FreeRanges
-from shmkv._engine.header import (
+from shmkv._engine.placement.free_ranges import FreeRanges
+from shmkv._engine.table.header import (
     C_FLAGS,
     C_KEY,
     C_PID,
@@ -52,14 +52,14 @@ from shmkv._engine.header import (
     leads,
     with_leads,
 )
-from shmkv._engine.journal import Journal
-from shmkv._engine.pages import Pages
-from shmkv._engine.prefix_hash import lead_levels
-from shmkv._engine.rows import Rows, live_slot
-from shmkv._engine.segment import Segment
-from shmkv._engine.seqlock import SMALL_TABLE
-from shmkv._engine.sharing import Sharing
-from shmkv._engine.snapshot_rows import SnapshotRows
+from shmkv._engine.locking.journal import Journal
+from shmkv._engine.memory.pages import Pages
+from shmkv._engine.prefixes.prefix_hash import lead_levels
+from shmkv._engine.table.rows import Rows, live_slot
+from shmkv._engine.memory.segment import Segment
+from shmkv._engine.table.seqlock import SMALL_TABLE
+from shmkv._engine.spans.sharing import Sharing
+from shmkv._engine.table.snapshot_rows import SnapshotRows
 from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
 
 __all__ = ["Engine"]
@@ -253,7 +253,7 @@ class Engine(Core):
             self._slot_hint[seq_id] = found
         if found < 0 and self.hdr[_header.W_UNDO_COUNT] and not self.journal.depth:
             # a transaction is in the undo log (a dead writer's, or a live one's): look at the
-            # rows as its rollback would leave them (``_engine/journal.py``, invariant 7)
+            # rows as its rollback would leave them (``_engine/locking/journal.py``, invariant 7)
             with self.reading():
                 for slot in range(self.layout.max_seqs):
                     w = self.settled_row(slot)
@@ -277,7 +277,7 @@ class Engine(Core):
 
     def get_meta(self, slot: int) -> bytes:
         """A sequence's packed metadata, as stored (the caller checks the row's seqlock); while
-        another process's transaction logged it, as its rollback leaves it (``_engine/journal.py``, 7)."""
+        another process's transaction logged it, as its rollback leaves it (``_engine/locking/journal.py``, 7)."""
         j = self.journal
         rec = j.settled_meta(slot) if self.hdr[_header.W_UNDO_COUNT] and not j.depth else self.meta[slot]
         n = int.from_bytes(rec[:8].tobytes(), "little")
@@ -358,7 +358,7 @@ class Engine(Core):
             if d_row[LENGTH] == 0 and n <= d_row[CAPACITY] and not d_row[FLAGS] & LENT:
                 # dst holds nothing committed: its own cells and window buffer are free to write
                 # (their pages allocated first: a range has them only as its writes need them),
-                # unless it lends cells it no longer holds (_engine/sharing.py)
+                # unless it lends cells it no longer holds (_engine/spans/sharing.py)
                 if not reserved:
                     self.pages.page_unit_reserve(d_row[START], n, share)
                 self.pages.copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from shmkv._engine.header import Layout
-    from shmkv._engine.row_waiters import RowWaiters
-    from shmkv._engine.rows import Rows
-    from shmkv._engine.share import Shares
-    from shmkv._engine.snapshot_rows import SnapshotRows
+    from shmkv._engine.table.header import Layout
+    from shmkv._engine.clients.row_waiters import RowWaiters
+    from shmkv._engine.table.rows import Rows
+    from shmkv._engine.spans.share import Shares
+    from shmkv._engine.table.snapshot_rows import SnapshotRows
 
 Arrays = list[np.ndarray]
 Parts = list[tuple[int, int, int]]  # (src, dst, n) cell moves of Engine.rewrite
@@ -58,7 +58,7 @@ class Port(Protocol):
         waiters: per row, the threads of read-write processes sleeping in ``Sequence.wait``
             (int64 words; changed atomically at ``waiters_addr0 + 8 * slot``, no lock); a
             commit wakes the row when nonzero.
-        ro_waiters: the same for read-only attachments' sleepers (``_engine/row_waiters.py``:
+        ro_waiters: the same for read-only attachments' sleepers (``_engine/clients/row_waiters.py``:
             counts in the liveness file, changed atomically); a commit wakes on either.
         length_addr0: the address of row 0's LENGTH word in this process (a row's is
             ``length_addr0 + slot * 8 * SEQ_WORDS``): its low half is the futex word.
@@ -66,18 +66,18 @@ class Port(Protocol):
 
     Row words off the hot path:
         rows: the row words the sequence layer reads and writes outside its hot-path slots
-            (ARCHITECTURE.md lists those), as named operations (``_engine/rows.py``: a lease
+            (ARCHITECTURE.md lists those), as named operations (``_engine/table/rows.py``: a lease
             given back, ``finish``'s flag, the encoder range, ``rewind``'s words ...).
 
     For ``_snapshot``:
         snapshot_rows: the row and header words a save captures and a restore publishes, as
-            named operations (``_engine/snapshot_rows.py``; ``_snapshot`` names no word).
+            named operations (``_engine/table/snapshot_rows.py``; ``_snapshot`` names no word).
         lock_path: the store lock's file.
     """
 
     name: str
     layout: Layout
-    here: list[int]  # this process's own (non-foreign) changes per row (_engine/own_changes.py)
+    here: list[int]  # this process's own (non-foreign) changes per row (_engine/locking/own_changes.py)
     readonly: bool
     closed: bool
     # arrays
@@ -109,7 +109,7 @@ class Port(Protocol):
     # for _snapshot
     snapshot_rows: SnapshotRows
     lock_path: str
-    # shared prefix pages: a reader re-maps (``shares.sync``) when the span epoch moved (_engine/share.py)
+    # shared prefix pages: a reader re-maps (``shares.sync``) when the span epoch moved (_engine/spans/share.py)
     shares: Shares
 
     # -- the table, the locks, crash recovery (core.Core, journal.Journal) ------------------
@@ -174,12 +174,12 @@ class Port(Protocol):
 
     def lent_end(self, slot: int) -> int:
         """The end of the cells a row lends, from its start; 0 when none (lock held;
-        ``_engine/sharing.py``)."""
+        ``_engine/spans/sharing.py``)."""
         ...
 
     def move_lender(self, slot: int, row: memoryview, keep: int) -> None:
         """A lender to a fresh range, keeping its first ``keep`` cells (lock held, row changing;
-        CacheFullError, nothing changed, when no range is free: ``_engine/sharing.py``)."""
+        CacheFullError, nothing changed, when no range is free: ``_engine/spans/sharing.py``)."""
         ...
 
     def rewrite(self, slot: int, full: Parts, window: Parts, capacity: int | None = None,

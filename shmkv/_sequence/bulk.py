@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
+from shmkv._engine.locking import crash as _crash
 from shmkv._engine.checks import ints
-from shmkv._engine.header import CAPACITY, FLAGS, LENGTH, LENT
+from shmkv._engine.table.header import CAPACITY, FLAGS, LENGTH, LENT
 from shmkv._sequence import quant as _quant
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.room import leave_loans

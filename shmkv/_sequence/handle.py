@@ -4,7 +4,7 @@ What invalidates a view: the arrays returned by ``keys()``, ``values()``,
 ``kv()`` and ``append()`` are zero-copy windows on shared memory. They stay
 mapped as long as they live (closing the store cannot unmap them). A view of
 committed cells keeps its content across appends and a ``truncate`` above them
-(full-attention layers, shared prefix pages or not: ``_engine/sharing.py``);
+(full-attention layers, shared prefix pages or not: ``_engine/spans/sharing.py``);
 ``free``, ``remove``, ``shift_left``, ``copy_prefix`` into the sequence and a
 move (growth past its range, a donor truncating below what it lent) invalidate
 it (docs/stores.md). Take ``.copy()`` to keep data across those, or use
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgpack
 import numpy as np
 
-from shmkv._engine import crash as _crash
+from shmkv._engine.locking import crash as _crash
 from shmkv._sequence import bulk as _bulk
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence import rewind as _seq_rewind
 from shmkv._sequence import structural as _seq_structural
 from shmkv._engine.checks import pack_meta, count
-from shmkv._engine.lease import live_writers
+from shmkv._engine.clients.lease import live_writers
 from shmkv._sequence.reader import SeqReader
 from shmkv._sequence.reads import Reads
 from shmkv._sequence.structural import ShiftFn
@@ -43,7 +43,7 @@ from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from shmkv._engine.header import Layout
+    from shmkv._engine.table.header import Layout
     from shmkv._engine.port import Port
 
 __all__ = ["Owner", "Sequence", "ShiftFn", "drop_lease", "writer_for", "writer_part"]

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine.header import CAPACITY, GEN, LENGTH
+from shmkv._engine.table.header import CAPACITY, GEN, LENGTH
 from shmkv._sequence import quant as _quant
 from shmkv.errors import InvalidArgumentError
 

@@ -3,7 +3,7 @@ layer's tokens sit, views and copies of them, masks, ``can_resume`` and waiting.
 
 A ``SeqReader`` serves any handle (read or write) and holds no lease. Readers read the
 row's generation, the row, the generation again, and retry while it moved (a structural
-operation in progress: docs/design.md §3); when ``_engine.seqlock.HANDLE``'s tries are used
+operation in progress: docs/design.md §3); when ``_engine.table.seqlock.HANDLE``'s tries are used
 up they wait it out under the store's reading lock. ``Sequence`` delegates to it; the writer part and the
 structural operations use its addressing (``span``, ``cells``, ``view``).
 """
@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from shmkv._engine import dtypes as _dtypes
+from shmkv._engine.table import dtypes as _dtypes
 from shmkv._sequence import quant as _quant
 from shmkv._sequence import waiting as _waiting
 from shmkv._engine.checks import count, ints
 from shmkv._engine.core import read_only_view
-from shmkv._engine.header import CAPACITY, GEN, ID, LENGTH, LIVE, START, STATE, W_SPANS, WBUF, WIN_OFF
-from shmkv._engine.journal import INCARNATION_SHIFT
-from shmkv._engine.seqlock import HANDLE, seqlocked
+from shmkv._engine.table.header import CAPACITY, GEN, ID, LENGTH, LIVE, START, STATE, W_SPANS, WBUF, WIN_OFF
+from shmkv._engine.locking.journal import INCARNATION_SHIFT
+from shmkv._engine.table.seqlock import HANDLE, seqlocked
 from shmkv._sequence.visibility import attention_mask, visible_from
 from shmkv.errors import InvalidArgumentError, SequenceNotFound, StoreClosedError
 
 if TYPE_CHECKING:
-    from shmkv._engine.header import Layout
+    from shmkv._engine.table.header import Layout
     from shmkv._engine.port import Port
 
 Arrays = list[np.ndarray]
@@ -75,12 +75,12 @@ class SeqReader:
     wc       window cells a slot has per buffer on sliding/chunked layers
     Kr, Vr   per layer: read-only views of all cells (K, V) of the store
     KS, VS   per layer: int8 scales (one float32 per cell and head), None on float stores
-    row      this sequence's row of the table (int64 memoryview; ``_engine.header`` columns)
+    row      this sequence's row of the table (int64 memoryview; ``_engine.table.header`` columns)
     inc      the row's incarnation when this handle was made (a freed row's is stale)
     wbase    first cell of the row's active window buffer as the latest ``span`` saw it
     reading  the port's reading lock, and ``owned`` its lock_owned: bound once, passed to every
-             seqlocked read (``_engine.seqlock``)
-    rows     the engine's rows part (``_engine/rows.py``): the row's words off the hot path
+             seqlocked read (``_engine.table.seqlock``)
+    rows     the engine's rows part (``_engine/table/rows.py``): the row's words off the hot path
     ======== ================================================================================
 
     The writer's (``SeqWriter``) beyond these:
@@ -112,7 +112,8 @@ class SeqReader:
         self.id = seq_id
         self.slot = slot
         self.row = row
-        self.inc = row[GEN] >> INCARNATION_SHIFT  # which life of the row this handle is on (``_engine/journal.py``, 8)
+        # which life of the row this handle is on (``_engine/locking/journal.py``, invariant 8)
+        self.inc = row[GEN] >> INCARNATION_SHIFT
         self.L, self.cell, self.dtype, self.plain, self.isfull, self.wc = _geometry(port.layout)
         self.wbase = 0  # first cell of its active window buffer: set by every span
         self.Kr, self.Vr = port.Kr, port.Vr  # read-only per-layer views, shared by handles
@@ -153,7 +154,7 @@ class SeqReader:
 
     def mapped(self, read: Callable[[], T]) -> T:
         """``read()`` (a seqlocked read of rows) with this process's mapping of shared prefix pages
-        current before and after it (``_engine/share.py``, 1): the cells of what it read are the
+        current before and after it (``_engine/spans/share.py``, 1): the cells of what it read are the
         ones the table says."""
         sh = self.shares
         while True:

@@ -2,7 +2,7 @@
 the states the caller kept for them.
 
 A sliding or chunked layer keeps a bounded window buffer (``window_cells`` per sequence,
-``_engine.header``); a forward longer than ``step`` (``memory=``) is committed in steps, and
+``_engine.table.header``); a forward longer than ``step`` (``memory=``) is committed in steps, and
 each step compacts the buffer, so afterwards the layer no longer holds the ``keep`` tokens
 before the forward's start. ``truncate`` back there is refused (``check_resumable``). The
 Hugging Face adapter's ``crop`` after such a forward (assisted decoding's long first forward)
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
+from shmkv._engine.locking import crash as _crash
 from shmkv._engine.checks import count
 from shmkv._sequence.structural import structural, unindex_from
 from shmkv._sequence.writer import SeqWriter

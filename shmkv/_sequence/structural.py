@@ -4,7 +4,7 @@ the row's seqlock generation odd while it changes, the handle's addressing refre
 
 Each writes its result where no row points (a fresh range, the other window buffer) and
 switches the row to it at the end, so a crash at any point leaves the sequence as it was
-(crash recovery: see ``_engine/journal.py``). They also keep the prefix-index words of the row right
+(crash recovery: see ``_engine/locking/journal.py``). They also keep the prefix-index words of the row right
 (``unindex_from``; the engine's ``Rows.taint``).
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
+from shmkv._engine.locking import crash as _crash
 from shmkv._engine.checks import count
-from shmkv._engine.interrupts import critical
-from shmkv._engine.header import (
+from shmkv._engine.locking.interrupts import critical
+from shmkv._engine.table.header import (
     CAPACITY,
     CLEAN,
     FLAGS,
@@ -34,8 +34,8 @@ from shmkv._engine.header import (
     leads,
     with_leads,
 )
-from shmkv._engine.prefix import COVERS
-from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
+from shmkv._engine.prefixes.prefix import COVERS
+from shmkv._engine.prefixes.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.room import mind_loans
 from shmkv._sequence.writer import SeqWriter, write_rows
@@ -58,7 +58,7 @@ class Structural:
         self._locked = w.port.locked()
         self._changing: AbstractContextManager[None] | None = None
 
-    @critical  # the lock path (see ``_engine/lock.py``: a Ctrl-C here is raised at the release)
+    @critical  # the lock path (see ``_engine/locking/lock.py``: a Ctrl-C here is raised at the release)
     def __enter__(self) -> memoryview:
         self._locked.__enter__()
         try:

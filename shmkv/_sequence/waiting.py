@@ -9,7 +9,7 @@ a second):
   the value it read; the kernel sleeps only while the word still holds it, so a commit that
   lands in between is never missed (the call returns at once).
 * Waking costs a syscall, so a writer makes it only when somebody sleeps: each row has a
-  waiter count (``WAIT_OFF`` in the header, see ``_engine/header.py``), which waiters of
+  waiter count (``WAIT_OFF`` in the header, see ``_engine/table/header.py``), which waiters of
   read-write attachments raise and lower atomically (``futex.atomic_add`` on the count's low
   half: the kernel's FUTEX_WAKE_OP, no lock: a waiter woken by a commit takes no lock on its
   way out). ``commit`` reads it after publishing the length and wakes the row when it is
@@ -18,7 +18,7 @@ a second):
   waiters see ``SequenceNotFound`` as soon as the sequence is freed. No commit makes a
   syscall while nobody waits.
 * Read-only attachments cannot write the header (docs/design.md §4): they count their
-  sleepers in the liveness file instead (``_engine/row_waiters.py``), atomically too, and a
+  sleepers in the liveness file instead (``_engine/clients/row_waiters.py``), atomically too, and a
   commit wakes the row when either count is nonzero. Where they may not write that file
   (or on a store without the counts) they sleep on the same futex word with a timeout that
   doubles from 50 us to 4 ms: woken at once when a counted waiter of the row sleeps too,
@@ -47,10 +47,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shmkv._engine import futex as _futex
-from shmkv._engine import row_waiters as _row_waiters
+from shmkv._engine.clients import futex as _futex
+from shmkv._engine.clients import row_waiters as _row_waiters
 from shmkv._engine.checks import count
-from shmkv._engine.header import GEN, LENGTH, SEQ_WORDS
+from shmkv._engine.table.header import GEN, LENGTH, SEQ_WORDS
 from shmkv.errors import InvalidArgumentError, StoreClosedError, WaitTimeout
 
 if TYPE_CHECKING:

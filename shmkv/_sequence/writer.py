@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
-from shmkv._engine import futex as _futex
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.clients import futex as _futex
 from shmkv._sequence import quant as _quant
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 from shmkv._engine.checks import ints
-from shmkv._engine.header import (
+from shmkv._engine.table.header import (
     CAPACITY,
     FLAGS,
     GEN,
@@ -37,7 +37,7 @@ from shmkv._engine.header import (
     W_SPANS,
     leads,
 )
-from shmkv._engine.prefix_hash import BLOCK, LEAD, lead_levels
+from shmkv._engine.prefixes.prefix_hash import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
 from shmkv._sequence.room import grow, leave_loans, limits, make_room

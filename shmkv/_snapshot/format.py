@@ -41,9 +41,9 @@ from typing import IO, Any
 import msgpack
 import numpy as np
 
-from shmkv._engine import dtypes as _dtypes
-from shmkv._engine import header as _header
-from shmkv._engine.header import Layout
+from shmkv._engine.table import dtypes as _dtypes
+from shmkv._engine.table import header as _header
+from shmkv._engine.table.header import Layout
 from shmkv.errors import AccessDeniedError, InvalidArgumentError, ShmkvError, SnapshotError
 
 FORMAT = "shmkv-snapshot"
@@ -81,9 +81,9 @@ class SeqRecord:
     encoder_start: int = 0
     finished: bool = False  # a cached prefix (seq.finish()): a loaded snapshot is a warm prefix cache
     recency: int = 0  # its last use, for LRU eviction: only the order matters
-    clean: int = -1  # tokens [0, clean) may be given as a prefix (-1: all); see ``_engine/header.py`` CLEAN
+    clean: int = -1  # tokens [0, clean) may be given as a prefix (-1: all); see ``_engine/table/header.py`` CLEAN
     meta: bytes = b""  # seq.meta, packed
-    wbuf: int = 0  # its active window buffer (see ``_engine/header.py`` WBUF)
+    wbuf: int = 0  # its active window buffer (see ``_engine/table/header.py`` WBUF)
 
 
 def seekable_fd(f: IO[bytes]) -> int | None:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
+from shmkv._engine.locking import crash as _crash
 from shmkv._engine.checks import int_list
-from shmkv._engine.lease import own_token
+from shmkv._engine.clients.lease import own_token
 from shmkv._snapshot.format import (
     seekable_fd,
     ID_HINT,

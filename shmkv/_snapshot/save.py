@@ -28,7 +28,7 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn
 import msgpack
 import numpy as np
 
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 from shmkv._engine.checks import int_list
 from shmkv._snapshot.format import (
     seekable_fd,
@@ -53,7 +53,7 @@ from shmkv.errors import (
 
 if TYPE_CHECKING:
     from shmkv._engine.port import Port
-    from shmkv._engine.snapshot_rows import SavedRow
+    from shmkv._engine.table.snapshot_rows import SavedRow
 
 _SAVE_ATTEMPTS = 4
 

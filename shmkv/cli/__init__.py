@@ -19,7 +19,7 @@ from typing import Any
 
 
 from shmkv import __version__
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 from shmkv.store._lifecycle import Owners, gc, list_stores, remove, store_owners
 from shmkv.store._lifecycle import load as load_snapshot
 from shmkv.store._store import attach
@@ -212,7 +212,7 @@ def _cmd_snapshot(a: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(a: argparse.Namespace) -> int:
-    from shmkv._engine.stitch import CACHE_LIMIT as _STITCH_LIMIT
+    from shmkv._engine.spans.stitch import CACHE_LIMIT as _STITCH_LIMIT
     from shmkv.store._doctor import MAPS_PER_STORE, doctor
 
     d = doctor(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, tokens=a.tokens)

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine import dtypes as _dtypes
-from shmkv._engine import liveness as _liveness
-from shmkv._engine import segment as _segment
+from shmkv._engine.table import dtypes as _dtypes
+from shmkv._engine.clients import liveness as _liveness
+from shmkv._engine.memory import segment as _segment
 from shmkv.errors import CacheFullError, InvalidArgumentError
 
 __all__ = ["Doctor", "doctor", "room", "shm_space"]
@@ -34,7 +34,7 @@ MiB = 1 << 20
 DEFAULT_LAYOUT: dict[str, Any] = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
 
 # Each attached store maps its two segments (header and data) and its read-only waiters'
-# counts (the liveness file's content, _engine/row_waiters.py): checked by
+# counts (the liveness file's content, _engine/clients/row_waiters.py): checked by
 # tests/test_doctor.py::test_maps_per_store.
 MAPS_PER_STORE = 3
 
@@ -312,7 +312,7 @@ def doctor(*, layers: int | None = None, kv_heads: int | None = None, head_dim: 
         notes.append(f"{path} is {_mib(size)} (Docker's default): `shmkv demo` fits; `shmkv bench` and real "
                      f"models need more (the bench says how much); {how_to_get(1024 * MiB)}")
 
-    from shmkv._engine import stitch as _stitch  # here: its ctypes set-up is not import shmkv's to pay
+    from shmkv._engine.spans import stitch as _stitch  # here: its ctypes set-up is not import shmkv's to pay
 
     limit = _int_file("/proc/sys/vm/max_map_count")
     in_use = _maps_in_use()

@@ -5,7 +5,7 @@ caller, and ``copy_prefix``.
 
 ``store._store.Store`` keeps the public methods (and their documentation) and calls these
 with its engine; everything here goes through the engine's public API (``_engine.engine.Engine``),
-and the words of a row or of the header only through its ``rows`` part (``_engine/rows.py``).
+and the words of a row or of the header only through its ``rows`` part (``_engine/table/rows.py``).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
-from shmkv._engine import share
-from shmkv._engine.arena import fits
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.spans import share
+from shmkv._engine.placement.arena import fits
 from shmkv._engine.engine import Engine
 from shmkv._engine.checks import count
-from shmkv._engine.lease import live_writers, new_token, own_token
-from shmkv._engine.prefix_hash import as_tokens
+from shmkv._engine.clients.lease import live_writers, new_token, own_token
+from shmkv._engine.prefixes.prefix_hash import as_tokens
 from shmkv._sequence.handle import Owner, Sequence
 from shmkv.errors import CacheFullError, InvalidArgumentError, ShmkvError
 

@@ -19,17 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine import header as _header
-from shmkv._engine import row_waiters as _row_waiters
-from shmkv._engine import liveness as _liveness
-from shmkv._engine import lock as _lock
-from shmkv._engine import lifecycle_lock as _lifecycle_lock
-from shmkv._engine import segment as _segment
-from shmkv._engine import unattached as _unattached
+from shmkv._engine.table import header as _header
+from shmkv._engine.clients import row_waiters as _row_waiters
+from shmkv._engine.clients import liveness as _liveness
+from shmkv._engine.locking import lock as _lock
+from shmkv._engine.locking import lifecycle_lock as _lifecycle_lock
+from shmkv._engine.memory import segment as _segment
+from shmkv._engine.table import unattached as _unattached
 from shmkv._snapshot import restore as _restore
 from shmkv._snapshot import save as _save
 from shmkv._engine.checks import count
-from shmkv._engine.segment import Segment
+from shmkv._engine.memory.segment import Segment
 from shmkv.store._store import (
     DEFAULT_MAX_CLIENTS,
     Store,

@@ -12,12 +12,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from shmkv._engine import liveness as _liveness
-from shmkv._engine import lifecycle_lock as _lifecycle_lock
-from shmkv._engine import segment as _segment
-from shmkv._engine import unattached as _unattached
-from shmkv._engine.interrupts import critical
-from shmkv._engine.segment import Segment
+from shmkv._engine.clients import liveness as _liveness
+from shmkv._engine.locking import lifecycle_lock as _lifecycle_lock
+from shmkv._engine.memory import segment as _segment
+from shmkv._engine.table import unattached as _unattached
+from shmkv._engine.locking.interrupts import critical
+from shmkv._engine.memory.segment import Segment
 from shmkv.errors import AccessDeniedError, StoreNotFound
 
 T = TypeVar("T")

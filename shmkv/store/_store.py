@@ -15,18 +15,18 @@ from typing import Any
 import numpy as np
 
 from shmkv._sequence import group as _group
-from shmkv._engine import header as _header
-from shmkv._engine import lock as _lock
-from shmkv._engine import segment as _segment
-from shmkv._engine import unattached as _unattached
+from shmkv._engine.table import header as _header
+from shmkv._engine.locking import lock as _lock
+from shmkv._engine.memory import segment as _segment
+from shmkv._engine.table import unattached as _unattached
 from shmkv._snapshot import restore as _restore
 from shmkv._snapshot import save as _save
 from shmkv._engine.engine import Engine
 from shmkv._sequence.batch import Batch
-from shmkv._engine.lease import live_writers
-from shmkv._engine.header import Layout
-from shmkv._engine.liveness import Liveness
-from shmkv._engine.segment import Segment
+from shmkv._engine.clients.lease import live_writers
+from shmkv._engine.table.header import Layout
+from shmkv._engine.clients.liveness import Liveness
+from shmkv._engine.memory.segment import Segment
 from shmkv._sequence.handle import Sequence, drop_lease
 from shmkv.store import _handles, _records
 from shmkv.store._records import SequenceInfo, StoreStats

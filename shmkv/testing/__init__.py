@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 
 __all__ = ["ChildFailed", "ChildProcess", "assert_store_state", "run_in_process", "shm_entries", "start_in_process",
            "unique_name"]
@@ -41,7 +41,7 @@ def assert_store_state(store: Any) -> None:
     """Raise AssertionError naming every invariant ``store`` (a ``shmkv.Store``) breaks at rest:
     ``shmkv verify``'s checks (ranges inside the arena and apart, lengths within capacities,
     even generations, an empty undo log, sequence ids) and those of the shared pages' words
-    (``_engine/audit.py``). A read-write handle checks under the store lock, taken the one way
+    (``_engine/table/audit.py``). A read-write handle checks under the store lock, taken the one way
     in (``store.transaction()``: a dead process's transaction is rolled back first), so that no
     structural operation is in flight; a read-only one checks the table as it is."""
     from shmkv.store._verify import verify

@@ -35,8 +35,8 @@ from typing import Any
 
 import pytest
 
-from shmkv._engine import liveness as _liveness
-from shmkv._engine import segment as _segment
+from shmkv._engine.clients import liveness as _liveness
+from shmkv._engine.memory import segment as _segment
 from shmkv.store._lifecycle import SESSION_ENV, Owners, create, session_tag, store_owners
 from shmkv.store._removal import origin, remove_if_same
 from shmkv.store._store import Store, attach, engine_of

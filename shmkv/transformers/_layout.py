@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from shmkv._engine.header import Layout
+from shmkv._engine.table.header import Layout
 from shmkv.errors import InvalidArgumentError, NotSupportedError
 
 # HF layer type -> shmkv layer kind. transformers 5.x cache_utils.py

@@ -39,7 +39,7 @@ from collections.abc import Sequence as _Seq
 import numpy as np
 import torch
 
-from shmkv._engine import dtypes as _dtypes
+from shmkv._engine.table import dtypes as _dtypes
 from shmkv._sequence import quant as _quant
 from shmkv.transformers._layout import layer_windows
 from shmkv._sequence.handle import Sequence

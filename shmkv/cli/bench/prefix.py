@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 import shmkv
-from shmkv._engine import stitch
+from shmkv._engine.spans import stitch
 from shmkv.cli import _model
 from shmkv.store._store import engine_of
 from shmkv.testing import unique_name

@@ -71,22 +71,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmkv._engine import futex as _futex
-from shmkv._engine import header as _header
-from shmkv._engine.header import CAPACITY, FLAGS, GEN, LEASE_PID, LENGTH, LENT, SEQ_WORDS, SPAN_TAKEN, START, STATE
-from shmkv._engine.interrupts import critical
-from shmkv._engine.lease import with_release
-from shmkv._engine.lock import StoreLock
-from shmkv._engine.seqlock import odd_rows
+from shmkv._engine.clients import futex as _futex
+from shmkv._engine.table import header as _header
+from shmkv._engine.table.header import (CAPACITY, FLAGS, GEN, LEASE_PID, LENGTH, LENT, SEQ_WORDS, SPAN_TAKEN, START,
+                                        STATE)
+from shmkv._engine.locking.interrupts import critical
+from shmkv._engine.clients.lease import with_release
+from shmkv._engine.locking.lock import StoreLock
+from shmkv._engine.table.seqlock import odd_rows
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from shmkv._engine.free_ranges import FreeRanges
-    from shmkv._engine.header import Layout
-    from shmkv._engine.intervals import Record
-    from shmkv._engine.row_waiters import RowWaiters
-    from shmkv._engine.share import Shares
+    from shmkv._engine.placement.free_ranges import FreeRanges
+    from shmkv._engine.table.header import Layout
+    from shmkv._engine.memory.intervals import Record
+    from shmkv._engine.clients.row_waiters import RowWaiters
+    from shmkv._engine.spans.share import Shares
 
 _SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
 _META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
@@ -112,7 +113,7 @@ class Journal:
     works on is passed in: the engine's mappings, its lock, its rows, and the parts whose
     per-process state a transaction keeps current (the free-range cache, the span mappings,
     the reservation record); ``settle_span`` is the sharing part's hook, run at the end of
-    every change of a row that borrows or lends (``_engine/sharing.py``)."""
+    every change of a row that borrows or lends (``_engine/spans/sharing.py``)."""
 
     def __init__(self, *, readonly: bool, lock_timeout: float, layout: Layout, hdr: memoryview,
                  table_np: np.ndarray, undo_np: np.ndarray, undo: Any, meta_w: np.ndarray, meta_mv: Any,
@@ -127,12 +128,12 @@ class Journal:
         self._lock = lock
         self.row = row  # the engine's rows (one memoryview a slot: ``_row_slot`` names them)
         self._row_slot, self._slot_hint = row_slot, slot_hint
-        self.here = here  # this process's non-foreign changes per row (_engine/own_changes.py)
-        self._free = free  # this process's free ranges (_engine/free_ranges.py): kept by changing
+        self.here = here  # this process's non-foreign changes per row (_engine/locking/own_changes.py)
+        self._free = free  # this process's free ranges (_engine/placement/free_ranges.py): kept by changing
         self.waiters = waiters  # Sequence.wait's sleepers per row (woken when a transaction ends)
         self.ro_waiters = ro_waiters  # ... of read-only attachments
         self.length_addr0 = length_addr0
-        self.shares = shares  # what this process has mapped of the table's spans (_engine/share.py)
+        self.shares = shares  # what this process has mapped of the table's spans (_engine/spans/share.py)
         self._record = record  # this process's reservation record: its span epoch kept in step (pages.py)
         self.check_open, self.check_writable = check_open, check_writable
         self._settle_span = settle_span
@@ -150,7 +151,7 @@ class Journal:
 
     def spans_odd(self) -> None:
         """A transaction is about to change spans (lock held): the span epoch odd until it ends,
-        so every other process re-maps after it (``_engine/share.py``); this one is current."""
+        so every other process re-maps after it (``_engine/spans/share.py``); this one is current."""
         hdr = self.hdr
         e = hdr[_W_SPANS]
         if not e & 1:
@@ -379,7 +380,7 @@ class _Entered:
             except BaseException:
                 lock.release()
                 raise
-        if j.hdr[_W_SPANS] != j.shares.applied:  # before anything is written (_engine/share.py, 1)
+        if j.hdr[_W_SPANS] != j.shares.applied:  # before anything is written (_engine/spans/share.py, 1)
             try:
                 j._spans_current(depth)
             except BaseException:
@@ -440,7 +441,7 @@ class _Txn:
 
 class _Change:
     """``Journal.changing(row)``: one row's change inside the open transaction (or its own).
-    It also keeps this process's free-range cache (``_engine/free_ranges.py``: the row's range
+    It also keeps this process's free-range cache (``_engine/placement/free_ranges.py``: the row's range
     and state before its outermost bracket, compared at its end; inlined, on the truncate path)."""
 
     __slots__ = ("foreign", "j", "outer", "row", "slot", "was", "was_len")
@@ -466,7 +467,7 @@ class _Change:
         if not self.foreign:
             j.here[slot] += 1
         if j.hdr[_W_SPANS]:  # (0: no span ever in this store, so no row borrows or lends: the common case)
-            if row[SPAN_TAKEN]:  # a borrower: its span, or what it keeps taken, may change (_engine/sharing.py)
+            if row[SPAN_TAKEN]:  # a borrower: its span, or what it keeps taken, may change (_engine/spans/sharing.py)
                 j.spans_odd()
             elif row[FLAGS] & LENT:
                 j._free.tag = -1

@@ -68,7 +68,7 @@ def arm(name: str, exc: BaseException, count: int = 1) -> None:
     """Make point ``name`` raise ``exc`` the ``count``-th time it is reached (this process)."""
     global point
     if name not in POINTS:
-        raise ValueError(f"{name!r} is not a crash point (shmkv._engine.crash.POINTS)")
+        raise ValueError(f"{name!r} is not a crash point (shmkv._engine.locking.crash.POINTS)")
     left = [count]
 
     def raising(at: str) -> None:

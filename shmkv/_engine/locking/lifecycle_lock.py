@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 
 import filelock
 
-from shmkv._engine import segment as _segment
-from shmkv._engine.interrupts import critical, deferred, deliver_deferred, hold, unhold
-from shmkv._engine.lock import DEFAULT_TIMEOUT, poll
+from shmkv._engine.memory import segment as _segment
+from shmkv._engine.locking.interrupts import critical, deferred, deliver_deferred, hold, unhold
+from shmkv._engine.locking.lock import DEFAULT_TIMEOUT, poll
 from shmkv.errors import LockTimeout
 
 LIFECYCLE_SUFFIX = ".life"

@@ -1,7 +1,7 @@
 """What the span words of the sequence table promise at rest (no transaction open), as problems
 a check reports: ``shmkv verify`` and the tests' ``shmkv.testing.assert_store_state``.
 
-At rest, for every live row that borrows (``_engine/sharing.py``, ``_engine/share.py``):
+At rest, for every live row that borrows (``_engine/spans/sharing.py``, ``_engine/spans/share.py``):
 
 * its span is whole page units: ``SPAN_CELLS <= SPAN_TAKEN``, both multiples of the page unit,
   and ``SPAN_PHYS`` is 0 when nothing is taken;
@@ -22,8 +22,8 @@ import bisect
 
 import numpy as np
 
-from shmkv._engine.header import (CAPACITY, ENCODER, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS,
-                                  SPAN_TAKEN, START, STATE)
+from shmkv._engine.table.header import (CAPACITY, ENCODER, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS,
+                                        SPAN_TAKEN, START, STATE)
 
 __all__ = ["span_problems"]
 

@@ -50,7 +50,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from shmkv._engine.interrupts import critical, deferred, deliver_deferred, hold, unhold
+from shmkv._engine.locking.interrupts import critical, deferred, deliver_deferred, hold, unhold
 from shmkv.errors import LockTimeout, StoreClosedError
 
 DEFAULT_TIMEOUT = 30.0

@@ -1,5 +1,5 @@
 """Sorted lists of disjoint half-open intervals ``[(a, b), ...]`` of cells: the pages a process
-reserved or owes (``_engine/pages.py``), the free ranges it caches (``_engine/free_ranges.py``).
+reserved or owes (``_engine/memory/pages.py``), the free ranges it caches (``_engine/placement/free_ranges.py``).
 
 Each function is atomic among the threads of a process (``_LOCK``): a decode thread's ``room``
 changes the reservation record without the store lock while another thread's punch or

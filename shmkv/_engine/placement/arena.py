@@ -1,6 +1,6 @@
 """Where the cells of a store go: free ranges, allocation, eviction, relocation, the window
 buffers of sliding/chunked layers, encoder ranges, and cell copies (all under the store lock).
-Their pages (reservation, writes through the descriptor): ``_engine/pages.py``."""
+Their pages (reservation, writes through the descriptor): ``_engine/memory/pages.py``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
-from shmkv._engine import header as _header
-from shmkv._engine.header import (
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.table import header as _header
+from shmkv._engine.table.header import (
     CAPACITY,
     SPAN_PHYS,
     SPAN_TAKEN,
@@ -34,21 +34,21 @@ from shmkv._engine.header import (
     Offsets,
     leads,
 )
-from shmkv._engine.intervals import add_interval, take_interval
-from shmkv._engine.prefix import COVERS
-from shmkv._engine.prefix_hash import LEAD, lead_levels
+from shmkv._engine.memory.intervals import add_interval, take_interval
+from shmkv._engine.prefixes.prefix import COVERS
+from shmkv._engine.prefixes.prefix_hash import LEAD, lead_levels
 from shmkv.errors import CacheFullError
-from shmkv._engine.free_ranges import FreeRanges
-from shmkv._engine.journal import Journal
-from shmkv._engine.pages import Pages
-from shmkv._engine.prefix import PrefixIndex
-from shmkv._engine.sharing import spans_taken
+from shmkv._engine.placement.free_ranges import FreeRanges
+from shmkv._engine.locking.journal import Journal
+from shmkv._engine.memory.pages import Pages
+from shmkv._engine.prefixes.prefix import PrefixIndex
+from shmkv._engine.spans.sharing import spans_taken
 
 
 class Arena:
     """The cell-placing part of a store handle, held by the engine (see the module docstring).
 
-    Its own state is this process's free-range cache (``_engine/free_ranges.py``, kept current
+    Its own state is this process's free-range cache (``_engine/placement/free_ranges.py``, kept current
     by the journal too). The rest it is given, and binds once (create and free are hot): the
     table and its rows, the prefix index, the journal's row changes, the pages part's
     reservations."""
@@ -122,7 +122,7 @@ class Arena:
         """Gaps between the live ranges (and ``taken`` ones being staged by a restore), in order,
         as (start, size) (lock held).
 
-        Kept per process while current (``_engine/free_ranges.py``), so a create or free costs
+        Kept per process while current (``_engine/placement/free_ranges.py``), so a create or free costs
         the same with 16 or 4096 sequences; derived again from the table after another process's
         change or a recovery: nothing recovery must rebuild is stored."""
         if taken:
@@ -243,7 +243,7 @@ class Arena:
 
     def free_row(self, slot: int) -> None:
         """Free a sequence's row and its encoder row (lock held). Its index entries become
-        invalid by themselves (see ``_engine/prefix.py``)."""
+        invalid by themselves (see ``_engine/prefixes/prefix.py``)."""
         row = self.row(slot)
         enc = row[ENC_SLOT] - 1
         lost = self.index.displaced_by(slot)
@@ -270,7 +270,7 @@ class Arena:
         block cannot be (a token id -1, tokens moved by remove or shift_left). ``source``: the row
         its blocks [0, IDX_BLOCKS) and leads were just copied from, hashes included (copy_prefix):
         they get no entries of their own; the source's entries stand for them (STANDIN), and give
-        them theirs when it stops holding them (``unindexing``, ``free_row``; see ``_engine/prefix.py``)."""
+        them theirs when it stops holding them (``unindexing``, ``free_row``; see ``_engine/prefixes/prefix.py``)."""
         row = self.row(slot)
         hdr = self.hdr
         if source >= 0 and (row[IDX_BLOCKS] or row[FLAGS] & LEADS_MASK):

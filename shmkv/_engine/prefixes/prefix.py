@@ -56,8 +56,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
-from shmkv._engine.header import (
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.table.header import (
     CLEAN,
     DISPLACER,
     ENC_SLOT,
@@ -80,9 +80,10 @@ from shmkv._engine.header import (
     WIN_OFF,
     Layout,
 )
-from shmkv._engine.prefix_hash import BLOCK, LEAD, ROOT, PrefixHash, as_tokens, block_hashes, lead_hash, lead_levels
-from shmkv._engine.prefix_scan import LEADMARK, copies, table_holders
-from shmkv._engine.seqlock import VERIFY, seqlocked
+from shmkv._engine.prefixes.prefix_hash import (BLOCK, LEAD, ROOT, PrefixHash, as_tokens, block_hashes, lead_hash,
+                                                lead_levels)
+from shmkv._engine.prefixes.prefix_scan import LEADMARK, copies, table_holders
+from shmkv._engine.table.seqlock import VERIFY, seqlocked
 
 DUP = 4  # holders kept a hash
 DISPLACED = 1 << 62  # in an entry's block word: it replaced an older holder of its hash

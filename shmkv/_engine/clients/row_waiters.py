@@ -3,7 +3,7 @@
 A commit wakes a row's sleepers only when some are counted (no syscall otherwise:
 ``_sequence/waiting.py``). Read-write waiters count themselves in the header (``WAIT_OFF``),
 atomically; a read-only attachment maps the header read-only and cannot. So the
-liveness file (``skv_<name>.live``, see ``_engine/liveness.py``), whose bytes are otherwise only
+liveness file (``skv_<name>.live``, see ``_engine/clients/liveness.py``), whose bytes are otherwise only
 lock targets, holds in its content one 32-bit count per table row of read-only sleepers:
 
     offset 4 * row     int32    read-only attachments' threads sleeping on the row
@@ -30,8 +30,8 @@ import mmap
 import os
 import threading
 
-from shmkv._engine import futex as _futex
-from shmkv._engine import liveness as _liveness
+from shmkv._engine.clients import futex as _futex
+from shmkv._engine.clients import liveness as _liveness
 
 _PAGE = mmap.PAGESIZE
 # this process's changes of read-only counts, and of a handle's ``waiting`` with them, against a

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from shmkv._engine.header import (
+from shmkv._engine.table.header import (
     C_KEY,
     C_PID,
     CLIENT_WORDS,
@@ -32,7 +32,7 @@ from shmkv._engine.header import (
     W_VERSION,
     Offsets,
 )
-from shmkv._engine.segment import Segment
+from shmkv._engine.memory.segment import Segment
 
 __all__ = ["Origin", "clients_of", "creator_of", "data_bytes_of", "fixed_words", "identity_of",
            "origin_of", "other_version", "persistent_of", "published", "read_key"]

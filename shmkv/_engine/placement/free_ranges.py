@@ -13,9 +13,9 @@ the next use derive them again.
 
 from __future__ import annotations
 
-from shmkv._engine import header as _header
-from shmkv._engine.header import CAPACITY, START, STATE
-from shmkv._engine.intervals import add_interval, take_interval
+from shmkv._engine.table import header as _header
+from shmkv._engine.table.header import CAPACITY, START, STATE
+from shmkv._engine.memory.intervals import add_interval, take_interval
 
 __all__ = ["FreeRanges", "mark_pages"]
 

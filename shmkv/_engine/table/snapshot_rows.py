@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import numpy as np
 
-from shmkv._engine.header import (
+from shmkv._engine.table.header import (
     CAPACITY,
     CLEAN,
     ENC_SLOT,
@@ -37,11 +37,11 @@ from shmkv._engine.header import (
     WBUF,
     WIN_OFF,
 )
-from shmkv._engine.rows import live_slot
-from shmkv._engine.seqlock import SAVE, seqlocked
+from shmkv._engine.table.rows import live_slot
+from shmkv._engine.table.seqlock import SAVE, seqlocked
 
 if TYPE_CHECKING:
-    from shmkv._engine.share import Shares
+    from shmkv._engine.spans.share import Shares
 
 T = TypeVar("T")
 

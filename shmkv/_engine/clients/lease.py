@@ -7,7 +7,7 @@ this process's handles apart; a lease of one of this process's attachments whose
 token has no live handle here belongs to a handle that was dropped without
 ``release()`` and may be taken again.
 
-A row's lease and its states (as the journal's, ``_engine/journal.py``)::
+A row's lease and its states (as the journal's, ``_engine/locking/journal.py``)::
 
     none      LEASE_PID 0 (LEASE_CLIENT and LEASE_TOKEN keep the last holder's, for a rollback's
               comparison: ``with_release``)
@@ -35,8 +35,8 @@ import random
 import weakref
 from typing import Any
 
-from shmkv._engine import segment as _segment
-from shmkv._engine.header import LEASE_PID, LEASE_TOKEN, STATE
+from shmkv._engine.memory import segment as _segment
+from shmkv._engine.table.header import LEASE_PID, LEASE_TOKEN, STATE
 
 # Draws lease tokens: seeded from the OS once per process (a forked child seeds it again, so
 # it never draws its parent's tokens). Tokens tell handles apart; nobody needs to guess them.

@@ -21,10 +21,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
-from shmkv._engine import share
-from shmkv._engine.audit import span_problems
-from shmkv._engine.header import (
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.spans import share
+from shmkv._engine.table.audit import span_problems
+from shmkv._engine.table.header import (
     CAPACITY,
     CLEAN,
     ENC_SLOT,
@@ -65,10 +65,10 @@ from shmkv._engine.header import (
     leads,
     with_leads,
 )
-from shmkv._engine.journal import Journal
-from shmkv._engine.prefix import COVERS
-from shmkv._engine.prefix_hash import BLOCK, lead_levels
-from shmkv._engine.seqlock import HANDLE, seqlocked
+from shmkv._engine.locking.journal import Journal
+from shmkv._engine.prefixes.prefix import COVERS
+from shmkv._engine.prefixes.prefix_hash import BLOCK, lead_levels
+from shmkv._engine.table.seqlock import HANDLE, seqlocked
 
 __all__ = ["Counters", "Occupancy", "Rows", "SequenceRow", "TableRow"]
 
@@ -342,7 +342,7 @@ class Rows:
         return row[START], row[CAPACITY], row[WIN_OFF]
 
     def lends(self, row: memoryview) -> bool:
-        """Whether ``row`` is flagged LENT (it may lend cells to borrowers: ``_engine/sharing.py``)."""
+        """Whether ``row`` is flagged LENT (it may lend cells to borrowers: ``_engine/spans/sharing.py``)."""
         return bool(row[FLAGS] & LENT)
 
     def covers(self, row: memoryview) -> bool:
@@ -381,7 +381,7 @@ class Rows:
     def listed_sequences(self) -> list[SequenceRow]:
         """The live sequences' rows, in table order, as a listing reads them
         (``store.sequences()``): as they are; while a transaction is in the undo log, as its
-        rollback leaves them (``_engine/journal.py``, 7)."""
+        rollback leaves them (``_engine/locking/journal.py``, 7)."""
         j = self.journal
         make = partial(tuple.__new__, SequenceRow)  # (a C call a row: SequenceRow._make is a Python one)
         if self.hdr[W_UNDO_COUNT] and not j.depth:
@@ -423,7 +423,7 @@ class Rows:
 
     def span_problems(self, cells: int) -> list[str]:
         """What the table's span words break of their rules at rest, one copy of the table read
-        without the lock (``_engine/audit.py``; ``shmkv verify``)."""
+        without the lock (``_engine/table/audit.py``; ``shmkv verify``)."""
         return span_problems(self.table_np.copy(), int(self.hdr[W_SPANS]), self._page_unit, cells)
 
     def undo_log(self) -> tuple[int, int]:

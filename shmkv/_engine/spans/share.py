@@ -9,7 +9,7 @@ the data segment at the donor's cells; its own pages there are punched out (they
 memory). Every view stays an ordinary slice of the main arrays: ``keys``, ``append``'s views,
 ``torch_kv``, ``batch_kv`` and ``Batch`` are unchanged, ``np.shares_memory`` holds.
 
-The truth is the table: row words ``SPAN_PHYS``, ``SPAN_CELLS`` (``_engine.header``), changed in
+The truth is the table: row words ``SPAN_PHYS``, ``SPAN_CELLS`` (``_engine.table.header``), changed in
 journaled transactions like any other word (rolled back with them). A span's physical cells
 stay taken while a row borrows them (the free ranges count them, ``Arena``), however many do
 (a refcount derived from the table, never stored). What a process has mapped is a pure
@@ -74,11 +74,11 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine import header as _header
-from shmkv._engine.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
-from shmkv._engine.intervals import take_interval
-from shmkv._engine.stitch import (LIBC, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_SHARED, PROT_NONE, PROT_READ,
-                                  PROT_WRITE, libc_mmap)
+from shmkv._engine.table import header as _header
+from shmkv._engine.table.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
+from shmkv._engine.memory.intervals import take_interval
+from shmkv._engine.spans.stitch import (LIBC, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_SHARED, PROT_NONE, PROT_READ,
+                                        PROT_WRITE, libc_mmap)
 from shmkv.errors import ShareError
 
 __all__ = ["ENABLED", "MAP_BUDGET", "SPARE", "Shares", "Spare", "max_borrowers"]

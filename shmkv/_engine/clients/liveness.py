@@ -46,7 +46,7 @@ import struct
 import threading
 import weakref
 
-from shmkv._engine import segment as _segment
+from shmkv._engine.memory import segment as _segment
 from shmkv.errors import AccessDeniedError, CacheFullError, CorruptStoreError, StoreClosedError, StoreNotFound
 
 LIVE_SUFFIX = ".live"

@@ -26,8 +26,8 @@ import sys
 import numpy as np
 from numpy.typing import DTypeLike
 
-from shmkv._engine import cachestat as _cachestat
-from shmkv._engine.shm_room import MEMINFO, ROOM, Room, mem_available  # noqa: F401  (tests reach them here)
+from shmkv._engine.memory import cachestat as _cachestat
+from shmkv._engine.memory.shm_room import MEMINFO, ROOM, Room, mem_available  # noqa: F401  (tests reach them here)
 from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
@@ -351,7 +351,7 @@ class Segment:
 
     def _unallocated(self, begin: int, end: int) -> int:
         """Bytes of the page-aligned ``[begin, end)`` that have no page yet: cachestat's count
-        of the pages there (fallocated and never written ones too, see _engine/cachestat.py),
+        of the pages there (fallocated and never written ones too, see _engine/memory/cachestat.py),
         else a SEEK_HOLE/SEEK_DATA walk (which counts those as missing: an overcount)."""
         if end <= begin:
             return 0

@@ -1,4 +1,4 @@
-"""Shared prefix pages, the table side (docs/design.md §11; the mappings: ``_engine/share.py``).
+"""Shared prefix pages, the table side (docs/design.md §11; the mappings: ``_engine/spans/share.py``).
 
 A reuse of a cached prefix (``create_sequence(prefix=)``) borrows the donor's first ``m`` cells
 (``m`` a multiple of the page unit) instead of copying them: ``lend`` plans it, ``borrow``
@@ -46,7 +46,7 @@ journaled change of the row, ``settle_span`` at its end)::
                      write there (``_sequence/room.py``)--> own, elsewhere
               (a freed donor's lent cells stay taken by the spans until their last borrower goes)
 
-``_engine/audit.py`` states what these words promise at rest, and ``shmkv verify`` checks it.
+``_engine/table/audit.py`` states what these words promise at rest, and ``shmkv verify`` checks it.
 
 What a span keeps taken is bounded by what it borrowed: ``SPAN_CELLS <= SPAN_TAKEN <=`` the
 cells it borrowed, rounded to page units below its length; ``stats().retained_cells`` counts
@@ -61,16 +61,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shmkv._engine import crash as _crash
-from shmkv._engine import header as _header
-from shmkv._engine.header import (CAPACITY, FINISHED, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS, SPAN_TAKEN,
-                                  START, STATE)
-from shmkv._engine.free_ranges import FreeRanges, mark_pages
-from shmkv._engine.header import Offsets
-from shmkv._engine.journal import Journal
-from shmkv._engine.pages import Pages
-from shmkv._engine.segment import Segment
-from shmkv._engine.share import Shares, max_borrowers
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.table import header as _header
+from shmkv._engine.table.header import (CAPACITY, FINISHED, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS,
+                                        SPAN_TAKEN, START, STATE)
+from shmkv._engine.placement.free_ranges import FreeRanges, mark_pages
+from shmkv._engine.table.header import Offsets
+from shmkv._engine.locking.journal import Journal
+from shmkv._engine.memory.pages import Pages
+from shmkv._engine.memory.segment import Segment
+from shmkv._engine.spans.share import Shares, max_borrowers
 from shmkv.errors import CacheFullError, ShareError
 
 
@@ -136,7 +136,7 @@ class Sharing:
         row = self.row(slot)
         hdr = self.hdr
         allocs = hdr[_header.W_ALLOCS]
-        current = self._free.tag == allocs  # this process's free ranges (_engine/free_ranges.py)
+        current = self._free.tag == allocs  # this process's free ranges (_engine/placement/free_ranges.py)
         with self.changing(row):
             self._spans_odd()  # before the words change: every process re-maps after this transaction
             start = row[START]
