@@ -9,7 +9,7 @@ import errno
 
 import numpy as np
 
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv.store._store import engine_of
 
 L, H, D = 3, 4, 64

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 import shmkv
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv.store._store import engine_of
 
 PAGE = mmap.PAGESIZE

@@ -91,8 +91,8 @@ def die_in_the_fallback(name: str, prompt: list[int]) -> None:
     import os
     import signal
 
-    from shmkv._engine.spans import share
-    from shmkv._engine.spans.sharing import Sharing
+    from shmkv._engine.spans import mappings as share
+    from shmkv._engine.spans.lending import Sharing
 
     store = shmkv.attach(name)
     sh = engine_of(store).shares

@@ -101,7 +101,7 @@ def read_inherited_after(store: shmkv.Store, conn: object) -> tuple[bytes, ...]:
 def borrow_truncate_compare() -> bool:
     """Standalone (run in a private /dev/shm): a borrower of 3,000 tokens of 8 x 128 float16,
     truncated into its span and extended, and a second borrower, equal the same with copies."""
-    from shmkv._engine.spans import share
+    from shmkv._engine.spans import mappings as share
     from shmkv.testing import unique_name
 
     layers, heads, dim = 3, 8, 128

@@ -4,7 +4,7 @@ A finished donor of three page units (``n`` tokens), leased again by ``other`` (
 process); borrowers of it made by ``store`` (the borrowers' process), each over the donor's
 whole prefix; then the rest of the store filled (by ``other``) so no range is free and the
 donor cannot move. A truncate of the donor below what it lent then leaves it lending cells it no
-longer holds (``_engine/spans/sharing.py``): its next write past its length must move it first.
+longer holds (``_engine/spans/lending.py``): its next write past its length must move it first.
 """
 
 from __future__ import annotations

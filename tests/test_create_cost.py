@@ -20,8 +20,8 @@ import _namespaces
 from shmkv._engine.table import header as _header
 from shmkv._engine.memory import segment as _segment
 from shmkv._engine.table.header import LENGTH, LIVE, RECENCY, SEQ_WORDS, START, STATE, ID
-from shmkv._engine.prefixes.prefix_hash import BLOCK, block_hashes
-from shmkv._engine.prefixes.prefix_scan import copies, table_holders
+from shmkv._engine.prefixes.hashes import BLOCK, block_hashes
+from shmkv._engine.prefixes.scan import copies, table_holders
 from shmkv.store._store import engine_of
 from shmkv.testing import unique_name
 
@@ -308,7 +308,7 @@ def test_the_match_steps_down_from_the_whole_prompt(make_store, monkeypatch):
     search: a request one or two blocks past a cached prompt costs at most 3 probes of the index,
     and every cut of a prompt matches exactly what the cached rows hold (as the binary search
     found it), from none to all of it."""
-    from shmkv._engine.prefixes.prefix import PrefixIndex
+    from shmkv._engine.prefixes.index import PrefixIndex
 
     st = make_store(**LAYOUT)
     e = engine_of(st)
@@ -343,7 +343,7 @@ def _held(st) -> int:
 
 
 def _counting_punches(monkeypatch) -> list[int]:
-    from shmkv._engine.spans import share
+    from shmkv._engine.spans import mappings as share
 
     calls: list[int] = []
     real = share._fallocate

@@ -28,7 +28,7 @@ def test_error_tree_mixes_in_builtins():
         assert type(e) is cls and str(e) == "message 7"
     # a refused shared-prefix mapping: an OSError with its errno, public so callers can catch it
     assert issubclass(shmkv.ShareError, shmkv.ShmkvError) and issubclass(shmkv.ShareError, OSError)
-    from shmkv._engine.spans import share
+    from shmkv._engine.spans import mappings as share
 
     assert share.ShareError is shmkv.ShareError  # the class the engine raises
     e = pickle.loads(pickle.dumps(shmkv.ShareError(12, "cannot map")))

@@ -8,7 +8,7 @@ import pytest
 from _prefix_children import check, kv_for
 
 import shmkv
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv._engine.table.header import CAPACITY, FINISHED, FLAGS, ID, LIVE, RECENCY, SPAN_CELLS, SPAN_PHYS, START, STATE
 from shmkv.store._store import engine_of
 

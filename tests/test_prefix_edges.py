@@ -14,7 +14,7 @@ import pytest
 from _prefix_children import kv_for, serve
 
 import shmkv
-from shmkv._engine.prefixes.prefix_hash import block_hashes
+from shmkv._engine.prefixes.hashes import block_hashes
 
 
 def P(seed: int, n: int) -> np.ndarray:

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from shmkv._engine.prefixes.prefix_hash import BLOCK, ROOT, as_tokens, block_hashes
+from shmkv._engine.prefixes.hashes import BLOCK, ROOT, as_tokens, block_hashes
 
 
 def test_definition_and_chaining():
@@ -38,7 +38,7 @@ def test_definition_and_chaining():
 
 def test_same_in_every_process_whatever_the_hash_seed():
     """Python's hash() of bytes is randomized per process; ours must not be (it names Redis keys)."""
-    code = ("from shmkv._engine.prefixes.prefix_hash import block_hashes; import numpy as np;"
+    code = ("from shmkv._engine.prefixes.hashes import block_hashes; import numpy as np;"
             "print(block_hashes(np.arange(64) * 7919 % 50000))")
     outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
                            capture_output=True, text=True, check=True).stdout for seed in (1, 2)}

@@ -19,8 +19,8 @@ from _prefix_children import check, kv_for, serve
 import shmkv
 from shmkv import cli
 from shmkv._engine.table import header as _header
-from shmkv._engine.prefixes.prefix import LEADMARK
-from shmkv._engine.prefixes.prefix_hash import BLOCK, LEAD
+from shmkv._engine.prefixes.index import LEADMARK
+from shmkv._engine.prefixes.hashes import BLOCK, LEAD
 from shmkv.testing import run_in_process
 
 HERE = os.path.dirname(__file__)

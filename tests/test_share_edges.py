@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv._sequence.room import chunk
 from shmkv.store._store import engine_of
 

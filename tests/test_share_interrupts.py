@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from _maplimit_scenes import D, H, L, PROMPT, data_mappings, kv_content, lim_store, make_donor
 from shmkv.store._store import engine_of
 

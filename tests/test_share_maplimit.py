@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv._engine.table.header import SPAN_CELLS
 from shmkv.store._store import engine_of
 from _maplimit_scenes import PROMPT, data_mappings, kv_content, kv_pair, lim_store, make_donor, refusing
@@ -219,7 +219,7 @@ def test_a_fallback_cut_short_leaves_nothing(make_store, monkeypatch, end):
     create: same sequences, no span, the donor intact; the next reuse borrows and reads right."""
     from _share_maplimit_children import die_in_the_fallback
 
-    from shmkv._engine.spans.sharing import Sharing
+    from shmkv._engine.spans.lending import Sharing
     from shmkv.testing import ChildFailed, start_in_process
 
     st = lim_store(make_store)

@@ -18,7 +18,7 @@ import pytest
 from _share_read_children import digest, free_and_reuse, kv, kv_of
 
 import shmkv
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv.cli import verify
 from shmkv._engine.table.header import START
 from shmkv.store._store import engine_of

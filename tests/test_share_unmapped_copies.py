@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shmkv
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from _maplimit_scenes import D, H, L, PROMPT, kv_content, lim_store, make_donor, refusing
 from shmkv._engine.table.header import SPAN_CELLS
 from shmkv.store._store import engine_of

@@ -12,7 +12,7 @@ import pytest
 from _share_children import read_inherited, read_sequence
 
 import shmkv
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv.testing import run_in_process
 
 PROMPT = 300

@@ -10,7 +10,7 @@ import pytest
 
 import shmkv
 from shmkv._engine.table import header as _header
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv._engine.memory.intervals import covers
 from shmkv.store._store import engine_of
 

@@ -1,5 +1,5 @@
 """Views another process holds of a borrower's committed cells stay right across the
-borrower's truncate inside its span (docs/stores.md, what invalidates a view; ``_engine/spans/sharing.py``).
+borrower's truncate inside its span (docs/stores.md, what invalidates a view; ``_engine/spans/lending.py``).
 
 A borrower that truncates inside its span keeps the whole page units below its new length
 shared and copies the rest it keeps to its own pages; an idle process still maps the span

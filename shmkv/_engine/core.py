@@ -38,10 +38,10 @@ from shmkv._engine.table.header import (
 from shmkv._engine.locking.own_changes import counts_here
 from shmkv._engine.clients.lease import live_writers
 from shmkv._engine.memory.intervals import Record
-from shmkv._engine.prefixes.prefix import PrefixIndex
+from shmkv._engine.prefixes.index import PrefixIndex
 from shmkv._engine.clients.row_waiters import RowWaiters
 from shmkv._engine.memory.segment import Segment
-from shmkv._engine.spans.share import Shares
+from shmkv._engine.spans.mappings import Shares
 from shmkv.errors import (
     LeaseError,
     ReadOnlyError,

@@ -54,11 +54,11 @@ from shmkv._engine.table.header import (
 )
 from shmkv._engine.locking.journal import Journal
 from shmkv._engine.memory.pages import Pages
-from shmkv._engine.prefixes.prefix_hash import lead_levels
+from shmkv._engine.prefixes.hashes import lead_levels
 from shmkv._engine.table.rows import Rows, live_slot
 from shmkv._engine.memory.segment import Segment
 from shmkv._engine.table.seqlock import SMALL_TABLE
-from shmkv._engine.spans.sharing import Sharing
+from shmkv._engine.spans.lending import Sharing
 from shmkv._engine.table.snapshot_rows import SnapshotRows
 from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
 
@@ -358,7 +358,7 @@ class Engine(Core):
             if d_row[LENGTH] == 0 and n <= d_row[CAPACITY] and not d_row[FLAGS] & LENT:
                 # dst holds nothing committed: its own cells and window buffer are free to write
                 # (their pages allocated first: a range has them only as its writes need them),
-                # unless it lends cells it no longer holds (_engine/spans/sharing.py)
+                # unless it lends cells it no longer holds (_engine/spans/lending.py)
                 if not reserved:
                     self.pages.page_unit_reserve(d_row[START], n, share)
                 self.pages.copy_cells(s_row[START], d_row[START], n, kv_from=share)  # share: borrowed (_borrow)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from shmkv._engine.table.header import Layout
     from shmkv._engine.clients.row_waiters import RowWaiters
     from shmkv._engine.table.rows import Rows
-    from shmkv._engine.spans.share import Shares
+    from shmkv._engine.spans.mappings import Shares
     from shmkv._engine.table.snapshot_rows import SnapshotRows
 
 Arrays = list[np.ndarray]
@@ -109,7 +109,7 @@ class Port(Protocol):
     # for _snapshot
     snapshot_rows: SnapshotRows
     lock_path: str
-    # shared prefix pages: a reader re-maps (``shares.sync``) when the span epoch moved (_engine/spans/share.py)
+    # shared prefix pages: a reader re-maps (``shares.sync``) when the span epoch moved (_engine/spans/mappings.py)
     shares: Shares
 
     # -- the table, the locks, crash recovery (core.Core, journal.Journal) ------------------
@@ -174,12 +174,12 @@ class Port(Protocol):
 
     def lent_end(self, slot: int) -> int:
         """The end of the cells a row lends, from its start; 0 when none (lock held;
-        ``_engine/spans/sharing.py``)."""
+        ``_engine/spans/lending.py``)."""
         ...
 
     def move_lender(self, slot: int, row: memoryview, keep: int) -> None:
         """A lender to a fresh range, keeping its first ``keep`` cells (lock held, row changing;
-        CacheFullError, nothing changed, when no range is free: ``_engine/spans/sharing.py``)."""
+        CacheFullError, nothing changed, when no range is free: ``_engine/spans/lending.py``)."""
         ...
 
     def rewrite(self, slot: int, full: Parts, window: Parts, capacity: int | None = None,

@@ -4,7 +4,7 @@ What invalidates a view: the arrays returned by ``keys()``, ``values()``,
 ``kv()`` and ``append()`` are zero-copy windows on shared memory. They stay
 mapped as long as they live (closing the store cannot unmap them). A view of
 committed cells keeps its content across appends and a ``truncate`` above them
-(full-attention layers, shared prefix pages or not: ``_engine/spans/sharing.py``);
+(full-attention layers, shared prefix pages or not: ``_engine/spans/lending.py``);
 ``free``, ``remove``, ``shift_left``, ``copy_prefix`` into the sequence and a
 move (growth past its range, a donor truncating below what it lent) invalidate
 it (docs/stores.md). Take ``.copy()`` to keep data across those, or use

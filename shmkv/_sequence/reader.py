@@ -154,7 +154,7 @@ class SeqReader:
 
     def mapped(self, read: Callable[[], T]) -> T:
         """``read()`` (a seqlocked read of rows) with this process's mapping of shared prefix pages
-        current before and after it (``_engine/spans/share.py``, 1): the cells of what it read are the
+        current before and after it (``_engine/spans/mappings.py``, 1): the cells of what it read are the
         ones the table says."""
         sh = self.shares
         while True:

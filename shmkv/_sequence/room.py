@@ -12,7 +12,7 @@ The room starts, for a new handle, a range that moved or any change made by some
 (``SeqWriter.refresh``), at what is written (the committed and pending tokens: their pages
 exist); pages once allocated stay, so it only grows while the handle's own changes keep the
 range where it is (a borrow punches only cells below the borrower's length, never written
-again: ``_engine/spans/share.py``).
+again: ``_engine/spans/mappings.py``).
 
 The chunk: at least ``MIN_CHUNK`` cells and a page unit, and an eighth of the capacity up to
 ``MAX_CHUNK_BYTES``, so a decode pays one allocation per many tokens (at most about eight over
@@ -21,7 +21,7 @@ beyond what it wrote, and never stalls a step for more than 64 MiB of fresh page
 zeroes each page it allocates: about 4 ms a 16 MiB here, see tools/bench.py decode's first pass).
 
 A sequence that lent cells to others and truncated below them when no range was free to move
-to (``_engine/spans/sharing.py``) still holds those cells' pages but may not write them: its room
+to (``_engine/spans/lending.py``) still holds those cells' pages but may not write them: its room
 stops at its length (``mind_loans``, after each of its structural changes), and before its
 next write past the length it moves to a fresh range (``leave_loans``: CacheFullError while
 none is free, nothing written).
@@ -108,7 +108,7 @@ def make_room(w: Roomed, end: int) -> None:
 
 def mind_loans(w: Roomed) -> None:
     """After the handle's own structural change of a row that lends (lock held): when it now
-    holds fewer tokens than it lent cells (it could not move: ``_engine/spans/sharing.py``), its
+    holds fewer tokens than it lent cells (it could not move: ``_engine/spans/lending.py``), its
     room stops at its length, so its next append goes through ``leave_loans`` first."""
     length = w.r.rows.length(w.row)  # (lock held: it stays)
     if w.port.lent_end(w.slot) > length:  # (no scan on a speculative step: cached per span epoch)

@@ -34,8 +34,8 @@ from shmkv._engine.table.header import (
     leads,
     with_leads,
 )
-from shmkv._engine.prefixes.prefix import COVERS
-from shmkv._engine.prefixes.prefix_hash import BLOCK, LEAD, lead_levels
+from shmkv._engine.prefixes.index import COVERS
+from shmkv._engine.prefixes.hashes import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.room import mind_loans
 from shmkv._sequence.writer import SeqWriter, write_rows

@@ -37,7 +37,7 @@ from shmkv._engine.table.header import (
     W_SPANS,
     leads,
 )
-from shmkv._engine.prefixes.prefix_hash import BLOCK, LEAD, lead_levels
+from shmkv._engine.prefixes.hashes import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
 from shmkv._sequence.room import grow, leave_loans, limits, make_room

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from shmkv.cli._args import count_arg, ids_arg, seconds_arg
-from shmkv._engine.prefixes.prefix_hash import HASH_VERSION
+from shmkv._engine.prefixes.hashes import HASH_VERSION
 
 
 def add_cli(sub: Any) -> None:

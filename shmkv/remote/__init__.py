@@ -7,7 +7,7 @@ recomputing them. There is no server of ours: Redis is the shared engine, as
 LMCache's Redis connector does for vLLM. ``pip install 'shmkv[redis]'``.
 
 Keys. A chunk of tokens ``[s, e)`` is named by the chained prefix hash of
-``tokens[:e]`` (shmkv._engine.prefixes.prefix_hash; the same on every machine), so it is found
+``tokens[:e]`` (shmkv._engine.prefixes.hashes; the same on every machine), so it is found
 only after the same whole prefix::
 
     {namespace}:shmkv:{layout fingerprint}:{HASH_VERSION}:{prefix hash, 16 hex}
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from shmkv._sequence import quant as _quant
-from shmkv._engine.prefixes.prefix_hash import BLOCK, HASH_VERSION, as_tokens, block_hashes
+from shmkv._engine.prefixes.hashes import BLOCK, HASH_VERSION, as_tokens, block_hashes
 from shmkv.errors import InvalidArgumentError, NotSupportedError, RemoteError, ShmkvError
 from shmkv.remote._client import check_settings, connect, is_redis_error, redact
 from shmkv.remote._wire import (

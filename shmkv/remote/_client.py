@@ -11,7 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from shmkv._engine.prefixes.prefix_hash import BLOCK
+from shmkv._engine.prefixes.hashes import BLOCK
 from shmkv.errors import InvalidArgumentError, NotSupportedError
 
 __all__ = ["check_settings", "connect", "is_redis_error", "redact"]

@@ -41,7 +41,7 @@ import numpy as np
 
 from shmkv._engine.table import dtypes as _dtypes
 from shmkv._engine.table.header import Layout
-from shmkv._engine.prefixes.prefix_hash import HASH_VERSION
+from shmkv._engine.prefixes.hashes import HASH_VERSION
 
 __all__ = ["CRC", "FIXED", "FORMAT_VERSION", "MAGIC", "Geometry", "Unsound", "fingerprint", "joined", "payload_offset",
            "same_codes", "stream_set", "unpack", "value_parts"]

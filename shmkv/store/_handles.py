@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine.locking import crash as _crash
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv._engine.placement.arena import fits
 from shmkv._engine.engine import Engine
 from shmkv._engine.checks import count
 from shmkv._engine.clients.lease import live_writers, new_token, own_token
-from shmkv._engine.prefixes.prefix_hash import as_tokens
+from shmkv._engine.prefixes.hashes import as_tokens
 from shmkv._sequence.handle import Owner, Sequence
 from shmkv.errors import CacheFullError, InvalidArgumentError, ShmkvError
 

@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from shmkv._engine.table.header import Layout
     from shmkv._engine.memory.intervals import Record
     from shmkv._engine.clients.row_waiters import RowWaiters
-    from shmkv._engine.spans.share import Shares
+    from shmkv._engine.spans.mappings import Shares
 
 _SLOT_MASK = (1 << 32) - 1  # undo entry word 0: the slot, and
 _META_LOGGED = 1 << 32  # ... this bit when the entry holds the meta record too
@@ -113,7 +113,7 @@ class Journal:
     works on is passed in: the engine's mappings, its lock, its rows, and the parts whose
     per-process state a transaction keeps current (the free-range cache, the span mappings,
     the reservation record); ``settle_span`` is the sharing part's hook, run at the end of
-    every change of a row that borrows or lends (``_engine/spans/sharing.py``)."""
+    every change of a row that borrows or lends (``_engine/spans/lending.py``)."""
 
     def __init__(self, *, readonly: bool, lock_timeout: float, layout: Layout, hdr: memoryview,
                  table_np: np.ndarray, undo_np: np.ndarray, undo: Any, meta_w: np.ndarray, meta_mv: Any,
@@ -133,7 +133,7 @@ class Journal:
         self.waiters = waiters  # Sequence.wait's sleepers per row (woken when a transaction ends)
         self.ro_waiters = ro_waiters  # ... of read-only attachments
         self.length_addr0 = length_addr0
-        self.shares = shares  # what this process has mapped of the table's spans (_engine/spans/share.py)
+        self.shares = shares  # what this process has mapped of the table's spans (_engine/spans/mappings.py)
         self._record = record  # this process's reservation record: its span epoch kept in step (pages.py)
         self.check_open, self.check_writable = check_open, check_writable
         self._settle_span = settle_span
@@ -151,7 +151,7 @@ class Journal:
 
     def spans_odd(self) -> None:
         """A transaction is about to change spans (lock held): the span epoch odd until it ends,
-        so every other process re-maps after it (``_engine/spans/share.py``); this one is current."""
+        so every other process re-maps after it (``_engine/spans/mappings.py``); this one is current."""
         hdr = self.hdr
         e = hdr[_W_SPANS]
         if not e & 1:
@@ -380,7 +380,7 @@ class _Entered:
             except BaseException:
                 lock.release()
                 raise
-        if j.hdr[_W_SPANS] != j.shares.applied:  # before anything is written (_engine/spans/share.py, 1)
+        if j.hdr[_W_SPANS] != j.shares.applied:  # before anything is written (_engine/spans/mappings.py, 1)
             try:
                 j._spans_current(depth)
             except BaseException:
@@ -467,7 +467,7 @@ class _Change:
         if not self.foreign:
             j.here[slot] += 1
         if j.hdr[_W_SPANS]:  # (0: no span ever in this store, so no row borrows or lends: the common case)
-            if row[SPAN_TAKEN]:  # a borrower: its span, or what it keeps taken, may change (_engine/spans/sharing.py)
+            if row[SPAN_TAKEN]:  # a borrower: its span, or what it keeps taken, may change (_engine/spans/lending.py)
                 j.spans_odd()
             elif row[FLAGS] & LENT:
                 j._free.tag = -1

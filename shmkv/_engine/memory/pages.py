@@ -35,7 +35,7 @@ from shmkv._engine.placement.free_ranges import mark_pages
 from shmkv._engine.table.header import Layout, Offsets
 from shmkv._engine.memory.intervals import Record, add_interval, clear, covers, overlaps, take_interval
 from shmkv._engine.memory.segment import Segment
-from shmkv._engine.spans.share import Shares
+from shmkv._engine.spans.mappings import Shares
 
 __all__ = ["Pages", "add_interval", "covers", "take_interval"]
 
@@ -242,7 +242,7 @@ class Pages:
 
     def copy_cells(self, src: int, dst: int, n: int, kv_from: int = 0) -> None:
         """Copy n cells of every layer, token id and position (lock held; overlap-safe); K, V and
-        scales from cell ``kv_from`` on only (the cells before it are borrowed: _engine/spans/sharing.py)."""
+        scales from cell ``kv_from`` on only (the cells before it are borrowed: _engine/spans/lending.py)."""
         if n <= 0 or src == dst:
             return
         tok_src, tok_dst, tok_n = src, dst, n

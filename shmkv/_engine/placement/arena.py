@@ -35,14 +35,14 @@ from shmkv._engine.table.header import (
     leads,
 )
 from shmkv._engine.memory.intervals import add_interval, take_interval
-from shmkv._engine.prefixes.prefix import COVERS
-from shmkv._engine.prefixes.prefix_hash import LEAD, lead_levels
+from shmkv._engine.prefixes.index import COVERS
+from shmkv._engine.prefixes.hashes import LEAD, lead_levels
 from shmkv.errors import CacheFullError
 from shmkv._engine.placement.free_ranges import FreeRanges
 from shmkv._engine.locking.journal import Journal
 from shmkv._engine.memory.pages import Pages
-from shmkv._engine.prefixes.prefix import PrefixIndex
-from shmkv._engine.spans.sharing import spans_taken
+from shmkv._engine.prefixes.index import PrefixIndex
+from shmkv._engine.spans.lending import spans_taken
 
 
 class Arena:
@@ -243,7 +243,7 @@ class Arena:
 
     def free_row(self, slot: int) -> None:
         """Free a sequence's row and its encoder row (lock held). Its index entries become
-        invalid by themselves (see ``_engine/prefixes/prefix.py``)."""
+        invalid by themselves (see ``_engine/prefixes/index.py``)."""
         row = self.row(slot)
         enc = row[ENC_SLOT] - 1
         lost = self.index.displaced_by(slot)
@@ -270,7 +270,7 @@ class Arena:
         block cannot be (a token id -1, tokens moved by remove or shift_left). ``source``: the row
         its blocks [0, IDX_BLOCKS) and leads were just copied from, hashes included (copy_prefix):
         they get no entries of their own; the source's entries stand for them (STANDIN), and give
-        them theirs when it stops holding them (``unindexing``, ``free_row``; see ``_engine/prefixes/prefix.py``)."""
+        them theirs when it stops holding them (``unindexing``, ``free_row``; see ``_engine/prefixes/index.py``)."""
         row = self.row(slot)
         hdr = self.hdr
         if source >= 0 and (row[IDX_BLOCKS] or row[FLAGS] & LEADS_MASK):

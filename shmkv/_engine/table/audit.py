@@ -1,7 +1,7 @@
 """What the span words of the sequence table promise at rest (no transaction open), as problems
 a check reports: ``shmkv verify`` and the tests' ``shmkv.testing.assert_store_state``.
 
-At rest, for every live row that borrows (``_engine/spans/sharing.py``, ``_engine/spans/share.py``):
+At rest, for every live row that borrows (``_engine/spans/lending.py``, ``_engine/spans/mappings.py``):
 
 * its span is whole page units: ``SPAN_CELLS <= SPAN_TAKEN``, both multiples of the page unit,
   and ``SPAN_PHYS`` is 0 when nothing is taken;

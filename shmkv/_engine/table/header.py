@@ -51,14 +51,14 @@ Header segment ``/dev/shm/skv_NAME.h``::
     344                  1      recoveries: operations of dead processes rolled back, ever
     352                  1      allocation counter: bumped (lock held) by every change of a row's range or
                                 state and by recovery; a process's free-range cache is valid at its value
-    360                  1      span epoch: odd while a transaction changes shared prefix pages (spans/share.py),
+    360                  1      span epoch: odd while a transaction changes shared prefix pages (spans/mappings.py),
                                 bumped to even when it ends; a process re-maps when its copy is stale
     368                  1      page mark: no K/V or scale pages at or above it (free_ranges.py); 376.. zero
     512                  L bytes  layer kinds, one byte a layer (0 full, 1 sliding, 2 chunked),
                                   padded to 8 bytes
     SEQ_OFF              19 x max_seqs    sequence table, one 152-byte row a sequence
     CLIENT_OFF           4 x max_clients  client table, one 32-byte row a process
-    INDEX_OFF            4 x index slots  prefix index, one 32-byte entry a slot (see ``_engine/prefixes/prefix.py``)
+    INDEX_OFF            4 x index slots  prefix index, one 32-byte entry a slot (see ``_engine/prefixes/index.py``)
     META_OFF             65 x max_seqs    per-sequence metadata (seq.meta), one 520-byte record a row:
                                           a word with the msgpack length, then up to META_BYTES bytes
     UNDO_OFF             85 x max_seqs    undo log: one entry per row changed by the structural operation
@@ -88,9 +88,9 @@ Sequence row (int64 words)::
     11 FLAGS       bit 0 FINISHED: done, kept as a cached prefix, evictable (seq.finish());
                    bit 1 NOINDEX: blocks from IDX_BLOCKS on cannot be indexed (a token id -1, or
                    tokens moved by remove/shift_left) until a truncate below them;
-                   bit 2 DISPLACER: an index entry of this row replaced an older holder (``prefixes/prefix.py``);
-                   bit 4 STANDIN: its index entries stand for rows copied from it (see ``_engine/prefixes/prefix.py``);
-                   bits 8..10 LEADS: how many of its leads (first 1, 2, 4, 8 tokens: _prefix_hash.LEAD)
+                   bit 2 DISPLACER: an index entry of this row replaced an older holder (``prefixes/index.py``);
+                   bit 4 STANDIN: its index entries stand for rows copied from it (see ``_engine/prefixes/index.py``);
+                   bits 8..10 LEADS: how many of its leads (first 1, 2, 4, 8 tokens: prefixes/hashes.py LEAD)
                    are in the prefix index
     12 RECENCY     the recency clock's value at the last use (create, reuse as donor, finish)
     13 IDX_BLOCKS  whole 16-token blocks of this sequence that are in the prefix index
@@ -98,7 +98,7 @@ Sequence row (int64 words)::
                    give them); -1 = all of them. remove() lowers it: moved keys were re-rotated
     15 WBUF        which of the slot's two window buffers the bounded layers use (0 or 1)
     16 SPAN_PHYS   a borrower's first SPAN_CELLS cells of every full layer's K, V (int8 scales) are
-    17 SPAN_CELLS  the pages of cells SPAN_PHYS.. (_engine/spans/share.py); FLAGS bit 3 LENT: may be lent
+    17 SPAN_CELLS  the pages of cells SPAN_PHYS.. (_engine/spans/mappings.py); FLAGS bit 3 LENT: may be lent
     18 SPAN_TAKEN  cells SPAN_PHYS.. kept taken, >= SPAN_CELLS: for views after a truncate inside the span
 
 Client row: pid (for display), client key (see liveness; the row belongs to whoever holds the
@@ -113,7 +113,7 @@ multiple of ``page_unit`` are whole pages of every per-layer array, docs/design.
     tokens     [cells] int64   token id per cell (-1 = none given)
     positions  [cells] int64   position per cell
     hashes     [cells] int64   at the last cell of each whole 16-token block of a sequence:
-                                    the chained prefix hash of tokens 0..that cell (see _prefix_hash);
+                                    the chained prefix hash of tokens 0..that cell (prefixes/hashes.py);
                                     at cell j - 1 of a sequence for each indexed lead j (1, 2, 4, 8):
                                     the lead hash of its first j tokens
     WK, WV     [bounded layers, 2 * max_seqs * window_cells, kv_heads, head_dim]: sliding and

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shmkv._engine.locking import crash as _crash
-from shmkv._engine.spans import share
+from shmkv._engine.spans import mappings as share
 from shmkv._engine.table.audit import span_problems
 from shmkv._engine.table.header import (
     CAPACITY,
@@ -66,8 +66,8 @@ from shmkv._engine.table.header import (
     with_leads,
 )
 from shmkv._engine.locking.journal import Journal
-from shmkv._engine.prefixes.prefix import COVERS
-from shmkv._engine.prefixes.prefix_hash import BLOCK, lead_levels
+from shmkv._engine.prefixes.index import COVERS
+from shmkv._engine.prefixes.hashes import BLOCK, lead_levels
 from shmkv._engine.table.seqlock import HANDLE, seqlocked
 
 __all__ = ["Counters", "Occupancy", "Rows", "SequenceRow", "TableRow"]
@@ -342,7 +342,7 @@ class Rows:
         return row[START], row[CAPACITY], row[WIN_OFF]
 
     def lends(self, row: memoryview) -> bool:
-        """Whether ``row`` is flagged LENT (it may lend cells to borrowers: ``_engine/spans/sharing.py``)."""
+        """Whether ``row`` is flagged LENT (it may lend cells to borrowers: ``_engine/spans/lending.py``)."""
         return bool(row[FLAGS] & LENT)
 
     def covers(self, row: memoryview) -> bool:

@@ -41,7 +41,7 @@ from shmkv._engine.table.rows import live_slot
 from shmkv._engine.table.seqlock import SAVE, seqlocked
 
 if TYPE_CHECKING:
-    from shmkv._engine.spans.share import Shares
+    from shmkv._engine.spans.mappings import Shares
 
 T = TypeVar("T")
 

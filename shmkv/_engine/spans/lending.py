@@ -1,4 +1,4 @@
-"""Shared prefix pages, the table side (docs/design.md §11; the mappings: ``_engine/spans/share.py``).
+"""Shared prefix pages, the table side (docs/design.md §11; the mappings: ``_engine/spans/mappings.py``).
 
 A reuse of a cached prefix (``create_sequence(prefix=)``) borrows the donor's first ``m`` cells
 (``m`` a multiple of the page unit) instead of copying them: ``lend`` plans it, ``borrow``
@@ -70,7 +70,7 @@ from shmkv._engine.table.header import Offsets
 from shmkv._engine.locking.journal import Journal
 from shmkv._engine.memory.pages import Pages
 from shmkv._engine.memory.segment import Segment
-from shmkv._engine.spans.share import Shares, max_borrowers
+from shmkv._engine.spans.mappings import Shares, max_borrowers
 from shmkv.errors import CacheFullError, ShareError
 
 

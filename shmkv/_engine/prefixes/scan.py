@@ -1,4 +1,4 @@
-"""The prefix index's searches of the sequence table (``_engine/prefixes/prefix.py``): which live rows hold
+"""The prefix index's searches of the sequence table (``_engine/prefixes/index.py``): which live rows hold
 a prefix hash, found from their hashes region rather than from index entries (the rows copied
 from a source that stands for them have none: see _prefix, STANDIN). One numpy pass each.
 """
@@ -9,7 +9,7 @@ import numpy as np
 
 from shmkv._engine.table.header import (FLAGS, ID, IDX_BLOCKS, LEADS_MASK, LEADS_SHIFT, LENGTH, LIVE, RECENCY,
                                         SEQ_WORDS, START, STATE)
-from shmkv._engine.prefixes.prefix_hash import BLOCK, LEAD
+from shmkv._engine.prefixes.hashes import BLOCK, LEAD
 
 LEADMARK = 1 << 61  # in an entry's block word: a lead entry, j in the low bits
 

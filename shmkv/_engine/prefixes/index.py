@@ -3,13 +3,13 @@
 Layout: an open-addressing table in the header segment, ``INDEX_WORDS`` int64 words an entry::
 
     word  field
-    0     hash    chained hash of tokens [0, (block + 1) * 16) (see _prefix_hash); 0 = empty slot
+    0     hash    chained hash of tokens [0, (block + 1) * 16) (see hashes.py); 0 = empty slot
     1     id      sequence id of the holder
     2     slot    the holder's row in the sequence table
     3     block   which block of the holder (the hash names its first block + 1 blocks);
                   bit 62 (DISPLACED): this entry took the place of an older holder of its hash;
                   bit 61 (LEADMARK): a lead entry, the low bits are j (the hash names the
-                  holder's first j tokens, j in LEAD = 1, 2, 4, 8; see _prefix_hash.lead_hash)
+                  holder's first j tokens, j in LEAD = 1, 2, 4, 8; see hashes.lead_hash)
 
 Leads make the cache token-granular from token 0: a prompt whose shared prefix is shorter than
 one block is found through the holders of its longest lead (verified and extended token by
@@ -80,9 +80,9 @@ from shmkv._engine.table.header import (
     WIN_OFF,
     Layout,
 )
-from shmkv._engine.prefixes.prefix_hash import (BLOCK, LEAD, ROOT, PrefixHash, as_tokens, block_hashes, lead_hash,
+from shmkv._engine.prefixes.hashes import (BLOCK, LEAD, ROOT, PrefixHash, as_tokens, block_hashes, lead_hash,
                                                 lead_levels)
-from shmkv._engine.prefixes.prefix_scan import LEADMARK, copies, table_holders
+from shmkv._engine.prefixes.scan import LEADMARK, copies, table_holders
 from shmkv._engine.table.seqlock import VERIFY, seqlocked
 
 DUP = 4  # holders kept a hash
