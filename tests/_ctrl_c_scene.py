@@ -123,7 +123,7 @@ class _Holders:
     def died_holding(self, store: shmkv.Store, seq_id: int) -> None:
         if self.proc is None or self.proc.poll() is not None:
             root = os.path.dirname(os.path.dirname(shmkv.__file__))
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
             self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdin is not None and self.proc.stdout is not None

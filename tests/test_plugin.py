@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import importorskip_unless_ci
 
 import shmkv
 from shmkv._engine.table import header as _header
@@ -297,7 +298,7 @@ def test_b_last():  # (an xdist worker runs a test once it has the next one, or 
 def test_under_xdist_a_worker_never_judges_another_workers_store(pytester, tmp_path):
     """Under pytest-xdist, a store that one worker's test made through a child that died is not a
     leak of the test another worker runs meanwhile: that worker's leak check leaves it alone."""
-    pytest.importorskip("xdist")
+    importorskip_unless_ci("xdist")  # (in the dev extra: CI has it)
     name = unique_name("xdist")
     paths = dict(name=name, made=tmp_path / "made", checked=tmp_path / "checked")
     pytester.makeini("[pytest]\nshmkv_leak_check = true\n")

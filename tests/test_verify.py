@@ -5,6 +5,7 @@ when the words break it, and a store as the API leaves it has none."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from shmkv import cli
 from shmkv._engine.table.header import ENC_SLOT, GEN, ID, START, STATE, W_NEXT_ID, W_UNDO_COUNT, W_UNDO_PID
@@ -57,11 +58,12 @@ def test_each_broken_word_is_reported_and_the_rest_is_not(make_store) -> None:
     assert cli.verify(store) == []
 
 
-def test_each_broken_span_word_is_reported(make_store) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "int8"])  # a page unit of 1 cell, and of 32
+def test_each_broken_span_word_is_reported(make_store, dtype) -> None:
     """The shared pages' words (``_engine/table/audit.py``): a borrower's span and its donor's flag."""
     from shmkv._engine.table import header as h
 
-    store = make_store(layers=2, kv_heads=32, head_dim=32, dtype="float32", max_tokens=1024, max_seqs=8)
+    store = make_store(layers=2, kv_heads=32, head_dim=32, dtype=dtype, max_tokens=1024, max_seqs=8)
     prompt = list(range(1, 41))
     k = np.ones((2, 40, 32, 32), np.float32)
     donor = store.create_sequence(capacity=64, prefix=prompt)
@@ -72,6 +74,7 @@ def test_each_broken_span_word_is_reported(make_store) -> None:
     e = engine_of(store)
     unit = e.page_unit
     d, b, o = e.row(e.slot_of(donor.id)), e.row(e.slot_of(borrower.id)), e.row(e.slot_of(other.id))
+    assert unit == (1 if dtype == "float32" else 32), unit
     assert b[h.SPAN_CELLS] >= unit and b[h.SPAN_PHYS] == d[h.START] and d[h.FLAGS] & h.LENT, "no span to break"
     assert cli.verify(store) == []
 
@@ -87,13 +90,13 @@ def test_each_broken_span_word_is_reported(make_store) -> None:
 
     reported(d, h.FLAGS, d[h.FLAGS] & ~h.LENT, f"sequence {donor.id} lends cells")
     reported(b, h.SPAN_TAKEN, b[h.SPAN_CELLS] - 1, "not whole page units")
-    if unit > 1:
+    if unit > 1:  # (int8)
         reported(b, h.SPAN_TAKEN, b[h.SPAN_TAKEN] + 1, "not whole page units")
     reported(b, h.LENGTH, b[h.SPAN_CELLS] - 1, f"holds {b[h.SPAN_CELLS] - 1} tokens")
-    reported(b, h.SPAN_PHYS, o[h.START] + unit, f"overlap the range [{o[h.START]}, {o[h.START] + o[h.CAPACITY]})")
+    reported(b, h.SPAN_PHYS, o[h.START] + 1, f"overlap the range [{o[h.START]}, {o[h.START] + o[h.CAPACITY]})")
     reported(b, h.SPAN_PHYS, o[h.START], f"sequence {other.id} lends cells")  # (taken for its owner)
     reported(b, h.SPAN_PHYS, b[h.START], "inside its own range")
-    reported(b, h.SPAN_PHYS, e.cells - unit, "outside the arena")
+    reported(b, h.SPAN_PHYS, e.cells - 1, "outside the arena")
     reported(b, h.SPAN_TAKEN, d[h.CAPACITY] + unit, "run past its owner")
     words = [b[w] for w in (h.SPAN_PHYS, h.SPAN_CELLS, h.SPAN_TAKEN)]
     b[h.SPAN_PHYS], b[h.SPAN_CELLS], b[h.SPAN_TAKEN] = unit, 0, 0
