@@ -206,16 +206,23 @@ def test_rm_refuses_a_store_with_live_writers_unless_forced(live_owner):
 
 
 @pytest.mark.slow
+def _ls_line(name: str) -> str:
+    """``shmkv ls``'s line for store ``name``; a failure names what of the store is left in /dev/shm."""
+    r = shmkv_cmd("ls")
+    lines = [x for x in r.stdout.splitlines() if x.startswith(f"{name}:")]
+    assert lines, (f"`shmkv ls` has no line for {name}; its files now: "
+                   f"{sorted(f for f in shm_entries() if name in f)}; ls said: {r.stdout!r} {r.stderr!r}")
+    return lines[0]
+
+
 def test_ls_says_who_keeps_a_store_alive(live_owner):
     name, child = live_owner
-    r = shmkv_cmd("ls")
-    line = next(x for x in r.stdout.splitlines() if x.startswith(f"{name}:"))
+    line = _ls_line(name)
     assert f"creator {child.pid} alive" in line and "would remove" not in line
     row = next(x for x in json.loads(shmkv_cmd("ls", "--json").stdout) if x["name"] == name)
     assert row["creator_alive"] is True and row["live_clients"] == [child.pid] and row["gc_removes"] is False
     child.kill()  # SIGKILL: the creator cannot remove its store; gc would
-    r = shmkv_cmd("ls")
-    line = next(x for x in r.stdout.splitlines() if x.startswith(f"{name}:"))
+    line = _ls_line(name)
     assert f"creator {child.pid} dead, no live clients (`shmkv gc` would remove it)" in line
     row = next(x for x in json.loads(shmkv_cmd("ls", "--json").stdout) if x["name"] == name)
     assert row["creator_alive"] is False and row["live_clients"] == [] and row["gc_removes"] is True
