@@ -141,6 +141,29 @@ def test_both_paths_equal_the_reference_on_a_prefill(path, dtype, make_store):
 
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_read_only_input_quantizes_as_writable_input_and_stays_unchanged(path, dtype, make_store):
+    """K/V the caller cannot write (a frombuffer array, a read-only view): the same codes and
+    scales as the reference, by quantize_into, an extend and a decode step, the input untouched
+    (the edge rows take the subnormal-scale loop too)."""
+    x = _edge_rows(dtype, 32)
+    x.flags.writeable = False
+    before = x.copy()
+    want_q, want_s, _ = reference(x)
+    q, s = _quantize(x)
+    np.testing.assert_array_equal(_bits(q), _bits(want_q))
+    np.testing.assert_array_equal(_bits(s), _bits(want_s))
+    store = make_store(layers=1, kv_heads=len(x), head_dim=32, dtype="int8", max_tokens=64, max_seqs=2)
+    seq = store.create_sequence(capacity=8)
+    kv = x.reshape(1, 1, len(x), 32)
+    seq.extend(kv, kv)
+    seq.append(0, x, x)
+    seq.commit()
+    want_k = want_q.astype(np.float32) * want_s[:, None]
+    for t in range(2):
+        np.testing.assert_array_equal(_bits(seq.keys(0)[t]), _bits(want_k))
+    np.testing.assert_array_equal(_bits(x), _bits(before))
+
 def _within_the_codec_bound(x: np.ndarray, got: np.ndarray) -> None:
     """quant's documented error: |dequantized - x| <= absmax / 254 per row, up to float32
     rounding of the scale (as tests/test_quant.py bounds it)."""

@@ -200,20 +200,37 @@ def _row_scale(am: float, tmp: np.ndarray, tmpi: np.ndarray) -> np.float32:  # p
     return s
 
 
+@_inline
+def _low_code(x: Any, safe: Any) -> Any:  # pragma: no cover
+    """A value's code (as a float32) for a subnormal or zero scale: clipped, as numpy's path."""
+    q = np.rint(x / safe)
+    return min(max(q, np.float32(-127)), np.float32(127))
+
+
 @_jit
-def _code_low(row: np.ndarray, am: float, codes: np.ndarray, tmp: np.ndarray, tmpi: np.ndarray,  # noqa: PLR0917
-              back: bool) -> np.float32:  # pragma: no cover
-    """A row whose scale is subnormal or zero into ``codes`` (and, if ``back``, its dequantized
-    values into ``row``): clipped, divided by 1 for a zero row, as numpy's path. Rare: a call of
-    its own, out of the common loop."""
+def _code_low(row: np.ndarray, am: float, codes: np.ndarray, tmp: np.ndarray,
+              tmpi: np.ndarray) -> np.float32:  # pragma: no cover
+    """A row whose scale is subnormal or zero into ``codes``, divided by 1 for a zero row.
+    Rare: a call of its own, out of the common loop. ``row`` is only read (it may be the
+    caller's read-only array)."""
     s = _row_scale(am, tmp, tmpi)
     safe = s if s > _ZERO else _ONE
     for j in range(row.size):
-        q = np.rint(row[j] / safe)
-        q = min(max(q, np.float32(-127)), np.float32(127))
+        codes[j] = np.int8(_low_code(row[j], safe))
+    return s
+
+
+@_jit
+def _code_low_back(row: np.ndarray, am: float, codes: np.ndarray, tmp: np.ndarray,
+                   tmpi: np.ndarray) -> np.float32:  # pragma: no cover
+    """``_code_low``, with the row's dequantized values written back into ``row`` (a mirror's;
+    a -0.0 code keeps its sign, as numpy's path)."""
+    s = _row_scale(am, tmp, tmpi)
+    safe = s if s > _ZERO else _ONE
+    for j in range(row.size):
+        q = _low_code(row[j], safe)
         codes[j] = np.int8(q)
-        if back:
-            row[j] = q * safe
+        row[j] = q * safe
     return s
 
 
@@ -225,7 +242,7 @@ def _code(row: np.ndarray, mb: Any, codes: np.ndarray, tmp: np.ndarray, tmpi: np
         for j in range(row.size):
             codes[j] = np.int8(np.int32(np.rint(row[j] / s)))
         return s
-    return _code_low(row, _f32(mb), codes, tmp, tmpi, False)
+    return _code_low(row, _f32(mb), codes, tmp, tmpi)
 
 
 @_jit
@@ -249,7 +266,7 @@ def quantize_f16(src: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:
                 cd[j] = np.int8(np.int32(np.rint(_f16(row[j]) / sc)))
         else:
             _f16_row(row, buf)
-            sc = _code_low(buf, am, cd, tmp, tmpi, False)
+            sc = _code_low(buf, am, cd, tmp, tmpi)
         scales[r] = sc
     return -1
 
@@ -365,7 +382,7 @@ def commit_rows(M: np.ndarray, t0: int, n: int, K: np.ndarray, V: np.ndarray,  #
                         cd[j] = np.int8(np.int32(q))
                         row[j] = q * sc  # what dequantize_int8 gives for it
                 else:
-                    sc = _code_low(row, _f32(mb), cd, tmp, tmpi, True)
+                    sc = _code_low_back(row, _f32(mb), cd, tmp, tmpi)
                 scales[lay * sstride + (s + t) * H + h] = sc
                 r += 1
     return -1
