@@ -17,6 +17,7 @@ Used by tests/test_ctrl_c_everywhere.py; usable by hand:
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import signal
@@ -41,12 +42,19 @@ OPS = ("decode", "decode_moved", "extend", "extend_grow", "truncate_plain", "tru
 
 
 def kv(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """K and V of ``tokens`` for every layer: [L, n, H, D]."""
+    """K and V of ``tokens`` for every layer: [L, n, H, D] (read-only: made once a token list)."""
+    return _kv(tuple(tokens))
+
+
+@functools.lru_cache(maxsize=256)
+def _kv(tokens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     t = np.asarray(tokens, dtype=np.float32)
     k = np.empty((L, len(t), H, D), np.float32)
     for layer in range(L):
         k[layer] = (4 * t + layer)[:, None, None]
-    return k, -k
+    v = -k
+    k.flags.writeable = v.flags.writeable = False
+    return k, v
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> bool:
@@ -99,24 +107,44 @@ import sys
 
 import shmkv
 
-for line in sys.stdin:  # "store-name sequence-id": a forked child takes that lease and dies holding it
-    name, seq_id = line.split()
+
+def ready():  # a child forked ahead of its request (the fork is off the test's path): it reads
+    # "store-name sequence-id" from its pipe, takes that lease and dies holding it
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.close(w)
         code = 1
         try:
-            shmkv.attach(name).sequence(int(seq_id), write=True)
-            code = 0
+            line = os.read(r, 4096).decode()
+            if line:
+                name, seq_id = line.split()
+                shmkv.attach(name).sequence(int(seq_id), write=True)
+                code = 0
         finally:
             os._exit(code)
+    os.close(r)
+    return pid, w
+
+
+child = ready()
+for line in sys.stdin:
+    pid, w = child
+    os.write(w, line.encode())
+    os.close(w)
     _, status = os.waitpid(pid, 0)
     print(os.waitstatus_to_exitcode(status), flush=True)
+    child = ready()
+pid, w = child
+os.close(w)  # the waiting child reads nothing and exits
+os.waitpid(pid, 0)
 """
 
 
 class _Holders:
     """A small process (shmkv and numpy imported, nothing else) that forks the leaseholders that
-    die: a fork of this one costs half of what a fork of a test process that imported torch does."""
+    die: a fork of this one costs half of what a fork of a test process that imported torch does,
+    and it forks the next one while the test runs its trial."""
 
     proc: subprocess.Popen[str] | None = None
 
