@@ -1,6 +1,7 @@
 """``shmkv verify`` (``cli.verify``) reads the table and the header through the engine's typed
-accessors (``Rows.table_rows``, ``undo_log``, ``next_id``): each invariant it checks is reported
-when the words break it, and a store as the API leaves it has none."""
+accessors (``Rows.table_rows``: the rows and their span words from one copy; ``undo_log``,
+``next_id``): each invariant it checks is reported when the words break it, and a store as the
+API leaves it has none."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ def verify(store: Store) -> list[str]:
     if pending:
         problems.append(f"a structural operation of pid {pid} left {pending} row(s) to roll back (it died, or is "
                         "running now): `shmkv verify --repair NAME` (or any structural operation) rolls it back")
-    table = engine.rows.table_rows()
+    table, span_problems = engine.rows.table_rows(engine.cells)  # one copy of the table
     live = [r for r in table if r.kind == "live"]
     if any(r.kind == "unknown" for r in table):
         problems.append("a sequence slot has an unknown state")
@@ -42,7 +42,7 @@ def verify(store: Store) -> list[str]:
         if sid >= next_id or sid < 1:
             problems.append(f"sequence {sid}: id not below next id {next_id}")
         ranges.append((start, cap, f"sequence {sid}"))
-    problems += engine.rows.span_problems(engine.cells)
+    problems += span_problems
     ids = [r.id for r in live]
     if len(set(ids)) != len(ids):
         problems.append("sequence ids repeat")

@@ -415,16 +415,14 @@ class Rows:
         return Counters(int(hdr[W_GENERATION]), int(hdr[W_PREFIX_HITS]), int(hdr[W_PREFIX_MISSES]),
                         int(hdr[W_PREFIX_REUSED]), int(hdr[W_EVICTIONS]))
 
-    def table_rows(self) -> list[TableRow]:
-        """Every row of the sequence table, in table order, as it is (one copy; no lock: a
-        check of what is there, ``shmkv verify``)."""
+    def table_rows(self, cells: int) -> tuple[list[TableRow], list[str]]:
+        """Every row of the sequence table, in table order, and what its span words break of
+        their rules at rest (``_engine/table/audit.py``), both from one copy of the table read
+        without the lock (a check of what is there: ``shmkv verify``)."""
+        table = self.table_np.copy()
+        spans = span_problems(table, int(self.hdr[W_SPANS]), self._page_unit, cells)
         return [TableRow(_KINDS.get(r[STATE], "unknown"), r[ID], r[START], r[CAPACITY], r[LENGTH], r[GEN], r[WIN_OFF])
-                for r in self.table_np.tolist()]
-
-    def span_problems(self, cells: int) -> list[str]:
-        """What the table's span words break of their rules at rest, one copy of the table read
-        without the lock (``_engine/table/audit.py``; ``shmkv verify``)."""
-        return span_problems(self.table_np.copy(), int(self.hdr[W_SPANS]), self._page_unit, cells)
+                for r in table.tolist()], spans
 
     def undo_log(self) -> tuple[int, int]:
         """(the rows the undo log holds, the pid of the process whose transaction logged them):
