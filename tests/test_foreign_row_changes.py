@@ -572,7 +572,7 @@ def test_a_foreign_entry_keeps_the_lock_free_words_and_a_whole_change_puts_them_
     """Journal invariant 10 at its source. A row changed as another writer's (``foreign``) and
     rolled back keeps the LENGTH and LEASE_PID its holder wrote meanwhile; once the same
     transaction changes that row as a whole (not foreign), its rollback puts every word back
-    but a release of the lease (``lease.with_release``)."""
+    but a release of the lease (``lease.keeping_release``)."""
     from shmkv._engine.table.header import LENGTH
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)

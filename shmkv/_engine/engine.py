@@ -70,7 +70,7 @@ __all__ = ["Engine"]
 _LAZY = frozenset((
     "K", "V", "tokens", "positions", "_hashes", "meta", "index", "Kl", "Vl", "KS", "VS", "KSl", "VSl",
     "pages", "arena", "spans", "rows", "snapshot_rows",
-    "room", "settle", "owes", "before_appends", "file_copier", "write_new", "reserve_window",
+    "room", "settle", "any_owed", "before_appends", "file_copier", "write_new", "reserve_window",
     "free_tokens", "free_ranges", "alloc", "new_row", "free_row", "wcell", "index_blocks", "unindexing",
     "set_encoder", "drop_encoder", "lend", "borrow", "lent_end", "move_lender",
     "shared_cells", "held_cells", "retained_cells", "committed_held", "touch",
@@ -156,13 +156,13 @@ class Engine(Core):
             name=name, off=off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
             free=free, journal=journal, pages=pages, alloc=arena.alloc)
         rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=v.meta, clients_np=self.clients_np,
-                    journal=journal, owes=pages.owes, page_unit=off.page_unit)
+                    journal=journal, any_owed=pages.any_owed, page_unit=off.page_unit)
         snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
                                      reading=journal.reading, settled_row=journal.settled_row)
         (self.K, self.V, self.tokens, self.positions, self._hashes, self.meta, self.index, self.Kl, self.Vl,
          self.KS, self.VS, self.KSl, self.VSl,
          self.pages, self.arena, self.spans, self.rows, self.snapshot_rows,
-         self.room, self.settle, self.owes, self.before_appends,
+         self.room, self.settle, self.any_owed, self.before_appends,
          self.file_copier, self.write_new, self.reserve_window,
          self.free_tokens, self.free_ranges, self.alloc, self.new_row, self.free_row, self.wcell,
          self.index_blocks, self.unindexing, self.set_encoder, self.drop_encoder,
@@ -170,7 +170,7 @@ class Engine(Core):
          self.shared_cells, self.held_cells, self.retained_cells, self.committed_held,
          self.touch) = (
             *v, pages, arena, spans, rows, snapshot_rows,
-            pages.room, pages.settle, pages.owes, pages.before_appends,
+            pages.room, pages.settle, pages.any_owed, pages.before_appends,
             pages.file_copier, pages.write_new, pages.reserve_window,
             arena.free_tokens, arena.free_ranges, arena.alloc, arena.new_row, arena.free_row, arena.wcell,
             arena.index_blocks, arena.unindexing, arena.set_encoder, arena.drop_encoder,

@@ -38,14 +38,14 @@ from shmkv.errors import CacheFullError
 if TYPE_CHECKING:
     from shmkv._sequence.reader import SeqReader
 
-__all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "Roomed", "chunk", "grow", "leave_loans", "limits", "make_room",
+__all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "GrowingWriter", "chunk", "grow", "leave_loans", "limits", "make_room",
            "mind_loans"]
 
 MIN_CHUNK = 64  # cells
 MAX_CHUNK_BYTES = 64 << 20
 
 
-class Roomed(Protocol):
+class GrowingWriter(Protocol):
     """What of a write handle (``SeqWriter``) these functions use."""
 
     port: Port
@@ -73,7 +73,7 @@ def chunk(capacity: int, page_unit: int, cell_bytes: int) -> int:
     return max(MIN_CHUNK, page_unit, min(capacity // 8, MAX_CHUNK_BYTES // max(cell_bytes, 1)))
 
 
-def limits(w: Roomed, cap: int, woff: int, room: int | None = None) -> list[int]:
+def limits(w: GrowingWriter, cap: int, woff: int, room: int | None = None) -> list[int]:
     """The token index limit of each layer: the capacity bounds every layer (token ids and
     positions need a cell even where only sliding/chunked layers hold K/V), the window buffer
     bounds those, and the room (pages allocated: ``room``, or the handle's) bounds them all."""
@@ -83,7 +83,7 @@ def limits(w: Roomed, cap: int, woff: int, room: int | None = None) -> list[int]
     return [full if f else win for f in w.isfull]
 
 
-def make_room(w: Roomed, end: int) -> None:
+def make_room(w: GrowingWriter, end: int) -> None:
     """Allocate the pages for tokens up to ``end`` (within the capacity) and the chunk after
     them, before an append writes there (CacheFullError from here: nothing written)."""
     row, rows = w.row, w.r.rows
@@ -106,7 +106,7 @@ def make_room(w: Roomed, end: int) -> None:
         w.room = hi
 
 
-def mind_loans(w: Roomed) -> None:
+def mind_loans(w: GrowingWriter) -> None:
     """After the handle's own structural change of a row that lends (lock held): when it now
     holds fewer tokens than it lent cells (it could not move: ``_engine/spans/lending.py``), its
     room stops at its length, so its next append goes through ``leave_loans`` first."""
@@ -122,7 +122,7 @@ def mind_loans(w: Roomed) -> None:
                 w.room = length
 
 
-def grow(w: Roomed, needed: int) -> None:
+def grow(w: GrowingWriter, needed: int) -> None:
     """Give the sequence room for ``needed`` tokens (a structural change; pending tokens stay)."""
     p = w.port
     if needed > p.layout.max_tokens:  # refused before anything moves or grows
@@ -144,7 +144,7 @@ def grow(w: Roomed, needed: int) -> None:
             Int8Mirror.moved(w, rows.generation(row))
 
 
-def leave_loans(w: Roomed) -> None:
+def leave_loans(w: GrowingWriter) -> None:
     """Before a write past the length of a row flagged LENT: when cells it lent lie there, move
     it to a fresh range first (CacheFullError while none is free: nothing written, nothing
     moved). Its pending tokens move with it."""

@@ -5,7 +5,7 @@ the row's seqlock generation odd while it changes, the handle's addressing refre
 Each writes its result where no row points (a fresh range, the other window buffer) and
 switches the row to it at the end, so a crash at any point leaves the sequence as it was
 (crash recovery: see ``_engine/locking/journal.py``). They also keep the prefix-index words of the row right
-(``unindex_from``; the engine's ``Rows.taint``).
+(``unindex_from``; the engine's ``Rows.mark_unfaithful_from``).
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def structural(w: SeqWriter, what: str) -> Structural:
 
 def unindex_from(w: SeqWriter, row: memoryview, n: int) -> None:
     """The sequence keeps only its first n tokens (lock held): blocks past them leave the index
-    (their entries become invalid; holders they stood for get their own first), and a taint past
-    them is gone."""
+    (their entries become invalid; holders they stood for get their own first), and a mark of
+    changed tokens (``Rows.mark_unfaithful_from``) past them is gone."""
     flags = row[FLAGS]
     if flags & COVERS:
         w.port.unindexing(w.slot, n)
@@ -167,7 +167,7 @@ def shift_left(w: SeqWriter, n: int) -> None:
         _crash.point("shift_left.copied")
         rows.switch_range(row, new_start, wb, length - n, max(0, woff - n))
         if n:  # token 0 no longer sits at position 0: no longer a donor
-            rows.taint(row, 0)
+            rows.mark_unfaithful_from(row, 0)
 
 
 def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
@@ -228,7 +228,7 @@ def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
         _crash.point("remove.copied")
         rows.switch_range(row, new_start, wb, length - (end - begin))
         # the moved tokens were computed with the removed ones in context: not a prefix to reuse
-        rows.taint(row, begin)
+        rows.mark_unfaithful_from(row, begin)
 
 
 def set_tokens(w: SeqWriter, tokens: Any, begin: Any) -> None:

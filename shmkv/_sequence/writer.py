@@ -92,7 +92,7 @@ class SeqWriter:
         self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
         self.pending = [0] * self.L
         self.gen = -1
-        self.length = -1  # the committed length this handle knows (kept())
+        self.length = -1  # the committed length this handle knows (addressing_kept())
         self.start = 0
         self.base: list[int] = []  # per layer: cell of token 0
         self.lim: list[int] = []  # per layer: token index limit
@@ -119,7 +119,7 @@ class SeqWriter:
 
         Token i of a full layer is cell ``start + i``; of a sliding/chunked layer,
         cell ``slot * window_cells + i - woff`` of that layer's window region.
-        Also what kept() compares: the length, this process's count of changes of the row.
+        Also what addressing_kept() compares: the length, this process's count of changes of the row.
 
         Everything is worked out first and assigned in one statement, with no call between the
         stores (a Ctrl-C is raised only at a call, a function's entry or a backward jump): the
@@ -197,7 +197,7 @@ class SeqWriter:
                 f"{what}: the lease on sequence {self.id} was taken over (pid {row[LEASE_PID]}); "
                 "this handle is now read-only"
             )
-        if row[GEN] != self.gen and kept(self, row):
+        if row[GEN] != self.gen and addressing_kept(self, row):
             g = row[GEN]  # someone lent from us or copied our borrowed cells: cells stay (not mapped: no gen)
             Int8Mirror.moved(self, g if not g & 1 and remap(self) else -1)
         elif row[GEN] != self.gen:
@@ -436,7 +436,7 @@ def unindexable(w: SeqWriter, row: memoryview) -> None:
         pass
 
 
-def kept(w: SeqWriter, row: memoryview) -> bool:
+def addressing_kept(w: SeqWriter, row: memoryview) -> bool:
     """Whether a change someone else made to ``w``'s row left its range, window buffer and
     length where they were: another process borrowed from it (the LENT flag), or did and
     rolled it back (an exception, or a recovery after its death: the flag is back as it was,
@@ -455,7 +455,7 @@ def kept(w: SeqWriter, row: memoryview) -> bool:
 
 
 def remap(w: SeqWriter) -> bool:
-    """After a kept() change: this attachment follows the span table before append's views (or
+    """After an addressing_kept() change: this attachment follows the span table before append's views (or
     an int8 mirror) read the row (no change by another process alters a borrower's span since
     a donor stopped giving its borrowers private copies; kept as the rule). Without waiting:
     while the change is open (the span epoch odd: the rows' end comes before the epoch's,

@@ -10,7 +10,7 @@ token has no live handle here belongs to a handle that was dropped without
 A row's lease and its states (as the journal's, ``_engine/locking/journal.py``)::
 
     none      LEASE_PID 0 (LEASE_CLIENT and LEASE_TOKEN keep the last holder's, for a rollback's
-              comparison: ``with_release``)
+              comparison: ``keeping_release``)
     held      LEASE_PID, LEASE_CLIENT, LEASE_TOKEN: a live write handle's
     orphaned  held, by a client whose byte of the liveness file is free (its process died), or
               by this process under a token no live handle has (dropped without release())
@@ -24,7 +24,7 @@ A row's lease and its states (as the journal's, ``_engine/locking/journal.py``):
 Who may take it is one question, asked under the lock: ``Core._lease_holder`` (alive: this
 process's handle of that token lives, or another client's byte is locked). A release writes one
 word without the lock; a rollback of a change that logged the row before the release keeps it
-released (``with_release``, journal invariant 10).
+released (``keeping_release``, journal invariant 10).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def release_row(row: memoryview, token: int, pid: int, epoch: int) -> None:
             pass
 
 
-def with_release(logged: list[int], row: Any) -> list[int]:
+def keeping_release(logged: list[int], row: Any) -> list[int]:
     """``logged`` (a row's words in the undo log) with LEASE_PID 0 when that lease was released
     since (its holder zeroes LEASE_PID without the lock: same state, same token). Every rollback
     keeps a release, also of this process's own change of its own leased row (journal

@@ -57,7 +57,7 @@ Invariants (each names the function that keeps it):
     them even while the row is odd (``writer.kept``), so a rollback restoring the logged
     words would undo a commit that returned, or give back a lease that was released
     (``_put_back``, ``settled_row`` skip them for such entries; any rollback keeps a release:
-    ``lease.with_release``).
+    ``lease.keeping_release``).
 
 Token ids, positions and hashes go with the cells (1). Counters (hits, evictions), the
 recency clock, the next id and the prefix index are not rolled back: statistics, ids
@@ -76,7 +76,7 @@ from shmkv._engine.table import header as _header
 from shmkv._engine.table.header import (CAPACITY, FLAGS, GEN, LEASE_PID, LENGTH, LENT, SEQ_WORDS, SPAN_TAKEN, START,
                                         STATE)
 from shmkv._engine.locking.interrupts import critical
-from shmkv._engine.clients.lease import with_release
+from shmkv._engine.clients.lease import keeping_release
 from shmkv._engine.locking.lock import StoreLock
 from shmkv._engine.table.seqlock import odd_rows
 
@@ -189,7 +189,7 @@ class Journal:
                     if self._undo_np[i, 0] & _LENGTH_KEPT:  # (invariant 10)
                         for w in LOCK_FREE:
                             logged[w] = int(self.table_np[slot, w])
-                    return with_release(logged, self.table_np[slot])
+                    return keeping_release(logged, self.table_np[slot])
         words: list[int] = self.table_np[slot].tolist()
         return words
 
@@ -312,7 +312,7 @@ class Journal:
             gen = max(int(entry[1 + GEN]), int(t[slot, GEN])) | 1
             row = self.row(slot)
             row[GEN] = gen  # odd while it is put back
-            words = with_release(entry[1 : 1 + SEQ_WORDS].tolist(), row)
+            words = keeping_release(entry[1 : 1 + SEQ_WORDS].tolist(), row)
             for w, v in enumerate(words):
                 if w not in keep:
                     row[w] = v

@@ -152,10 +152,10 @@ class Pages:
 
     def before_appends(self, start: int, count: int) -> None:
         """A write handle's first write other than extend: pre-fault what is owed of its range."""
-        if self.owes(start, count):
+        if self.any_owed(start, count):
             self.fill(start, count)
 
-    def owes(self, start: int, count: int) -> bool:
+    def any_owed(self, start: int, count: int) -> bool:
         """Whether any cell of [start, start + count) is owed (see reserve)."""
         return overlaps(self._owed, start, start + count)
 
@@ -209,7 +209,7 @@ class Pages:
 
     def _not_new(self, start: int, cap: int) -> bool:
         """write_new does not apply: the appends that write instead go through the mapping."""
-        if self.owes(start, cap):
+        if self.any_owed(start, cap):
             self.fill(start, cap)
         return False
 

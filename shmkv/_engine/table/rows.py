@@ -139,14 +139,15 @@ class Rows:
     table, meta and client-table views, and the journal's and the pages' operations it calls."""
 
     def __init__(self, *, layout: Layout, hdr: memoryview, table_np: np.ndarray, meta: np.ndarray,
-                 clients_np: np.ndarray, journal: Journal, owes: Callable[[int, int], bool], page_unit: int) -> None:
+                 clients_np: np.ndarray, journal: Journal, any_owed: Callable[[int, int], bool],
+                 page_unit: int) -> None:
         self.layout = layout
         self.hdr = hdr
         self.table_np = table_np
         self.meta = meta
         self.clients_np = clients_np
         self.journal = journal
-        self._owes = owes
+        self._any_owed = any_owed
         self._page_unit = page_unit
 
     def touch(self, row: memoryview) -> None:
@@ -216,7 +217,7 @@ class Rows:
         its seqlock (after its handle was made) sends the handle's first write down its checked
         path, where a prefill (extend) writes through the descriptor and appends pre-fault the
         range first."""
-        if self._owes(row[START], row[CAPACITY]):
+        if self._any_owed(row[START], row[CAPACITY]):
             row[GEN] += 2
 
     # -- a write lease ---------------------------------------------------------------------
@@ -308,7 +309,7 @@ class Rows:
             row[WIN_OFF] = woff
         row[LENGTH] = length
 
-    def taint(self, row: memoryview, n: int) -> None:
+    def mark_unfaithful_from(self, row: memoryview, n: int) -> None:
         """Tokens from ``n`` on are no faithful prefix computation any more (row changing):
         ``CLEAN`` at most ``n``, no index blocks or leads past it, no block from here on
         indexable (NOINDEX) until a truncate below it."""
