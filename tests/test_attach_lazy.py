@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from _prefix_children import check, serve, serve_and_finish
+from procs.prefix import check, serve, serve_and_finish
 
 import shmkv
 from shmkv._engine.memory import segment as _segment

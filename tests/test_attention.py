@@ -353,7 +353,7 @@ def test_encoder_cache(make_store, tmp_path, dtype):
 def test_sliding_layer_read_by_another_process_while_compacting(make_store, method):
     from shmkv.testing import start_in_process
 
-    from _children import sliding_reader, sliding_writer
+    from procs.store_ops import sliding_reader, sliding_writer
 
     # big cells and windows: copies long enough that reads and compactions do overlap
     store = make_store(layers=2, kv_heads=8, head_dim=128, dtype="float32", layer_types=["full", "sliding"],

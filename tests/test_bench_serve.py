@@ -102,7 +102,7 @@ def test_await_prefix_sleeps_until_another_processes_prefill_commits(tmp_path):
     """A worker whose prompt shares a prefix with another process's prefill in progress sleeps on that
     sequence and wakes when the prefill commits with its ids: the store then holds the shared prefix."""
     import numpy as np
-    from _serve_children import await_then_match
+    from procs.serve import await_then_match
     from test_wait import wait_for_file
 
     import shmkv

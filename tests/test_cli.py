@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from _cli_children import own_store
+from procs.cli import own_store
 
 import shmkv
 from shmkv import cli

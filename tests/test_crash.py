@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import pytest
-from _crash_children import LAYOUT, base, fill, layout_for, op, prepare, state, stress
+from procs.crash import LAYOUT, base, fill, layout_for, op, prepare, state, stress
 
 import shmkv
 from shmkv._engine.locking import crash as _crash
@@ -84,7 +84,7 @@ def test_killed_at_every_crash_point(make_store, tmp_path, point):
     before = state(store)
     assert before == before_ref
     env = {**os.environ, "SHMKV_CRASH_AT": point, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_crash_children.py"), store.name, point,
+    r = subprocess.run([sys.executable, os.path.join(HERE, "procs", "crash.py"), store.name, point,
                         json.dumps(ids), snap], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, f"{point} was not reached: exit {r.returncode}\n{r.stderr[-3000:]}"
     with store.transaction():  # the next lock holder recovers
@@ -146,7 +146,7 @@ def test_random_kills_of_a_writer_doing_mixed_operations(make_store, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("lock_timeout", [30.0, 0.01])
 def test_reader_on_a_read_only_attachment_through_long_structural_operations(make_store, lock_timeout):
-    from _crash_children import copier, reader
+    from procs.crash import copier, reader
 
     n = 16384  # 64 MiB a copy: long enough that reads land inside copies
     store = make_store(layers=2, kv_heads=8, head_dim=64, dtype="float32", max_tokens=4 * n + 64, max_seqs=4)
@@ -177,7 +177,7 @@ def test_verify_reports_a_dead_operation_and_repair_rolls_it_back(make_store, tm
     ids = base(store)
     env = {**os.environ, "SHMKV_CRASH_AT": "remove.copied",
            "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_crash_children.py"), store.name, "remove.copied",
+    r = subprocess.run([sys.executable, os.path.join(HERE, "procs", "crash.py"), store.name, "remove.copied",
                         json.dumps(ids), str(tmp_path / "x")], env=env, capture_output=True, timeout=120)
     assert r.returncode == -signal.SIGKILL
     shmkv_bin = os.path.join(os.path.dirname(sys.executable), "shmkv")

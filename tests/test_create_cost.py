@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _prefix_children import check, serve
+from procs.prefix import check, serve
 
 import _namespaces
 from shmkv._engine.table import header as _header
@@ -221,7 +221,7 @@ def test_a_request_the_reading_cannot_grant_reads_the_room_again(monkeypatch):
         seg.unlink()
 
 
-CHILD = str(Path(__file__).with_name("_room_cache_child.py"))
+CHILD = str(Path(__file__).parent / "procs" / "room_cache.py")
 
 
 def test_a_dev_shm_filled_right_after_a_reading_refuses_cleanly():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _prefix_children import check, kv_for
+from procs.prefix import check, kv_for
 
 import shmkv
 from shmkv._engine.spans import mappings as share

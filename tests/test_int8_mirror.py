@@ -11,7 +11,7 @@ import pytest
 import shmkv
 from shmkv._sequence import quant as _quant
 from shmkv.testing import start_in_process
-from tests._int8_children import take_over_and_write
+from procs.int8 import take_over_and_write
 
 SEED = 2424
 L, H, D = 3, 2, 16

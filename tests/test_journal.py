@@ -4,7 +4,7 @@ Ctrl-C on the lock path, ids never reused.
 The crash matrix: a child is SIGKILLed at every crash point (shmkv._engine.locking.crash.POINTS);
 the killed store's segments are copied once (its image), and each first lock holder runs
 on a fresh copy of that image: the store equals the state before the operation or after
-it (every cell the K/V of its token id: _crash_children.state), generations are even,
+it (every cell the K/V of its token id: procs.crash.state), generations are even,
 `verify` is clean, and later appends and commits are seen. The same scenarios as
 tests/test_crash.py, plus a sequence X that this process leases (so that a truncate or a
 copy_prefix can be the first holder) and leaves out of the comparison.
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 import pytest
-from _crash_children import LAYOUT, base, fill, layout_for, op, prepare, state
+from procs.crash import LAYOUT, base, fill, layout_for, op, prepare, state
 
 import shmkv
 from shmkv import cli
@@ -34,7 +34,7 @@ from shmkv.store import _lifecycle
 from shmkv.testing import unique_name
 
 HERE = os.path.dirname(__file__)
-POINTS = _crash.POINTS  # every one: _crash_children.op runs an operation through each
+POINTS = _crash.POINTS  # every one: procs.crash.op runs an operation through each
 HOLDERS = ("transaction", "create_sequence", "create_sequence_prefix", "truncate", "copy_prefix", "restore",
            "save", "save_readonly", "read_readonly", "lease_takeover", "attach_verify", "verify_repair", "gc")
 
@@ -194,7 +194,7 @@ def test_crash_matrix(make_store, tmp_path):
         assert _without(state(store), x.id) == before
         env = {**os.environ, "SHMKV_CRASH_AT": point,
                "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        r = subprocess.run([sys.executable, os.path.join(HERE, "_crash_children.py"), store.name, point,
+        r = subprocess.run([sys.executable, os.path.join(HERE, "procs", "crash.py"), store.name, point,
                             json.dumps(ids), snap], env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == -signal.SIGKILL, f"{point} was not reached: exit {r.returncode}\n{r.stderr[-3000:]}"
         img = _image(store.name)
@@ -306,7 +306,7 @@ def test_a_read_only_save_after_a_crash_records_the_rolled_back_state(make_store
     before = state(store)
     env = {**os.environ, "SHMKV_CRASH_AT": "truncate.row",
            "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_crash_children.py"), store.name, "truncate.row",
+    r = subprocess.run([sys.executable, os.path.join(HERE, "procs", "crash.py"), store.name, "truncate.row",
                         json.dumps(ids), str(tmp_path / "x")], env=env, capture_output=True, timeout=120)
     assert r.returncode == -signal.SIGKILL
     path = str(tmp_path / "ro.shmkv")
@@ -330,7 +330,7 @@ def test_sigints_never_leave_the_lock_held(make_store):
     n = int(os.environ.get("SHMKV_SIGINTS", "500"))
     rng = np.random.default_rng(int(os.environ.get("SHMKV_SIGINT_SEED", "22")))
     env = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    child = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "_journal_children.py"), "sigint", store.name],
+    child = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "procs", "journal.py"), "sigint", store.name],
                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     held = []

@@ -107,7 +107,7 @@ def test_growth_and_a_move_allocate_only_what_they_copy(make_store):
     assert held <= most
 
 
-CHILD = str(Path(__file__).with_name("_lazy_pages_child.py"))
+CHILD = str(Path(__file__).parent / "procs" / "lazy_pages.py")
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import stat
 
 import numpy as np
 import pytest
-from _children import create_and_exit
+from procs.store_ops import create_and_exit
 from conftest import START_METHODS
 
 import shmkv

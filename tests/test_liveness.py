@@ -35,12 +35,12 @@ from shmkv._engine.locking import lifecycle_lock as _lifecycle_lock
 from shmkv.store import _lifecycle
 from shmkv.testing import unique_name
 
-CHILD = str(Path(__file__).with_name("_ns_child.py"))
+CHILD = str(Path(__file__).parent / "procs" / "liveness.py")
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
 class Driver:
-    """A tests/_ns_child.py process (optionally in its own PID namespace), asked line by line."""
+    """A tests/procs/liveness.py process (optionally in its own PID namespace), asked line by line."""
 
     def __init__(self, namespaced: bool) -> None:
         cmd = [sys.executable, CHILD]

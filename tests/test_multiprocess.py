@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from _children import (
+from procs.store_ops import (
     attach_and_exit,
     hold_lease,
     reader_loop,

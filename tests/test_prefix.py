@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from _prefix_children import check, kv_for, match_readonly, serve, serve_and_finish, stress_worker
+from procs.prefix import check, kv_for, match_readonly, serve, serve_and_finish, stress_worker
 
 import shmkv
 from shmkv.testing import run_in_process, start_in_process

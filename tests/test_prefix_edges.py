@@ -11,7 +11,7 @@ import zlib
 import msgpack
 import numpy as np
 import pytest
-from _prefix_children import kv_for, serve
+from procs.prefix import kv_for, serve
 
 import shmkv
 from shmkv._engine.prefixes.hashes import block_hashes

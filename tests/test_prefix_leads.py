@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _prefix_children import check, kv_for, match_readonly, serve
+from procs.prefix import check, kv_for, match_readonly, serve
 
 from shmkv.testing import run_in_process
 

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from _prefix_children import check, kv_for, serve
+from procs.prefix import check, kv_for, serve
 
 import shmkv
 from shmkv import cli

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 import pytest
-from _remote_children import push_when_told
+from procs.remote import push_when_told
 
 import shmkv
 from shmkv import cli

@@ -177,7 +177,7 @@ def test_a_writer_killed_inside_rewind_leaves_the_sequence_as_it_was(make_store)
     """rewind writes the new window into the slot's other buffer and switches the row in one
     journaled change: a writer SIGKILLed between the two (crash point rewind.copied) leaves the
     sequence as it was once the next lock holder has recovered; done, it is the rewound one."""
-    from _crash_children import BOUNDED, kv as token_kv, state
+    from procs.crash import BOUNDED, kv as token_kv, state
 
     store = make_store(**BOUNDED)  # full + sliding (window 4: keep 3), memory 8
     t = np.arange(200, 230)
@@ -189,7 +189,7 @@ def test_a_writer_killed_inside_rewind_leaves_the_sequence_as_it_was(make_store)
     code = (
         "import sys, numpy as np, shmkv\n"
         "sys.path.insert(0, sys.argv[3])\n"
-        "from _crash_children import kv\n"
+        "from procs.crash import kv\n"
         "store = shmkv.attach(sys.argv[1])\n"
         "seq = store.sequence(int(sys.argv[2]), write=True)\n"
         "k, v = kv(np.arange(217, 220))\n"

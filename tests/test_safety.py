@@ -20,7 +20,7 @@ import zlib
 import msgpack
 import numpy as np
 import pytest
-from _children import create_and_drop, create_and_exit, create_wait_exit
+from procs.store_ops import create_and_drop, create_and_exit, create_wait_exit
 from conftest import START_METHODS
 
 import shmkv

@@ -264,7 +264,7 @@ def test_02_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_pat
     from B too)."""
     import multiprocessing as mp
 
-    from _share_map_children import content, near_the_limit
+    from procs.map_filler import content, near_the_limit
 
     from shmkv.testing import start_in_process
 

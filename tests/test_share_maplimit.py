@@ -136,8 +136,8 @@ def test_a_process_at_the_real_limit_copies_the_prefix(make_store, start_method)
     prefix and forks the donor. The kernel refuses the spans (ENOMEM); both copy: the donor's
     bytes, no span, nothing left unmapped, ``shared_tokens`` as before. Then this process,
     which can map, reads them alike, and its next reuse borrows again."""
-    from _share_maplimit_children import reuse_at_the_limit
-    from _share_map_children import content
+    from procs.reuse_at_map_limit import reuse_at_the_limit
+    from procs.map_filler import content
 
     from shmkv.testing import run_in_process
 
@@ -172,8 +172,8 @@ def test_a_refused_span_is_put_back_whatever_mappings_are_free(make_store, free)
     after each the child is within the limit, no row left dirty, only that borrower unmapped."""
     import multiprocessing as mp
 
-    from _share_maplimit_children import put_back_with_free
-    from _share_map_children import content
+    from procs.reuse_at_map_limit import put_back_with_free
+    from procs.map_filler import content
 
     from shmkv.testing import start_in_process
 
@@ -217,7 +217,7 @@ def test_a_fallback_cut_short_leaves_nothing(make_store, monkeypatch, end):
     """The fallback runs inside the create's transaction: an exception right after its copy
     (raised in this process), or a SIGKILL there (a child), and the store is as before the
     create: same sequences, no span, the donor intact; the next reuse borrows and reads right."""
-    from _share_maplimit_children import die_in_the_fallback
+    from procs.reuse_at_map_limit import die_in_the_fallback
 
     from shmkv._engine.spans.lending import Sharing
     from shmkv.testing import ChildFailed, start_in_process

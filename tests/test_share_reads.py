@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from _share_read_children import digest, free_and_reuse, kv, kv_of
+from procs.share_reads import digest, free_and_reuse, kv, kv_of
 
 import shmkv
 from shmkv._engine.spans import mappings as share
@@ -236,7 +236,7 @@ def test_a_reader_in_another_pid_namespace_reads_the_borrower(make_store, readon
     store = _store(make_store)
     d, f = _with_borrower(store)
     f.release()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_read_children import digest; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from procs.share_reads import digest; "
             "print(*digest(sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1'))")
     out = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", code,
                           os.path.dirname(__file__), store.name, str(f.id), "1" if readonly else "0"],
@@ -428,7 +428,7 @@ def test_a_kill_inside_a_share_unit_leaves_every_read_right(make_store, point, o
             return n
 
         assert all_right(ro) == 2
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_read_children import crash_op; "
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from procs.share_reads import crash_op; "
                 "crash_op(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))")
         env = {**os.environ, "SHMKV_CRASH_AT": point}
         proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), store.name, op, str(d.id),
@@ -698,7 +698,7 @@ def test_a_fork_child_with_inherited_spans_reads_cells_its_parent_reused(make_st
     then frees the borrower and writes a new sequence on its cells: the child reads the new bytes."""
     import multiprocessing as mp
 
-    from _share_read_children import read_inherited_after
+    from procs.share_reads import read_inherited_after
 
     from shmkv.testing import start_in_process
 
@@ -729,7 +729,7 @@ def test_a_fork_child_with_inherited_spans_reads_cells_its_parent_reused(make_st
 def test_transparent_huge_pages_on_dev_shm():
     """/dev/shm mounted with huge=always (2 MiB pages; spans remapped and punched at 4 KiB): a
     private tmpfs in a private mount namespace, nothing else's /dev/shm touched."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_read_children import "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from procs.share_reads import "
             "borrow_truncate_compare; sys.exit(0 if borrow_truncate_compare() else 1)")
     script = (f"mount -t tmpfs -o size=512m,huge=always tmpfs /dev/shm && "
               f"exec {sys.executable} -c '{code}' {os.path.dirname(os.path.abspath(__file__))}")
@@ -751,7 +751,7 @@ def test_a_process_with_sharing_off_reads_and_copies_on_write_borrowers(make_sto
     d.finish()
     f = store.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
     f.release()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _share_read_children import cow_and_reuse; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from procs.share_reads import cow_and_reuse; "
             "print(cow_and_reuse(sys.argv[2], int(sys.argv[3])))")
     out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), store.name, str(f.id)],
                          env={**os.environ, "SHMKV_SHARE": "0"}, capture_output=True, text=True, timeout=60)
@@ -770,7 +770,7 @@ def test_the_span_sync_reads_a_table_that_another_process_writes_meanwhile(make_
     "number of non-zero array elements changed" when a count changed between its passes)."""
     import multiprocessing as mp
 
-    from _share_read_children import flip_free_rows_span_words
+    from procs.share_reads import flip_free_rows_span_words
 
     store = make_store(layers=1, kv_heads=1, head_dim=8, max_tokens=8192, max_seqs=4096)
     ctx = mp.get_context(method)

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from _share_children import read_inherited, read_sequence
+from procs.share import read_inherited, read_sequence
 
 import shmkv
 from shmkv._engine.spans import mappings as share
@@ -331,15 +331,15 @@ def test_a_lender_that_grows_never_slides_over_what_it_lent(make_store):
 
 @pytest.mark.slow
 def test_chaos_with_sharing(make_store, tmp_path):
-    """Two writers doing mixed operations on shared prompts (tests/_crash_children.stress: reuses
+    """Two writers doing mixed operations on shared prompts (procs.crash.stress: reuses
     borrow; truncates, removes, shift_lefts, forks, frees un-share or release), SIGKILLed at random
     and restarted, beside a verifying read-only reader and a snapshotter: zero wrong reads, and
     after it all the store and the last snapshot hold every token's own K/V."""
     import signal
     import time
 
-    from _crash_children import layout_for, state, stress
-    from _share_children import snapshotter, verifier
+    from procs.crash import layout_for, state, stress
+    from procs.share import snapshotter, verifier
 
     from shmkv import cli
     from shmkv.testing import start_in_process, unique_name

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-CHILD = str(Path(__file__).with_name("_shm_full_child.py"))
+CHILD = str(Path(__file__).parent / "procs" / "shm_full.py")
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 

@@ -13,7 +13,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from _children import save_forever, writer_loop
+from procs.store_ops import save_forever, writer_loop
 
 import shmkv
 from shmkv.testing import ChildFailed, start_in_process, unique_name

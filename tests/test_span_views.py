@@ -13,7 +13,7 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
-from _span_views_children import check_views, hold_views, kv_of
+from procs.span_views import check_views, hold_views, kv_of
 
 import shmkv
 from shmkv.cli import main

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from _stitch_children import read_inherited, read_stitched
+from procs.stitch import read_inherited, read_stitched
 
 import shmkv
 from shmkv._engine.spans import stitch

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from _wait_children import wait_for_commit
+from procs.wait import wait_for_commit
 from conftest import START_METHODS
 
 import shmkv

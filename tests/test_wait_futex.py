@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from _wait_children import close_or_remove, wait_read_write
+from procs.wait import close_or_remove, wait_read_write
 from conftest import START_METHODS
 
 import shmkv

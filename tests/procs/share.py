@@ -22,12 +22,12 @@ def read_inherited(seq: shmkv.Sequence, layers: int) -> list[tuple[bytes, bytes]
 
 def verifier(name: str, seconds: float) -> dict[str, int]:
     """Chaos reader (read-only): every committed cell of every live sequence holds the K/V of its
-    token id (tests/_crash_children.kv), read again and again while writers die around it; a read
+    token id (procs.crash.kv), read again and again while writers die around it; a read
     counts when the row's generation was even and unchanged around it."""
     import time
 
     import numpy as np
-    from _crash_children import kv
+    from procs.crash import kv
 
     from shmkv._engine.table.header import GEN
 

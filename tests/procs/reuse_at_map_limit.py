@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from _share_map_children import Filler, content, free_mappings, refused
+from procs.map_filler import Filler, content, free_mappings, refused
 
 import shmkv
 from shmkv._engine.table.header import SPAN_CELLS

@@ -1,6 +1,6 @@
 """Children of tests/test_journal.py.
 
-``python _journal_children.py sigint NAME``: lock-heavy operations in a loop; every
+``python tests/procs/journal.py sigint NAME``: lock-heavy operations in a loop; every
 KeyboardInterrupt is caught (its traceback kept, as a REPL keeps it) and reported on
 stdout as ``caught HELD DEPTH``: whether this process still holds the store lock, and its
 open journaled transactions, right after the interrupt. ``ready`` first; ``pause`` on stdin
