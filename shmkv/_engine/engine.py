@@ -1,4 +1,4 @@
-"""The engine a ``Store`` holds: ``Core`` (its one base: the mappings, the sequence table, clients,
+"""The engine a ``Store`` holds: ``Attachment`` (its one base: the mappings, the sequence table, clients,
 leases, closing) and the parts it composes, wired in ``Engine.__init__``: ``journal``
 (``Journal``: the one way into the lock, journaled transactions, crash recovery), ``pages``
 (``Pages``: reservation, writes through the descriptor, cell copies), ``arena`` (``Arena``:
@@ -27,7 +27,7 @@ from shmkv._engine.table import header as _header
 from shmkv._engine.clients import liveness as _liveness
 from shmkv._engine.memory import segment as _segment
 from shmkv._engine.placement.arena import Arena
-from shmkv._engine.core import Closed, Core, release_views
+from shmkv._engine.attachment import Closed, Attachment, release_views
 from shmkv._engine.placement.free_ranges import FreeRanges
 from shmkv._engine.table.header import (
     C_FLAGS,
@@ -66,7 +66,7 @@ __all__ = ["Engine"]
 
 
 # What an attach does not build (``Engine.__getattr__`` builds them all at the first use of one):
-# the data views of ``Core.data_views``, the parts but the journal, and the parts' bound operations.
+# the data views of ``Attachment.data_views``, the parts but the journal, and the parts' bound operations.
 _LAZY = frozenset((
     "K", "V", "tokens", "positions", "_hashes", "meta", "index", "Kl", "Vl", "KS", "VS", "KSl", "VSl",
     "pages", "arena", "spans", "rows", "snapshot_rows",
@@ -91,7 +91,7 @@ def _first_bad_client(rows: np.ndarray) -> int:
     return i if bad[i] else -1
 
 
-class Engine(Core):
+class Engine(Attachment):
     """A store's engine (see the module docstring): this class adds the cell moves."""
 
     def __init__(self, name: str, hseg: Segment, dseg: Segment, layout: Layout, max_clients: int, *,
@@ -134,7 +134,7 @@ class Engine(Core):
         return object.__getattribute__(self, attr)
 
     def _build_parts(self) -> None:
-        """The data views (``Core.data_views``) and the parts a structural operation, a
+        """The data views (``Attachment.data_views``) and the parts a structural operation, a
         sequence's data or a prefix lookup uses, wired to each other and to the journal, and
         their operations bound as the engine's own: worked out into locals, then set in one
         statement with no call in it, so a Ctrl-C leaves all of them or none (the next use
@@ -179,10 +179,10 @@ class Engine(Core):
             rows.touch)
 
     def release(self) -> None:
-        """Drop every reference the parts and this handle hold into the mappings (``Core.release``)."""
+        """Drop every reference the parts and this handle hold into the mappings (``Attachment.release``)."""
         for attr in ("journal", "pages", "arena", "spans", "rows", "snapshot_rows"):
             part = self.__dict__.get(attr)  # (a part never built holds nothing)
-            # (a release cut short and run again: Core.release closed it)
+            # (a release cut short and run again: Attachment.release closed it)
             if part is not None and not isinstance(part, Closed):
                 release_views(part, self.name)
         super().release()

@@ -13,7 +13,7 @@ The hot path stays as fast as a dataclass of bound methods: a part copies what i
 uses (arrays, bound methods) into its own slots once per handle, and append/commit/truncate
 call the engine's methods with no layer in between.
 
-This module holds the type only (no import of ``core`` or ``arena``: no circle).
+This module holds the type only (no import of ``attachment`` or ``arena``: no circle).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Port(Protocol):
     # shared prefix pages: a reader re-maps (``shares.sync``) when the span epoch moved (_engine/spans/mappings.py)
     shares: Shares
 
-    # -- the table, the locks, crash recovery (core.Core, journal.Journal) ------------------
+    # -- the table, the locks, crash recovery (attachment.Attachment, journal.Journal) ------------------
 
     def row(self, slot: int) -> memoryview:
         """Row ``slot`` of the sequence table as int64 words (one memoryview a slot)."""

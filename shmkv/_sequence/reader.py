@@ -19,7 +19,7 @@ from shmkv._engine.table import dtypes as _dtypes
 from shmkv._sequence import quant as _quant
 from shmkv._sequence import waiting as _waiting
 from shmkv._engine.checks import count, ints
-from shmkv._engine.core import read_only_view
+from shmkv._engine.attachment import read_only_view
 from shmkv._engine.table.header import CAPACITY, GEN, ID, LENGTH, LIVE, START, STATE, W_SPANS, WBUF, WIN_OFF
 from shmkv._engine.locking.journal import INCARNATION_SHIFT
 from shmkv._engine.table.seqlock import HANDLE, seqlocked

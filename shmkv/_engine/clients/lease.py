@@ -21,7 +21,7 @@ A row's lease and its states (as the journal's, ``_engine/locking/journal.py``):
     orphaned --sequence(write=True)                         [lock; journaled take-over]----------> held
     any --free, an eviction, a restore over the row         [lock; journaled]--> the row is gone
 
-Who may take it is one question, asked under the lock: ``Core._lease_holder`` (alive: this
+Who may take it is one question, asked under the lock: ``Attachment._lease_holder`` (alive: this
 process's handle of that token lives, or another client's byte is locked). A release writes one
 word without the lock; a rollback of a change that logged the row before the release keeps it
 released (``keeping_release``, journal invariant 10).

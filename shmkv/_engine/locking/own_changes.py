@@ -2,7 +2,7 @@
 (``Journal.changing``; journal invariant 10 covers those): such a change may write the row's
 own cells, committed or rolled back, so a write handle of this process keeps its pending
 tokens across someone else's change only while its row's count has not moved since its own
-last change (``_sequence/writer.py`` ``kept``)."""
+last change (``_sequence/writer.py`` ``addressing_kept``)."""
 
 from __future__ import annotations
 

@@ -372,7 +372,7 @@ class Rows:
 
     def client_rows(self) -> list[tuple[int, int]]:
         """(pid, client key) of each row of the client table that names a process (a pid and a
-        key), in slot order; whether it is alive is the liveness file's to say (``Core.alive``)."""
+        key), in slot order; whether it is alive is the liveness file's to say (``Attachment.alive``)."""
         return [(pid, key) for pid, key, _flags, _ in self.clients_np.tolist() if pid and key > 0]
 
     def persistent(self) -> bool:

@@ -1,5 +1,5 @@
-"""The core of a store handle: its mappings, the sequence table and its seqlocks, the store
-lock, clients and leases, closing. ``engine.Engine``, what ``Store`` (the API) holds, builds on
+"""A process's attachment to a store: its mappings, the sequence table and its seqlocks, the
+store lock, clients and leases, closing. ``engine.Engine``, what ``Store`` (the API) holds, builds on
 it and composes the parts that work on these (journal, pages, arena, spans).
 
 Concurrency (docs/design.md §3; the numbered invariants 1-5 of ARCHITECTURE.md): the
@@ -76,7 +76,7 @@ def _close_segments(hseg: Segment, dseg: Segment, live: _liveness.Liveness) -> N
 
 
 class DataViews(NamedTuple):
-    """What ``Core.data_views`` maps (see there)."""
+    """What ``Attachment.data_views`` maps (see there)."""
 
     K: np.ndarray
     V: np.ndarray
@@ -93,7 +93,7 @@ class DataViews(NamedTuple):
     VSl: list[np.ndarray] | None
 
 
-class Core:
+class Attachment:
     """What a store handle maps and the rules for touching it (see the module docstring): the
     base of ``engine.Engine``, which ``Store`` holds; ``Sequence``, ``_snapshot`` and ``Batch``
     reach the shared-memory state through the engine as a ``port.Port``."""
@@ -180,7 +180,7 @@ class Core:
         self.shares = Shares(self.hdr, self.table_np, dmm, dseg.fileno(), pieces, readonly=hseg.readonly,
                              reserved=self._rec.cells, owed=self._rec.owed, base=self._dbase)
         # A dropped handle closes its descriptors; it never removes the store (only close or exit do).
-        self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Core] | None = \
+        self._finalizer: weakref.finalize[[Segment, Segment, _liveness.Liveness], Attachment] | None = \
             weakref.finalize(self, _close_segments, hseg, dseg, self._live)
         self._finalizer.atexit = False  # at exit the process closes them anyway
 
