@@ -377,7 +377,7 @@ def test_donor_truncating_into_lent_cells_moves(make_store):
 
 def test_a_lender_that_grows_never_slides_over_what_it_lent(make_store):
     """Growth may slide a sequence down into free cells before it, over its own old range: not a
-    lender's (its old cells are its borrowers'); it moves instead (the random kills found it)."""
+    lender's (its old cells are its borrowers'); it moves instead."""
     store = _store(make_store, max_tokens=2048)
     rng = np.random.default_rng(13)
     x = store.create_sequence(capacity=200)

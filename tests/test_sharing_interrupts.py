@@ -311,8 +311,7 @@ def test_a_ctrl_c_right_after_unmap_pops_the_span_leaves_no_alias(make_store):
     """A reader whose sync drops freed borrower B's mapping is interrupted right after B leaves
     ``cur`` (a SIGINT pending at the eval breaker after that C call): B is recorded ``unmapped``
     and ``dirty`` before, so the next sync puts its own pages back and the reader shows the next
-    sequence on B's cells, not the donor's bytes (review 33 finding 1b: Shares._unmap popped it
-    from ``cur`` first)."""
+    sequence on B's cells, not the donor's bytes."""
     st = sharing_store(make_store)
     rng = np.random.default_rng(37)
     d, prompt = make_donor(st, rng)
@@ -353,11 +352,11 @@ def _room_kv(tokens):
 
 
 def test_a_ctrl_c_after_make_room_reserved_leaves_the_handle_able_to_append(make_store, monkeypatch):
-    """Storm finding (fork seed 101): ``make_room`` sets ``w.room`` and only then ``w.lim``; a
-    Ctrl-C between them left ``lim`` below ``room``, so every later append of that handle skipped
-    make_room and fell into ``compact`` as if the full layer 0 were a sliding window: CacheFullError
-    'new tokens on sliding/chunked layer 0 exceed the 0 a window buffer takes between commits', on
-    a store with no sliding layer, for good."""
+    """A Ctrl-C inside ``make_room`` (where tools/sigint_storm.py lands one: after it reserved,
+    before it set the handle's limits) leaves the handle appending: its next appends reserve room
+    again, never take the full layer 0 for a sliding window's buffer (CacheFullError 'new tokens
+    on sliding/chunked layer 0 exceed the 0 a window buffer takes between commits', on a store
+    with no sliding layer)."""
     st = make_store(layers=L, kv_heads=ROOM_H, head_dim=D, dtype="float32", max_tokens=16384, max_seqs=8)
     s = st.create_sequence(capacity=4096)
     real, calls = room.limits, []

@@ -666,10 +666,10 @@ def test_a_stuck_donors_handle_inherited_across_fork_writes_nothing(make_store) 
 @pytest.mark.parametrize("how", ["meta", "set_tokens", "set_encoder"])
 def test_a_donor_below_its_loans_is_not_moved_by_another_change_of_its_own(make_store, dtype: str, how: str) -> None:
     """The donor went below its loans in a full store and a range was freed since. Its meta=,
-    set_tokens or set_encoder (changes of its own row that keep its length) does not move it:
-    before, the move happened inside them, the handle kept the old range's addressing, and the
-    donor's next tokens went into the cells its borrowers read (review 32 finding 1). Its next
-    append moves it, and both read their own tokens."""
+    set_tokens or set_encoder (changes of its own row that keep its length) does not move it (a
+    move inside them would leave the handle the old range's addressing, and the donor's next
+    tokens in the cells its borrowers read). Its next append moves it, and both read their own
+    tokens."""
     from _donor_scenes import kv_store
 
     store = kv_store(make_store, dtype)

@@ -55,7 +55,7 @@ def test_a_refused_borrow_copies_the_prefix(make_store, monkeypatch, how, dtype,
     were mapped and are put back): the reuse returns a sequence whose K, V (int8: codes and
     scales), token ids and positions are the donor's prefix bit for bit, from private cells:
     ``shared_tokens`` unchanged, no mapping left behind, every other sequence intact, and
-    writes into those cells never reach the donor. Without the fallback it raised ShareError."""
+    writes into those cells never reach the donor."""
     st = sharing_store(make_store, dtype)
     rng = np.random.default_rng(23)
     d, p = make_donor(st, rng)
@@ -325,7 +325,7 @@ def test_a_process_at_its_map_limit_reads_every_other_row(make_store, tmp_path, 
     read path of B raises ShareError naming the limit and the fix (never zeros), while the
     donor, an unrelated row and a borrower mapped before read right. A copy from B (a prefix
     reuse and a copy_prefix, shared or not, and a fork) reads B's span where it physically is
-    (the donor's cells, readable there): B's bytes, never holes (review 32 finding 3, review 33).
+    (the donor's cells, readable there): B's bytes, never holes.
     Its mappings freed, the next read maps B and gives its bytes bit for bit (a save and a reuse
     from B too)."""
     import multiprocessing as mp
@@ -446,9 +446,9 @@ def test_a_span_refused_halfway_is_put_back_or_undone_before_reuse(make_store, m
 
 
 def test_a_read_of_an_unmapped_row_checks_before_it_copies(make_store, monkeypatch):
-    """``read()`` of a row left unmapped here checks before it copies (review of 02ee588): it
-    checked only after the copy, so a copy of the holes passed when another thread mapped the
-    row again meanwhile (what the wrapped ``mapped`` does here after the copy)."""
+    """``read()`` of a row left unmapped here checks before it copies: a check after the copy
+    would pass a copy of the holes when another thread maps the row again meanwhile (what the
+    wrapped ``mapped`` does here after the copy)."""
     from shmkv._sequence.reader import SeqReader
 
     st = sharing_store(make_store)
@@ -561,7 +561,7 @@ def test_copy_prefix_from_an_unmapped_borrower_copies(make_store, monkeypatch, n
     same error ... only when the kernel also refuses to put back the pages of the refused mapping."
     n at the span's end and past it: the copy works. n two cells short of the span's end (so the
     copy's tail [n // unit * unit, n) lies inside B's span): that tail too is read at its
-    physical cells, never through B's unmapped cells (review 33; it raised ShareError)."""
+    physical cells, never through B's unmapped cells."""
     st, other, b, dst, want, span = _unmapped_borrower(make_store, monkeypatch)
     try:
         n = span + n_from_span_end
@@ -577,7 +577,7 @@ def test_copy_prefix_from_an_unmapped_borrower_copies(make_store, monkeypatch, n
 def test_fork_of_an_unmapped_borrower_inside_its_span_copies(make_store, monkeypatch):
     """The same through fork(n): a fork of B's first span - 2 tokens in the process where B is
     unmapped (its span refused) would borrow span - 10 cells (refused too) and copy, its tail
-    read at its physical cells too (review 33; it raised ShareError)."""
+    read at its physical cells too."""
     st, other, b, _dst, want, span = _unmapped_borrower(make_store, monkeypatch)
     try:
         w = st.sequence(b.id, write=True)
@@ -630,7 +630,7 @@ def test_the_fallback_copies_physical_cells_whose_owner_is_gone(make_store, monk
         assert kv_content(other.sequence(b.id), span) == want
         refusing(monkeypatch, st, other)
         st.copy_prefix(b.id, dst.id, span)
-        assert engine_of(st).slot_of(b.id) in engine_of(st).shares.unmapped  # the case of 5f4e516
+        assert engine_of(st).slot_of(b.id) in engine_of(st).shares.unmapped  # (unmapped here)
         assert int(engine_of(st).table_np[engine_of(st).slot_of(dst.id), SPAN_CELLS]) == 0  # copied
         assert kv_content(dst, span) == want
         monkeypatch.undo()
@@ -642,10 +642,10 @@ def test_the_fallback_copies_physical_cells_whose_owner_is_gone(make_store, monk
 
 @pytest.mark.parametrize("n_from_span_end", [0, -2])
 def test_a_reuse_of_an_unmapped_borrower_copies(make_store, monkeypatch, n_from_span_end):
-    """The create path of the same finding: D freed, so B is the only holder of the prompt; a
+    """The create path of the same: D freed, so B is the only holder of the prompt; a
     create_sequence(prefix=) in the process where B is unmapped reuses B's first n tokens and
     would borrow n // unit * unit of them (refused): it copies, also two tokens short of the
-    span's end (its tail inside B's span: review 33; it raised ShareError)."""
+    span's end (its tail inside B's span)."""
     st, other, b, dst, want, span = _unmapped_borrower(make_store, monkeypatch)
     try:
         eo = engine_of(other)

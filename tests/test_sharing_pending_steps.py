@@ -71,8 +71,7 @@ def test_a_borrow_from_a_donor_mid_step_keeps_its_pending_tokens(make_store, dty
 def test_a_speculative_donor_keeps_its_step_when_borrowed_from_mid_step(make_store, dtype: str) -> None:
     """Speculative decoding: the donor rolls back two draft tokens (truncate), appends its next
     step on every layer, and another request borrows from it before the commit. The commit
-    keeps the step. (On main the handle's known length was the one before the truncate, so
-    ``kept`` said no and the commit silently returned the old length.)"""
+    keeps the step (the handle's known length is the one after the truncate)."""
     store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=8)
     other = shmkv.attach(store.name)  # the requester's process
     try:
@@ -98,9 +97,8 @@ def test_a_rolled_back_borrow_keeps_the_donors_pending_step(make_store, monkeypa
                                                             appended_before: int) -> None:
     """The donor appended ``appended_before`` layers of its next token; another attachment's
     create borrows from it (LENT) and fails after the borrow; the donor then appends the other
-    layers and commits: the step is there, with its token id and its values. (On main the
-    rollback moved the row's generation with LENT gone, ``kept`` said no, and the pending
-    tokens were dropped: a commit with no token pending, or one layer short.)"""
+    layers and commits: the step is there, with its token id and its values (the rollback
+    moves the row's generation with LENT gone: the pending tokens are kept all the same)."""
     store = make_store(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=8)
     other = shmkv.attach(store.name)  # the requester's process
     try:
@@ -151,8 +149,8 @@ def test_a_rolled_back_borrow_keeps_the_donors_commit(make_store, dtype: str, mo
     """Another attachment's create over a decoding donor marks the donor LENT inside its
     transaction; the donor's writer commits meanwhile (lock-free: its range and length stay).
     When that create then fails and rolls back, the donor's commit stays: the rollback puts
-    back the donor's flags, never its length (the review of session 30: the whole row was put
-    back and a returned commit, whose waiters were woken, was lost)."""
+    back the donor's flags, never its length (a returned commit, whose waiters were woken,
+    stays)."""
     from shmkv._engine.locking import crash
     from shmkv._engine.table.header import FLAGS, LENT
 
@@ -299,8 +297,7 @@ def test_a_rolled_back_copy_prefix_of_this_process_drops_the_pending_tokens(make
     """copy_prefix into an empty sequence writes its cells in place (or borrows over them); when
     it fails and rolls back, the row's words are as before but its cells are not: a write
     handle of this process with tokens pending there must drop them, never commit what the
-    copy left (the review of this session: kept() took it for someone else's harmless change
-    and committed the source's keys, or punched holes read as zeros)."""
+    copy left (the source's keys, or punched holes read as zeros)."""
     from shmkv._engine.locking import crash
 
     L, H, D = 2, 2, 64
@@ -339,8 +336,7 @@ def test_a_rolled_back_copy_prefix_of_this_process_drops_the_pending_tokens(make
 def test_a_borrower_keeps_its_pending_tokens_when_its_donor_truncates_below_its_loans(make_store, dtype: str) -> None:
     """The donor truncates below the cells it lent in a full store (no range to move to): it
     keeps lending them (its next write moves it first), and its borrower's row is not touched.
-    The borrower's writer, mid-step, keeps its pending tokens and its span (an attack on
-    730ba4e found this step lost when the truncate still gave borrowers private copies)."""
+    The borrower's writer, mid-step, keeps its pending tokens and its span."""
     store = kv_store(make_store, dtype)
     other = shmkv.attach(store.name)  # the donor's process
     try:
@@ -388,9 +384,7 @@ def test_a_donor_below_its_loans_in_a_full_store_leaves_its_decoding_borrowers_a
     in a store with no free range. The truncate succeeds and changes neither borrower (their
     spans, pending steps and views stay); the donor's next append and extend raise
     CacheFullError, naming the loan, with nothing written; once a range is free, its extend
-    moves it there and writes, and the borrowers still read their prefix. (Before, the donor
-    gave its borrowers private copies and wrote the cells at once, under views other
-    attachments held of them.)"""
+    moves it there and writes, and the borrowers still read their prefix."""
     store = kv_store(make_store, dtype)
     other = shmkv.attach(store.name)  # the donor's process
     try:
@@ -432,10 +426,8 @@ def test_a_borrowers_views_taken_mid_step_keep_its_prefix_when_its_donor_writes(
     """The borrower appended layer 0 of its step (the views attention runs on); then its donor
     truncates in a full store and tries to write into the cells it had lent: by append, by
     extend, and through a handle another attachment takes over the lease with. Each raises
-    CacheFullError, and the borrower's views still show its prefix. (Found last session as a
-    strict xfail: the donor gave the borrower private copies and wrote the cells at once, while
-    the borrower's attachment still mapped them: attention of a step whose commit succeeded
-    read another sequence's keys.)"""
+    CacheFullError, and the borrower's views still show its prefix (attention of a step whose
+    commit succeeds runs on them)."""
     store = kv_store(make_store, dtype)
     other = shmkv.attach(store.name)  # the donor's process
     third = shmkv.attach(store.name)
@@ -750,11 +742,11 @@ def test_a_borrower_in_another_process_decodes_while_its_donor_is_stuck_then_mov
 def test_a_borrower_that_saw_its_change_end_before_the_span_epoch_maps_again(make_store) -> None:
     """The end of a transaction makes its rows' generations even before the span epoch: a
     borrower's writer in another attachment can see the new generation while the epoch is still
-    odd, when it cannot map yet. It must not keep that generation as mapped (review finding
-    1c): it keeps none, and its next step maps the span as the table says. The change here is
-    another attachment's change of the borrower's row (``changing(row, foreign=True)``, as a
-    borrow marking a decoding donor LENT makes: since a donor's truncate no longer gives its
-    borrowers private copies, the span itself is not what changes)."""
+    odd, when it cannot map yet. It must not keep that generation as mapped: it keeps none, and
+    its next step maps the span as the table says. The change here is another attachment's
+    change of the borrower's row (``changing(row, foreign=True)``, as a borrow marking a decoding
+    donor LENT makes: a donor's truncate leaves its borrowers' spans as they are, so the span
+    itself is not what changes)."""
     from shmkv._engine.table.header import GEN, W_SPANS
 
     store = make_store(layers=3, kv_heads=2, head_dim=64, dtype="float16", max_tokens=4096, max_seqs=8)

@@ -118,7 +118,7 @@ def test_cells_of_a_freed_borrower_reused_by_another_process_read_right(make_sto
         f.release()
         gid, g_start = run_in_process(free_and_reuse, store.name, f.id, 1024, 7, 200, start_method=start_method,
                                       timeout=60)
-        assert g_start == f_start  # the attack needs G on F's cells
+        assert g_start == f_start  # (G on F's very cells: the case this test is about)
         ref = _reference(make_store, dtype, 7, 200, tokens=np.arange(5000, 5200))
         g = reader.sequence(gid)
         want = _content(ref)
@@ -512,7 +512,7 @@ def test_threads_reading_while_spans_come_and_go(make_store, seed):
         for t in threads:
             t.join(120)
     assert not any(t.is_alive() for t in threads)
-    assert spans > 10  # the attack ran over shared pages
+    assert spans > 10  # (the writer's operations ran over shared pages)
     assert len(results) == 3 and all(r["ok"] for r in results)
     assert sum(r["bad"] for r in results) == 0, results
 

@@ -158,8 +158,8 @@ def test_a_rollback_of_this_process_s_own_change_keeps_a_lease_released_meanwhil
     """A copy_prefix of this process into its own leased row (a whole change, not foreign) fails
     after the copy; just before, another of its threads released the lease (LEASE_PID zeroed
     without the lock). The rollback puts back the row but not the released lease: another
-    attachment can take the sequence at once. (Before, the rollback restored the pid: the
-    sequence stayed leased to a handle that had let it go, until this process exited.)"""
+    attachment can take the sequence at once (not leased to a handle that let it go until this
+    process exits)."""
     import threading
 
     store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=2048, max_seqs=8)
