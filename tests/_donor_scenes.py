@@ -140,6 +140,16 @@ def borrowers_hold_their_prefix(s: Lent, store: shmkv.Store, layers: tuple[int, 
             np.testing.assert_array_equal(np.asarray(store.sequence(b.id).keys(layer))[:n], s.want[layer][:n])
 
 
+def borrowers_decode_a_step(s: Lent) -> None:
+    """Every borrower of the scene appends its next token (the donor's, ``s.kv``) on every layer
+    and commits it."""
+    for b in s.borrowers:
+        t = len(b)
+        for layer in range(L):
+            b.append(layer, s.kv[layer, t], s.kv[layer, t])
+        assert b.commit(tokens=s.toks[t : t + 1]) == t + 1
+
+
 def stuck(store: shmkv.Store, other: shmkv.Store, seed: int, borrowers: int = 1) -> Lent:
     """The main scene with its donor (``other``'s handle) truncated to one token: stuck, still
     lending, its borrowers' spans as they were."""

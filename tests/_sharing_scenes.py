@@ -69,6 +69,16 @@ def kv_of_tokens(tokens) -> tuple[np.ndarray, np.ndarray]:
     return kv_of(tokens, L, H, D)
 
 
+def token_donor(store, capacity=512):
+    """A finished donor of token ids 1000..1299 holding ``kv_of_tokens`` of them; returns (donor, prompt)."""
+    prompt = np.arange(1000, 1300)
+    d = store.create_sequence(capacity=capacity, prefix=prompt)
+    k, v = kv_of_tokens(prompt)
+    d.extend(k, v, tokens=prompt)
+    d.finish()
+    return d, prompt
+
+
 def holds_token_kv(seq) -> bool | None:
     """Whether a seqlocked copy of every layer holds the K/V of the sequence's token ids (None:
     the length changed between the two reads)."""

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 from _sharing_scenes import (D, H, L, PROMPT, data_mappings, holds_token_kv, kv_content, kv_of_tokens, make_donor,
-                             sharing_store)
+                             sharing_store, token_donor)
 
 import shmkv
 from shmkv._engine.spans import mappings as share
@@ -42,11 +42,7 @@ def test_ctrl_c_inside_a_share_unit_rolls_it_back(make_store, point, op):
     from shmkv._engine.locking import crash
 
     store = sharing_store(make_store)
-    prompt = np.arange(1000, 1300)
-    d = store.create_sequence(capacity=512, prefix=prompt)
-    k, v = kv_of_tokens(prompt)
-    d.extend(k, v, tokens=prompt)
-    d.finish()
+    d, prompt = token_donor(store)
     f = store.create_sequence(capacity=512, prefix=np.r_[prompt[:250], [77]])
     k, v = kv_of_tokens([77])
     f.extend(k, v, tokens=[77])
@@ -98,11 +94,7 @@ def test_a_kill_inside_a_share_unit_leaves_every_read_right(make_store, point, o
     before) reads every sequence right both before anyone recovers (the dead unit read as rolled
     back) and after; this process then recovers, writes, borrows again, and reads right too."""
     store = sharing_store(make_store)
-    prompt = np.arange(1000, 1300)
-    d = store.create_sequence(capacity=512, prefix=prompt)
-    k, v = kv_of_tokens(prompt)
-    d.extend(k, v, tokens=prompt)
-    d.finish()
+    d, prompt = token_donor(store)
     f = store.create_sequence(capacity=512, prefix=np.r_[prompt[:250], [77]])
     k, v = kv_of_tokens([77])
     f.extend(k, v, tokens=[77])

@@ -25,8 +25,8 @@ from typing import Any
 import _sharing_scenes as sharing
 import numpy as np
 import pytest
-from _donor_scenes import (D, H, L, borrowers_hold_their_prefix, holds_its_tokens, junk_kv, kv_store,
-                           lent_in_a_full_store, row_of, stuck, token_keys)
+from _donor_scenes import (D, H, L, borrowers_decode_a_step, borrowers_hold_their_prefix, holds_its_tokens, junk_kv,
+                           kv_store, lent_in_a_full_store, row_of, stuck, token_keys)
 from _sharing_scenes import kv_and_tokens, seeded_donor, sharing_store, start_of
 
 import shmkv
@@ -382,11 +382,7 @@ def test_every_write_path_of_a_stuck_donor_leaves_the_lent_cells_alone(make_stor
         else:  # its first token, then what it wrote
             np.testing.assert_array_equal(got.keys(0)[:1], s.want[0][:1])
             np.testing.assert_allclose(np.asarray(got.keys(0), np.float32)[1:], 7.0, rtol=1e-2)
-        for b in s.borrowers:  # the borrowers decode on
-            t = len(b)
-            for layer in range(L):
-                b.append(layer, s.kv[layer, t], s.kv[layer, t])
-            assert b.commit(tokens=s.toks[t : t + 1]) == t + 1
+        borrowers_decode_a_step(s)  # the borrowers decode on
         borrowers_hold_their_prefix(s, store)
     finally:
         other.close()
@@ -537,11 +533,7 @@ def test_a_stuck_donor_freed_or_evicted_leaves_its_loans_to_its_borrowers(make_s
         if how == "evict":
             assert store.stats().evictions == 1
         borrowers_hold_their_prefix(s, store)
-        for b in s.borrowers:
-            t = len(b)
-            for layer in range(L):
-                b.append(layer, s.kv[layer, t], s.kv[layer, t])
-            assert b.commit(tokens=s.toks[t : t + 1]) == t + 1
+        borrowers_decode_a_step(s)
         borrowers_hold_their_prefix(s, store)
     finally:
         other.close()

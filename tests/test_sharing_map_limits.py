@@ -25,8 +25,8 @@ import gc
 
 import numpy as np
 import pytest
-from _sharing_scenes import (D, H, L, PROMPT, data_mappings, holds_token_kv, kv_and_tokens, kv_content, kv_of_tokens,
-                             kv_pair, make_donor, refusing, seeded_donor, sharing_store, start_of)
+from _sharing_scenes import (D, H, L, PROMPT, data_mappings, holds_token_kv, kv_and_tokens, kv_content, kv_pair,
+                             make_donor, refusing, seeded_donor, sharing_store, start_of, token_donor)
 
 import shmkv
 from shmkv._engine.spans import mappings as share
@@ -294,11 +294,7 @@ def test_at_the_mapping_cap_reuses_copy_and_read_right(make_store, monkeypatch):
     4th and 5th reuses copy; every reuse reads right; a freed borrower makes room for a sharing one."""
     monkeypatch.setattr(share, "MAP_BUDGET", 3 * 2 * 2 * L)
     store = sharing_store(make_store)
-    prompt = np.arange(1000, 1300)
-    d = store.create_sequence(capacity=512, prefix=prompt)
-    k, v = kv_of_tokens(prompt)
-    d.extend(k, v, tokens=prompt)
-    d.finish()
+    _, prompt = token_donor(store)
     fs, shared = [], []
     for i in range(5):
         fs.append(store.create_sequence(capacity=512, prefix=np.r_[prompt, [i]]))

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _donor_scenes import (D, H, L, borrow_and_die, borrowers_hold_their_prefix, die_at, expected_keys,
-                           holds_its_tokens, in_child, junk_kv, kv_store, lent_in_a_full_store, let_go_and_reap,
-                           prefilled_donor, raise_at, row_of, seeded_kv, stuck, token_keys)
+from _donor_scenes import (D, H, L, borrow_and_die, borrowers_decode_a_step, borrowers_hold_their_prefix, die_at,
+                           expected_keys, holds_its_tokens, in_child, junk_kv, kv_store, lent_in_a_full_store,
+                           let_go_and_reap, prefilled_donor, raise_at, row_of, seeded_kv, stuck, token_keys)
 
 import shmkv
 from shmkv._engine.locking import crash
@@ -648,11 +648,7 @@ def test_a_stuck_donor_killed_growing_off_its_loans_leaves_its_borrowers_steps(m
         assert donor.commit() == cap + 11 and drow[START] != start
         np.testing.assert_array_equal(donor.keys(0)[1:], 7.0)
         borrowers_hold_their_prefix(s, store)
-        for b in s.borrowers:
-            t = len(b)
-            for layer in range(L):
-                b.append(layer, s.kv[layer, t], s.kv[layer, t])
-            assert b.commit(tokens=s.toks[t : t + 1]) == t + 1
+        borrowers_decode_a_step(s)
         borrowers_hold_their_prefix(s, store)
     finally:
         let_go_and_reap(child, go)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from _sharing_scenes import (D, H, L, PROMPT, holds_token_kv, kv_of_tokens, kv_pair, make_donor, seeded_donor,
-                             sharing_store)
+                             sharing_store, token_donor)
 from procs.share import read_inherited, read_sequence
 from procs.share_reads import digest, free_and_reuse, kv
 
@@ -251,11 +251,7 @@ def test_a_process_with_sharing_off_reads_and_copies_on_write_borrowers(make_sto
     """SHMKV_SHARE=0 in one process: it still follows the spans others made (reads them, copies on
     write when it truncates one), and its own reuses copy."""
     store = sharing_store(make_store)
-    prompt = np.arange(1000, 1300)
-    d = store.create_sequence(capacity=1024, prefix=prompt)
-    k, v = kv_of_tokens(prompt)
-    d.extend(k, v, tokens=prompt)
-    d.finish()
+    _, prompt = token_donor(store, capacity=1024)
     f = store.create_sequence(capacity=1024, prefix=np.r_[prompt, [1]])
     f.release()
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from procs.share_reads import cow_and_reuse; "
@@ -477,11 +473,7 @@ def test_threads_reading_while_spans_come_and_go(make_store, seed):
     import threading
 
     store = sharing_store(make_store, max_tokens=32768)
-    prompt = np.arange(1000, 1300)
-    d = store.create_sequence(capacity=512, prefix=prompt)
-    k, v = kv_of_tokens(prompt)
-    d.extend(k, v, tokens=prompt)
-    d.finish()
+    token_donor(store)
     done = threading.Event()
     results: list[dict[str, int]] = []
 
