@@ -1,4 +1,4 @@
-"""Stitched views (docs/design.md §11, issue 23 step 3): one contiguous array over pages of a file taken
+"""Stitched views (docs/design.md §11): one contiguous array over pages of a file taken
 from several places, unmapped when its last array is gone."""
 
 from __future__ import annotations

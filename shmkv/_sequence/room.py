@@ -97,7 +97,7 @@ def make_room(w: GrowingWriter, end: int) -> None:
         w.port.room(w.start, lo, hi)
     # room and lim change together, with no call between (a Ctrl-C lands only at a call: one
     # inside limits() between them left lim below room, and every later append of the handle
-    # skipped make_room into compact, CacheFullError on a full layer; tests/test_share_sigint.py)
+    # skipped make_room into compact, CacheFullError on a full layer; tests/test_sharing_interrupts.py)
     c = w.cached
     if c is not None:
         lim = limits(w, c[1], c[2], hi)

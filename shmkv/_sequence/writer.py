@@ -445,7 +445,7 @@ def addressing_kept(w: SeqWriter, row: memoryview) -> bool:
     this one mid-step. A change this process made to the row otherwise (copy_prefix into it,
     say), committed or rolled back, may have written its cells: ``_engine/own_changes`` moved,
     and the pending tokens are dropped. (Every other change by another process moves the range,
-    the buffer or the length, or takes the lease: tests/test_decode_step_survives_a_borrow.py,
+    the buffer or the length, or takes the lease: tests/test_sharing_pending_steps.py,
     the journal's invariant 10.)"""
     c = w.cached
     return (c is not None and row[STATE] == LIVE

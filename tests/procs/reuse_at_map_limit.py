@@ -1,4 +1,4 @@
-"""Child-process side of tests/test_share_maplimit.py (module level, so a spawned child can
+"""Child-process side of tests/test_sharing_map_limits.py (module level, so a spawned child can
 import it): a process whose own memory mappings fill ``vm.max_map_count`` reuses a cached prefix."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Child-process functions of tests/test_shared_prefix.py (module level, so spawn can import them)."""
+"""Child-process functions of tests/test_sharing_reads.py and test_sharing_interrupts.py (module
+level, so spawn can import them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Child-process functions of tests/test_share_reads.py (module level, so spawn can import them)."""
+"""Child-process functions of tests/test_sharing_reads.py, test_sharing_borrow.py and
+test_sharing_interrupts.py (module level, so spawn can import them)."""
 
 from __future__ import annotations
 

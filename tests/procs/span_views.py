@@ -1,4 +1,4 @@
-"""Child-process functions of tests/test_span_views.py (module level, so spawn can import them)."""
+"""Child-process functions of tests/test_sharing_views.py (module level, so spawn can import them)."""
 
 from __future__ import annotations
 

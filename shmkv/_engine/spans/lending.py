@@ -132,7 +132,7 @@ class Sharing:
         transaction: returns False (the row borrows nothing). They are an owner's own cells, never
         a span, so they are readable here even when the donor is a borrower this process could not
         map either. ShareError only when the refused mapping cannot be undone
-        here: the transaction then rolls back (tests/test_share_maplimit.py)."""
+        here: the transaction then rolls back (tests/test_sharing_map_limits.py)."""
         row = self.row(slot)
         hdr = self.hdr
         allocs = hdr[_header.W_ALLOCS]

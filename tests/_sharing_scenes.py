@@ -1,6 +1,7 @@
-"""Scenes the map-limit tests share (tests/test_share_maplimit.py, test_share_unmapped_copies.py,
-test_share_interrupts.py): a store, a finished donor, its content as bytes, this process's
-mappings of a store, and ``share.libc_mmap`` refusing spans as the kernel does at vm.max_map_count."""
+"""Scenes the shared-pages tests (tests/test_sharing_*.py) start from, in one layout (3 layers, 4 kv
+heads, 64 dims; float16 unless asked): a store, a finished donor, contents as bytes, K/V that are a
+function of the token ids (any cell read can be checked), this process's mappings of a store, and
+``share.libc_mmap`` refusing spans as the kernel does at vm.max_map_count."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import errno
 
 import numpy as np
 
+from procs.share_reads import kv_of
+
 from shmkv._engine.spans import mappings as share
 from shmkv.store._store import engine_of
 
@@ -16,7 +19,7 @@ L, H, D = 3, 4, 64
 PROMPT = 300
 
 
-def lim_store(make_store, dtype="float16", **kw):
+def sharing_store(make_store, dtype="float16", **kw):
     args = dict(layers=L, kv_heads=H, head_dim=D, dtype=dtype, max_tokens=16384, max_seqs=32)
     args.update(kw)
     return make_store(**args)
@@ -35,6 +38,59 @@ def make_donor(store, rng, n=PROMPT, first=1000, finish=True):
     if finish:
         d.finish()
     return d, prompt
+
+
+def seeded_donor(store, n=PROMPT, capacity=1024, first=1000, finish=True):
+    """A donor of token ids ``first``.. (``n`` of them) whose K/V are drawn from a generator seeded
+    with ``n`` (float64, as the store's dtype keeps them); returns (donor, prompt)."""
+    prompt = np.arange(first, first + n)
+    d = store.create_sequence(capacity=capacity, prefix=prompt)
+    rng = np.random.default_rng(n)
+    shape = (store.layout.layers, n - len(d), store.layout.kv_heads, store.layout.head_dim)
+    d.extend(rng.standard_normal(shape), rng.standard_normal(shape), tokens=prompt[len(d):])
+    if finish:
+        d.finish()
+    return d, prompt
+
+
+def start_of(store, seq_id):
+    """The first cell of ``seq_id``'s range."""
+    return next(s.start for s in store.sequences() if s.id == seq_id)
+
+
+def kv_and_tokens(seq, layers=L):
+    """Every layer's committed K and V, then the token ids, of ``seq`` as bytes."""
+    return [(np.asarray(seq.keys(i)).tobytes(), np.asarray(seq.values(i)).tobytes()) for i in range(layers)] + [
+        seq.tokens.tobytes()]
+
+
+def kv_of_tokens(tokens) -> tuple[np.ndarray, np.ndarray]:
+    """K/V that are a function of each token id (exact in float16): any cell read can be checked."""
+    return kv_of(tokens, L, H, D)
+
+
+def token_donor(store, capacity=512):
+    """A finished donor of token ids 1000..1299 holding ``kv_of_tokens`` of them; returns (donor, prompt)."""
+    prompt = np.arange(1000, 1300)
+    d = store.create_sequence(capacity=capacity, prefix=prompt)
+    k, v = kv_of_tokens(prompt)
+    d.extend(k, v, tokens=prompt)
+    d.finish()
+    return d, prompt
+
+
+def holds_token_kv(seq) -> bool | None:
+    """Whether a seqlocked copy of every layer holds the K/V of the sequence's token ids (None:
+    the length changed between the two reads)."""
+    toks = np.array(seq.tokens)
+    ek, ev = kv_of_tokens(toks)
+    for layer in range(L):
+        k, v = seq.read(layer)
+        if len(k) != len(toks):
+            return None
+        if not (np.array_equal(k, ek[layer].astype(np.float16)) and np.array_equal(v, ev[layer].astype(np.float16))):
+            return False
+    return True
 
 
 def kv_content(seq, n=None):
