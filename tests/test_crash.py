@@ -11,6 +11,7 @@ and append/commit/extend/save work. A random-kill stress kills a writer doing mi
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -122,9 +123,17 @@ def test_random_kills_of_a_writer_doing_mixed_operations(make_store, layout):
     rng = np.random.default_rng(int(os.environ.get("SHMKV_CRASH_SEED", "11")))
     print(f"seed {os.environ.get('SHMKV_CRASH_SEED', '11')}, {kills} kills")
     recovered = 0
+    done = multiprocessing.get_context("fork").Value("l", 0)
     for i in range(kills):
-        child = start_in_process(stress, store.name, i, start_method="fork", timeout=60)
+        done.value = 0
+        child = start_in_process(stress, store.name, i, done, start_method="fork", timeout=60)
+        # the kill lands a random time into its operations, counted from the first (not from the
+        # fork: on a loaded machine a child may not have started any within a fixed time)
+        t_end = time.monotonic() + 60
+        while done.value < 2 and child.process.is_alive() and time.monotonic() < t_end:
+            time.sleep(0.001)
         time.sleep(float(rng.uniform(0.002, 0.06)))
+        shared = max(shared, store.stats().shared_tokens)
         child.kill(signal.SIGKILL)
         with store.transaction():  # the next lock holder recovers
             pass

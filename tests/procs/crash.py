@@ -165,11 +165,14 @@ def child(name: str, point: str, ids: dict[str, int], snap: str) -> None:
     store.close()
 
 
-def stress(name: str, seed: int) -> None:
-    """Mixed operations until killed (test_random_kills)."""
+def stress(name: str, seed: int, done: Any = None) -> None:
+    """Mixed operations until killed (test_random_kills); ``done.value`` (a shared counter,
+    when given) counts the operations finished, so the killer can wait for the first."""
     rng = np.random.default_rng(seed)
     store = shmkv.attach(name)
     while True:
+        if done is not None:
+            done.value += 1
         live = [i.id for i in store.sequences()]
         r = rng.random()
         try:
