@@ -1,4 +1,4 @@
-"""The command line and the demo (issue 6)."""
+"""The command line and the demo."""
 
 from __future__ import annotations
 

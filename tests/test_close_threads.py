@@ -1,4 +1,4 @@
-"""close() while other threads of the process use the same handle (issue 22 part B, lifecycle):
+"""close() while other threads of the process use the same handle:
 they get StoreClosedError (or finish first), never a raw TypeError, AttributeError, ValueError or
 OSError from a torn-down handle, and close never pulls the store lock from under a thread that
 holds it (a structural operation in progress completes, the store stays consistent)."""

@@ -1,4 +1,4 @@
-"""Bad input gets the right error class and a message that names it (issue 2, point 8)."""
+"""Bad input gets the right error class and a message that names it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every program in examples/ runs as is, says what it showed, and leaves nothing behind (issue 18)."""
+"""Every program in examples/ runs as is, says what it showed, and leaves nothing behind."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fresh ranges written through the data segment's descriptor (issue 16): a prefill, a move
+"""Fresh ranges written through the data segment's descriptor: a prefill, a move
 into a new range, a load. The data must equal a numpy reference, and a full /dev/shm during
 such a write (fault-injected: ENOSPC from os.pwrite / os.sendfile at the Nth call) must be a
 clean CacheFullError with nothing half-published and the store still usable."""

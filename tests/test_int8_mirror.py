@@ -1,4 +1,4 @@
-"""int8 decoding in O(1) a token (issue 24): append's views come from the write handle's
+"""int8 decoding in O(1) a token: append's views come from the write handle's
 dequantized mirror; they must equal a dequantization of what the shared cells hold at every
 step, across truncate, copy_prefix into the sequence, another process's writes and a lease
 take-over. And any finite float input of any float dtype is quantized without a warning."""

@@ -1,5 +1,5 @@
 """Ctrl-C (KeyboardInterrupt, in a process that survives it) that lands after create_sequence or
-a lease take-over has done its work but before the handle reaches the caller (issue 22 part B):
+a lease take-over has done its work but before the handle reaches the caller:
 the caller never gets the handle, so nothing may be left behind: no live sequence nobody can
 name (before: one leaked row per interrupt, until the store filled up with them), no lease held
 for a handle that does not exist (before: other processes saw it alive until we closed)."""

@@ -1,4 +1,4 @@
-"""The journal (issue 22): recovery on every way into the store lock, rollback on exceptions,
+"""The journal: recovery on every way into the store lock, rollback on exceptions,
 Ctrl-C on the lock path, ids never reused.
 
 The crash matrix: a child is SIGKILLed at every crash point (shmkv._engine.locking.crash.POINTS);

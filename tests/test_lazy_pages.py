@@ -1,4 +1,4 @@
-"""Memory on demand (issue 23's prefix_memory_ratio): a range's capacity is reserved as cells,
+"""Memory on demand (the bench's prefix_memory_ratio goal): a range's capacity is reserved as cells,
 its pages are allocated only ahead of what is written (``_engine/memory/pages.py``,
 ``_sequence/room.py``), and never is a write made into a page that is not allocated: a full
 /dev/shm is CacheFullError from the call that needs the room, nothing lost."""

@@ -1,4 +1,4 @@
-"""The shipped pytest plugin, exercised on sample test files (issue 8)."""
+"""The shipped pytest plugin, exercised on sample test files."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The automatic prefix cache (docs/design.md §8, issue 14): reuse by token ids, across processes, with LRU
+"""The automatic prefix cache (docs/design.md §8): reuse by token ids, across processes, with LRU
 eviction."""
 
 from __future__ import annotations

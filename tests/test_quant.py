@@ -1,4 +1,4 @@
-"""int8 and bfloat16 storage (issue 5)."""
+"""int8 and bfloat16 storage."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""int8 quantization's two paths (issue 24): numba's compiled loops (``shmkv[fast]``,
+"""int8 quantization's two paths: numba's compiled loops (``shmkv[fast]``,
 _sequence/quant_jit.py) and the numpy path they replace must give the same codes, scales and
 mirror values, bit for bit, for float16, bfloat16, float32 and float64 input; both are checked
 here against one plain numpy reference computed in this file."""

@@ -1,4 +1,4 @@
-"""The remote tier on Redis (docs/design.md §9, issue 17): stores on several "machines" share prefixes.
+"""The remote tier on Redis (docs/design.md §9): stores on several "machines" share prefixes.
 
 Every test starts its own redis-server(s) on free loopback ports (shmkv.testing._redis)
 and stops them. Without redis-server (or redis-py) these tests skip locally and

@@ -1,4 +1,4 @@
-"""Store primitives behind issue 25 (Hugging Face on sliding/chunked models):
+"""Store primitives the Hugging Face adapter needs on sliding/chunked models:
 
 * ``seq.rewind(n, k_window, v_window)``: a truncate back past what the sliding/chunked
   layers still hold, given those layers' states (the adapter's crop after a forward that

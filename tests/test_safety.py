@@ -1,4 +1,4 @@
-"""Never touch what is not yours (issue 12): store identity, permissions, hostile snapshots,
+"""Never touch what is not yours: store identity, permissions, hostile snapshots,
 capacity on bounded-only stores, bad input refused with the store unchanged."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Snapshot files (issue 3)."""
+"""Snapshot files."""
 
 from __future__ import annotations
 

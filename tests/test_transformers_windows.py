@@ -1,4 +1,4 @@
-"""Issue 25: ShmkvCache against DynamicCache where sliding and chunked windows fill.
+"""ShmkvCache against DynamicCache where sliding and chunked windows fill.
 
 transformers' own generation testers use ``sliding_window=4096`` with 7-token prompts, so
 a window never fills there. Here every model's windows (4-8) are smaller than its prompt:

@@ -1,4 +1,4 @@
-"""The room check's count of the pages a reservation still needs (edges issue, item 2).
+"""The room check's count of the pages a reservation still needs.
 
 On tmpfs, SEEK_HOLE/SEEK_DATA report a page that was fallocated but never written as a hole
 (found on Linux 6.18: the seek looks at whether the page is up to date). Such a page is in use

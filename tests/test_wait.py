@@ -1,4 +1,4 @@
-"""seq.wait / seq.wait_async: waiting for another process's tokens (issue 18)."""
+"""seq.wait / seq.wait_async: waiting for another process's tokens."""
 
 from __future__ import annotations
 
