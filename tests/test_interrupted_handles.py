@@ -1,8 +1,8 @@
 """Ctrl-C (KeyboardInterrupt, in a process that survives it) that lands after create_sequence or
 a lease take-over has done its work but before the handle reaches the caller:
 the caller never gets the handle, so nothing may be left behind: no live sequence nobody can
-name (before: one leaked row per interrupt, until the store filled up with them), no lease held
-for a handle that does not exist (before: other processes saw it alive until we closed)."""
+name (else every interrupt would leak a row, until the store filled up with them), no lease held
+for a handle that does not exist (other processes would see it alive until we closed)."""
 
 from __future__ import annotations
 

@@ -291,8 +291,8 @@ def test_info_shows_the_prefix_cache(big):
 
 @pytest.mark.parametrize("lru", ["dst", "src"])
 def test_copy_prefix_never_evicts_its_own_source_or_destination(make_store, lru):
-    """Issue 22: copy_prefix into a finished, unleased destination that is the least recently used
-    (or from such a source) evicted it to make room for itself; copy_prefix returned, dst was gone."""
+    """copy_prefix into a finished, unleased destination that is the least recently used (or from
+    such a source) never evicts it to make room for itself: when copy_prefix returns, dst is there."""
     store = make_store(layers=2, kv_heads=2, head_dim=4, max_tokens=320, max_seqs=16)
     rng = np.random.default_rng(6)
     prompts = [prompt(rng, 30) for _ in range(10)]

@@ -1,7 +1,7 @@
 """Edge cases of the prefix cache, each pinning a behaviour a hostile or unlucky caller meets.
 
-BUG 8 (an old holder of a shared prefix whose index entries were replaced by four newer holders
-became unfindable once those were all freed) is fixed: the entries are re-homed on free.
+An old holder of a shared prefix whose index entries were replaced by four newer holders stays
+findable once those are all freed: the entries are re-homed on free.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def test_copy_prefix_does_not_evict_its_source(make_store):
 
 
 def test_a_full_index_never_fails_a_commit_after_it_published(make_store):
-    """Issue 22: RuntimeError("prefix index full") escaped commit after LENGTH was published when
-    the index had no empty entry (its occupancy count drifted, or it was scribbled on)."""
+    """A commit never raises after LENGTH is published (no RuntimeError("prefix index full")), even
+    when the index has no empty entry (its occupancy count drifted, or it was scribbled on)."""
     st = make_store(max_tokens=256, max_seqs=4)
     t = np.frombuffer(st._engine.index._t, np.int64).reshape(-1, 4)
     t[:] = [1, 999, 0, 0]  # every entry taken, none valid (no live sequence 999), count says 0
@@ -194,7 +194,7 @@ def test_snapshot_id_out_of_range_is_a_snapshot_error(make_store, tmp_path):
 @pytest.mark.parametrize("order", ["oldest first", "newest first", "interleaved"])
 @pytest.mark.parametrize("newer", [4, 9])
 def test_old_holder_of_a_shared_prefix_stays_findable(make_store, order, newer):
-    """BUG 8: the DUP=4 limit replaces an old holder's entries for the shared blocks; once every
+    """The DUP=4 limit replaces an old holder's entries for the shared blocks; once every
     newer holder is freed (in any order), the old one must be found again, and so must the newer
     ones still live on the way."""
     st = make_store(max_tokens=2048, max_seqs=16)

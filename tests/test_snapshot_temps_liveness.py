@@ -1,9 +1,9 @@
 """A save's temporary file is the live writer's while it is written, across PID namespaces and
-pid reuse (issue 22 part B: liveness is a kernel fact). Before, a save (or gc(snapshot_dirs=))
-judged another save's ``.NAME.tmp-PID-START-X`` by its pid: a writer in another PID namespace
-(pid 1 there, or any pid that means another process here) looked dead, its temporary file was
-removed under it, and its save failed with a raw FileNotFoundError. Now the writer holds a flock
-on its temporary file until it is renamed into place, and only a file nobody holds is stale."""
+pid reuse (liveness is a kernel fact). A save (or gc(snapshot_dirs=)) never judges another
+save's ``.NAME.tmp-PID-START-X`` by its pid: a writer in another PID namespace (pid 1 there, or
+any pid that means another process here) would look dead, its temporary file would be removed
+under it, and its save would fail with a raw FileNotFoundError. The writer holds a flock on its
+temporary file until it is renamed into place, and only a file nobody holds is stale."""
 
 from __future__ import annotations
 

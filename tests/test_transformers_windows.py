@@ -240,8 +240,9 @@ def _same_layers(cache, ref):
 @pytest.mark.parametrize("op, arg", [("reorder_cache", [1, 1]), ("batch_repeat_interleave", 2),
                                      ("batch_select_indices", [1])])
 def test_row_copies_on_a_full_window(cache_of, op, arg):
-    """Issue 25: 2 rows, window 5, a 6-token prefill, reorder_cache([1, 1]), one more token
-    failed in batch_kv (the copy held fewer tokens on the sliding layers than its source)."""
+    """2 rows, window 5, a 6-token prefill and 3 more, a row operation (reorder_cache([1, 1]),
+    batch_repeat_interleave(2), batch_select_indices([1])), then more tokens: every step equals
+    DynamicCache's (a copied row holds as many tokens on the sliding layers as its source)."""
     model = model_of("sliding")
     ref, cache = DynamicCache(config=model.config), cache_of(model)
     ids = prompt(2, 6)
@@ -262,9 +263,9 @@ def test_row_copies_on_a_full_window(cache_of, op, arg):
 @pytest.mark.parametrize("kind", ["sliding", "chunked", "hybrid"])
 @pytest.mark.parametrize("first", [129, 30])
 def test_crop_after_a_forward_longer_than_memory(cache_of, kind, first):
-    """Issue 25: window 8 (here 4-6), a 124-token prompt and 5 candidates in the first forward
-    (longer than memory=64, so committed in steps of 64, 64, 1), 5 candidates rejected: crop was
-    refused (NotSupportedError). Also a decode
+    """Window 8 (here 4-6), a 124-token prompt and 5 candidates in the first forward (longer than
+    memory=64, so committed in steps of 64, 64, 1), 5 candidates rejected: the crop works (no
+    NotSupportedError) and matches DynamicCache. Also a decode
     forward longer than memory (30 tokens on memory=16) after a prompt, then a crop."""
     model = model_of(kind)
     ref, cache = DynamicCache(config=model.config), cache_of(model, memory=None if first == 129 else 16)
