@@ -35,7 +35,7 @@ def test_close_in_another_thread_waits_for_the_structural_operation_in_progress(
             seq.extend(*_kv(handle, 2), tokens=[5, 6])
             seq.truncate(1)
             kept = seq.id
-        except BaseException as e:  # the bug: TypeError from the torn-down handle
+        except BaseException as e:  # what must not come: a TypeError from the torn-down handle
             seen.append(e)
     closer.join(timeout=60)
     assert not closer.is_alive() and handle.closed

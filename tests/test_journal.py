@@ -314,7 +314,7 @@ def test_a_read_only_save_after_a_crash_records_the_rolled_back_state(make_store
     with shmkv.attach(store.name, readonly=True) as ro:
         ro.save(path)
         assert state(ro) == before  # read-only readers see it rolled back too
-        assert ro.sequence(ids["b"]).meta == {}  # its meta record as well (was LockTimeout)
+        assert ro.sequence(ids["b"]).meta == {}  # its meta record as well (never a LockTimeout)
     assert store._engine.hdr[_header.W_UNDO_COUNT] == 1  # nobody rolled it back: the reader could not
     loaded = shmkv.load(path, name=unique_name("jl"))
     try:

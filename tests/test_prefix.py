@@ -66,7 +66,7 @@ def test_caps_and_misses(big):
     assert big.match_prefix(q) == 0  # differs at token 0
     assert big.match_prefix(p[:1]) == 0 and big.match_prefix([]) == 0
     assert len(big.create_sequence(capacity=4, prefix=p[:1])) == 0
-    # token-granular from token 0: below one block too (issue 23)
+    # token-granular from token 0: below one block too
     assert [big.match_prefix(p[:k]) for k in (17, 16, 9, 5, 2)] == [16, 15, 8, 4, 1]
     with pytest.raises(shmkv.InvalidArgumentError, match="token ids"):
         big.match_prefix([[1, 2]])
@@ -84,7 +84,7 @@ def test_sequences_without_ids_or_moved_tokens_are_never_donors(big):
     s, _ = serve(big, p)
     assert big.match_prefix(p) == 47
     s.remove(10, 12)  # the later tokens' context changed: only tokens before 10 may be given
-    assert big.match_prefix(p) == 10  # below one block: found through its leads (issue 23)
+    assert big.match_prefix(p) == 10  # below one block: found through its leads
     b, n = serve(big, p)
     assert n == 10
     check(b, p, big.layout)  # the 10 reused tokens are the faithful ones

@@ -139,7 +139,7 @@ def test_snapshot_without_clean_field_is_not_a_donor_after_remove(make_store, tm
     s = plain(st, p)
     s.remove(10, 12)  # tokens 12.. move down; their K/V saw tokens 10, 11
     st.save(tmp_path / "a.shmkv")
-    # the same file as written by main before the prefix cache (5472759^): no finished/recency/clean/meta
+    # a file without the prefix cache's fields (as an older shmkv writes it): no finished/recency/clean/meta
     craft(tmp_path / "a.shmkv", tmp_path / "b.shmkv",
           lambda q: [q.pop(k) for k in ("finished", "recency", "clean", "meta")])
     st2 = shmkv.load(tmp_path / "b.shmkv", name=st.name[:20] + "L")
@@ -268,7 +268,7 @@ def test_chunked_donor_that_can_resume_is_used(make_store):
     assert st.match_prefix(np.concatenate([p[:166], [1]])) == 166
 
 
-# -- attacks that held ----------------------------------------------------------------------------
+# -- hostile sequences of operations ---------------------------------------------------------------
 
 
 def test_truncate_recommit_and_anonymous_blocks(make_store):

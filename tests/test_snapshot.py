@@ -137,7 +137,7 @@ def test_save_to_a_file_object_at_an_offset(make_store, tmp_path):
         f.write(b"tail")
     data = path.read_bytes()
     assert len(data) == len(prefix) + n + 4
-    streamed = io.BytesIO()  # no descriptor: the checksums first, as before
+    streamed = io.BytesIO()  # no descriptor: the checksums first (a reading pass), then everything in order
     store.save(streamed)
     assert data[len(prefix) : len(prefix) + n] == streamed.getvalue()
     loaded = shmkv.load(io.BytesIO(streamed.getvalue()), name=unique_name())

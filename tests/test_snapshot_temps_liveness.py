@@ -65,5 +65,5 @@ def test_a_temporary_file_removed_by_hand_during_the_save_is_a_snapshot_error(ma
                 os.unlink(tmp_path / f)  # `rm` of a live save's file (ignoring its lock)
 
     with pytest.raises(shmkv.SnapshotError, match="was removed while the save ran"):
-        store.save(tmp_path / "s.shmkv", progress=remove_it)  # (was a raw FileNotFoundError)
+        store.save(tmp_path / "s.shmkv", progress=remove_it)  # (never a raw FileNotFoundError)
     assert os.listdir(tmp_path) == []

@@ -300,7 +300,7 @@ def test_crop_into_a_long_forward_without_past_recording_says_what_to_do(cache_o
     a crop the windows still hold works."""
     model = model_of(kind)
     cache = cache_of(model)
-    ids = prompt(1, 129)  # the issue's 124-token prompt and 5 candidates: steps of 64, 64, 1
+    ids = prompt(1, 129)  # a 124-token prompt and 5 candidates: steps of 64, 64, 1
     assert cache.store.layout.step == 64
     _step(model, ids, cache)
     with pytest.raises(shmkv.NotSupportedError, match=r"crop\(-5\).*activate_past_recording"):
