@@ -130,7 +130,7 @@ def test_a_liveness_question_racing_close_keeps_its_descriptor(make_store, monke
     """``clients()``/``sequences()`` ask the liveness file without the store lock: a close() in
     another thread waits for a question in progress (its descriptor stays open: a closed number could
     be reused by another file, which would answer for the wrong store), and a question after the close
-    raises StoreClosedError, not a ValueError from descriptor -1 (failed once in .ci/run)."""
+    raises StoreClosedError, not a ValueError from descriptor -1."""
     from shmkv._engine.clients import liveness
 
     store = make_store()

@@ -619,7 +619,7 @@ def test_identity_is_in_the_header_and_differs_per_store(make_store):
 
 
 def test_a_store_of_the_previous_format_version_is_refused_naming_both(make_store):
-    """A store whose header says version 5 (before lazy pages, stand-ins, the page mark and
+    """A store whose header says version 5 (a format without lazy pages, stand-ins, the page mark and
     lenders past their length) is never read by this shmkv: attach raises CorruptStoreError
     naming its version and ours, and the store is left as it was."""
     store = make_store()
