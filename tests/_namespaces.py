@@ -1,5 +1,5 @@
 """Run a command in a private /dev/shm (a mount namespace with its own tmpfs) or a second
-PID namespace, as a container would see them (issue 26). Needs root (CI runs as root)
+PID namespace, as a container would see them. Needs root (CI runs as root)
 and util-linux's ``unshare``; ``available()`` says whether this machine allows it.
 
 The private /dev/shm lives only as long as the command: nothing is left on the

@@ -1,4 +1,4 @@
-"""Layer kinds, masks, can_resume and bounded sliding/chunked layers (issue 4).
+"""Layer kinds, masks, can_resume and bounded sliding/chunked layers.
 
 Every check compares attention computed from what shmkv returns (keys, values,
 mask) with a plain numpy reference over the sequence's whole history under the

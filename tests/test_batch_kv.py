@@ -1,4 +1,4 @@
-"""Batches of sequences (issue 15): ``store.create_sequences(n, capacity, prefix=)`` (every
+"""Batches of sequences: ``store.create_sequences(n, capacity, prefix=)`` (every
 sequence or none) and ``store.batch_kv(seqs, layer, pending=, writable=)`` (one layer of
 several sequences as ``[B, T, kv_heads, head_dim]``: a strided view of the shared cells
 when the rows sit equally spaced, else a gathered copy). Values are checked against the

@@ -21,7 +21,7 @@ import pytest
 
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-NEW_KEYS = [  # issue 16: the keys the README table and the goals need
+NEW_KEYS = [  # the keys docs/benchmarks.md and the goals need
     "truncate_step_us", "load_vs_limit", "prefill_vs_limit", "sequences_us_per_seq",
     *(f"{k}_{n}" for k in ("create_sequence_us", "free_us", "open_sequence_us", "sequences_us_per_seq")
       for n in (16, 256, 4096)),
@@ -204,7 +204,8 @@ def _children_of(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_bench_fails_fast_naming_a_killed_child():
-    """Regression: a crashed hand-off child left the bench waiting 5 minutes on its queue."""
+    """A killed hand-off child ends the bench at once, with an error naming it: the bench never
+    waits on its queue for a result that will not come."""
     p = subprocess.Popen([console_script(), "bench", "--quick", "--only", "handoff"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     killed: set[int] = set()

@@ -2,7 +2,7 @@
 through its main().
 
 Timings are never asserted: the run must finish, every mode must produce the same tokens, the JSON
-must carry every key the docs and the issue name, and the run's stores and temp files must be gone.
+must carry every key the docs name, and the run's stores and temp files must be gone.
 Skipped when torch or transformers is missing, except under CI (CI=true), where that is a failure.
 """
 

@@ -1,4 +1,4 @@
-"""Running out of room (issue 2, point 7)."""
+"""Running out of room."""
 
 from __future__ import annotations
 

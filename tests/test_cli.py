@@ -1,4 +1,4 @@
-"""The command line and the demo (issue 6)."""
+"""The command line and the demo."""
 
 from __future__ import annotations
 
@@ -329,7 +329,7 @@ def test_verify_finds_problems(make_store):
     b._row[shmkv._engine.table.header.LENGTH] = 99
     assert any("outside capacity" in p for p in cli.verify(store))
     b._row[shmkv._engine.table.header.LENGTH] = 0
-    # regression: the range check once read `not 0 <= start and ...` and never fired
+    # a range that ends past the arena's cells is reported, although its start is >= 0
     cells = engine_of(store).cells  # max_tokens and the alignment slack
     b._row[shmkv._engine.table.header.START] = cells - 4
     assert any(f"outside the arena's {cells} cells" in p for p in cli.verify(store))

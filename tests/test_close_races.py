@@ -135,8 +135,9 @@ def test_close_racing_reads_of_borrowers_raises_only_store_closed(make_store, tm
 def test_a_read_only_wait_counted_as_close_drops_the_counts_leaks_none(make_store, monkeypatch):
     """A read-only wait that counts itself on the row (the liveness file's count) just after a
     close() in another thread took this handle's counts off: the count must not stay raised
-    (every later commit of the row would make a wake-up syscall for nobody). Found by the attack
-    above (a count of 1 to 4 left on the borrower's row)."""
+    (every later commit of the row would make a wake-up syscall for nobody). The race test above
+    meets this interleaving by chance (a count of 1 to 4 left on the borrower's row); here it is
+    forced."""
     from shmkv._sequence import waiting
 
     store = make_store(layers=L, kv_heads=H, head_dim=D, dtype="float16", max_tokens=512, max_seqs=8)

@@ -1,4 +1,4 @@
-"""close() while other threads of the process use the same handle (issue 22 part B, lifecycle):
+"""close() while other threads of the process use the same handle:
 they get StoreClosedError (or finish first), never a raw TypeError, AttributeError, ValueError or
 OSError from a torn-down handle, and close never pulls the store lock from under a thread that
 holds it (a structural operation in progress completes, the store stays consistent)."""
@@ -35,7 +35,7 @@ def test_close_in_another_thread_waits_for_the_structural_operation_in_progress(
             seq.extend(*_kv(handle, 2), tokens=[5, 6])
             seq.truncate(1)
             kept = seq.id
-        except BaseException as e:  # the bug: TypeError from the torn-down handle
+        except BaseException as e:  # what must not come: a TypeError from the torn-down handle
             seen.append(e)
     closer.join(timeout=60)
     assert not closer.is_alive() and handle.closed
@@ -130,7 +130,7 @@ def test_a_liveness_question_racing_close_keeps_its_descriptor(make_store, monke
     """``clients()``/``sequences()`` ask the liveness file without the store lock: a close() in
     another thread waits for a question in progress (its descriptor stays open: a closed number could
     be reused by another file, which would answer for the wrong store), and a question after the close
-    raises StoreClosedError, not a ValueError from descriptor -1 (failed once in .ci/run)."""
+    raises StoreClosedError, not a ValueError from descriptor -1."""
     from shmkv._engine.clients import liveness
 
     store = make_store()

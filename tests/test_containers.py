@@ -2,7 +2,7 @@
 (as Docker does): a private 64 MiB /dev/shm (Docker's default) fills with a
 CacheFullError that names the fix, never a SIGBUS; a second process that joins
 the first one's /dev/shm (``--ipc=container:NAME``) attaches its store; the
-machine's own /dev/shm never sees it (issue 26)."""
+machine's own /dev/shm never sees it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Crash safety (issue 11): a process SIGKILLed inside any structural operation leaves the store
+"""Crash safety: a process SIGKILLed inside any structural operation leaves the store
 exactly as before or after it, for the next process that takes the lock.
 
 Every named crash point (shmkv._engine.locking.crash.POINTS) is hit by a child process with SHMKV_CRASH_AT set;

@@ -1,5 +1,5 @@
-"""What a create over a cached prefix no longer does (issue 23's prefix_request_vs_extend1), and
-that each shortcut gives what the long way gave: the stand-in scan asks only rows whose next
+"""What a create over a cached prefix does not do (the bench's prefix_request_vs_extend1 goal), and
+that each shortcut gives what the long way gives: the stand-in scan asks only rows whose next
 token fits; a borrow keeps this process's free ranges; the room of /dev/shm and memory is read
 at most once per short while; /proc/meminfo is read through a descriptor kept open."""
 
@@ -34,7 +34,7 @@ def P(seed: int, n: int) -> np.ndarray:
 
 
 def _copies_the_long_way(e, key: tuple[int, int], t: np.ndarray, n: int) -> list[tuple[int, int]]:
-    """What copies() returned before the token test came first: every row asked for ``key``."""
+    """copies() the long way: every row asked for ``key``, then kept if its next token is ``t[n]``."""
     rows = np.frombuffer(e.index._rows, np.int64).reshape(-1, SEQ_WORDS)
     got = [s for _, s, _ in table_holders(rows, e._hashes, [key], -1, every=True)]
     got = [s for s in got if rows[s, LENGTH] > n and e.tokens[rows[s, START] + n] == t[n]]

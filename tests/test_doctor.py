@@ -1,7 +1,7 @@
 """``shmkv doctor`` / ``shmkv.doctor()``, and the room checks of ``shmkv demo`` and
 ``shmkv bench``, on this machine's /dev/shm and in private ones of 64 MiB and less
 (a mount namespace with its own tmpfs, as Docker's default /dev/shm), and in a
-second PID namespace (issue 26)."""
+second PID namespace."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """An int8 store's ``set_encoder`` quantizes before it takes the store lock: a process's first
 quantization loads or compiles the compiled loops (``_sequence/quant_jit.py``: about 0.3 s to
 import numba, seconds to compile), which under the lock would stall every other process's
-structural operations (issue 23 follow-up). The codes are the same as before, bit for bit."""
+structural operations. The values read back are those of ``_quant.quantize_int8``, bit for bit."""
 
 from __future__ import annotations
 

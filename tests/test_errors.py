@@ -1,4 +1,4 @@
-"""Bad input gets the right error class and a message that names it (issue 2, point 8)."""
+"""Bad input gets the right error class and a message that names it."""
 
 from __future__ import annotations
 
@@ -219,7 +219,8 @@ def test_foreign_or_damaged_header(make_store, what):
 ])
 @pytest.mark.parametrize("call", ["reserve", "write", "copy_in"])
 def test_segment_io_errors_are_in_the_tree(make_store, monkeypatch, tmp_path, err, expected, call):  # noqa: PLR0917
-    """Issue 22: Segment.reserve/write/copy_in re-raised OSErrors that mean neither full nor missing."""
+    """Segment.reserve/write/copy_in turn an OSError that means neither full nor missing into an
+    error of shmkv's tree, never a raw OSError."""
     import errno as _errno
     import os
 

@@ -1,4 +1,4 @@
-"""Every program in examples/ runs as is, says what it showed, and leaves nothing behind (issue 18)."""
+"""Every program in examples/ runs as is, says what it showed, and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_example_runs(path, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_transformers_workers_on_a_local_checkpoint(tmp_path):
-    """Issue 26: ``transformers_workers.py --model PATH`` on a checkpoint with its tokenizer: text
+    """``transformers_workers.py --model PATH`` on a checkpoint with its tokenizer: text
     prompts in, text out, every answer checked against DynamicCache. The checkpoint is written
     here (random weights, save_pretrained) with a word-level tokenizer built here: no download."""
     importorskip_unless_ci("torch")

@@ -1,4 +1,4 @@
-"""The per-process cache of free ranges (issue 24): always what the table says, whoever changed it."""
+"""The per-process cache of free ranges: always what the table says, whoever changed it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fresh ranges written through the data segment's descriptor (issue 16): a prefill, a move
+"""Fresh ranges written through the data segment's descriptor: a prefill, a move
 into a new range, a load. The data must equal a numpy reference, and a full /dev/shm during
 such a write (fault-injected: ENOSPC from os.pwrite / os.sendfile at the Nth call) must be a
 clean CacheFullError with nothing half-published and the store still usable."""
@@ -236,7 +236,7 @@ def test_load_from_a_path_that_is_a_pipe(make_store, tmp_path):
 def test_a_fork_pre_faults_its_range_before_the_per_token_path(make_store):
     """A new range is allocated, not pre-faulted; a sequence's first append pre-faults it on the
     checked path. A fork's child takes its first append on the fast path: the fork pre-faults it
-    (found by review: the child's appends faulted page by page)."""
+    (else the child's appends would fault page by page)."""
     store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float16", max_tokens=4096, max_seqs=4)
     rng = np.random.default_rng(12)
     parent = store.create_sequence(capacity=64)

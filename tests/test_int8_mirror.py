@@ -1,4 +1,4 @@
-"""int8 decoding in O(1) a token (issue 24): append's views come from the write handle's
+"""int8 decoding in O(1) a token: append's views come from the write handle's
 dequantized mirror; they must equal a dequantization of what the shared cells hold at every
 step, across truncate, copy_prefix into the sequence, another process's writes and a lease
 take-over. And any finite float input of any float dtype is quantized without a warning."""
@@ -102,8 +102,8 @@ def test_int8_mirror_after_a_lease_take_over_of_the_same_sequence(make_store):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_any_float_input_to_an_int8_store_without_a_warning(make_store, dtype):
-    """pytest runs with filterwarnings=error: a warning here fails the test (issue 24: float16
-    input once warned 'overflow encountered in cast' on every first write)."""
+    """pytest runs with filterwarnings=error: a warning here fails the test (float16
+    input must not warn 'overflow encountered in cast' on a first write)."""
     rng = np.random.default_rng(SEED + 3)
     x32 = (rng.standard_normal((2, L, 6, H, D)) * 3).astype(np.float32)
     x32[:, :, 0] = 0.0  # an all-zero token

@@ -1,8 +1,8 @@
 """Ctrl-C (KeyboardInterrupt, in a process that survives it) that lands after create_sequence or
-a lease take-over has done its work but before the handle reaches the caller (issue 22 part B):
+a lease take-over has done its work but before the handle reaches the caller:
 the caller never gets the handle, so nothing may be left behind: no live sequence nobody can
-name (before: one leaked row per interrupt, until the store filled up with them), no lease held
-for a handle that does not exist (before: other processes saw it alive until we closed)."""
+name (else every interrupt would leak a row, until the store filled up with them), no lease held
+for a handle that does not exist (other processes would see it alive until we closed)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_lease_take_over_interrupted_before_it_returns_holds_no_lease(make_store
         store.sequence(seq.id, write=True)
     (info,) = store.sequences()
     assert not info.lease_alive and info.lease_pid == 0
-    # another process may take it at once (before: LeaseError while this attachment lived)
+    # another process may take it at once (no LeaseError while this attachment lives)
     assert shmkv_child.run(_take_and_release, store, seq.id, start_method="spawn") == 2
 
 
@@ -113,7 +113,7 @@ def test_close_interrupted_half_way_is_finished_by_the_next_close(make_store, mo
     with pytest.raises(KeyboardInterrupt):
         handle.close()
     assert handle.closed
-    handle.close()  # finishes what the interrupted one left (before: a no-op, descriptors kept for good)
+    handle.close()  # finishes what the interrupted one left (not a no-op: no descriptor kept for good)
     assert _fds(store.name) == before
     assert store.clients() == [os.getpid()]
 
@@ -135,7 +135,7 @@ def test_segment_close_interrupted_after_closing_never_closes_the_number_again(m
     other = os.open(tmp_path / "another file", os.O_CREAT | os.O_RDWR)  # takes the freed number
     try:
         assert other == target
-        seg.close()  # (before: closed `other`, someone else's descriptor)
+        seg.close()  # (never closes `other`, someone else's descriptor)
         os.fstat(other)
     finally:
         os.close(other)

@@ -1,4 +1,4 @@
-"""The journal (issue 22): recovery on every way into the store lock, rollback on exceptions,
+"""The journal: recovery on every way into the store lock, rollback on exceptions,
 Ctrl-C on the lock path, ids never reused.
 
 The crash matrix: a child is SIGKILLed at every crash point (shmkv._engine.locking.crash.POINTS);
@@ -176,7 +176,7 @@ def _check_after(store: shmkv.Store, ids: dict) -> None:
 
 @pytest.mark.slow
 def test_crash_matrix(make_store, tmp_path):
-    """Every crash point x every first lock holder (the issue's must-show 1)."""
+    """Every crash point x every first lock holder."""
     t0 = time.monotonic()
     cells = 0
     for point in POINTS:
@@ -219,7 +219,7 @@ def test_crash_matrix(make_store, tmp_path):
                          ids=["KeyboardInterrupt", "CacheFullError"])
 def test_an_exception_at_every_crash_point_rolls_back(make_store, tmp_path, exc):
     """The crash points armed to raise: the store equals the state before, the exception
-    reaches the caller (must-show 2)."""
+    reaches the caller."""
     for point in POINTS:
         snap = str(tmp_path / "snap.shmkv")
         store = make_store(**_layout(point))
@@ -249,7 +249,8 @@ def test_an_exception_at_every_crash_point_rolls_back(make_store, tmp_path, exc)
 
 
 def test_restore_is_all_or_nothing_when_its_publish_raises(make_store, tmp_path):
-    """The issue's case: a CacheFullError inside restore's publish left one of two sequences restored."""
+    """A CacheFullError inside restore's publish rolls the whole restore back: never one of two
+    sequences restored."""
     store = make_store(**LAYOUT)
     a = store.create_sequence(capacity=16)
     fill(a, [1, 2, 3])
@@ -272,7 +273,7 @@ def test_restore_is_all_or_nothing_when_its_publish_raises(make_store, tmp_path)
 
 
 def test_a_read_handle_on_a_freed_sequence_stays_dead_after_a_restore(make_store, tmp_path):
-    """Must-show 5a: a restore re-creates id 1; the stale handle raises, never reads it."""
+    """A restore re-creates id 1; the stale handle raises, never reads it."""
     store = make_store(**LAYOUT)
     s = store.create_sequence(capacity=8)
     fill(s, [70, 71, 72])
@@ -313,7 +314,7 @@ def test_a_read_only_save_after_a_crash_records_the_rolled_back_state(make_store
     with shmkv.attach(store.name, readonly=True) as ro:
         ro.save(path)
         assert state(ro) == before  # read-only readers see it rolled back too
-        assert ro.sequence(ids["b"]).meta == {}  # its meta record as well (was LockTimeout)
+        assert ro.sequence(ids["b"]).meta == {}  # its meta record as well (never a LockTimeout)
     assert store._engine.hdr[_header.W_UNDO_COUNT] == 1  # nobody rolled it back: the reader could not
     loaded = shmkv.load(path, name=unique_name("jl"))
     try:
@@ -323,7 +324,7 @@ def test_a_read_only_save_after_a_crash_records_the_rolled_back_state(make_store
 
 
 def test_sigints_never_leave_the_lock_held(make_store):
-    """Must-show 3: 500 SIGINTs into a process that catches KeyboardInterrupt (keeping the
+    """500 SIGINTs into a process that catches KeyboardInterrupt (keeping the
     traceback) between lock-heavy operations: after each one it holds no lock and no
     transaction, and this process can take the lock."""
     store = make_store(**dict(LAYOUT, max_seqs=64))

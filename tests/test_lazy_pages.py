@@ -1,4 +1,4 @@
-"""Memory on demand (issue 23's prefix_memory_ratio): a range's capacity is reserved as cells,
+"""Memory on demand (the bench's prefix_memory_ratio goal): a range's capacity is reserved as cells,
 its pages are allocated only ahead of what is written (``_engine/memory/pages.py``,
 ``_sequence/room.py``), and never is a write made into a page that is not allocated: a full
 /dev/shm is CacheFullError from the call that needs the room, nothing lost."""
@@ -77,12 +77,12 @@ def test_large_capacities_hold_pages_only_for_what_is_written_plus_a_chunk(make_
     least, most = _bounds(cells)
     held = _held(st) - empty
     assert least <= held <= most, (held, least, most)
-    assert held < 5 * CAP * KV_CELL / 4  # the old way: 5 whole capacities
+    assert held < 5 * CAP * KV_CELL / 4  # not 5 whole capacities' pages
     for s, k in pre + dec:  # and every sequence reads what it wrote
         for layer in range(L):
             np.testing.assert_array_equal(s.keys(layer), k[layer, : len(s)])
     stats = st.stats()
-    assert stats.reserved_tokens == 5 * CAP  # the cells are reserved as before: max_tokens accounting
+    assert stats.reserved_tokens == 5 * CAP  # the cells are reserved in full: max_tokens accounting
 
 
 def test_growth_and_a_move_allocate_only_what_they_copy(make_store):

@@ -137,7 +137,8 @@ def _mapped(name: str) -> list[str]:
 
 @pytest.mark.parametrize("how", ["created", "attached", "readonly"])
 def test_close_unmaps_and_closes_descriptors_while_the_store_object_lives(make_store, tmp_path, how):
-    """Issue 22: close() left both mappings and the descriptors until garbage collection."""
+    """close() releases both mappings and every descriptor at once, not at garbage collection,
+    while the Store object lives on."""
     made = make_store()
     store = made if how == "created" else shmkv.attach(made.name, readonly=how == "readonly")
     writer = made if how == "readonly" else store
@@ -171,7 +172,7 @@ def test_close_unmaps_and_closes_descriptors_while_the_store_object_lives(make_s
 
 @pytest.mark.parametrize("how", ["created", "attached", "persistent", "attached-persistent"])
 def test_close_then_unlink_removes_the_store(make_store, how):
-    """The multiprocessing.shared_memory idiom: close(), then unlink() by name (issue 22)."""
+    """The multiprocessing.shared_memory idiom: close(), then unlink() by name."""
     made = make_store(persistent="persistent" in how)
     store = shmkv.attach(made.name) if how.startswith("attached") else made
     store.close()
@@ -196,8 +197,8 @@ def test_unlink_after_close_leaves_a_newer_store_of_the_same_name(make_store):
     ("lock file is a directory", False),  # (read-only, a directory opens and takes shared flocks)
     ("liveness file gone", False), ("liveness file gone", True)])
 def test_attach_failure_leaks_no_descriptor_and_raises_our_errors(make_store, readonly, what):
-    """Issue 22: attach leaked both segment descriptors and raised a raw OSError when the lock
-    file could not be opened."""
+    """When the lock file cannot be opened, attach closes both segment descriptors and raises one
+    of shmkv's errors, never a raw OSError."""
     store = make_store()
     name = store.name
     lock, live = _segment.lock_path(name), _segment.shm_path(f"{_segment.PREFIX}{name}.live")
@@ -277,9 +278,9 @@ print("ok")
 def test_a_view_outliving_close_reads_its_data(dtype, kinds, how):
     """Views returned before close() stay valid memory after it (docs/design.md §4): read in a child, where
     a view over an unmapped page would kill the process (SIGSEGV) instead of failing a test.
-    Views of the creator's handle, of a read-write attachment and of a read-only one. Found when
-    the page-aligned layout built its arrays with np.ndarray over the mmap, which holds no export
-    of it: close() unmapped under live views."""
+    Views of the creator's handle, of a read-write attachment and of a read-only one. An array
+    built with np.ndarray over the mmap holds no export of it, so close() would unmap under it:
+    every view must keep its pages mapped."""
     import subprocess
     import sys
 

@@ -1,5 +1,4 @@
-"""Liveness by kernel-released locks: across PID namespaces and fork (docs/design.md §3;
-issue 22, must-show 4).
+"""Liveness by kernel-released locks: across PID namespaces and fork (docs/design.md §3).
 
 Containers that share /dev/shm but not a PID namespace (Docker ``--ipc=host``, a Kubernetes
 pod without a shared process namespace) see meaningless pids of each other. Liveness is a

@@ -1,4 +1,4 @@
-"""Per-sequence metadata (issue 18): seq.meta, across processes and snapshots."""
+"""Per-sequence metadata: seq.meta, across processes and snapshots."""
 
 from __future__ import annotations
 

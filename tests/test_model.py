@@ -1,4 +1,4 @@
-"""Random operation sequences against a plain numpy model (issue 2, point 6)."""
+"""Random operation sequences against a plain numpy model."""
 
 from __future__ import annotations
 

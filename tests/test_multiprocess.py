@@ -1,4 +1,4 @@
-"""Several processes on one store (issue 2, points 1-5)."""
+"""Several processes on one store."""
 
 from __future__ import annotations
 

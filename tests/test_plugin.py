@@ -1,4 +1,4 @@
-"""The shipped pytest plugin, exercised on sample test files (issue 8)."""
+"""The shipped pytest plugin, exercised on sample test files."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def _wait_for(path, what, proc=None, timeout=120.0):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_leak_check_never_touches_another_programs_stores(pytester, tmp_path, monkeypatch):
-    """Issue 12, item 1: while a plugin-enabled suite runs a test, another program creates a
+    """While a plugin-enabled suite runs a test, another program creates a
     store it keeps using and a persistent one it leaves behind; both survive, the suite passes."""
     started, go = tmp_path / "started", tmp_path / "go"
     monkeypatch.setenv("SHMKV_T_STARTED", str(started))

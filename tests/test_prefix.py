@@ -1,4 +1,4 @@
-"""The automatic prefix cache (docs/design.md §8, issue 14): reuse by token ids, across processes, with LRU
+"""The automatic prefix cache (docs/design.md §8): reuse by token ids, across processes, with LRU
 eviction."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_caps_and_misses(big):
     assert big.match_prefix(q) == 0  # differs at token 0
     assert big.match_prefix(p[:1]) == 0 and big.match_prefix([]) == 0
     assert len(big.create_sequence(capacity=4, prefix=p[:1])) == 0
-    # token-granular from token 0: below one block too (issue 23)
+    # token-granular from token 0: below one block too
     assert [big.match_prefix(p[:k]) for k in (17, 16, 9, 5, 2)] == [16, 15, 8, 4, 1]
     with pytest.raises(shmkv.InvalidArgumentError, match="token ids"):
         big.match_prefix([[1, 2]])
@@ -84,7 +84,7 @@ def test_sequences_without_ids_or_moved_tokens_are_never_donors(big):
     s, _ = serve(big, p)
     assert big.match_prefix(p) == 47
     s.remove(10, 12)  # the later tokens' context changed: only tokens before 10 may be given
-    assert big.match_prefix(p) == 10  # below one block: found through its leads (issue 23)
+    assert big.match_prefix(p) == 10  # below one block: found through its leads
     b, n = serve(big, p)
     assert n == 10
     check(b, p, big.layout)  # the 10 reused tokens are the faithful ones
@@ -291,8 +291,8 @@ def test_info_shows_the_prefix_cache(big):
 
 @pytest.mark.parametrize("lru", ["dst", "src"])
 def test_copy_prefix_never_evicts_its_own_source_or_destination(make_store, lru):
-    """Issue 22: copy_prefix into a finished, unleased destination that is the least recently used
-    (or from such a source) evicted it to make room for itself; copy_prefix returned, dst was gone."""
+    """copy_prefix into a finished, unleased destination that is the least recently used (or from
+    such a source) never evicts it to make room for itself: when copy_prefix returns, dst is there."""
     store = make_store(layers=2, kv_heads=2, head_dim=4, max_tokens=320, max_seqs=16)
     rng = np.random.default_rng(6)
     prompts = [prompt(rng, 30) for _ in range(10)]

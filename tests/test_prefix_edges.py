@@ -1,7 +1,7 @@
 """Edge cases of the prefix cache, each pinning a behaviour a hostile or unlucky caller meets.
 
-BUG 8 (an old holder of a shared prefix whose index entries were replaced by four newer holders
-became unfindable once those were all freed) is fixed: the entries are re-homed on free.
+An old holder of a shared prefix whose index entries were replaced by four newer holders stays
+findable once those are all freed: the entries are re-homed on free.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def test_copy_prefix_does_not_evict_its_source(make_store):
 
 
 def test_a_full_index_never_fails_a_commit_after_it_published(make_store):
-    """Issue 22: RuntimeError("prefix index full") escaped commit after LENGTH was published when
-    the index had no empty entry (its occupancy count drifted, or it was scribbled on)."""
+    """A commit never raises after LENGTH is published (no RuntimeError("prefix index full")), even
+    when the index has no empty entry (its occupancy count drifted, or it was scribbled on)."""
     st = make_store(max_tokens=256, max_seqs=4)
     t = np.frombuffer(st._engine.index._t, np.int64).reshape(-1, 4)
     t[:] = [1, 999, 0, 0]  # every entry taken, none valid (no live sequence 999), count says 0
@@ -139,7 +139,7 @@ def test_snapshot_without_clean_field_is_not_a_donor_after_remove(make_store, tm
     s = plain(st, p)
     s.remove(10, 12)  # tokens 12.. move down; their K/V saw tokens 10, 11
     st.save(tmp_path / "a.shmkv")
-    # the same file as written by main before the prefix cache (5472759^): no finished/recency/clean/meta
+    # a file without the prefix cache's fields (as an older shmkv writes it): no finished/recency/clean/meta
     craft(tmp_path / "a.shmkv", tmp_path / "b.shmkv",
           lambda q: [q.pop(k) for k in ("finished", "recency", "clean", "meta")])
     st2 = shmkv.load(tmp_path / "b.shmkv", name=st.name[:20] + "L")
@@ -194,7 +194,7 @@ def test_snapshot_id_out_of_range_is_a_snapshot_error(make_store, tmp_path):
 @pytest.mark.parametrize("order", ["oldest first", "newest first", "interleaved"])
 @pytest.mark.parametrize("newer", [4, 9])
 def test_old_holder_of_a_shared_prefix_stays_findable(make_store, order, newer):
-    """BUG 8: the DUP=4 limit replaces an old holder's entries for the shared blocks; once every
+    """The DUP=4 limit replaces an old holder's entries for the shared blocks; once every
     newer holder is freed (in any order), the old one must be found again, and so must the newer
     ones still live on the way."""
     st = make_store(max_tokens=2048, max_seqs=16)
@@ -268,7 +268,7 @@ def test_chunked_donor_that_can_resume_is_used(make_store):
     assert st.match_prefix(np.concatenate([p[:166], [1]])) == 166
 
 
-# -- attacks that held ----------------------------------------------------------------------------
+# -- hostile sequences of operations ---------------------------------------------------------------
 
 
 def test_truncate_recommit_and_anonymous_blocks(make_store):

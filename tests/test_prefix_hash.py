@@ -69,7 +69,7 @@ def _by_definition(toks: np.ndarray) -> list[int]:
 
 
 def test_recent_prompts_shortcut_gives_the_same_values():
-    """block_hashes reuses the hashes of a recent prompt's common whole-block prefix (issue 23: a
+    """block_hashes reuses the hashes of a recent prompt's common whole-block prefix (a
     server hashes the same system prompt again and again): every value stays the definition's,
     for prompts that share any prefix with recent ones, diverge inside a block, or stop early."""
     rng = np.random.default_rng(11)

@@ -1,4 +1,4 @@
-"""Token-granular prefix reuse from token 0 (issue 23, docs/design.md §8): prefixes shorter than one
+"""Token-granular prefix reuse from token 0 (docs/design.md §8): prefixes shorter than one
 16-token block are found through the index's leads (a sequence's first 1, 2, 4, 8 tokens)."""
 
 from __future__ import annotations

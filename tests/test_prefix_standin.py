@@ -1,4 +1,4 @@
-"""Lazy index entries of copied prefixes (issue 23: a create over a cached prefix must not insert
+"""Lazy index entries of copied prefixes (a create over a cached prefix must not insert
 an index entry for every block it reused). A sequence created from a donor's prefix (a reuse,
 copy_prefix, fork) gets no entries for the blocks it copied: the donor's entries stand for them
 (FLAGS STANDIN), and when the donor stops holding them (freed, evicted, truncated, rewritten by

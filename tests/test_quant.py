@@ -1,4 +1,4 @@
-"""int8 and bfloat16 storage (issue 5)."""
+"""int8 and bfloat16 storage."""
 
 from __future__ import annotations
 
@@ -124,8 +124,8 @@ def test_int8_codec_bound_property(x):
     got = _quant.dequantize_int8(q, scale).astype(np.float64)
     bound = np.abs(x.astype(np.float64)).max(axis=-1, keepdims=True) / 254
     # absmax/254 up to float32 rounding of the scale (a tie such as [60, 30] lands one ulp
-    # beyond), plus float32 steps where the scale is subnormal (found by hypothesis:
-    # x = 3.8e-44 once dequantized to 0 because absmax / 127 underflowed)
+    # beyond), plus float32 steps where the scale is subnormal (x = 3.8e-44, where absmax / 127
+    # underflows)
     assert np.all(np.abs(got - x) <= bound * (1 + 2.0**-15) + 2.0**-148)
     assert q.dtype == np.int8 and np.all(np.abs(q.astype(int)) <= 127)
 
@@ -137,7 +137,7 @@ def test_bfloat16_codec_bound_property(x):
     got = _quant.from_bf16(_quant.to_bf16(x)).astype(np.float64)
     finite = np.isfinite(got)
     # values rounding past bfloat16's largest finite number become inf; all others are within
-    # 2^-8 relative, except below the normal range (found by hypothesis: 2.086e-41 -> 0), where
+    # 2^-8 relative, except below the normal range (2.086e-41 -> 0), where
     # bfloat16's subnormal spacing 2^-133 rules: half a step absolute
     err = np.abs(got[finite] - x[finite])
     assert np.all(err <= np.maximum(np.abs(x[finite].astype(np.float64)) * 2.0**-8, 2.0**-134))

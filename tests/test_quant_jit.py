@@ -1,4 +1,4 @@
-"""int8 quantization's two paths (issue 24): numba's compiled loops (``shmkv[fast]``,
+"""int8 quantization's two paths: numba's compiled loops (``shmkv[fast]``,
 _sequence/quant_jit.py) and the numpy path they replace must give the same codes, scales and
 mirror values, bit for bit, for float16, bfloat16, float32 and float64 input; both are checked
 here against one plain numpy reference computed in this file."""
@@ -176,8 +176,8 @@ def _within_the_codec_bound(x: np.ndarray, got: np.ndarray) -> None:
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)], ids=str)
 def test_rows_at_float32s_largest_read_back_finite(path, dtype, make_store):
-    """A row whose absmax is float32's largest value (or a few ulps below it): 127 * fl(absmax / 127)
-    rounded past it and read back as infinity before the scale was capped (edges issue, item 1).
+    """A row whose absmax is float32's largest value (or a few ulps below it) reads back finite:
+    127 * fl(absmax / 127) can round past it, so the scale is capped.
     Through the codec, an extend (prefill) and a decode step's commit (the mirror's rows)."""
     D, H = 16, 4
     rows = []
@@ -404,7 +404,7 @@ def test_numba_is_imported_only_when_an_int8_store_quantizes():
 def test_a_generic_numba_target_uses_the_integer_conversion(tmp_path):
     """NUMBA_CPU_NAME=generic (portable caches in container images): numba then compiles for a
     CPU without F16C, where LLVM lowers the float16 conversion to a helper numba does not link
-    (a segfault on the first int8 write: the review of this session). The kernels take the
+    (calling it segfaults on the first int8 write). The kernels take the
     integer conversion there, and an int8 decode gives the numpy path's bytes."""
     _numba()
     code = (

@@ -1,15 +1,13 @@
-"""The remote tier on Redis (docs/design.md §9, issue 17): stores on several "machines" share prefixes.
+"""The remote tier on Redis (docs/design.md §9): stores on several "machines" share prefixes.
 
 Every test starts its own redis-server(s) on free loopback ports (shmkv.testing._redis)
 and stops them. Without redis-server (or redis-py) these tests skip locally and
 FAIL when CI=true: CI must run them.
 
-The tests that pull go through ``create_with_tier`` below: the local prefix cache
-(``store.create_sequence(prefix=tokens)``) is not on this branch yet, so the helper
-does the local match itself and then calls ``tier.pull``. When
-``store.create_sequence(capacity=..., prefix=tokens, tier=tier)`` exists, its body
-becomes that one call (the tests named ``test_create_sequence_*`` are the ones that
-exercise it).
+The tests that pull go through ``create_with_tier`` below, which is one call:
+``store.create_sequence(capacity=..., prefix=tokens, tier=tier)``, the local prefix cache
+first and the tier for the rest (the tests named ``test_create_sequence_*`` are the ones
+that exercise it).
 """
 
 from __future__ import annotations
@@ -300,8 +298,9 @@ def _with_valid_checksum(blob: bytes, layout, mutate) -> bytes:
 @pytest.mark.parametrize("what", ["inf scales", "nan scales"])
 def test_create_sequence_chunk_that_cannot_be_loaded_is_a_miss_and_leaks_nothing(
         make_store, server, client, tiers, what):
-    """Issue 22: an int8 chunk with inf scales (valid checksum) made create_sequence(prefix=, tier=)
-    raise InvalidArgumentError, kept the chunk, and leaked a live unfinished sequence per request."""
+    """An int8 chunk with inf or nan scales (valid checksum) is a miss from that chunk on:
+    create_sequence(prefix=, tier=) raises no InvalidArgumentError, the chunk is removed, and no
+    live unfinished sequence is left per request."""
     lay = {**LAYOUT, "dtype": "int8"}
     a, b = make_store(**lay), make_store(**lay)
     toks, k, v = prompt(200)

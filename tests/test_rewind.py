@@ -1,4 +1,4 @@
-"""Store primitives behind issue 25 (Hugging Face on sliding/chunked models):
+"""Store primitives the Hugging Face adapter needs on sliding/chunked models:
 
 * ``seq.rewind(n, k_window, v_window)``: a truncate back past what the sliding/chunked
   layers still hold, given those layers' states (the adapter's crop after a forward that
@@ -130,8 +130,8 @@ def test_rewind_on_a_store_without_bounded_layers_is_truncate(make_store):
 
 @pytest.mark.parametrize("how", ["fork", "copy_prefix", "regather"])
 def test_copies_hold_exactly_what_their_source_holds(make_store, how):
-    """Issue 25: copies held only the last keep tokens of sliding/chunked layers, fewer than
-    their source after a commit, so store.batch_kv over a row and its copy failed."""
+    """A copy holds every token its source's sliding/chunked layers hold (after a commit, more
+    than the last keep tokens), so store.batch_kv over a row and its copy works."""
     store = make_store(**LAYOUT)
     rng = np.random.default_rng(4)
     k, v = kv(rng, 30)

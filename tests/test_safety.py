@@ -1,4 +1,4 @@
-"""Never touch what is not yours (issue 12): store identity, permissions, hostile snapshots,
+"""Never touch what is not yours: store identity, permissions, hostile snapshots,
 capacity on bounded-only stores, bad input refused with the store unchanged."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _kv(layers: int, n: int, value: float = 1.0) -> tuple[np.ndarray, np.ndarray
 
 @pytest.mark.parametrize("kinds", [["sliding", "chunked"], ["sliding", "sliding"], ["full", "sliding"]])
 def test_capacity_bounds_every_layer_kind(make_store, kinds):
-    """Issue 12, item 2: 8 tokens into a capacity-4 sequence never reach its neighbour."""
+    """8 tokens into a capacity-4 sequence never reach its neighbour."""
     store = make_store(layers=2, kv_heads=H, head_dim=D, max_tokens=64, **_kinds(kinds))
     seq = store.create_sequence(capacity=4)
     neighbour = store.create_sequence(capacity=4)
@@ -82,7 +82,7 @@ def test_capacity_bounds_every_layer_kind(make_store, kinds):
 
 @pytest.mark.parametrize("kinds", [["full", "full"], ["sliding", "chunked"]])
 def test_extend_past_max_tokens_is_cache_full_and_changes_nothing(make_store, kinds):
-    """Issue 18: a lone sequence extended past max_tokens."""
+    """A lone sequence extended past max_tokens: CacheFullError, and nothing changes."""
     bounded = kinds != ["full", "full"]
     extra = {"memory": 64} if bounded else {}
     store = make_store(layers=2, kv_heads=H, head_dim=D, max_tokens=16, **_kinds(kinds, **extra))
@@ -114,7 +114,7 @@ def test_forward_refuses_pending_appends_and_keeps_them(make_store):
 
 
 def test_close_and_unlink_spare_a_newer_store_of_the_same_name():
-    """Issue 12, item 4: A's store is removed, B creates a new one of that name, A closes."""
+    """A's store is removed, B creates a new one of that name, A closes."""
     name = unique_name()
     a = shmkv.create(name, layers=1, kv_heads=1, head_dim=2, max_tokens=16, max_seqs=2)
     reader = shmkv.attach(name)
@@ -154,7 +154,7 @@ def test_creator_exit_spares_a_newer_store_of_the_same_name(tmp_path, method):
 
 @pytest.mark.parametrize("method", START_METHODS)
 def test_dropping_the_creators_handle_keeps_the_store_until_exit(method):
-    """Issue 12, item 5: only close() or the creator's exit removes the store, not GC."""
+    """Only close() or the creator's exit removes the store, not GC."""
     name = unique_name()
     assert run_in_process(create_and_drop, name, start_method=method, timeout=60) is True
     assert not _exists(name) and not os.path.exists(_segment.lock_path(name))
@@ -619,7 +619,7 @@ def test_identity_is_in_the_header_and_differs_per_store(make_store):
 
 
 def test_a_store_of_the_previous_format_version_is_refused_naming_both(make_store):
-    """A store whose header says version 5 (before lazy pages, stand-ins, the page mark and
+    """A store whose header says version 5 (a format without lazy pages, stand-ins, the page mark and
     lenders past their length) is never read by this shmkv: attach raises CorruptStoreError
     naming its version and ours, and the store is left as it was."""
     store = make_store()

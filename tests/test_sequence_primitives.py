@@ -1,4 +1,4 @@
-"""Primitives that adapters (shmkv.transformers among them) build on (issue 15):
+"""Primitives that adapters (shmkv.transformers among them) build on:
 ``seq.discard()``, ``seq.pending_on(layer)``, ``seq.set_tokens(tokens, begin)``,
 ``seq.extend(..., in_steps=True)``, ``store.lease(seq_ids)`` and
 ``store.regather(seqs, rows)``. Results are checked against the numpy arrays

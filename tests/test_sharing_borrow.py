@@ -462,8 +462,8 @@ def test_fork_and_copy_prefix_borrow(make_store):
 def test_no_aligned_range_copies_instead_of_evicting(make_store, monkeypatch, sharing):
     """int8 3x40: a page unit of 1,024 cells. A 2,100-token donor and a request of capacity
     2,105 in a 5,003-cell store: only an unaligned range (at cell 2,100) fits; the request takes
-    it and copies the prefix, evicting nothing (as before shared pages; sharing off: no
-    alignment at all)."""
+    it and copies the prefix, evicting nothing (the copy a store without shared pages makes;
+    sharing off: no alignment at all)."""
     monkeypatch.setattr(share, "ENABLED", sharing)
     n = 2100
     st = make_store(layers=2, kv_heads=3, head_dim=40, dtype="int8", max_tokens=5003, max_seqs=8)

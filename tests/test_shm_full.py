@@ -1,5 +1,5 @@
 """A full /dev/shm, out of bytes or out of inodes, is CacheFullError naming the fix, and a failed
-create leaves nothing behind (issue 22 part B: no raw OSError; errors name the fix). Run in a
+create leaves nothing behind (no raw OSError; errors name the fix). Run in a
 private mount namespace (``unshare -m``, root) whose /dev/shm is a tiny tmpfs: the machine's
 /dev/shm is never filled. Skipped without root or unshare, except under CI=true."""
 

@@ -1,4 +1,4 @@
-"""Snapshot files (issue 3)."""
+"""Snapshot files."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_streams_and_layout_mismatch(make_store):
 
 
 def test_save_to_a_file_object_at_an_offset(make_store, tmp_path):
-    """The checksums go into the header after the arrays (written meanwhile, issue 16): also
+    """The checksums go into the header after the arrays (written meanwhile): also
     into a buffered file that already holds other bytes, and the result reads back."""
     store = make_store(max_tokens=512)
     _fill(store, np.random.default_rng(5), n_seqs=2)  # small: it all stays in the file's buffer
@@ -137,7 +137,7 @@ def test_save_to_a_file_object_at_an_offset(make_store, tmp_path):
         f.write(b"tail")
     data = path.read_bytes()
     assert len(data) == len(prefix) + n + 4
-    streamed = io.BytesIO()  # no descriptor: the checksums first, as before
+    streamed = io.BytesIO()  # no descriptor: the checksums first (a reading pass), then everything in order
     store.save(streamed)
     assert data[len(prefix) : len(prefix) + n] == streamed.getvalue()
     loaded = shmkv.load(io.BytesIO(streamed.getvalue()), name=unique_name())
@@ -171,7 +171,7 @@ def test_save_to_a_file_opened_for_appending(make_store, tmp_path, buffering):
 
 def test_the_checksum_is_zlibs_crc32_whichever_computes_it(make_store, tmp_path, monkeypatch):
     """With the "fast" extra, ISA-L computes the checksums: the same CRC-32 as zlib's, so
-    a snapshot written with one loads with the other (issue 16)."""
+    a snapshot written with one loads with the other."""
     import zlib
 
     from shmkv._snapshot import save as _save

@@ -1,9 +1,9 @@
 """A save's temporary file is the live writer's while it is written, across PID namespaces and
-pid reuse (issue 22 part B: liveness is a kernel fact). Before, a save (or gc(snapshot_dirs=))
-judged another save's ``.NAME.tmp-PID-START-X`` by its pid: a writer in another PID namespace
-(pid 1 there, or any pid that means another process here) looked dead, its temporary file was
-removed under it, and its save failed with a raw FileNotFoundError. Now the writer holds a flock
-on its temporary file until it is renamed into place, and only a file nobody holds is stale."""
+pid reuse (liveness is a kernel fact). A save (or gc(snapshot_dirs=)) never judges another
+save's ``.NAME.tmp-PID-START-X`` by its pid: a writer in another PID namespace (pid 1 there, or
+any pid that means another process here) would look dead, its temporary file would be removed
+under it, and its save would fail with a raw FileNotFoundError. The writer holds a flock on its
+temporary file until it is renamed into place, and only a file nobody holds is stale."""
 
 from __future__ import annotations
 
@@ -65,5 +65,5 @@ def test_a_temporary_file_removed_by_hand_during_the_save_is_a_snapshot_error(ma
                 os.unlink(tmp_path / f)  # `rm` of a live save's file (ignoring its lock)
 
     with pytest.raises(shmkv.SnapshotError, match="was removed while the save ran"):
-        store.save(tmp_path / "s.shmkv", progress=remove_it)  # (was a raw FileNotFoundError)
+        store.save(tmp_path / "s.shmkv", progress=remove_it)  # (never a raw FileNotFoundError)
     assert os.listdir(tmp_path) == []

@@ -1,4 +1,4 @@
-"""The sequence table: id -> row in O(1) for every process (issue 16). A created sequence lives
+"""The sequence table: id -> row in O(1) for every process. A created sequence lives
 in row id % max_seqs (its id is chosen so); ids only grow and are never reused."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""seq.torch_kv: torch tensors on the shared cache (issue 18). Skipped without torch."""
+"""seq.torch_kv: torch tensors on the shared cache. Skipped without torch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 25: ShmkvCache against DynamicCache where sliding and chunked windows fill.
+"""ShmkvCache against DynamicCache where sliding and chunked windows fill.
 
 transformers' own generation testers use ``sliding_window=4096`` with 7-token prompts, so
 a window never fills there. Here every model's windows (4-8) are smaller than its prompt:
@@ -240,8 +240,9 @@ def _same_layers(cache, ref):
 @pytest.mark.parametrize("op, arg", [("reorder_cache", [1, 1]), ("batch_repeat_interleave", 2),
                                      ("batch_select_indices", [1])])
 def test_row_copies_on_a_full_window(cache_of, op, arg):
-    """Issue 25: 2 rows, window 5, a 6-token prefill, reorder_cache([1, 1]), one more token
-    failed in batch_kv (the copy held fewer tokens on the sliding layers than its source)."""
+    """2 rows, window 5, a 6-token prefill and 3 more, a row operation (reorder_cache([1, 1]),
+    batch_repeat_interleave(2), batch_select_indices([1])), then more tokens: every step equals
+    DynamicCache's (a copied row holds as many tokens on the sliding layers as its source)."""
     model = model_of("sliding")
     ref, cache = DynamicCache(config=model.config), cache_of(model)
     ids = prompt(2, 6)
@@ -262,9 +263,9 @@ def test_row_copies_on_a_full_window(cache_of, op, arg):
 @pytest.mark.parametrize("kind", ["sliding", "chunked", "hybrid"])
 @pytest.mark.parametrize("first", [129, 30])
 def test_crop_after_a_forward_longer_than_memory(cache_of, kind, first):
-    """Issue 25: window 8 (here 4-6), a 124-token prompt and 5 candidates in the first forward
-    (longer than memory=64, so committed in steps of 64, 64, 1), 5 candidates rejected: crop was
-    refused (NotSupportedError). Also a decode
+    """Window 8 (here 4-6), a 124-token prompt and 5 candidates in the first forward (longer than
+    memory=64, so committed in steps of 64, 64, 1), 5 candidates rejected: the crop works (no
+    NotSupportedError) and matches DynamicCache. Also a decode
     forward longer than memory (30 tokens on memory=16) after a prompt, then a crop."""
     model = model_of(kind)
     ref, cache = DynamicCache(config=model.config), cache_of(model, memory=None if first == 129 else 16)
@@ -299,7 +300,7 @@ def test_crop_into_a_long_forward_without_past_recording_says_what_to_do(cache_o
     a crop the windows still hold works."""
     model = model_of(kind)
     cache = cache_of(model)
-    ids = prompt(1, 129)  # the issue's 124-token prompt and 5 candidates: steps of 64, 64, 1
+    ids = prompt(1, 129)  # a 124-token prompt and 5 candidates: steps of 64, 64, 1
     assert cache.store.layout.step == 64
     _step(model, ids, cache)
     with pytest.raises(shmkv.NotSupportedError, match=r"crop\(-5\).*activate_past_recording"):

@@ -1,10 +1,10 @@
-"""The room check's count of the pages a reservation still needs (edges issue, item 2).
+"""The room check's count of the pages a reservation still needs.
 
 On tmpfs, SEEK_HOLE/SEEK_DATA report a page that was fallocated but never written as a hole
-(found on Linux 6.18: the seek looks at whether the page is up to date). Such a page is in use
-(tmpfs and memory count it): ``Segment._unallocated`` counted it as missing, so a reservation
-over pages already fallocated (by another process, or a reservation not yet written) could be
-refused on a nearly full /dev/shm although it needed nothing. It counts with cachestat(2) now."""
+(as on Linux 6.18: the seek looks at whether the page is up to date). Such a page is in use
+(tmpfs and memory count it), so ``Segment._unallocated`` counts with cachestat(2): a reservation
+over pages already fallocated (by another process, or a reservation not yet written) needs
+nothing, and is not refused on a nearly full /dev/shm."""
 
 from __future__ import annotations
 

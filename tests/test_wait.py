@@ -1,4 +1,4 @@
-"""seq.wait / seq.wait_async: waiting for another process's tokens (issue 18)."""
+"""seq.wait / seq.wait_async: waiting for another process's tokens."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def test_wait_wakes_soon_after_a_commit_in_another_process(make_store, tmp_path,
     assert woke_ns >= committed_ns  # it did not return before the commit
     # woken by the commit (how soon: tools/bench.py, wait_wakeup_us), not at the end of a sleep: a
     # counted waiter sleeps in long futex waits, and the one its wait ended on (if the commit did
-    # not come before its first) did not time out (a wall-clock bound here failed whenever a
-    # loaded machine left the child unscheduled for it)
+    # not come before its first) did not time out (not a wall-clock bound: a loaded
+    # machine may leave the child unscheduled for longer than any bound)
     if _futex.AVAILABLE:
         assert all(t is None or t >= 1.0 for t, _ in sleeps), sleeps
         assert not sleeps or sleeps[-1][1], f"the wait ended on a futex wait that timed out: {sleeps}"

@@ -1,4 +1,4 @@
-"""seq.wait on a futex word (issue 24): woken by commit, truncate and free from other processes,
+"""seq.wait on a futex word: woken by commit, truncate and free from other processes,
 by close of its own handle, with and without a timeout, many waiters on one row, asyncio
 cancellation; no wake-up syscall while nobody waits."""
 
