@@ -340,7 +340,9 @@ def test_sigints_never_leave_the_lock_held(make_store):
         ready, _, _ = select.select([child.stdout], [], [], timeout)
         assert ready, "the child stopped answering"
         out = child.stdout.readline()
-        assert out, f"the child died: exit {child.wait(5)}"
+        if not out:  # (its stderr: where the interrupt that killed it came out)
+            code = child.wait(5)
+            raise AssertionError(f"the child died: exit {code}; its stderr ends: {child.stderr.read()[-3000:]}")
         return out.strip()
 
     try:
