@@ -20,22 +20,19 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
-
 from shmkv._engine.table.header import (CAPACITY, ENCODER, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS,
                                         SPAN_TAKEN, START, STATE)
 
 __all__ = ["span_problems"]
 
 
-def span_problems(table: np.ndarray, span_epoch: int, page_unit: int, cells: int) -> list[str]:
-    """The problems of ``table`` (a copy of the sequence table's words) as the module docstring
-    states them; empty when there are none."""
+def span_problems(rows: list[list[int]], span_epoch: int, page_unit: int, cells: int) -> list[str]:
+    """The problems of ``rows`` (the sequence table's words, copied: ``table_np.tolist()``) as
+    the module docstring states them; empty when there are none."""
     problems = []
     if span_epoch & 1:
         problems.append(f"the span epoch {span_epoch} is odd: a transaction that changes shared pages is open, "
                         "or died before its recovery")
-    rows = table.tolist()
     ranges = sorted((r[START], r[START] + r[CAPACITY], i) for i, r in enumerate(rows) if r[STATE] in (LIVE, ENCODER))
     starts = [s for s, _, _ in ranges]
     for i, r in enumerate(rows):

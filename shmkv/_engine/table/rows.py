@@ -420,10 +420,10 @@ class Rows:
         """Every row of the sequence table, in table order, and what its span words break of
         their rules at rest (``_engine/table/audit.py``), both from one copy of the table read
         without the lock (a check of what is there: ``shmkv verify``)."""
-        table = self.table_np.copy()
+        table = self.table_np.tolist()  # (a copy: plain ints)
         spans = span_problems(table, int(self.hdr[W_SPANS]), self._page_unit, cells)
         return [TableRow(_KINDS.get(r[STATE], "unknown"), r[ID], r[START], r[CAPACITY], r[LENGTH], r[GEN], r[WIN_OFF])
-                for r in table.tolist()], spans
+                for r in table], spans
 
     def undo_log(self) -> tuple[int, int]:
         """(the rows the undo log holds, the pid of the process whose transaction logged them):
