@@ -123,7 +123,9 @@ def test_random_kills_of_a_writer_doing_mixed_operations(make_store, layout):
     rng = np.random.default_rng(int(os.environ.get("SHMKV_CRASH_SEED", "11")))
     print(f"seed {os.environ.get('SHMKV_CRASH_SEED', '11')}, {kills} kills")
     recovered = 0
-    done = multiprocessing.get_context("fork").Value("l", 0)
+    # no lock: the child is SIGKILLed at any instruction, also inside ``done.value += 1``, and a
+    # lock it held then would stay taken for the next round's ``done.value = 0``
+    done = multiprocessing.get_context("fork").Value("l", 0, lock=False)
     for i in range(kills):
         done.value = 0
         child = start_in_process(stress, store.name, i, done, start_method="fork", timeout=60)
