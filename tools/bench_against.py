@@ -17,7 +17,8 @@ ratio moves by more than 5% either way:
 * ``moved``: a baseline's own figure (the pipe, numpy, redis...: the harness or the machine
   moved, not shmkv), or a key with no better direction (a count).
 
-A key only one side printed is listed as such (a scenario that REV lacks). The worktree is
+A key only one side printed is listed as such (a scenario that REV lacks, or that its package
+cannot run: the harness says "skipped" for a scenario whose imports REV lacks). The worktree is
 removed at the end. The machine is shared and noisy: alternating spreads the noise over both
 sides; read the ratio of medians, never one run, and rerun a flagged key with ``--only`` and
 more rounds before believing it.
@@ -55,7 +56,7 @@ _KEY = re.compile(r"^  (\S+)\s+(-?[\d.]+(?:e[-+]?\d+)?|nan|inf)")
 def run_once(package_root: Path, only: str | None) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
     """One bench run with ``package_root`` first on PYTHONPATH: its figures, each key's scenario,
     and each scenario's baseline sentence (as this tree's harness prints them)."""
-    env = dict(os.environ, PYTHONPATH=str(package_root))
+    env = dict(os.environ, PYTHONPATH=str(package_root), SHMKV_BENCH_AGAINST="1")  # (see driver.main)
     cmd = [sys.executable, str(HERE / "bench.py"), "--quick", "--json", *(["--only", only] if only else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(HERE), timeout=3600)
     if out.returncode != 0:

@@ -217,7 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             t0 = time.perf_counter()
-            r = SCENARIOS[name](a.quick)
+            try:
+                r = SCENARIOS[name](a.quick)
+            except ImportError as e:
+                if not os.environ.get("SHMKV_BENCH_AGAINST"):
+                    raise
+                # tools/bench_against.py, measuring an older tree that lacks what the scenario
+                # uses (shared prefix pages, a module since moved): its keys are one side's only
+                print(f"\n[{name}] skipped: this shmkv lacks {e.name or e}", flush=True)
+                continue
             results.update(r)
             print(f"\n[{name}] ({time.perf_counter() - t0:.1f} s) baseline: {BASELINES[name]}")
             for key, val in r.items():

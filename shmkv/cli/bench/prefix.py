@@ -32,8 +32,12 @@ import time
 import numpy as np
 
 import shmkv
-from shmkv._engine.spans import stitch
 from shmkv.cli import _model
+
+try:  # (tools/bench_against.py runs this harness against older trees, which kept it in _engine)
+    from shmkv._engine.spans import stitch
+except ImportError:
+    from shmkv._engine import stitch  # type: ignore[no-redef]
 from shmkv.store._store import engine_of
 from shmkv.testing import unique_name
 
