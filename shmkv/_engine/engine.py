@@ -119,6 +119,7 @@ class Engine(Attachment):
         self.page_unit, self.cells = self._off.page_unit, self._off.cells
         if creator:  # about to make sequences: its first create_sequence does not build them
             self._build_parts()
+            self.Kr, self.Vr  # noqa: B018  (nor the read-only views every handle reads through)
 
     def _settle_span(self, slot: int, row: memoryview, was: tuple[int, int, int], was_len: int) -> None:
         self.spans.settle_span(slot, row, was, was_len)  # the journal's one call up, to the sharing part
