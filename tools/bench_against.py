@@ -9,7 +9,8 @@ package on ``PYTHONPATH`` (the same harness measures both sides, so each figure 
 same way on both), ``--rounds`` times each, the order flipping every round. It prints, scenario
 by scenario, the one sentence that states the scenario's baseline, then every key the bench
 printed: the median of each side and their ratio (this tree / REV), and a verdict when the
-ratio moves by more than 5% either way:
+ratio moves by more than 5% either way (a ``*_overhead`` key, a share of a throughput lost and
+near 0, by its difference: more than 0.05 either way):
 
 * ``SLOWER`` / ``faster``: a figure of shmkv's own (the direction from the bench's goal for the
   key, else from its name: throughputs, ``*_ratio`` against a baseline's time, ``speedup``
@@ -98,7 +99,17 @@ def higher_is_better(key: str, goals: dict[str, tuple[str, float]]) -> bool:
     return any(h in key for h in HIGHER_IS_BETTER)
 
 
-def verdict(key: str, ratio: float, goals: dict[str, tuple[str, float]], base_keys: set[str]) -> str:
+def is_fraction(key: str) -> bool:
+    """A share of a throughput lost (``*_overhead``: 1 - with/without), 0 at best and near it: a
+    ratio of two of them is noise over noise (-0.04 against -0.02 is "2x"), so they are compared
+    by their difference, in points of that share."""
+    return "overhead" in key
+
+
+def verdict(key: str, ratio: float, goals: dict[str, tuple[str, float]], base_keys: set[str],
+            diff: float = 0.0) -> str:
+    if is_fraction(key):
+        return "ok" if abs(diff) <= 0.05 else ("SLOWER" if diff > 0 else "faster")
     if math.isnan(ratio):  # a zero on REV's side
         return "?"
     if 0.95 <= ratio <= 1.05:
@@ -155,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         m, t = statistics.median(mine), statistics.median(theirs)
         ratio = m / t if t else float("nan")
-        v = verdict(key, ratio, goals, base_keys)
+        v = verdict(key, ratio, goals, base_keys, diff=m - t)
         flagged += v not in ("ok",)
-        print(f"  {key:<36}{m:>12.4g}{t:>12.4g}{ratio:>10.3f}  {v}")
+        moved = f"{m - t:>+10.3f}" if is_fraction(key) else f"{ratio:>10.3f}"
+        print(f"  {key:<36}{m:>12.4g}{t:>12.4g}{moved}  {v}{' (this - rev, 0.05 band)' if is_fraction(key) else ''}")
     print(f"\n{len(keys)} keys, {flagged} moved by more than 5% (medians of {a.rounds} alternated rounds each)")
     return 0
 
