@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 # tools/bench_against.py, measuring an older tree that lacks what the scenario
                 # uses (shared prefix pages, a module since moved): its keys are one side's only
-                print(f"\n[{name}] skipped: this shmkv lacks {e.name or e}", flush=True)
+                why = f"lacks {e.name}" if e.name else f"cannot run it ({e})"
+                print(f"\n[{name}] skipped: this shmkv {why}", flush=True)
                 continue
             results.update(r)
             print(f"\n[{name}] ({time.perf_counter() - t0:.1f} s) baseline: {BASELINES[name]}")
