@@ -25,21 +25,29 @@ to (``_engine/spans/lending.py``) still holds those cells' pages but may not wri
 stops at its length (``mind_loans``, after each of its structural changes), and before its
 next write past the length it moves to a fresh range (``leave_loans``: CacheFullError while
 none is free, nothing written).
+
+A sliding or chunked layer's room is its window buffer: when an append would run past it,
+``compact`` copies the tokens the layer keeps (and the pending ones) to the start of the row's
+other buffer and switches to it, a structural change (the committed tokens stay intact).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
+from shmkv._engine.locking import crash as _crash
 from shmkv._engine.port import Port
+from shmkv._engine.table.header import CAPACITY, GEN, LENGTH, START, WBUF, WIN_OFF
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv.errors import CacheFullError
 
 if TYPE_CHECKING:
     from shmkv._sequence.reader import SeqReader
 
-__all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "GrowingWriter", "chunk", "grow", "leave_loans", "limits", "make_room",
-           "mind_loans"]
+__all__ = ["MAX_CHUNK_BYTES", "MIN_CHUNK", "GrowingWriter", "chunk", "compact", "grow", "leave_loans", "limits",
+           "make_room", "mind_loans"]
 
 MIN_CHUNK = 64  # cells
 MAX_CHUNK_BYTES = 64 << 20
@@ -61,6 +69,8 @@ class GrowingWriter(Protocol):
     wc: int
     isfull: list[bool]
     lim: list[int]
+    Kw: list[np.ndarray]  # (writable per-layer bases: compact's copies)
+    Vw: list[np.ndarray]
     lent_past: bool
     cached: tuple[int, int, int, int] | None
 
@@ -165,3 +175,32 @@ def leave_loans(w: GrowingWriter) -> None:
             # through need_writer
             w.cache(*rows.placement(row))
             Int8Mirror.moved(w, rows.generation(row))
+
+
+def compact(w: GrowingWriter, layer: int, end: int) -> None:
+    """Make room in ``w``'s window buffers (sliding/chunked layers): keep the last ``keep``
+    committed tokens (and every layer's pending ones) at the buffer's start. A structural change."""
+    lay = w.port.layout
+    keep_n = lay.keep
+    with w.port.locked():
+        row = w.row
+        length, woff = row[LENGTH], row[WIN_OFF]
+        new_off = max(woff, length - keep_n)
+        if end - new_off > w.wc:
+            raise CacheFullError(
+                f"append: {end - length} new tokens on sliding/chunked layer {layer} exceed the "
+                f"{w.wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
+                f"or create the store with a larger memory= (now {lay.step})"
+            )
+        with w.port.changing(row):
+            # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
+            wb = row[WBUF]
+            a0, b0 = w.port.wcell(w.slot, wb) + new_off - woff, w.port.wcell(w.slot, 1 - wb)
+            for lay_i in lay.bounded:
+                n = length - new_off + w.pending[lay_i]
+                for arr in (w.Kw[lay_i], w.Vw[lay_i]):
+                    np.copyto(arr[b0 : b0 + n], arr[a0 : a0 + n])
+            _crash.point("compact.copied")
+            row[WBUF] = 1 - wb
+            row[WIN_OFF] = new_off
+        w.cache(row[START], row[CAPACITY], new_off, gen=row[GEN])

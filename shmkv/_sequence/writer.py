@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from shmkv._engine.locking import crash as _crash
 from shmkv._engine.clients import futex as _futex
 from shmkv._sequence import quant as _quant
 from shmkv._engine.memory import segment as _segment
@@ -40,8 +39,8 @@ from shmkv._engine.table.header import (
 from shmkv._engine.prefixes.hashes import BLOCK, LEAD, lead_levels
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence.reader import SeqReader
-from shmkv._sequence.room import grow, leave_loans, limits, make_room
-from shmkv.errors import CacheFullError, InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError, ShmkvError
+from shmkv._sequence.room import compact, grow, leave_loans, limits, make_room
+from shmkv.errors import InvalidArgumentError, LeaseError, LockTimeout, ReadOnlyError, ShmkvError
 
 
 _F16 = np.dtype(np.float16)
@@ -466,32 +465,3 @@ def remap(w: SeqWriter) -> bool:
     if shares.applied != shares.hdr[W_SPANS]:
         shares.sync()
     return bool(shares.applied == shares.hdr[W_SPANS])
-
-
-def compact(w: SeqWriter, layer: int, end: int) -> None:
-    """Make room in ``w``'s window buffers (sliding/chunked layers): keep the last ``keep``
-    committed tokens (and every layer's pending ones) at the buffer's start. A structural change."""
-    lay = w.port.layout
-    keep_n = lay.keep
-    with w.port.locked():
-        row = w.row
-        length, woff = row[LENGTH], row[WIN_OFF]
-        new_off = max(woff, length - keep_n)
-        if end - new_off > w.wc:
-            raise CacheFullError(
-                f"append: {end - length} new tokens on sliding/chunked layer {layer} exceed the "
-                f"{w.wc - keep_n} a window buffer takes between commits; commit in smaller steps, "
-                f"or create the store with a larger memory= (now {lay.step})"
-            )
-        with w.port.changing(row):
-            # into the other buffer, then switch: the committed tokens stay intact (crash recovery)
-            wb = row[WBUF]
-            a0, b0 = w.port.wcell(w.slot, wb) + new_off - woff, w.port.wcell(w.slot, 1 - wb)
-            for lay_i in lay.bounded:
-                n = length - new_off + w.pending[lay_i]
-                for arr in (w.Kw[lay_i], w.Vw[lay_i]):
-                    np.copyto(arr[b0 : b0 + n], arr[a0 : a0 + n])
-            _crash.point("compact.copied")
-            row[WBUF] = 1 - wb
-            row[WIN_OFF] = new_off
-        w.cache(row[START], row[CAPACITY], new_off, gen=row[GEN])
