@@ -37,7 +37,7 @@ from shmkv.cli import _model
 try:  # (tools/bench_against.py runs this harness against older trees, which kept it in _engine)
     from shmkv._engine.spans import stitch
 except ImportError:
-    from shmkv._engine import stitch  # type: ignore[no-redef]
+    from shmkv._engine import stitch  # type: ignore[no-redef,attr-defined]
 from shmkv.store._store import engine_of
 from shmkv.testing import unique_name
 
