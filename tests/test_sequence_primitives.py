@@ -368,3 +368,43 @@ def test_commit_stores_the_ids_and_positions_given_for_one_token_or_many(make_st
     assert seq.tokens.tolist() == ids
     assert seq.positions.tolist() == pos
     assert_holds(seq, k_ref, v_ref)
+
+
+# -- a read handle -------------------------------------------------------------------------------
+
+WRITES = {
+    "append": lambda s, k: s.append(0, k[0, 0], k[0, 0]),
+    "commit": lambda s, k: s.commit(),
+    "extend": lambda s, k: s.extend(k[:, :2], k[:, :2]),
+    "truncate": lambda s, k: s.truncate(1),
+    "set_tokens": lambda s, k: s.set_tokens([7]),
+    "finish": lambda s, k: s.finish(),
+    "meta": lambda s, k: setattr(s, "meta", {"a": 1}),
+}
+
+
+@pytest.mark.parametrize("write", sorted(WRITES))
+@pytest.mark.parametrize("used", [False, True])
+def test_a_read_handle_refuses_every_write_first_or_later_and_says_closed_after_close(make_store, write, used):
+    """A read handle (``store.sequence(id)``) refuses each write with ReadOnlyError naming the way
+    to the lease, whether the write is its first use or comes after reads (its writing part is
+    set up at its first use), changes nothing, and after its store closes says StoreClosedError."""
+    store = make_store(layers=2, kv_heads=2, head_dim=4)
+    rng = np.random.default_rng(3)
+    k, v = kv(rng, 2, 4)
+    w = store.create_sequence(capacity=8)
+    w.extend(k, v, tokens=[1, 2, 3, 4])
+    seq = store.sequence(w.id)
+    if used:
+        assert seq.length == 4 and seq.pending_on(1) == 0
+        assert np.array_equal(seq.keys(1), k[1])
+    with pytest.raises(shmkv.ReadOnlyError, match=rf"store.sequence\({w.id}, write=True\)"):
+        WRITES[write](seq, k)
+    assert seq.length == 4 and seq.tokens.tolist() == [1, 2, 3, 4] and seq.meta == {}
+    assert_holds(seq, k, v)
+    w.append(0, k[0, 0], v[0, 0])  # the lease holder goes on
+    w.append(1, k[1, 0], v[1, 0])
+    assert w.commit() == 5 and seq.length == 5
+    store.close()
+    with pytest.raises(shmkv.StoreClosedError):
+        WRITES[write](seq, k)

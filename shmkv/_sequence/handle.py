@@ -39,7 +39,7 @@ from shmkv._engine.clients.lease import live_writers
 from shmkv._sequence.reader import SeqReader
 from shmkv._sequence.reads import Reads
 from shmkv._sequence.structural import ShiftFn
-from shmkv._sequence.writer import SeqWriter
+from shmkv._sequence.writer import SeqWriter, UnboundWriter
 from shmkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class Sequence(Reads):
         self._token = token
         self._epoch = _segment.fork_epoch
         self._r = r = SeqReader(p, self.id, slot, row)
-        self._w = w = SeqWriter(r, write=write, token=token, epoch=self._epoch)
+        self._w = w = (SeqWriter if write else UnboundWriter)(r, write=write, token=token, epoch=self._epoch)
         # The per-token hot path: the writer's own methods, with no call layer in between
         # (the class's append/commit below say what they do, for help() and the docs).
         self.append = w.append  # type: ignore[method-assign]

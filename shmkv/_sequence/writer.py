@@ -71,25 +71,10 @@ class SeqWriter:
 
     def __init__(self, r: SeqReader, *, write: bool, token: int, epoch: int) -> None:
         self.r = r
-        p = r.port
-        self.port = p  # the store's engine (its narrow core)
-        self.id, self.slot, self.row = r.id, r.slot, r.row
-        self.L, self.cell, self.dtype, self.plain = r.L, r.cell, r.dtype, r.plain
-        self.isfull, self.wc = r.isfull, r.wc
         self.write = write
         self.token = token
         self.epoch = epoch
-        self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
-        self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
-        self.tokens, self.positions = r.tokens, r.positions
-        # the same words as memoryviews: a commit of one token stores its id and position with
-        # no numpy call (a commit that wakes a waiter runs cold, and every call there counts)
-        self.tokens_mv, self.positions_mv = r.tokens.data, r.positions.data
-        self.unmapped = r.shares.unmapped  # rows whose shared pages are not mapped here (read: refused)
-        self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
-        self.ro_waiters = p.ro_waiters.counts  # ... of read-only attachments
-        self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
-        self.pending = [0] * self.L
+        self.pending = [0] * r.L
         self.gen = -1
         self.length = -1  # the committed length this handle knows (addressing_kept())
         self.start = 0
@@ -101,6 +86,31 @@ class SeqWriter:
         self.cached: tuple[int, int, int, int] | None = None  # what base/lim/vfrom were computed for
         self.mirror: Int8Mirror | None = None  # int8 stores: what append returns views of (_sequence/mirror.py)
         self.staged = False  # int8: the pending tokens are in the mirror only, quantized at commit
+        if write:
+            self._bind()
+
+    def _bind(self) -> None:
+        """The references this part works through, from its reader and the store's engine: a
+        write handle's at once, a read handle's at the first use of any of them (``UnboundWriter``):
+        a read handle (``store.sequence(id)``, one a request) reads through its reader and
+        usually needs none. Each is a reference to an object that does not change, ``port``
+        last: a bind cut short (Ctrl-C) is done again at the next use."""
+        r = self.r
+        p = r.port
+        self.id, self.slot, self.row = r.id, r.slot, r.row
+        self.L, self.cell, self.dtype, self.plain = r.L, r.cell, r.dtype, r.plain
+        self.isfull, self.wc = r.isfull, r.wc
+        self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
+        self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
+        self.tokens, self.positions = r.tokens, r.positions
+        # the same words as memoryviews: a commit of one token stores its id and position with
+        # no numpy call (a commit that wakes a waiter runs cold, and every call there counts)
+        self.tokens_mv, self.positions_mv = r.tokens.data, r.positions.data
+        self.unmapped = r.shares.unmapped  # rows whose shared pages are not mapped here (read: refused)
+        self.waiters = p.waiters  # Sequence.wait's sleepers per row: a commit wakes them (_sequence/waiting.py)
+        self.ro_waiters = p.ro_waiters.counts  # ... of read-only attachments
+        self.waddr = p.length_addr0 + self.slot * 8 * SEQ_WORDS  # the row's futex word
+        self.port = p  # the store's engine (its narrow core); set last: the bind is done
 
     # -- addressing --------------------------------------------------------------------
 
@@ -378,6 +388,20 @@ class SeqWriter:
                 self.port.index_blocks(self.slot, length)
         except LockTimeout:
             pass
+
+
+class UnboundWriter(SeqWriter):
+    """A read handle's writing part before its first use: at the first read of any slot it binds
+    (``SeqWriter._bind``) and becomes a ``SeqWriter`` (the same slots). A class of its own, so that
+    ``SeqWriter`` defines no ``__getattr__``: with one, CPython looks up every attribute of the
+    write hot path through a slower hook instead of the specialized slot read."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        self._bind()
+        self.__class__ = SeqWriter  # type: ignore[assignment]  # (Ctrl-C before it: the next read binds again)
+        return getattr(self, name)  # (``here`` before the first ``cache``: AttributeError, as before)
 
 
 def kv_arrays(w: SeqWriter, k: Any, v: Any, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
