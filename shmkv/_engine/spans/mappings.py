@@ -77,6 +77,7 @@ import numpy as np
 from shmkv._engine.table import header as _header
 from shmkv._engine.table.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
 from shmkv._engine.memory.intervals import take_interval
+from shmkv._engine.table.seqlock import SMALL_TABLE
 from shmkv._engine.spans.stitch import (LIBC, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_SHARED, PROT_NONE, PROT_READ,
                                         PROT_WRITE, libc_mmap)
 from shmkv.errors import ShareError
@@ -274,7 +275,9 @@ class Shares:
             # nonzero on a copy of the column: other processes write the table meanwhile, and numpy's
             # nonzero on the live column raises when the count changes between its two passes (no
             # comparison ufunc either: cold in a fresh process or a forked child)
-            idx = t[:, SPAN_CELLS].copy().nonzero()[0]
+            col = t[:, SPAN_CELLS]
+            # (a small table by a list: a forked child's first numpy calls copy pages of the parent)
+            idx = [i for i, c in enumerate(col.tolist()) if c] if len(col) <= SMALL_TABLE else col.copy().nonzero()[0]
             return {int(s): (int(t[s, START]), int(t[s, SPAN_PHYS]), int(t[s, SPAN_CELLS])) for s in idx
                     if t[s, STATE] == LIVE and t[s, SPAN_CELLS] > 0}
         out: Want = {}
