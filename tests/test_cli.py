@@ -8,7 +8,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -164,6 +166,59 @@ def test_inspection_commands_on_a_live_store(live_store, tmp_path):
         assert len(r.stdout.splitlines()) == 4 and len(os.listdir(out)) == 2
     finally:
         store.close()
+
+
+def _stop_at_line(store_name: str, directory: str, k: int, stop: Any) -> tuple[bool, int]:
+    """Run ``snapshot_loop`` (two snapshots) calling ``stop.set()`` at the ``k``-th line event of
+    cli's own code (and threading's) from a trace, as Python runs a signal handler between any
+    two bytecodes of its thread: whether the loop ended, and how many line events it ran."""
+    seen = [0]
+    files = {cli.__file__, threading.__file__}
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            return tracer if frame.f_code.co_filename in files else None
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == k:
+                stop.set()
+        return tracer
+
+    def run() -> None:
+        sys.settrace(tracer)
+        try:
+            cli.snapshot_loop(store_name, directory, 0.01, 2, count=2, stop=stop, log=lambda m: None)
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=run, daemon=True)  # (a thread: one that waits for itself is left behind)
+    t.start()
+    t.join(20)
+    return not t.is_alive(), seen[0]
+
+
+def _stop_at_every_line(store_name: str, tmp_path: Any, make_stop: Any) -> list[int]:
+    """The line events at which a stop set there left the loop waiting for itself."""
+    lines = 0
+    k = 0
+    while k <= lines:  # (k = 0: never set; it counts the lines)
+        stop = make_stop()
+        ended, n = _stop_at_line(store_name, str(tmp_path / f"s{k}"), k, stop)
+        if not ended:
+            return [k]
+        if hasattr(stop, "close"):
+            stop.close()  # (its pipe)
+        lines = lines or n
+        k += 1
+    assert lines > 10
+    return []
+
+
+def test_the_snapshotters_stop_can_be_set_at_any_line_by_its_signal_handler(live_store, tmp_path):
+    """``shmkv snapshot`` stops on SIGTERM or SIGINT through a flag its handler sets. Set at every
+    line the loop and the flag run, the loop ends (after at most its two snapshots here) and never
+    waits for itself, as a handler calling ``threading.Event.set()`` inside ``Event.wait()`` would."""
+    assert _stop_at_every_line(live_store, tmp_path, cli.SignalStop) == []
 
 
 @pytest.mark.slow

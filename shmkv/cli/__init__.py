@@ -11,6 +11,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -170,8 +171,44 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+class SignalStop:
+    """A stop flag that a signal handler may set (``shmkv snapshot``'s SIGTERM and SIGINT).
+
+    ``threading.Event.set()`` takes the event's lock, and Python runs a handler in the main
+    thread, between any two bytecodes, also while that thread holds the same lock inside
+    ``Event.wait()`` (entering or leaving its sleep): the handler then waits for itself forever.
+    This flag is a plain attribute plus a byte written to a pipe that ``wait`` polls (a set()
+    just before the poll makes it return at once); no lock anywhere."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._poll = select.poll()  # (poll, not select: a descriptor number may exceed FD_SETSIZE)
+        self._poll.register(self._r, select.POLLIN)
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+        try:
+            os.write(self._w, b"\0")
+        except OSError:  # (the pipe is full: a byte already wakes the wait; or it is closed)
+            pass
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        if not self._set:
+            self._poll.poll(timeout * 1000)
+        return self._set
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            os.close(fd)
+
+
 def snapshot_loop(name: str, directory: str, every: float, keep: int, *, count: int | None = None,
-                  stop: threading.Event | None = None, log: Any = print) -> list[str]:
+                  stop: threading.Event | SignalStop | None = None, log: Any = print) -> list[str]:
     """Save store ``name`` into ``directory`` every ``every`` seconds, keeping the newest ``keep``."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise InvalidArgumentError(f"keep={keep!r} must be at least 1 (the snapshot just written is kept)")
@@ -197,7 +234,7 @@ def snapshot_loop(name: str, directory: str, every: float, keep: int, *, count: 
 
 
 def _cmd_snapshot(a: argparse.Namespace) -> int:
-    stop = threading.Event()
+    stop = SignalStop()  # (not a threading.Event: see SignalStop)
 
     def handler(signum: int, frame: Any) -> None:
         print(f"signal {signum}: stopping after the current snapshot", file=sys.stderr)
