@@ -164,8 +164,7 @@ def test_ctrl_c_in_an_example_prints_one_line(path, after, tmp_path):
             p.communicate()
     assert "Traceback" not in err and len(err.splitlines()) <= 1, err
     # finished, interrupted (130), or ended by the SIGINT itself with nothing printed: one that
-    # lands before Python installs its handler at start-up, or after its finalization put the
-    # default back (-2; a shell shows 130 for it too)
+    # lands before Python installs its handler at start-up (-2; a shell shows 130 for it too)
     assert p.returncode in (0, 130) or (p.returncode == -signal.SIGINT and not err), (p.returncode, err)
     # its stores (named after its pid, with its own prefixes): none left
     prefixes = "|".join(re.findall(r'f"([a-z]+)\{os.getpid\(\)\}"', path.read_text()))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import shmkv
+from shmkv._sequence.writer import SeqWriter, UnboundWriter
 
 H, D = 2, 4  # the plugin's default layout: layers=2, kv_heads=2, head_dim=4, float32
 
@@ -387,8 +388,9 @@ WRITES = {
 @pytest.mark.parametrize("used", [False, True])
 def test_a_read_handle_refuses_every_write_first_or_later_and_says_closed_after_close(make_store, write, used):
     """A read handle (``store.sequence(id)``) refuses each write with ReadOnlyError naming the way
-    to the lease, whether the write is its first use or comes after reads (its writing part is
-    set up at its first use), changes nothing, and after its store closes says StoreClosedError."""
+    to the lease, whether the write is the first use of its writing part (set up then) or comes
+    after reads and a refused append (set up already), changes nothing, and after its store
+    closes says StoreClosedError."""
     store = make_store(layers=2, kv_heads=2, head_dim=4)
     rng = np.random.default_rng(3)
     k, v = kv(rng, 2, 4)
@@ -398,6 +400,11 @@ def test_a_read_handle_refuses_every_write_first_or_later_and_says_closed_after_
     if used:
         assert seq.length == 4 and seq.pending_on(1) == 0
         assert np.array_equal(seq.keys(1), k[1])
+        with pytest.raises(shmkv.ReadOnlyError):
+            seq.append(1, k[1, 0], v[1, 0])
+        assert type(seq._w) is SeqWriter  # (the refused append set up its writing part)
+    else:
+        assert type(seq._w) is UnboundWriter  # (reads leave it unset: the write below is its first use)
     with pytest.raises(shmkv.ReadOnlyError, match=rf"store.sequence\({w.id}, write=True\)"):
         WRITES[write](seq, k)
     assert seq.length == 4 and seq.tokens.tolist() == [1, 2, 3, 4] and seq.meta == {}

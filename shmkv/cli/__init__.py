@@ -244,7 +244,10 @@ def _cmd_snapshot(a: argparse.Namespace) -> int:
         signal.signal(sig, handler)
     if a.nice:
         os.nice(a.nice)  # decode workers first: a snapshot may take longer, their tokens may not
-    snapshot_loop(a.name, a.dir, a.every, a.keep, count=a.count, stop=stop, log=lambda m: print(m, flush=True))
+    try:
+        snapshot_loop(a.name, a.dir, a.every, a.keep, count=a.count, stop=stop, log=lambda m: print(m, flush=True))
+    finally:
+        stop.close()
     return 0
 
 

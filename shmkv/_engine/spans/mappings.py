@@ -272,11 +272,11 @@ class Shares:
         """The spans of the table (or of ``rows(slot)``, the rows as a rollback leaves them)."""
         t = self.table
         if rows is None:
-            # nonzero on a copy of the column: other processes write the table meanwhile, and numpy's
-            # nonzero on the live column raises when the count changes between its two passes (no
-            # comparison ufunc either: cold in a fresh process or a forked child)
+            # the rows with a span, from one copy of the column (other processes write the table
+            # meanwhile, and numpy's nonzero on the live column raises when the count changes between
+            # its two passes): a small table's as a list, a large one's by nonzero (no comparison
+            # ufunc: cold in a fresh process, and a forked child's first numpy calls copy parent pages)
             col = t[:, SPAN_CELLS]
-            # (a small table by a list: a forked child's first numpy calls copy pages of the parent)
             idx = [i for i, c in enumerate(col.tolist()) if c] if len(col) <= SMALL_TABLE else col.copy().nonzero()[0]
             return {int(s): (int(t[s, START]), int(t[s, SPAN_PHYS]), int(t[s, SPAN_CELLS])) for s in idx
                     if t[s, STATE] == LIVE and t[s, SPAN_CELLS] > 0}

@@ -470,9 +470,10 @@ def bench_hf(quick: bool) -> Figures:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf.py")
     r = subprocess.run([sys.executable, script, "--json", *(["--quick"] if quick else [])],
                        capture_output=True, text=True, timeout=1800)
-    last = r.stderr.strip().splitlines()[-1:] or [""]
-    if r.returncode and last[0].startswith("ImportError") and os.environ.get("SHMKV_BENCH_AGAINST"):
-        raise ImportError(last[0])  # (an older tree that lacks what hf.py imports: driver.main says so)
+    last = (r.stderr.strip().splitlines() or [""])[-1]
+    against = os.environ.get("SHMKV_BENCH_AGAINST")
+    if r.returncode and against and last.startswith(("ImportError", "ModuleNotFoundError")):
+        raise ImportError(last)  # (an older tree that lacks what hf.py imports: driver.main says so)
     if r.returncode:
         raise RuntimeError(f"the hf scenario (shmkv/cli/bench/hf.py) failed ({r.returncode}): {r.stderr[-2000:]}")
     return {k: float(v) for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
