@@ -11,6 +11,7 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
+import statistics
 import subprocess
 import sys
 import threading
@@ -411,6 +412,9 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, sto
         cpu1 = cpu_seconds(pids)
         run.seconds, run.t0, run.last = last - t0, t0, last
         run.cpu_window = (time.monotonic() - t0, *(b - a for a, b in zip(cpu0, cpu1, strict=True)))
+        print(f"    {mode}: {len(run.tokens) / run.seconds:.2f} requests/s, worker CPU "
+              f"{statistics.mean(run.cpu) * 1e3:.0f} ms a request, TTFT p50 "
+              f"{statistics.median(run.ttft) * 1e3:.1f} ms", flush=True)
     finally:
         stop_sampling.set()
         sampler.join()
