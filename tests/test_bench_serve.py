@@ -48,6 +48,9 @@ def test_tiny_run_same_tokens_every_key_nothing_left(capsys):
                                                                "between", "tail")]
         assert sum(shares) == pytest.approx(1.0) and shares[0] > 0, (m, shares)
         assert 0 < res[f"{m}_workers_on_cpu_fraction"] <= 1, res
+        assert res[f"{m}_prompt_ms"] > 0 and res[f"{m}_decode_ms"] > 0, res
+    ceiling = (res["baseline_prompt_ms"] + res["baseline_decode_ms"]) / res["shmkv_decode_ms"]
+    assert res["throughput_ceiling"] == pytest.approx(ceiling), res
     assert res["baseline_reused_tokens"] == 0
     # request 3 is the next turn of request 0: the shmkv mode reuses the system prompt on every request
     # but the first, and request 0's whole turn on request 3; warm has everything cached
