@@ -12,6 +12,7 @@ from conftest import START_METHODS
 
 import shmkv
 from shmkv.store import _lifecycle
+from shmkv._engine import attachment
 from shmkv._engine.memory import segment as _segment
 from shmkv.testing import ChildFailed, run_in_process, unique_name
 
@@ -221,6 +222,55 @@ def test_attach_failure_leaks_no_descriptor_and_raises_our_errors(make_store, re
     finally:
         if os.path.isdir(lock) and not os.path.islink(lock):
             os.rmdir(lock)
+
+
+class _Part:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def method(self):
+        return None
+
+
+def _holding(depth_of_view: int) -> object:
+    """A value whose view sits ``depth_of_view`` containers down (0: the view itself)."""
+    value: object = np.zeros(4)
+    for i in range(depth_of_view):
+        value = [value] if i % 3 == 0 else {"k": value} if i % 3 == 1 else _Part(a=value)
+    return value
+
+
+_WALKED = {  # a value (made fresh) -> whether it holds a view for close()
+    "array": (lambda: np.zeros(2), True), "memoryview": (lambda: memoryview(b"x"), True),
+    "in a list": (lambda: [1, "a", None, np.zeros(1)], True),
+    "in a tuple in a tuple": (lambda: (0, (np.zeros(1),)), True),
+    "a dict value": (lambda: {"a": 1, "b": memoryview(b"x")}, True),
+    "an object's list": (lambda: _Part(x=1, y=[np.zeros(1)]), True),
+    "two down": (lambda: _holding(2), True), "three down": (lambda: _holding(3), False),
+    "three lists down": (lambda: [[[np.zeros(1)]]], False),
+    "int": (lambda: 1, False), "float": (lambda: 2.5, False), "bool": (lambda: True, False),
+    "str": (lambda: "s", False), "bytes": (lambda: b"b", False), "None": (lambda: None, False),
+    "plain list": (lambda: [1, "a", None, (2, 3)], False),
+    "empty dict": (lambda: {}, False), "plain object": (lambda: _Part(x=1, y="s"), False),
+    "bound method": (lambda: _Part().method, False), "Closed": (lambda: attachment.Closed("n"), False),
+    "Closed in a list": (lambda: [attachment.Closed("n")], False),
+}
+
+
+@pytest.mark.parametrize("what", list(_WALKED))
+def test_the_close_walk_finds_a_view_at_most_two_containers_down(what):
+    """close() replaces every attribute of the handle and its parts that is a view of a mapping, or
+    holds one in a list, tuple, dict or object at most two levels down (what the parts keep)."""
+    make, held = _WALKED[what]
+    value = make()
+    assert attachment._holds_views(value) is held
+    part = _Part(v=value, n=3, s="s", none=None)
+    attachment.release_views(part, "n")
+    if held:
+        assert isinstance(part.v, attachment.Closed) and part.v is not value
+    else:
+        assert part.v is value
+    assert (part.n, part.s, part.none) == (3, "s", None)
 
 
 _OUTLIVE = """

@@ -398,21 +398,39 @@ def release_views(obj: object, name: str) -> None:
     """Replace every attribute of ``obj`` that is, or holds, a view of a mapping with ``Closed``."""
     closed = Closed(name)
     for attr, value in list(vars(obj).items()):
-        if _holds_views(value):
+        if type(value) not in _LEAVES and _holds_views(value):
             setattr(obj, attr, closed)
 
 
+# (exact types that neither are nor hold a view: most of a handle's attributes, answered by one lookup)
+_LEAVES = frozenset((int, float, bool, str, bytes, type(None), Closed))
+
+
 def _holds_views(value: object, depth: int = 2) -> bool:
-    """Whether ``value`` is, or holds (``depth`` levels down), a view of a mapping."""
+    """Whether ``value`` is, or holds (``depth`` levels down: list and tuple items, dict values,
+    an object's ``__dict__`` values), a view of a mapping."""
+    if type(value) in _LEAVES:
+        return False
     if isinstance(value, (np.ndarray, memoryview, mmap.mmap)):
         return True
     if isinstance(value, Closed):  # (a close() that is finishing an interrupted one)
         return False
     if depth <= 0 or isinstance(value, (str, bytes, int, float, Segment)):
         return False
+    items: Any
     if isinstance(value, (list, tuple)):
-        return any(_holds_views(v, depth - 1) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_views(v, depth - 1) for v in value.values())
-    fields = getattr(value, "__dict__", None)
-    return isinstance(fields, dict) and any(_holds_views(v, depth - 1) for v in fields.values())
+        items = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        fields = getattr(value, "__dict__", None)
+        if not isinstance(fields, dict):
+            return False
+        items = fields.values()
+    leaves = _LEAVES
+    # (a loop with the leaves skipped here: any() over a generator costs a frame and a call a value,
+    # and a close walks some 600)
+    for v in items:  # noqa: SIM110
+        if type(v) not in leaves and _holds_views(v, depth - 1):
+            return True
+    return False
