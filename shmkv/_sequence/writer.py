@@ -44,6 +44,9 @@ from shmkv.errors import InvalidArgumentError, LeaseError, LockTimeout, ReadOnly
 
 
 _F16 = np.dtype(np.float16)
+# the input dtype append's fast path knows at once (identity, no .kind): the store's own float dtype,
+# float16 for the others (int8 quantizes float input; bfloat16 input goes the checked way)
+_FAST_DT = {"float16": _F16, "float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 _I16 = np.dtype(np.int16)
 
 
@@ -64,7 +67,7 @@ class SeqWriter:
 
     # slots: the fastest attribute reads on the hot path (and more than 30 attributes would
     # cost CPython's shared-key instance dicts)
-    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch",
+    __slots__ = ("KS", "Kr", "Kw", "L", "VS", "Vr", "Vw", "base", "cached", "cell", "dtype", "epoch", "fdt",
                  "gen", "here", "id", "isfull", "length", "lent_past", "lim", "mirror", "pending", "plain", "port",
                  "positions", "positions_mv", "r", "ro_waiters", "room", "row", "slot", "staged", "start", "token",
                  "tokens", "tokens_mv", "unmapped", "vfrom", "waddr", "waiters", "wc", "write")
@@ -99,6 +102,7 @@ class SeqWriter:
         p = r.port
         self.id, self.slot, self.row = r.id, r.slot, r.row
         self.L, self.cell, self.dtype, self.plain = r.L, r.cell, r.dtype, r.plain
+        self.fdt = _FAST_DT.get(r.dtype, _F16)
         self.isfull, self.wc = r.isfull, r.wc
         self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
         self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS
@@ -227,8 +231,8 @@ class SeqWriter:
         if ((self.plain or self.mirror is not None) and self.write and row[LEASE_TOKEN] == self.token
                 and row[GEN] == self.gen and not self.unmapped
                 and self.epoch == _segment.fork_epoch and type(layer) is int and 0 <= layer < self.L
-                and type(k) is np.ndarray and type(v) is np.ndarray and k.dtype.kind == "f"
-                and v.dtype.kind == "f"):
+                and type(k) is np.ndarray and type(v) is np.ndarray
+                and ((kd := k.dtype) is (vd := v.dtype) is self.fdt or (kd.kind == "f" and vd.kind == "f"))):
             ks = k.shape
             if ks == self.cell and v.shape == ks:
                 n = 1
