@@ -40,6 +40,7 @@ from shmkv.store._lifecycle import create
 from shmkv.store._store import attach
 
 DEMO_MARGIN = 1 << 20  # the header segment and its tables
+READY_TIMEOUT = 60.0  # seconds the tokenizer waits for each decode worker to start
 
 SYSTEM = "You are a helpful assistant. Answer briefly and cite the cache. "
 PROMPTS = [
@@ -63,11 +64,17 @@ class Result:
     prompt: int  # prompt tokens in all (system prefix included)
 
 
-def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, workers: int) -> None:
+def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, workers: int, *,
+               ready: Any) -> None:
     try:
         store = attach(name)
         model = _model.Model()
         prefix = _model.encode(SYSTEM)
+        for _ in range(workers):  # every decode worker up before the first request (none finds them all taken)
+            try:
+                ready.get(timeout=READY_TIMEOUT)
+            except queue.Empty:  # (one that did not start: the others serve; the main process reports it)
+                break
         for i, text in enumerate(prompts):
             prompt = _model.encode(text)
             full = np.concatenate([prefix, prompt])
@@ -93,10 +100,11 @@ def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, wo
             requests.put(None)
 
 
-def _worker(name: str, wid: int, new_tokens: int, requests: Any, results: Any) -> None:
+def _worker(name: str, wid: int, new_tokens: int, requests: Any, results: Any, *, ready: Any) -> None:
     try:
         store = attach(name)
         model = _model.Model()
+        ready.put(wid)
         while (job := requests.get()) is not None:
             if job[0] == "prefilled":  # the tokenizer's note for the main process
                 results.put(job)
@@ -158,9 +166,11 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
     procs: list[Any] = []
     try:
         with children_ignore_sigint():  # (multiprocessing's resource tracker may start here)
-            requests, results = ctx.Queue(), ctx.Queue()
-        procs.append(ctx.Process(target=_tokenizer, args=(name, prompts, new_tokens, requests, workers)))
-        procs += [ctx.Process(target=_worker, args=(name, w, new_tokens, requests, results)) for w in range(workers)]
+            requests, results, ready = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        procs.append(ctx.Process(target=_tokenizer, args=(name, prompts, new_tokens, requests, workers),
+                                 kwargs={"ready": ready}))
+        procs += [ctx.Process(target=_worker, args=(name, w, new_tokens, requests, results), kwargs={"ready": ready})
+                  for w in range(workers)]
         procs.append(ctx.Process(target=_snapshotter, args=(name, snapshot, 0.5, results)))
         t0 = time.perf_counter()
         for p in procs:
