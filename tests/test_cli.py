@@ -197,28 +197,20 @@ def _stop_at_line(store_name: str, directory: str, k: int, stop: Any) -> tuple[b
     return not t.is_alive(), seen[0]
 
 
-def _stop_at_every_line(store_name: str, tmp_path: Any, make_stop: Any) -> list[int]:
-    """The line events at which a stop set there left the loop waiting for itself."""
-    lines = 0
-    k = 0
-    while k <= lines:  # (k = 0: never set; it counts the lines)
-        stop = make_stop()
-        ended, n = _stop_at_line(store_name, str(tmp_path / f"s{k}"), k, stop)
-        if not ended:
-            return [k]
-        if hasattr(stop, "close"):
-            stop.close()  # (its pipe)
-        lines = lines or n
-        k += 1
-    assert lines > 10
-    return []
-
-
 def test_the_snapshotters_stop_can_be_set_at_any_line_by_its_signal_handler(live_store, tmp_path):
     """``shmkv snapshot`` stops on SIGTERM or SIGINT through a flag its handler sets. Set at every
     line the loop and the flag run, the loop ends (after at most its two snapshots here) and never
     waits for itself, as a handler calling ``threading.Event.set()`` inside ``Event.wait()`` would."""
-    assert _stop_at_every_line(live_store, tmp_path, cli.SignalStop) == []
+    lines = 0
+    k = 0
+    while k <= lines:  # (k = 0: never set; it counts the lines)
+        stop = cli.SignalStop()
+        ended, n = _stop_at_line(live_store, str(tmp_path / f"s{k}"), k, stop)
+        assert ended, f"the loop waits for itself after a stop set at line event {k}"
+        stop.close()
+        lines = lines or n
+        k += 1
+    assert lines > 10
 
 
 @pytest.mark.slow

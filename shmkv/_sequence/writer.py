@@ -17,6 +17,7 @@ from shmkv._engine.clients import futex as _futex
 from shmkv._sequence import quant as _quant
 from shmkv._engine.memory import segment as _segment
 from shmkv._engine.checks import ints
+from shmkv._engine.table import dtypes as _dtypes
 from shmkv._engine.table.header import (
     CAPACITY,
     FLAGS,
@@ -44,9 +45,6 @@ from shmkv.errors import InvalidArgumentError, LeaseError, LockTimeout, ReadOnly
 
 
 _F16 = np.dtype(np.float16)
-# the input dtype append's fast path knows at once (identity, no .kind): the store's own float dtype,
-# float16 for the others (int8 quantizes float input; bfloat16 input goes the checked way)
-_FAST_DT = {"float16": _F16, "float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 _I16 = np.dtype(np.int16)
 
 
@@ -102,7 +100,9 @@ class SeqWriter:
         p = r.port
         self.id, self.slot, self.row = r.id, r.slot, r.row
         self.L, self.cell, self.dtype, self.plain = r.L, r.cell, r.dtype, r.plain
-        self.fdt = _FAST_DT.get(r.dtype, _F16)
+        # the input dtype append's fast path knows at once (identity, no .kind): a plain store's own,
+        # float16 for the others (int8 quantizes float input; bfloat16 input goes the checked way)
+        self.fdt = _dtypes.storage(r.dtype) if r.plain else _F16
         self.isfull, self.wc = r.isfull, r.wc
         self.Kw, self.Vw = p.Kl, p.Vl  # writable per-layer bases
         self.Kr, self.Vr, self.KS, self.VS = r.Kr, r.Vr, r.KS, r.VS

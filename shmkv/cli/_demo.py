@@ -73,7 +73,7 @@ def _tokenizer(name: str, prompts: list[str], new_tokens: int, requests: Any, wo
         for _ in range(workers):  # every decode worker up before the first request (none finds them all taken)
             try:
                 ready.get(timeout=READY_TIMEOUT)
-            except queue.Empty:  # (one that did not start: the others serve; the main process reports it)
+            except queue.Empty:  # (one not up within READY_TIMEOUT: the others take every request)
                 break
         for i, text in enumerate(prompts):
             prompt = _model.encode(text)

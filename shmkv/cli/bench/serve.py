@@ -109,11 +109,6 @@ def point(stack: Stack, a: argparse.Namespace, config: Any, model_dir: str, toke
     return summarize(a, runs)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, Any]:
     """Per mode the median over repeats of each figure; the ratios; same_tokens over every run."""
     ref = runs["baseline"][0].tokens
@@ -123,11 +118,11 @@ def summarize(a: argparse.Namespace, runs: dict[str, list[Run]]) -> dict[str, An
     med = statistics.median
     for m, rs in runs.items():
         res[m] = {
-            "ttft_p50_ms": med(_pct(r.ttft, 0.5) for r in rs) * 1e3,
-            "ttft_p95_ms": med(_pct(r.ttft, 0.95) for r in rs) * 1e3,
-            "requests_per_s": med(len(r.tokens) / r.seconds for r in rs),
+            "ttft_p50_ms": med(r.ttft_pct(0.5) for r in rs) * 1e3,
+            "ttft_p95_ms": med(r.ttft_pct(0.95) for r in rs) * 1e3,
+            "requests_per_s": med(r.requests_per_s for r in rs),
             "tokens_per_s": med(r.new_tokens / r.seconds for r in rs),
-            "cpu_ms_per_request": med(statistics.mean(r.cpu) for r in rs) * 1e3,
+            "cpu_ms_per_request": med(r.cpu_per_request for r in rs) * 1e3,
             "pss_peak_mib": med(r.mem_peak for r in rs) / 2**20,
             "pss_end_mib": med(r.mem_end for r in rs) / 2**20,
             "anon_peak_mib": med(r.anon_peak for r in rs) / 2**20,

@@ -296,6 +296,20 @@ class Run:
     last: float = 0.0
     cpu_window: tuple[float, ...] = ()  # wall; machine, workers on a CPU, workers ready, scheduler (cpu_seconds)
 
+    def ttft_pct(self, q: float) -> float:
+        """The ``q`` quantile of the run's TTFTs (the nearest one, no interpolation)."""
+        s = sorted(self.ttft)
+        return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+    @property
+    def requests_per_s(self) -> float:
+        return len(self.tokens) / self.seconds
+
+    @property
+    def cpu_per_request(self) -> float:
+        """The workers' CPU seconds a request, on average."""
+        return statistics.mean(self.cpu)
+
 
 def cpu_shares(run: Run) -> dict[str, float]:
     """Over the timed window: the fraction of it each worker (on average) ran on a CPU, was ready to
@@ -412,9 +426,8 @@ def serve(stack: Stack, a: argparse.Namespace, mode: str, *, model_dir: str, sto
         cpu1 = cpu_seconds(pids)
         run.seconds, run.t0, run.last = last - t0, t0, last
         run.cpu_window = (time.monotonic() - t0, *(b - a for a, b in zip(cpu0, cpu1, strict=True)))
-        print(f"    {mode}: {len(run.tokens) / run.seconds:.2f} requests/s, worker CPU "
-              f"{statistics.mean(run.cpu) * 1e3:.0f} ms a request, TTFT p50 "
-              f"{statistics.median(run.ttft) * 1e3:.1f} ms", flush=True)
+        print(f"    {mode}: {run.requests_per_s:.2f} requests/s, worker CPU {run.cpu_per_request * 1e3:.0f} ms "
+              f"a request, TTFT p50 {run.ttft_pct(0.5) * 1e3:.1f} ms", flush=True)
     finally:
         stop_sampling.set()
         sampler.join()
