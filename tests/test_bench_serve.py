@@ -60,6 +60,21 @@ def test_tiny_run_same_tokens_every_key_nothing_left(capsys):
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "bench_serve-*"))) <= temps, "temp dir left"
 
 
+@pytest.mark.parametrize("size", sorted(serve.MODELS))
+def test_output_share_counts_the_weights_a_decode_step_reads(size):
+    """output_share, from the config alone, against the parameters of the model built from it: the
+    output layer over itself plus every decoder layer's projections (not the norms, not the embedding)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**serve.MODELS[size])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    read = sum(p.numel() for n, p in model.named_parameters() if "layers." in n and p.dim() == 2)
+    out = model.lm_head.weight.numel()
+    assert serve.output_share(config) == pytest.approx(out / (out + read))
+
+
 def test_workload_second_turns_follow_earlier_requests():
     reqs = serve_stack.workload([1, 2, 3], [[i] for i in range(12)], every=4, lag=5)
     assert [(r.rid, r.parent) for r in reqs if r.parent is not None] == [(7, 2), (11, 6)]
