@@ -78,3 +78,28 @@ def importorskip_unless_ci(modname: str, minversion: str | None = None):
                 raise ImportError(f"{modname} {module.__version__} < {minversion} under CI")
         return module
     return pytest.importorskip(modname, minversion)
+
+
+def save_word_level_checkpoint(model_dir, words: list[str]):
+    """A random-weight Llama (2 layers, hidden 64, seed 0) and a word-level tokenizer over ``words``
+    (lower-cased, split on whitespace and punctuation, ``<s>`` first), saved together in
+    ``model_dir`` as a local checkpoint: no download. Returns the tokenizer."""
+    tokenizers = importorskip_unless_ci("tokenizers")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "[UNK]", *dict.fromkeys(words)])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = tokenizers.normalizers.Lowercase()
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="[UNK]")
+    fast.save_pretrained(model_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, bos_token_id=1,
+                         eos_token_id=None, pad_token_id=0)
+    LlamaForCausalLM._from_config(config, dtype=torch.float32).eval().save_pretrained(model_dir)
+    return fast

@@ -8,13 +8,14 @@ Skipped when torch or transformers is missing, except under CI (CI=true), where 
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
 import tempfile
 
 import pytest
-from conftest import importorskip_unless_ci
+from conftest import importorskip_unless_ci, save_word_level_checkpoint
 
 from shmkv.testing import shm_entries, start_in_process, unique_name
 
@@ -58,6 +59,42 @@ def test_tiny_run_same_tokens_every_key_nothing_left(capsys):
     assert res["warm_reused_tokens"] > res["shmkv_reused_tokens"], res
     assert not {e for e in shm_entries() if e.startswith(f"skv_{prefix}")}, "a store of the run is left"
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "bench_serve-*"))) <= temps, "temp dir left"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_model_path_runs_a_local_checkpoint_on_its_tokenizers_text(tmp_path, capsys):
+    """--model PATH: the checkpoint's config and weights in every worker, the prompts the benchmark's
+    text through the checkpoint's tokenizer (no download); every mode the same tokens."""
+    import re
+
+    words = re.findall(r"\w+|[^\w\s]", (serve_stack.TEXT + " ".join(serve_stack.QUESTIONS)).lower())
+    model_dir = tmp_path / "checkpoint"
+    tok = save_word_level_checkpoint(model_dir, words + ["question", ":"] + [str(i) for i in range(4)])
+    prefix = unique_name("srvp")
+    rc = serve.main(["--model", str(model_dir), "--requests", "4", "--system", "40", "--user", "8",
+                     "--new-tokens", "4", "--workers", "1", "--json", "--store-prefix", prefix])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"model {model_dir}: 2 layers, hidden 64, vocab {len(tok)}" in out, out
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["same_tokens"] is True, res
+    assert res["shmkv_reused_tokens"] >= 3 * 32, res  # the system prompt (its 16-token blocks) reused
+    system, users = serve_stack.token_ids(argparse.Namespace(seed=0, system=40, user=8, requests=4), 0, tok)
+    assert len(system) == 40 and system[0] == tok.bos_token_id and tok.unk_token_id not in system, system
+    assert [len(u) for u in users] == [8] * 4 and tok.convert_ids_to_tokens(users[0][:2]) == ["question", "0"]
+    assert not {e for e in shm_entries() if e.startswith(f"skv_{prefix}")}, "a store of the run is left"
+
+
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_0(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: the cuda run is the benchmark itself")
+    prefix = unique_name("srvc")
+    assert serve.main(["--device", "cuda", "--quick", "--store-prefix", prefix]) == 0
+    assert capsys.readouterr().out == "bench_serve: --device cuda: torch sees no GPU here, skipped\n"
+    assert not {e for e in shm_entries() if e.startswith(f"skv_{prefix}")}
 
 
 @pytest.mark.parametrize("size", sorted(serve.MODELS))

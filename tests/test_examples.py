@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import importorskip_unless_ci
+from conftest import importorskip_unless_ci, save_word_level_checkpoint
 
 from shmkv.testing import shm_entries
 
@@ -122,31 +122,14 @@ def test_transformers_workers_on_a_local_checkpoint(tmp_path):
     here (random weights, save_pretrained) with a word-level tokenizer built here: no download."""
     importorskip_unless_ci("torch")
     importorskip_unless_ci("transformers")
-    tokenizers = importorskip_unless_ci("tokenizers")
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     words = ["you", "are", "a", "helpful", "assistant", "answer", "in", "one", "short", "sentence", "and", "be",
              "precise", "about", "numbers", "what", "is", "shared", "memory", "name", "prime", "number", "say",
              "hello", ".", "?"]
-    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "[UNK]", *dict.fromkeys(words)])}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.normalizer = tokenizers.normalizers.Lowercase()
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
     model_dir = tmp_path / "checkpoint"
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="[UNK]")
-    fast.save_pretrained(model_dir)
+    fast = save_word_level_checkpoint(model_dir, words)
     system = "You are a helpful assistant. Answer in one short sentence, and be precise about numbers."
     n_system = len(fast(system)["input_ids"])
     assert n_system > 16  # a whole 16-token block: the prefix index finds it (docs/design.md §8)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, bos_token_id=1,
-                         eos_token_id=None, pad_token_id=0)
-    LlamaForCausalLM._from_config(config, dtype=torch.float32).eval().save_pretrained(model_dir)
 
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
@@ -168,7 +151,7 @@ def test_transformers_workers_on_a_local_checkpoint(tmp_path):
     assert "every request matches a single-process DynamicCache run" in out
     said = re.findall(r"request \d: prompt '[^']*' -> '([^']*)'", out)  # the prompt echoed, then the answer
     assert len(said) == 3 and all(said), out  # text, decoded by the checkpoint's tokenizer
-    assert all(w in vocab for s in said for w in s.split()), said
+    assert all(w in fast.get_vocab() for s in said for w in s.split()), said
     assert [f for f in shm_entries() if re.fullmatch(rf"skv_[a-z]+{p.pid}\.\w+", f)] == []
     assert list(tmp.iterdir()) == []
 
