@@ -112,6 +112,34 @@ def test_a_scenario_without_its_extra_is_skipped_before_any_work(monkeypatch, ca
     assert "skipped: decode" in out
 
 
+def test_hf_on_a_shmkv_without_its_imports_exits_with_its_status_and_the_scenario_says_import(monkeypatch, capsys):
+    """hf.py on an older shmkv (tools/bench_against.py measures older trees): its own exit status and
+    the import's message on stderr; bench_hf turns that status, and only that one, into ImportError."""
+    import types
+
+    from conftest import importorskip_unless_ci
+
+    importorskip_unless_ci("torch")
+    importorskip_unless_ci("transformers")
+    from shmkv.cli.bench import cases_more, hf
+
+    monkeypatch.setitem(sys.modules, "shmkv.transformers", types.ModuleType("shmkv.transformers"))
+    assert hf.main(["--quick"]) == hf.NOT_IN_THIS_SHMKV
+    err = capsys.readouterr().err
+    assert err.startswith("bench_hf: this shmkv cannot run it: cannot import name 'ShmkvCache'"), err
+    monkeypatch.undo()
+
+    def finished(status):
+        return lambda *a, **kw: subprocess.CompletedProcess(a[0], status, "", f"bench_hf: says {status}\n")
+
+    monkeypatch.setattr(subprocess, "run", finished(hf.NOT_IN_THIS_SHMKV))
+    with pytest.raises(ImportError, match=f"says {hf.NOT_IN_THIS_SHMKV}"):
+        cases_more.bench_hf(True)
+    monkeypatch.setattr(subprocess, "run", finished(1))  # any other failure is the scenario's
+    with pytest.raises(RuntimeError, match="says 1"):
+        cases_more.bench_hf(True)
+
+
 def test_a_missed_goal_says_what_it_measures_and_a_busy_machine_is_named(monkeypatch, capsys):
     from shmkv.cli.bench import driver, goals, scenarios
 

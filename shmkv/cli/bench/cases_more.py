@@ -467,13 +467,13 @@ def bench_hf(quick: bool) -> Figures:
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         print("  (skipped: needs torch and transformers: pip install torch==2.13.0 'shmkv[transformers]')")
         return {}
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf.py")
+    from . import hf
+
+    script = os.path.abspath(hf.__file__)
     r = subprocess.run([sys.executable, script, "--json", *(["--quick"] if quick else [])],
                        capture_output=True, text=True, timeout=1800)
-    last = (r.stderr.strip().splitlines() or [""])[-1]
-    against = os.environ.get("SHMKV_BENCH_AGAINST")
-    if r.returncode and against and last.startswith(("ImportError", "ModuleNotFoundError")):
-        raise ImportError(last)  # (an older tree that lacks what hf.py imports: driver.main says so)
+    if r.returncode == hf.NOT_IN_THIS_SHMKV:  # an older tree (tools/bench_against.py): driver.main says so
+        raise ImportError(r.stderr.strip())
     if r.returncode:
         raise RuntimeError(f"the hf scenario (shmkv/cli/bench/hf.py) failed ({r.returncode}): {r.stderr[-2000:]}")
     return {k: float(v) for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}

@@ -33,6 +33,9 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+NOT_IN_THIS_SHMKV = 3  # the exit status when the shmkv imported lacks what this benchmark uses
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 repeats, 64 tokens")
@@ -50,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from shmkv.transformers import ShmkvCache, cache_keyword
+    try:
+        from shmkv.transformers import ShmkvCache, cache_keyword
+    except ImportError as e:  # an older shmkv (tools/bench_against.py runs this file against older trees)
+        print(f"bench_hf: this shmkv cannot run it: {e}", file=sys.stderr)
+        return NOT_IN_THIS_SHMKV
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
