@@ -140,6 +140,32 @@ def test_hf_on_a_shmkv_without_its_imports_exits_with_its_status_and_the_scenari
         cases_more.bench_hf(True)
 
 
+@pytest.mark.parametrize("command", ["bench", "serve"])
+def test_a_plot_that_cannot_be_drawn_is_refused_before_any_work(command, tmp_path, monkeypatch, capsys):
+    """--plot (shmkv bench, the serving benchmark): no matplotlib, or no directory to write in, is an
+    argument error naming the path and the fix, before any scenario or worker runs."""
+    from shmkv.cli.bench import driver, scenarios, serve
+
+    ran: list[str] = []
+    monkeypatch.setitem(scenarios.SCENARIOS, "decode", lambda quick: ran.append("decode") or {})
+    monkeypatch.setattr(serve, "point", lambda *a: ran.append("serve") or {})
+
+    def run(png):
+        args = ["--quick", "--plot", str(png)]
+        with pytest.raises(SystemExit) as e:
+            driver.main([*args, "--only", "decode"]) if command == "bench" else serve.main(args)
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    gone = tmp_path / "no-such-dir" / "r.png"
+    assert f"no directory {str(gone.parent)!r}; create it or give another path" in run(gone)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "matplotlib" else real_find_spec(n, *a))
+    assert "needs matplotlib: pip install 'shmkv[plot]'" in run(tmp_path / "r.png")
+    assert ran == [] and list(tmp_path.iterdir()) == []
+
+
 def test_a_missed_goal_says_what_it_measures_and_a_busy_machine_is_named(monkeypatch, capsys):
     from shmkv.cli.bench import driver, goals, scenarios
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from shmkv.cli._quiet import quiet_children
 
+from shmkv.cli._args import png_arg
 from .goals import GOALS, WHAT, listing, met
 from .scenarios import BASELINES, OPT_IN, SCENARIOS, SHM_MARGIN, SHM_NEEDS, lacking
 from .timing import end_children, remove_scratch
@@ -111,13 +112,11 @@ def markdown(r: dict[str, float]) -> str:
 
 
 def plot(r: dict[str, float], path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib  # (--plot's png_arg checked that it is there)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'shmkv[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     keys = [k for k in ("decode_ratio", "handoff_read_ratio", "copy_prefix_ratio", "save_ratio", "load_vs_limit",
                         "prefill_vs_limit") if k in r]
     fig, ax = plt.subplots(figsize=(7, 3.4))
@@ -184,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--goals", action="store_true", help="list the goals and what each measures, and exit")
     p.add_argument("--markdown", action="store_true",
                    help="also print the results as a Markdown table (scenario, shmkv, baseline, ratio, goal)")
-    p.add_argument("--plot", metavar="PNG", help="draw the main ratios (needs the plot extra: matplotlib)")
+    p.add_argument("--plot", metavar="PNG", type=png_arg,
+                   help="draw the main ratios (needs the plot extra: matplotlib)")
     a = p.parse_args(argv)
     if a.goals:
         print(listing())

@@ -49,6 +49,7 @@ import tempfile
 import time
 from typing import Any
 
+from shmkv.cli._args import png_arg
 from .serve_stack import Run, Stack, cpu_shares, serve, store_bytes, token_ids, worker_time, workload
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one point, S = 2048, W = 2, 24 requests (about a minute)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
-    p.add_argument("--plot", metavar="PNG", help="write the TTFT distribution, throughput and memory bars here")
+    p.add_argument("--plot", metavar="PNG", type=png_arg,
+                   help="write the TTFT distribution, throughput and memory bars here (needs the plot extra)")
     p.add_argument("--model", metavar="PATH", help="a local checkpoint directory with its tokenizer "
                    "(default: a random-weight Llama from a config, seed --seed)")
     p.add_argument("--size", choices=sorted(MODELS), default="small", help="the random model's size")
