@@ -157,13 +157,27 @@ def test_a_plot_that_cannot_be_drawn_is_refused_before_any_work(command, tmp_pat
         assert e.value.code == 2
         return capsys.readouterr().err
 
-    gone = tmp_path / "no-such-dir" / "r.png"
-    assert f"no directory {str(gone.parent)!r}; create it or give another path" in run(gone)
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda n, *a: None if n == "matplotlib" else real_find_spec(n, *a))
-    assert "needs matplotlib: pip install 'shmkv[plot]'" in run(tmp_path / "r.png")
+    for spec in (object(), None):  # matplotlib there (as far as the check can tell), then not
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda n, *a, spec=spec: spec if n == "matplotlib" else real_find_spec(n, *a))
+        gone = tmp_path / "no-such-dir" / "r.png"
+        if spec is not None:
+            assert f"no directory {str(gone.parent)!r}; create it or give another path" in run(gone)
+        else:
+            assert "needs matplotlib: pip install 'shmkv[plot]'" in run(tmp_path / "r.png")
     assert ran == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_bench_plot_draws_the_ratios_it_has(tmp_path):
+    from conftest import importorskip_unless_ci
+
+    importorskip_unless_ci("matplotlib")
+    from shmkv.cli.bench import driver
+
+    png = tmp_path / "bench.png"
+    driver.plot({"decode_ratio": 1.4, "load_vs_limit": 0.75, "save_ratio": 1.0}, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_missed_goal_says_what_it_measures_and_a_busy_machine_is_named(monkeypatch, capsys):

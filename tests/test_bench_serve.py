@@ -30,17 +30,20 @@ KEYS = ["ttft_p50_ratio", "ttft_p95_ratio", "throughput_ratio", "pss_ratio", "re
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # three stacks of spawned workers importing torch: minutes on a loaded machine
-def test_tiny_run_same_tokens_every_key_nothing_left(capsys):
+def test_tiny_run_same_tokens_every_key_the_plot_nothing_left(tmp_path, capsys):
     prefix = unique_name("srv")
     temps = set(glob.glob(os.path.join(tempfile.gettempdir(), "bench_serve-*")))
+    importorskip_unless_ci("matplotlib")
+    png = tmp_path / "serve.png"
     rc = serve.main(["--size", "tiny", "--requests", "4", "--system", "64", "--user", "8", "--new-tokens", "4",
-                           "--workers", "1", "--second-every", "4", "--json", "--store-prefix", prefix])
+                     "--workers", "1", "--second-every", "4", "--json", "--store-prefix", prefix, "--plot", str(png)])
     out = capsys.readouterr().out
     assert rc == 0, out
     res = json.loads(out.strip().splitlines()[-1])
     for k in KEYS:
         assert k in res, (k, sorted(res))
     assert res["same_tokens"] is True
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {png}" in out
     for m in ("baseline", "shmkv", "warm"):
         assert res[f"{m}_ttft_p50_ms"] > 0 and res[f"{m}_ttft_p95_ms"] >= res[f"{m}_ttft_p50_ms"], res
         assert res[f"{m}_requests_per_s"] > 0 and res[f"{m}_pss_peak_mib"] > 0, res
