@@ -169,6 +169,28 @@ def test_a_plot_that_cannot_be_drawn_is_refused_before_any_work(command, tmp_pat
     assert ran == [] and list(tmp_path.iterdir()) == []
 
 
+def test_the_bench_harness_takes_from_the_cli_package_only_what_older_trees_have():
+    """tools/bench_against.py loads this harness (shmkv/cli/bench) over an older tree's shmkv: from the
+    rest of shmkv.cli it may import only _quiet (tools/bench.py supplies it when missing) and _model."""
+    import ast
+    import pathlib
+
+    import shmkv.cli.bench
+
+    allowed = {"shmkv.cli._quiet", "shmkv.cli._model"}
+    found = set()
+    for path in pathlib.Path(shmkv.cli.bench.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2:  # from .. import x, from ..x import y
+                found |= {f"shmkv.cli.{node.module or a.name}" for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shmkv.cli"):
+                mod = node.module or ""
+                found |= {f"{mod}.{a.name}" for a in node.names} if mod == "shmkv.cli" else {mod}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("shmkv.cli")}
+    assert {m for m in found if not m.startswith("shmkv.cli.bench")} <= allowed, found
+
+
 def test_the_bench_plot_draws_the_ratios_it_has(tmp_path):
     from conftest import importorskip_unless_ci
 

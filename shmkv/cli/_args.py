@@ -4,8 +4,6 @@ each names the bad value in argparse's usage error."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 from typing import Any
 
 
@@ -37,15 +35,3 @@ def ids_arg(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sequence ids") from None
 
-
-def png_arg(text: str) -> str:
-    """A --plot path, checked before any work: matplotlib importable, its directory there and writable
-    (a run of minutes must not fail at its last step)."""
-    if importlib.util.find_spec("matplotlib") is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: drawing it needs matplotlib: pip install 'shmkv[plot]'")
-    where = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(where):
-        raise argparse.ArgumentTypeError(f"{text!r}: no directory {where!r}; create it or give another path")
-    if not os.access(where, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: directory {where!r} is not writable here; give another path")
-    return text

@@ -32,7 +32,7 @@ import numpy as np
 
 from shmkv.cli._quiet import quiet_children
 
-from shmkv.cli._args import png_arg
+from .args import png_arg
 from .goals import GOALS, WHAT, listing, met
 from .scenarios import BASELINES, OPT_IN, SCENARIOS, SHM_MARGIN, SHM_NEEDS, lacking
 from .timing import end_children, remove_scratch

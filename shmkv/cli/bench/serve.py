@@ -49,7 +49,7 @@ import tempfile
 import time
 from typing import Any
 
-from shmkv.cli._args import png_arg
+from .args import png_arg
 from .serve_stack import Run, Stack, cpu_shares, serve, store_bytes, token_ids, worker_time, workload
 
 MODELS: dict[str, dict[str, Any]] = {
