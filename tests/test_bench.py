@@ -166,6 +166,12 @@ def test_a_plot_that_cannot_be_drawn_is_refused_before_any_work(command, tmp_pat
             assert f"no directory {str(gone.parent)!r}; create it or give another path" in run(gone)
         else:
             assert "needs matplotlib: pip install 'shmkv[plot]'" in run(tmp_path / "r.png")
+    # what matplotlib would refuse or write elsewhere: no file name, a directory, no or another suffix
+    assert "'' is not a file name" in run("")
+    assert f"{str(tmp_path)!r} is not a file name" in run(tmp_path)
+    assert "is not a file name" in run(f"{tmp_path}{os.sep}")
+    assert "written as .png (or .svg" in run(tmp_path / "r.txt") and "not .txt" in run(tmp_path / "r.txt")
+    assert "not without a suffix" in run(tmp_path / "r")
     assert ran == [] and list(tmp_path.iterdir()) == []
 
 
