@@ -256,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
               f"torch {torch.__version__}, transformers {_version('transformers')}, device {a.device}; "
               f"model {a.model or 'random Llama ' + a.size}: {config.num_hidden_layers} layers, hidden "
-              f"{config.hidden_size}, vocab {config.vocab_size} (the output layer {output_share(config):.0%} of the "
-              f"weights a token reads); R = {a.requests}, U = {a.user}, "
+              f"{config.hidden_size}, vocab {config.vocab_size}{_share_note(config)}; R = {a.requests}, U = {a.user}, "
               f"G = {a.new_tokens}, every {a.second_every or 'no'}th a second turn", flush=True)
         points = []
         for s, w in sizes:
@@ -319,14 +318,24 @@ def bench_serve(quick: bool) -> dict[str, float]:
     return {k: float(v) for k, v in json.loads(lines[-1]).items() if isinstance(v, (int, float))}
 
 
-def output_share(config: Any) -> float:
+def output_share(config: Any) -> float | None:
     """The output layer's share of the weights a decode step reads (the embedding table is looked up,
-    not read), from a Llama-family config: what decides how much of a request decoding is."""
-    h, hd = config.hidden_size, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    layer = 2 * h * config.num_attention_heads * hd + 2 * h * kv * hd + 3 * h * config.intermediate_size
-    out = config.vocab_size * h
-    return out / (out + config.num_hidden_layers * layer)
+    not read), from a Llama-family config: what decides how much of a request decoding is. None for
+    a config without those fields (another family: --model PATH takes any causal LM)."""
+    try:
+        h, heads, layers = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
+        mlp, vocab = config.intermediate_size, config.vocab_size
+    except AttributeError:
+        return None
+    hd = getattr(config, "head_dim", None) or h // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    layer = 2 * h * heads * hd + 2 * h * kv * hd + 3 * h * mlp
+    return vocab * h / (vocab * h + layers * layer)
+
+
+def _share_note(config: Any) -> str:
+    share = output_share(config)
+    return "" if share is None else f" (the output layer {share:.0%} of the weights a token reads)"
 
 
 def _version(module: str) -> str:
