@@ -204,8 +204,16 @@ def test_the_bench_plot_draws_the_ratios_it_has(tmp_path):
     from shmkv.cli.bench import driver
 
     png = tmp_path / "bench.png"
-    driver.plot({"decode_ratio": 1.4, "load_vs_limit": 0.75, "save_ratio": 1.0}, str(png))
+    assert driver.plot({"decode_ratio": 1.4, "load_vs_limit": 0.75, "save_ratio": 1.0, "other_us": 3.0},
+                       str(png)) == ["decode_ratio", "save_ratio", "load_vs_limit"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    serve = tmp_path / "serve.png"  # shmkv bench --only serve: the serving goals' ratios
+    assert driver.plot({"ttft_p50_ratio": 0.1, "throughput_ratio": 2.3, "pss_ratio": 0.9, "restart_ttft_ratio": 0.4,
+                        "same_tokens": 1.0}, str(serve)) == ["ttft_p50_ratio", "throughput_ratio", "pss_ratio",
+                                                              "restart_ttft_ratio"]
+    assert serve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert driver.plot({"other_us": 3.0}, str(tmp_path / "none.png")) == []  # nothing drawn, no empty axes
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_a_missed_goal_says_what_it_measures_and_a_busy_machine_is_named(monkeypatch, capsys):

@@ -111,14 +111,21 @@ def markdown(r: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def plot(r: dict[str, float], path: str) -> None:
+PLOTTED = ("decode_ratio", "handoff_read_ratio", "copy_prefix_ratio", "save_ratio", "load_vs_limit",
+           "prefill_vs_limit", "ttft_p50_ratio", "throughput_ratio", "pss_ratio", "restart_ttft_ratio")
+
+
+def plot(r: dict[str, float], path: str) -> list[str]:
+    """Draw the main ratios that ``r`` has (``PLOTTED``) against their goals into ``path``; return
+    them (none: nothing is written)."""
+    keys = [k for k in PLOTTED if k in r]
+    if not keys:
+        return keys
     import matplotlib  # (--plot's png_arg checked that it is there)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in ("decode_ratio", "handoff_read_ratio", "copy_prefix_ratio", "save_ratio", "load_vs_limit",
-                        "prefill_vs_limit") if k in r]
     fig, ax = plt.subplots(figsize=(7, 3.4))
     ax.barh(keys, [r[k] for k in keys], color=["#4a7" if met(r[k], GOALS[k]) else "#c55" for k in keys])
     for i, k in enumerate(keys):
@@ -127,6 +134,7 @@ def plot(r: dict[str, float], path: str) -> None:
     ax.set_title("shmkv vs its baselines (green: goal met)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return keys
 
 
 def shm_refusal(names: list[str], quick: bool) -> str | None:
@@ -261,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.markdown:
         print("\n" + markdown(results))
     if a.plot:
-        plot(results, a.plot)
+        drawn = plot(results, a.plot)
+        print(f"plot: {a.plot} ({', '.join(drawn)})" if drawn else
+              f"plot: nothing written: none of the ratios it draws ({', '.join(PLOTTED)}) was measured")
     if a.json:
         print(json.dumps(results))
     return 0
