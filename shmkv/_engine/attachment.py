@@ -408,9 +408,8 @@ _LEAVES = frozenset((int, float, bool, str, bytes, type(None), Closed))
 
 def _holds_views(value: object, depth: int = 2) -> bool:
     """Whether ``value`` is, or holds (``depth`` levels down: list and tuple items, dict values,
-    an object's ``__dict__`` values), a view of a mapping."""
-    if type(value) in _LEAVES:
-        return False
+    an object's ``__dict__`` values), a view of a mapping. Callers skip the ``_LEAVES`` first (a
+    lookup, not a call)."""
     if isinstance(value, (np.ndarray, memoryview, mmap.mmap)):
         return True
     if isinstance(value, Closed):  # (a close() that is finishing an interrupted one)

@@ -34,4 +34,3 @@ def ids_arg(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sequence ids") from None
-

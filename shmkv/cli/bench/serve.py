@@ -207,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", metavar="PATH", help="a local checkpoint directory with its tokenizer "
                    "(default: a random-weight Llama from a config, seed --seed)")
     p.add_argument("--size", choices=sorted(MODELS), default="small",
-                   help="the random model: small (4 layers, hidden 256, vocab 4,096: the output layer 27%% of the "
-                   "weights a token reads, the top of published small models' 6-28%%), small-v32k (vocab 32,000: "
-                   "74%%), tiny (the tests')")
+                   help="the random model: small (4 layers, hidden 256, vocab 4,096), small-v32k (the same layers, "
+                   "vocab 32,000), tiny (the tests'); the run's first line gives its output layer's share of the "
+                   "weights a token reads")
     p.add_argument("--device", default="cpu", help="cpu or cuda (skipped when torch sees no GPU)")
     p.add_argument("--requests", type=int, help="R (default 24 quick, 32 full)")
     p.add_argument("--system", type=int, help="S, the system prompt's tokens (default 2048; full: a sweep)")
