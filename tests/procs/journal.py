@@ -39,24 +39,24 @@ def sigint_loop(name: str) -> None:
     i = 0
     report = ""
     bad: list[BaseException] = []
-    while True:
-        try:
-            if report:  # outside the except clause: a Ctrl-C while printing is caught like any other
-                print(report, flush=True)
-                report = ""
-            try:
-                while True:
+    while True:  # (only the except clause below and this loop's jump back run outside the try: both
+        try:     # before the report is printed, which the test waits for before its next signal)
+            while True:  # every jump back of the loop inside the try: a Ctrl-C there is caught too
+                if report:  # outside the except clause: a Ctrl-C while printing is caught like any other
+                    print(report, flush=True)
+                    report = ""
+                try:
                     i += 1
                     if _step(store, i, w, src, dst):
                         return
-            except (shmkv.CacheFullError, shmkv.LeaseError, shmkv.SequenceNotFound):
-                # a create interrupted after it committed leaves a sequence without a handle: free those
-                for info in store.sequences():
-                    if info.id not in (w.id, src.id, dst.id) and not info.lease_alive:
-                        try:
-                            store.sequence(info.id).free()
-                        except shmkv.ShmkvError:
-                            pass
+                except (shmkv.CacheFullError, shmkv.LeaseError, shmkv.SequenceNotFound):
+                    # a create interrupted after it committed leaves a sequence without a handle: free those
+                    for info in store.sequences():
+                        if info.id not in (w.id, src.id, dst.id) and not info.lease_alive:
+                            try:
+                                store.sequence(info.id).free()
+                            except shmkv.ShmkvError:
+                                pass
         except KeyboardInterrupt as e:
             kept[:] = [e]
             report = f"caught {int(store._engine._lock.is_held)} {store._engine.journal.depth}"
