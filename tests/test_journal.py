@@ -12,6 +12,7 @@ copy_prefix can be the first holder) and leaves out of the comparison.
 
 from __future__ import annotations
 
+import dis
 import gc
 import json
 import os
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -427,3 +429,104 @@ def test_the_scan_for_odd_generations_finds_exactly_the_odd_rows(rows: int) -> N
     table = np.zeros((rows, 4), np.int64)
     table[:, 2] = gens
     assert odd_rows(table[:, 2]) == np.flatnonzero(gens % 2 == 1).tolist()
+
+
+_BREAKER_AFTER = frozenset(("CALL", "CALL_FUNCTION_EX"))  # CPython checks for signals after these
+
+
+def _ctrl_c_at_point(k: int, files: tuple[str, ...], op: Any) -> tuple[bool, bool]:
+    """Run ``op`` with a SIGINT delivered at the ``k``-th point in ``files`` where the interpreter
+    runs signal handlers: a function's first instruction, the instruction after a call returns,
+    a jump back. The handler installed at that moment is called, as a real signal's would be:
+    ours notes it in lock-path code, Python's raises. Returns (delivered, KeyboardInterrupt raised)."""
+    seen, fired = [0], [False]
+    prev: dict[int, str] = {}
+
+    def deliver(frame: Any) -> None:
+        if not fired[0]:
+            if seen[0] == k:
+                fired[0] = True
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
+            seen[0] += 1
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            name = dis.opname[frame.f_code.co_code[frame.f_lasti]]
+            if prev.get(id(frame)) in _BREAKER_AFTER or name == "JUMP_BACKWARD":
+                deliver(frame)
+            prev[id(frame)] = name
+        return local
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.endswith(files):
+            return None
+        frame.f_trace_opcodes = True
+        prev.pop(id(frame), None)
+        deliver(frame)  # its first instruction
+        return local
+
+    sys.settrace(trace)
+    try:
+        op()
+    except KeyboardInterrupt:
+        return fired[0], True
+    finally:
+        sys.settrace(None)
+    return fired[0], False
+
+
+@pytest.mark.parametrize("what", ["transaction", "truncate", "create_free"])
+def test_a_ctrl_c_at_every_point_of_the_lock_path_leaves_no_hold_behind(make_store, what):
+    """A SIGINT at any point where the interpreter would run its handler in the lock's code
+    (taking it, installing the deferring handler, the journal, a structural bracket, giving them
+    up): it is raised exactly once, by the operation, and afterwards this process holds no lock,
+    counts no hold, has Python's own handler back and nothing deferred, and the store is whole."""
+    from shmkv._engine.locking import interrupts as _interrupts
+
+    store = make_store(**LAYOUT)
+    seq = store.create_sequence(capacity=16)
+    k = np.ones((LAYOUT["layers"], 8, LAYOUT["kv_heads"], LAYOUT["head_dim"]), np.float32)
+    seq.extend(k, -k)
+
+    def op() -> None:
+        if what == "transaction":
+            with store.transaction():
+                pass
+        elif what == "truncate":
+            seq.truncate(6)
+            seq.extend(k[:, :2], -k[:, :2])
+        else:
+            store.create_sequence(capacity=4).free()
+
+    def clean() -> tuple[Any, ...]:
+        return (_interrupts._holds, _interrupts._installed, _interrupts.deferred,
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+    files = tuple(os.path.join(*p) for p in (("locking", "interrupts.py"), ("locking", "lock.py"),
+                                             ("locking", "journal.py"), ("_sequence", "structural.py")))
+    points = 0
+    try:
+        while True:
+            fired, raised = _ctrl_c_at_point(points, files, op)
+            if not fired:  # past the last point: every one was tried
+                break
+            assert raised, f"point {points}: the Ctrl-C was lost"
+            assert not store._engine._lock.is_held, f"point {points}: the lock is still held"
+            assert clean() == (0, False, [], True), f"point {points}: a hold, our handler or a Ctrl-C left behind"
+            if what == "truncate":  # the sequence is whole, at one of the two lengths
+                assert len(seq) in (6, 8), f"point {points}: length {len(seq)}"
+                if len(seq) == 6:
+                    seq.extend(k[:, :2], -k[:, :2])
+            for info in store.sequences():  # a create that committed before the Ctrl-C: no handle came back
+                if info.id != seq.id:
+                    assert what == "create_free" and not info.lease_alive, f"point {points}: {info}"
+                    store.sequence(info.id).free()
+            points += 1
+    finally:  # (what a failure left in this process's lock path must not fail the next test)
+        if clean() != (0, False, [], True):
+            _interrupts._holds, _interrupts._installed = 0, False
+            _interrupts.deferred.clear()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert points > 20  # the lock's code ran under the tracer
+    assert cli.verify(store) == []
+    assert [i.id for i in store.sequences()] == [seq.id]  # nothing created was left behind

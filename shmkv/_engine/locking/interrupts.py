@@ -74,15 +74,16 @@ def hold() -> None:
     global _holds, _installed
     if _get_ident() != _main_ident:
         return
+    # Installed first, counted last: a Ctrl-C before ours is in place is raised by Python's handler
+    # (after any call into C here) with nothing changed yet; once ours is in place it is noted.
+    if not _installed:
+        try:  # (_signal's: signal's own wrap the handler in an enum lookup that fails, ~50 us cold an attach)
+            if _signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                _signal.signal(signal.SIGINT, _on_sigint)
+                _installed = True
+        except (ValueError, OSError):  # not the main interpreter, or no signals here
+            pass
     _holds += 1
-    if _installed:
-        return
-    try:  # (_signal's: signal's own wrap the handler in an enum lookup that fails, ~50 us cold an attach)
-        if _signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            _signal.signal(signal.SIGINT, _on_sigint)
-            _installed = True
-    except (ValueError, OSError):  # not the main interpreter, or no signals here
-        pass
 
 
 @critical  # a Ctrl-C inside it, ours installed, waits too
