@@ -742,3 +742,34 @@ def test_torch_kv_pending_includes_this_handles_pending_tokens(make_store, dtype
     assert len(store.sequence(seq.id).torch_kv(0, pending=True)[0]) == 3  # a read handle has none
     seq.discard()
     assert len(seq.torch_kv(0, pending=True)[0]) == 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16", "int8"])
+def test_pending_views_are_the_cells_torch_kv_pending_shows_or_none(make_store, dtype):
+    from shmkv._sequence.handle import pending_views
+
+    store = make_store(dtype=dtype)
+    g = np.random.default_rng(1)
+    k = g.standard_normal((2, 5, 2, 4)).astype(np.float32)
+    seq = store.create_sequence(capacity=8)
+    seq.extend(k[:, :3], k[:, :3])
+    seq.append(0, k[0, 3:], -k[0, 3:])  # two pending tokens on layer 0 only
+    views = pending_views(seq, 0)
+    if dtype in ("bfloat16", "int8"):  # not the stored values as they are: torch_kv makes the tensors
+        assert views is None
+        return
+    kn, vn = views
+    kt, vt = seq.torch_kv(0, pending=True)
+    assert kn.shape == vn.shape == (5, 2, 4) and kn.flags.writeable and vn.flags.writeable
+    assert (kn.ctypes.data, vn.ctypes.data) == (kt.data_ptr(), vt.data_ptr())  # the same cells
+    np.testing.assert_array_equal(kn, kt.numpy())
+    np.testing.assert_array_equal(vn[3:], -k[0, 3:].astype(dtype))
+    assert pending_views(seq, 1) is None  # nothing pending in layer 1
+    assert pending_views(store.sequence(seq.id), 0) is None  # a read handle has nothing pending
+    seq.discard()
+    assert pending_views(seq, 0) is None
+    seq.append(0, k[0, 3:], k[0, 3:])
+    store.close()
+    assert pending_views(seq, 0) is None  # closed: torch_kv says so
+    with pytest.raises(shmkv.StoreClosedError):
+        seq.torch_kv(0, pending=True)

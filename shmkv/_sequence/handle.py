@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from shmkv._engine.table.header import Layout
     from shmkv._engine.port import Port
 
-__all__ = ["Owner", "Sequence", "ShiftFn", "drop_lease", "writer_for", "writer_part"]
+__all__ = ["Owner", "Sequence", "ShiftFn", "drop_lease", "pending_views", "writer_for", "writer_part"]
 
 
 class Owner(Protocol):
@@ -354,6 +354,23 @@ def writer_for(store: Owner, seq_id: int) -> Sequence | None:
 def writer_part(handle: Sequence) -> SeqWriter:
     """The writer part of ``handle``: what ``Batch`` appends through (pending counts, checks)."""
     return handle._w
+
+
+def pending_views(handle: Sequence, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The cells ``handle.torch_kv(layer, pending=True)`` shows, as writable numpy views
+    ``[n, kv_heads, head_dim]`` of the shared cache, where that is two slices: a plain float
+    store, tokens pending in ``layer``, every page mapped here. None otherwise (int8 or bfloat16,
+    nothing pending, a structural change since, borrowed pages not mapped here, a closed store):
+    ``torch_kv`` then makes the tensors, or says why not. The transformers cache's decode step
+    shapes these for torch itself, without making a tensor twice."""
+    w = handle._w
+    if not w.plain or w.unmapped or w.port.closed:
+        return None
+    cells = w.pending_cells(layer)
+    if cells is None:
+        return None
+    lo, hi = cells
+    return w.Kw[layer][lo:hi], w.Vw[layer][lo:hi]
 
 
 def drop_lease(handle: Sequence) -> None:

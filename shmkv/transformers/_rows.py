@@ -42,7 +42,7 @@ import torch
 from shmkv._engine.table import dtypes as _dtypes
 from shmkv._sequence import quant as _quant
 from shmkv.transformers._layout import layer_windows
-from shmkv._sequence.handle import Sequence
+from shmkv._sequence.handle import Sequence, pending_views
 from shmkv.store._store import Store
 from shmkv.errors import InvalidArgumentError
 
@@ -179,11 +179,15 @@ class Rows:
                 key_states, value_states = key_states.detach(), value_states.detach()
             s = seqs[0]
             s.append(layer, key_states.numpy()[0].swapaxes(0, 1), value_states.numpy()[0].swapaxes(0, 1))
-            kt, vt = s.torch_kv(layer, pending=True)  # zero-copy: the cells, pending ones included
-            lo = len(kt) - fwd.q - self.kept(layer)
+            # zero-copy: the cells, pending ones included, as numpy views (no tensor made twice)
+            if (kv := pending_views(s, layer)) is None:
+                kt, vt = s.torch_kv(layer, pending=True)  # (raises, or returns the same cells)
+                kv = kt.numpy(), vt.numpy()
+            kn, vn = kv
+            lo = len(kn) - fwd.q - self.kept(layer)
             # shaped on the numpy side (a torch view op costs ~1 us each, numpy's a fraction)
-            k_out = torch.from_numpy(kt.numpy()[lo:].swapaxes(0, 1)[None])
-            v_out = torch.from_numpy(vt.numpy()[lo:].swapaxes(0, 1)[None])
+            k_out = torch.from_numpy(kn[lo:].swapaxes(0, 1)[None])
+            v_out = torch.from_numpy(vn[lo:].swapaxes(0, 1)[None])
             if k_out.dtype != key_states.dtype:
                 k_out, v_out = k_out.to(key_states.dtype), v_out.to(key_states.dtype)
             fwd.next = layer + 1
