@@ -36,9 +36,10 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
-__all__ = ["critical", "deferred", "deliver_deferred", "hold", "unhold"]
+__all__ = ["critical", "critical_here", "deferred", "deliver_deferred", "hold", "unhold"]
 
 _CRITICAL: set[CodeType] = set()  # code whose frames defer SIGINT (and what they call)
+_CRITICAL_HERE: set[CodeType] = set()  # code whose own instructions defer it (not what it calls)
 deferred: list[int] = []  # signals noted by _on_sigint, raised at the next safe point
 _main_ident = threading.main_thread().ident
 _get_ident = _thread.get_ident  # (threading's, without the module lookup: on every lock hold)
@@ -54,7 +55,18 @@ def critical(fn: FnT) -> FnT:
     return fn
 
 
+def critical_here(fn: FnT) -> FnT:
+    """Mark ``fn``'s own instructions as lock-path code, not what it calls: a SIGINT handled
+    while ``fn`` itself runs (between the lock's entry and a call, or as a call returns into it)
+    is raised at the next safe point; one in a function it calls is raised there as usual."""
+    _CRITICAL_HERE.add(fn.__code__)
+    return fn
+
+
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    if frame is not None and frame.f_code in _CRITICAL_HERE:
+        deferred.append(signum)
+        return
     f = frame
     while f is not None:
         if f.f_code in _CRITICAL:
@@ -76,6 +88,8 @@ def hold() -> None:
         return
     # Installed first, counted last: a Ctrl-C before ours is in place is raised by Python's handler
     # (after any call into C here) with nothing changed yet; once ours is in place it is noted.
+    if not _holds:  # the main thread's first hold: a Ctrl-C noted before is stale (a second Ctrl-C,
+        deferred.clear()  # raised as the first's hold ended, stood in for it; it must not come out now)
     if not _installed:
         try:  # (_signal's: signal's own wrap the handler in an enum lookup that fails, ~50 us cold an attach)
             if _signal.getsignal(signal.SIGINT) is signal.default_int_handler:

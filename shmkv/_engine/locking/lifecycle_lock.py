@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import filelock
 
 from shmkv._engine.memory import segment as _segment
-from shmkv._engine.locking.interrupts import critical, deferred, deliver_deferred, hold, unhold
+from shmkv._engine.locking.interrupts import critical, critical_here, deferred, deliver_deferred, hold, unhold
 from shmkv._engine.locking.lock import DEFAULT_TIMEOUT, poll
 from shmkv.errors import LockTimeout
 
@@ -133,6 +133,7 @@ def lifecycle_op(*, undo: Callable[[Any], object] | None = None) -> Callable[[F]
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
+        @critical_here  # a Ctrl-C as fn returns into it waits for the lock's release: the result is kept, undone
         def wrapper(name: str, *args: Any, **kwargs: Any) -> Any:
             if not isinstance(name, str):
                 return fn(name, *args, **kwargs)  # the function's own check reports the bad name

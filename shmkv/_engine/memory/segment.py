@@ -26,6 +26,7 @@ import sys
 import numpy as np
 from numpy.typing import DTypeLike
 
+from shmkv._engine.locking.interrupts import critical
 from shmkv._engine.memory import cachestat as _cachestat
 from shmkv._engine.memory.shm_room import MEMINFO, ROOM, Room, mem_available  # noqa: F401  (tests reach them here)
 from shmkv.errors import (
@@ -147,6 +148,7 @@ class Segment:
         self._send = (-1, 0)  # copy_in's own descriptor of the segment, and the pid that opened it
 
     @classmethod
+    @critical  # (under the lifecycle lock) a Ctrl-C as shm_open returns, before fd is kept, waits for its release
     def create(cls, name: str, size: int, mode: int = 0o600) -> Segment:
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=mode)
