@@ -765,6 +765,11 @@ def test_pending_views_are_the_cells_torch_kv_pending_shows_or_none(make_store, 
     np.testing.assert_array_equal(kn, kt.numpy())
     np.testing.assert_array_equal(vn[3:], -k[0, 3:].astype(dtype))
     assert pending_views(seq, 1) is None  # nothing pending in layer 1
+    seq.append(1, 2 * k[1, 3:4], -2 * k[1, 3:4])  # one on layer 1: its own cells
+    kn1, vn1 = pending_views(seq, 1)
+    kt1, _ = seq.torch_kv(1, pending=True)
+    assert kn1.shape == (4, 2, 4) and kn1.ctypes.data == kt1.data_ptr() and kn1.ctypes.data != kn.ctypes.data
+    np.testing.assert_array_equal(vn1[3], -2 * k[1, 3].astype(dtype))
     assert pending_views(store.sequence(seq.id), 0) is None  # a read handle has nothing pending
     seq.discard()
     assert pending_views(seq, 0) is None
