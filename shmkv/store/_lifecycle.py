@@ -12,6 +12,7 @@ import errno
 import os
 import secrets
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,6 +103,9 @@ def session_tag() -> int:
         return int(tag, 16) & ((1 << 62) - 1)
     except ValueError:
         return 0
+
+
+_loading = threading.local()  # kept: the list a load in this thread keeps its new store in (load)
 
 
 def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any = "float16",
@@ -201,6 +205,9 @@ def _create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any,
             _liveness.created_keys.add(creator_key)
             if not persistent:
                 remove_at_process_exit(name, engine_of(store).identity)
+            if (kept := getattr(_loading, "kept", None)) is not None:  # a load's: kept before it is returned
+                _loading.kept = None  # (its first create only: not one its progress callback might make)
+                kept.append(store)
         except BaseException:
             hseg.unlink()
             dseg.unlink()
@@ -384,5 +391,16 @@ def load(source: Any, name: str | None = None, *, persistent: bool = False, max_
     if name is None:
         raise InvalidArgumentError(f"shmkv.load({source!r}) needs the new store's name: shmkv.load(path, name), "
                                    "e.g. shmkv.load(path, 'restored')")
-    return _restore.load_with(create, engine_of, source, name, persistent=persistent, max_tokens=max_tokens,
-                               max_seqs=max_seqs, progress=progress, **create_kw)
+    # The store is kept here as the create makes it, not when a call returns it: CPython raises a
+    # Ctrl-C as a call through C returns, before the caller holds what it returned.
+    kept: list[Store] = []
+    try:
+        _loading.kept = kept
+        return _restore.load_with(create, engine_of, source, name, persistent=persistent, max_tokens=max_tokens,
+                                   max_seqs=max_seqs, progress=progress, **create_kw)
+    except BaseException:
+        for store in kept:
+            store.unlink()
+        raise
+    finally:
+        _loading.kept = None
