@@ -41,6 +41,18 @@ OPS = ("decode", "decode_moved", "extend", "extend_grow", "truncate_plain", "tru
        "copy_into_borrower", "fork", "free", "free_borrower", "create_prefix", "finish", "take_over", "restore", "save")
 
 
+def retry_after_ctrl_c(fn: Callable[[], Any]) -> Any:
+    """What a program does after a Ctrl-C it caught: the call again (a Ctrl-C deferred by a critical
+    section may still come out of the first retry)."""
+    for attempt in range(3):
+        try:
+            return fn()
+        except KeyboardInterrupt:
+            if attempt == 2:
+                raise
+    return None
+
+
 def kv(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """K and V of ``tokens`` for every layer: [L, n, H, D] (read-only: made once a token list)."""
     return _kv(tuple(tokens))

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import filelock
 import pytest
-from _ctrl_c_scene import Trace
+from _ctrl_c_scene import Trace, retry_after_ctrl_c as _retry
 
 import shmkv
 from shmkv.store import _removal
@@ -76,18 +74,6 @@ def _start(op: str, name: str, store: shmkv.Store | None) -> shmkv.Store | None:
 
 def _mine(name: str) -> list[str]:
     return sorted(f for f in shm_entries() if f.startswith(f"skv_{name}."))
-
-
-def _retry(fn: Callable[[], Any]) -> Any:
-    """What a program does after a Ctrl-C it caught: the call again (a Ctrl-C deferred by a critical
-    section may still come out of the first retry)."""
-    for attempt in range(3):
-        try:
-            return fn()
-        except KeyboardInterrupt:
-            if attempt == 2:
-                raise
-    return None
 
 
 def _exit(name: str) -> None:

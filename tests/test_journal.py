@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _ctrl_c_scene import retry_after_ctrl_c as _retry
 from procs.crash import LAYOUT, base, fill, layout_for, op, prepare, state
 
 import shmkv
@@ -435,6 +436,21 @@ _AFTER_CALL = frozenset(("CALL", "CALL_FUNCTION_EX"))  # CPython 3.11 runs handl
 _JUMPS_BACK = frozenset(n for n in dis.opname if n.startswith(("JUMP_BACKWARD", "POP_JUMP_BACKWARD")))
 
 
+_LOCK_FILES = tuple(os.path.join(*p) for p in (("locking", "interrupts.py"), ("locking", "lock.py"),
+                                                ("locking", "journal.py"), ("_sequence", "structural.py")))
+_COLD_FILES = _LOCK_FILES + tuple(os.path.join(*p) for p in (
+    ("locking", "lifecycle_lock.py"), ("memory", "segment.py"), ("store", "_lifecycle.py"), ("store", "_removal.py"),
+    ("store", "_store.py"), ("_snapshot", "restore.py")))
+_CLEAN = (0, False, [], True)  # no hold counted, ours not installed, nothing deferred, Python's handler in place
+
+
+def _lock_path_state() -> tuple[Any, ...]:
+    from shmkv._engine.locking import interrupts as _interrupts
+
+    return (_interrupts._holds, _interrupts._installed, _interrupts.deferred,
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
 def _in_finalizer(frame: Any) -> bool:
     """Whether ``frame`` runs under a ``__del__`` or a weakref finalizer (of an earlier trial's
     garbage, collected at any moment): Python swallows a KeyboardInterrupt there, in any program."""
@@ -530,21 +546,15 @@ def test_a_ctrl_c_at_every_point_of_the_lock_path_leaves_no_hold_behind(make_sto
         else:
             store.create_sequence(capacity=4).free()
 
-    def clean() -> tuple[Any, ...]:
-        return (_interrupts._holds, _interrupts._installed, _interrupts.deferred,
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-
-    files = tuple(os.path.join(*p) for p in (("locking", "interrupts.py"), ("locking", "lock.py"),
-                                             ("locking", "journal.py"), ("_sequence", "structural.py")))
     points = 0
     try:
         while True:
-            fired, raised = _ctrl_c_at_point(points, files, op)
+            fired, raised = _ctrl_c_at_point(points, _LOCK_FILES, op)
             if not fired:  # past the last point: every one was tried
                 break
             assert raised, f"point {points}: the Ctrl-C was lost"
             assert not store._engine._lock.is_held, f"point {points}: the lock is still held"
-            assert clean() == (0, False, [], True), f"point {points}: a hold, our handler or a Ctrl-C left behind"
+            assert _lock_path_state() == _CLEAN, f"point {points}: a hold, our handler or a Ctrl-C left behind"
             if what == "truncate":  # the sequence is whole, at one of the two lengths
                 assert len(seq) in (6, 8), f"point {points}: length {len(seq)}"
                 if len(seq) == 6:
@@ -555,7 +565,7 @@ def test_a_ctrl_c_at_every_point_of_the_lock_path_leaves_no_hold_behind(make_sto
                     store.sequence(info.id).free()
             points += 1
     finally:  # (what a failure left in this process's lock path must not fail the next test)
-        if clean() != (0, False, [], True):
+        if _lock_path_state() != _CLEAN:
             _interrupts._holds, _interrupts._installed = 0, False
             _interrupts.deferred.clear()
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -576,17 +586,6 @@ def snapshot_file(tmp_path_factory):
     return path
 
 
-def _retry(fn: Any) -> Any:
-    """What a program does after a Ctrl-C it caught: the call again."""
-    for attempt in range(3):
-        try:
-            return fn()
-        except KeyboardInterrupt:
-            if attempt == 2:
-                raise
-    return None
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (see _in_finalizer)
 @pytest.mark.parametrize("op", ["create", "persistent_create", "load", "persistent_load", "close", "remove"])
 def test_a_ctrl_c_at_every_point_of_a_cold_path_leaves_nothing_behind(op, snapshot_file):
@@ -595,14 +594,8 @@ def test_a_ctrl_c_at_every_point_of_a_cold_path_leaves_nothing_behind(op, snapsh
     the program carries on (a store it got back closed, and removed if persistent; a close or a
     remove that raised, called again) nothing of the name is left in /dev/shm, and no hold, handler
     or deferred Ctrl-C is left in this process."""
-    from shmkv._engine.locking import interrupts as _interrupts
     from shmkv.testing import shm_entries
 
-    files = tuple(os.path.join(*p) for p in (("locking", "interrupts.py"), ("locking", "lock.py"),
-                                             ("locking", "lifecycle_lock.py"), ("locking", "journal.py"),
-                                             ("memory", "segment.py"), ("store", "_lifecycle.py"),
-                                             ("store", "_removal.py"), ("store", "_store.py"),
-                                             ("_snapshot", "restore.py")))
     persistent = op.startswith("persistent") or op == "remove"
     points = 0
     while True:
@@ -625,7 +618,7 @@ def test_a_ctrl_c_at_every_point_of_a_cold_path_leaves_nothing_behind(op, snapsh
                 shmkv.remove(name)
 
         try:
-            fired, raised = _ctrl_c_at_point(points, files, call)
+            fired, raised = _ctrl_c_at_point(points, _COLD_FILES, call)
             if op == "close":  # the program carries on
                 _retry(made.close)
             elif op == "remove":
@@ -639,9 +632,7 @@ def test_a_ctrl_c_at_every_point_of_a_cold_path_leaves_nothing_behind(op, snapsh
                 _retry(box[0].close)
             left = sorted(f for f in shm_entries() if f.startswith(f"skv_{name}."))
             assert left == [], f"point {points}: left {left}"
-            assert (_interrupts._holds, _interrupts._installed, _interrupts.deferred) == (0, False, []), \
-                f"point {points}: a hold or a Ctrl-C left behind"
-            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, f"point {points}: our handler stayed"
+            assert _lock_path_state() == _CLEAN, f"point {points}: a hold, our handler or a Ctrl-C left behind"
         finally:
             for f in (f for f in shm_entries() if f.startswith(f"skv_{name}.")):  # (a failure's leftovers)
                 os.unlink(os.path.join("/dev/shm", f))

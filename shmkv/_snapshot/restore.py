@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -37,13 +37,7 @@ if TYPE_CHECKING:
 
 
 
-class _Removable(Protocol):
-    """A store ``load_with`` created: removed again when its restore fails."""
-
-    def unlink(self) -> None: ...
-
-
-S = TypeVar("S", bound=_Removable)
+S = TypeVar("S")
 
 
 # -- reading -------------------------------------------------------------------
@@ -224,27 +218,22 @@ def _own(core: Port, slot: int) -> int:
 def load_with(create: Callable[..., S], core_of: Callable[[S], Port], source: Any, name: str, *, persistent: bool,
               max_tokens: int | None, max_seqs: int | None, progress: Progress | None, **create_kw: Any) -> S:
     """``shmkv.load``: ``create`` (``shmkv.create``) store ``name`` with a snapshot's layout, restore it all
-    into its engine (``core_of``)."""
-    store: S | None = None
-    try:
-        with open_source(source) as (reader, is_file):
-            snap = reader.header()
-            lay = snap.layout
-            # an encoder cache takes a table row and a range of its own
-            encoders = [s for s in snap.sequences if s.encoder_length]
-            need_tokens = sum(max(1, s.length) for s in snap.sequences) + sum(s.encoder_length for s in encoders)
-            store = create(
-                name, layers=lay.layers, kv_heads=lay.kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
-                max_tokens=max_tokens or max(lay.max_tokens, need_tokens),
-                max_seqs=max_seqs or max(lay.max_seqs, len(snap.sequences) + len(encoders)),
-                layer_types=list(lay.layer_types), window=lay.window or None, chunk=lay.chunk or None,
-                memory=lay.memory or None, persistent=persistent, **create_kw,
-            )
-            _restore(core_of(store), reader, snap, is_file, seq_ids=None, progress=progress)
-    except BaseException:  # (a Ctrl-C as the source is closed too: the caller gets no store)
-        if store is not None:
-            store.unlink()
-        raise
+    into its engine (``core_of``). The caller removes the store if this raises (``_lifecycle.load``
+    keeps it as the create makes it)."""
+    with open_source(source) as (reader, is_file):
+        snap = reader.header()
+        lay = snap.layout
+        # an encoder cache takes a table row and a range of its own
+        encoders = [s for s in snap.sequences if s.encoder_length]
+        need_tokens = sum(max(1, s.length) for s in snap.sequences) + sum(s.encoder_length for s in encoders)
+        store = create(
+            name, layers=lay.layers, kv_heads=lay.kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
+            max_tokens=max_tokens or max(lay.max_tokens, need_tokens),
+            max_seqs=max_seqs or max(lay.max_seqs, len(snap.sequences) + len(encoders)),
+            layer_types=list(lay.layer_types), window=lay.window or None, chunk=lay.chunk or None,
+            memory=lay.memory or None, persistent=persistent, **create_kw,
+        )
+        _restore(core_of(store), reader, snap, is_file, seq_ids=None, progress=progress)
     return store
 
 
