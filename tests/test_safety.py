@@ -434,7 +434,7 @@ def test_full_snapshot_file_system_is_cache_full_and_keeps_the_old_file(make_sto
 
 def _dead_pid() -> tuple[int, int]:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
-    start = _segment.process_start_time(p.pid)
+    start = _save.process_start_time(p.pid)
     p.wait()
     return p.pid, start
 
@@ -446,7 +446,7 @@ def test_stale_temporary_files_are_removed_by_the_next_save_and_by_gc(make_store
     monkeypatch.setattr(_lifecycle, "list_stores", lambda: [store.name])
     store.create_sequence(capacity=4).extend(*_kv(2, 2))
     pid, start = _dead_pid()
-    me, my_start = os.getpid(), _segment.process_start_time(os.getpid())
+    me, my_start = os.getpid(), _save.process_start_time(os.getpid())
     stale = [tmp_path / f".s.shmkv.tmp-{pid}-{start}-0badf00d", tmp_path / f".s.shmkv.tmp-{pid}-0badf00e"]
     live = tmp_path / f".s.shmkv.tmp-{me}-{my_start}-0badf00f"
     other = tmp_path / f".t.shmkv.tmp-{pid}-{start}-0badf010"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -62,3 +63,12 @@ def pack_meta(value: Any) -> bytes:
             "store an id here and the rest elsewhere"
         )
     return bytes(packed)
+
+
+def check_timeout(name: str, value: object) -> float:
+    if type(value) is float and value >= 0.0:  # (the default's case: no isnan, nor numpy's types, asked)
+        return value  # (a NaN fails the comparison and is refused below)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or math.isnan(value) or value < 0:
+        raise InvalidArgumentError(f"{name}={value!r} must be a number of seconds >= 0")
+    return float(value)

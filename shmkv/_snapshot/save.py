@@ -28,7 +28,6 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn
 import msgpack
 import numpy as np
 
-from shmkv._engine.memory import segment as _segment
 from shmkv._engine.checks import int_list
 from shmkv._snapshot.format import (
     seekable_fd,
@@ -281,7 +280,7 @@ def _locked_temp(directory: str, base: str) -> tuple[str, int]:
     pid = os.getpid()
     while True:
         tmp = os.path.join(directory,
-                           f".{base}.tmp-{pid}-{_segment.process_start_time(pid)}-{secrets.token_hex(4)}")
+                           f".{base}.tmp-{pid}-{process_start_time(pid)}-{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else holds a file this new...
@@ -378,3 +377,21 @@ def _save_error(e: OSError, path: str) -> Exception:
 
 
 __all__ = ["remove_stale_temps", "save"]
+
+
+def process_start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (Linux), 0 when unknown.
+
+    Part of a snapshot temporary file's name, so a recycled pid is not mistaken for its writer.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0
+    # The command name (field 2) may contain spaces and parentheses; fields after
+    # the last ')' are space-separated, starttime is field 22.
+    try:
+        return int(data[data.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return 0

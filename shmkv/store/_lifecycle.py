@@ -29,12 +29,11 @@ from shmkv._engine.memory import segment as _segment
 from shmkv._engine.table import unattached as _unattached
 from shmkv._snapshot import restore as _restore
 from shmkv._snapshot import save as _save
-from shmkv._engine.checks import count
+from shmkv._engine.checks import check_timeout, count
 from shmkv._engine.memory.segment import Segment
 from shmkv.store._store import (
     DEFAULT_MAX_CLIENTS,
     Store,
-    check_timeout,
     engine_of,
     read_header_once,
 )

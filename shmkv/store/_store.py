@@ -5,7 +5,6 @@ it; create, gc and the rest of the lifecycle: ``_lifecycle``."""
 from __future__ import annotations
 
 import errno
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -21,6 +20,7 @@ from shmkv._engine.memory import segment as _segment
 from shmkv._engine.table import unattached as _unattached
 from shmkv._snapshot import restore as _restore
 from shmkv._snapshot import save as _save
+from shmkv._engine.checks import check_timeout
 from shmkv._engine.engine import Engine
 from shmkv._sequence.batch import Batch
 from shmkv._engine.clients.lease import live_writers
@@ -35,7 +35,6 @@ from shmkv.errors import (
     AccessDeniedError,
     CacheFullError,
     CorruptStoreError,
-    InvalidArgumentError,
     ShmkvError,
     StoreNotFound,
 )
@@ -384,15 +383,6 @@ def _lock_open_error(name: str, e: OSError) -> ShmkvError:
         )
     return CorruptStoreError(f"store {name!r}: cannot open its lock file {path} ({why}): remove the store "
                              f"(`shmkv rm {name}`) and create it anew")
-
-
-def check_timeout(name: str, value: object) -> float:
-    if type(value) is float and value >= 0.0:  # (the default's case: no isnan, nor numpy's types, asked)
-        return value  # (a NaN fails the comparison and is refused below)
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or math.isnan(value) or value < 0:
-        raise InvalidArgumentError(f"{name}={value!r} must be a number of seconds >= 0")
-    return float(value)
 
 
 # Headers this process found intact (a forked child inherits them): what read() decides from (the

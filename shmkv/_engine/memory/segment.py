@@ -475,24 +475,4 @@ def listdir() -> list[str]:
         return []
 
 
-# -- process liveness ---------------------------------------------------------
-
 MAX_PID = 1 << 22  # Linux's largest pid_max
-
-
-def process_start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (Linux), 0 when unknown.
-
-    Part of a snapshot temporary file's name, so a recycled pid is not mistaken for its writer.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return 0
-    # The command name (field 2) may contain spaces and parentheses; fields after
-    # the last ')' are space-separated, starttime is field 22.
-    try:
-        return int(data[data.rindex(b")") + 2 :].split()[19])
-    except (ValueError, IndexError):
-        return 0
