@@ -1,12 +1,14 @@
-"""A Ctrl-C at every function entry of shmkv during one operation, the process carrying on.
+"""A Ctrl-C at every point of shmkv's code where the interpreter can raise one, during one
+operation, the process carrying on.
 
 ``trial(op, dtype, point)`` builds a scene (a finished donor, a borrower of its prompt, a plain
-sequence, a small target sequence, a sequence whose leaseholder died), runs ``op`` with a trace
-function that, at the ``point``-th call event inside shmkv, calls the SIGINT handler installed at
+sequence, a small target sequence, a sequence whose leaseholder died), runs ``op`` under a trace
+that, at the ``point``-th such point inside shmkv (``_ctrl_c_points``: a function's first
+instruction, a call through C returning, a jump back), calls the SIGINT handler installed at
 that moment (shmkv's own defers the signal inside its critical sections, as a real signal is),
 then carries on as a surviving REPL would: three decode steps through every handle it holds
 (a step interrupted by a deferred Ctrl-C is tried again), then checks every sequence in this
-attachment and in a fresh read-only one. ``points(op, dtype)`` counts the call events of an
+attachment and in a fresh read-only one. ``points(op, dtype)`` counts the points of an
 uninterrupted run. Every value is ``K = 4 * token + layer`` (``V = -K``), so any cell of any
 sequence can be checked against its own token id.
 
@@ -20,7 +22,6 @@ import atexit
 import functools
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,9 +34,10 @@ import numpy as np
 import shmkv
 from shmkv.testing import assert_store_state, unique_name
 
+from _ctrl_c_points import Points, descriptors
+
 L, H, D = 2, 32, 32  # float32: a 4 KiB cell, one-cell page unit; int8: a 32-cell page unit
 PROMPT = list(range(1, 97))  # the donor's prompt: three int8 page units
-_PKG = os.path.dirname(shmkv.__file__) + os.sep
 
 OPS = ("decode", "decode_moved", "extend", "extend_grow", "truncate_plain", "truncate_borrower", "copy_prefix",
        "copy_into_borrower", "fork", "free", "free_borrower", "create_prefix", "finish", "take_over", "restore", "save")
@@ -292,47 +294,13 @@ def run_op(sc: Scene, op: str) -> None:
         raise ValueError(op)
 
 
-class Trace:
-    """Counts call events in the code under ``roots`` (shmkv's by default); at the ``fire``-th,
-    calls the SIGINT handler installed at that moment."""
-
-    def __init__(self, fire: int = 0, roots: tuple[str, ...] = (_PKG,)) -> None:
-        self.fire, self.roots = fire, roots
-        self.count = 0
-        self.where = ""
-
-    def __call__(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(self.roots):
-            self.count += 1
-            if self.count == self.fire:
-                sys.settrace(None)  # (the events after it are not counted: an interrupted run's count is its point)
-                path = frame.f_code.co_filename
-                root = next(r for r in self.roots if path.startswith(r))
-                self.where = f"{path[len(root):]}:{frame.f_code.co_name}"
-                handler = signal.getsignal(signal.SIGINT)
-                assert callable(handler)
-                handler(signal.SIGINT, frame)
-
-
-def _traced(fn: Callable[[], None], tr: Trace) -> bool:
-    """Run fn under the trace; whether a KeyboardInterrupt came out of it."""
-    sys.settrace(tr)
-    try:
-        fn()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False
-
-
 def points(op: str, dtype: str) -> int:
-    """The call events inside shmkv of an uninterrupted run of ``op``."""
+    """The points inside shmkv (``_ctrl_c_points``) of an uninterrupted run of ``op``."""
     sc = scene(dtype, op)
     try:
         prepare(sc, op)
-        tr = Trace()
-        assert not _traced(lambda: run_op(sc, op), tr)
+        tr = Points()
+        assert not tr.run(lambda: run_op(sc, op))
         return tr.count
     finally:
         sc.close()
@@ -348,13 +316,25 @@ def _step(h: Any, token: int) -> None:
 def trial(op: str, dtype: str, point: int, before: dict[int, list[int]] | None = None,
           after: dict[int, list[int]] | None = None) -> list[str]:
     """One interrupted run; the problems found (empty: none). ``before``/``after``: the token ids
-    of every sequence in the scene and after an uninterrupted run (``expected``)."""
+    of every sequence in the scene and after an uninterrupted run (``expected``). Once the scene's
+    handles are closed and dropped, nothing of its store or snapshot is open in this process
+    (a mapping keeps a descriptor of its own: while a view lives, that one stays)."""
+    names: list[str] = []  # the scene's store and snapshot directory
+    out = _trial(op, dtype, point, before, after=after, names=names)
+    out += [f"{op}/{dtype} point {point}: still open: {path}"
+            for path in descriptors(f"skv_{names[0]}.", names[1] + os.sep)] if names else []
+    return out
+
+
+def _trial(op: str, dtype: str, point: int, before: dict[int, list[int]] | None, *,
+           after: dict[int, list[int]] | None, names: list[str]) -> list[str]:
     sc = scene(dtype, op)
+    names += [sc.store.name, sc.tmp.name]
     out: list[str] = []
     try:
         prepare(sc, op)
-        tr = Trace(point)
-        interrupted = _traced(lambda: run_op(sc, op), tr)
+        tr = Points(point)
+        interrupted = tr.run(lambda: run_op(sc, op))
         tag = f"{op}/{dtype} point {point} ({tr.where or 'not fired'}{', raised' if interrupted else ''})"
         # the process carries on: three decode steps through every handle it holds
         held = dict(sc.handles)
@@ -405,6 +385,9 @@ def trial(op: str, dtype: str, point: int, before: dict[int, list[int]] | None =
             ro.close()
         if before is not None and after is not None:
             out += _old_or_new(tag, seen, before, after)
+        temps = [f for f in os.listdir(sc.tmp.name) if f != "scene.shmkv"]  # (a save's temporary file)
+        if temps:
+            out.append(f"{tag}: left in the snapshot's directory: {temps}")
     finally:
         sc.close()
     return out

@@ -134,43 +134,34 @@ def test_an_empty_header_segment_is_no_store(tmp_path):
 # A Ctrl-C that lands in a finalizer (a segment an earlier interrupted trial dropped, collected
 # during a later one) is printed and ignored by Python, as a real one is.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_ctrl_c_at_any_function_entry_of_the_first_use_leaves_every_part_or_none(make_store):
+def test_a_ctrl_c_at_any_point_of_the_first_use_leaves_every_part_or_none(make_store):
     """The first use builds the data views and the parts into locals and sets them in one
-    statement: a KeyboardInterrupt at any function entry of that build leaves all of them set or
+    statement: a KeyboardInterrupt at any point of that build (tests/_ctrl_c_points.py) leaves all of them set or
     none (the next use builds them again), and the attachment then reads what the creator wrote."""
-    import sys
-
-    from _ctrl_c_scene import Trace
+    from _ctrl_c_points import Points
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, max_tokens=256, max_seqs=4)
     seq = store.create_sequence(capacity=32)
     k = np.arange(2 * 6 * 2 * 8, dtype=np.float32).reshape(2, 6, 2, 8)
     seq.extend(k, -k, tokens=np.arange(6))
 
-    def first_use(tr: Trace | None) -> tuple[bool, set[str], int]:
+    def first_use(tr: Points) -> tuple[bool, set[str], int]:
         other = shmkv.attach(store.name)
         try:
-            raised = False
-            sys.settrace(tr)
-            try:
-                other._engine.Kl  # noqa: B018  (the first use)
-            except KeyboardInterrupt:
-                raised = True
-            finally:
-                sys.settrace(None)
+            raised = tr.run(lambda: other._engine.Kl)  # (the first use)
             built = set(vars(other._engine)) & _LAZY
             np.testing.assert_array_equal(other.sequence(seq.id).keys(1), k[1])  # built (again) if need be
-            return raised, built, tr.count if tr is not None else 0
+            return raised, built, tr.count
         finally:
             other.close()
 
-    counter = Trace()
+    counter = Points()
     first_use(counter)
     n = counter.count
     assert n > 5, n
     fired = 0
     for point in range(1, n + 1):
-        raised, built, _ = first_use(Trace(point))
+        raised, built, _ = first_use(Points(point))
         fired += raised
         assert built in (set(), set(_LAZY)), (point, sorted(set(_LAZY) - built))
         assert raised or built == set(_LAZY)

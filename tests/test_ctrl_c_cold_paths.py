@@ -1,31 +1,39 @@
-"""A Ctrl-C at any function entry of shmkv (or of filelock, which holds the lifecycle lock) while a
-store is created, closed by its creator or removed leaves nothing of it in /dev/shm once the
-program carries on as it would: a create that raised left nothing (the program has no handle to
-remove it with); a create that returned gives a handle whose close() removes everything; a close
-or a remove that raised is tried again and then leaves nothing; a close that raised and is not
-tried again (the program exits: a second Ctrl-C that comes while the first unwinds through a
-``with`` block) leaves the store to the creator's exit, which removes it.
+"""A Ctrl-C at any point of shmkv (or of filelock, which holds the lifecycle lock) where the
+interpreter can raise one (tests/_ctrl_c_points.py: a function's first instruction, a call through
+C returning, a jump back taken) while a store is created, loaded, attached (read-write or
+read-only), closed by its creator or removed leaves nothing of it behind once the program
+carries on as it would:
+
+* in /dev/shm: a create or load that raised left nothing (the program has no handle to remove
+  it with); one that returned gives a handle whose close() removes everything; a close or a
+  remove that raised is tried again and then leaves nothing; a close that raised and is not
+  tried again (the program exits: a second Ctrl-C that comes while the first unwinds through a
+  ``with`` block) leaves the store to the creator's exit, which removes it;
+* in this process: no descriptor of the store's files once its handles are closed, no client
+  of an attach that raised or was closed, no hold, handler or deferred Ctrl-C; and the Ctrl-C
+  itself came out.
 
 A SIGINT is delivered through the handler installed at that moment (shmkv's defers it inside its
-critical sections, as it does a real signal), at the N-th call event, for every N of an
-uninterrupted run.
+critical sections, as it does a real signal), at the N-th point, for every N of an uninterrupted
+run.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import filelock
 import pytest
-from _ctrl_c_scene import Trace, retry_after_ctrl_c as _retry
+from _ctrl_c_points import CLEAN, Points, descriptors, lock_path_state, reset_lock_path
+from _ctrl_c_scene import retry_after_ctrl_c as _retry
 
 import shmkv
 from shmkv.store import _removal
 from shmkv.testing import shm_entries, unique_name
 
 _ROOTS = (os.path.dirname(shmkv.__file__) + os.sep, os.path.dirname(filelock.__file__) + os.sep)
-OPS = ("create", "close", "close_then_exit", "remove", "persistent_create", "load", "persistent_load")
+OPS = ("create", "close", "close_then_exit", "remove", "persistent_create", "load", "persistent_load", "attach",
+       "attach_readonly")
 _SNAP: dict[str, str] = {}
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -64,6 +72,8 @@ def _start(op: str, name: str, store: shmkv.Store | None) -> shmkv.Store | None:
         return _create(name, persistent=True)
     if op in ("load", "persistent_load"):
         return shmkv.load(_snapshot(), name, persistent=op == "persistent_load")
+    if op.startswith("attach"):
+        return shmkv.attach(name, readonly=op == "attach_readonly")
     assert store is not None
     if op in ("close", "close_then_exit"):
         store.close()
@@ -88,23 +98,25 @@ def _exit(name: str) -> None:
         _removal.exit_removals.update(others)
 
 
-def trial(op: str, point: int) -> tuple[Trace, list[str]]:
-    """One run of ``op`` interrupted at call event ``point`` (0: not at all); its trace (where it
-    fired, how many call events it saw), and what of the store is left once the program carried on."""
+def trial(op: str, point: int) -> tuple[Points, list[str]]:
+    """One run of ``op`` interrupted at point ``point`` (0: not at all); its trace (where it
+    fired, how many points it saw), and what is left once the program carried on: of the store
+    in /dev/shm, and of a Ctrl-C in this process's lock path."""
     name = unique_name("cc")
     store = None
-    if op in ("close", "close_then_exit", "remove"):
+    if op in ("close", "close_then_exit", "remove", "attach", "attach_readonly"):
         store = _create(name)
     if op.endswith("load"):
         _snapshot()  # made once, outside the trace
-    tr = Trace(point, _ROOTS)
-    sys.settrace(tr)
-    try:
-        store = _start(op, name, store)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sys.settrace(None)
+    tr = Points(point, lambda path: path.startswith(_ROOTS))
+    box = [store]
+
+    def start() -> None:
+        box[0] = _start(op, name, box[0])
+
+    raised = tr.run(start)
+    creator, store = (store, box[0] if box[0] is not store else None) if op.startswith("attach") else (None, box[0])
+    found: list[str] = []
     try:  # the program carries on
         if op in ("create", "persistent_create", "load", "persistent_load"):
             if store is not None:  # returned: its handle removes it
@@ -116,6 +128,13 @@ def trial(op: str, point: int) -> tuple[Trace, list[str]]:
             _retry(store.close)
         elif op == "close_then_exit":
             _exit(name)
+        elif op.startswith("attach"):
+            assert creator is not None
+            if store is not None:
+                _retry(store.close)
+            if creator.clients() != [os.getpid()]:  # ours only: the attach's row is gone, or was never made
+                found.append(f"live clients {creator.clients()}")
+            _retry(creator.close)
         else:
             try:
                 _retry(lambda: shmkv.remove(name))
@@ -123,7 +142,16 @@ def trial(op: str, point: int) -> tuple[Trace, list[str]]:
                 pass
             assert store is not None
             _retry(store.close)
-        return tr, _mine(name)
+        found += _mine(name)
+        if op != "close_then_exit":  # (the exit would close them)
+            found += [f"open: {path}" for path in descriptors(f"skv_{name}.")]
+        state = lock_path_state()
+        if state != CLEAN:
+            found.append(f"the lock path's state {state}")
+            reset_lock_path()  # (for the next trials)
+        if tr.fired and not raised:
+            found.append("the Ctrl-C was lost")
+        return tr, found
     finally:
         left = _mine(name)
         if left:  # whatever the trial found, the machine is left clean
@@ -135,7 +163,7 @@ def trial(op: str, point: int) -> tuple[Trace, list[str]]:
 
 
 def points(op: str) -> int:
-    """The call events of an uninterrupted run of ``op``, which leaves nothing behind either: the
+    """The points of an uninterrupted run of ``op``, which leaves nothing behind either: the
     second run's (the first also does one-time work, imports and caches, that the trials skip)."""
     for _ in range(2):
         tr, left = trial(op, 0)
@@ -143,14 +171,29 @@ def points(op: str) -> int:
     return tr.count
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("op", OPS)
-def test_a_ctrl_c_at_every_function_entry_of_a_cold_path_leaves_nothing_behind(op: str) -> None:
+SAMPLE = 12  # points an operation in the fast tier
+
+
+def _run(op: str, sample: bool) -> None:
     n = points(op)
-    assert n > 10, f"{op}: only {n} call events: the trace does not see the operation"
+    assert n > 10, f"{op}: only {n} points: the trace does not see the operation"
+    every = max(1, n // SAMPLE)
+    chosen = set(range(1 + every // 2, n + 1, every))  # about SAMPLE, evenly spaced, from mid-stride
     problems = []
-    for point in range(1, n + 1):
+    for point in sorted(chosen if sample else set(range(1, n + 1)) - chosen):
         tr, left = trial(op, point)
         if left:
             problems.append(f"{op} point {point}/{n} ({tr.where}): left {left}")
     assert not problems, "\n".join(problems[:30]) + f"\n({len(problems)} of {n} points)"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_ctrl_c_at_a_sample_of_points_of_a_cold_path_leaves_nothing_behind(op: str) -> None:
+    _run(op, sample=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", OPS)
+def test_a_ctrl_c_at_each_remaining_point_of_a_cold_path_leaves_nothing_behind(op: str) -> None:
+    """Every point that the sample above does not take."""
+    _run(op, sample=False)

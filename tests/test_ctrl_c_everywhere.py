@@ -1,14 +1,16 @@
-"""A Ctrl-C at any function entry of shmkv, in a process that survives it, leaves no wrong data
-and no stuck handle.
+"""A Ctrl-C at any point of shmkv's code where the interpreter can raise one, in a process that
+survives it, leaves no wrong data, no stuck handle and nothing open.
 
 For each public operation, in float32 (a one-cell page unit) and int8 (a 32-cell one: prefixes
-really share pages), a SIGINT is delivered through the installed handler at each Python function
-entry inside shmkv during the operation (shmkv's handler defers it inside critical sections, as
-it does a real signal). The process then carries on with the handles it holds: three decode
+really share pages), a SIGINT is delivered through the installed handler at each such point
+inside shmkv during the operation (tests/_ctrl_c_points.py: a function's first instruction, a
+call through C returning, a jump back taken; shmkv's handler defers it inside critical sections,
+as it does a real signal). The process then carries on with the handles it holds: three decode
 steps each. Every sequence is checked in this attachment and in a fresh read-only one: each
 cell's K/V match the token id at its position, sequences the operation does not touch are
 unchanged, touched ones hold their old or their new state, and every handle that holds a lease
-can decode (tests/_ctrl_c_scene.py builds the scene and runs the trials).
+can decode; once the handles are closed, no descriptor of the store or the snapshot is open and
+no save left a temporary file (tests/_ctrl_c_scene.py builds the scene and runs the trials).
 
 The fast tier takes a sample of each operation's points (about a dozen, spread over the whole
 operation); the slow tier takes all the others, so that the two together take every point once.
@@ -46,7 +48,7 @@ def _sample(n: int) -> range:
 def _run(op: str, dtype: str, sample: bool) -> None:
     before, after = expected(op, dtype)
     n = points(op, dtype)
-    assert n > 10, f"{op}: only {n} call events inside shmkv: the trace does not see the operation"
+    assert n > 10, f"{op}: only {n} points inside shmkv: the trace does not see the operation"
     chosen = _sample(n) if sample else sorted(set(range(1, n + 1)) - set(_sample(n)))
     problems: list[str] = []
     for point in chosen:
@@ -56,13 +58,13 @@ def _run(op: str, dtype: str, sample: bool) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
-def test_a_ctrl_c_at_a_sample_of_function_entries_leaves_every_sequence_right(op: str, dtype: str) -> None:
+def test_a_ctrl_c_at_a_sample_of_points_leaves_every_sequence_right(op: str, dtype: str) -> None:
     _run(op, dtype, sample=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
-def test_a_ctrl_c_at_each_remaining_function_entry_leaves_every_sequence_right(op: str, dtype: str) -> None:
+def test_a_ctrl_c_at_each_remaining_point_leaves_every_sequence_right(op: str, dtype: str) -> None:
     """Every point that the sample above does not take."""
     _run(op, dtype, sample=False)

@@ -12,7 +12,6 @@ copy_prefix can be the first holder) and leaves out of the comparison.
 
 from __future__ import annotations
 
-import dis
 import gc
 import json
 import os
@@ -21,11 +20,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 import numpy as np
 import pytest
-from _ctrl_c_scene import retry_after_ctrl_c as _retry
+from _ctrl_c_points import CLEAN, Points, lock_path_state, reset_lock_path
 from procs.crash import LAYOUT, base, fill, layout_for, op, prepare, state
 
 import shmkv
@@ -432,95 +430,8 @@ def test_the_scan_for_odd_generations_finds_exactly_the_odd_rows(rows: int) -> N
     assert odd_rows(table[:, 2]) == np.flatnonzero(gens % 2 == 1).tolist()
 
 
-_AFTER_CALL = frozenset(("CALL", "CALL_FUNCTION_EX"))  # CPython 3.11 runs handlers as a call into C returns
-_JUMPS_BACK = frozenset(n for n in dis.opname if n.startswith(("JUMP_BACKWARD", "POP_JUMP_BACKWARD")))
-
-
 _LOCK_FILES = tuple(os.path.join(*p) for p in (("locking", "interrupts.py"), ("locking", "lock.py"),
                                                 ("locking", "journal.py"), ("_sequence", "structural.py")))
-_COLD_FILES = _LOCK_FILES + tuple(os.path.join(*p) for p in (
-    ("locking", "lifecycle_lock.py"), ("memory", "segment.py"), ("store", "_lifecycle.py"), ("store", "_removal.py"),
-    ("store", "_store.py"), ("_snapshot", "restore.py")))
-_CLEAN = (0, False, [], True)  # no hold counted, ours not installed, nothing deferred, Python's handler in place
-
-
-def _lock_path_state() -> tuple[Any, ...]:
-    from shmkv._engine.locking import interrupts as _interrupts
-
-    return (_interrupts._holds, _interrupts._installed, _interrupts.deferred,
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-
-
-def _in_finalizer(frame: Any) -> bool:
-    """Whether ``frame`` runs under a ``__del__`` or a weakref finalizer (of an earlier trial's
-    garbage, collected at any moment): Python swallows a KeyboardInterrupt there, in any program."""
-    while frame is not None:
-        if frame.f_code.co_name == "__del__" or frame.f_code.co_filename.endswith("weakref.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _ctrl_c_at_point(k: int, files: tuple[str, ...], op: Any) -> tuple[bool, bool]:
-    """Run ``op`` with a SIGINT delivered at the ``k``-th point in ``files`` where CPython 3.11
-    runs signal handlers: a function's first instruction, the next instruction once a call through
-    C returns (a CALL of a Python function is left out: 3.11 runs it in the same loop, with no check
-    as it returns; CALL_FUNCTION_EX and a class's call go through C), a jump back taken. The handler installed at that
-    moment is called, as a real signal's would be: ours notes it in lock-path code, Python's
-    raises. Returns (delivered, KeyboardInterrupt raised)."""
-    seen, fired = [0], [False]
-    prev: dict[int, tuple[str, int]] = {}
-    ran_python: set[int] = set()  # frames whose call in progress ran a Python frame
-    tables: dict[Any, list[Any]] = {}
-
-    def handler(code: Any, offset: int) -> int | None:
-        """Where an exception raised at ``offset`` goes (its exception table's entry)."""
-        if code not in tables:
-            tables[code] = dis._parse_exception_table(code)  # type: ignore[attr-defined]
-        return next((e.target for e in tables[code] if e.start <= offset < e.end), None)
-
-    def deliver(frame: Any) -> None:
-        if not fired[0] and not _in_finalizer(frame):
-            if seen[0] == k:
-                fired[0] = True
-                signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
-            seen[0] += 1
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            off = frame.f_lasti
-            name = dis.opname[frame.f_code.co_code[off]]
-            was, at = prev.get(id(frame), ("", -1))
-            # raised here, the KeyboardInterrupt must go where one raised by the call or the jump
-            # would (the interpreter raises it there): where the two differ the point is left out
-            if ((was in _AFTER_CALL and id(frame) not in ran_python) or (was in _JUMPS_BACK and off < at)) \
-                    and handler(frame.f_code, off) == handler(frame.f_code, at):
-                deliver(frame)
-            ran_python.discard(id(frame))
-            prev[id(frame)] = (name, off)
-        return local
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        caller = frame.f_back
-        if caller is not None and prev.get(id(caller), ("",))[0] == "CALL" and \
-                frame.f_code.co_name not in ("__init__", "__new__"):  # (a class is called through C)
-            ran_python.add(id(caller))  # (CALL_FUNCTION_EX always goes through C)
-        if not frame.f_code.co_filename.endswith(files):
-            return None
-        frame.f_trace_opcodes = True
-        prev.pop(id(frame), None)
-        ran_python.discard(id(frame))
-        deliver(frame)  # its first instruction
-        return local
-
-    sys.settrace(trace)
-    try:
-        op()
-    except KeyboardInterrupt:
-        return fired[0], True
-    finally:
-        sys.settrace(None)
-    return fired[0], False
 
 
 @pytest.mark.parametrize("what", ["transaction", "truncate", "create_free"])
@@ -529,7 +440,6 @@ def test_a_ctrl_c_at_every_point_of_the_lock_path_leaves_no_hold_behind(make_sto
     (taking it, installing the deferring handler, the journal, a structural bracket, giving them
     up): it is raised exactly once, by the operation, and afterwards this process holds no lock,
     counts no hold, has Python's own handler back and nothing deferred, and the store is whole."""
-    from shmkv._engine.locking import interrupts as _interrupts
 
     store = make_store(**LAYOUT)
     seq = store.create_sequence(capacity=16)
@@ -549,12 +459,13 @@ def test_a_ctrl_c_at_every_point_of_the_lock_path_leaves_no_hold_behind(make_sto
     points = 0
     try:
         while True:
-            fired, raised = _ctrl_c_at_point(points, _LOCK_FILES, op)
-            if not fired:  # past the last point: every one was tried
+            tr = Points(points + 1, lambda path: path.endswith(_LOCK_FILES))
+            raised = tr.run(op)
+            if not tr.fired:  # past the last point: every one was tried
                 break
             assert raised, f"point {points}: the Ctrl-C was lost"
             assert not store._engine._lock.is_held, f"point {points}: the lock is still held"
-            assert _lock_path_state() == _CLEAN, f"point {points}: a hold, our handler or a Ctrl-C left behind"
+            assert lock_path_state() == CLEAN, f"point {points}: a hold, our handler or a Ctrl-C left behind"
             if what == "truncate":  # the sequence is whole, at one of the two lengths
                 assert len(seq) in (6, 8), f"point {points}: length {len(seq)}"
                 if len(seq) == 6:
@@ -565,82 +476,11 @@ def test_a_ctrl_c_at_every_point_of_the_lock_path_leaves_no_hold_behind(make_sto
                     store.sequence(info.id).free()
             points += 1
     finally:  # (what a failure left in this process's lock path must not fail the next test)
-        if _lock_path_state() != _CLEAN:
-            _interrupts._holds, _interrupts._installed = 0, False
-            _interrupts.deferred.clear()
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if lock_path_state() != CLEAN:
+            reset_lock_path()
     assert points > 10  # the lock's code ran under the tracer
     assert cli.verify(store) == []
     assert [i.id for i in store.sequences()] == [seq.id]  # nothing created was left behind
-
-
-@pytest.fixture(scope="module")
-def snapshot_file(tmp_path_factory):
-    """A snapshot of one sequence, for load."""
-    path = str(tmp_path_factory.mktemp("snap") / "one.shmkv")
-    with shmkv.create(unique_name("cps"), **LAYOUT) as st:
-        seq = st.create_sequence(capacity=16)
-        k = np.ones((LAYOUT["layers"], 5, LAYOUT["kv_heads"], LAYOUT["head_dim"]), np.float32)
-        seq.extend(k, -k, tokens=np.arange(5))
-        st.save(path)
-    return path
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (see _in_finalizer)
-@pytest.mark.parametrize("op", ["create", "persistent_create", "load", "persistent_load", "close", "remove"])
-def test_a_ctrl_c_at_every_point_of_a_cold_path_leaves_nothing_behind(op, snapshot_file):
-    """A SIGINT at any point where the interpreter would run its handler in the code that creates,
-    loads, closes (its creator) or removes a store: the call either raises it or returns, and once
-    the program carries on (a store it got back closed, and removed if persistent; a close or a
-    remove that raised, called again) nothing of the name is left in /dev/shm, and no hold, handler
-    or deferred Ctrl-C is left in this process."""
-    from shmkv.testing import shm_entries
-
-    persistent = op.startswith("persistent") or op == "remove"
-    points = 0
-    while True:
-        name = unique_name("cp")
-        made = None
-        if op in ("close", "remove"):
-            made = shmkv.create(name, persistent=persistent, **LAYOUT)
-            if op == "remove":
-                made.close()
-        box: list[shmkv.Store] = []
-
-        def call(name: str = name, box: list[shmkv.Store] = box, made: Any = made) -> None:
-            if op.endswith("create"):
-                box.append(shmkv.create(name, persistent=persistent, **LAYOUT))
-            elif op.endswith("load"):
-                box.append(shmkv.load(snapshot_file, name, persistent=persistent))
-            elif op == "close":
-                made.close()
-            else:
-                shmkv.remove(name)
-
-        try:
-            fired, raised = _ctrl_c_at_point(points, _COLD_FILES, call)
-            if op == "close":  # the program carries on
-                _retry(made.close)
-            elif op == "remove":
-                try:
-                    _retry(lambda name=name: shmkv.remove(name))
-                except shmkv.StoreNotFound:
-                    pass
-            elif box:
-                if persistent:
-                    _retry(lambda name=name: shmkv.remove(name))
-                _retry(box[0].close)
-            left = sorted(f for f in shm_entries() if f.startswith(f"skv_{name}."))
-            assert left == [], f"point {points}: left {left}"
-            assert _lock_path_state() == _CLEAN, f"point {points}: a hold, our handler or a Ctrl-C left behind"
-        finally:
-            for f in (f for f in shm_entries() if f.startswith(f"skv_{name}.")):  # (a failure's leftovers)
-                os.unlink(os.path.join("/dev/shm", f))
-        if not fired:
-            break
-        assert raised, f"point {points}: the Ctrl-C was lost"
-        points += 1
-    assert points > 30
 
 
 def test_a_second_ctrl_c_raised_before_the_first_is_delivered_leaves_none_for_later(make_store):

@@ -28,6 +28,7 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn
 import msgpack
 import numpy as np
 
+from shmkv._engine.locking.interrupts import critical, shielding
 from shmkv._engine.checks import int_list
 from shmkv._snapshot.format import (
     seekable_fd,
@@ -254,29 +255,45 @@ def remove_stale_temps(directory: str, base: str | None = None) -> list[str]:
         if m is None or (base is not None and m["base"] != base):
             continue
         path = os.path.join(directory, f)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue  # gone, another user's, or a symlink: not ours to judge
-        try:
-            if os.fstat(fd).st_uid != os.geteuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # held: its writer is alive
-            os.unlink(path)  # (a writer that opened it but had not locked it yet notices: _locked_temp)
+        if _remove_if_stale(path):
             removed.append(path)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
     return removed
 
 
+@critical  # (a Ctrl-C as the open returns, before the descriptor is kept, waits: see _new_temp)
+def _remove_if_stale(path: str) -> bool:
+    """Remove the temporary file ``path`` if it is ours and no writer holds its flock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone, another user's, or a symlink: not ours to judge
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: its writer is alive
+        os.unlink(path)  # (a writer that opened it but had not locked it yet notices: _locked_temp)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@shielding(undo=lambda made: _drop_temp(*made))  # (a Ctrl-C as a file is opened or made: raised once it is kept)
+def _new_temp(directory: str, base: str) -> tuple[str, int]:
+    """The stale temporary files of saves to ``directory/base`` removed, and a new one made."""
+    remove_stale_temps(directory, base)  # left by saves that were killed mid-way
+    return _locked_temp(directory, base)
+
+
+@critical  # (a Ctrl-C as the file is made, before it is kept, waits: see _new_temp)
 def _locked_temp(directory: str, base: str) -> tuple[str, int]:
     """A new temporary file for a save to ``directory/base``, opened and flocked (its liveness,
-    see :func:`remove_stale_temps`); made again if a stale-temp sweep removed it before the lock."""
+    see :func:`remove_stale_temps`); made again if a stale-temp sweep removed it before the lock.
+    A failure removes the file it made."""
     pid = os.getpid()
     while True:
         tmp = os.path.join(directory,
@@ -291,9 +308,16 @@ def _locked_temp(directory: str, base: str) -> tuple[str, int]:
         except FileNotFoundError:
             pass  # removed by a sweep between the open and the lock
         except BaseException:
-            os.close(fd)
+            _drop_temp(tmp, fd)
             raise
         os.close(fd)
+
+
+def _drop_temp(tmp: str, fd: int) -> None:
+    """Close and remove a save's temporary file (``fd`` open on it, ``tmp`` its name)."""
+    os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
 
 
 def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Progress | None = None) -> int:
@@ -321,9 +345,8 @@ def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Pr
 def _save_path(core: Port, path: str, ids: list[int] | None, progress: Progress | None) -> int:
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
-    remove_stale_temps(directory, base)  # left by saves that were killed mid-way
     try:
-        tmp, fd = _locked_temp(directory, base)  # flocked until renamed into place: this save is alive
+        tmp, fd = _new_temp(directory, base)  # flocked until renamed into place: this save is alive
     except FileNotFoundError:
         raise InvalidArgumentError(f"cannot save to {path!r}: directory {directory!r} does not exist") from None
     except PermissionError:

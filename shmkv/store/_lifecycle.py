@@ -25,6 +25,7 @@ from shmkv._engine.clients import row_waiters as _row_waiters
 from shmkv._engine.clients import liveness as _liveness
 from shmkv._engine.locking import lock as _lock
 from shmkv._engine.locking import lifecycle_lock as _lifecycle_lock
+from shmkv._engine.locking.interrupts import critical
 from shmkv._engine.memory import segment as _segment
 from shmkv._engine.table import unattached as _unattached
 from shmkv._snapshot import restore as _restore
@@ -51,6 +52,7 @@ def _check_mode(mode: object) -> int:
     return int(mode)
 
 
+@critical  # (a Ctrl-C as the file is opened, before the descriptor is kept, waits)
 def _prepare_lock_file(name: str, mode: int) -> None:
     """Create the store's lock file with the segments' mode (a group member who may write the
     store may take its lock), or take over a leftover of ours; refuse one that is not ours."""

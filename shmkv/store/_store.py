@@ -15,6 +15,7 @@ import numpy as np
 
 from shmkv._sequence import group as _group
 from shmkv._engine.table import header as _header
+from shmkv._engine.locking import interrupts as _interrupts
 from shmkv._engine.locking import lock as _lock
 from shmkv._engine.memory import segment as _segment
 from shmkv._engine.table import unattached as _unattached
@@ -120,6 +121,7 @@ class Store:
         """
         self._close(remove=None)
 
+    @_interrupts.shielding()  # (a Ctrl-C as a descriptor is closed: raised once the close is done)
     def _close(self, remove: bool | None) -> None:
         """Close (``remove``: None, the creator's rule; True/False: remove or not). Another thread's
         hold of the store lock (a structural operation in progress) is waited out first (up to
@@ -408,6 +410,7 @@ def read_header_once(words: np.ndarray | None, raw: np.ndarray, size: int, name:
     return got
 
 
+@_interrupts.shielding(undo=lambda store: store.close())
 def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
            lock_timeout: float = _lock.DEFAULT_TIMEOUT) -> Store:
     """Attach to the existing store ``name``.
@@ -431,6 +434,9 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
        generations repaired), the span sync (the shared prefix pages the table lists, mapped
        here), the client table's check, and the liveness registration (its byte of the
        liveness file, a key, its client row).
+
+    A Ctrl-C in the steps that take a descriptor or a mapping is raised once the attach is
+    done (and the handle it made closed): no descriptor is left open without an owner.
 
     Raises:
         StoreNotFound: no store of that name (the message says how to list them).

@@ -46,6 +46,7 @@ import struct
 import threading
 import weakref
 
+from shmkv._engine.locking.interrupts import critical
 from shmkv._engine.memory import segment as _segment
 from shmkv.errors import AccessDeniedError, CacheFullError, CorruptStoreError, StoreClosedError, StoreNotFound
 
@@ -154,6 +155,7 @@ class Liveness:
 
     __slots__ = ("__weakref__", "_guard", "closed", "fd", "key", "name", "pid", "readonly")
 
+    @critical  # (a Ctrl-C as the file is opened, before the descriptor is kept, waits)
     def __init__(self, name: str, readonly: bool, *, mode: int | None = None) -> None:
         self.name, self.readonly = name, readonly
         self._guard = threading.Lock()
@@ -212,6 +214,7 @@ class Liveness:
                 self.reopen_in_child()
             return byte_held(self.fd, slot_of(key))
 
+    @critical  # (the descriptor forgotten and closed at once)
     def close(self) -> None:
         """Release the slot (closing the descriptor drops the lock)."""
         own_keys.discard(self.key)

@@ -32,6 +32,7 @@ import threading
 
 from shmkv._engine.clients import futex as _futex
 from shmkv._engine.clients import liveness as _liveness
+from shmkv._engine.locking.interrupts import critical
 
 _PAGE = mmap.PAGESIZE
 # this process's changes of read-only counts, and of a handle's ``waiting`` with them, against a
@@ -58,6 +59,7 @@ class RowWaiters:
 
     # (no __slots__: close() finds the counts' mapping through the instance dict and drops it)
 
+    @critical  # (a Ctrl-C as the file is opened, before it is mapped and closed, waits)
     def __init__(self, name: str, rows: int) -> None:
         self.writable = False
         self.addr0 = 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import _signal  # signal's C half (see hold)
 import _thread
+import functools
 import os
 import signal
 import threading
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
-__all__ = ["critical", "critical_here", "deferred", "deliver_deferred", "hold", "unhold"]
+__all__ = ["critical", "critical_here", "deferred", "deliver_deferred", "hold", "shielding", "unhold"]
 
 _CRITICAL: set[CodeType] = set()  # code whose frames defer SIGINT (and what they call)
 _CRITICAL_HERE: set[CodeType] = set()  # code whose own instructions defer it (not what it calls)
@@ -126,6 +127,40 @@ def deliver_deferred() -> None:
         signum = deferred[0]
         deferred.clear()
         signal.default_int_handler(signum, None)
+
+
+_NOTHING: Any = object()
+
+
+def shielding(undo: Callable[[Any], object] | None = None) -> Callable[[FnT], FnT]:
+    """Decorate an operation that opens or closes descriptors outside the store lock (an attach,
+    a close, a save's temporary file): it runs under a hold of the deferring handler, so a Ctrl-C
+    inside its ``critical`` code (where a descriptor exists that nothing owns yet, or any more)
+    is noted and raised as it returns, or earlier by a lock release inside it; ``undo(result)``
+    then undoes what it returned (the caller never gets it). The rest of it is interrupted as
+    usual."""
+
+    def decorate(fn: FnT) -> FnT:
+        @functools.wraps(fn)
+        @critical_here  # a Ctrl-C as fn returns into it waits: the result is kept, then undone
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = _NOTHING
+            hold()
+            try:
+                try:
+                    result = fn(*args, **kwargs)
+                finally:
+                    unhold()
+                    deliver_deferred()
+            except BaseException:
+                if result is not _NOTHING and undo is not None:
+                    undo(result)
+                raise
+            return result
+
+        return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature; mypy cannot see it
+
+    return decorate
 
 
 def _after_fork_in_child() -> None:

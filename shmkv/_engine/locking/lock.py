@@ -175,6 +175,7 @@ class StoreLock:
         self._open()
         _open_locks.add(self)
 
+    @critical  # (a Ctrl-C as the open returns, before the descriptor is kept, waits)
     def _open(self) -> None:
         # The file has the segments' mode: whoever could open them can open it.
         fd = _open_lock_file(self.path, self.readonly, lambda: _segment_mode(self.path))  # (stat only to create)
@@ -350,6 +351,7 @@ class StoreLock:
         state = self._state
         return state is not None and self._pid == os.getpid() and state.depth > 0
 
+    @critical  # (the descriptor forgotten and closed at once)
     def close(self) -> None:
         """Close this attachment's descriptor (if it holds the lock now, at the last release)."""
         if self._closed:

@@ -172,6 +172,7 @@ class Segment:
             raise
 
     @classmethod
+    @critical  # (a Ctrl-C as shm_open returns, before the segment keeps the descriptor, waits)
     def open(cls, name: str, readonly: bool) -> Segment:
         flags = os.O_RDONLY if readonly else os.O_RDWR
         try:
@@ -316,14 +317,11 @@ class Segment:
         writes through a description of its own (``/proc/self/fd``), no other thread's; opened at
         the first call and kept (a restore makes one call an array), and the callers hold the
         store lock, so no two calls of this process use it at once."""
-        fd, pid = self._send
-        if fd < 0 or pid != os.getpid():  # (a forked child shares the parent's: its own, then)
-            try:
-                fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY | os.O_CLOEXEC)
-            except OSError:
-                self._copy_in_slowly(src_fd, src_offset, offset, n)
-                return
-            self._send = (fd, os.getpid())
+        try:
+            fd = self._sending_fd()
+        except OSError:
+            self._copy_in_slowly(src_fd, src_offset, offset, n)
+            return
         done = 0
         try:
             os.lseek(fd, offset, os.SEEK_SET)
@@ -336,6 +334,16 @@ class Segment:
             if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                 raise self._io_error(e, "copy a file into", n - done) from None
             self._copy_in_slowly(src_fd, src_offset + done, offset + done, n - done)  # no sendfile here
+
+    @critical  # (a Ctrl-C as the open returns, before the descriptor is kept, waits)
+    def _sending_fd(self) -> int:
+        """``copy_in``'s own descriptor of the segment, opened at its first call in this process
+        (a forked child shares the parent's: its own, then)."""
+        fd, pid = self._send
+        if fd < 0 or pid != os.getpid():
+            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY | os.O_CLOEXEC)
+            self._send = (fd, os.getpid())
+        return fd
 
     def _copy_in_slowly(self, src_fd: int, src_offset: int, offset: int, n: int) -> None:
         buf = bytearray(min(n, 8 << 20))
@@ -402,6 +410,7 @@ class Segment:
                 pass  # live numpy views: the mapping goes away with the last of them
         self._close_fds()
 
+    @critical  # (each descriptor forgotten and closed at once)
     def _close_fds(self) -> None:
         # each descriptor is forgotten before it is closed: a second call (after Ctrl-C in between)
         # never closes its number again, maybe another file's by then (tests/test_interrupted_handles.py)

@@ -76,6 +76,7 @@ import numpy as np
 
 from shmkv._engine.table import header as _header
 from shmkv._engine.table.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
+from shmkv._engine.locking.interrupts import critical
 from shmkv._engine.memory.intervals import take_interval
 from shmkv._engine.table.seqlock import SMALL_TABLE
 from shmkv._engine.spans.stitch import (LIBC, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_SHARED, PROT_NONE, PROT_READ,
@@ -194,6 +195,7 @@ class Shares:
     view of the data mapping (``anchor``: its addresses stay mapped while this object lives,
     so a remap never lands in unmapped address space) and a descriptor of its own."""
 
+    @critical  # (a Ctrl-C as the descriptor is duplicated, before it is kept, waits)
     def __init__(self, hdr: memoryview, table: np.ndarray, mm: Any, fd: int, pieces: list[tuple[int, int]], *,
                  readonly: bool, reserved: tuple[list[tuple[int, int]], ...], owed: list[tuple[int, int]],
                  base: int) -> None:
@@ -440,6 +442,7 @@ class Shares:
                         self.apply(self.wanted(settled))
                         self.applied = hdr[_header.W_SPANS]
 
+    @critical  # (the descriptor forgotten and closed at once)
     def close(self) -> None:
         with self.lock:
             fd, self.fd = self.fd, -1
