@@ -322,7 +322,7 @@ def trial(op: str, dtype: str, point: int, before: dict[int, list[int]] | None =
     names: list[str] = []  # the scene's store and snapshot directory
     out = _trial(op, dtype, point, before, after=after, names=names)
     out += [f"{op}/{dtype} point {point}: still open: {path}"
-            for path in descriptors(f"skv_{names[0]}.", names[1] + os.sep)] if names else []
+            for path in descriptors(f"skv_{names[0]}.", names[1])] if names else []
     return out
 
 

@@ -378,12 +378,18 @@ def _save_path(core: Port, path: str, ids: list[int] | None, progress: Progress 
         if isinstance(e, OSError) and not isinstance(e, ShmkvError):
             raise _save_error(e, path) from None
         raise
+    _sync_directory(directory)  # the rename is on disk
+    return total
+
+
+@shielding()  # (a Ctrl-C as the directory is opened: raised once it is closed)
+@critical
+def _sync_directory(directory: str) -> None:
     dfd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
-    return total
 
 
 def _save_error(e: OSError, path: str) -> Exception:

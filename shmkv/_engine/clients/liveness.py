@@ -110,6 +110,7 @@ def try_take(fd: int, slot: int) -> bool:
     return True
 
 
+@critical  # (a Ctrl-C as the file is opened, before the caller keeps the descriptor, waits)
 def _open_file(name: str, readonly: bool, mode: int | None = None) -> int:
     path = live_path(name)
     flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -192,6 +193,7 @@ class Liveness:
         own_keys.add(self.key)
         return self.key
 
+    @critical  # (a Ctrl-C as the file is opened, before the descriptor is kept, waits)
     def reopen_in_child(self) -> None:
         """In a forked child: a descriptor of our own (the inherited one was closed at fork)."""
         if self.pid != os.getpid():
@@ -252,6 +254,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+@critical  # (the descriptor opened for the question is closed whatever comes)
 def alive_keys(name: str, keys: list[tuple[int, int]]) -> set[int] | None:
     """Which of ``keys`` (each with what its slot's row holds now) are alive, asked through a
     read-only descriptor of store ``name``'s liveness file opened for the question; None when

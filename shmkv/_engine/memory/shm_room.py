@@ -7,6 +7,8 @@ import os
 import threading
 import time
 
+from shmkv._engine.locking.interrupts import critical
+
 
 class Room:
     """The room as this process last read it, granted again to requests soon after (
@@ -56,6 +58,7 @@ os.register_at_fork(after_in_child=lambda: ROOM.read(None, 0))
 MEMINFO = [-1]
 
 
+@critical  # (a Ctrl-C as /proc/meminfo is opened, before the descriptor is kept, waits)
 def mem_available() -> int | None:
     """MemAvailable in bytes, or None when the kernel does not say."""
     for _ in range(2):
