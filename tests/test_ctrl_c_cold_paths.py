@@ -28,12 +28,13 @@ from _ctrl_c_points import CLEAN, Points, descriptors, lock_path_state, reset_lo
 from _ctrl_c_scene import retry_after_ctrl_c as _retry
 
 import shmkv
-from shmkv.store import _removal
+from shmkv.store import _lifecycle, _removal
 from shmkv.testing import shm_entries, unique_name
 
 _ROOTS = (os.path.dirname(shmkv.__file__) + os.sep, os.path.dirname(filelock.__file__) + os.sep)
 OPS = ("create", "close", "close_then_exit", "remove", "persistent_create", "load", "persistent_load", "attach",
-       "attach_readonly")
+       "attach_readonly", "unlink", "owners")
+_ON_A_STORE = ("close", "close_then_exit", "remove", "attach", "attach_readonly", "unlink", "owners")  # made first
 _SNAP: dict[str, str] = {}
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -77,6 +78,10 @@ def _start(op: str, name: str, store: shmkv.Store | None) -> shmkv.Store | None:
     assert store is not None
     if op in ("close", "close_then_exit"):
         store.close()
+    elif op == "unlink":
+        store.unlink()
+    elif op == "owners":  # what `shmkv ls`, gc and the pytest plugin read of a store
+        _lifecycle.store_owners(name)
     else:
         shmkv.remove(name)
     return store
@@ -104,7 +109,7 @@ def trial(op: str, point: int) -> tuple[Points, list[str]]:
     in /dev/shm, and of a Ctrl-C in this process's lock path."""
     name = unique_name("cc")
     store = None
-    if op in ("close", "close_then_exit", "remove", "attach", "attach_readonly"):
+    if op in _ON_A_STORE:
         store = _create(name)
     if op.endswith("load"):
         _snapshot()  # made once, outside the trace
@@ -123,9 +128,12 @@ def trial(op: str, point: int) -> tuple[Points, list[str]]:
                 if op.startswith("persistent"):
                     _retry(lambda: shmkv.remove(name))
                 _retry(store.close)
-        elif op == "close":
+        elif op in ("close", "owners"):
             assert store is not None
             _retry(store.close)
+        elif op == "unlink":
+            assert store is not None
+            _retry(store.unlink)
         elif op == "close_then_exit":
             _exit(name)
         elif op.startswith("attach"):

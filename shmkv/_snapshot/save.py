@@ -238,6 +238,7 @@ def _write_parts(f: IO[bytes], head: bytes, arrays: list[np.ndarray], progress: 
 _TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<pid>\d+)(?:-(?P<start>\d+))?-[0-9a-f]{8}")
 
 
+@shielding()  # (a Ctrl-C as a temporary file is opened to be judged: raised once it is closed)
 def remove_stale_temps(directory: str, base: str | None = None) -> list[str]:
     """Remove the temporary files (``.BASE.tmp-PID-START-XXXX``) of saves whose writer died
     (killed mid-way); a live writer's file is kept. Only files we own. Returns the removed paths.

@@ -25,7 +25,7 @@ from shmkv._engine.clients import row_waiters as _row_waiters
 from shmkv._engine.clients import liveness as _liveness
 from shmkv._engine.locking import lock as _lock
 from shmkv._engine.locking import lifecycle_lock as _lifecycle_lock
-from shmkv._engine.locking.interrupts import critical
+from shmkv._engine.locking.interrupts import critical, shielding
 from shmkv._engine.memory import segment as _segment
 from shmkv._engine.table import unattached as _unattached
 from shmkv._snapshot import restore as _restore
@@ -286,6 +286,7 @@ class Unjudged(enum.Enum):
     OTHER_VERSION = "another shmkv version's store"  # its tables are not ours to read: never judged
 
 
+@shielding()  # (a Ctrl-C as the header or the liveness file is opened or closed: raised once closed)
 def store_owners(name: str) -> Owners | Unjudged:
     """The owners of store ``name``, from one read of its header."""
     try:

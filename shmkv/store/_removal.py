@@ -16,7 +16,7 @@ from shmkv._engine.clients import liveness as _liveness
 from shmkv._engine.locking import lifecycle_lock as _lifecycle_lock
 from shmkv._engine.memory import segment as _segment
 from shmkv._engine.table import unattached as _unattached
-from shmkv._engine.locking.interrupts import critical
+from shmkv._engine.locking.interrupts import critical, shielding
 from shmkv._engine.memory.segment import Segment
 from shmkv.errors import AccessDeniedError, StoreNotFound
 
@@ -46,6 +46,7 @@ def remove_names(name: str) -> bool:
     return found
 
 
+@shielding()  # (a Ctrl-C as the header is opened or closed: raised once it is closed)
 def _in_header(name: str, read: Callable[[np.ndarray], T | None]) -> T | None:
     """``read`` of ``name``'s header's fixed words, None when there is no header, it is not ours
     to read or too small (``read`` answers None for a header without the shmkv magic)."""

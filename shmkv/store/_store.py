@@ -454,6 +454,7 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
         words = _unattached.fixed_words(hseg)
         deadline = time.monotonic() + timeout
         while words is not None and not _unattached.published(words) and time.monotonic() < deadline:
+            _interrupts.deliver_deferred()  # (one noted as the header was opened: not after the wait)
             time.sleep(0.001)  # the creator writes the magic last
         raw = hseg.array(np.uint8)
         layout, max_clients = read_header_once(words, raw, hseg.size, name)

@@ -46,7 +46,7 @@ import struct
 import threading
 import weakref
 
-from shmkv._engine.locking.interrupts import critical
+from shmkv._engine.locking.interrupts import critical, shielding
 from shmkv._engine.memory import segment as _segment
 from shmkv.errors import AccessDeniedError, CacheFullError, CorruptStoreError, StoreClosedError, StoreNotFound
 
@@ -193,7 +193,8 @@ class Liveness:
         own_keys.add(self.key)
         return self.key
 
-    @critical  # (a Ctrl-C as the file is opened, before the descriptor is kept, waits)
+    @shielding()  # (a Ctrl-C as the file is opened, before the descriptor is kept: raised once kept)
+    @critical
     def reopen_in_child(self) -> None:
         """In a forked child: a descriptor of our own (the inherited one was closed at fork)."""
         if self.pid != os.getpid():

@@ -148,6 +148,7 @@ def shielding(undo: Callable[[Any], object] | None = None) -> Callable[[FnT], Fn
             hold()
             try:
                 try:
+                    deliver_deferred()  # (one noted as the handler was put in place: before anything is made)
                     result = fn(*args, **kwargs)
                 finally:
                     unhold()
