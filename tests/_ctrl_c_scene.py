@@ -12,7 +12,7 @@ attachment and in a fresh read-only one. ``points(op, dtype)`` counts the points
 uninterrupted run. Every value is ``K = 4 * token + layer`` (``V = -K``), so any cell of any
 sequence can be checked against its own token id.
 
-Used by tests/test_ctrl_c_everywhere.py; usable by hand:
+Used by tests/test_ctrl_c_everywhere.py (and its _snapshots twin); usable by hand:
 ``python tests/_ctrl_c_scene.py truncate_borrower int8`` runs every point of one operation.
 """
 
@@ -311,6 +311,23 @@ def _step(h: Any, token: int) -> None:
     for layer in range(L):
         h.append(layer, k[layer, 0], v[layer, 0])
     h.commit(tokens=[token])
+
+
+SAMPLE = 12  # points an operation in the fast tier
+
+
+def run_points(op: str, dtype: str, sample: bool) -> None:
+    """Trials of ``op`` at about SAMPLE of its points, evenly spaced from mid-stride (``sample``),
+    or at every other point: the two together take every point once. Fails naming the problems."""
+    before, after = expected(op, dtype)
+    n = points(op, dtype)
+    assert n > 10, f"{op}: only {n} points inside shmkv: the trace does not see the operation"
+    every = max(1, n // SAMPLE)
+    taken = set(range(1 + every // 2, n + 1, every))
+    problems: list[str] = []
+    for point in sorted(taken if sample else set(range(1, n + 1)) - taken):
+        problems += trial(op, dtype, point, before, after)
+    assert not problems, "\n".join(problems[:20])
 
 
 def trial(op: str, dtype: str, point: int, before: dict[int, list[int]] | None = None,

@@ -276,6 +276,25 @@ def test_ls_says_who_keeps_a_store_alive(live_owner):
     assert shmkv_cmd("rm", name).returncode == 0  # nobody alive writes it: no --force needed
 
 
+def test_ls_names_a_store_whose_owners_it_cannot_read_and_goes_on(make_store, monkeypatch, capsys):
+    """A store that `ls` attached but whose header it could not read again (removed meanwhile, as
+    other programs' stores come and go): its line says so, and the listing goes on."""
+    import shmkv.cli
+    from shmkv.store._lifecycle import Unjudged
+
+    store = make_store(layers=1, kv_heads=1, head_dim=8, max_tokens=16, max_seqs=2)
+    real = shmkv.cli.store_owners
+    monkeypatch.setattr(shmkv.cli, "store_owners",
+                        lambda name: Unjudged.UNREADABLE if name == store.name else real(name))
+    assert shmkv.cli.main(["ls"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(f"{store.name}:")]
+    assert lines == [f"{store.name}: 0 sequences, 0 tokens, float32, {0:.2f} MiB; owners unknown: "
+                     f"{Unjudged.UNREADABLE.value} (being removed?)"], lines
+    assert shmkv.cli.main(["ls", "--json"]) == 0
+    row = next(x for x in json.loads(capsys.readouterr().out) if x["name"] == store.name)
+    assert row["owners_unknown"] == Unjudged.UNREADABLE.value and "creator_pid" not in row
+
+
 def test_ls_prints_a_line_when_there_are_no_stores(tmp_path):
     # The machine's /dev/shm may hold other programs' stores: run the installed script's own
     # code with an empty directory in its place.

@@ -201,6 +201,7 @@ def test_a_ctrl_c_at_a_sample_of_points_of_a_cold_path_leaves_nothing_behind(op:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # (a close's or an unlink's 3,600 points)
 @pytest.mark.parametrize("op", OPS)
 def test_a_ctrl_c_at_each_remaining_point_of_a_cold_path_leaves_nothing_behind(op: str) -> None:
     """Every point that the sample above does not take."""

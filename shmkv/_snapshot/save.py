@@ -17,6 +17,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import io
 import os
 import re
 import secrets
@@ -284,10 +285,17 @@ def _remove_if_stale(path: str) -> bool:
 
 
 @shielding(undo=lambda made: _drop_temp(*made))  # (a Ctrl-C as a file is opened or made: raised once it is kept)
-def _new_temp(directory: str, base: str) -> tuple[str, int]:
-    """The stale temporary files of saves to ``directory/base`` removed, and a new one made."""
+@critical  # (down to the file object that closes the descriptor: nothing unowned in between)
+def _new_temp(directory: str, base: str) -> tuple[str, io.FileIO]:
+    """The stale temporary files of saves to ``directory/base`` removed, and a new one made: its
+    path and a file object on it."""
     remove_stale_temps(directory, base)  # left by saves that were killed mid-way
-    return _locked_temp(directory, base)
+    tmp, fd = _locked_temp(directory, base)
+    try:
+        return tmp, io.FileIO(fd, "w")
+    except BaseException:
+        _drop_temp(tmp, fd)
+        raise
 
 
 @critical  # (a Ctrl-C as the file is made, before it is kept, waits: see _new_temp)
@@ -314,9 +322,12 @@ def _locked_temp(directory: str, base: str) -> tuple[str, int]:
         os.close(fd)
 
 
-def _drop_temp(tmp: str, fd: int) -> None:
-    """Close and remove a save's temporary file (``fd`` open on it, ``tmp`` its name)."""
-    os.close(fd)
+def _drop_temp(tmp: str, fd: int | io.FileIO) -> None:
+    """Close and remove a save's temporary file (``fd`` open on it, or a file object: ``tmp`` its name)."""
+    if isinstance(fd, int):
+        os.close(fd)
+    else:
+        fd.close()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
 
@@ -347,7 +358,7 @@ def _save_path(core: Port, path: str, ids: list[int] | None, progress: Progress 
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     try:
-        tmp, fd = _new_temp(directory, base)  # flocked until renamed into place: this save is alive
+        tmp, f = _new_temp(directory, base)  # flocked until renamed into place: this save is alive
     except FileNotFoundError:
         raise InvalidArgumentError(f"cannot save to {path!r}: directory {directory!r} does not exist") from None
     except PermissionError:
@@ -355,7 +366,7 @@ def _save_path(core: Port, path: str, ids: list[int] | None, progress: Progress 
     except OSError as e:
         raise _save_error(e, path) from None
     try:
-        with open(fd, "wb", buffering=0) as f:
+        with f:
             for attempt in range(_SAVE_ATTEMPTS):
                 last = attempt == _SAVE_ATTEMPTS - 1
                 with _hold(core) if last else contextlib.nullcontext():

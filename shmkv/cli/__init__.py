@@ -35,8 +35,8 @@ def _liveness(name: str) -> dict[str, Any]:
     """Who keeps store ``name`` alive: its creator and live read-write clients, and whether
     ``shmkv gc`` would remove it (gc's own rule, Owners.collectable)."""
     owners = store_owners(name)
-    if not isinstance(owners, Owners):
-        return {}
+    if not isinstance(owners, Owners):  # (removed, or written over, since it was attached)
+        return {"owners_unknown": owners.value}
     return {"creator_pid": owners.creator[0], "creator_alive": owners.creator_alive(),
             "live_clients": owners.live_clients(), "gc_removes": owners.collectable(False),
             "gc_all_removes": owners.collectable(True)}
@@ -62,13 +62,16 @@ def _cmd_ls(a: argparse.Namespace) -> int:
         if "error" in r:
             print(f"{r['name']}: {r['error']}")
             continue
-        owners = f"creator {r['creator_pid']} {'alive' if r['creator_alive'] else 'dead'}"
-        live = r["live_clients"]
-        owners += f", live clients: {', '.join(map(str, live))}" if live else ", no live clients"
-        if r["gc_removes"]:
-            owners += " (`shmkv gc` would remove it)"
-        elif r["gc_all_removes"]:
-            owners += " (persistent: `shmkv gc --all` would remove it)"
+        if "owners_unknown" in r:
+            owners = f"owners unknown: {r['owners_unknown']} (being removed?)"
+        else:
+            owners = f"creator {r['creator_pid']} {'alive' if r['creator_alive'] else 'dead'}"
+            live = r["live_clients"]
+            owners += f", live clients: {', '.join(map(str, live))}" if live else ", no live clients"
+            if r["gc_removes"]:
+                owners += " (`shmkv gc` would remove it)"
+            elif r["gc_all_removes"]:
+                owners += " (persistent: `shmkv gc --all` would remove it)"
         print(f"{r['name']}: {r['sequences']} sequences, {r['tokens']} tokens, {r['dtype']}, "
               f"{r['bytes_used'] / 2**20:.2f} MiB{', persistent' if r['persistent'] else ''}; {owners}")
     return 0
