@@ -92,11 +92,17 @@ def test_model_path_runs_a_local_checkpoint_on_its_tokenizers_text(tmp_path, cap
     assert not {e for e in shm_entries() if e.startswith(f"skv_{prefix}")}, "a store of the run is left"
 
 
-def test_device_cuda_without_a_gpu_is_one_line_and_exit_0(capsys):
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_0(capsys, monkeypatch):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("torch sees a GPU here: the cuda run is the benchmark itself")
+
+    def made(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the skipped run began its work (a directory, the stack of processes)")
+
+    monkeypatch.setattr(serve.tempfile, "mkdtemp", made)
+    monkeypatch.setattr(serve, "Stack", made)
     assert serve.main(["--device", "cuda", "--quick"]) == 0
     assert capsys.readouterr().out == "bench_serve: --device cuda: torch sees no GPU here, skipped\n"
 
