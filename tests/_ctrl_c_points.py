@@ -52,10 +52,10 @@ def reset_lock_path() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def descriptors(*prefixes: str) -> list[str]:
-    """The files this process has open whose paths or names start with one of ``prefixes`` (after a
-    collection, if some are open: an object an interrupted call dropped in a reference cycle
-    closes its own then)."""
+def descriptors(*prefixes: str, collect: bool = True) -> list[str]:
+    """The files this process has open whose paths or names start with one of ``prefixes``; with
+    ``collect``, after a collection if some are open (an object an interrupted call dropped in a
+    reference cycle closes its own then)."""
 
     def scan() -> list[str]:
         out = []
@@ -68,8 +68,9 @@ def descriptors(*prefixes: str) -> list[str]:
                 out.append(target)
         return sorted(out)
 
-    if not scan():
-        return []
+    found = scan()
+    if not found or not collect:
+        return found
     gc.collect()
     return scan()
 

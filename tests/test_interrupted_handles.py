@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+from _ctrl_c_points import descriptors
 
 import shmkv
 from shmkv._engine import engine as _engine
@@ -69,16 +70,9 @@ def _take_and_release(store: shmkv.Store, seq_id: int) -> int:
 
 
 def _fds(name: str) -> list[str]:
-    """This process's descriptors of store ``name``'s files (segments, lock, liveness)."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if f"skv_{name}." in target:
-            out.append(target)
-    return out
+    """This process's descriptors of store ``name``'s files (segments, lock, liveness), as they are:
+    no collection first."""
+    return descriptors(f"skv_{name}.", collect=False)
 
 
 def test_attach_interrupted_while_the_handle_is_built_leaks_no_descriptor(make_store, monkeypatch):
