@@ -1,6 +1,7 @@
 """An attach builds what joining the store needs and no more (docs/design.md §7: under a
-millisecond): the data views, the prefix index and the engine's parts but the journal are built
-at the first use of any of them, and what they show then is what an eager build shows."""
+millisecond): what a reader reads through (the data views, the prefix index, the rows part) is
+built at the first use of any of it, the engine's other parts but the journal at the first use
+of any of them, and what they show then is what an eager build shows."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from procs.prefix import check, serve, serve_and_finish
 
 import shmkv
 from shmkv._engine.memory import segment as _segment
-from shmkv._engine.engine import _LAZY
+from shmkv._engine.engine import _LAZY, _READER
 from shmkv.testing import run_in_process, unique_name
 
 VIEWS = ("K", "V", "tokens", "positions", "_hashes", "meta", "Kl", "Vl", "KS", "VS", "KSl", "VSl")
@@ -41,8 +42,10 @@ def test_an_attach_builds_only_the_journal_and_a_first_use_builds_the_rest(make_
         e = other._engine
         assert "journal" in vars(e) and not set(vars(e)) & _LAZY
         attached = set(vars(e))
-        assert e.rows is not None  # the first use of one builds every one: exactly the names __getattr__ answers for
-        assert set(vars(e)) - attached == _LAZY
+        assert e.rows is not None  # the first use of a reader's name builds the reader's, no more
+        assert set(vars(e)) - attached == _READER
+        assert e.alloc is not None  # the first use of another part builds the rest: exactly the names
+        assert set(vars(e)) - attached == _LAZY  # __getattr__ answers for
         assert e.alloc.__self__ is e.arena and e.spans.alloc.__self__ is e.arena  # one build: one set of parts
         assert e.arena.journal is e.journal is e.spans.journal and e.arena.index is e.index
         assert e.pages.Kl is e.Kl and e.rows.clients_np is e.clients_np
@@ -57,6 +60,30 @@ def test_an_attach_builds_only_the_journal_and_a_first_use_builds_the_rest(make_
             np.testing.assert_array_equal(seen.keys(layer), seq.keys(layer))
     finally:
         other.close()
+
+
+def test_a_read_handle_builds_only_what_a_reader_reads_through(make_store):
+    """A process that only reads (a read-only attach, a read handle, its views, tokens and
+    positions, len) builds the data views and the rows part, not the writer's parts; what it
+    reads is what the writer wrote."""
+    store = make_store(layers=2, kv_heads=2, head_dim=8, max_tokens=128, max_seqs=4)
+    seq = store.create_sequence(capacity=16)
+    k = np.arange(2 * 5 * 2 * 8, dtype=np.float32).reshape(2, 5, 2, 8)
+    seq.extend(k, -k, tokens=np.arange(10, 15))
+    for readonly in (True, False):
+        other = shmkv.attach(store.name, readonly=readonly)
+        try:
+            seen = other.sequence(seq.id)
+            got = [seen.kv(layer) for layer in range(2)]
+            assert len(seen) == 5 and seen.lease_pid == os.getpid()
+            np.testing.assert_array_equal(seen.tokens, np.arange(10, 15))
+            np.testing.assert_array_equal(seen.positions, np.arange(5))
+            for layer in range(2):
+                np.testing.assert_array_equal(got[layer][0], k[layer])
+                np.testing.assert_array_equal(got[layer][1], -k[layer])
+            assert set(vars(other._engine)) & _LAZY == _READER
+        finally:
+            other.close()
 
 
 def test_a_prefix_lookup_after_a_lazy_attach_finds_what_another_process_cached(make_store):
@@ -135,9 +162,10 @@ def test_an_empty_header_segment_is_no_store(tmp_path):
 # during a later one) is printed and ignored by Python, as a real one is.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_ctrl_c_at_any_point_of_the_first_use_leaves_every_part_or_none(make_store):
-    """The first use builds the data views and the parts into locals and sets them in one
-    statement: a KeyboardInterrupt at any point of that build (tests/_ctrl_c_points.py) leaves all of them set or
-    none (the next use builds them again), and the attachment then reads what the creator wrote."""
+    """The first use builds what a reader reads through, then the other parts, each into locals
+    set in one statement: a KeyboardInterrupt at any point of those builds (tests/_ctrl_c_points.py)
+    leaves each group all set or not at all (the next use builds what is missing), and the
+    attachment then reads what the creator wrote."""
     from _ctrl_c_points import Points
 
     store = make_store(layers=2, kv_heads=2, head_dim=8, max_tokens=256, max_seqs=4)
@@ -148,7 +176,7 @@ def test_a_ctrl_c_at_any_point_of_the_first_use_leaves_every_part_or_none(make_s
     def first_use(tr: Points) -> tuple[bool, set[str], int]:
         other = shmkv.attach(store.name)
         try:
-            raised = tr.run(lambda: other._engine.Kl)  # (the first use)
+            raised = tr.run(lambda: other._engine.alloc)  # (the first use: the reader's, then the other parts)
             built = set(vars(other._engine)) & _LAZY
             np.testing.assert_array_equal(other.sequence(seq.id).keys(1), k[1])  # built (again) if need be
             return raised, built, tr.count
@@ -163,6 +191,6 @@ def test_a_ctrl_c_at_any_point_of_the_first_use_leaves_every_part_or_none(make_s
     for point in range(1, n + 1):
         raised, built, _ = first_use(Points(point))
         fired += raised
-        assert built in (set(), set(_LAZY)), (point, sorted(set(_LAZY) - built))
+        assert built in (set(), set(_READER), set(_LAZY)), (point, sorted(set(_LAZY) - built))
         assert raised or built == set(_LAZY)
     assert fired >= n // 2, (fired, n)

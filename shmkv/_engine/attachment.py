@@ -98,8 +98,8 @@ class Attachment:
     base of ``engine.Engine``, which ``Store`` holds; ``Sequence``, ``_snapshot`` and ``Batch``
     reach the shared-memory state through the engine as a ``port.Port``."""
 
-    # The data views (``data_views``), set together with the engine's parts at their first use
-    # (``Engine._build_parts``); an attach that only joins maps none of them.
+    # The data views (``data_views``), set with the rows part at their first use
+    # (``Engine._build_reader``); an attach that only joins maps none of them.
     K: np.ndarray
     V: np.ndarray
     tokens: np.ndarray
@@ -188,7 +188,7 @@ class Attachment:
         """The views of the data segment (K, V, tokens, positions, hashes, per-layer views, int8
         scales), the meta records and the prefix index. Only a sequence's data, a prefix lookup
         and a structural operation read them, so an attach does not build them:
-        ``Engine.__getattr__`` sets them, with the parts, at the first use of any of them."""
+        ``Engine.__getattr__`` sets them, with the rows part, at the first use of any of them."""
         layout, off = self.layout, self._off
         hmm, dmm = self._hseg.mm, self._dseg.mm
         assert hmm is not None and dmm is not None

@@ -65,16 +65,21 @@ from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError
 __all__ = ["Engine"]
 
 
-# What an attach does not build (``Engine.__getattr__`` builds them all at the first use of one):
-# the data views of ``Attachment.data_views``, the parts but the journal, and the parts' bound operations.
-_LAZY = frozenset((
-    "K", "V", "tokens", "positions", "_hashes", "meta", "index", "Kl", "Vl", "KS", "VS", "KSl", "VSl",
-    "pages", "arena", "spans", "rows", "snapshot_rows",
+# What an attach does not build, in two groups, each set in one statement at its first use
+# (``Engine.__getattr__``): what a reader reads through (the data views of
+# ``Attachment.data_views`` and the rows part: a read handle needs no more), and the other parts
+# but the journal with their bound operations (what a writer, a structural operation or a prefix
+# lookup uses; wired to the first group, so the first use of one builds both).
+_READER = frozenset(("K", "V", "tokens", "positions", "_hashes", "meta", "index", "Kl", "Vl", "KS", "VS", "KSl",
+                     "VSl", "rows", "touch"))
+_PARTS = frozenset((
+    "pages", "arena", "spans", "snapshot_rows",
     "room", "settle", "any_owed", "before_appends", "file_copier", "write_new", "reserve_window",
     "free_tokens", "free_ranges", "alloc", "new_row", "free_row", "wcell", "index_blocks", "unindexing",
     "set_encoder", "drop_encoder", "lend", "borrow", "lent_end", "move_lender",
-    "shared_cells", "held_cells", "retained_cells", "committed_held", "touch",
+    "shared_cells", "held_cells", "retained_cells", "committed_held",
 ))
+_LAZY = _READER | _PARTS
 
 
 def _first_bad_client(rows: np.ndarray) -> int:
@@ -125,59 +130,69 @@ class Engine(Attachment):
         self.spans.settle_span(slot, row, was, was_len)  # the journal's one call up, to the sharing part
 
     def __getattr__(self, attr: str) -> Any:
-        """An attribute not set yet: one of ``_LAZY`` (the data views and the parts but the
-        journal) builds them all, once, and is returned; any other is an AttributeError."""
+        """An attribute not set yet: one of ``_READER`` builds what a reader reads through, one of
+        ``_PARTS`` the other parts (on the reader's), once, and is returned; any other: AttributeError."""
         if attr not in _LAZY:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
         if self.__dict__.get("shut"):
             return Closed(self.name)  # (what release() leaves in place of the views)
-        self._build_parts()
+        if attr in _READER:
+            self._build_reader()
+        else:
+            self._build_parts()
         return object.__getattribute__(self, attr)
 
+    def _build_reader(self) -> None:
+        """What a reader reads through: the data views (``Attachment.data_views``) and the rows part,
+        set in one statement with no call in it (a Ctrl-C leaves all or none: the next use builds them)."""
+        v = self.data_views()
+        rows = Rows(layout=self.layout, hdr=self.hdr, table_np=self.table_np, meta=v.meta, clients_np=self.clients_np,
+                    journal=self.journal, any_owed=self._any_owed, page_unit=self._off.page_unit)
+        (self.K, self.V, self.tokens, self.positions, self._hashes, self.meta, self.index, self.Kl, self.Vl,
+         self.KS, self.VS, self.KSl, self.VSl, self.rows, self.touch) = (*v, rows, rows.touch)
+
+    def _any_owed(self, start: int, capacity: int) -> bool:
+        return self.any_owed(start, capacity)  # (the rows part's one call to the pages part, built at its first use)
+
     def _build_parts(self) -> None:
-        """The data views (``Attachment.data_views``) and the parts a structural operation, a
-        sequence's data or a prefix lookup uses, wired to each other and to the journal, and
-        their operations bound as the engine's own: worked out into locals, then set in one
+        """The parts a structural operation, a writer or a prefix lookup uses, wired to each
+        other, to what a reader reads through (built first if need be: ``_build_reader``) and to the journal,
+        and their operations bound as the engine's own: worked out into locals, then set in one
         statement with no call in it, so a Ctrl-C leaves all of them or none (the next use
         builds them again). Two threads that both find them missing may both build: the parts
         keep no state of their own but the sharing part's lent-end hint (``free``, the record
         and the journal are shared), so whichever set a caller holds works on the same rows and
         pages."""
-        v = self.data_views()
+        if "touch" not in self.__dict__:  # (set with all of the reader's, or none)
+            self._build_reader()
         name, layout, off, t, journal, free = self.name, self.layout, self._off, self.table_np, self.journal, self._free
         dseg = self._dseg
         pages = Pages(
-            layout=layout, off=off, dseg=dseg, hdr=self.hdr, record=self._rec, Kl=v.Kl, Vl=v.Vl,
-            KS=v.KS, VS=v.VS, tokens=v.tokens, positions=v.positions, hashes=v.hashes,
+            layout=layout, off=off, dseg=dseg, hdr=self.hdr, record=self._rec, Kl=self.Kl, Vl=self.Vl,
+            KS=self.KS, VS=self.VS, tokens=self.tokens, positions=self.positions, hashes=self._hashes,
             full=self._full, shares=self.shares, dbase=self._dbase)
         arena = Arena(
-            name=name, layout=layout, off=off, hdr=self.hdr, table_np=t, meta=v.meta, index=v.prefix_index,
+            name=name, layout=layout, off=off, hdr=self.hdr, table_np=t, meta=self.meta, index=self.index,
             row=self.row, lease_holder=self._lease_holder, free=free, journal=journal, pages=pages)
         spans = Sharing(
             name=name, off=off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
             free=free, journal=journal, pages=pages, alloc=arena.alloc)
-        rows = Rows(layout=layout, hdr=self.hdr, table_np=t, meta=v.meta, clients_np=self.clients_np,
-                    journal=journal, any_owed=pages.any_owed, page_unit=off.page_unit)
         snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
                                      reading=journal.reading, settled_row=journal.settled_row)
-        (self.K, self.V, self.tokens, self.positions, self._hashes, self.meta, self.index, self.Kl, self.Vl,
-         self.KS, self.VS, self.KSl, self.VSl,
-         self.pages, self.arena, self.spans, self.rows, self.snapshot_rows,
+        (self.pages, self.arena, self.spans, self.snapshot_rows,
          self.room, self.settle, self.any_owed, self.before_appends,
          self.file_copier, self.write_new, self.reserve_window,
          self.free_tokens, self.free_ranges, self.alloc, self.new_row, self.free_row, self.wcell,
          self.index_blocks, self.unindexing, self.set_encoder, self.drop_encoder,
          self.lend, self.borrow, self.lent_end, self.move_lender,
-         self.shared_cells, self.held_cells, self.retained_cells, self.committed_held,
-         self.touch) = (
-            *v, pages, arena, spans, rows, snapshot_rows,
+         self.shared_cells, self.held_cells, self.retained_cells, self.committed_held) = (
+            pages, arena, spans, snapshot_rows,
             pages.room, pages.settle, pages.any_owed, pages.before_appends,
             pages.file_copier, pages.write_new, pages.reserve_window,
             arena.free_tokens, arena.free_ranges, arena.alloc, arena.new_row, arena.free_row, arena.wcell,
             arena.index_blocks, arena.unindexing, arena.set_encoder, arena.drop_encoder,
             spans.lend, spans.borrow, spans.lent_end, spans.move_lender,
-            spans.shared_cells, spans.held_cells, spans.retained_cells, spans.committed_held,
-            rows.touch)
+            spans.shared_cells, spans.held_cells, spans.retained_cells, spans.committed_held)
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Attachment.release``)."""
