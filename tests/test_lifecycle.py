@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import mmap
 import os
 import stat
+import types
 
 import numpy as np
 import pytest
@@ -271,6 +274,55 @@ def test_the_close_walk_finds_a_view_at_most_two_containers_down(what):
     else:
         assert part.v is value
     assert (part.n, part.s, part.none) == (3, "s", None)
+
+
+def _reaches_a_view(obj: object) -> bool:
+    """Whether any reference from ``obj``, followed to any depth (not into modules, classes,
+    functions or code: shared by everything), leads to an array, memoryview or mmap."""
+    seen, todo = {id(obj)}, [obj]
+    while todo:
+        for ref in gc.get_referents(todo.pop()):
+            if isinstance(ref, (np.ndarray, memoryview, mmap.mmap)):
+                return True
+            if id(ref) in seen or isinstance(ref, (types.ModuleType, type, types.FunctionType, types.CodeType)):
+                continue
+            seen.add(id(ref))
+            todo.append(ref)
+        assert len(seen) < 100_000  # (a walk that escaped into the whole heap)
+    return False
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_the_types_the_close_walk_skips_hold_no_view(make_store, dtype):
+    """close() skips, without looking inside, the values of the exact types of attachment._LEAVES
+    (what most of a handle's attributes are). On an attachment with every part built, none of
+    them (the engine's and its parts' attributes, and what their lists, tuples and dicts hold)
+    reaches a view through any reference, and every bound method among them is one of the
+    engine's or a part's, which close() walks itself."""
+    store = make_store(layers=2, kv_heads=2, head_dim=8, max_tokens=128, max_seqs=4, dtype=dtype)
+    other = shmkv.attach(store.name)
+    try:
+        e = other._engine
+        e.alloc  # noqa: B018  (every part built)
+        owners = [e, *(vars(e)[a] for a in ("journal", "pages", "arena", "spans", "rows", "snapshot_rows"))]
+
+        def values(v: object, depth: int):
+            yield v
+            if depth and isinstance(v, (list, tuple, dict)):
+                for x in v.values() if isinstance(v, dict) else v:
+                    yield from values(x, depth - 1)
+
+        skipped = [x for o in owners for v in vars(o).values() for x in values(v, 2)
+                   if type(x) in attachment._LEAVES]
+        kinds = {type(x) for x in skipped}
+        assert kinds >= attachment._LEAVES - {float, bytes, type(None), attachment.Closed}, kinds  # each one looked at
+        for x in skipped:
+            if type(x) is types.MethodType:
+                assert any(x.__self__ is o for o in owners), x
+            else:
+                assert not _reaches_a_view(x), x
+    finally:
+        other.close()
 
 
 _OUTLIVE = """

@@ -19,6 +19,7 @@ import ctypes
 import functools
 import mmap
 import os
+import types
 import weakref
 from typing import Any, NamedTuple, NoReturn
 
@@ -398,12 +399,16 @@ def release_views(obj: object, name: str) -> None:
     """Replace every attribute of ``obj`` that is, or holds, a view of a mapping with ``Closed``."""
     closed = Closed(name)
     for attr, value in list(vars(obj).items()):
-        if type(value) not in _LEAVES and _holds_views(value):
+        t = type(value)
+        if t in _VIEWS or (t not in _LEAVES and _holds_views(value)):
             setattr(obj, attr, closed)
 
 
-# (exact types that neither are nor hold a view: most of a handle's attributes, answered by one lookup)
-_LEAVES = frozenset((int, float, bool, str, bytes, type(None), Closed))
+# (exact types that are views, and exact types that neither are nor hold one: most of a handle's
+# attributes, answered by one lookup; tests/test_lifecycle.py checks the leaves hold none)
+_VIEWS = frozenset((np.ndarray, memoryview, mmap.mmap))
+_LEAVES = frozenset((int, float, bool, str, bytes, type(None), Closed, types.MethodType,
+                     _header.Layout, _header.Offsets, Record, _lock.StoreLock, _liveness.Liveness))
 
 
 def _holds_views(value: object, depth: int = 2) -> bool:
@@ -427,9 +432,10 @@ def _holds_views(value: object, depth: int = 2) -> bool:
             return False
         items = fields.values()
     leaves = _LEAVES
-    # (a loop with the leaves skipped here: any() over a generator costs a frame and a call a value,
-    # and a close walks some 600)
-    for v in items:  # noqa: SIM110
-        if type(v) not in leaves and _holds_views(v, depth - 1):
+    # (a loop with the views and the leaves answered by a lookup here: any() over a generator costs
+    # a frame and a call a value)
+    for v in items:
+        t = type(v)
+        if t in _VIEWS or (t not in leaves and _holds_views(v, depth - 1)):
             return True
     return False
