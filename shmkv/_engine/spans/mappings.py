@@ -206,7 +206,10 @@ class Shares:
         self.pieces = pieces
         self.prot = PROT_READ | (0 if readonly else PROT_WRITE)
         self.reserved, self.owed = reserved, owed
-        self.applied = -1  # the epoch whose table this process has mapped (-1: nothing yet)
+        # the epoch whose table this process has mapped (-1: nothing yet); epoch 0 is a store that
+        # never had a span (a span is made in a transaction that first makes the epoch odd), whose
+        # table this process has mapped already: an attach's span sync then finds nothing to do
+        self.applied = 0 if hdr[_header.W_SPANS] == 0 else -1
         self.cur: Want = {}  # spans mapped here
         # spans wanted and not mapped here (the kernel refused: vm.max_map_count): their rows
         # are unreadable in this process until a retry maps them (readable); ``dirty``: of those,
