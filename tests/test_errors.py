@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
 
 import numpy as np
@@ -267,3 +269,68 @@ def test_copy_in_from_a_file_that_ends_early_is_a_snapshot_error(make_store, mon
             store._engine._dseg.copy_in(fd, 0, 0, 4096)
     finally:
         os.close(fd)
+
+
+def test_ids_and_positions_that_an_int64_cannot_hold_are_refused(store):
+    """A commit and an extend refuse token ids and positions that would be stored as other
+    numbers (past an int64's largest: wrapped negative, or -1, "no id"), naming the value given;
+    a commit's pending tokens stay."""
+    seq = store.create_sequence(capacity=8)
+    one = np.zeros((1, 2, 4))
+    for kw, match in [({"tokens": [2**63]}, f"holds {2**63}, more than an int64"),
+                      ({"tokens": np.array([2**64 - 1], np.uint64)}, f"holds {2**64 - 1}"),
+                      ({"positions": [2**63]}, f"holds {2**63}")]:
+        for layer in range(2):
+            seq.append(layer, one, one)
+        with pytest.raises(shmkv.InvalidArgumentError, match=match):
+            seq.commit(**kw)
+        assert seq.pending == 1 and len(seq) == 0
+        seq.release()  # (drops the pending token)
+        seq = store.sequence(seq.id, write=True)
+        with pytest.raises(shmkv.InvalidArgumentError, match=match):
+            seq.extend(np.zeros((2, 1, 2, 4)), np.zeros((2, 1, 2, 4)), **kw)
+        assert seq.pending == 0 and len(seq) == 0
+    top = 2**63 - 1
+    seq.extend(np.zeros((2, 1, 2, 4)), np.zeros((2, 1, 2, 4)), tokens=[7], positions=[top])  # the largest: taken
+    with pytest.raises(shmkv.InvalidArgumentError, match=f"would be {2**63}, past .* continues after {top}"):
+        seq.extend(np.zeros((2, 1, 2, 4)), np.zeros((2, 1, 2, 4)))  # (the default position: top + 1)
+    assert seq.positions.tolist() == [top] and seq.tokens.tolist() == [7] and seq.pending == 0
+
+
+def test_a_meta_no_reader_could_unpack_is_refused(store):
+    """meta is unpacked by every reader (and a snapshot's load) with str keys only: a dict with
+    another key, at any depth, is refused as it is set, and the meta before it stays."""
+    seq = store.create_sequence()
+    seq.meta = {"request": 17}
+    for bad in ({1: "x"}, {"a": {(1, 2): "y"}}, {"a": [{None: 1}]}):
+        with pytest.raises(shmkv.InvalidArgumentError, match="must be str"):
+            seq.meta = bad
+        assert store.sequence(seq.id).meta == {"request": 17}
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda s: shmkv.attach(s.name, lock_timeout=float("inf")), "lock_timeout=inf must be a finite"),
+    (lambda s: shmkv.attach(s.name, lock_timeout=1e12), "at most 9223372036"),
+    (lambda s: shmkv.attach(s.name, timeout=None), "timeout=None must be a finite"),
+    (lambda s: shmkv.attach(s.name, timeout=float("nan")), "timeout=nan"),
+    (lambda s: shmkv.create(unique_name(), layers=1, kv_heads=1, head_dim=2, lock_timeout=float("inf")),
+     "lock_timeout=inf"),
+    (lambda s: shmkv.create(unique_name(), layers=1, kv_heads=1, head_dim=2, persistent="no"),
+     "persistent='no' must be True or False"),
+    (lambda s: shmkv.create(unique_name(), layers=1, kv_heads=1, head_dim=2, persistent=None), "persistent=None"),
+    (lambda s: s.sequence(None), "sequence id None must be an int"),
+    (lambda s: s.sequence([1]), r"sequence id \[1\] must be an int"),
+    (lambda s: s.save(""), "names no file"),
+    (lambda s: s.save("/tmp/"), "names no file"),
+    (lambda s: s.save(os.devnull + ".x", progress=5), "progress=5 must be a callable"),
+    (lambda s: s.restore(io.BytesIO(b""), progress=5), "progress=5 must be a callable"),
+    (lambda s: shmkv.load(io.BytesIO(b""), unique_name(), dtype="float32"), "dtype= comes from the snapshot"),
+    (lambda s: s.create_sequence().mask(0, [-1]), r"query_positions \[-1\] must be positions >= 0"),
+])
+def test_arguments_refused_before_anything_is_made(store, call, match):
+    """Each of these is an InvalidArgumentError naming the value (no raw TypeError or OverflowError
+    later), and no store of its own is left."""
+    before = set(shmkv.list_stores())
+    with pytest.raises(shmkv.InvalidArgumentError, match=match):
+        call(store)
+    assert set(shmkv.list_stores()) - before == set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import msgpack
@@ -10,6 +11,8 @@ import numpy as np
 
 from shmkv._engine.table.header import META_BYTES
 from shmkv.errors import InvalidArgumentError
+
+MAX_POSITION = 2**63 - 1  # positions and token ids are int64 words
 
 
 def count(name: str, value: object, minimum: int = 0) -> int:
@@ -44,7 +47,26 @@ def ints(name: str, values: Any, n: int) -> np.ndarray:
         raise InvalidArgumentError(
             f"{name} must be {n} ints (one per pending token), got shape {a.shape} dtype {a.dtype}"
         )
+    if a.dtype == np.uint64 and a.size and int(a.max()) > MAX_POSITION:  # (what astype would wrap negative)
+        raise InvalidArgumentError(f"{name} holds {int(a.max())}, more than an int64 holds ({MAX_POSITION})")
     return a.astype(np.int64, copy=False)
+
+
+def positions_fit(what: str, n: int, last: int, positions: np.ndarray | None) -> None:
+    """The positions of a commit of ``n`` tokens (given, increasing: ``ints``'s; or the default,
+    after ``last``) stay within an int64."""
+    top = last + n if positions is None else int(positions[-1])
+    if top > MAX_POSITION:
+        raise InvalidArgumentError(
+            f"{what}: the last position would be {top}, past the largest an int64 holds ({MAX_POSITION})"
+            + ("" if positions is not None else f" (the default continues after {last}: pass positions=)")
+        )
+
+
+def check_progress(what: str, progress: object) -> None:
+    """A snapshot's ``progress``: None or a callable ``progress(done, total)``."""
+    if progress is not None and not callable(progress):
+        raise InvalidArgumentError(f"{what}: progress={progress!r} must be a callable progress(done, total), or None")
 
 
 def pack_meta(value: Any) -> bytes:
@@ -57,6 +79,12 @@ def pack_meta(value: Any) -> bytes:
         raise InvalidArgumentError(
             f"meta {value!r:.80} cannot be packed ({e}): use str, int, float, bool, bytes, lists and dicts"
         ) from None
+    try:
+        msgpack.unpackb(packed)  # as every reader unpacks it (a snapshot too): a key must be a str or bytes
+    except ValueError as e:
+        raise InvalidArgumentError(
+            f"meta {value!r:.80} could not be read back ({e}): the keys of its dicts, nested ones too, must be str"
+        ) from None
     if len(packed) > META_BYTES:
         raise InvalidArgumentError(
             f"meta packs to {len(packed)} bytes, more than the {META_BYTES} a sequence keeps: "
@@ -66,9 +94,13 @@ def pack_meta(value: Any) -> bytes:
 
 
 def check_timeout(name: str, value: object) -> float:
-    if type(value) is float and value >= 0.0:  # (the default's case: no isnan, nor numpy's types, asked)
+    """``value`` as a number of seconds >= 0, at most what a wait of the threading module takes
+    (``threading.TIMEOUT_MAX``, some 292 years here: infinity and NaN are refused)."""
+    if type(value) is float and 0.0 <= value <= threading.TIMEOUT_MAX:  # (the default's case: no isnan asked)
         return value  # (a NaN fails the comparison and is refused below)
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or math.isnan(value) or value < 0:
-        raise InvalidArgumentError(f"{name}={value!r} must be a number of seconds >= 0")
+            or math.isnan(value) or not 0 <= value <= threading.TIMEOUT_MAX:
+        raise InvalidArgumentError(
+            f"{name}={value!r} must be a finite number of seconds >= 0 (at most {threading.TIMEOUT_MAX:.0f})"
+        )
     return float(value)

@@ -275,7 +275,10 @@ class SeqReader:
     def mask(self, layer: int, query_positions: Any, pending: int) -> np.ndarray:
         """Sequence.mask, with ``pending`` tokens of this handle after the committed ones."""
         layer = self.layer(layer)
-        q = ints("query_positions", query_positions, np.size(query_positions))
+        q = np.asarray(query_positions)  # (a torch tensor too)
+        q = ints("query_positions", q, q.size)
+        if q.size and int(q.min()) < 0:
+            raise InvalidArgumentError(f"mask: query_positions {q.tolist()[:8]} must be positions >= 0")
         start, _, length, woff = self.span()
         keys_pos = self.positions[start + self.first(layer, woff) : start + length]
         if pending:

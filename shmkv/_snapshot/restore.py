@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from shmkv._engine.locking import crash as _crash
-from shmkv._engine.checks import int_list
+from shmkv._engine.checks import check_progress, int_list
 from shmkv._engine.clients.lease import own_token
 from shmkv._snapshot.format import (
     seekable_fd,
@@ -28,6 +28,7 @@ from shmkv._snapshot.format import (
 )
 from shmkv.errors import (
     CacheFullError,
+    InvalidArgumentError,
     LayoutMismatchError,
     SequenceNotFound,
 )
@@ -53,6 +54,7 @@ def restore(core: Port, source: Any, seq_ids: list[int] | None = None,
     LayoutMismatchError; capacity limits may differ.
     """
     core.check_writable()
+    check_progress("restore", progress)
     with open_source(source) as (reader, is_file):
         return _restore(core, reader, reader.header(), is_file, seq_ids=seq_ids, progress=progress)
 
@@ -220,6 +222,12 @@ def load_with(create: Callable[..., S], core_of: Callable[[S], Port], source: An
     """``shmkv.load``: ``create`` (``shmkv.create``) store ``name`` with a snapshot's layout, restore it all
     into its engine (``core_of``). The caller removes the store if this raises (``_lifecycle.load``
     keeps it as the create makes it)."""
+    check_progress("load", progress)
+    fixed = sorted(set(create_kw) & {"layers", "kv_heads", "head_dim", "dtype", "layer_types", "window", "chunk",
+                                      "memory"})
+    if fixed:
+        raise InvalidArgumentError(f"load: {', '.join(f'{k}=' for k in fixed)} comes from the snapshot's layout: leave "
+                                   "it out (restore() into a store you create fills one of another capacity)")
     with open_source(source) as (reader, is_file):
         snap = reader.header()
         lay = snap.layout

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 
 from shmkv._engine.locking.interrupts import critical, shielding
-from shmkv._engine.checks import int_list
+from shmkv._engine.checks import check_progress, int_list
 from shmkv._snapshot.format import (
     seekable_fd,
     ID_HINT,
@@ -340,8 +340,12 @@ def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Pr
     """
     core.check_open()
     ids = None if seq_ids is None else int_list("save", "seq_ids", seq_ids, ID_HINT)
+    check_progress("save", progress)
     if isinstance(target, (str, bytes, os.PathLike)):
-        return _save_path(core, os.fsdecode(target), ids, progress)
+        path = os.fsdecode(target)
+        if not path or path.endswith(os.sep):
+            raise InvalidArgumentError(f"save: the path {path!r} names no file: give a file's path, e.g. 'cache.shmkv'")
+        return _save_path(core, path, ids, progress)
     if not hasattr(target, "write"):
         raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file")
     # a stream cannot be rewound: hold the store lock so no structural change can race

@@ -139,9 +139,11 @@ def create(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: Any =
     """
     # the name and mode are checked before they name or make the lifecycle lock file
     _segment.check_name(name)
+    if not isinstance(persistent, (bool, np.bool_)):
+        raise InvalidArgumentError(f"persistent={persistent!r} must be True or False")
     return _create(name, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, max_tokens=max_tokens,
                    max_seqs=max_seqs, layer_types=layer_types, window=window, chunk=chunk, memory=memory,
-                   persistent=persistent, mode=_check_mode(mode), max_clients=max_clients,
+                   persistent=bool(persistent), mode=_check_mode(mode), max_clients=max_clients,
                    lock_timeout=lock_timeout)
 
 

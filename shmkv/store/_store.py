@@ -256,7 +256,8 @@ class Store:
         if write:
             return _handles.take_lease(self, e, seq_id)
         e.check_open()  # a read handle: made here, with no call layer (store.sequence(id) is hot)
-        return Sequence(self, e, int(seq_id), e.slot_of(seq_id), write=False, token=0)
+        slot = e.slot_of(seq_id)  # (first: it names a bad id)
+        return Sequence(self, e, int(seq_id), slot, write=False, token=0)
 
     def forward(self, seq_ids: Any, positions: Any, tokens: Any = None) -> Batch:
         """Start a batch forward: one entry of ``seq_ids``/``positions`` per new token.
@@ -445,6 +446,7 @@ def attach(name: str, readonly: bool = False, *, timeout: float = 5.0,
     """
     _segment.check_name(name)
     lock_timeout = check_timeout("lock_timeout", lock_timeout)
+    timeout = check_timeout("timeout", timeout)
     try:
         hseg = Segment.open(_segment.header_name(name), readonly)
     except StoreNotFound:
