@@ -13,10 +13,10 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from procs.store_ops import save_forever, writer_loop
+from procs.store_ops import save_forever, save_past_a_file_size_limit, writer_loop
 
 import shmkv
-from shmkv.testing import ChildFailed, start_in_process, unique_name
+from shmkv.testing import ChildFailed, run_in_process, start_in_process, unique_name
 
 
 def _fill(store: shmkv.Store, rng: np.random.Generator, n_seqs: int = 5) -> dict[int, tuple]:
@@ -196,6 +196,52 @@ def test_the_checksum_is_zlibs_crc32_whichever_computes_it(make_store, tmp_path,
         assert _content(loaded) == before
     finally:
         loaded.close()
+
+
+class _Trickle(io.RawIOBase):
+    """A raw stream that takes at most 777 bytes of each write, as a raw file may."""
+
+    def __init__(self) -> None:
+        self.got = io.BytesIO()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: bytes) -> int:
+        return self.got.write(memoryview(b)[:777])
+
+
+def test_a_stream_that_takes_part_of_each_write_gets_all_of_it(make_store):
+    store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
+    _fill(store, np.random.default_rng(5), n_seqs=3)
+    want = _content(store)
+    out = _Trickle()
+    assert store.save(out) == len(out.got.getvalue())
+    again = shmkv.load(io.BytesIO(out.got.getvalue()), unique_name("trk"))
+    try:
+        assert _content(again) == want
+    finally:
+        again.close()
+
+
+def test_a_save_that_runs_out_of_room_keeps_the_snapshot_before(make_store, tmp_path):
+    """A file system that fills up during the last array takes part of a write and reports
+    nothing: the save writes the rest (which fails) and raises, the snapshot already at the
+    path stays, and no temporary file is left."""
+    store = make_store(layers=2, kv_heads=4, head_dim=64, dtype="float32", max_tokens=4096, max_seqs=4)
+    seq = store.create_sequence(capacity=600)
+    seq.extend(np.ones((2, 10, 4, 64)), np.ones((2, 10, 4, 64)))
+    path = tmp_path / "cache.shmkv"
+    store.save(path)
+    good = path.read_bytes()
+    rng = np.random.default_rng(0)
+    seq.extend(rng.standard_normal((2, 590, 4, 64)), rng.standard_normal((2, 590, 4, 64)))  # about 2.4 MB now
+    seq.release()
+    for limit in (2_000_000, len(good) + 7):  # inside the last array's bytes; inside the header's
+        raised = run_in_process(save_past_a_file_size_limit, store.name, str(path), limit)
+        assert raised, f"the save past {limit} bytes returned"
+        assert path.read_bytes() == good, (limit, raised)
+        assert sorted(os.listdir(tmp_path)) == ["cache.shmkv"]
 
 
 def _damaged_variants(data: bytes, rng: random.Random) -> list[tuple[str, bytes]]:

@@ -210,15 +210,32 @@ def _write_once(core: Port, f: IO[bytes], seqs: list[SeqRecord], progress: Progr
             crcs = [s.result() for s in sums]
     if arrays:
         f.flush()  # a buffered file: the header must be in the file before its checksums go in
-        os.pwrite(fd, np.asarray(crcs, "<u4").tobytes(), at)
+        sums_at = memoryview(np.asarray(crcs, "<u4").tobytes())
+        while sums_at:  # (a write may take part of what it is given: the rest follows, or fails)
+            n = os.pwrite(fd, sums_at, at)
+            sums_at, at = sums_at[n:], at + n
     return total
+
+
+def _write_all(f: IO[bytes], data: bytes | memoryview) -> None:
+    """All of ``data`` into ``f``. A raw file (a path target's, or an unbuffered file object)
+    may take only part of a write, as a file system filling up does with the last bytes it
+    has room for: the rest is written (and fails, ENOSPC) rather than dropped, so a snapshot
+    short of its end is never renamed into place."""
+    left = memoryview(data)
+    while left:
+        n = f.write(left)
+        if not n:  # (None: a non-blocking stream that would block; 0: one that takes nothing)
+            raise SnapshotError(f"the save target {f!r} took none of {len(left)} bytes "
+                                "(a non-blocking stream?): save to a path or a blocking binary file")
+        left = left[n:]
 
 
 def _write_parts(f: IO[bytes], head: bytes, arrays: list[np.ndarray], progress: Progress | None) -> int:
     """The header, then each array as msgpack bins of at most CHUNK bytes."""
     total = len(head) + sum(a.nbytes + 5 * -(-a.nbytes // CHUNK) for a in arrays)
     done = len(head)
-    f.write(head)
+    _write_all(f, head)
     if progress:
         progress(done, total)
     for a in arrays:
@@ -227,8 +244,8 @@ def _write_parts(f: IO[bytes], head: bytes, arrays: list[np.ndarray], progress: 
         mv = memoryview(a).cast("B")  # type: ignore[arg-type]  # straight from shared memory
         for pos in range(0, a.nbytes, CHUNK):
             part = mv[pos : pos + CHUNK]
-            f.write(b"\xc6" + len(part).to_bytes(4, "big"))
-            f.write(part)
+            _write_all(f, b"\xc6" + len(part).to_bytes(4, "big"))
+            _write_all(f, part)
             done += len(part) + 5
             if progress:
                 progress(done, total)
@@ -343,8 +360,9 @@ def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Pr
     check_progress("save", progress)
     if isinstance(target, (str, bytes, os.PathLike)):
         path = os.fsdecode(target)
-        if not path or path.endswith(os.sep):
-            raise InvalidArgumentError(f"save: the path {path!r} names no file: give a file's path, e.g. 'cache.shmkv'")
+        if not path or path.endswith(os.sep) or os.path.basename(path) in (".", "..") or os.path.isdir(path):
+            raise InvalidArgumentError(f"save: the path {path!r} names no file (a directory?): give a file's path, "
+                                       "e.g. 'cache.shmkv'")
         return _save_path(core, path, ids, progress)
     if not hasattr(target, "write"):
         raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file")

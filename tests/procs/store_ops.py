@@ -199,3 +199,23 @@ def create_and_drop(name: str) -> bool:
     del store
     gc.collect()
     return name in shmkv.list_stores()
+
+
+def save_past_a_file_size_limit(name: str, path: str, limit: int) -> str:
+    """Save store ``name`` to ``path`` with this process's files limited to ``limit`` bytes
+    (RLIMIT_FSIZE, SIGXFSZ ignored: the write past it takes what fits, the next fails, EFBIG):
+    what the save raised, by class name ("" if it returned)."""
+    import resource
+    import signal
+
+    store = shmkv.attach(name, readonly=True)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    try:
+        store.save(path)
+        return ""
+    except shmkv.ShmkvError as e:
+        return type(e).__name__
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        store.close()
