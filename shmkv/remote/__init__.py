@@ -31,7 +31,6 @@ chunks of a long sequence no longer exist there (``push`` raises
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,7 +109,6 @@ class RemoteTier:
         self.timeout = float(timeout)
         self._client: Any = None
         self._geo: dict[Any, Geometry] = {}
-        self._lock = threading.Lock()
         self._stats = dict.fromkeys(TierStats.__slots__, 0)
 
     def __repr__(self) -> str:

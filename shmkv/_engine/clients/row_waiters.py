@@ -40,6 +40,14 @@ _PAGE = mmap.PAGESIZE
 LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global LOCK
+    LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def file_bytes(rows: int) -> int:
     """The liveness file's size with the counts of ``rows`` table rows (whole pages)."""
     return -(-4 * rows // _PAGE) * _PAGE

@@ -46,8 +46,14 @@ class Room:
 
 
 ROOM = Room()
-# a forked child reads the room itself (it would spend the parent's reading a second time)
-os.register_at_fork(after_in_child=lambda: ROOM.read(None, 0))
+
+
+def _after_fork_in_child() -> None:
+    ROOM.lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    ROOM.read(None, 0)  # the child reads the room itself (it would spend the parent's reading a second time)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # /proc/meminfo, kept open: a read at offset 0 renders it afresh (seq_file), and a pread of the

@@ -49,6 +49,14 @@ _count_lock = threading.Lock()
 _live = 0
 
 
+def _after_fork_in_child() -> None:
+    global _count_lock
+    _count_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class StitchError(ShmkvError, OSError):
     """The kernel refused a stitched mapping (out of address space or of ``vm.max_map_count``)."""
 

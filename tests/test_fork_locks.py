@@ -1,0 +1,120 @@
+"""A child forked while another thread of the parent holds one of shmkv's process-wide locks
+gets that lock free: the thread that holds it does not exist in the child, and a lock it
+inherits held would hang the child's first use of it (inside the store lock, for the interval
+lists: every other process's next structural operation then times out)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shmkv
+
+_LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
+
+
+def _process_locks() -> list[tuple[str, str, str]]:
+    """(module, global, attribute or "") of every lock a module of shmkv keeps for the process:
+    a global that is a lock, or a global object's ``lock`` attribute."""
+    found = []
+    for info in pkgutil.walk_packages(shmkv.__path__, "shmkv."):
+        if info.name.startswith(("shmkv.cli", "shmkv.transformers", "shmkv.testing", "shmkv.__main__")):
+            continue  # (programs and optional extras: no process-wide lock of the store's)
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if isinstance(value, _LOCK_TYPES):
+                found.append((info.name, name, ""))
+            elif isinstance(getattr(value, "lock", None), _LOCK_TYPES) and not isinstance(value, type):
+                found.append((info.name, name, "lock"))
+    return sorted(set(found))
+
+
+def _resolve(where: tuple[str, str, str]) -> object:
+    module, name, attr = where
+    value = getattr(importlib.import_module(module), name)
+    return getattr(value, attr) if attr else value
+
+
+def test_every_process_wide_lock_is_free_in_a_child_forked_while_a_thread_holds_it():
+    locks = _process_locks()
+    assert {("shmkv._engine.memory.intervals", "_LOCK", ""), ("shmkv._engine.clients.row_waiters", "LOCK", ""),
+            ("shmkv._engine.memory.shm_room", "ROOM", "lock")} <= set(locks), locks  # (the walk finds them)
+    for where in locks:
+        lock = _resolve(where)
+        held, done = threading.Event(), threading.Event()
+
+        def hold(lock=lock, held=held, done=done) -> None:
+            with lock:
+                held.set()
+                done.wait(30)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        try:
+            assert held.wait(10)
+            pid = os.fork()
+            if pid == 0:  # the child: the lock, as its code would find it now, must be free
+                code = 1
+                try:
+                    code = 0 if _resolve(where).acquire(timeout=5) else 3
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+        finally:
+            done.set()
+            t.join(10)
+        assert os.waitstatus_to_exitcode(status) == 0, f"{where}: held in the forked child"
+
+
+def test_a_child_forked_while_a_thread_of_the_parent_writes_runs_its_own_operations(make_store):
+    """The parent's threads create, extend and free sequences while the parent forks; each
+    child attaches and creates, extends and frees a sequence of its own within the timeout."""
+    store = make_store(layers=2, kv_heads=2, head_dim=8, max_tokens=4096, max_seqs=64)
+    stop = threading.Event()
+
+    def busy() -> None:
+        mine = shmkv.attach(store.name)
+        try:
+            while not stop.is_set():
+                s = mine.create_sequence(capacity=16)
+                s.extend(np.ones((2, 8, 2, 8)), np.ones((2, 8, 2, 8)))
+                s.truncate(3)
+                s.free()
+        finally:
+            mine.close()
+
+    threads = [threading.Thread(target=busy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    child = shmkv.attach(store.name, lock_timeout=5)
+                    s = child.create_sequence(capacity=8)
+                    s.extend(np.ones((2, 4, 2, 8)), np.ones((2, 4, 2, 8)))
+                    s.free()
+                    child.close()
+                    code = 0
+                finally:
+                    os._exit(code)
+            deadline = time.monotonic() + 30
+            while (got := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if got[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("a forked child hung in its first operations")
+            assert os.waitstatus_to_exitcode(got[1]) == 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
