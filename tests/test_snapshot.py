@@ -16,7 +16,7 @@ import pytest
 from procs.store_ops import save_forever, save_past_a_file_size_limit, writer_loop
 
 import shmkv
-from shmkv.testing import ChildFailed, run_in_process, start_in_process, unique_name
+from shmkv.testing import ChildFailed, assert_store_state, run_in_process, start_in_process, unique_name
 
 
 def _fill(store: shmkv.Store, rng: np.random.Generator, n_seqs: int = 5) -> dict[int, tuple]:
@@ -405,3 +405,46 @@ def test_restore_refuses_a_sequence_a_live_process_leases_and_changes_nothing(ma
     child.result(60)
     assert store.restore(path) == ids
     assert len(store.sequence(ids[1])) == len(after[ids[1]][2]) - 3
+
+
+def _windowed(make_store, **kw) -> shmkv.Store:
+    return make_store(layers=2, kv_heads=1, head_dim=4, dtype="float32", max_tokens=2048, max_seqs=6,
+                      layer_types=["full", "sliding"], **kw)
+
+
+def _fill_windows(store: shmkv.Store, n: int, seqs: int = 3) -> None:
+    for i in range(seqs):
+        s = store.create_sequence(capacity=n + 8)
+        k = np.arange(2 * n * 4, dtype=np.float32).reshape(2, n, 1, 4) + 1000 * i
+        s.extend(k, -k, tokens=np.arange(n) + i)
+        s.release()
+
+
+@pytest.mark.parametrize(("saved", "into", "n"), [
+    ({"window": 200}, {"window": 8}, 330),  # kept tokens past the target's buffers (the next slot's data)
+    ({"window": 4}, {"window": 64}, 60),  # too few kept for the target's window
+    ({"window": 8, "memory": 500}, {"window": 8}, 450),  # the same window, kept past the target's memory
+])
+def test_a_snapshot_whose_sliding_layers_keep_other_tokens_is_refused(make_store, tmp_path, saved, into, n):
+    """Sliding layers keep a window of tokens in a slot's buffer: a snapshot of another window,
+    or one keeping more than the target's buffers hold (its memory), is a LayoutMismatchError,
+    every sequence of the target as it was."""
+    src, dst = _windowed(make_store, **saved), _windowed(make_store, **into)
+    _fill_windows(src, n)
+    _fill_windows(dst, 5)
+    before = _content(dst)
+    path = tmp_path / "w.shmkv"
+    src.save(path)
+    with pytest.raises(shmkv.LayoutMismatchError, match="sliding"):
+        dst.restore(path)
+    assert _content(dst) == before
+    assert_store_state(dst)
+
+
+def test_a_snapshot_of_the_same_window_and_a_smaller_memory_restores(make_store, tmp_path):
+    src, dst = _windowed(make_store, window=8), _windowed(make_store, window=8, memory=500)
+    _fill_windows(src, 40)
+    want = _content(src)
+    src.save(tmp_path / "w.shmkv")
+    dst.restore(tmp_path / "w.shmkv")
+    assert _content(dst) == want

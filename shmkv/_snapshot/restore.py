@@ -35,6 +35,7 @@ from shmkv.errors import (
 
 if TYPE_CHECKING:
     from shmkv._engine.port import Port
+    from shmkv._engine.table.header import Layout
 
 
 
@@ -78,6 +79,8 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
         selected = set(wanted)
     else:
         selected = set(ids)
+    if lay.bounded:  # what the sliding and chunked layers keep, and where: the store's own buffers
+        _check_windows(core.name, lay, snap, selected, reader.where)
     total = snap.nbytes
     # a regular file's arrays are copied by the kernel (sendfile) into ranges only staged for them
     direct = is_file and seekable_fd(reader.f) is not None
@@ -215,6 +218,24 @@ def _regions(core: Port) -> tuple[Any, ...]:
 
 def _own(core: Port, slot: int) -> int:
     return own_token(core.row(slot))
+
+
+def _check_windows(name: str, lay: Layout, snap: Snapshot, selected: set[int], where: str) -> None:
+    """A snapshot's sliding and chunked layers fit store ``name``'s: the same window and chunk
+    (the tokens kept are the ones a decode there attends to), and each sequence's kept tokens
+    within a slot's window buffer (``memory`` sizes it). Else LayoutMismatchError, nothing changed."""
+    if (snap.layout.window, snap.layout.chunk) != (lay.window, lay.chunk):
+        raise LayoutMismatchError(
+            f"{where}: snapshot's sliding window {snap.layout.window} and chunk {snap.layout.chunk} differ from "
+            f"store {name!r}'s ({lay.window}, {lay.chunk}): its bounded layers keep other tokens; restore into a "
+            f"store created with window={snap.layout.window or None}, chunk={snap.layout.chunk or None} "
+            "(shmkv.load creates one)")
+    for s in snap.sequences:
+        if s.id in selected and s.length - s.window_offset > lay.window_cells:
+            raise LayoutMismatchError(
+                f"{where}: sequence {s.id} keeps {s.length - s.window_offset} tokens in its sliding/chunked layers, "
+                f"more than a slot of store {name!r} holds ({lay.window_cells}: memory={lay.memory}); restore into "
+                f"a store created with memory={snap.layout.memory or None} (shmkv.load creates one)")
 
 
 def load_with(create: Callable[..., S], core_of: Callable[[S], Port], source: Any, name: str, *, persistent: bool,
