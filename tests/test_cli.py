@@ -418,3 +418,13 @@ def test_doctor_says_whose_layout_its_room_is_for():
     r = shmkv_cmd("doctor", "--layers", "4", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float16")
     room = [x for x in r.stdout.splitlines() if x.startswith("room ")]
     assert "4 layers, 2 KV heads of 8 dims, float16 (256 B a token" in room[0] and "default" not in room[0]
+
+
+def test_the_snapshotter_keeps_only_its_own_files_apart_from_another_stores(make_store, tmp_path):
+    """--keep counts this store's snapshots only: another store whose name starts with this
+    one's and a dash ("x-b" beside "x") keeps every file, and the newest of this one stays."""
+    short = make_store(layers=1, kv_heads=1, head_dim=2, max_tokens=64, max_seqs=2)
+    longer = make_store(name=f"{short.name}-b", layers=1, kv_heads=1, head_dim=2, max_tokens=64, max_seqs=2)
+    theirs = cli.snapshot_loop(longer.name, str(tmp_path), 0.0, 3, count=3, log=lambda m: None)
+    ours = cli.snapshot_loop(short.name, str(tmp_path), 0.0, 1, count=2, log=lambda m: None)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in [*theirs, ours[-1]])

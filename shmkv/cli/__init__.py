@@ -11,6 +11,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import re
 import select
 import signal
 import sys
@@ -218,6 +219,7 @@ def snapshot_loop(name: str, directory: str, every: float, keep: int, *, count: 
     stop = stop or threading.Event()
     os.makedirs(directory, exist_ok=True)
     written: list[str] = []
+    ours = re.compile(re.escape(name) + r"-\d{8}T\d{12}Z\.shmkv")  # what this loop names its files (the stamp below)
     with attach(name, readonly=True) as store:
         n = 0
         while not stop.is_set() and (count is None or n < count):
@@ -227,7 +229,7 @@ def snapshot_loop(name: str, directory: str, every: float, keep: int, *, count: 
             nbytes = store.save(path)
             written.append(path)
             log(f"snapshot {path} ({nbytes} bytes, {time.monotonic() - t0:.3f} s)")
-            mine = sorted(f for f in os.listdir(directory) if f.startswith(f"{name}-") and f.endswith(".shmkv"))
+            mine = sorted(f for f in os.listdir(directory) if ours.fullmatch(f))  # (not another store's, "NAME-x")
             for old in mine[: max(0, len(mine) - keep)]:
                 os.unlink(os.path.join(directory, old))
             n += 1
