@@ -6,6 +6,7 @@ lists: every other process's next structural operation then times out)."""
 from __future__ import annotations
 
 import importlib
+import multiprocessing as mp
 import os
 import pkgutil
 import threading
@@ -13,8 +14,10 @@ import time
 
 import numpy as np
 import pytest
+from procs.store_ops import use_after_the_creator_removed
 
 import shmkv
+from shmkv.testing import shm_entries
 
 _LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
 
@@ -118,3 +121,28 @@ def test_a_child_forked_while_a_thread_of_the_parent_writes_runs_its_own_operati
         stop.set()
         for t in threads:
             t.join(30)
+
+
+def test_a_forked_handle_of_a_removed_store_leaves_no_lock_file(make_store):
+    """The creator forks a child with its handle, then closes it (the store is removed); the
+    child still reads its mapping, its first structural operation says StoreNotFound, and no
+    file of the store is made again (a lock file would outlive it, listed nowhere)."""
+    ctx = mp.get_context("fork")
+    store = make_store(layers=1, kv_heads=1, head_dim=2, max_tokens=64, max_seqs=2)
+    seq = store.create_sequence(capacity=8)
+    seq.extend(np.full((1, 2, 1, 2), 7.0), np.zeros((1, 2, 1, 2)))
+    go, out = ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=use_after_the_creator_removed, args=(store, seq.id, go, out))
+    child.start()
+    try:
+        store.close()
+        go.set()
+        gone = {f for f in shm_entries() if store.name in f}
+        got = out.get(timeout=30)
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert got[0] == 7.0 and got[1].startswith("StoreNotFound: ") and "was removed" in got[1], got
+    assert gone == set() and {f for f in shm_entries() if store.name in f} == set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -219,3 +220,16 @@ def save_past_a_file_size_limit(name: str, path: str, limit: int) -> str:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         store.close()
+
+
+def use_after_the_creator_removed(store: shmkv.Store, seq_id: int, go: Any, out: Any) -> None:
+    """In a child forked with ``store`` (the creator's handle): once ``go`` is set (the creator
+    closed it: removed), read a sequence, then take the store lock; put what each did on ``out``."""
+    go.wait(30)
+    got = [float(store.sequence(seq_id).keys(0)[0, 0, 0])]
+    try:
+        with store.transaction():
+            got.append("locked")
+    except shmkv.StoreNotFound as e:
+        got.append(f"StoreNotFound: {e}")
+    out.put(got)

@@ -51,7 +51,7 @@ import weakref
 from collections.abc import Callable
 
 from shmkv._engine.locking.interrupts import critical, deferred, deliver_deferred, hold, unhold
-from shmkv.errors import LockTimeout, StoreClosedError
+from shmkv.errors import LockTimeout, StoreClosedError, StoreNotFound
 
 DEFAULT_TIMEOUT = 30.0
 _POLL_FIRST, _POLL_MAX = 50e-6, 2e-3  # flock has no timeout: poll LOCK_NB, backing off to 2 ms
@@ -178,7 +178,7 @@ class StoreLock:
     @critical  # (a Ctrl-C as the open returns, before the descriptor is kept, waits)
     def _open(self) -> None:
         # The file has the segments' mode: whoever could open them can open it.
-        fd = _open_lock_file(self.path, self.readonly, lambda: _segment_mode(self.path))  # (stat only to create)
+        fd = _open_lock_file(self.path, self.readonly, self._mode_to_create)  # (stat only to create)
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         with _states_guard:  # two threads attaching at once must share one state, not make two
@@ -186,6 +186,18 @@ class StoreLock:
             if state is None:
                 state = _states[key] = _ProcessState()
         self._fd, self._pid, self._state = fd, os.getpid(), state
+
+    def _mode_to_create(self) -> int | None:
+        """The mode of a lock file made anew (it was missing): the header segment's. A store whose
+        header is gone was removed, with its lock file: a new file would outlive it, unlisted
+        (a forked child's first use of an inherited handle after the creator removed the store)."""
+        if not self.path.endswith(".lock"):
+            return None
+        mode = _segment_mode(self.path)
+        if mode is None and not os.path.exists(self.path[: -len(".lock")] + ".h"):
+            raise StoreNotFound(f"store {self.name!r} was removed (its header and lock file are gone): "
+                                f"`shmkv ls` lists the stores; attach to one that exists")
+        return mode
 
     def _forget_inherited(self) -> None:
         """In a forked child: drop the parent's descriptor (without touching its lock) and state."""
