@@ -308,6 +308,12 @@ def test_a_meta_no_reader_could_unpack_is_refused(store):
         assert store.sequence(seq.id).meta == {"request": 17}
 
 
+def _extended(store: shmkv.Store) -> shmkv.Sequence:
+    seq = store.create_sequence()
+    seq.extend(np.zeros((2, 3, 2, 4)), np.zeros((2, 3, 2, 4)))
+    return seq
+
+
 @pytest.mark.parametrize(("call", "match"), [
     (lambda s: shmkv.attach(s.name, lock_timeout=float("inf")), "lock_timeout=inf must be a finite"),
     (lambda s: shmkv.attach(s.name, lock_timeout=1e12), "at most 9223372036"),
@@ -326,6 +332,14 @@ def test_a_meta_no_reader_could_unpack_is_refused(store):
     (lambda s: s.restore(io.BytesIO(b""), progress=5), "progress=5 must be a callable"),
     (lambda s: shmkv.load(io.BytesIO(b""), unique_name(), dtype="float32"), "dtype= comes from the snapshot"),
     (lambda s: s.create_sequence().mask(0, [-1]), r"query_positions \[-1\] must be positions >= 0"),
+    (lambda s: s.save(io.StringIO()), "open it with 'wb'"),
+    (lambda s: s.save(io.BufferedReader(io.BytesIO(b""))), "open it with 'wb'"),  # (read-only)
+    (lambda s: s.restore(io.StringIO("x")), "open it with 'rb'"),
+    (lambda s: s.batch_kv([1, 2], 0), "seqs holds 1, not a Sequence handle"),
+    (lambda s: s.batch_kv(None, 0), "seqs=None must be a list of Sequence handles"),
+    (lambda s: s.regather(None, [0]), "seqs=None must be a list"),
+    (lambda s: s.regather([1, 2], [0]), "seqs holds 1, not a Sequence"),
+    (lambda s: _extended(s).remove(0, 1, shift=5), "shift=5 must be a function"),
 ])
 def test_arguments_refused_before_anything_is_made(store, call, match):
     """Each of these is an InvalidArgumentError naming the value (no raw TypeError or OverflowError

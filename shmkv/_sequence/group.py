@@ -19,11 +19,10 @@ import numpy as np
 from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence import quant as _quant
 from shmkv._engine.checks import count, int_list
-from shmkv._sequence.handle import writer_part
+from shmkv._sequence.handle import Sequence, writer_part
 from shmkv.errors import InvalidArgumentError, ReadOnlyError
 
 if TYPE_CHECKING:
-    from shmkv._sequence.handle import Sequence
     from shmkv._sequence.handle import Owner
 
 
@@ -62,9 +61,21 @@ def lease(store: Owner, seq_ids: Iterable[int]) -> list[Sequence]:
     return taken
 
 
+def _handles(what: str, seqs: Any) -> list[Sequence]:
+    """``seqs`` as a list, each a Sequence handle (a bare id or None is refused, naming it)."""
+    if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
+        raise InvalidArgumentError(f"{what}: seqs={seqs!r} must be a list of Sequence handles")
+    seqs = list(seqs)
+    for s in seqs:
+        if not isinstance(s, Sequence):
+            raise InvalidArgumentError(f"{what}: seqs holds {s!r}, not a Sequence handle "
+                                       "(store.sequence(id) makes one)")
+    return seqs
+
+
 def regather(store: Owner, seqs: list[Sequence], rows: Iterable[int]) -> list[Sequence]:
     """``store.regather``: handles whose row i holds what ``seqs[rows[i]]`` holds."""
-    seqs = list(seqs)
+    seqs = _handles("regather", seqs)
     rows = int_list("regather", "rows", rows)
     b = len(seqs)
     bad = [r for r in rows if not 0 <= r < b]
@@ -73,14 +84,14 @@ def regather(store: Owner, seqs: list[Sequence], rows: Iterable[int]) -> list[Se
                                    f"each must be in [0, {b})")
     seen: set[int] = set()
     for s in seqs:
-        if s.id in seen:
-            raise InvalidArgumentError(f"regather: sequence {s.id} is given twice in seqs")
-        seen.add(s.id)
-        if s.store is not store:
+        if s.store is not store:  # (first: a handle of another store may share an id with one of these)
             raise InvalidArgumentError(
                 f"regather: sequence {s.id} is a handle of another attachment of store {store.name!r}; "
                 "pass handles from the store object regather is called on"
             )
+        if s.id in seen:
+            raise InvalidArgumentError(f"regather: sequence {s.id} is given twice in seqs")
+        seen.add(s.id)
         if not s.writable:
             raise ReadOnlyError(f"regather: sequence {s.id} handle is read-only; take the lease with "
                                 f"store.sequence({s.id}, write=True)")
@@ -146,7 +157,7 @@ def batch_kv(store: Owner, seqs: Iterable[Sequence], layer: int, pending: bool,
     increasing order (the stored dtype read as is: plain floats, bfloat16 with ml_dtypes),
     checked from the rows on every call; otherwise a gathered copy.
     """
-    seqs = list(seqs)
+    seqs = _handles("batch_kv", seqs)
     if not seqs:
         raise InvalidArgumentError("batch_kv: seqs is empty; pass at least one sequence handle")
     parts = []

@@ -173,6 +173,9 @@ def shift_left(w: SeqWriter, n: int) -> None:
 def remove(w: SeqWriter, begin: int, end: int, shift: ShiftFn | None) -> None:
     begin = count("begin", begin)
     end = count("end", end)
+    if shift is not None and not callable(shift):
+        raise InvalidArgumentError(f"remove: shift={shift!r} must be a function shift(layer, keys, delta) -> keys, "
+                                   "or None")
     rows = w.r.rows
     with structural(w, "remove") as row:
         length, start = rows.length(row), rows.start(row)

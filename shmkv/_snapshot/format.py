@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 import stat
 import zlib
@@ -434,10 +435,11 @@ def open_source(source: Any) -> Iterator[tuple[SnapshotReader, bool]]:
             raise SnapshotError(f"cannot open snapshot file {path!r}: {os.strerror(e.errno or 0)}") from None
         with f:
             yield SnapshotReader(f, path), True
-    elif hasattr(source, "read"):
+    elif hasattr(source, "read") and not isinstance(source, io.TextIOBase):
         yield SnapshotReader(source, getattr(source, "name", "snapshot stream")), False
     else:
-        raise InvalidArgumentError(f"snapshot source {source!r} is neither a path nor a readable binary file")
+        raise InvalidArgumentError(f"snapshot source {source!r} is neither a path nor a readable binary file "
+                                   "(open it with 'rb')")
 
 
 def read_header(source: Any) -> Snapshot:

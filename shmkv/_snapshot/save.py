@@ -364,8 +364,9 @@ def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Pr
             raise InvalidArgumentError(f"save: the path {path!r} names no file (a directory?): give a file's path, "
                                        "e.g. 'cache.shmkv'")
         return _save_path(core, path, ids, progress)
-    if not hasattr(target, "write"):
-        raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file")
+    if not hasattr(target, "write") or isinstance(target, io.TextIOBase) or not getattr(target, "writable", bool)():
+        raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file "
+                                   "(open it with 'wb')")
     # a stream cannot be rewound: hold the store lock so no structural change can race
     with _hold(core):
         seqs = _capture(core, ids, locked=True)
