@@ -28,10 +28,12 @@ even when the transaction ends (or is rolled back), so:
    copy_prefix) or is freed drops its span, and a donor that truncates into lent cells moves,
    or, with no free range, stays and moves before its next write there (``Sharing.settle_span``,
    run at the end of every change of such a row; ``_sequence/room.py``).
-4. Cells a process may still map are not reused: a process re-maps only at its next read or
-   lock entry, so after a borrower's copy-on-write another process's views of its committed
-   cells still show the span's cells. Those stay taken (row word ``SPAN_TAKEN``) until the
-   borrower is freed or moves, which is what invalidates views (docs/stores.md).
+4. Cells under a borrower's committed tokens that a process may still map are not reused: a
+   process re-maps only at its next read or lock entry, so after a borrower's copy-on-write
+   another process's views of its committed cells still show the span's cells. Those stay
+   taken (row word ``SPAN_TAKEN``) until the borrower is freed or moves, which is what
+   invalidates views (docs/stores.md). The span's cells past a borrower's new length hold no
+   committed token of it and are given back: a stale view of them may show another sequence.
 
 The span epoch (header word ``W_SPANS``) and a process's mapping of it, as the journal states its
 objects::
