@@ -87,3 +87,22 @@ def test_import_shmkv_does_not_import_torch():
     r = subprocess.run([sys.executable, "-c", "import shmkv, sys; assert 'torch' not in sys.modules"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "requires_grad"])
+def test_tensors_numpy_cannot_read_are_refused_saying_what_to_pass(make_store, kind):
+    """append, extend and a batch's put given a tensor numpy cannot read (torch's bfloat16, one
+    that requires grad) say so and what to pass (t.float(), t.detach()); the sequence is as it
+    was, and it takes what the message says to pass."""
+    store = make_store(layers=1, kv_heads=2, head_dim=4, dtype="bfloat16")
+    seq = store.create_sequence()
+    t = torch.ones((1, 2, 4), dtype=torch.bfloat16) if kind == "bfloat16" else torch.ones((1, 2, 4), requires_grad=True)
+    hint = "t.float()" if kind == "bfloat16" else "detach"
+    with pytest.raises(shmkv.InvalidArgumentError, match=rf"append: k cannot be read as an array .*{hint}"):
+        seq.append(0, t, t)
+    with pytest.raises(shmkv.InvalidArgumentError, match=rf"extend: k_all cannot be read .*{hint}"):
+        seq.extend(t[None], t[None])
+    assert len(seq) == 0 and seq.pending == 0
+    seq.append(0, t.float() if kind == "bfloat16" else t.detach(), np.zeros((1, 2, 4)))
+    seq.commit()
+    assert len(seq) == 1 and seq.keys(0).astype(np.float32).tolist() == [[[1.0] * 4] * 2]

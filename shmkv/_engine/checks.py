@@ -63,6 +63,24 @@ def positions_fit(what: str, n: int, last: int, positions: np.ndarray | None) ->
         )
 
 
+def not_arrays(what: str, named: dict[str, Any]) -> InvalidArgumentError:
+    """The error for inputs numpy cannot make an array of (``named``: argument name -> value, in
+    order: the first that fails is named), with what to pass instead."""
+    for name, value in named.items():
+        try:
+            np.asarray(value)
+        except (TypeError, ValueError, RuntimeError) as e:
+            dtype = str(getattr(value, "dtype", ""))
+            if getattr(value, "requires_grad", False):
+                hint = "a tensor that requires grad: pass it .detach()ed"
+            elif dtype == "torch.bfloat16":
+                hint = "a torch bfloat16 tensor, which numpy cannot read: pass t.float() (the store casts it)"
+            else:
+                hint = "pass an array (or nested lists of one shape)"
+            return InvalidArgumentError(f"{what}: {name} cannot be read as an array ({e}): {hint}")
+    return InvalidArgumentError(f"{what}: {', '.join(named)} cannot be read as arrays")
+
+
 def check_progress(what: str, progress: object) -> None:
     """A snapshot's ``progress``: None or a callable ``progress(done, total)``."""
     if progress is not None and not callable(progress):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmkv._engine.checks import ints
+from shmkv._engine.checks import ints, not_arrays
 from shmkv._sequence.handle import Sequence, writer_for, writer_part
 from shmkv._sequence.visibility import attention_mask
 from shmkv._sequence.writer import kv_arrays
@@ -97,8 +97,11 @@ class Batch:
         layer = w.r.layer(layer)
         if layer in self._done:
             raise InvalidArgumentError(f"put: layer {layer} was put already in this batch")
-        k = np.asarray(k)
-        v = np.asarray(v)
+        try:
+            k = np.asarray(k)
+            v = np.asarray(v)
+        except (TypeError, ValueError, RuntimeError):
+            raise not_arrays("put", {"k": k, "v": v}) from None
         H, D = w.cell
         if k.shape != (self.n, H, D) or v.shape != k.shape:
             raise InvalidArgumentError(

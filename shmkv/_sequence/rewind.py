@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine.locking import crash as _crash
-from shmkv._engine.checks import count
+from shmkv._engine.checks import count, not_arrays
 from shmkv._sequence.structural import structural, unindex_from
 from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError
@@ -33,8 +33,11 @@ def rewind(w: SeqWriter, n: Any, k_window: Any, v_window: Any) -> None:
     n = count("n", n)
     lay = w.port.layout
     nb = len(lay.bounded)
-    k = np.asarray(k_window)
-    v = np.asarray(v_window)
+    try:
+        k = np.asarray(k_window)
+        v = np.asarray(v_window)
+    except (TypeError, ValueError, RuntimeError):
+        raise not_arrays("rewind", {"k_window": k_window, "v_window": v_window}) from None
     H, D = w.cell
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != nb or k.shape[2:] != (H, D):
         raise InvalidArgumentError(

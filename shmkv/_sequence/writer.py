@@ -16,7 +16,7 @@ import numpy as np
 from shmkv._engine.clients import futex as _futex
 from shmkv._sequence import quant as _quant
 from shmkv._engine.memory import segment as _segment
-from shmkv._engine.checks import ints, positions_fit
+from shmkv._engine.checks import ints, not_arrays, positions_fit
 from shmkv._engine.table import dtypes as _dtypes
 from shmkv._engine.table.header import (
     CAPACITY,
@@ -412,8 +412,11 @@ class UnboundWriter(SeqWriter):
 def kv_arrays(w: SeqWriter, k: Any, v: Any, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """``k``, ``v`` checked and shaped ``[n, kv_heads, head_dim]`` (what append accepts).
     ``finite=False``: int8 values are not checked here (the quantizer refuses them)."""
-    k = np.asarray(k)
-    v = np.asarray(v)
+    try:
+        k = np.asarray(k)
+        v = np.asarray(v)
+    except (TypeError, ValueError, RuntimeError):  # (a torch bfloat16 tensor, one needing grad, ragged lists)
+        raise not_arrays("append", {"k": k, "v": v}) from None
     if k.shape[-2:] != w.cell or k.shape != v.shape or k.ndim not in (2, 3):
         H, D = w.cell
         raise InvalidArgumentError(
