@@ -224,6 +224,22 @@ def test_a_stream_that_takes_part_of_each_write_gets_all_of_it(make_store):
         again.close()
 
 
+def test_an_object_with_only_a_write_method_takes_a_snapshot(make_store):
+    store = make_store(layers=2, kv_heads=2, head_dim=8, dtype="float32", max_tokens=256, max_seqs=4)
+    _fill(store, np.random.default_rng(6), n_seqs=2)
+    got = io.BytesIO()
+
+    class Sink:
+        write = got.write  # (no writable(), no seek: a duck-typed stream)
+
+    assert store.save(Sink()) == len(got.getvalue())
+    again = shmkv.load(io.BytesIO(got.getvalue()), unique_name("snk"))
+    try:
+        assert _content(again) == _content(store)
+    finally:
+        again.close()
+
+
 def test_a_save_that_runs_out_of_room_keeps_the_snapshot_before(make_store, tmp_path):
     """A file system that fills up during the last array takes part of a write and reports
     nothing: the save writes the rest (which fails) and raises, the snapshot already at the

@@ -16,7 +16,7 @@ import numpy as np
 from shmkv._engine.clients import futex as _futex
 from shmkv._sequence import quant as _quant
 from shmkv._engine.memory import segment as _segment
-from shmkv._engine.checks import ints, not_arrays, positions_fit
+from shmkv._engine.checks import MAX_POSITION, ints, not_arrays, positions_fit
 from shmkv._engine.table import dtypes as _dtypes
 from shmkv._engine.table.header import (
     CAPACITY,
@@ -354,7 +354,8 @@ class SeqWriter:
                     raise InvalidArgumentError(
                         f"commit: positions {pos.tolist()[:8]} must increase, after the last committed position {last}"
                     )
-            positions_fit("commit", n, last, pos)
+            if (last + n if pos is None else int(pos[-1])) > MAX_POSITION:  # (a compare a commit; the call to say it)
+                positions_fit("commit", n, last, pos)
             if self.staged and self.mirror is not None:  # int8: all layers' pending tokens quantized, one pass
                 self.mirror.quantize(length, n, s, self)
             if n == 1:  # (the decode step: two word stores)

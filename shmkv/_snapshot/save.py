@@ -364,7 +364,8 @@ def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Pr
             raise InvalidArgumentError(f"save: the path {path!r} names no file (a directory?): give a file's path, "
                                        "e.g. 'cache.shmkv'")
         return _save_path(core, path, ids, progress)
-    if not hasattr(target, "write") or isinstance(target, io.TextIOBase) or not getattr(target, "writable", bool)():
+    if not hasattr(target, "write") or isinstance(target, io.TextIOBase) \
+            or not getattr(target, "writable", lambda: True)():  # (an object with write() alone: as before)
         raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file "
                                    "(open it with 'wb')")
     # a stream cannot be rewound: hold the store lock so no structural change can race
