@@ -427,3 +427,50 @@ def test_a_generic_numba_target_uses_the_integer_conversion(tmp_path):
     generic = _run(code, NUMBA_CPU_NAME="generic", **env).split()
     assert generic[0] == "False"  # no F16C for that target
     assert generic[1] == _run(code, SHMKV_NUMBA="0", **env).split()[1]
+
+
+_CTRL_C_IN_A_COMPILE = """
+import signal, sys, numpy as np, shmkv
+import llvmlite.binding.executionengine as ee
+from shmkv.testing import unique_name
+
+string_at = ee.string_at
+
+def ctrl_c_then(*args):  # called inside LLVM's ctypes callback as a loop compiles: the Ctrl-C lands there
+    ee.string_at = string_at
+    print("ctrl-c", flush=True)
+    signal.raise_signal(signal.SIGINT)
+    return string_at(*args)
+
+ee.string_at = ctrl_c_then
+k = np.frombuffer(bytes.fromhex(sys.argv[1]), np.float16).reshape(2, 3, 2, 64)
+st = shmkv.create(unique_name("qc"), layers=2, kv_heads=2, head_dim=64, dtype="int8", max_tokens=64, max_seqs=2)
+try:
+    try:
+        st.create_sequence(capacity=8).extend(k, k)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    s = st.create_sequence(capacity=8)
+    s.extend(k, k)
+    print(np.concatenate([s.keys(0).ravel(), s.values(1).ravel()]).astype(np.float32).tobytes().hex())
+finally:
+    st.close()
+    st.unlink()
+"""
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_while_a_loop_compiles_waits_for_the_compile(tmp_path):
+    """A Ctrl-C that lands in LLVM's callback into Python while numba compiles a loop (the first
+    int8 write, numba's cache empty) is raised from the write once the compile ends: no
+    "Exception ignored" traceback, no Ctrl-C lost; the process carries on with the compiled
+    loops, whose values are the reference's."""
+    _numba()
+    k = np.random.default_rng(SEED).standard_normal((2, 3, 2, 64)).astype(np.float16)
+    out = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_COMPILE, k.tobytes().hex()], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0 and "Exception ignored" not in out.stderr, out.stderr
+    lines = out.stdout.split()
+    assert lines[:2] == ["ctrl-c", "interrupted"], out.stdout
+    want = np.concatenate([reference(k[0])[2].ravel(), reference(k[1])[2].ravel()])
+    np.testing.assert_array_equal(np.frombuffer(bytes.fromhex(lines[2]), np.float32), want)  # (-0.0 == 0.0)

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from shmkv._engine.locking.interrupts import critical, shielding
 from shmkv._sequence.quant_limits import F32_MAX, NORMAL, SCALE_MAX
 from shmkv.errors import InvalidArgumentError
 
@@ -57,18 +58,40 @@ def kernels() -> Any:
     """The compiled int8 loops (module ``quant_jit``, numba: ``pip install 'shmkv[fast]'``), or
     None without numba or with ``SHMKV_NUMBA=0`` in the environment. Loaded on the first
     quantization in the process, never by ``import shmkv``; the same results as the numpy path
-    below, bit for bit (tests/test_quant_jit.py)."""
+    below, bit for bit (tests/test_quant_jit.py). A Ctrl-C while the import runs is raised as
+    usual (the next call imports again); one while a loop compiles waits for the compile."""
     global _JIT
     if _JIT is None:
-        _JIT = False
-        if os.environ.get("SHMKV_NUMBA", "1") != "0":
+        if os.environ.get("SHMKV_NUMBA", "1") == "0":
+            _JIT = False
+        else:
             try:
                 from shmkv._sequence import quant_jit
             except Exception:  # not installed (ImportError), or a numba that cannot load or cache here:
-                pass  # the numpy path, same results
+                _JIT = False  # the numpy path, same results
             else:
+                for name, loop in vars(quant_jit).items():  # the loops called from Python (no underscore)
+                    if not name.startswith("_") and hasattr(loop, "_compile_for_args"):
+                        _compiles_deferring_ctrl_c(loop)
                 _JIT = quant_jit
     return _JIT or None
+
+
+def _compiles_deferring_ctrl_c(loop: Any) -> None:
+    """Make a compiled loop's compilations (its first call with new argument types: seconds
+    without numba's cache) defer a Ctrl-C to their end. LLVM calls back into Python while it
+    compiles (llvmlite's object-cache hooks, ctypes callbacks); a KeyboardInterrupt raised in one
+    is printed as "Exception ignored" with a traceback and lost. numba's dispatcher calls its
+    ``_compile_for_args`` only when no compiled version matches the arguments, so every later
+    call costs what it did."""
+    compile_for_args = loop._compile_for_args
+
+    @shielding()  # (our deferring handler in place for the compile, the Ctrl-C raised as it ends)
+    @critical
+    def compiling(*args: Any, **kws: Any) -> Any:
+        return compile_for_args(*args, **kws)
+
+    loop._compile_for_args = compiling
 
 
 def _jit_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int | None:
