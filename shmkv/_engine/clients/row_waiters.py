@@ -32,20 +32,13 @@ import threading
 
 from shmkv._engine.clients import futex as _futex
 from shmkv._engine.clients import liveness as _liveness
+from shmkv._engine.locking.forks import renewed
 from shmkv._engine.locking.interrupts import critical
 
 _PAGE = mmap.PAGESIZE
 # this process's changes of read-only counts, and of a handle's ``waiting`` with them, against a
 # close() in another thread (``_sequence/waiting.py``, ``RowWaiters.drop``)
-LOCK = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    global LOCK
-    LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+LOCK: threading.Lock = renewed(globals(), "LOCK")  # (free again in a forked child)
 
 
 def file_bytes(rows: int) -> int:

@@ -50,6 +50,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+from shmkv._engine.locking.forks import renewed
 from shmkv._engine.locking.interrupts import critical, deferred, deliver_deferred, hold, unhold
 from shmkv.errors import LockTimeout, StoreClosedError, StoreNotFound
 
@@ -102,14 +103,12 @@ class _ProcessState:
 
 # (st_dev, st_ino) -> state; an entry lives while an open StoreLock of that file does.
 _states: weakref.WeakValueDictionary[tuple[int, int], _ProcessState] = weakref.WeakValueDictionary()
-_states_guard = threading.Lock()
+_states_guard: threading.Lock = renewed(globals(), "_states_guard")  # (free again in a forked child)
 _open_locks: weakref.WeakSet[StoreLock] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
     # The child must not share the parent's open file descriptions (see the module docstring).
-    global _states_guard
-    _states_guard = threading.Lock()  # another thread may have held it at the fork
     for lk in list(_open_locks):
         lk._forget_inherited()
     _states.clear()

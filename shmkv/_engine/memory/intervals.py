@@ -10,18 +10,11 @@ tests/test_intervals_threads.py)."""
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 
-_LOCK = threading.Lock()
+from shmkv._engine.locking.forks import renewed
 
-
-def _after_fork_in_child() -> None:
-    global _LOCK
-    _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_LOCK: threading.Lock = renewed(globals(), "_LOCK")  # (free again in a forked child)
 
 
 def covers(spans: list[tuple[int, int]], a: int, b: int) -> bool:

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+from shmkv._engine.locking.forks import renewed
 from shmkv._engine.locking.interrupts import critical
 
 
@@ -29,7 +30,7 @@ class Room:
 
     def __init__(self) -> None:
         self.at, self.room, self.spent = -1.0, 0, 0
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # (ROOM's: renewed in a forked child)
 
     def grant(self, need: int) -> bool:
         """Whether ``need`` bytes fit the last reading (counted as spent when they do)."""
@@ -46,10 +47,10 @@ class Room:
 
 
 ROOM = Room()
+renewed(ROOM, "lock")  # (free again in a forked child, before the hook below reads with it)
 
 
 def _after_fork_in_child() -> None:
-    ROOM.lock = threading.Lock()  # another thread of the parent may have held it at the fork
     ROOM.read(None, 0)  # the child reads the room itself (it would spend the parent's reading a second time)
 
 

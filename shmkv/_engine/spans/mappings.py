@@ -78,6 +78,7 @@ import numpy as np
 
 from shmkv._engine.table import header as _header
 from shmkv._engine.table.header import SPAN_CELLS, SPAN_PHYS, START, STATE, LIVE
+from shmkv._engine.locking.forks import renewed
 from shmkv._engine.locking.interrupts import critical
 from shmkv._engine.memory.intervals import take_interval
 from shmkv._engine.table.seqlock import SMALL_TABLE
@@ -179,12 +180,12 @@ class Spare:
 
 
 SPARE = Spare()
+renewed(SPARE, "lock")  # (free again in a forked child)
 
 
 def _after_fork_in_child() -> None:
     for shares in list(_LIVE):
         shares.lock = threading.RLock()
-    SPARE.lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

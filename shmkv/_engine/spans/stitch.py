@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from shmkv._engine.locking.forks import renewed
 from shmkv.errors import InvalidArgumentError, ShmkvError
 
 PAGE = mmap.PAGESIZE
@@ -45,16 +46,8 @@ _munmap = LIBC.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 
-_count_lock = threading.Lock()
+_count_lock: threading.Lock = renewed(globals(), "_count_lock")  # (free again in a forked child)
 _live = 0
-
-
-def _after_fork_in_child() -> None:
-    global _count_lock
-    _count_lock = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class StitchError(ShmkvError, OSError):
