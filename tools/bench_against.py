@@ -4,9 +4,14 @@
     python tools/bench_against.py REV [--only decode,wait] [--rounds 5]
 
 Checks REV out into a temporary git worktree, then runs this tree's ``tools/bench.py --quick
---json`` (every scenario, or ``--only`` some) alternately with this tree's package and REV's
-package on ``PYTHONPATH`` (the same harness measures both sides, so each figure is measured the
-same way on both), ``--rounds`` times each, the order flipping every round. It prints, scenario
+--json --only S`` for each scenario S (every scenario of a plain ``shmkv bench``, or the
+``--only`` ones) with this tree's package and with REV's package on ``PYTHONPATH``, one right
+after the other (the same harness measures both sides, so each figure is measured the same way
+on both), ``--rounds`` times each, the order flipping from scenario to scenario and from round to
+round. Alternating a scenario at a time, not a whole bench run, keeps the two measurements of a
+figure seconds apart: on this 2-core machine a figure such as ``append_commit_us`` reads about
+60 or about 95 us depending on whether another process runs on the other core meanwhile, and a
+whole run (minutes) apart the two sides' medians could land in different modes. It prints, scenario
 by scenario, the one sentence that states the scenario's baseline, then every key the bench
 printed: the median of each side and their ratio (this tree / REV), and a verdict when the
 ratio moves by more than 5% either way (a ``*_overhead`` key, a share of a throughput lost and
@@ -120,6 +125,18 @@ def verdict(key: str, ratio: float, goals: dict[str, tuple[str, float]], base_ke
     return ("faster" if up else "SLOWER") if higher_is_better(key, goals) else ("SLOWER" if up else "faster")
 
 
+def scenarios(only: str | None) -> list[str]:
+    """The scenarios to run: ``only``'s, else those a plain ``shmkv bench`` runs (this tree's
+    harness: every scenario but the opt-in ones)."""
+    if only:
+        return [n for n in only.split(",") if n]
+    sys.path.insert(0, str(HERE))
+    import bench  # noqa: F401  # tools/bench.py: registers this checkout's harness as shmkv.cli.bench
+    from shmkv.cli.bench.scenarios import OPT_IN, SCENARIOS
+
+    return [n for n in SCENARIOS if n not in OPT_IN]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("rev", help="the revision to compare against (a commit, branch or tag)")
@@ -135,16 +152,21 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "add", "--detach", "-q", str(old), a.rev], check=True)
         try:
             sides: dict[str, list[dict[str, float]]] = {"this": [], a.rev: []}
+            names = scenarios(a.only)
             for i in range(a.rounds):
-                order = [("this", CHECKOUT), (a.rev, old)]
-                if i % 2:
-                    order.reverse()
-                for label, root in order:
-                    res, where, said = run_once(root, a.only)
+                got: dict[str, dict[str, float]] = {"this": {}, a.rev: {}}  # (one round's figures a side)
+                for j, name in enumerate(names):
+                    order = [("this", CHECKOUT), (a.rev, old)]
+                    if (i + j) % 2:
+                        order.reverse()
+                    for label, root in order:
+                        res, where, said = run_once(root, name)
+                        got[label].update(res)
+                        scenario_of.update(where)
+                        baselines.update(said)
+                    print(f"round {i + 1}/{a.rounds}: {name} done", file=sys.stderr, flush=True)
+                for label, res in got.items():
                     sides[label].append(res)
-                    scenario_of.update(where)
-                    baselines.update(said)
-                    print(f"round {i + 1}/{a.rounds}: {label} done", file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "remove", "--force", str(old)], check=False)
     goals, base_keys = _bench_module()
@@ -170,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         flagged += v not in ("ok",)
         moved = f"{m - t:>+10.3f}" if is_fraction(key) else f"{ratio:>10.3f}"
         print(f"  {key:<36}{m:>12.4g}{t:>12.4g}{moved}  {v}{' (this - rev, 0.05 band)' if is_fraction(key) else ''}")
-    print(f"\n{len(keys)} keys, {flagged} moved by more than 5% (medians of {a.rounds} alternated rounds each)")
+    print(f"\n{len(keys)} keys, {flagged} moved by more than 5% (medians of {a.rounds} rounds each, the sides "
+          "alternated a scenario at a time)")
     return 0
 
 
