@@ -314,6 +314,14 @@ def _extended(store: shmkv.Store) -> shmkv.Sequence:
     return seq
 
 
+def _restored_twice(store: shmkv.Store) -> None:
+    seq = _extended(store)
+    saved = io.BytesIO()
+    store.save(saved)
+    saved.seek(0)
+    store.restore(saved, seq_ids=[seq.id, seq.id])
+
+
 @pytest.mark.parametrize(("call", "match"), [
     (lambda s: shmkv.attach(s.name, lock_timeout=float("inf")), "lock_timeout=inf must be a finite"),
     (lambda s: shmkv.attach(s.name, lock_timeout=1e12), "at most 9223372036"),
@@ -340,6 +348,8 @@ def _extended(store: shmkv.Store) -> shmkv.Sequence:
     (lambda s: s.regather(None, [0]), "seqs=None must be a list"),
     (lambda s: s.regather([1, 2], [0]), "seqs holds 1, not a Sequence"),
     (lambda s: _extended(s).remove(0, 1, shift=5), "shift=5 must be a function"),
+    (lambda s: s.save(io.BytesIO(), seq_ids=[_extended(s).id] * 2), "names a sequence twice; name each once"),
+    (_restored_twice, "names a sequence twice; name each once"),
     (lambda s: s.create_sequence().append(0, [[[1, 2, 3, 4], [1, 2]]], np.zeros((1, 2, 4))),
      "append: k cannot be read as an array .*one shape"),
 ])

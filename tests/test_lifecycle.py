@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import io
 import mmap
 import os
 import stat
@@ -426,3 +427,78 @@ def test_a_header_is_decoded_once_and_every_other_header_on_its_own():
     words[_header.W_MAX_TOKENS] += 8  # a known header, one word changed (its checksum not)
     with pytest.raises(shmkv.CorruptStoreError, match="checksum"):
         _store.read_header_once(words, raw, size, "h")
+
+
+_O, _O4 = np.ones((1, 4)), np.ones((1, 1, 1, 4))
+# Every public call that reads or changes the store, with arguments it takes on an open store.
+# (Not here: what is the handle's own, with no shared word read: pending, pending_on, discard,
+# release, writable; the layout's bytes_per_token.)
+_ON_A_CLOSED_STORE = {
+    "Store.batch_kv": lambda st, s, s2: st.batch_kv([s], 0),
+    "Store.clients": lambda st, s, s2: st.clients(),
+    "Store.copy_prefix": lambda st, s, s2: st.copy_prefix(s.id, s2.id, 1),
+    "Store.create_sequence": lambda st, s, s2: st.create_sequence(capacity=4),
+    "Store.create_sequence()": lambda st, s, s2: st.create_sequence(),  # (its default capacity exceeds max_tokens)
+    "Store.create_sequences": lambda st, s, s2: st.create_sequences(2, 4),
+    "Store.forward": lambda st, s, s2: st.forward([s], [1]),
+    "Store.lease": lambda st, s, s2: st.lease([s.id]),
+    "Store.match_prefix": lambda st, s, s2: st.match_prefix([1, 2]),
+    "Store.regather": lambda st, s, s2: st.regather([s], [0]),
+    "Store.restore": lambda st, s, s2: st.restore(io.BytesIO(b"SHMKV")),
+    "Store.save": lambda st, s, s2: st.save(io.BytesIO()),
+    "Store.sequence": lambda st, s, s2: st.sequence(s.id),
+    "Store.sequences": lambda st, s, s2: st.sequences(),
+    "Store.stats": lambda st, s, s2: st.stats(),
+    "Store.transaction": lambda st, s, s2: st.transaction().__enter__(),
+    "append": lambda st, s, s2: s.append(0, _O, _O),
+    "can_resume": lambda st, s, s2: s.can_resume(2),
+    "capacity": lambda st, s, s2: s.capacity,
+    "clear": lambda st, s, s2: s.clear(),
+    "commit": lambda st, s, s2: s.commit(),
+    "encoder_kv": lambda st, s, s2: s.encoder_kv(0),
+    "encoder_length": lambda st, s, s2: s.encoder_length,
+    "extend": lambda st, s, s2: s.extend(_O4, _O4),
+    "finish": lambda st, s, s2: s.finish(),
+    "fork": lambda st, s, s2: s.fork(),
+    "free": lambda st, s, s2: s2.free(),
+    "head": lambda st, s, s2: s.head(0, 0),
+    "held_positions": lambda st, s, s2: s.held_positions(0),
+    "is_full": lambda st, s, s2: s.is_full,
+    "iter_tokens": lambda st, s, s2: list(s.iter_tokens(0)),
+    "keys": lambda st, s, s2: s.keys(0),
+    "kv": lambda st, s, s2: s.kv(0),
+    "lease_pid": lambda st, s, s2: s.lease_pid,
+    "len": lambda st, s, s2: len(s),
+    "mask": lambda st, s, s2: s.mask(0, [3]),
+    "meta": lambda st, s, s2: s.meta,
+    "meta=": lambda st, s, s2: setattr(s, "meta", {"a": 1}),
+    "nbytes": lambda st, s, s2: s.nbytes,
+    "positions": lambda st, s, s2: s.positions(),
+    "raw_keys": lambda st, s, s2: s.raw_keys(0),
+    "raw_values": lambda st, s, s2: s.raw_values(0),
+    "read": lambda st, s, s2: s.read(0),
+    "remaining_capacity": lambda st, s, s2: s.remaining_capacity,
+    "remove": lambda st, s, s2: s.remove(0, 1),
+    "set_encoder": lambda st, s, s2: s.set_encoder(_O4, _O4),
+    "set_tokens": lambda st, s, s2: s.set_tokens([5]),
+    "shift_left": lambda st, s, s2: s.shift_left(1),
+    "tokens": lambda st, s, s2: s.tokens(),
+    "truncate": lambda st, s, s2: s.truncate(1),
+    "values": lambda st, s, s2: s.values(0),
+    "wait": lambda st, s, s2: s.wait(10, timeout=0.1),
+    "keys of a read handle": lambda st, s, s2: s.reader.keys(0),  # (made while open, below)
+}
+
+
+@pytest.mark.parametrize("call", sorted(_ON_A_CLOSED_STORE))
+def test_every_call_on_a_closed_store_says_it_is_closed(make_store, call):
+    """After close(), each public call that reads or changes the store raises StoreClosedError
+    (not another error about its arguments, nor a value read from what close left behind)."""
+    st = make_store(layers=1, kv_heads=1, head_dim=4, dtype="float32", max_tokens=64, max_seqs=4)
+    s, s2 = st.create_sequence(capacity=8), st.create_sequence(capacity=8)
+    for seq in (s, s2):
+        seq.extend(np.ones((1, 3, 1, 4)), np.ones((1, 3, 1, 4)), tokens=[1, 2, 3])
+    s.reader = st.sequence(s.id)
+    st.close()
+    with pytest.raises(shmkv.StoreClosedError):
+        _ON_A_CLOSED_STORE[call](st, s, s2)

@@ -20,7 +20,7 @@ from shmkv._sequence.mirror import Int8Mirror
 from shmkv._sequence import quant as _quant
 from shmkv._engine.checks import count, int_list
 from shmkv._sequence.handle import Sequence, writer_part
-from shmkv.errors import InvalidArgumentError, ReadOnlyError
+from shmkv.errors import InvalidArgumentError, ReadOnlyError, StoreClosedError
 
 if TYPE_CHECKING:
     from shmkv._sequence.handle import Owner
@@ -93,6 +93,9 @@ def regather(store: Owner, seqs: list[Sequence], rows: Iterable[int]) -> list[Se
             raise InvalidArgumentError(f"regather: sequence {s.id} is given twice in seqs")
         seen.add(s.id)
         if not s.writable:
+            if store.closed:
+                raise StoreClosedError(f"store {store.name!r} is closed: attach again with "
+                                       f"shmkv.attach({store.name!r})")
             raise ReadOnlyError(f"regather: sequence {s.id} handle is read-only; take the lease with "
                                 f"store.sequence({s.id}, write=True)")
         pending = [s.pending_on(layer) for layer in range(store.layout.layers)]

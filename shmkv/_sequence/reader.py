@@ -361,6 +361,7 @@ class SeqReader:
         return self.decode(K[layer, a : a + n], ks), self.decode(V[layer, a : a + n], vs)
 
     def encoder_length(self) -> int:
+        self.check()
         enc = self.rows.encoder_range(self.row, self.port.row)
         return 0 if enc is None else int(enc[1])
 

@@ -85,6 +85,7 @@ class Reads:
 
     @property
     def lease_pid(self) -> int:
+        self._r.check()
         return self._r.rows.lease_pid(self._row)
 
     def keys(self, layer: int) -> np.ndarray:

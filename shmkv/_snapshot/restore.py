@@ -72,7 +72,9 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
         )
     ids = snap.seq_ids
     if seq_ids is not None:
-        wanted = [] if seq_ids is None else int_list("restore", "seq_ids", seq_ids, ID_HINT)
+        wanted = int_list("restore", "seq_ids", seq_ids, ID_HINT)
+        if len(set(wanted)) != len(wanted):
+            raise InvalidArgumentError(f"seq_ids={wanted} names a sequence twice; name each once")
         missing = [i for i in wanted if i not in ids]
         if missing:
             raise SequenceNotFound(f"{reader.where}: sequences {missing} are not in the snapshot (it has {ids})")

@@ -114,7 +114,7 @@ def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[SeqReco
     for s in out if core.shares.unmapped else ():  # never a row whose shared pages are holes here
         core.shares.readable(s.slot, f"sequence {s.id} of store {core.name!r} (saving it)")
     if ids is not None and len({s.id for s in out}) != len(out):
-        raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice")
+        raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice; name each once")
     return sorted(out, key=lambda s: s.id)
 
 

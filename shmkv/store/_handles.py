@@ -53,6 +53,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
             made: list[int]) -> Sequence:
     capacity = count("capacity", capacity, minimum=1)
     if capacity > e.layout.max_tokens:
+        e.check_open()  # (a closed store says so first)
         raise CacheFullError(
             f"capacity={capacity} exceeds the store's max_tokens={e.layout.max_tokens}: "
             "ask for less, or create the store with a larger max_tokens="
