@@ -602,6 +602,62 @@ def test_only_a_real_prefix_is_pushed(make_store, server, client, tiers):
     assert len(chunk_keys(client)) == 2
 
 
+def test_tokens_a_remove_moved_are_not_pushed(make_store, server, client, tiers):
+    """After remove(C, 2C, shift=...), the tokens from C on were computed with the removed ones in
+    context: no prefix, though their positions are 0..n-1 again. Only the first chunk is pushed,
+    and another store reuses only it for the prompt the sequence now reads as."""
+    a, b = make_store(**LAYOUT), make_store(**LAYOUT)
+    toks, k, v = prompt(4 * C)
+    sa = prefill(a, toks, k, v)
+    sa.remove(C, 2 * C, shift=lambda layer, keys, delta: keys)
+    assert np.array_equal(sa.positions, np.arange(3 * C))
+    tier = tiers(server.url)
+    assert tier.push(a, sa.id) == 1
+    assert len(chunk_keys(client)) == 1
+    sb = create_with_tier(b, np.r_[toks[:C], toks[2 * C :], 5], tier)
+    assert_same_prefix(sa, sb, C)
+
+
+@pytest.mark.parametrize("change", ["grows and moves", "is freed"])
+def test_a_push_overlapping_a_move_of_its_sequence_publishes_nothing(make_store, server, client, tiers,  # noqa: PLR0917
+                                                                     monkeypatch, change):
+    """A structural change of the sequence while its chunks go out (here: just before the bytes
+    are sent, from the views push took) gives its cells to another sequence, whose K/V the
+    views then show. Nothing of that group is published (no chunk key, no pending key left), and
+    another store pulls nothing; the next push, undisturbed, publishes the sequence's own."""
+    from shmkv import remote
+
+    a, b = make_store(**LAYOUT), make_store(**LAYOUT)
+    toks, k, v = prompt(4 * C)
+    sa = prefill(a, toks, k, v)
+    keep = (np.array(sa.raw_keys(0)[0]), toks.copy())
+    other: list[shmkv.Sequence] = []
+    send = remote.send_pending
+
+    def change_then_send(r, items, cluster):
+        if not other:
+            if change == "grows and moves":
+                one = prompt(1, seed=9)
+                sa.extend(one[1], one[2], tokens=one[0])  # past its capacity: it moves
+            else:
+                sa.free()
+            o = a.create_sequence(capacity=4 * C)  # takes the cells sa left
+            o.extend(*prompt(4 * C, seed=5)[1:], tokens=np.arange(4 * C) + 100)
+            other.append(o)
+        return send(r, items, cluster)
+
+    monkeypatch.setattr(remote, "send_pending", change_then_send)
+    tier = tiers(server.url)
+    assert tier.push(a, sa.id) == 0
+    assert chunk_keys(client) == [] and client.keys("*pending*") == []
+    assert len(create_with_tier(b, np.r_[toks, 1], tier)) == 0
+    if change == "grows and moves":
+        assert tier.push(a, sa.id) == 4
+        sb = create_with_tier(b, np.r_[toks, 1], tier)
+        assert_same_prefix(sa, sb, 4 * C)
+        assert np.array_equal(sb.raw_keys(0)[0], keep[0])
+
+
 def test_sliding_layers_are_refused(make_store, server, tiers):
     a = make_store(**{**LAYOUT, "layer_types": ["full", "sliding", "full"], "window": 16})
     toks, k, v = prompt(64)

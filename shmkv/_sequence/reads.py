@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from shmkv._sequence.reader import SeqReader
     from shmkv._sequence.writer import SeqWriter
 
-__all__ = ["Reads"]
+__all__ = ["Reads", "stamp"]
 
 
 class Reads:
@@ -215,3 +215,17 @@ class Reads:
             return torch.from_numpy(staged[0]), torch.from_numpy(staged[1])
         cells = self._w.pending_cells(layer) if pending else None
         return self._r.torch_kv(layer, (self._w.Kw, self._w.Vw), cells)
+
+
+def stamp(seq: Reads) -> tuple[int, int]:
+    """(generation, faithful) of ``seq``'s row now, for a reader that sends its views elsewhere
+    over time (the remote tier's push). The generation changes with every structural change of
+    the sequence (a move as it grows past its capacity, a truncate, a remove, a rewind, its free:
+    whatever may give its cells to another sequence), never with a commit, and is odd while one
+    runs: bytes read from views taken after one read of it are this sequence's if a later read
+    gives the same even value. ``faithful``: the leading tokens that are a faithful computation
+    from position 0 (-1: all of them; tokens past it were moved by a ``remove`` or ``shift_left``
+    and are no prefix)."""
+    r = seq._r
+    r.check()
+    return r.rows.generation(r.row), r.rows.faithful(r.row)

@@ -22,15 +22,18 @@ A chunk is loaded only if magic, version, checksum, fingerprint, start, length
 and token ids (against the prompt's) all agree; otherwise it is a miss, never
 loaded, deleted from Redis, and counted (``stats().damaged`` / ``.foreign``).
 
-Only chunks whose tokens sit at positions 0..n-1 with known ids are pushed (what
-a prefix is, §8), and only for stores whose layers are all full attention:
-sliding and chunked layers hold only their most recent tokens, so the first
-chunks of a long sequence no longer exist there (``push`` raises
+Only chunks whose tokens sit at positions 0..n-1 with known ids, computed from
+position 0, are pushed (what a prefix is, §8), each published only once all of it
+is in Redis and the sequence's cells were nobody else's meanwhile (``_wire``), and
+only for stores whose layers are all full attention: sliding and chunked layers
+hold only their most recent tokens, so the first chunks of a long sequence no
+longer exist there (``push`` raises
 ``NotSupportedError``; ``match`` and ``pull`` find nothing).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from shmkv._sequence import quant as _quant
+from shmkv._sequence.reads import stamp
 from shmkv._engine.prefixes.hashes import BLOCK, HASH_VERSION, as_tokens, block_hashes
 from shmkv.errors import InvalidArgumentError, NotSupportedError, RemoteError, ShmkvError
 from shmkv.remote._client import check_settings, connect, is_redis_error, redact
@@ -47,10 +51,12 @@ from shmkv.remote._wire import (
     FORMAT_VERSION,
     Geometry,
     Unsound,
+    drop,
     fingerprint,
-    joined,
+    pending_key,
+    publish,
     same_codes,
-    stream_set,
+    send_pending,
     unpack,
     value_parts,
 )
@@ -66,7 +72,7 @@ _EXISTS_BATCH = 4096
 class TierStats:
     """What this ``RemoteTier`` object did (this process only; Redis keeps no counters of ours)."""
 
-    chunks_pushed: int = 0  # SET NX that wrote
+    chunks_pushed: int = 0  # chunks a push published
     bytes_pushed: int = 0
     chunks_pulled: int = 0  # chunks fetched that were loaded (in whole or part)
     bytes_pulled: int = 0
@@ -225,10 +231,14 @@ class RemoteTier:
     def push(self, store: Any, seq_id: int) -> int:
         """Upload sequence ``seq_id``'s committed tokens, in whole chunks not in Redis yet.
 
-        Only the leading tokens at positions 0..n-1 with known ids (not -1) are a
-        prefix; a trailing partial chunk stays local. Existing chunks are skipped
-        (pipelined EXISTS), new ones written with SET NX (pipelined), so concurrent
-        pushes of the same prefix leave one copy. A read-only attachment can push.
+        Only the leading tokens at positions 0..n-1 with known ids (not -1), computed
+        from position 0 (not moved by ``remove`` or ``shift_left``), are a prefix; a
+        trailing partial chunk stays local. Existing chunks are skipped (pipelined
+        EXISTS); new ones are sent under pending keys and published (renamed, unless
+        another push of the same prefix was first: one copy) only if no structural
+        change of the sequence ran while they went out (a move as it grows, a truncate,
+        its free): then the push stops and deletes them, and returns what it published
+        before. A read-only attachment can push.
 
         Returns:
             The chunks written (0 when all were there already).
@@ -245,10 +255,14 @@ class RemoteTier:
                 "they keep only recent tokens, so whole prefixes cannot be pushed (remote tier: full layers only)"
             )
         seq = store.sequence(seq_id)
+        gen, faithful = stamp(seq)
         toks = np.array(seq.tokens)
         pos = np.array(seq.positions)
-        n = len(toks)
-        bad = np.flatnonzero((pos != np.arange(n)) | (toks < 0))
+        raw = [(seq.raw_keys(li), seq.raw_values(li)) for li in range(geo.L)]
+        if gen % 2 or stamp(seq)[0] != gen:  # a structural change ran meanwhile: nothing read is sure
+            return 0
+        n = len(toks) if faithful < 0 else min(len(toks), faithful)
+        bad = np.flatnonzero((pos[:n] != np.arange(n)) | (toks[:n] < 0))
         usable = int(bad[0]) if bad.size else n
         C = self.chunk_tokens
         chunks = usable // C
@@ -259,33 +273,34 @@ class RemoteTier:
         if not missing:
             return 0
         r = self._redis()
-        raw = [(seq.raw_keys(li), seq.raw_values(li)) for li in range(geo.L)]
+        tag = os.urandom(8).hex()  # (this push's pending keys: _wire's docstring)
         # Groups of chunks, one round trip each (one chunk a group when chunks are big).
         per = max(1, _GROUP_BYTES // (geo.payload_bytes(C) + 4096))
         written = 0
         for g in range(0, len(missing), per):
             batch = missing[g : g + per]
-            items = [(keys[i], *value_parts(geo, raw, toks, i * C, C)) for i in batch]
-            # Committed cells are immutable until a structural change (truncate, remove, ...);
-            # if one ran meanwhile, the tokens or the length changed: stop, upload nothing more.
-            # (The bytes are read while they are sent: a change during the send is not seen.)
-            now = seq.tokens
-            if len(now) < (batch[-1] + 1) * C or not all(
-                    np.array_equal(now[i * C : (i + 1) * C], toks[i * C : (i + 1) * C]) for i in batch):
+            items = [(pending_key(keys[i], tag), *value_parts(geo, raw, toks, i * C, C)) for i in batch]
+            pending = [key for key, _, _ in items]
+            try:
+                self._call(lambda items=items: send_pending(r, items, self.cluster))
+                # every byte of the group is in Redis: the sequence's own only if its cells were
+                # never another's meanwhile (the generation moves with any change that could do that)
+                same = stamp(seq)[0] == gen
+            except BaseException:
+                drop(r, pending)
+                raise
+            if not same:
+                drop(r, pending)
                 break
-            if self.cluster:
-                pipe = r.pipeline(transaction=False)
-                for key, parts, _ in items:
-                    pipe.set(key, joined(parts), nx=True)
-                oks = self._call(pipe.execute)
-            else:
-                oks = self._call(lambda items=items: stream_set(r, items))
-            for (_, _, size), ok in zip(items, oks, strict=True):
+            published = self._call(lambda pending=pending, batch=batch: publish(
+                r, [(p, keys[i]) for p, i in zip(pending, batch, strict=True)], self.cluster))
+            for (_, _, size), ok in zip(items, published, strict=True):
                 if ok:
                     written += 1
                     self._stats["chunks_pushed"] += 1
                     self._stats["bytes_pushed"] += size
         return written
+
 
     # -- pull --------------------------------------------------------------------
 
@@ -405,7 +420,7 @@ class RemoteTier:
         return True
 
     def _discard(self, key: str, what: str) -> None:
-        """Count a chunk that is not loaded and remove it, so a later push can replace it (SET NX
+        """Count a chunk that is not loaded and remove it, so a later push can replace it (RENAMENX
         would keep it forever). Best effort: the read-only user of a shared Redis may not delete."""
         self._stats[what] += 1
         try:

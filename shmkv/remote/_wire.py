@@ -27,6 +27,14 @@ under two keys and documents that race):
 A value that fails any check raises ``Unsound`` naming what it is (``damaged``, or
 ``foreign``: another layout or format version under our key); the tier counts it, deletes it
 and treats it as a miss.
+
+Sending. The K/V bytes go out straight from the store's views, and a structural change of the
+sequence while they go (it grows past its capacity and moves, is truncated or freed, and another
+sequence takes its cells) would send another sequence's bytes. So a value is first written under
+a pending key (``pending_key``: in the same Redis Cluster slot, expiring after ``PENDING_MS``),
+and renamed to its key (``publish``: RENAMENX, one copy if two machines push it) only once every
+byte is in Redis and the sequence's generation says no such change ran; otherwise the pending
+values are deleted (``drop``). A reader never sees a pending key.
 """
 
 from __future__ import annotations
@@ -44,13 +52,16 @@ from shmkv._engine.table.header import Layout
 from shmkv._engine.prefixes.hashes import HASH_VERSION
 
 __all__ = ["CRC", "FIXED", "FORMAT_VERSION", "MAGIC", "Geometry", "Unsound", "fingerprint", "joined", "payload_offset",
-           "same_codes", "stream_set", "unpack", "value_parts"]
+           "PENDING_MS", "drop", "pending_key", "publish", "same_codes", "send_pending", "stream_set", "unpack",
+           "value_parts"]
 
 FORMAT_VERSION = 1
 MAGIC = b"SKVR"
 FIXED = struct.Struct("<4sHHII")  # magic, version, zero, header length, zero
 CRC = struct.Struct("<I")  # the trailer: crc32 of everything before it
 _JOIN_BYTES = 256 << 10  # values up to this size are joined and sent in one write
+PENDING_MS = 600_000  # a pending value expires (its pusher died before publishing or dropping it)
+_PX = b"\r\n$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(PENDING_MS)), PENDING_MS)
 
 
 class Unsound(ValueError):
@@ -131,10 +142,68 @@ def value_parts(geo: Geometry, raw: list[Any], toks: np.ndarray, s: int, n: int)
     return parts, off + geo.payload_bytes(n) + CRC.size
 
 
+def pending_key(key: str, tag: str) -> str:
+    """Where ``key``'s value waits until it is published: ``{key}`` is its Redis Cluster hash tag
+    (our keys hold no braces), so both are in one slot; ``tag``: the push's own."""
+    return f"{{{key}}}:pending:{tag}"
+
+
+def publish(r: Any, pairs: list[tuple[str, str]], cluster: bool) -> list[bool]:
+    """Each pending key renamed to its key unless the key exists (then the pending value is
+    deleted): whether each was renamed. A pending key Redis evicted meanwhile (``maxmemory``) is
+    not. One round trip (a Redis Cluster client refuses RENAMENX in a pipeline, though both keys
+    are in one slot: three a key there)."""
+    import redis.exceptions as rx
+
+    if cluster:
+        out = []
+        for pending, key in pairs:
+            try:
+                out.append(bool(r.renamenx(pending, key)))
+            except rx.ResponseError:  # (no such key: evicted)
+                out.append(False)
+            r.persist(key)
+            r.delete(pending)
+        return out
+    pipe = r.pipeline(transaction=False)
+    for pending, key in pairs:
+        pipe.renamenx(pending, key)
+        pipe.persist(key)  # (the pending key's expiry came along)
+        pipe.delete(pending)  # (still there when the key existed)
+    got = pipe.execute(raise_on_error=False)[::3]
+    for x in got:  # (a reply that is an error other than an evicted pending key: raised as before)
+        if isinstance(x, Exception) and not (isinstance(x, rx.ResponseError) and "no such key" in str(x)):
+            raise x
+    return [x is True or x == 1 for x in got]
+
+
+def drop(r: Any, pending: list[str]) -> None:
+    """Pending values deleted, unpublished; best effort (left behind, they expire: ``PENDING_MS``)."""
+    try:
+        pipe = r.pipeline(transaction=False)
+        for key in pending:
+            pipe.delete(key)
+        pipe.execute()
+    except Exception:  # (Redis down: the caller raises the error that brought it here, if any)
+        pass
+
+
+def send_pending(r: Any, items: list[tuple[str, list[Any], int]], cluster: bool) -> None:
+    """Each value SET under its pending key (``items``: key, parts, size), one round trip: streamed
+    from its parts (``stream_set``), or joined first on a Redis Cluster."""
+    if not cluster:
+        stream_set(r, items)
+        return
+    pipe = r.pipeline(transaction=False)
+    for key, parts, _ in items:
+        pipe.set(key, joined(parts), px=PENDING_MS)
+    pipe.execute()
+
+
 def stream_set(r: Any, items: list[tuple[str, list[Any], int]]) -> list[bool]:
-    """SET NX of each value straight from its parts (no copy of the K/V bytes), on one
-    connection, all sent before the replies are read (a pipeline). The crc32 trailer is
-    computed while the parts go out."""
+    """SET of each value, expiring after ``PENDING_MS`` (pending keys), straight from its parts
+    (no copy of the K/V bytes), on one connection, all sent before the replies are read (a
+    pipeline). The crc32 trailer is computed while the parts go out."""
     pool = r.connection_pool
     for attempt in (0, 1):
         try:
@@ -144,23 +213,23 @@ def stream_set(r: Any, items: list[tuple[str, list[Any], int]]) -> list[bool]:
         try:
             for key, parts, size in items:
                 kb = key.encode()
-                conn.send_packed_command([b"*4\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(kb), kb, size)],
+                conn.send_packed_command([b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(kb), kb, size)],
                                          check_health=False)
                 if size <= _JOIN_BYTES:  # small: one write (a joined copy: cheaper than many sends)
                     value = joined(parts)
-                    conn.send_packed_command([value + b"\r\n$2\r\nNX\r\n"], check_health=False)
+                    conn.send_packed_command([value + _PX], check_health=False)
                     continue
                 crc = 0
                 for part in parts:
                     crc = zlib.crc32(part, crc)
                     conn.send_packed_command([part], check_health=False)
-                conn.send_packed_command([CRC.pack(crc) + b"\r\n$2\r\nNX\r\n"], check_health=False)
+                conn.send_packed_command([CRC.pack(crc) + _PX], check_health=False)
             return [conn.read_response() is not None for _ in items]
         except BaseException as e:
             conn.disconnect()  # replies may be left unread: this connection is done
             import redis.exceptions as rx
 
-            # a pooled connection gone stale (server restarted): once more on a new one (SET NX repeats safely)
+            # a pooled connection gone stale (server restarted): once more on a new one (SET repeats safely)
             if attempt or not isinstance(e, rx.ConnectionError):
                 raise
         finally:

@@ -359,6 +359,11 @@ class Rows:
         """``row``'s seqlock generation (odd while a structural operation changes it)."""
         return int(row[GEN])
 
+    def faithful(self, row: memoryview) -> int:
+        """How many of ``row``'s leading tokens are a faithful computation from position 0 (what a
+        prefix may reuse: ``mark_unfaithful_from``), -1 for all of them."""
+        return int(row[CLEAN])
+
     def lease_pid(self, row: memoryview) -> int:
         """The pid holding ``row``'s write lease, 0 when none (for display: ``seq.lease_pid``)."""
         return int(row[LEASE_PID])

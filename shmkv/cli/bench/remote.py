@@ -5,8 +5,8 @@ A 2048-token, 16-layer float16 context (8 KV heads of 128: 128 MiB, as the other
 pushed to and pulled from a throwaway redis-server on a free loopback port
 (or --url, a server you own: its keys under the namespace are overwritten).
 
-- push: ``tier.push(store, seq_id)`` into an empty namespace (EXISTS, then SET NX,
-  pipelined; the chunk values gathered from shared memory, checksummed) against a
+- push: ``tier.push(store, seq_id)`` into an empty namespace (EXISTS, then SET under
+  pending keys and RENAMENX, pipelined; the chunk values gathered from shared memory, checksummed) against a
   pipelined SET of byte strings of the same sizes, already built;
 - pull: ``tier.pull(seq, tokens)`` into a fresh sequence (pipelined GET, checksum,
   header check, the K/V written into the store) against a pipelined GET of the
