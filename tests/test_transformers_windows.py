@@ -292,6 +292,51 @@ def test_crop_after_a_forward_longer_than_memory(cache_of, kind, first):
     torch.testing.assert_close(_step(model, tok, cache), _step(model, tok, ref), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["sliding", "chunked", "hybrid"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_long_forward_that_fails_while_committed_in_steps_leaves_the_cache_as_before(cache_of, monkeypatch,
+                                                                                       kind, rows):
+    """A forward longer than memory (30 tokens on memory=16) after a 10-token one is committed in
+    steps at its end, row by row. A Ctrl-C (or a CacheFullError) at any of those commits raises as
+    itself, and every row goes back to 10 tokens, its sliding/chunked windows as they were: the
+    cache says 10 tokens, the store too, and the next forward matches DynamicCache's."""
+    from shmkv._sequence import writer
+
+    model = model_of(kind)
+    first, long = prompt(rows, 10, seed=3), prompt(rows, 30, seed=4)
+    ref = DynamicCache(config=model.config)
+    _step(model, first, ref)
+    after = prompt(rows, 1, seed=5)
+    want = _step(model, after, ref)
+    commit = writer.SeqWriter.commit
+    calls, fail_at = [0], [0]  # commits so far; the one that raises (0: none)
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == fail_at[0]:
+            raise KeyboardInterrupt
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer.SeqWriter, "commit", counted)
+    cache = cache_of(model, memory=16)
+    _step(model, first, cache)
+    calls[0] = 0
+    _step(model, long, cache)
+    points = calls[0]  # the long forward's commits (a few steps a row)
+    assert points >= 2 * rows
+    for point in range(1, points + 1):
+        cache = cache_of(model, memory=16)
+        _step(model, first, cache)
+        calls[0], fail_at[0] = 0, point
+        with pytest.raises(KeyboardInterrupt):
+            _step(model, long, cache)
+        fail_at[0] = 0
+        assert cache.get_seq_length() == 10, point
+        assert [cache.store.sequence(i).length for i in cache.sequence_ids] == [10] * rows, point
+        torch.testing.assert_close(_step(model, after, cache), want, rtol=0, atol=1e-5)
+        cache.close()
+
+
 @pytest.mark.parametrize("kind", ["sliding", "chunked"])
 def test_crop_into_a_long_forward_without_past_recording_says_what_to_do(cache_of, kind):
     """Without activate_past_recording (generate calls it where it crops) a long forward's

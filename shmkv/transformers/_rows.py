@@ -202,9 +202,8 @@ class Rows:
             fwd.stash[layer] = (list(kn), list(vn))
             n_held = keep - fwd.q
             kb, vb = self.store.batch_kv(seqs, layer, writable=True)  # torch warns on read-only arrays
-            if self.record and self.windows[layer]:  # crop may need them after the steps compact the buffer
-                m = min(self.length, self.layout.keep)
-                fwd.before[layer] = (kb[:, kb.shape[1] - m:].copy(), vb[:, vb.shape[1] - m:].copy())
+            if self.windows[layer]:  # a rollback (and crop) needs them once the steps compact the buffer
+                fwd.before[layer] = (kb.copy(), vb.copy())  # (all it holds: every bounded layer as many)
             k_held = _to_torch(kb[:, kb.shape[1] - n_held:], dtype)
             v_held = _to_torch(vb[:, vb.shape[1] - n_held:], dtype)
             k_out = torch.cat([k_held, key_states.detach().cpu().transpose(1, 2)], 1)
@@ -268,18 +267,32 @@ class Rows:
                     k_all = np.stack([st[0][row] for st in stash if st is not None])
                     v_all = np.stack([st[1][row] for st in stash if st is not None])
                     s.extend(k_all, v_all, tokens[row], in_steps=True)
-            except BaseException:  # e.g. CacheFullError: every row back to where the forward began
+            except BaseException:  # e.g. CacheFullError, a Ctrl-C: every row back to where the forward began
                 self._fwd = None
-                for s in seqs:
-                    s.truncate(min(s.length, self.length))
+                self._roll_back(fwd)
                 raise
-            if self.record and self.layout.bounded:
+            if self.record:
                 self._undo = _Undo(self.length, fwd, self.layout.bounded, _dtypes.storage(self.layout.dtype))
         else:
             for s, t in zip(seqs, self._prompt_tokens(fwd.q), strict=True):
                 s.commit(t)
         self.length += fwd.q
         self._fwd = None
+
+    def _roll_back(self, fwd: _Forward) -> None:
+        """Every row back to the committed length before ``fwd``, a forward committed in steps,
+        failed part way: its sliding/chunked layers no longer hold the tokens before the forward
+        (the steps compacted their buffers), so they get that window back (``Sequence.rewind``,
+        from the copy ``fwd.before``), as a crop into the forward does."""
+        assert self.seqs is not None
+        n = self.length
+        undo = _Undo(n, fwd, self.layout.bounded, _dtypes.storage(self.layout.dtype))
+        held = n - undo.first  # what every row held on its sliding/chunked layers before
+        for row, s in enumerate(self.seqs):
+            s.discard()
+            # (a step may compact the window and fail before its commit: the length alone cannot tell)
+            if s.length > n or len(s.keys(self.layout.bounded[0])) != held:
+                s.rewind(n, *undo.window(row, n, held))  # as long a window as the rows not reached hold
 
     def _prompt_tokens(self, q: int) -> list[np.ndarray | None]:
         """Per row, the ids of the ``q`` tokens the forward commits when they are ``prompt``'s
