@@ -8,6 +8,7 @@ that is a failure (conftest.importorskip_unless_ci).
 from __future__ import annotations
 
 import inspect
+import re
 import subprocess
 import sys
 import warnings
@@ -563,6 +564,29 @@ def test_batch_views_zero_copy_until_a_row_moves(llama, cache_of):
 
 
 # -- the rest of the contract ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("other", "named"), [
+    (dict(num_hidden_layers=3), "layers=3 where the model has 2"),
+    (dict(num_hidden_layers=1), "layers=1 where the model has 2"),
+    (dict(num_key_value_heads=4), "kv_heads=4 where the model has 2"),
+    (dict(layer_types=["sliding_attention"] * 2, sliding_window=3), "window=3 where the model has None"),
+])
+def test_a_store_laid_out_for_another_model_is_refused(llama, other, named):
+    """A store of another model's layout (another deployment's, attached by name) is refused before
+    a forward runs, naming what differs: with more layers than the model nothing would ever be
+    committed, with a window where the model has none attention would skip tokens, and neither
+    raises in a forward. Without cache_kwargs, a store with fewer layers says so at the update."""
+    spec = layout_from_config(llama_config(**other))
+    with shmkv.create(unique_name("hfm"), **spec, max_tokens=256) as store:
+        cache = ShmkvCache(store)
+        with pytest.raises(shmkv.InvalidArgumentError, match=re.escape(named)):
+            _step(llama, prompt(1, 5), cache)
+        assert [s.id for s in store.sequences()] == []  # (refused before anything is made)
+        if spec["layers"] < 2:
+            with pytest.raises(shmkv.InvalidArgumentError, match="has 1 layers, the model more"), torch.no_grad():
+                llama(prompt(1, 5), **{cache_keyword(llama): cache})  # (not cache_kwargs: no check)
+        cache.close()
 
 
 def test_import_shmkv_does_not_import_torch():

@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from shmkv.transformers._compat import cache_keyword, cache_kwargs
-from shmkv.transformers._layout import layout_from_config, storage_dtype
+from shmkv.transformers._layout import layout_from_config, layout_mismatch, storage_dtype
 from shmkv.transformers._prefix import check_finish, prompt_ids, prompt_sequences, record_finish
 from shmkv.transformers._rows import Rows
 from shmkv.store._lifecycle import create
@@ -156,6 +156,7 @@ class ShmkvCache(Cache):
         super().__init__(layers=[_ShmkvLayer(rows, i, w) for i, w in enumerate(rows.windows)])
         self._store = store
         self._rows = rows
+        self._fits: Any = None  # the config check_fits last found this store laid out for
         self._owned_seqs = seq_ids is None  # created here: reset() frees them
         self._owns_store = False  # from_config / attach: close() closes it
         if seq_ids is not None:
@@ -188,6 +189,21 @@ class ShmkvCache(Cache):
         store = create(name, dtype=storage_dtype(config, dtype), max_tokens=max_tokens, max_seqs=max_seqs,
                        persistent=persistent, memory=memory, mode=mode, **spec)
         return cls._owning(store, None, capacity)
+
+    def check_fits(self, config: Any) -> None:
+        """Raise ``InvalidArgumentError`` unless the store is laid out as :meth:`from_config` lays
+        it out for ``config`` (layers, their kinds, heads, window): a store with more layers than
+        the model never commits a forward, one of another window attends to other tokens, and
+        neither is seen in a forward. :func:`cache_kwargs` calls it (once per config)."""
+        if config is self._fits:
+            return
+        what = layout_mismatch(self._store.layout, config)
+        if what:
+            raise InvalidArgumentError(
+                f"store {self._store.name!r} is laid out for another model: {what}; use a store made by "
+                "ShmkvCache.from_config(model.config, ...)"
+            )
+        self._fits = config
 
     @classmethod
     def attach(cls, name: str, seq_ids: _Seq[int] | None = None, *, capacity: int | None = None) -> ShmkvCache:

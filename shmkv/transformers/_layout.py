@@ -75,6 +75,16 @@ def layout_from_config(config: Any) -> dict[str, Any]:
     return spec
 
 
+def layout_mismatch(layout: Layout, config: Any) -> str:
+    """What differs between ``layout`` and the one ``from_config`` makes for ``config`` ("" when
+    it fits): the layers, their kinds, the heads' shapes, the window or chunk."""
+    spec = layout_from_config(config)
+    have = {"layers": layout.layers, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
+            "layer_types": list(layout.layer_types), "window": layout.window or None, "chunk": layout.chunk or None}
+    return ", ".join(f"{key}={have[key]!r} where the model has {spec.get(key)!r}" for key in have
+                     if have[key] != spec.get(key))
+
+
 def storage_dtype(config: Any, dtype: Any) -> str:
     """The store's dtype name for ``from_config(dtype=...)``: ``None`` takes the config's dtype
     (float32 when it has none shmkv stores); a torch dtype maps to its name; a name stays."""

@@ -167,6 +167,11 @@ class Rows:
         fwd = self._fwd
         if layer == 0 or fwd is None:
             fwd = self._begin(key_states)
+        if layer >= self.layout.layers:
+            raise InvalidArgumentError(
+                f"update for layer {layer}: store {self.store.name!r} has {self.layout.layers} layers, the model "
+                "more; use a store made by ShmkvCache.from_config(model.config, ...)"
+            )
         if layer != fwd.next:
             raise InvalidArgumentError(
                 f"update for layer {layer}, expected layer {fwd.next}: a forward updates layers 0.."
