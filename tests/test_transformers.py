@@ -344,6 +344,29 @@ def test_for_prompt_caches_the_prompt_from_its_prefill_on(llama, cache_of):
 # -- 3. crop (assisted and prompt-lookup decoding), beam search, batch ops ----------------------------
 
 
+def test_a_prompt_holding_the_pad_id_is_not_cached_when_generate_masks_it(llama, cache_of):
+    """Batch 1, no attention_mask, the prompt holds pad_token_id (0): generate infers the mask
+    ids != 0 and computes the prompt with that token masked out, so its cells are no prefix a match
+    by ids may reuse. The prefill does not record it and finish frees it: a later request with
+    the same ids and an all-ones mask reuses nothing and equals DynamicCache's."""
+    store = cache_of(llama).store
+    ids = prompt(1, 20, seed=5)
+    ids[0, 7] = llama.generation_config.pad_token_id
+    first = ShmkvCache.for_prompt(store, ids)
+    out = generate(llama, ids, first)
+    assert out.sequences.tolist() == generate(llama, ids).sequences.tolist()
+    assert store.match_prefix(ids[0].tolist()) == 0  # (not recorded by the prefill)
+    first.finish(out.sequences)
+    assert store.match_prefix(ids[0].tolist()) == 0 and [s.id for s in store.sequences()] == []
+    more = torch.cat([ids, torch.tensor([[11, 12, 13]])], 1)
+    ones = torch.ones_like(more)
+    second = ShmkvCache.for_prompt(store, more, attention_mask=ones)
+    assert second.get_seq_length() == 0
+    got, want = generate(llama, more, second, mask=ones), generate(llama, more, mask=ones)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    second.free()
+
+
 def _spy(monkeypatch, name):
     calls = []
     real = getattr(ShmkvCache, name)

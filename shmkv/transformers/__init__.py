@@ -27,8 +27,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from shmkv.transformers._compat import cache_keyword, cache_kwargs
-from shmkv.transformers._layout import layout_from_config, layout_mismatch, storage_dtype
-from shmkv.transformers._prefix import check_finish, prompt_ids, prompt_sequences, record_finish
+from shmkv.transformers._layout import check_layout, layout_from_config, storage_dtype
+from shmkv.transformers._prefix import (check_finish, inferred_pad, prompt_ids, prompt_sequences, record_finish,
+                                       token_rows, without_pad)
 from shmkv.transformers._rows import Rows
 from shmkv.store._lifecycle import create
 from shmkv.store._store import Store, attach
@@ -157,6 +158,11 @@ class ShmkvCache(Cache):
         self._store = store
         self._rows = rows
         self._fits: Any = None  # the config check_fits last found this store laid out for
+        # the id generate() masks out as padding when given no attention_mask (check_model), and
+        # for_prompt's prompt length and whether it had a mask
+        self._pad: int | None = None
+        self._prompt: int | None = None
+        self._masked = False
         self._owned_seqs = seq_ids is None  # created here: reset() frees them
         self._owns_store = False  # from_config / attach: close() closes it
         if seq_ids is not None:
@@ -195,15 +201,20 @@ class ShmkvCache(Cache):
         it out for ``config`` (layers, their kinds, heads, window): a store with more layers than
         the model never commits a forward, one of another window attends to other tokens, and
         neither is seen in a forward. :func:`cache_kwargs` calls it (once per config)."""
-        if config is self._fits:
-            return
-        what = layout_mismatch(self._store.layout, config)
-        if what:
-            raise InvalidArgumentError(
-                f"store {self._store.name!r} is laid out for another model: {what}; use a store made by "
-                "ShmkvCache.from_config(model.config, ...)"
-            )
-        self._fits = config
+        if config is not self._fits:
+            check_layout(self._store, config)
+            self._fits = config
+
+    def check_model(self, model: Any) -> None:
+        """``check_fits(model.config)``, and learn the token ``generate()`` takes for padding
+        when it is given no ``attention_mask`` (``model.generation_config.pad_token_id``, unless
+        it is an end-of-sequence id): a row whose prompt holds it is computed with it masked
+        out, so it is no prefix to cache (:meth:`for_prompt`'s forward does not record it,
+        :meth:`finish` frees it). :func:`cache_kwargs` calls it."""
+        self.check_fits(model.config)
+        self._pad = inferred_pad(model)
+        if self._pad is not None and not self._masked:
+            self._rows.prompt = without_pad(self._rows.prompt, self._pad)
 
     @classmethod
     def attach(cls, name: str, seq_ids: _Seq[int] | None = None, *, capacity: int | None = None) -> ShmkvCache:
@@ -264,6 +275,8 @@ class ShmkvCache(Cache):
         cache = cls(store, capacity=capacity)
         cache._rows.adopt(seqs, n)
         cache._rows.prompt = early
+        cache._prompt = max(len(r) for r in token_rows(input_ids, "input_ids"))
+        cache._masked = attention_mask is not None
         return cache
 
     def finish(self, output_ids: Any, attention_mask: Any = None) -> None:
@@ -286,7 +299,7 @@ class ShmkvCache(Cache):
         if rows.seqs is None:
             return
         rows.drop_pending()
-        checked = check_finish(rows.seqs, rows.length, output_ids, attention_mask)
+        checked = check_finish(rows.seqs, rows.length, output_ids, attention_mask, pad=self._pad, prompt=self._prompt)
         rows.forget()
         record_finish(checked)
 

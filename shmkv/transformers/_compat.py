@@ -39,9 +39,9 @@ def cache_keyword(model: Any) -> str:
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """``{keyword: cache}`` for ``model(**...)`` or ``model.generate(**...)`` (see :func:`cache_keyword`).
-    A ShmkvCache is checked against the model's config first (``ShmkvCache.check_fits``)."""
-    check = getattr(cache, "check_fits", None)
+    A ShmkvCache is checked against the model first (``ShmkvCache.check_model``)."""
+    check = getattr(cache, "check_model", None)
     if check is not None and getattr(model, "config", None) is not None:
-        check(model.config)
+        check(model)
     return {cache_keyword(model): cache}
 

@@ -75,14 +75,18 @@ def layout_from_config(config: Any) -> dict[str, Any]:
     return spec
 
 
-def layout_mismatch(layout: Layout, config: Any) -> str:
-    """What differs between ``layout`` and the one ``from_config`` makes for ``config`` ("" when
-    it fits): the layers, their kinds, the heads' shapes, the window or chunk."""
-    spec = layout_from_config(config)
+def check_layout(store: Any, config: Any) -> None:
+    """InvalidArgumentError naming what differs between ``store``'s layout and the one
+    ``from_config`` makes for ``config``: the layers, their kinds, the heads' shapes, the window
+    or chunk."""
+    spec, layout = layout_from_config(config), store.layout
     have = {"layers": layout.layers, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
             "layer_types": list(layout.layer_types), "window": layout.window or None, "chunk": layout.chunk or None}
-    return ", ".join(f"{key}={have[key]!r} where the model has {spec.get(key)!r}" for key in have
+    what = ", ".join(f"{key}={have[key]!r} where the model has {spec.get(key)!r}" for key in have
                      if have[key] != spec.get(key))
+    if what:
+        raise InvalidArgumentError(f"store {store.name!r} is laid out for another model: {what}; use a store "
+                                   "made by ShmkvCache.from_config(model.config, ...)")
 
 
 def storage_dtype(config: Any, dtype: Any) -> str:

@@ -69,11 +69,12 @@ def prompt_ids(input_ids: Any, attention_mask: Any) -> list[np.ndarray | None] |
     return kept if any(r is not None for r in kept) else None
 
 
-def check_finish(seqs: list[Sequence], length: int, output_ids: Any,
-                 attention_mask: Any) -> list[tuple[Sequence, np.ndarray | None]]:
+def check_finish(seqs: list[Sequence], length: int, output_ids: Any, attention_mask: Any, *,
+                 pad: int | None = None, prompt: int | None = None) -> list[tuple[Sequence, np.ndarray | None]]:
     """``ShmkvCache.finish``'s checks, before anything is recorded: per row, its sequence and the
     ids of its ``length`` cells from ``output_ids``, or None for a padded row (per
-    ``attention_mask``: freed, not cached)."""
+    ``attention_mask``; without one, a row whose first ``prompt`` ids (default: all) hold
+    ``pad``, the id generate then masks out: freed, not cached)."""
     rows = token_rows(output_ids, "output_ids")
     if len(rows) != len(seqs) or any(len(r) < length for r in rows):
         raise InvalidArgumentError(
@@ -84,10 +85,13 @@ def check_finish(seqs: list[Sequence], length: int, output_ids: Any,
     if attention_mask is not None:
         mask = token_rows(attention_mask, "attention_mask")
         padded = [bool((m[:length] == 0).any()) for m in mask]
-    for s, r, pad in zip(seqs, rows, padded, strict=True):
-        if not pad:
+    elif pad is not None:
+        end = length if prompt is None else min(prompt, length)
+        padded = [bool((r[:end] == pad).any()) for r in rows]
+    for s, r, p in zip(seqs, rows, padded, strict=True):
+        if not p:
             _check_tokens(s, r[:length])
-    return [(s, None if pad else r[:length]) for s, r, pad in zip(seqs, rows, padded, strict=True)]
+    return [(s, None if p else r[:length]) for s, r, p in zip(seqs, rows, padded, strict=True)]
 
 
 def record_finish(checked: list[tuple[Sequence, np.ndarray | None]]) -> None:
@@ -110,3 +114,21 @@ def _check_tokens(seq: Sequence, tokens: np.ndarray) -> None:
             f"finish: output_ids give token {int(tokens[i])} at index {i} of sequence {seq.id}, whose cell "
             f"holds token {int(held[i])}: pass generate's output for the same input_ids"
         )
+
+
+def inferred_pad(model: Any) -> int | None:
+    """The id ``generate()`` masks out as padding when it is given no attention_mask (it infers
+    ``ids != pad_token_id``): ``model.generation_config.pad_token_id``, unless none or an
+    end-of-sequence id (then it infers nothing)."""
+    gen = getattr(model, "generation_config", None)
+    pad, eos = getattr(gen, "pad_token_id", None), getattr(gen, "eos_token_id", None)
+    eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return pad if isinstance(pad, int) and pad not in eos_ids else None
+
+
+def without_pad(rows: list[np.ndarray | None] | None, pad: int) -> list[np.ndarray | None] | None:
+    """``prompt_ids``' rows less those holding ``pad`` (None when none is left)."""
+    if rows is None:
+        return None
+    kept = [None if r is None or bool((r == pad).any()) else r for r in rows]
+    return kept if any(r is not None for r in kept) else None
