@@ -575,6 +575,29 @@ def test_settings_are_checked():
         RemoteTier("redis://127.0.0.1:1/0", timeout=0)
 
 
+@pytest.mark.parametrize(("url", "kw", "named"), [
+    ("redis://localhost:99999/0", {}, "Port out of range"),
+    ("redis://localhost:abc/0", {}, "Port could not be cast"),
+    ("redis://localhost:0/0", {}, "port 0"),
+    ("redis://localhost:6379/0?db=zz", {}, "names db 'zz'"),
+    ("redis://localhost:6379/x", {}, "names db 'x'"),
+    ("redis://[::1/0", {}, "Invalid IPv6 URL"),
+    ("redis://localhost:6379/0", {"timeout": float("inf")}, "timeout=inf"),
+    ("redis://localhost:6379/0", {"timeout": 1e20}, "at most 86400"),
+])
+def test_settings_redis_py_cannot_use_are_refused_at_once(url, kw, named):
+    """Settings the tier cannot connect with are refused by the constructor, naming the value
+    (they were taken, and every later pull or match raised a raw ValueError or OverflowError)."""
+    with pytest.raises(shmkv.InvalidArgumentError, match=re.escape(named)):
+        RemoteTier(url, **kw)
+
+
+def test_a_good_url_with_a_db_and_options_is_taken():
+    for url in ("redis://u:p@host:6379/3", "redis://host/0?db=2&socket_keepalive=true", "unix:///tmp/r.sock?db=1",
+                "rediss://[::1]:6380/0", "redis://host"):
+        RemoteTier(url).close()
+
+
 def test_password_never_printed_and_tier_pickles():
     t = RemoteTier("redis://user:s3cret@127.0.0.1:1/0", namespace="n", chunk_tokens=64, timeout=0.2)
     assert "s3cret" not in repr(t)
@@ -656,6 +679,39 @@ def test_a_push_overlapping_a_move_of_its_sequence_publishes_nothing(make_store,
         sb = create_with_tier(b, np.r_[toks, 1], tier)
         assert_same_prefix(sa, sb, 4 * C)
         assert np.array_equal(sb.raw_keys(0)[0], keep[0])
+
+
+def test_a_key_of_another_type_under_a_chunks_name_is_a_foreign_miss(make_store, server, client, tiers):
+    """A list where chunk 1's value should be (GET answers WRONGTYPE): that chunk is a miss counted
+    as foreign and deleted, not a failure of the whole batch (chunk 0 is still loaded, no
+    warning); the next push puts the chunk back and a pull then takes all four."""
+    a, b = make_store(**LAYOUT), make_store(**LAYOUT)
+    toks, k, v = prompt(4 * C)
+    sa = prefill(a, toks, k, v)
+    tier = tiers(server.url)
+    assert tier.push(a, sa.id) == 4
+    key = tier.key(a.layout, toks[: 2 * C])
+    client.delete(key)
+    client.rpush(key, b"not a chunk")
+    sb = create_with_tier(b, np.r_[toks, 1], tier)
+    assert_same_prefix(sa, sb, C)
+    assert tier.stats().foreign == 1 and not client.exists(key)
+    assert tier.push(a, sa.id) == 1
+    assert_same_prefix(sa, create_with_tier(b, np.r_[toks, 1], tier), 4 * C)
+
+
+def test_pull_arguments_are_checked_before_any_fetch(make_store, server, client, tiers):
+    a = make_store(**LAYOUT)
+    toks, k, v = prompt(2 * C)
+    sa = prefill(a, toks, k, v)
+    tier = tiers(server.url)
+    tier.push(a, sa.id)
+    before = gets(client)
+    with pytest.raises(shmkv.ReadOnlyError, match="read-only; pull into a write handle"):
+        tier.pull(a.sequence(sa.id), toks)
+    with pytest.raises(shmkv.InvalidArgumentError, match="have=1.5 must be an int"):
+        tier.pull(a.create_sequence(capacity=2 * C), toks, have=1.5)
+    assert gets(client) == before
 
 
 def test_sliding_layers_are_refused(make_store, server, tiers):

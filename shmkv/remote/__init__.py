@@ -45,7 +45,7 @@ import numpy as np
 from shmkv._sequence import quant as _quant
 from shmkv._sequence.reads import stamp
 from shmkv._engine.prefixes.hashes import BLOCK, HASH_VERSION, as_tokens, block_hashes
-from shmkv.errors import InvalidArgumentError, NotSupportedError, RemoteError, ShmkvError
+from shmkv.errors import InvalidArgumentError, NotSupportedError, ReadOnlyError, RemoteError, ShmkvError
 from shmkv.remote._client import check_settings, connect, is_redis_error, redact
 from shmkv.remote._wire import (
     FORMAT_VERSION,
@@ -301,7 +301,6 @@ class RemoteTier:
                     self._stats["bytes_pushed"] += size
         return written
 
-
     # -- pull --------------------------------------------------------------------
 
     def pull(self, seq: Any, tokens: Any, have: int | None = None) -> int:
@@ -323,14 +322,7 @@ class RemoteTier:
             Tokens appended (0 on a miss).
         """
         t = as_tokens(tokens)
-        length = len(seq)
-        have = length if have is None else int(have)
-        if have != length:
-            raise InvalidArgumentError(f"pull: have={have} but sequence {seq.id} holds {length} tokens")
-        if have and not np.array_equal(seq.tokens[:have], t[:have]):
-            raise InvalidArgumentError(
-                f"pull: the {have} tokens sequence {seq.id} holds are not the prompt's first {have}"
-            )
+        have = _pull_from(seq, t, have)
         geo = self._geometry(seq.store.layout)
         C = self.chunk_tokens
         cap = len(t) - 1
@@ -356,7 +348,15 @@ class RemoteTier:
             pipe = r.pipeline(transaction=False)
             for i in batches[j]:
                 pipe.get(keys[i])
-            return list(self._call(pipe.execute))
+
+            def run() -> list[Any]:  # a key of another type is that chunk's miss, not the batch's failure
+                out = list(pipe.execute(raise_on_error=False))
+                for x in out:
+                    if isinstance(x, Exception) and not str(x).startswith("WRONGTYPE"):
+                        raise x
+                return out
+
+            return list(self._call(run))
 
         pos = have
         # The next batch is fetched on a helper thread while this one is checked and written into
@@ -371,6 +371,9 @@ class RemoteTier:
                 for i, blob in zip(batch, blobs, strict=True):
                     s = i * C
                     if blob is None:
+                        return pos - have
+                    if isinstance(blob, Exception):  # (WRONGTYPE: not a value of ours under our key)
+                        self._discard(keys[i], "foreign")
                         return pos - have
                     try:
                         arrays = unpack(geo, blob, t, s, C)
@@ -428,6 +431,23 @@ class RemoteTier:
         except Exception as e:
             if not is_redis_error(e):
                 raise
+
+def _pull_from(seq: Any, t: np.ndarray, have: Any) -> int:
+    """``pull``'s arguments checked before any fetch: ``seq`` a write handle holding the first
+    ``have`` tokens of the prompt ``t`` (default: its length), returned."""
+    if not seq.writable:
+        raise ReadOnlyError(f"pull: sequence {seq.id}'s handle is read-only; pull into a write handle "
+                            f"(store.sequence({seq.id}, write=True))")
+    length = len(seq)
+    if have is not None and (isinstance(have, bool) or not isinstance(have, (int, np.integer))):
+        raise InvalidArgumentError(f"pull: have={have!r} must be an int (the tokens the sequence holds)")
+    have = length if have is None else int(have)
+    if have != length:
+        raise InvalidArgumentError(f"pull: have={have} but sequence {seq.id} holds {length} tokens")
+    if have and not np.array_equal(seq.tokens[:have], t[:have]):
+        raise InvalidArgumentError(f"pull: the {have} tokens sequence {seq.id} holds are not the prompt's first {have}")
+    return have
+
 
 class _Inline:
     """ThreadPoolExecutor's submit and with, run at once in this thread (one batch: no thread)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from shmkv.errors import InvalidArgumentError, NotSupportedError
 __all__ = ["check_settings", "connect", "is_redis_error", "redact"]
 
 _NS = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_TIMEOUT_MAX = 86400.0  # seconds: a socket timeout past it is a mistake (inf or 1e20 overflow the socket's)
 
 
 def redact(url: str) -> str:
@@ -34,12 +35,32 @@ def redact(url: str) -> str:
         return "<unparsable url>"
 
 
+def _url_problem(url: object) -> str | None:
+    """Why redis-py could not use ``url`` (None when it can): the scheme, a port out of 1-65535 or
+    not a number, a db (the path's number or ``?db=``) not a number, an IPv6 host not closed."""
+    if not isinstance(url, str):
+        return "is not a string"
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError as e:  # ("Port out of range 0-65535", "Invalid IPv6 URL", a port not a number)
+        return str(e)
+    if u.scheme not in ("redis", "rediss", "unix"):
+        return f"has scheme {u.scheme!r}"
+    if port == 0:
+        return "has port 0"
+    dbs = parse_qs(u.query).get("db", []) + ([u.path.strip("/")] if u.scheme != "unix" and u.path.strip("/") else [])
+    bad = [db for db in dbs if not db.isdigit()]
+    return f"names db {bad[0]!r}, not a number" if bad else None
+
+
 def check_settings(url: object, namespace: object, chunk_tokens: object, timeout: object) -> None:
     """RemoteTier's arguments checked (InvalidArgumentError naming the bad one)."""
-    if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+    problem = _url_problem(url)
+    if problem is not None:
         raise InvalidArgumentError(
-            f"url={redact(url) if isinstance(url, str) else url!r} must look like redis://host:port/db "
-            "(rediss:// for TLS, unix:///path.sock)"
+            f"url={redact(url) if isinstance(url, str) else url!r} {problem}: it must look like "
+            "redis://host:port/db (rediss:// for TLS, unix:///path.sock)"
         )
     if not isinstance(namespace, str) or not _NS.fullmatch(namespace):
         raise InvalidArgumentError(
@@ -50,8 +71,9 @@ def check_settings(url: object, namespace: object, chunk_tokens: object, timeout
         raise InvalidArgumentError(
             f"chunk_tokens={chunk_tokens!r} must be a positive multiple of {BLOCK} (the prefix hash's block)"
         )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds > 0")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= _TIMEOUT_MAX:
+        raise InvalidArgumentError(f"timeout={timeout!r} must be a number of seconds > 0 and at most "
+                                   f"{_TIMEOUT_MAX:.0f} (a day)")
 
 
 def connect(url: str, cluster: bool, timeout: float, call: Callable[[Callable[[], Any]], Any]) -> Any:
