@@ -709,7 +709,7 @@ def test_pull_arguments_are_checked_before_any_fetch(make_store, server, client,
     before = gets(client)
     with pytest.raises(shmkv.ReadOnlyError, match="read-only; pull into a write handle"):
         tier.pull(a.sequence(sa.id), toks)
-    with pytest.raises(shmkv.InvalidArgumentError, match="have=1.5 must be an int"):
+    with pytest.raises(shmkv.InvalidArgumentError, match=r"have=1\.5 must be an int"):
         tier.pull(a.create_sequence(capacity=2 * C), toks, have=1.5)
     assert gets(client) == before
 

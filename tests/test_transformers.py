@@ -612,6 +612,20 @@ def test_a_store_laid_out_for_another_model_is_refused(llama, other, named):
         cache.close()
 
 
+def test_a_small_store_runs_with_the_default_capacity(llama, cache_of):
+    """from_config(max_tokens=64) without capacity=: the rows start with what the store holds
+    (the default 256 would not fit), and generate equals DynamicCache's."""
+    ids = prompt(2, 5)
+    got = generate(llama, ids, cache_of(llama, max_tokens=64))
+    assert got.sequences.tolist() == generate(llama, ids).sequences.tolist()
+
+
+def test_a_sliding_model_in_bfloat16_is_told_which_dtype_to_store():
+    model = build(sliding_config, dtype=torch.bfloat16)
+    with pytest.raises(shmkv.NotSupportedError, match="use dtype='float16', 'float32' or 'float64'"):
+        ShmkvCache.from_config(model.config, unique_name("hfd"))
+
+
 def test_import_shmkv_does_not_import_torch():
     code = "import sys, shmkv; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

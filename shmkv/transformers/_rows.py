@@ -244,7 +244,8 @@ class Rows:
             )
         b, q = key_states.shape[0], key_states.shape[2]
         if self.seqs is None:
-            cap = max(self.capacity or DEFAULT_CAPACITY, q)
+            # (by default: a share of a small store, the rows grow when they must)
+            cap = max(self.capacity or min(DEFAULT_CAPACITY, self.layout.max_tokens // b), q)
             self.seqs, self.length = self.store.create_sequences(b, cap), 0  # adjacent: batch_kv's views
         elif len(self.seqs) != b:
             raise InvalidArgumentError(

@@ -323,7 +323,10 @@ def make_layout(
     if bounded and dtype not in _dtypes.PLAIN:
         from shmkv.errors import NotSupportedError
 
-        raise NotSupportedError(f"sliding and chunked layers need a float dtype, not dtype={dtype!r}")
+        raise NotSupportedError(
+            f"sliding and chunked layers are stored as plain floats, not dtype={dtype!r}: use dtype='float16', "
+            "'float32' or 'float64' (int8 and bfloat16 stores hold full-attention layers only)"
+        )
     return Layout(
         layers=layers,
         kv_heads=kv_heads,
