@@ -700,6 +700,25 @@ def test_a_key_of_another_type_under_a_chunks_name_is_a_foreign_miss(make_store,
     assert_same_prefix(sa, create_with_tier(b, np.r_[toks, 1], tier), 4 * C)
 
 
+def test_a_value_copied_under_another_prompts_key_is_refused(make_store, server, client, tiers):
+    """Two prompts whose second chunks hold the same 32 ids after different first chunks: the
+    value of one copied under the other's key (a key migration, a COPY by hand) passes every
+    check of its own ids and checksum, but names another prefix: a miss, counted damaged and
+    deleted; only the first chunk is loaded."""
+    a, b = make_store(**LAYOUT), make_store(**LAYOUT)
+    tail = np.arange(1000, 1000 + C)
+    p1, p2 = np.r_[np.arange(C), tail], np.r_[np.arange(500, 500 + C), tail]
+    s1 = prefill(a, p1, *prompt(2 * C, seed=1)[1:])
+    s2 = prefill(a, p2, *prompt(2 * C, seed=2)[1:])
+    tier = tiers(server.url)
+    assert tier.push(a, s1.id) == 2 and tier.push(a, s2.id) == 2
+    moved = tier.key(a.layout, p2)
+    client.copy(tier.key(a.layout, p1), moved, replace=True)
+    sb = create_with_tier(b, np.r_[p2, 5], tier)
+    assert_same_prefix(s2, sb, C)
+    assert tier.stats().damaged == 1 and not client.exists(moved)
+
+
 def test_pull_arguments_are_checked_before_any_fetch(make_store, server, client, tiers):
     a = make_store(**LAYOUT)
     toks, k, v = prompt(2 * C)

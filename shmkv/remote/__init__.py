@@ -279,7 +279,7 @@ class RemoteTier:
         written = 0
         for g in range(0, len(missing), per):
             batch = missing[g : g + per]
-            items = [(pending_key(keys[i], tag), *value_parts(geo, raw, toks, i * C, C)) for i in batch]
+            items = [(pending_key(keys[i], tag), *value_parts(geo, raw, toks, i * C, C, key=keys[i])) for i in batch]
             pending = [key for key, _, _ in items]
             try:
                 self._call(lambda items=items: send_pending(r, items, self.cluster))
@@ -376,7 +376,7 @@ class RemoteTier:
                         self._discard(keys[i], "foreign")
                         return pos - have
                     try:
-                        arrays = unpack(geo, blob, t, s, C)
+                        arrays = unpack(geo, blob, t, s, C, key=keys[i])
                     except Unsound as e:
                         self._discard(keys[i], e.what)
                         return pos - have

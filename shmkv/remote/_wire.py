@@ -14,7 +14,10 @@ under two keys and documents that race):
     12      4     zero
     16      h     msgpack map: ``fp`` (the layout fingerprint as a map), ``start``
                   (first token index = first position), ``n`` (tokens),
-                  ``tokens`` (their ids, int64 little-endian); then zeros up to
+                  ``tokens`` (their ids, int64 little-endian), ``prefix`` (the
+                  chained hash of every token up to the chunk's end: what its key
+                  names, so a value copied under another prompt's key is refused
+                  though its own ids match); then zeros up to
                   ``p = 16 + h`` rounded up to 16 (the payload is aligned)
     p       ...   K ``[layers, n, kv_heads, head_dim]`` in the storage encoding
                   (int8 codes, bfloat16 bits, or the floats), then V the same;
@@ -55,7 +58,7 @@ __all__ = ["CRC", "FIXED", "FORMAT_VERSION", "MAGIC", "Geometry", "Unsound", "fi
            "PENDING_MS", "drop", "pending_key", "publish", "same_codes", "send_pending", "stream_set", "unpack",
            "value_parts"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header's prefix hash
 MAGIC = b"SKVR"
 FIXED = struct.Struct("<4sHHII")  # magic, version, zero, header length, zero
 CRC = struct.Struct("<I")  # the trailer: crc32 of everything before it
@@ -125,10 +128,11 @@ class Geometry:
         return k, v, ks, vs
 
 
-def value_parts(geo: Geometry, raw: list[Any], toks: np.ndarray, s: int, n: int) -> tuple[list[Any], int]:
-    """The value of the chunk of tokens [s, s + n) without its crc trailer, as a list of
-    bytes-like parts (the K/V parts are zero-copy views of the store), and the value's size."""
-    hdr = msgpack.packb({"fp": geo.fp, "start": s, "n": n, "tokens": toks[s : s + n].astype("<i8").tobytes()})
+def value_parts(geo: Geometry, raw: list[Any], toks: np.ndarray, s: int, n: int, *, key: str) -> tuple[list[Any], int]:
+    """The value of the chunk of tokens [s, s + n) under ``key`` without its crc trailer, as a list
+    of bytes-like parts (the K/V parts are zero-copy views of the store), and the value's size."""
+    hdr = msgpack.packb({"fp": geo.fp, "start": s, "n": n, "tokens": toks[s : s + n].astype("<i8").tobytes(),
+                         "prefix": prefix_of(key)})
     off = payload_offset(len(hdr))
     parts: list[Any] = [FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(hdr), 0) + hdr
                         + bytes(off - FIXED.size - len(hdr))]
@@ -246,9 +250,15 @@ def same_codes(seq: Any, arrays: Any, at: int, a: int, b: int) -> bool:
     return True
 
 
-def unpack(geo: Geometry, blob: bytes, t: np.ndarray, s: int, C: int) -> Any:
-    """The arrays of the chunk of tokens [s, s + C) of ``t`` in ``blob``, checked: magic,
-    version, checksum, fingerprint, start, length and token ids. ``Unsound`` if any differs."""
+def prefix_of(key: str) -> int:
+    """The chained prefix hash a chunk's key names (its last field, 16 hex digits)."""
+    return int(key.rsplit(":", 1)[1], 16)
+
+
+def unpack(geo: Geometry, blob: bytes, t: np.ndarray, s: int, C: int, *, key: str) -> Any:
+    """The arrays of the chunk of tokens [s, s + C) of ``t`` in ``blob``, read under ``key``,
+    checked: magic, version, checksum, fingerprint, start, length, token ids and the prefix hash
+    the key names. ``Unsound`` if any differs."""
     what = "damaged"
     try:
         magic, version, _, hlen, _ = FIXED.unpack_from(blob, 0)
@@ -266,8 +276,8 @@ def unpack(geo: Geometry, blob: bytes, t: np.ndarray, s: int, C: int) -> Any:
             raise ValueError("layout")
         off = payload_offset(hlen)
         if (hdr.get("start") != s or hdr.get("n") != C or len(blob) != off + geo.payload_bytes(C) + CRC.size
-                or hdr.get("tokens") != t[s : s + C].tobytes()):
-            raise ValueError("start, length or token ids")
+                or hdr.get("tokens") != t[s : s + C].tobytes() or hdr.get("prefix") != prefix_of(key)):
+            raise ValueError("start, length, token ids or the prefix before them")
         return geo.arrays(blob, off, C)
     except (ValueError, TypeError, KeyError, struct.error, msgpack.UnpackException, AttributeError) as e:
         raise Unsound(what) from e
