@@ -400,6 +400,49 @@ def test_two_processes_push_the_same_sequence(make_store, server, client, tiers,
 # -- 6. eviction ---------------------------------------------------------------------------------
 
 
+def test_a_full_server_that_does_not_evict_is_named_as_such(make_store, tiers):
+    """maxmemory with noeviction: the push's SET is refused (OOM). The error says the server is out of
+    memory and how to let it evict, not "check that the server is up"; nothing is published and no
+    pending value is left."""
+    _need_redis()
+    with RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as srv:
+        import redis
+
+        client = redis.Redis.from_url(srv.url)
+        try:
+            a = make_store(layers=4, kv_heads=4, head_dim=64, dtype="float16", max_tokens=8192, max_seqs=4)
+            s = prefill(a, *prompt(64 * C, layers=4, heads=4, dim=64))
+            tier = tiers(srv.url)
+            with pytest.raises(shmkv.RemoteError, match=r"out of memory .*maxmemory-policy allkeys-lru"):
+                tier.push(a, s.id)
+            assert tier.stats().chunks_pushed == 0
+            assert chunk_keys(client) == [] and client.keys("*pending*") == []
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_a_refused_publish_is_an_error_not_an_eviction(server, client, cluster):
+    """Publishing a pending value takes RENAMENX; a user whose ACL forbids it gets the refusal,
+    on either client's path (a cluster client's takes each command alone), not the "evicted"
+    answer that ends a push quietly."""
+    import redis
+
+    from shmkv.remote import _wire
+
+    client.execute_command("ACL", "SETUSER", "pusher", "on", ">pw", "~*", "+@all", "-renamenx")
+    user = redis.Redis.from_url(server.url, username="pusher", password="pw")
+    try:
+        user.set("{k}:pending:x", b"v", px=60_000)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            _wire.publish(user, [("{k}:pending:x", "k")], cluster)
+        assert not client.exists("k")
+        client.delete("{k}:pending:x")  # (evicted meanwhile: not published, no error)
+        assert _wire.publish(client, [("{k}:pending:x", "k")], cluster) == [False]
+    finally:
+        user.close()
+
+
 def test_create_sequence_under_eviction_is_shorter_never_wrong(make_store, tiers):
     _need_redis()
     big = dict(layers=4, kv_heads=4, head_dim=64, dtype="float16", max_tokens=8192, max_seqs=32)

@@ -367,6 +367,23 @@ def test_a_prompt_holding_the_pad_id_is_not_cached_when_generate_masks_it(llama,
     second.free()
 
 
+def test_a_prefix_reused_where_generate_masks_the_pad_id_is_cut_before_it(llama, cache_of):
+    """The other way round: a prompt holding the pad id cached from a request with an all-ones
+    mask (computed with it visible); the same ids without a mask, where generate masks it out,
+    reuse only the cells before it, and equal DynamicCache's."""
+    store = cache_of(llama).store
+    ids = prompt(1, 20, seed=5)
+    ids[0, 7] = llama.generation_config.pad_token_id
+    ones = torch.ones_like(ids)
+    first = ShmkvCache.for_prompt(store, ids, attention_mask=ones)
+    first.finish(generate(llama, ids, first, mask=ones).sequences, attention_mask=ones)
+    assert store.match_prefix(ids[0].tolist()) == 19
+    second = ShmkvCache.for_prompt(store, ids)
+    got = generate(llama, ids, second)
+    assert got.sequences.tolist() == generate(llama, ids).sequences.tolist()
+    second.free()
+
+
 def _spy(monkeypatch, name):
     calls = []
     real = getattr(ShmkvCache, name)

@@ -337,6 +337,42 @@ def test_a_long_forward_that_fails_while_committed_in_steps_leaves_the_cache_as_
         cache.close()
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_rollback_cut_short_by_a_second_ctrl_c_is_finished_by_the_next_call(cache_of, monkeypatch, rows):
+    """The rollback above interrupted too (a second Ctrl-C in its first rewind): rows are left
+    past the cache's length. The next forward finishes the rollback before it runs, and matches
+    DynamicCache's."""
+    from shmkv._sequence import handle, writer
+
+    model = model_of("sliding")
+    first, long, after = prompt(rows, 10, seed=3), prompt(rows, 30, seed=4), prompt(rows, 1, seed=5)
+    ref = DynamicCache(config=model.config)
+    _step(model, first, ref)
+    want = _step(model, after, ref)
+    cache = cache_of(model, memory=16)
+    _step(model, first, cache)
+    commit, rewind, calls = writer.SeqWriter.commit, handle.Sequence.rewind, [0]
+
+    def fails_second(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return commit(self, *args, **kwargs)
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer.SeqWriter, "commit", fails_second)
+    monkeypatch.setattr(handle.Sequence, "rewind", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _step(model, long, cache)
+    monkeypatch.setattr(writer.SeqWriter, "commit", commit)
+    monkeypatch.setattr(handle.Sequence, "rewind", rewind)
+    assert any(cache.store.sequence(i).length > 10 for i in cache.sequence_ids)  # (cut short)
+    torch.testing.assert_close(_step(model, after, cache), want, rtol=0, atol=1e-5)
+    assert [cache.store.sequence(i).length for i in cache.sequence_ids] == [11] * rows
+
+
 @pytest.mark.parametrize("kind", ["sliding", "chunked"])
 def test_crop_into_a_long_forward_without_past_recording_says_what_to_do(cache_of, kind):
     """Without activate_past_recording (generate calls it where it crops) a long forward's

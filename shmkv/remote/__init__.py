@@ -46,7 +46,7 @@ from shmkv._sequence import quant as _quant
 from shmkv._sequence.reads import stamp
 from shmkv._engine.prefixes.hashes import BLOCK, HASH_VERSION, as_tokens, block_hashes
 from shmkv.errors import InvalidArgumentError, NotSupportedError, ReadOnlyError, RemoteError, ShmkvError
-from shmkv.remote._client import check_settings, connect, is_redis_error, redact
+from shmkv.remote._client import check_settings, connect, is_redis_error, redact, what_to_do
 from shmkv.remote._wire import (
     FORMAT_VERSION,
     Geometry,
@@ -144,8 +144,7 @@ class RemoteTier:
             self._stats["errors"] += 1
             raise RemoteError(
                 f"Redis tier {redact(self.url)}{' (cluster)' if self.cluster else ''} failed: "
-                f"{type(e).__name__}: {e}; check that the server is up and reachable, or raise "
-                f"RemoteTier(timeout=) (now {self.timeout} s)"
+                f"{type(e).__name__}: {e}; {what_to_do(e, self.timeout)}"
             ) from e
 
     def close(self) -> None:

@@ -105,3 +105,16 @@ def is_redis_error(e: BaseException) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(e, (rx.RedisError, rx.RedisClusterException, OSError))
+
+
+def what_to_do(e: BaseException, timeout: float) -> str:
+    """The way out of Redis failure ``e``: a server that answered with an error (out of memory,
+    a read-only replica, no permission) is up; one that did not answer may not be."""
+    import redis.exceptions as rx
+
+    if isinstance(e, rx.ResponseError):
+        if isinstance(e, getattr(rx, "OutOfMemoryError", ())) or "maxmemory" in str(e):
+            return ("the server is out of memory (maxmemory): raise it, or let it evict (maxmemory-policy "
+                    "allkeys-lru)")
+        return "the server refused the command: check the server's configuration and this user's permissions"
+    return f"check that the server is up and reachable, or raise RemoteTier(timeout=) (now {timeout} s)"

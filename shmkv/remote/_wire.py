@@ -164,7 +164,9 @@ def publish(r: Any, pairs: list[tuple[str, str]], cluster: bool) -> list[bool]:
         for pending, key in pairs:
             try:
                 out.append(bool(r.renamenx(pending, key)))
-            except rx.ResponseError:  # (no such key: evicted)
+            except rx.ResponseError as e:
+                if "no such key" not in str(e):  # (evicted: not published; anything else is an error)
+                    raise
                 out.append(False)
             r.persist(key)
             r.delete(pending)

@@ -158,8 +158,7 @@ class ShmkvCache(Cache):
         self._store = store
         self._rows = rows
         self._fits: Any = None  # the config check_fits last found this store laid out for
-        # the id generate() masks out as padding when given no attention_mask (check_model), and
-        # for_prompt's prompt length and whether it had a mask
+        # the pad id generate() masks (check_model); for_prompt's prompt length and whether it had a mask
         self._pad: int | None = None
         self._prompt: int | None = None
         self._masked = False
@@ -213,8 +212,9 @@ class ShmkvCache(Cache):
         :meth:`finish` frees it). :func:`cache_kwargs` calls it."""
         self.check_fits(model.config)
         self._pad = inferred_pad(model)
-        if self._pad is not None and not self._masked:
+        if self._pad is not None and not self._masked and self._prompt is not None:  # (for_prompt's rows)
             self._rows.prompt = without_pad(self._rows.prompt, self._pad)
+            self._rows.unmask_reuse(self._pad)
 
     @classmethod
     def attach(cls, name: str, seq_ids: _Seq[int] | None = None, *, capacity: int | None = None) -> ShmkvCache:

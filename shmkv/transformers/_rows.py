@@ -44,7 +44,7 @@ from shmkv._sequence import quant as _quant
 from shmkv.transformers._layout import layer_windows
 from shmkv._sequence.handle import Sequence, pending_views
 from shmkv.store._store import Store
-from shmkv.errors import InvalidArgumentError
+from shmkv.errors import InvalidArgumentError, NotSupportedError
 
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)  # Tensor.numpy() shares these
 _PLAIN = _dtypes.PLAIN  # stored as is: append returns views of the cells
@@ -116,6 +116,8 @@ class Rows:
         self.length = 0
         self._fwd: _Forward | None = None
         self._undo: _Undo | None = None  # after a forward committed in steps (see _Undo)
+        self._unrolled: _Forward | None = None  # a forward whose rollback did not finish (_roll_back)
+        self._begun = False  # a forward ran since the rows were made or adopted (unmask_reuse)
         # Cache.activate_past_recording (transformers >= 5.24; generate calls it where it crops):
         # only then are a long forward's states kept for crop, as DynamicSlidingWindowLayer
         # keeps its past only when recording (a 100k-token prompt's states of every sliding
@@ -130,6 +132,24 @@ class Rows:
 
     def adopt(self, seqs: list[Sequence], length: int) -> None:
         self.seqs, self.length, self._fwd, self._undo, self.prompt = seqs, length, None, None, None
+        self._begun = False
+
+    def unmask_reuse(self, pad: int) -> None:
+        """Before the first forward over a reused prefix (``for_prompt``, no attention_mask): when
+        generate will mask ``pad`` out, the reused cells from the first ``pad`` in any row on were
+        computed without it masked (a match by ids cannot tell): every row keeps what comes before
+        it, the same for all (generate computes the rest), or nothing where a window cannot."""
+        if self.seqs is None or not self.length or self._begun:
+            return
+        cut = self.length
+        for s in self.seqs:
+            hit = np.flatnonzero(np.asarray(s.tokens[:cut]) == pad)
+            cut = int(hit[0]) if hit.size else cut
+        if cut < self.length:
+            try:
+                self.truncate(cut)
+            except NotSupportedError:  # (a sliding window holds too little for that length)
+                self.truncate(0)
 
     @property
     def pending(self) -> bool:
@@ -232,8 +252,9 @@ class Rows:
         return k_out, v_out
 
     def _begin(self, key_states: torch.Tensor) -> _Forward:
-        if self._fwd is not None:  # the previous forward failed between its layers: drop its tokens
+        if self._fwd is not None or self._unrolled is not None:  # the previous forward failed: undo it
             self.drop_pending()
+        self._begun = True
         self._undo = None  # crop goes back at most to this forward's start
         lay = self.layout
         shape = key_states.shape
@@ -274,8 +295,9 @@ class Rows:
                     v_all = np.stack([st[1][row] for st in stash if st is not None])
                     s.extend(k_all, v_all, tokens[row], in_steps=True)
             except BaseException:  # e.g. CacheFullError, a Ctrl-C: every row back to where the forward began
-                self._fwd = None
+                self._fwd, self._unrolled = None, fwd  # (a rollback cut short is finished by the next call)
                 self._roll_back(fwd)
+                self._unrolled = None
                 raise
             if self.record:
                 self._undo = _Undo(self.length, fwd, self.layout.bounded, _dtypes.storage(self.layout.dtype))
@@ -316,7 +338,11 @@ class Rows:
 
     def drop_pending(self) -> None:
         """Drop the tokens of a forward that did not reach its last layer (every row back to
-        its committed length)."""
+        its committed length), and finish the rollback of one that failed as it committed in
+        steps, if an error (a second Ctrl-C) cut it short."""
+        if self._unrolled is not None:
+            self._roll_back(self._unrolled)
+            self._unrolled = None
         if self._fwd is None:
             return
         self._fwd = None
@@ -325,6 +351,7 @@ class Rows:
 
     def release(self) -> None:
         """Give up every row's lease (pending tokens go with it); the rows stay."""
+        self.drop_pending()  # (a rollback cut short: finished first, the rows as the cache says)
         self._fwd, self._undo, self.prompt = None, None, None
         for s in self.seqs or ():
             s.release()
