@@ -124,6 +124,51 @@ def test_streams_and_layout_mismatch(make_store):
         assert other.sequences() == []
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device", "socket"])
+def test_a_save_to_a_path_that_is_no_regular_file_is_refused(make_store, tmp_path, kind):
+    """A save to a path renames a new file into place: where the path is a device (/dev/null, as
+    root), a FIFO or a socket, that would put a regular file in its place. It is refused, naming
+    the kind and how to write into it, and the path stays what it was."""
+    import socket
+    import stat
+
+    store = make_store(max_tokens=64)
+    _fill(store, np.random.default_rng(1), n_seqs=1)
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        sock.close()
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("a device node needs root (CI runs as root)")
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # a null device of our own
+    before = os.lstat(path).st_mode
+    with pytest.raises(shmkv.InvalidArgumentError, match=f"is a {'FIFO' if kind == 'fifo' else ''}.*not a regular"):
+        store.save(path)
+    assert os.lstat(path).st_mode == before
+    assert not [p for p in os.listdir(tmp_path) if p != kind]  # (no temporary file left)
+
+
+def test_a_save_through_a_symlink_replaces_the_file_it_names(make_store, tmp_path):
+    """latest.shmkv -> snap-1.shmkv: the save replaces snap-1.shmkv; the link stays a link."""
+    store = make_store(max_tokens=64)
+    _fill(store, np.random.default_rng(2), n_seqs=1)
+    target = tmp_path / "snap-1.shmkv"
+    target.write_bytes(b"an older snapshot")
+    link = tmp_path / "latest.shmkv"
+    link.symlink_to(target.name)
+    store.save(link)
+    assert link.is_symlink() and os.readlink(link) == target.name
+    loaded = shmkv.load(target, name=unique_name())
+    try:
+        assert _content(loaded) == _content(store)
+    finally:
+        loaded.close()
+
+
 def test_save_to_a_file_object_at_an_offset(make_store, tmp_path):
     """The checksums go into the header after the arrays (written meanwhile): also
     into a buffered file that already holds other bytes, and the result reads back."""

@@ -21,6 +21,7 @@ import io
 import os
 import re
 import secrets
+import stat
 import zlib
 from contextlib import AbstractContextManager
 from concurrent.futures import ThreadPoolExecutor
@@ -363,7 +364,7 @@ def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Pr
         if not path or path.endswith(os.sep) or os.path.basename(path) in (".", "..") or os.path.isdir(path):
             raise InvalidArgumentError(f"save: the path {path!r} names no file (a directory?): give a file's path, "
                                        "e.g. 'cache.shmkv'")
-        return _save_path(core, path, ids, progress)
+        return _save_path(core, _replaced_file(path), ids, progress)
     if not hasattr(target, "write") or isinstance(target, io.TextIOBase) \
             or not getattr(target, "writable", lambda: True)():  # (an object with write() alone: as before)
         raise InvalidArgumentError(f"save target {target!r} is neither a path nor a writable binary file "
@@ -376,6 +377,30 @@ def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Pr
     if flush is not None:
         flush()  # a buffered pipe or socket would otherwise hold the tail back
     return total
+
+
+_KINDS = {stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.S_IFIFO: "FIFO",
+          stat.S_IFSOCK: "socket"}
+
+
+def _replaced_file(path: str) -> str:
+    """The file a save to ``path`` replaces (a new file renamed into place): ``path`` itself when
+    it is missing or a regular file, the file a symlink names (the link stays a link). Anything
+    else is refused: a rename would put a regular file where a device (/dev/null, as root), a
+    FIFO or a socket was."""
+    real = os.path.realpath(path) if os.path.islink(path) else path
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:  # (missing, or not reachable: the save's own errors say which)
+        return real
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "special file")
+        raise InvalidArgumentError(
+            f"save: {path!r} is a {kind}, not a regular file, and a save to a path renames a new file into "
+            f"place, which would replace it: give a regular file's path, or write into it with "
+            f"store.save(open({path!r}, 'wb'))"
+        )
+    return real
 
 
 def _save_path(core: Port, path: str, ids: list[int] | None, progress: Progress | None) -> int:
