@@ -240,6 +240,25 @@ def test_errors_and_usage():
     assert shmkv_cmd("rm", missing).returncode == 1
 
 
+@pytest.mark.parametrize(("args", "code", "said"), [
+    (["demo", "--workers", "0"], 2, "--workers: 0 must be at least 1"),
+    (["demo", "--workers", "100000"], 2, "must be at most 32"),
+    (["demo", "--tokens", "-1"], 2, "--tokens: -1 must be at least 1"),
+    (["demo", "--snapshot", "{tmp}"], 1, "give the path of a file in a directory"),
+    (["demo", "--snapshot", "{tmp}/missing/s.shmkv"], 1, "give the path of a file in a directory"),
+    (["snapshot", "{store}", "--dir", "{tmp}/a-file", "--every", "1", "--keep", "1"], 1, "is a file, not a directory"),
+])
+def test_bad_demo_and_snapshotter_arguments_are_one_line_before_any_work(make_store, tmp_path, args, code, said):
+    """Refused before anything starts (no process, no store), in one line with the fix: they were a
+    traceback, or the whole demo ran and then failed, or --tokens -1 'matched'."""
+    store = make_store()
+    (tmp_path / "a-file").write_text("x")
+    before = set(shmkv.list_stores())
+    r = shmkv_cmd(*[a.format(tmp=tmp_path, store=store.name) for a in args], timeout=60)
+    assert r.returncode == code and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not [n for n in set(shmkv.list_stores()) - before if n.startswith("demo")]
+
+
 @pytest.mark.slow
 def test_rm_refuses_a_store_with_live_writers_unless_forced(live_owner):
     name, child = live_owner

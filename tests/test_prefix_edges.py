@@ -305,3 +305,17 @@ def test_probe_chain_wraps_around_the_table(make_store):
     for b in found:
         plain(st, np.concatenate([b, [3, 4]])).finish()
     assert [st.match_prefix(np.concatenate([b, [3, 4, 5]])) for b in found] == [18] * 6
+
+
+def test_copy_prefix_of_no_tokens_from_a_sliding_sequence(make_store):
+    """copy_prefix(src, dst, 0) copies nothing and needs nothing: taken on a store with sliding layers
+    too, where src's window no longer holds its first tokens (it was refused: "a prefix of n=0
+    needs tokens from 0 on")."""
+    st = make_store(layers=2, kv_heads=1, head_dim=2, layer_types=["full", "sliding"], window=4, memory=4,
+                    max_tokens=128)
+    a = st.create_sequence(capacity=64)
+    a.extend(np.ones((2, 40, 1, 2)), np.ones((2, 40, 1, 2)), in_steps=True)
+    b = st.create_sequence(capacity=4)
+    b.extend(np.ones((2, 2, 1, 2)), np.ones((2, 2, 1, 2)))
+    st.copy_prefix(a.id, b.id, 0)
+    assert len(b) == 0 and len(a) == 40

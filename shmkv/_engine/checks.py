@@ -45,7 +45,8 @@ def ints(name: str, values: Any, n: int) -> np.ndarray:
         a = a.reshape(1)
     if a.shape != (n,) or (a.size and a.dtype.kind not in "iu"):
         raise InvalidArgumentError(
-            f"{name} must be {n} ints (one per pending token), got shape {a.shape} dtype {a.dtype}"
+            f"{name} must be {n} int{'' if n == 1 else 's'} (one per pending token), got shape {a.shape} "
+            f"dtype {a.dtype}"
         )
     if a.dtype == np.uint64 and a.size and int(a.max()) > MAX_POSITION:  # (what astype would wrap negative)
         raise InvalidArgumentError(f"{name} holds {int(a.max())}, more than an int64 holds ({MAX_POSITION})")

@@ -362,13 +362,13 @@ class Engine(Attachment):
         s_row, d_row = self.row(s_slot), self.row(d_slot)
         s_off = s_row[WIN_OFF]
         need = self.layout.resume_from(n)  # the oldest token a next token needs on bounded layers
-        if self.layout.bounded and s_off > need:
+        if self.layout.bounded and n and s_off > need:  # (a prefix of 0 tokens needs none)
             raise NotSupportedError(
                 f"copy_prefix: the sliding/chunked layers of sequence {s_row[ID]} hold tokens {s_off}.. only; "
                 f"a prefix of n={n} needs tokens from {need} on"
             )
         # what the next tokens need (or, held=True, everything), from what src holds
-        lo = s_off if held else max(s_off, n - self.layout.keep, 0)
+        lo = min(s_off if held else max(s_off, n - self.layout.keep, 0), n)  # (n = 0: nothing, from 0)
         src_win = self.wcell(s_slot, s_row[WBUF]) + lo - s_off
         with self.changing(d_row):
             if d_row[LENGTH] == 0 and n <= d_row[CAPACITY] and not d_row[FLAGS] & LENT:

@@ -28,8 +28,8 @@ from shmkv.store._store import attach
 from shmkv.store._verify import verify
 from shmkv.cli._args import count_arg, ids_arg, seconds_arg
 from shmkv.cli._info import ProgressBar, info_of, print_info
-from shmkv.cli._words import for_the_shell, size
-from shmkv.errors import InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
+from shmkv.cli._words import count, for_the_shell, size
+from shmkv.errors import AccessDeniedError, InvalidArgumentError, ShmkvError, StoreExistsError, StoreNotFound
 
 
 def _liveness(name: str) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def _cmd_ls(a: argparse.Namespace) -> int:
                 owners += " (`shmkv gc` would remove it)"
             elif r["gc_all_removes"]:
                 owners += " (persistent: `shmkv gc --all` would remove it)"
-        print(f"{r['name']}: {r['sequences']} sequences, {r['tokens']} tokens, {r['dtype']}, "
+        print(f"{r['name']}: {count(r['sequences'], 'sequence')}, {count(r['tokens'], 'token')}, {r['dtype']}, "
               f"{r['bytes_used'] / 2**20:.2f} MiB{', persistent' if r['persistent'] else ''}; {owners}")
     return 0
 
@@ -125,7 +125,8 @@ def _cmd_load(a: argparse.Namespace) -> int:
         ) from None
     n = len(s.sequences())
     s.close()
-    print(f"loaded {a.file} into persistent store {a.name} ({n} sequences); remove it with `shmkv rm {a.name}`")
+    print(f"loaded {a.file} into persistent store {a.name} ({count(n, 'sequence')}); "
+          f"remove it with `shmkv rm {a.name}`")
     return 0
 
 
@@ -217,7 +218,12 @@ def snapshot_loop(name: str, directory: str, every: float, keep: int, *, count: 
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise InvalidArgumentError(f"keep={keep!r} must be at least 1 (the snapshot just written is kept)")
     stop = stop or threading.Event()
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except FileExistsError:
+        raise InvalidArgumentError(f"--dir {directory!r} is a file, not a directory: give a directory") from None
+    except PermissionError:
+        raise AccessDeniedError(f"--dir {directory!r} cannot be made here: no permission") from None
     written: list[str] = []
     ours = re.compile(re.escape(name) + r"-\d{8}T\d{12}Z\.shmkv")  # what this loop names its files (the stamp below)
     with attach(name, readonly=True) as store:
@@ -338,8 +344,8 @@ def _parser() -> argparse.ArgumentParser:
         return sp
 
     d = add("demo", _cmd_demo, "tokenizer + decode workers + snapshotter on one store, checked against numpy")
-    d.add_argument("--workers", type=int, default=2, help="decode worker processes")
-    d.add_argument("--tokens", type=int, default=24, help="new tokens per request")
+    d.add_argument("--workers", type=count_arg(1, 32), default=2, help="decode worker processes (1-32)")
+    d.add_argument("--tokens", type=count_arg(1, 256), default=24, help="new tokens per request (1-256)")
     d.add_argument("--snapshot", help="keep the snapshot in this file (by default it is written to the temp "
                    "directory and removed at the end)")
     d.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 
-def count_arg(minimum: int) -> Any:
+def count_arg(minimum: int, maximum: int | None = None) -> Any:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -15,6 +15,8 @@ def count_arg(minimum: int) -> Any:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} must be at most {maximum}")
         return value
     return parse
 

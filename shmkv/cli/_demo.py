@@ -38,6 +38,7 @@ from shmkv._snapshot import save as _save
 from shmkv.store import _doctor
 from shmkv.store._lifecycle import create
 from shmkv.store._store import attach
+from shmkv.errors import InvalidArgumentError
 
 DEMO_MARGIN = 1 << 20  # the header segment and its tables
 READY_TIMEOUT = 60.0  # seconds the tokenizer waits for each decode worker to start
@@ -155,6 +156,11 @@ def run(*, workers: int = 2, new_tokens: int = 24, prompts: list[str] | None = N
     _doctor.check_room(max_tokens * per + DEMO_MARGIN, "the demo's store")
     name = f"demo{os.getpid()}"
     keep_snapshot = snapshot is not None
+    if snapshot is not None:  # checked before anything starts, not when the snapshotter saves at the end
+        where = os.path.dirname(os.path.abspath(snapshot))
+        if os.path.isdir(snapshot) or not os.path.isdir(where) or not os.access(where, os.W_OK):
+            raise InvalidArgumentError(f"--snapshot {snapshot!r}: give the path of a file in a directory this user "
+                                       "can write (it is written there at the end)")
     snapshot = snapshot or os.path.join(tempfile.gettempdir(), f"shmkv-demo-{os.getpid()}.shmkv")
     ctx: Any = mp.get_context(start_method)
     out(f"shmkv demo: a tiny numpy transformer ({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim}) "
