@@ -302,13 +302,22 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
 def _cmd_demo(a: argparse.Namespace) -> int:
     from shmkv.cli import _demo as demo
 
+    terminated: list[int] = []
+
+    def on_sigterm(signum: int, frame: Any) -> None:  # (kill, timeout, a service manager): as a Ctrl-C
+        terminated.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         summary = demo.run(workers=a.workers, new_tokens=a.tokens, snapshot=a.snapshot,
                            start_method=a.start_method, out=lambda m: print(m, flush=True))
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # (the demo ignored a second one meanwhile)
-        print("interrupted; the demo's store was removed", file=sys.stderr)
-        return 130
+        print(f"{'terminated' if terminated else 'interrupted'}; the demo's store was removed", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return 0 if summary["ok"] else 1
 
 
@@ -345,7 +354,8 @@ def _parser() -> argparse.ArgumentParser:
 
     d = add("demo", _cmd_demo, "tokenizer + decode workers + snapshotter on one store, checked against numpy")
     d.add_argument("--workers", type=count_arg(1, 32), default=2, help="decode worker processes (1-32)")
-    d.add_argument("--tokens", type=count_arg(1, 256), default=24, help="new tokens per request (1-256)")
+    d.add_argument("--tokens", type=count_arg(1, 512), default=24,
+                   help="new tokens per request (1-512: what the demo's store holds)")
     d.add_argument("--snapshot", help="keep the snapshot in this file (by default it is written to the temp "
                    "directory and removed at the end)")
     d.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
