@@ -26,16 +26,20 @@ def count(name: str, value: object, minimum: int = 0) -> int:
     return int(value)
 
 
-def int_list(what: str, name: str, values: Any, hint: str = "") -> list[int]:
+def int_list(what: str, name: str, values: Any, hint: str = "", *, distinct: bool = False) -> list[int]:
     """``values`` (any iterable, read once) as a list of Python ints; a string, a non-iterable
-    or an element that is not an integer (1.5, True, 'a') is refused, naming it."""
+    or an element that is not an integer (1.5, True, 'a') is refused, naming it; with
+    ``distinct``, a value given twice too."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise InvalidArgumentError(f"{what}: {name}={values!r} must be a list of ints{hint}")
     values = list(values)
     for x in values:
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
             raise InvalidArgumentError(f"{what}: {name}={values[:16]!r} holds {x!r}, not an int{hint}")
-    return [int(x) for x in values]
+    out = [int(x) for x in values]
+    if distinct and len(set(out)) != len(out):
+        raise InvalidArgumentError(f"{name}={out[:16]} names a sequence twice; name each once")
+    return out
 
 
 def ints(name: str, values: Any, n: int) -> np.ndarray:
@@ -62,6 +66,16 @@ def positions_fit(what: str, n: int, last: int, positions: np.ndarray | None) ->
             f"{what}: the last position would be {top}, past the largest an int64 holds ({MAX_POSITION})"
             + ("" if positions is not None else f" (the default continues after {last}: pass positions=)")
         )
+
+
+def as_arrays(what: str, named: dict[str, Any]) -> list[np.ndarray]:
+    """``np.asarray`` of each value of ``named`` (argument name -> value), or ``not_arrays``'s
+    error for the first numpy cannot read. (The per-token paths, append and a batch's put, keep
+    their own inline ``try``: no call added there.)"""
+    try:
+        return [np.asarray(v) for v in named.values()]
+    except (TypeError, ValueError, RuntimeError):
+        raise not_arrays(what, named) from None
 
 
 def not_arrays(what: str, named: dict[str, Any]) -> InvalidArgumentError:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shmkv._engine.locking import crash as _crash
-from shmkv._engine.checks import ints, not_arrays
+from shmkv._engine.checks import as_arrays, ints
 from shmkv._engine.table.header import CAPACITY, FLAGS, LENGTH, LENT
 from shmkv._sequence import quant as _quant
 from shmkv._sequence.mirror import Int8Mirror
@@ -47,11 +47,7 @@ def extend(w: SeqWriter, k_all: Any, v_all: Any, tokens: Any = None, positions: 
         raise InvalidArgumentError(
             f"extend: sequence {w.id} has uncommitted appends {w.pending}; commit() them first"
         )
-    try:
-        k_all = np.asarray(k_all)
-        v_all = np.asarray(v_all)
-    except (TypeError, ValueError, RuntimeError):
-        raise not_arrays("extend", {"k_all": k_all, "v_all": v_all}) from None
+    k_all, v_all = as_arrays("extend", {"k_all": k_all, "v_all": v_all})
     check_all_layers(w, "extend", k_all, v_all)
     n = k_all.shape[1]
     if tokens is not None:
@@ -120,10 +116,7 @@ def set_encoder(w: SeqWriter, k_all: Any, v_all: Any) -> None:
     """``Sequence.set_encoder``: a fresh encoder range of every layer, written under the lock
     (int8: quantized before it, only copied under it; tests/test_encoder_quant_unlocked.py)."""
     w.need_writer("set_encoder")
-    try:
-        k_all, v_all = np.asarray(k_all), np.asarray(v_all)
-    except (TypeError, ValueError, RuntimeError):
-        raise not_arrays("set_encoder", {"k_all": k_all, "v_all": v_all}) from None
+    k_all, v_all = as_arrays("set_encoder", {"k_all": k_all, "v_all": v_all})
     check_all_layers(w, "set_encoder", k_all, v_all)
     if not (real(k_all.dtype) and real(v_all.dtype)):
         raise InvalidArgumentError(f"set_encoder: dtypes {k_all.dtype}/{v_all.dtype} are not real numbers")

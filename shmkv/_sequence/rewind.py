@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from shmkv._engine.locking import crash as _crash
-from shmkv._engine.checks import count, not_arrays
+from shmkv._engine.checks import as_arrays, count
 from shmkv._sequence.structural import structural, unindex_from
 from shmkv._sequence.writer import SeqWriter
 from shmkv.errors import InvalidArgumentError
@@ -33,11 +32,7 @@ def rewind(w: SeqWriter, n: Any, k_window: Any, v_window: Any) -> None:
     n = count("n", n)
     lay = w.port.layout
     nb = len(lay.bounded)
-    try:
-        k = np.asarray(k_window)
-        v = np.asarray(v_window)
-    except (TypeError, ValueError, RuntimeError):
-        raise not_arrays("rewind", {"k_window": k_window, "v_window": v_window}) from None
+    k, v = as_arrays("rewind", {"k_window": k_window, "v_window": v_window})
     H, D = w.cell
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != nb or k.shape[2:] != (H, D):
         raise InvalidArgumentError(

@@ -72,9 +72,7 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
         )
     ids = snap.seq_ids
     if seq_ids is not None:
-        wanted = int_list("restore", "seq_ids", seq_ids, ID_HINT)
-        if len(set(wanted)) != len(wanted):
-            raise InvalidArgumentError(f"seq_ids={wanted} names a sequence twice; name each once")
+        wanted = int_list("restore", "seq_ids", seq_ids, ID_HINT, distinct=True)
         missing = [i for i in wanted if i not in ids]
         if missing:
             raise SequenceNotFound(f"{reader.where}: sequences {missing} are not in the snapshot (it has {ids})")

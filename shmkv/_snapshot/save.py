@@ -114,8 +114,6 @@ def _capture(core: Port, ids: list[int] | None, *, locked: bool) -> list[SeqReco
     rows.map_spans()  # shared prefix pages mapped as the rows say
     for s in out if core.shares.unmapped else ():  # never a row whose shared pages are holes here
         core.shares.readable(s.slot, f"sequence {s.id} of store {core.name!r} (saving it)")
-    if ids is not None and len({s.id for s in out}) != len(out):
-        raise InvalidArgumentError(f"seq_ids={ids} names a sequence twice; name each once")
     return sorted(out, key=lambda s: s.id)
 
 
@@ -357,7 +355,7 @@ def save(core: Port, target: Any, seq_ids: list[int] | None = None, progress: Pr
     and the guarantees.
     """
     core.check_open()
-    ids = None if seq_ids is None else int_list("save", "seq_ids", seq_ids, ID_HINT)
+    ids = None if seq_ids is None else int_list("save", "seq_ids", seq_ids, ID_HINT, distinct=True)
     check_progress("save", progress)
     if isinstance(target, (str, bytes, os.PathLike)):
         path = os.fsdecode(target)
