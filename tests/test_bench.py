@@ -337,3 +337,61 @@ def test_bench_fails_fast_naming_a_killed_child():
     assert killed
     assert p.returncode != 0
     assert "exited with code -9 before sending its result" in err, err[-2000:]
+
+
+def _bench_against():
+    spec = importlib.util.spec_from_file_location("bench_against", os.path.join(TOOLS, "bench_against.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_against_calls_a_key_slower_only_when_its_pairs_agree():
+    ba = _bench_against()
+    goals, base = {"decode_ratio": ("<=", 1.5)}, {"pipe_wakeup_us"}
+    assert ba.chance(5, 5) == 1 / 32 and ba.chance(0, 5) == 1.0
+    assert ba.judge("decode_us_per_token", [(1.2, 1.0)] * 5, goals, base) == ("SLOWER", False)
+    assert ba.judge("decode_us_per_token", [(1.02, 1.0)] * 5, goals, base) == ("ok", False)
+    # out of the band by its medians, 3 of 5 pairs slower: undecided, worth more rounds
+    assert ba.judge("decode_us_per_token", [(1.2, 1.0)] * 3 + [(0.9, 1.0)] * 2, goals, base) == \
+        ("SLOWER? (3 of 5 pairs slower)", True)
+    # higher is better by the goal's direction or by name; a faster? is not worth more rounds
+    assert ba.judge("decode_ratio", [(1.2, 1.0)] * 5, goals, base) == ("SLOWER", False)
+    assert ba.judge("tokens_per_s_1w", [(1.2, 1.0)] * 5, goals, base) == ("faster", False)
+    assert ba.judge("tokens_per_s_1w", [(1.2, 1.0)] * 3 + [(0.9, 1.0)] * 2, goals, base)[1] is False
+    assert ba.judge("pipe_wakeup_us", [(2.0, 1.0)] * 5, goals, base) == ("moved (a baseline's figure)", False)
+    # a share lost: by its difference
+    assert ba.judge("snapshotter_overhead", [(0.04, 0.0)] * 5, goals, base) == ("ok", False)
+    assert ba.judge("snapshotter_overhead", [(0.2, 0.0)] * 5, goals, base) == ("SLOWER", False)
+
+
+def test_bench_against_runs_an_undecided_scenario_again_until_its_pairs_decide(monkeypatch, capsys, tmp_path):
+    ba = _bench_against()
+    monkeypatch.setattr(ba, "_bench_module", lambda: ({}, set()))
+    old = {}
+
+    def run_once(root, name):
+        side = "this" if root == ba.CHECKOUT else "rev"
+        if side == "rev":
+            old["root"] = root
+        n = calls[name, side] = calls.get((name, side), 0) + 1
+        # decode: this side slower in 3 of the first 5 pairs, then in every pair; wait: REV's
+        # side noisy, slower and faster by turns, its median out of the band; table: equal
+        if name == "decode":
+            fig = 1.3 if side == "this" and (n > 5 or n % 5 in (1, 2, 3)) else 1.0
+        elif name == "wait":
+            fig = 1.3 if side == "this" else (1.0 if n % 2 else 1.4)
+        else:
+            fig = 1.0
+        return {f"{name}_us": fig}, {f"{name}_us": name}, {name: f"the {name} baseline"}
+
+    calls: dict = {}
+    monkeypatch.setattr(ba, "run_once", run_once)
+    assert ba.main(["HEAD", "--only", "decode,wait,table", "--rounds", "5", "--confirm", "6"]) == 0
+    out = capsys.readouterr().out
+    line = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  ") and "_us" in ln}
+    # decode: decided by its 11th pair (9 of 11 slower: chance 0.033), so not run a 12th time
+    assert line["decode_us"].split()[-1] == "SLOWER" and calls["decode", "rev"] == 11
+    assert "SLOWER? (6 of 11 pairs slower)" in line["wait_us"] and calls["wait", "this"] == 11  # the cap
+    assert line["table_us"].split()[-1] == "ok" and calls["table", "this"] == 5  # never run again
+    assert not os.path.exists(old["root"])  # the worktree is removed

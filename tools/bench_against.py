@@ -1,33 +1,42 @@
 #!/usr/bin/env python3
 """Is this tree slower than a revision? docs/design.md §7's "no slower than before".
 
-    python tools/bench_against.py REV [--only decode,wait] [--rounds 5]
+    python tools/bench_against.py REV [--only decode,wait] [--rounds 5] [--confirm 10]
 
 Checks REV out into a temporary git worktree, then runs this tree's ``tools/bench.py --quick
 --json --only S`` for each scenario S (every scenario of a plain ``shmkv bench``, or the
 ``--only`` ones) with this tree's package and with REV's package on ``PYTHONPATH``, one right
 after the other (the same harness measures both sides, so each figure is measured the same way
 on both), ``--rounds`` times each, the order flipping from scenario to scenario and from round to
-round. Alternating a scenario at a time, not a whole bench run, keeps the two measurements of a
-figure seconds apart: on this 2-core machine a figure such as ``append_commit_us`` reads about
-60 or about 95 us depending on whether another process runs on the other core meanwhile, and a
-whole run (minutes) apart the two sides' medians could land in different modes. It prints, scenario
-by scenario, the one sentence that states the scenario's baseline, then every key the bench
-printed: the median of each side and their ratio (this tree / REV), and a verdict when the
-ratio moves by more than 5% either way (a ``*_overhead`` key, a share of a throughput lost and
-near 0, by its difference: more than 0.05 either way):
+round. The two measurements of a figure in a round are seconds apart, a pair: on this shared
+2-core machine one figure can move by a third between runs minutes apart (``append_commit_us``
+read about 60 in some runs and about 95 us in others, for the same tree), and pairs keep such a
+drift off the comparison.
+
+It prints, scenario by scenario, the one sentence that states the scenario's baseline, then
+every key the bench printed: the median of each side, their ratio (this tree / REV), and a
+verdict when the ratio of medians moves by more than 5% either way (a ``*_overhead`` key, a
+share of a throughput lost and near 0, by its difference: more than 0.05 either way):
 
 * ``SLOWER`` / ``faster``: a figure of shmkv's own (the direction from the bench's goal for the
   key, else from its name: throughputs, ``*_ratio`` against a baseline's time, ``speedup``
-  are higher-is-better; times and the rest lower-is-better);
+  are higher-is-better; times and the rest lower-is-better) that moved in the same direction
+  in so many of the pairs that chance would do it less than one time in 20 (a sign test: 5 of
+  5 pairs, 9 of 10, 12 of 15);
+* ``SLOWER?`` / ``faster?``: out of the band, but the pairs disagree (say 3 of 5 slower): the
+  run cannot tell the move from the noise. Each scenario with such a ``SLOWER?`` key is run
+  again, a pair a round, until each of its keys is decided or ``--confirm`` more rounds have
+  run (the verdict then says how many of how many pairs were slower);
 * ``moved``: a baseline's own figure (the pipe, numpy, redis...: the harness or the machine
   moved, not shmkv), or a key with no better direction (a count).
 
+Why not the band alone: this tree against itself (``HEAD``, 3 rounds, a quiet machine) moved 35
+of 99 keys by more than 5% (``prefix_ttft_ms`` 1.31, ``handoff_speedup_vs_queue`` 0.78): the
+spread of 3 medians is wider than 5% for a third of the figures here.
+
 A key only one side printed is listed as such (a scenario that REV lacks, or that its package
 cannot run: the harness says "skipped" for a scenario whose imports REV lacks). The worktree is
-removed at the end. The machine is shared and noisy: alternating spreads the noise over both
-sides; read the ratio of medians, never one run, and rerun a flagged key with ``--only`` and
-more rounds before believing it.
+removed at the end.
 """
 
 from __future__ import annotations
@@ -84,13 +93,23 @@ def run_once(package_root: Path, only: str | None) -> tuple[dict[str, float], di
     return result, scenario_of, baselines
 
 
-def _bench_module() -> tuple[dict[str, tuple[str, float]], set[str]]:
-    """This tree's bench goals and the keys that are a baseline's own figures (ROWS' baseline
-    column), or empty ones if the harness cannot be imported here."""
-    sys.path.insert(0, str(HERE))
+def _harness() -> object | None:
+    """This tree's ``tools/bench.py`` (which registers this checkout's harness as shmkv.cli.bench),
+    or None if this interpreter cannot import it."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     try:
         import bench  # tools/bench.py (or its wrapper)
     except Exception:  # (a harness that needs more than this interpreter has: no directions)
+        return None
+    return bench
+
+
+def _bench_module() -> tuple[dict[str, tuple[str, float]], set[str]]:
+    """This tree's bench goals and the keys that are a baseline's own figures (ROWS' baseline
+    column), or empty ones if the harness cannot be imported here."""
+    bench = _harness()
+    if bench is None:
         return {}, set(BASELINE_KEYS)
     goals = dict(getattr(bench, "GOALS", {}))
     rows = getattr(bench, "ROWS", [])
@@ -111,18 +130,36 @@ def is_fraction(key: str) -> bool:
     return "overhead" in key
 
 
-def verdict(key: str, ratio: float, goals: dict[str, tuple[str, float]], base_keys: set[str],
-            diff: float = 0.0) -> str:
+def chance(k: int, n: int) -> float:
+    """The chance that ``k`` or more of ``n`` pairs move one way when each way is as likely."""
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
+
+
+def judge(key: str, pairs: list[tuple[float, float]], goals: dict[str, tuple[str, float]],
+          base_keys: set[str]) -> tuple[str, bool]:
+    """The verdict on a key from its pairs (this tree's figure, REV's, measured in one round) and
+    whether more pairs could decide it (a ``SLOWER?``: out of the band, the pairs disagreeing)."""
+    m = statistics.median(p[0] for p in pairs)
+    t = statistics.median(p[1] for p in pairs)
     if is_fraction(key):
-        return "ok" if abs(diff) <= 0.05 else ("SLOWER" if diff > 0 else "faster")
-    if math.isnan(ratio):  # a zero on REV's side
-        return "?"
-    if 0.95 <= ratio <= 1.05:
-        return "ok"
-    if key in base_keys:
-        return "moved (a baseline's figure)"
-    up = ratio > 1.05
-    return ("faster" if up else "SLOWER") if higher_is_better(key, goals) else ("SLOWER" if up else "faster")
+        moved, up, ups = abs(m - t) > 0.05, m > t, [a > b for a, b in pairs]
+        worse_if_up = True  # (a larger share lost)
+    else:
+        if not t:  # a zero on REV's side
+            return "?", False
+        ratio = m / t
+        moved, up, ups = not 0.95 <= ratio <= 1.05, ratio > 1, [a > b for a, b in pairs]
+        worse_if_up = not higher_is_better(key, goals)
+    if not moved:
+        return "ok", False
+    if key in base_keys and not is_fraction(key):
+        return "moved (a baseline's figure)", False
+    slower = up == worse_if_up
+    word = "SLOWER" if slower else "faster"
+    k, n = sum(u == up for u in ups), len(ups)
+    if chance(k, n) <= 0.05:
+        return word, False
+    return f"{word}? ({k} of {n} pairs {word.lower()})", slower
 
 
 def scenarios(only: str | None) -> list[str]:
@@ -130,11 +167,49 @@ def scenarios(only: str | None) -> list[str]:
     harness: every scenario but the opt-in ones)."""
     if only:
         return [n for n in only.split(",") if n]
-    sys.path.insert(0, str(HERE))
-    import bench  # noqa: F401  # tools/bench.py: registers this checkout's harness as shmkv.cli.bench
+    if _harness() is None:
+        raise SystemExit("tools/bench.py cannot be imported here: name the scenarios with --only")
     from shmkv.cli.bench.scenarios import OPT_IN, SCENARIOS
 
     return [n for n in SCENARIOS if n not in OPT_IN]
+
+
+class Rounds:
+    """Both sides' figures, a round at a time: ``pairs(key)`` are the two sides' figures of a key
+    from the rounds in which both printed it."""
+
+    def __init__(self, rev: str, old: Path) -> None:
+        self.rev, self.roots = rev, {"this": CHECKOUT, rev: old}
+        self.rounds: list[dict[str, dict[str, float]]] = []
+        self.scenario_of: dict[str, str] = {}
+        self.baselines: dict[str, str] = {}
+
+    def run(self, names: list[str], label: str) -> None:
+        """One round of ``names``, the order of the sides flipping from scenario to scenario and
+        from round to round."""
+        i = len(self.rounds)
+        got: dict[str, dict[str, float]] = {"this": {}, self.rev: {}}
+        for j, name in enumerate(names):
+            order = ["this", self.rev] if (i + j) % 2 == 0 else [self.rev, "this"]
+            for side in order:
+                res, where, said = run_once(self.roots[side], name)
+                got[side].update(res)
+                self.scenario_of.update(where)
+                self.baselines.update(said)
+            print(f"{label}: {name} done", file=sys.stderr, flush=True)
+        self.rounds.append(got)
+
+    def all_keys(self) -> list[str]:
+        order = list(self.baselines)
+        found = {k for r in self.rounds for side in r.values() for k in side if k not in NO_DIRECTION}
+        return sorted(found, key=lambda k: (order.index(self.scenario_of[k]) if self.scenario_of.get(k) in order
+                                            else len(order), k))
+
+    def pairs(self, key: str) -> list[tuple[float, float]]:
+        return [(r["this"][key], r[self.rev][key]) for r in self.rounds if key in r["this"] and key in r[self.rev]]
+
+    def only_on(self, key: str) -> str:
+        return "this" if any(key in r["this"] for r in self.rounds) else self.rev
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,58 +217,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rev", help="the revision to compare against (a commit, branch or tag)")
     p.add_argument("--only", default=None, help="bench.py scenarios, comma-separated (default: all of them)")
     p.add_argument("--rounds", type=int, default=5, help="runs of each side (alternated)")
+    p.add_argument("--confirm", type=int, default=10,
+                   help="at most this many more rounds of a scenario with a SLOWER? key (0: none)")
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds}: give at least 1")
-    scenario_of: dict[str, str] = {}
-    baselines: dict[str, str] = {}
+    if a.confirm < 0:
+        p.error(f"--confirm {a.confirm}: give 0 or more")
+    goals, base_keys = _bench_module()
     with tempfile.TemporaryDirectory(prefix="shmkv-against-") as tmp:
         old = Path(tmp) / "rev"
         subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "add", "--detach", "-q", str(old), a.rev], check=True)
         try:
-            sides: dict[str, list[dict[str, float]]] = {"this": [], a.rev: []}
+            r = Rounds(a.rev, old)
             names = scenarios(a.only)
             for i in range(a.rounds):
-                got: dict[str, dict[str, float]] = {"this": {}, a.rev: {}}  # (one round's figures a side)
-                for j, name in enumerate(names):
-                    order = [("this", CHECKOUT), (a.rev, old)]
-                    if (i + j) % 2:
-                        order.reverse()
-                    for label, root in order:
-                        res, where, said = run_once(root, name)
-                        got[label].update(res)
-                        scenario_of.update(where)
-                        baselines.update(said)
-                    print(f"round {i + 1}/{a.rounds}: {name} done", file=sys.stderr, flush=True)
-                for label, res in got.items():
-                    sides[label].append(res)
+                r.run(names, f"round {i + 1}/{a.rounds}")
+            for extra in range(a.confirm):
+                unsure = sorted({r.scenario_of[k] for k in r.all_keys() if k in r.scenario_of and r.pairs(k)
+                                and judge(k, r.pairs(k), goals, base_keys)[1]}, key=names.index)
+                if not unsure:
+                    break
+                r.run(unsure, f"confirming {','.join(unsure)} ({extra + 1}/{a.confirm})")
         finally:
             subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "remove", "--force", str(old)], check=False)
-    goals, base_keys = _bench_module()
-    keys = sorted({k for side in sides.values() for r in side for k in r if k not in NO_DIRECTION},
-                  key=lambda k: (list(baselines).index(scenario_of[k]) if scenario_of.get(k) in baselines
-                                 else len(baselines), k))
-    flagged = 0
+    verdicts: dict[str, int] = {}
     shown = None
+    keys = r.all_keys()
     for key in keys:
-        scen = scenario_of.get(key, "?")
+        scen = r.scenario_of.get(key, "?")
         if scen != shown:
             shown = scen
-            print(f"\n[{scen}] baseline: {baselines.get(scen, '(not printed)')}")
-            print(f"  {'key':<36}{'this':>12}{a.rev[:10]:>12}{'this/rev':>10}  verdict (5% band)")
-        mine = [r[key] for r in sides["this"] if key in r]
-        theirs = [r[key] for r in sides[a.rev] if key in r]
-        if not mine or not theirs:
-            print(f"  {key:<36}{'only ' + ('this' if mine else a.rev[:10]):>34}")
+            print(f"\n[{scen}] baseline: {r.baselines.get(scen, '(not printed)')}")
+            print(f"  {'key':<36}{'this':>12}{a.rev[:10]:>12}{'this/rev':>10}{'pairs':>6}  verdict (5% band)")
+        pairs = r.pairs(key)
+        if not pairs:
+            print(f"  {key:<36}{'only ' + r.only_on(key)[:10]:>34}")
             continue
-        m, t = statistics.median(mine), statistics.median(theirs)
-        ratio = m / t if t else float("nan")
-        v = verdict(key, ratio, goals, base_keys, diff=m - t)
-        flagged += v not in ("ok",)
-        moved = f"{m - t:>+10.3f}" if is_fraction(key) else f"{ratio:>10.3f}"
-        print(f"  {key:<36}{m:>12.4g}{t:>12.4g}{moved}  {v}{' (this - rev, 0.05 band)' if is_fraction(key) else ''}")
-    print(f"\n{len(keys)} keys, {flagged} moved by more than 5% (medians of {a.rounds} rounds each, the sides "
-          "alternated a scenario at a time)")
+        m, t = statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs)
+        v, _ = judge(key, pairs, goals, base_keys)
+        verdicts[v.split(" ")[0]] = verdicts.get(v.split(" ")[0], 0) + 1
+        moved = f"{m - t:>+10.3f}" if is_fraction(key) else (f"{m / t:>10.3f}" if t else f"{'-':>10}")
+        print(f"  {key:<36}{m:>12.4g}{t:>12.4g}{moved}{len(pairs):>6}  {v}"
+              f"{' (this - rev, 0.05 band)' if is_fraction(key) else ''}")
+    print(f"\n{len(keys)} keys, medians of paired rounds ({a.rounds} each, more for a scenario with a SLOWER? key): "
+          + ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())))
     return 0
 
 
