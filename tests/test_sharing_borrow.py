@@ -672,3 +672,58 @@ def test_length_reads_no_cells_and_follows_the_row(make_store, monkeypatch, shar
         assert (st.stats().shared_tokens > 0) == sharing
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("source", ["file", "stream"])
+def test_a_restored_prompt_lends_its_pages_again(make_store, tmp_path, source):
+    """restore places a sequence as create_sequence(prefix=) places a prompt, on a page unit, so a
+    reuse of a restored prompt borrows its pages instead of copying them (int8 4x64: a 256-cell
+    unit; the first sequence restored takes 300 cells, so first fit alone puts the next off a unit)."""
+    import io
+
+    kw = dict(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=16384, max_seqs=32)
+    st = make_store(**kw)
+    u = engine_of(st).page_unit
+    assert u == 256
+    other = st.create_sequence(capacity=300)
+    rng = np.random.default_rng(9)
+    other.extend(rng.standard_normal((L, 10, H, D)), rng.standard_normal((L, 10, H, D)), tokens=np.arange(10))
+    d, p = seeded_donor(st, n=600)
+    path = tmp_path / "s.shmkv"
+    st.save(str(path))
+    want = kv_and_tokens(d)
+    dst = make_store(**kw)
+    dst.restore(str(path) if source == "file" else io.BytesIO(path.read_bytes()))
+    assert start_of(dst, other.id) == 0 and start_of(dst, d.id) % u == 0
+    b = dst.create_sequence(capacity=1024, prefix=np.r_[p, [7]])
+    assert len(b) == 600 and dst.stats().shared_tokens == 600 // u * u
+    assert kv_and_tokens(b) == want == kv_and_tokens(dst.sequence(d.id))
+
+
+def test_a_restore_with_no_range_on_a_page_unit_takes_another(make_store, tmp_path, monkeypatch):
+    """Where no range on a page unit is free, restore takes one off it (and the sequence copies
+    at its reuses) rather than fail: as a new prompt does."""
+    kw = dict(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=16384, max_seqs=32)
+    st = make_store(**kw)
+    st.create_sequence(capacity=300).extend(np.ones((L, 3, H, D)), np.ones((L, 3, H, D)), tokens=[1, 2, 3])
+    d, p = seeded_donor(st, n=600)
+    path = tmp_path / "s.shmkv"
+    st.save(str(path))
+    dst = make_store(**kw)
+    e = engine_of(dst)
+    real = e.alloc
+    asked = []
+
+    def alloc(capacity, *a, align=1, **k):
+        asked.append(align)
+        if align > 1:
+            raise shmkv.CacheFullError("no range on a page unit (a test's)")
+        return real(capacity, *a, align=align, **k)
+
+    monkeypatch.setattr(e, "alloc", alloc)
+    dst.restore(str(path))
+    monkeypatch.undo()
+    assert asked == [256, 1, 256, 1] and start_of(dst, d.id) == 300
+    assert kv_and_tokens(dst.sequence(d.id)) == kv_and_tokens(d)
+    b = dst.create_sequence(capacity=1024, prefix=np.r_[p, [7]])
+    assert len(b) == 600 and dst.stats().shared_tokens == 0

@@ -107,15 +107,11 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
                 own = s.id % lay.max_seqs
                 slot = -1 - (free_slots.pop(free_slots.index(own)) if own in free_set else free_slots.pop(0))
                 free_set.discard(-1 - slot)
-            cap = max(1, min(max(s.capacity, s.length), lay.max_tokens))
             if s.length > lay.max_tokens:
                 raise CacheFullError(f"sequence {s.id} of {reader.where} has {s.length} tokens, more than "
                                      f"store {core.name!r}'s max_tokens={lay.max_tokens}")
-            try:  # from a file the arrays arrive through the descriptor, which allocates (Pages.stage)
-                start = core.alloc(cap, taken, stage=direct, fill=s.length)  # the rest: as writes need it
-            except CacheFullError:
-                cap = max(1, s.length)
-                start = core.alloc(cap, taken, stage=direct, fill=s.length)  # the rest: as writes need it
+            cap, start = _place(core, max(1, min(max(s.capacity, s.length), lay.max_tokens)), s.length, taken,
+                                direct)
             taken.append((start, cap))
             plan.append((s, slot, start))
             if s.encoder_length:
@@ -208,6 +204,23 @@ def _restore(core: Port, reader: SnapshotReader, snap: Snapshot, is_file: bool, 
                 core.restored(existing if existing >= 0 else -1 - existing, s.finished, s.clean, s.meta)
             rows.raise_next_id(past)  # inside the unit: rows back after a crash, ids not reused
     return [p[0].id for p in plan]
+
+
+def _place(core: Port, cap: int, length: int, taken: list[tuple[int, int]], stage: bool) -> tuple[int, int]:
+    """(capacity, start) of a restored sequence's range: its capacity, else only its tokens if
+    that is all that fits, on a page unit where one fits, as ``create_sequence(prefix=)`` places
+    a prompt (a range on a page unit may lend its pages to later reuses, docs/design.md §11).
+    From a file the arrays arrive through the descriptor, which allocates (Pages.stage); the
+    pages past ``length`` are reserved as writes need them."""
+    tries = [(c, a) for c in dict.fromkeys((cap, max(1, length)))
+             for a in dict.fromkeys((core.page_unit if core.shares.on and c >= core.page_unit else 1, 1))]
+    for c, align in tries[:-1]:
+        try:
+            return c, core.alloc(c, taken, stage=stage, fill=length, align=align)
+        except CacheFullError:
+            pass
+    c, align = tries[-1]
+    return c, core.alloc(c, taken, stage=stage, fill=length, align=align)  # (the last: its CacheFullError is ours)
 
 
 def _regions(core: Port) -> tuple[Any, ...]:

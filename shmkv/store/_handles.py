@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from shmkv._engine.locking import crash as _crash
-from shmkv._engine.spans import mappings as share
 from shmkv._engine.placement.arena import fits
 from shmkv._engine.engine import Engine
 from shmkv._engine.checks import count
@@ -69,10 +68,9 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
         rows = e.layout.max_seqs
         # a prompt's sequence starts on a page unit: it may lend its pages, or borrow (docs/design.md §11;
         # a range shorter than a unit never lends: no alignment waste)
-        # (not when sharing is off: ENABLED false or nothing to share)
-        sharing = share.ENABLED and bool(e.shares.pieces)
-        # (a fork's child too, ``protect``: its parent's row; it borrows through copy_prefix)
-        align = e.page_unit if sharing and (toks is not None or protect >= 0) and max(capacity, n) >= e.page_unit \
+        # (not when sharing is off; a fork's child too, ``protect``: its parent's row; it borrows
+        # through copy_prefix)
+        align = e.page_unit if e.shares.on and (toks is not None or protect >= 0) and max(capacity, n) >= e.page_unit \
             else 1
         phys, m, owner = e.lend(donor, n) if n else (0, 0, -1)
         if align > 1 and not fits(e.arena, max(capacity, n), align) and fits(e.arena, max(capacity, n), 1):

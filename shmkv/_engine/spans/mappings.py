@@ -224,6 +224,12 @@ class Shares:
         _LIVE.add(self)
         SPARE.keep()
 
+    @property
+    def on(self) -> bool:
+        """Whether this store lends prefix pages at all (``ENABLED``, and arrays to share): a range
+        that may lend them starts on a page unit (docs/design.md §11)."""
+        return ENABLED and bool(self.pieces)
+
     def __del__(self) -> None:
         fd, self.fd = getattr(self, "fd", -1), -1
         if fd >= 0:
