@@ -49,12 +49,14 @@ from shmkv.errors import InvalidArgumentError, NotSupportedError, ReadOnlyError,
 from shmkv.remote._client import check_settings, connect, is_redis_error, redact, what_to_do
 from shmkv.remote._wire import (
     FORMAT_VERSION,
+    WRONG_TYPE,
     Geometry,
     Unsound,
     drop,
     fingerprint,
     pending_key,
     publish,
+    reply_is,
     same_codes,
     send_pending,
     unpack,
@@ -351,7 +353,7 @@ class RemoteTier:
             def run() -> list[Any]:  # a key of another type is that chunk's miss, not the batch's failure
                 out = list(pipe.execute(raise_on_error=False))
                 for x in out:
-                    if isinstance(x, Exception) and not str(x).startswith("WRONGTYPE"):
+                    if isinstance(x, Exception) and not reply_is(x, WRONG_TYPE):
                         raise x
                 return out
 

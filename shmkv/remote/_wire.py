@@ -152,6 +152,19 @@ def pending_key(key: str, tag: str) -> str:
     return f"{{{key}}}:pending:{tag}"
 
 
+# Redis's error replies this module and the pull tell apart, as redis-py gives them: the text
+# after a generic ``ERR`` code, the whole text after any other code
+NO_SUCH_KEY = "no such key"  # RENAMENX of a key that is not there (a pending value evicted)
+WRONG_TYPE = "WRONGTYPE"  # GET of a key that holds another type (not a value of ours)
+
+
+def reply_is(x: object, reply: str) -> bool:
+    """Whether ``x`` is Redis's error reply ``reply`` (``NO_SUCH_KEY``, ``WRONG_TYPE``)."""
+    import redis.exceptions as rx
+
+    return isinstance(x, rx.ResponseError) and str(x).startswith(reply)
+
+
 def publish(r: Any, pairs: list[tuple[str, str]], cluster: bool) -> list[bool]:
     """Each pending key renamed to its key unless the key exists (then the pending value is
     deleted): whether each was renamed. A pending key Redis evicted meanwhile (``maxmemory``) is
@@ -165,7 +178,7 @@ def publish(r: Any, pairs: list[tuple[str, str]], cluster: bool) -> list[bool]:
             try:
                 out.append(bool(r.renamenx(pending, key)))
             except rx.ResponseError as e:
-                if "no such key" not in str(e):  # (evicted: not published; anything else is an error)
+                if not reply_is(e, NO_SUCH_KEY):  # (evicted: not published; anything else is an error)
                     raise
                 out.append(False)
             r.persist(key)
@@ -178,7 +191,7 @@ def publish(r: Any, pairs: list[tuple[str, str]], cluster: bool) -> list[bool]:
         pipe.delete(pending)  # (still there when the key existed)
     got = pipe.execute(raise_on_error=False)[::3]
     for x in got:  # (a reply that is an error other than an evicted pending key: raised as before)
-        if isinstance(x, Exception) and not (isinstance(x, rx.ResponseError) and "no such key" in str(x)):
+        if isinstance(x, Exception) and not reply_is(x, NO_SUCH_KEY):
             raise x
     return [x is True or x == 1 for x in got]
 
