@@ -89,7 +89,8 @@ def test_the_parts_are_held_and_their_operations_bound_once(make_store) -> None:
     assert e.alloc.__self__ is e.arena and e.new_row.__self__ is e.arena
     assert e.room.__self__ is e.pages and e.borrow.__self__ is e.spans and e.touch.__self__ is e.rows
     assert e.spans.alloc.__self__ is e.arena and e.arena.journal is e.journal is e.spans.journal
-    parts = (e.journal, e.pages, e.arena, e.spans, e.rows, e.snapshot_rows)
+    assert e.relocate.__self__ is e.growth and e.growth.alloc.__self__ is e.arena and e.growth.pages is e.pages
+    parts = (e.journal, e.pages, e.arena, e.growth, e.spans, e.rows, e.snapshot_rows)
     assert all(isinstance(v, (memoryview, np.ndarray)) for v in (e.journal.hdr, e.arena.table_np, e.snapshot_rows.hdr))
     seq = store.create_sequence(capacity=16)
     seq.release()

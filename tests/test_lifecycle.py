@@ -305,7 +305,7 @@ def test_the_types_the_close_walk_skips_hold_no_view(make_store, dtype):
     try:
         e = other._engine
         e.alloc  # noqa: B018  (every part built)
-        owners = [e, *(vars(e)[a] for a in ("journal", "pages", "arena", "spans", "rows", "snapshot_rows"))]
+        owners = [e, *(vars(e)[a] for a in ("journal", "pages", "arena", "growth", "spans", "rows", "snapshot_rows"))]
 
         def values(v: object, depth: int):
             yield v

@@ -2,13 +2,14 @@
 leases, closing) and the parts it composes, wired in ``Engine.__init__``: ``journal``
 (``Journal``: the one way into the lock, journaled transactions, crash recovery), ``pages``
 (``Pages``: reservation, writes through the descriptor, cell copies), ``arena`` (``Arena``:
-where cells go: free ranges, allocation, eviction, rows, encoder ranges), ``spans``
+where cells go: free ranges, allocation, eviction, rows, encoder ranges), ``growth``
+(``Growth``: a sequence's range grown in place, slid down or moved), ``spans``
 (``Sharing``: shared prefix pages), ``rows`` (``Rows``: the row and header words the store
 layer sets and reads, as named operations: ``store/`` indexes no row itself) and
 ``snapshot_rows`` (``SnapshotRows``: those a snapshot saves and restores). Each part is
 given what it uses in its constructor; the one call up, the journal's ``settle_span`` at the
 end of a change of a borrowing or lending row, is a hook passed in too. This class adds the
-cell moves of a sequence (copy_prefix between rows, growth, the fresh ranges
+cell moves of a sequence (copy_prefix between rows, the fresh ranges
 truncate/remove/shift_left rewrite into), all under the store lock and never over cells a row
 points to (journal invariant 1), a sequence's meta record and recency, and binds the parts'
 operations that the sequence layer, snapshots and the store use as its own attributes, once:
@@ -27,6 +28,7 @@ from shmkv._engine.table import header as _header
 from shmkv._engine.clients import liveness as _liveness
 from shmkv._engine.memory import segment as _segment
 from shmkv._engine.placement.arena import Arena
+from shmkv._engine.placement.growth import Growth
 from shmkv._engine.attachment import Closed, Attachment, release_views
 from shmkv._engine.placement.free_ranges import FreeRanges
 from shmkv._engine.table.header import (
@@ -60,7 +62,7 @@ from shmkv._engine.memory.segment import Segment
 from shmkv._engine.table.seqlock import SMALL_TABLE
 from shmkv._engine.spans.lending import Sharing
 from shmkv._engine.table.snapshot_rows import SnapshotRows
-from shmkv.errors import CacheFullError, CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
+from shmkv.errors import CorruptStoreError, InvalidArgumentError, NotSupportedError, SequenceNotFound
 
 __all__ = ["Engine"]
 
@@ -73,11 +75,11 @@ __all__ = ["Engine"]
 _READER = frozenset(("K", "V", "tokens", "positions", "_hashes", "meta", "index", "Kl", "Vl", "KS", "VS", "KSl",
                      "VSl", "rows", "touch"))
 _PARTS = frozenset((
-    "pages", "arena", "spans", "snapshot_rows",
+    "pages", "arena", "growth", "spans", "snapshot_rows",
     "room", "settle", "any_owed", "before_appends", "file_copier", "write_new", "reserve_window",
     "free_tokens", "free_ranges", "alloc", "new_row", "free_row", "wcell", "index_blocks", "unindexing",
     "set_encoder", "drop_encoder", "lend", "borrow", "lent_end", "move_lender",
-    "shared_cells", "held_cells", "retained_cells", "committed_held",
+    "shared_cells", "held_cells", "retained_cells", "committed_held", "relocate",
 ))
 _LAZY = _READER | _PARTS
 
@@ -179,14 +181,15 @@ class Engine(Attachment):
             free=free, journal=journal, pages=pages, alloc=arena.alloc)
         snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
                                      reading=journal.reading, settled_row=journal.settled_row)
-        (self.pages, self.arena, self.spans, self.snapshot_rows,
+        growth = Growth(name=name, layout=layout, arena=arena, pages=pages)
+        (self.pages, self.arena, self.growth, self.spans, self.snapshot_rows, self.relocate,
          self.room, self.settle, self.any_owed, self.before_appends,
          self.file_copier, self.write_new, self.reserve_window,
          self.free_tokens, self.free_ranges, self.alloc, self.new_row, self.free_row, self.wcell,
          self.index_blocks, self.unindexing, self.set_encoder, self.drop_encoder,
          self.lend, self.borrow, self.lent_end, self.move_lender,
          self.shared_cells, self.held_cells, self.retained_cells, self.committed_held) = (
-            pages, arena, spans, snapshot_rows,
+            pages, arena, growth, spans, snapshot_rows, growth.relocate,
             pages.room, pages.settle, pages.any_owed, pages.before_appends,
             pages.file_copier, pages.write_new, pages.reserve_window,
             arena.free_tokens, arena.free_ranges, arena.alloc, arena.new_row, arena.free_row, arena.wcell,
@@ -196,7 +199,7 @@ class Engine(Attachment):
 
     def release(self) -> None:
         """Drop every reference the parts and this handle hold into the mappings (``Attachment.release``)."""
-        for attr in ("journal", "pages", "arena", "spans", "rows", "snapshot_rows"):
+        for attr in ("journal", "pages", "arena", "growth", "spans", "rows", "snapshot_rows"):
             part = self.__dict__.get(attr)  # (a part never built holds nothing)
             # (a release cut short and run again: Attachment.release closed it)
             if part is not None and not isinstance(part, Closed):
@@ -399,50 +402,3 @@ class Engine(Attachment):
             d_row[IDX_BLOCKS] = min(s_row[IDX_BLOCKS], n // 16)
             d_row[FLAGS] = with_leads(d_row[FLAGS], min(leads(s_row[FLAGS]), lead_levels(n))) & ~NOINDEX
             self.index_blocks(d_slot, n, source=s_slot)  # src's entries stand for dst's copied blocks
-
-    def relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
-        """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).
-
-        Tried in order: grow in place into the free cells after the range;
-        slide down into free cells before it (plus any after); move to a free
-        range elsewhere. Sizes tried: twice the capacity, then exactly ``needed``.
-        """
-        start, cap = row[START], row[CAPACITY]
-        new_cap = min(max(needed, 2 * cap), self.layout.max_tokens)
-        gaps = self.free_ranges()
-        room = self.free_tokens(gaps)  # what max_tokens still holds (the arena has alignment slack)
-        before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
-        after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
-        for want in dict.fromkeys((new_cap, needed)):
-            if want - cap > room:
-                continue  # (a move: alloc's own check, below)
-            if cap + after[1] >= want:  # (the new cells' pages: as the appends need them, pages.py)
-                row[CAPACITY] = want
-                _crash.point("grow.extended")
-                return
-            new_start = max(before[0], start + cap + after[1] - want)
-            if before[1] + cap + after[1] >= want and new_start + keep <= start and not row[FLAGS] & LENT:
-                # slide down into free cells before it, never over its own committed cells (nor
-                # over cells it lent: tests/test_crash.py::test_random_kills...[shared] found it)
-                self.pages.reserve(new_start, keep)
-                self.pages.copy_cells(start, new_start, keep)  # (no overlap: the condition above)
-                _crash.point("grow.slid")
-                row[START], row[CAPACITY] = new_start, want
-                return
-        for want in dict.fromkeys((new_cap, needed)):
-            try:
-                new_start = self.alloc(want, evict=want == needed, protect=protect, populate=False, fill=keep)
-            except CacheFullError:
-                continue
-            self.pages.copy_cells(start, new_start, keep)
-            self.pages.fill(new_start, want)  # the appends that made it grow go on there
-            _crash.point("grow.copied")
-            row[START] = new_start
-            _crash.point("grow.switched")
-            row[CAPACITY] = want
-            return
-        raise CacheFullError(
-            f"store {self.name!r}: sequence {row[ID]} needs {needed} token cells and no free range "
-            f"is that large ({max(0, self.free_tokens(gaps))} of max_tokens={self.layout.max_tokens} free): "
-            "free or truncate sequences, or create the store with a larger max_tokens="
-        )

@@ -1,4 +1,4 @@
-"""Where the cells of a store go: free ranges, allocation, eviction, relocation, the window
+"""Where the cells of a store go: free ranges, allocation, eviction, the window
 buffers of sliding/chunked layers, encoder ranges, and cell copies (all under the store lock).
 Their pages (reservation, writes through the descriptor): ``_engine/memory/pages.py``."""
 

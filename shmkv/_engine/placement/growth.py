@@ -1,0 +1,70 @@
+"""Where a sequence's cells go when it needs more than its range holds: ``Growth.relocate``
+grows the range in place, slides it down, or moves it (all under the store lock, the row
+changing; never over cells a row points to, journal invariant 1). The placing itself is the
+arena's (``arena.py``), the copies the pages part's (``_engine/memory/pages.py``)."""
+
+from __future__ import annotations
+
+from shmkv._engine.locking import crash as _crash
+from shmkv._engine.memory.pages import Pages
+from shmkv._engine.placement.arena import Arena
+from shmkv._engine.table.header import CAPACITY, FLAGS, ID, LENT, START, Layout
+from shmkv.errors import CacheFullError
+
+__all__ = ["Growth"]
+
+
+class Growth:
+    """The growth part of a store handle, held by the engine: the arena's placing and the pages
+    part's copies, bound once."""
+
+    def __init__(self, *, name: str, layout: Layout, arena: Arena, pages: Pages) -> None:
+        self.name, self.layout, self.pages = name, layout, pages
+        self.alloc, self.free_ranges, self.free_tokens = arena.alloc, arena.free_ranges, arena.free_tokens
+
+    def relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
+        """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).
+
+        Tried in order: grow in place into the free cells after the range;
+        slide down into free cells before it (plus any after); move to a free
+        range elsewhere. Sizes tried: twice the capacity, then exactly ``needed``.
+        """
+        start, cap = row[START], row[CAPACITY]
+        new_cap = min(max(needed, 2 * cap), self.layout.max_tokens)
+        gaps = self.free_ranges()
+        room = self.free_tokens(gaps)  # what max_tokens still holds (the arena has alignment slack)
+        before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
+        after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
+        for want in dict.fromkeys((new_cap, needed)):
+            if want - cap > room:
+                continue  # (a move: alloc's own check, below)
+            if cap + after[1] >= want:  # (the new cells' pages: as the appends need them, pages.py)
+                row[CAPACITY] = want
+                _crash.point("grow.extended")
+                return
+            new_start = max(before[0], start + cap + after[1] - want)
+            if before[1] + cap + after[1] >= want and new_start + keep <= start and not row[FLAGS] & LENT:
+                # slide down into free cells before it, never over its own committed cells (nor
+                # over cells it lent: tests/test_crash.py::test_random_kills...[shared] found it)
+                self.pages.reserve(new_start, keep)
+                self.pages.copy_cells(start, new_start, keep)  # (no overlap: the condition above)
+                _crash.point("grow.slid")
+                row[START], row[CAPACITY] = new_start, want
+                return
+        for want in dict.fromkeys((new_cap, needed)):
+            try:
+                new_start = self.alloc(want, evict=want == needed, protect=protect, populate=False, fill=keep)
+            except CacheFullError:
+                continue
+            self.pages.copy_cells(start, new_start, keep)
+            self.pages.fill(new_start, want)  # the appends that made it grow go on there
+            _crash.point("grow.copied")
+            row[START] = new_start
+            _crash.point("grow.switched")
+            row[CAPACITY] = want
+            return
+        raise CacheFullError(
+            f"store {self.name!r}: sequence {row[ID]} needs {needed} token cells and no free range "
+            f"is that large ({max(0, self.free_tokens(gaps))} of max_tokens={self.layout.max_tokens} free): "
+            "free or truncate sequences, or create the store with a larger max_tokens="
+        )
