@@ -201,6 +201,11 @@ def bench_quant(quick: bool) -> Figures:
             return run
 
         reps = 3 if quick else 5
+        # A process running a model has freed large arrays before; glibc's malloc then keeps
+        # freed heap memory for the next ones. In one that never has, it hands each freed top of
+        # the heap back to the kernel, and every dequantized copy faults its pages in afresh (3x
+        # the read's time here): both stores are measured as a serving process finds malloc.
+        np.ones(16 << 20, np.uint8)  # (16 MiB, freed at once)
         tw = alternated({"float16": write("float16"), "int8": write("int8")}, reps)
         tr = alternated({"float16": read("float16"), "int8": read("int8")}, reps)
         ts = alternated({"float16": step("float16"), "int8": step("int8")}, reps)

@@ -45,7 +45,8 @@ BASELINES = {
     "workers": "the same decode workers with no snapshotter running, alternated run by run, at N = cores - 1 "
                "and N = cores workers",
     "quant": "a float16 store of the same shape: extend (write), every value of every layer's K and V read, "
-             "and decode steps (one token appended to every layer, commit) at the prefilled context",
+             "and decode steps (one token appended to every layer, commit) at the prefilled context, in a "
+             "process that has freed a large array before (as one running a model has)",
     "table": "none (absolute times per operation at 16, 256 and 4096 sequences: flat is the goal)",
     "wait": "a bare pipe: the same kind of process (spawned, asleep) blocked in os.read of a pipe, woken by "
             "one byte written into it, measured the same way as the commit that wakes a seq.wait of a read-write "
