@@ -727,3 +727,61 @@ def test_a_restore_with_no_range_on_a_page_unit_takes_another(make_store, tmp_pa
     assert kv_and_tokens(dst.sequence(d.id)) == kv_and_tokens(d)
     b = dst.create_sequence(capacity=1024, prefix=np.r_[p, [7]])
     assert len(b) == 600 and dst.stats().shared_tokens == 0
+
+
+@pytest.mark.parametrize("room", ["move", "slide"])
+def test_a_prompt_that_grows_keeps_to_a_page_unit_and_lends_again(make_store, room):
+    """A prompt's range starts on a page unit (it may lend); when it outgrows its capacity and
+    leaves its range, it goes to a start on a unit where one is free (moved past its neighbour,
+    or slid down into the cells a freed sequence left), so a later reuse of it (the next turn
+    of a conversation) still borrows its pages (int8 4x64: a 256-cell unit)."""
+    st = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=16384, max_seqs=32)
+    u = engine_of(st).page_unit
+    ones = np.ones((L, 5, H, D))
+    first = st.create_sequence(capacity=1000 if room == "slide" else 300)
+    first.extend(ones, ones, tokens=np.arange(5))
+    p = np.arange(1000, 1300)
+    d = st.create_sequence(capacity=300, prefix=p)
+    rng = np.random.default_rng(4)
+    d.extend(rng.standard_normal((L, 300, H, D)), rng.standard_normal((L, 300, H, D)), tokens=p)
+    after = st.create_sequence(capacity=300)  # right after d: d cannot grow in place
+    after.extend(ones, ones, tokens=np.arange(5))
+    assert start_of(st, d.id) % u == 0 and start_of(st, after.id) == start_of(st, d.id) + 300
+    if room == "slide":
+        first.free()  # 1024 free cells before d: an unaligned slide would start at 724
+    was = start_of(st, d.id)
+    answer = np.arange(5000, 5100)
+    d.extend(rng.standard_normal((L, 100, H, D)), rng.standard_normal((L, 100, H, D)), tokens=answer)
+    d.finish()
+    assert start_of(st, d.id) != was and start_of(st, d.id) % u == 0
+    b = st.create_sequence(capacity=1024, prefix=np.r_[p, answer, [7]])
+    assert len(b) == 400 and st.stats().shared_tokens == 400 // u * u
+    assert kv_and_tokens(b) == kv_and_tokens(d)
+
+
+def test_a_prompt_with_no_range_on_a_page_unit_grows_anyway(make_store, monkeypatch):
+    """Where no range on a page unit is free, a growing prompt slides or moves as any sequence
+    does (it copies at its reuses), rather than evict or fail."""
+    st = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=16384, max_seqs=32)
+    u = engine_of(st).page_unit
+    ones = np.ones((L, 5, H, D))
+    st.create_sequence(capacity=300).extend(ones, ones, tokens=np.arange(5))
+    p = np.arange(1000, 1300)
+    d = st.create_sequence(capacity=300, prefix=p)
+    d.extend(np.ones((L, 300, H, D)), np.ones((L, 300, H, D)), tokens=p)
+    st.create_sequence(capacity=300).extend(ones, ones, tokens=np.arange(5))
+    e = engine_of(st)
+    real, asked = e.arena.alloc, []
+
+    def alloc(capacity, *a, align=1, **k):
+        asked.append(align)
+        if align > 1:
+            raise shmkv.CacheFullError("no range on a page unit (a test's)")
+        return real(capacity, *a, align=align, **k)
+
+    monkeypatch.setattr(e.relocate.__self__, "alloc", alloc)
+    d.extend(np.ones((L, 100, H, D)), np.ones((L, 100, H, D)), tokens=np.arange(5000, 5100))
+    monkeypatch.undo()
+    assert asked[:2] == [u, u] and 1 in asked[2:]  # both sizes on a unit first, then anywhere
+    assert start_of(st, d.id) % u != 0 and len(d) == 400
+    assert np.array_equal(d.tokens, np.r_[p, np.arange(5000, 5100)])

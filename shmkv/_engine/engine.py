@@ -181,7 +181,8 @@ class Engine(Attachment):
             free=free, journal=journal, pages=pages, alloc=arena.alloc)
         snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
                                      reading=journal.reading, settled_row=journal.settled_row)
-        growth = Growth(name=name, layout=layout, arena=arena, pages=pages)
+        growth = Growth(name=name, layout=layout, page_unit=off.page_unit, lends=self.shares.on, arena=arena,
+                        pages=pages)
         (self.pages, self.arena, self.growth, self.spans, self.snapshot_rows, self.relocate,
          self.room, self.settle, self.any_owed, self.before_appends,
          self.file_copier, self.write_new, self.reserve_window,

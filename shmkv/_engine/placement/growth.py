@@ -1,9 +1,12 @@
 """Where a sequence's cells go when it needs more than its range holds: ``Growth.relocate``
 grows the range in place, slides it down, or moves it (all under the store lock, the row
-changing; never over cells a row points to, journal invariant 1). The placing itself is the
+changing; never over cells a row points to, journal invariant 1), a range on a page unit to
+another on one where it can. The placing itself is the
 arena's (``arena.py``), the copies the pages part's (``_engine/memory/pages.py``)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from shmkv._engine.locking import crash as _crash
 from shmkv._engine.memory.pages import Pages
@@ -18,16 +21,20 @@ class Growth:
     """The growth part of a store handle, held by the engine: the arena's placing and the pages
     part's copies, bound once."""
 
-    def __init__(self, *, name: str, layout: Layout, arena: Arena, pages: Pages) -> None:
+    def __init__(self, *, name: str, layout: Layout, page_unit: int, lends: bool, arena: Arena, pages: Pages) -> None:
         self.name, self.layout, self.pages = name, layout, pages
+        self.unit = page_unit if lends else 1  # (lends: the store shares prefix pages at all, Shares.on)
         self.alloc, self.free_ranges, self.free_tokens = arena.alloc, arena.free_ranges, arena.free_tokens
 
     def relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
         """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).
 
-        Tried in order: grow in place into the free cells after the range;
-        slide down into free cells before it (plus any after); move to a free
-        range elsewhere. Sizes tried: twice the capacity, then exactly ``needed``.
+        Tried in order: grow in place into the free cells after the range; slide down into free
+        cells before it (plus any after); move to a free range elsewhere, evicting for exactly
+        ``needed`` if need be. Sizes tried: twice the capacity, then exactly ``needed``. A range
+        on a page unit (one that may lend its pages, docs/design.md §11) keeps to one where it can
+        without evicting anything: it slides or moves to a start on a unit first, and only then
+        as any range would.
         """
         start, cap = row[START], row[CAPACITY]
         new_cap = min(max(needed, 2 * cap), self.layout.max_tokens)
@@ -35,36 +42,62 @@ class Growth:
         room = self.free_tokens(gaps)  # what max_tokens still holds (the arena has alignment slack)
         before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
         after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
-        for want in dict.fromkeys((new_cap, needed)):
+        wants = list(dict.fromkeys((new_cap, needed)))
+        u = self.unit if not start % self.unit else 1
+        for want in wants:
             if want - cap > room:
                 continue  # (a move: alloc's own check, below)
             if cap + after[1] >= want:  # (the new cells' pages: as the appends need them, pages.py)
                 row[CAPACITY] = want
                 _crash.point("grow.extended")
                 return
-            new_start = max(before[0], start + cap + after[1] - want)
-            if before[1] + cap + after[1] >= want and new_start + keep <= start and not row[FLAGS] & LENT:
-                # slide down into free cells before it, never over its own committed cells (nor
-                # over cells it lent: tests/test_crash.py::test_random_kills...[shared] found it)
-                self.pages.reserve(new_start, keep)
-                self.pages.copy_cells(start, new_start, keep)  # (no overlap: the condition above)
-                _crash.point("grow.slid")
-                row[START], row[CAPACITY] = new_start, want
+            if self._slide(row, want, keep, before, after, align=u):
                 return
-        for want in dict.fromkeys((new_cap, needed)):
-            try:
-                new_start = self.alloc(want, evict=want == needed, protect=protect, populate=False, fill=keep)
-            except CacheFullError:
-                continue
-            self.pages.copy_cells(start, new_start, keep)
-            self.pages.fill(new_start, want)  # the appends that made it grow go on there
-            _crash.point("grow.copied")
-            row[START] = new_start
-            _crash.point("grow.switched")
-            row[CAPACITY] = want
-            return
+        # (loops, not any() over a generator: a Ctrl-C as an unfinished generator is closed would
+        # be printed and lost, and its frame would keep the row's view of the mapping alive)
+        for want in wants if u > 1 else ():
+            if self._move(row, want, keep, align=u):
+                return
+        for want in wants if u > 1 else ():
+            if want - cap <= room and self._slide(row, want, keep, before, after, align=1):
+                return
+        for want in wants:
+            if self._move(row, want, keep, evict=want == needed, protect=protect):
+                return
         raise CacheFullError(
             f"store {self.name!r}: sequence {row[ID]} needs {needed} token cells and no free range "
             f"is that large ({max(0, self.free_tokens(gaps))} of max_tokens={self.layout.max_tokens} free): "
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
+
+    def _slide(self, row: memoryview, want: int, keep: int, before: tuple[int, int], after: tuple[int, int], *,
+               align: int) -> bool:
+        """Slide the range down to ``want`` cells ending at most where the free cells after it end,
+        starting on a multiple of ``align``, if that keeps its first ``keep`` cells clear of their
+        copy: never over its own committed cells (nor over cells it lent:
+        tests/test_crash.py::test_random_kills...[shared] found it)."""
+        start = row[START]
+        end = start + row[CAPACITY] + after[1]
+        new_start = -(-max(before[0], end - want) // align) * align
+        if new_start + want > end or new_start + keep > start or row[FLAGS] & LENT:
+            return False
+        self.pages.reserve(new_start, keep)
+        self.pages.copy_cells(start, new_start, keep)  # (no overlap: the condition above)
+        _crash.point("grow.slid")
+        row[START], row[CAPACITY] = new_start, want
+        return True
+
+    def _move(self, row: memoryview, want: int, keep: int, **where: Any) -> bool:
+        """Move the sequence's first ``keep`` cells to a fresh range of ``want`` (``where``: how
+        ``alloc`` places it), if one is found."""
+        try:
+            new_start = self.alloc(want, populate=False, fill=keep, **where)
+        except CacheFullError:
+            return False
+        self.pages.copy_cells(row[START], new_start, keep)
+        self.pages.fill(new_start, want)  # the appends that made it grow go on there
+        _crash.point("grow.copied")
+        row[START] = new_start
+        _crash.point("grow.switched")
+        row[CAPACITY] = want
+        return True
