@@ -785,3 +785,33 @@ def test_a_prompt_with_no_range_on_a_page_unit_grows_anyway(make_store, monkeypa
     assert asked[:2] == [u, u] and 1 in asked[2:]  # both sizes on a unit first, then anywhere
     assert start_of(st, d.id) % u != 0 and len(d) == 400
     assert np.array_equal(d.tokens, np.r_[p, np.arange(5000, 5100)])
+
+
+@pytest.mark.parametrize("op", ["lender_truncates", "copy_prefix_into", "remove"])
+def test_every_move_of_a_range_on_a_page_unit_keeps_to_one(make_store, op):
+    """A lender that truncates below what it lent, a copy_prefix into a sequence that holds
+    tokens, and a remove each write the sequence into a fresh range; one that started on a page
+    unit (a prompt: it may lend) gets another on one where one is free, as growth does (int8 4x64:
+    a 256-cell unit; a 300-cell sequence after it makes the first free cell fall off a unit)."""
+    st = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=16384, max_seqs=32)
+    u = engine_of(st).page_unit
+    d, p = seeded_donor(st, n=600, capacity=1024, finish=op != "lender_truncates")
+    want = kv_and_tokens(d)
+    b = st.create_sequence(capacity=1024, prefix=np.r_[p, [7]])  # borrows d's first 512 (live: 256) cells
+    st.create_sequence(capacity=300).extend(np.ones((L, 5, H, D)), np.ones((L, 5, H, D)), tokens=np.arange(5))
+    assert start_of(st, d.id) % u == 0 and st.stats().shared_tokens == (256 if op == "lender_truncates" else 512)
+    was = start_of(st, d.id)
+    if op == "lender_truncates":  # d, live, lent all but its last unit: below 256 it moves
+        d.truncate(100)
+        assert kv_and_tokens(d) == [(k[: len(k) // 6], v[: len(v) // 6]) for k, v in want[:L]] + [want[L][:800]]
+    elif op == "copy_prefix_into":  # into b, which holds 600 tokens: b's fresh range
+        was = start_of(st, b.id)
+        st.copy_prefix(d.id, b.id, 400)
+        assert kv_and_tokens(b) == [(k[: len(k) * 2 // 3], v[: len(v) * 2 // 3]) for k, v in want[:L]] + \
+            [want[L][:3200]]
+        d = b
+    else:
+        d = st.sequence(d.id, write=True)
+        d.remove(100, 200)
+        assert d.tokens.tolist() == np.r_[p[:100], p[200:]].tolist()
+    assert start_of(st, d.id) != was and start_of(st, d.id) % u == 0

@@ -175,14 +175,14 @@ class Engine(Attachment):
             full=self._full, shares=self.shares, dbase=self._dbase)
         arena = Arena(
             name=name, layout=layout, off=off, hdr=self.hdr, table_np=t, meta=self.meta, index=self.index,
-            row=self.row, lease_holder=self._lease_holder, free=free, journal=journal, pages=pages)
+            row=self.row, lease_holder=self._lease_holder, free=free, journal=journal, pages=pages,
+            lends=self.shares.on)
         spans = Sharing(
             name=name, off=off, hdr=self.hdr, table_np=t, row=self.row, dseg=dseg, shares=self.shares,
             free=free, journal=journal, pages=pages, alloc=arena.alloc)
         snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
                                      reading=journal.reading, settled_row=journal.settled_row)
-        growth = Growth(name=name, layout=layout, page_unit=off.page_unit, lends=self.shares.on, arena=arena,
-                        pages=pages)
+        growth = Growth(name=name, layout=layout, arena=arena, pages=pages)
         (self.pages, self.arena, self.growth, self.spans, self.snapshot_rows, self.relocate,
          self.room, self.settle, self.any_owed, self.before_appends,
          self.file_copier, self.write_new, self.reserve_window,
@@ -341,7 +341,7 @@ class Engine(Attachment):
         row = self.row(slot)
         start, wb = row[START], row[WBUF]
         cap = row[CAPACITY] if capacity is None else capacity
-        new_start = self.alloc(cap, evict=True, protect=protect, populate=False,
+        new_start = self.alloc(cap, evict=True, protect=protect, populate=False, was=start,
                                fill=max((dst + n for _, dst, n in full), default=0))  # pages for what it copies
         for src, dst, n in full:
             self.pages.copy_cells(start + src, new_start + dst, n)
@@ -388,7 +388,7 @@ class Engine(Attachment):
                 self.unindexing(d_slot, 0)  # its content goes: rows its entries stood for get theirs
                 # never evict the operation's own rows (a finished, unleased src or dst is a candidate)
                 new_start = self.alloc(max(n, d_row[CAPACITY]), evict=True, protect=(s_slot, d_slot),
-                                        populate=False, fill=n)
+                                        populate=False, fill=n, was=d_row[START])
                 self.pages.copy_cells(s_row[START], new_start, n)
                 self.pages.fill(new_start, max(n, d_row[CAPACITY]))
                 wb = 1 - d_row[WBUF]

@@ -233,9 +233,9 @@ class Port(Protocol):
 
     def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
               evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
-              stage: bool = False, align: int = 1, fill: int | None = None) -> int:
-        """First-fit a range of cells (starting on a multiple of ``align``) and reserve the pages
-        of its first ``fill`` (default: all)."""
+              stage: bool = False, align: int = 1, fill: int | None = None, was: int = -1) -> int:
+        """First-fit a range of cells (starting on a multiple of ``align``; a move from ``was``:
+        see Arena.alloc) and reserve the pages of its first ``fill`` (default: all)."""
         ...
 
     def reserve_window(self, slot: int) -> None:

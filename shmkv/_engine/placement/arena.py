@@ -56,14 +56,21 @@ class Arena:
     def __init__(self, *, name: str, layout: Layout, off: Offsets, hdr: memoryview, table_np: np.ndarray,
                  meta: np.ndarray, index: PrefixIndex, row: Callable[[int], memoryview],
                  lease_holder: Callable[[memoryview], tuple[int, bool]], free: FreeRanges, journal: Journal,
-                 pages: Pages) -> None:
+                 pages: Pages, lends: bool) -> None:
         self.name, self.layout, self._off, self.hdr, self.table_np = name, layout, off, hdr, table_np
+        self._unit = off.page_unit if lends else 1  # (lends: the store shares prefix pages at all, Shares.on)
         self.meta, self.index, self.row, self._lease_holder = meta, index, row, lease_holder
         self._free, self._wc = free, layout.window_cells
         self.journal = journal
         self.changing, self.log_meta, self._forget = journal.changing, journal.log_meta, journal.forget
         self._reserve, self._stage, self.reserve_window = pages.reserve, pages.stage, pages.reserve_window
         self._page_unit_reserve = pages.page_unit_reserve
+
+    def unit_of(self, start: int) -> int:
+        """What a range that replaces the one at ``start`` starts on where it can: the page unit
+        when that one starts on a unit and the store lends pages (a range that may lend them,
+        docs/design.md §11), else 1."""
+        return 1 if start % self._unit else self._unit
 
     def free_tokens(self, gaps: list[tuple[int, int]]) -> int:
         """Cells new ranges may still take, of the free ranges ``gaps``: ``max_tokens`` less
@@ -160,15 +167,20 @@ class Arena:
 
     def alloc(self, capacity: int, taken: list[tuple[int, int]] | None = None, all_layers: bool = False,
                evict: bool = False, protect: int | tuple[int, ...] = -1, *, populate: bool = True,
-               stage: bool = False, align: int = 1, fill: int | None = None) -> int:
+               stage: bool = False, align: int = 1, fill: int | None = None, was: int = -1) -> int:
         """First-fit a range of ``capacity`` cells (lock held); reserve the pages of its first
         ``fill`` cells (default: all; the rest as writes need them, pages.py).
 
         ``evict``: evict finished sequences (least recently used first, never row ``protect``,
         or the rows of a tuple) when no free range is large enough. ``populate``: see Pages.reserve;
-        ``stage``: see Pages.stage."""
+        ``stage``: see Pages.stage. ``align``: the range starts on a multiple of it. ``was``: the
+        start of the range this one replaces (a move): on a page unit where one is free without
+        evicting anything, when that one starts on a unit (``unit_of``)."""
         gaps = self.free_ranges(taken)
-        fit = self._place(gaps, capacity, align)
+        unit = self.unit_of(was) if was >= 0 else 1
+        fit = self._place(gaps, capacity, unit) if unit > align and capacity >= unit else None
+        if fit is None:
+            fit = self._place(gaps, capacity, align)
         if fit is None and evict and self._evict(capacity, 0, protect, align, taken):
             gaps = self.free_ranges(taken)
             fit = self._place(gaps, capacity, align)

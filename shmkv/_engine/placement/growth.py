@@ -21,10 +21,10 @@ class Growth:
     """The growth part of a store handle, held by the engine: the arena's placing and the pages
     part's copies, bound once."""
 
-    def __init__(self, *, name: str, layout: Layout, page_unit: int, lends: bool, arena: Arena, pages: Pages) -> None:
+    def __init__(self, *, name: str, layout: Layout, arena: Arena, pages: Pages) -> None:
         self.name, self.layout, self.pages = name, layout, pages
-        self.unit = page_unit if lends else 1  # (lends: the store shares prefix pages at all, Shares.on)
         self.alloc, self.free_ranges, self.free_tokens = arena.alloc, arena.free_ranges, arena.free_tokens
+        self.unit_of = arena.unit_of
 
     def relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
         """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).
@@ -43,7 +43,7 @@ class Growth:
         before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
         after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
         wants = list(dict.fromkeys((new_cap, needed)))
-        u = self.unit if not start % self.unit else 1
+        u = self.unit_of(start)
         for want in wants:
             if want - cap > room:
                 continue  # (a move: alloc's own check, below)

@@ -279,7 +279,7 @@ class Sharing:
         CacheFullError naming the loan."""
         cap = row[CAPACITY]
         try:
-            return self.alloc(cap, evict=True, protect=slot, populate=False, fill=keep)
+            return self.alloc(cap, evict=True, protect=slot, populate=False, fill=keep, was=row[START])
         except CacheFullError as e:
             raise CacheFullError(
                 f"store {self.name!r}: sequence {row[ID]} lent its first {self.lent_end(slot)} cells to other "
