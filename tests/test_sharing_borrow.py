@@ -771,18 +771,16 @@ def test_a_prompt_with_no_range_on_a_page_unit_grows_anyway(make_store, monkeypa
     d.extend(np.ones((L, 300, H, D)), np.ones((L, 300, H, D)), tokens=p)
     st.create_sequence(capacity=300).extend(ones, ones, tokens=np.arange(5))
     e = engine_of(st)
-    real, asked = e.arena.alloc, []
+    real, asked = e.arena._place, []
 
-    def alloc(capacity, *a, align=1, **k):
+    def place(gaps, capacity, align):
         asked.append(align)
-        if align > 1:
-            raise shmkv.CacheFullError("no range on a page unit (a test's)")
-        return real(capacity, *a, align=align, **k)
+        return None if align > 1 else real(gaps, capacity, align)  # (none on a unit)
 
-    monkeypatch.setattr(e.relocate.__self__, "alloc", alloc)
+    monkeypatch.setattr(e.arena, "_place", place)
     d.extend(np.ones((L, 100, H, D)), np.ones((L, 100, H, D)), tokens=np.arange(5000, 5100))
     monkeypatch.undo()
-    assert asked[:2] == [u, u] and 1 in asked[2:]  # both sizes on a unit first, then anywhere
+    assert asked[:2] == [u, 1]  # on a unit first, then anywhere
     assert start_of(st, d.id) % u != 0 and len(d) == 400
     assert np.array_equal(d.tokens, np.r_[p, np.arange(5000, 5100)])
 
@@ -815,3 +813,35 @@ def test_every_move_of_a_range_on_a_page_unit_keeps_to_one(make_store, op):
         d.remove(100, 200)
         assert d.tokens.tolist() == np.r_[p[:100], p[200:]].tolist()
     assert start_of(st, d.id) != was and start_of(st, d.id) % u == 0
+
+
+def test_keeping_to_a_page_unit_costs_no_cells(make_store):
+    """Keeping to a page unit never takes more of max_tokens than growth took before it did:
+    sequences shorter than a unit are not lined up on units (a 300-cell create still fits, with
+    nothing evicted), and a prompt that can only slide takes the size a slide takes (the cells it
+    needs, not twice its capacity) on a unit. float16 1x8: a 256-cell unit."""
+    one = np.ones((1, 1, 1, 8))
+    st = make_store(layers=1, kv_heads=1, head_dim=8, dtype="float16", max_tokens=1024, max_seqs=16)
+    assert engine_of(st).page_unit == 256
+    made = [st.create_sequence(capacity=1), st.create_sequence(capacity=1)]  # cells 0 and 1
+    for i in range(7):  # each time one at cell 0 (a unit's start) grows to 2 cells and moves
+        a = made[0] if i == 0 else st.create_sequence(capacity=1)
+        made.append(a)
+        a.extend(one, one, tokens=[1])
+        a.extend(one, one, tokens=[2])
+    s = st.stats()
+    assert s.largest_free_range == s.free_tokens == 1009
+    made[2].finish()
+    st.create_sequence(capacity=300)
+    assert st.stats().evictions == 0
+
+    st = make_store(layers=1, kv_heads=1, head_dim=8, dtype="float16", max_tokens=1024, max_seqs=8)
+    z = st.create_sequence(capacity=256)  # [0, 256)
+    p = st.create_sequence(capacity=300, prefix=np.arange(10))  # a prompt: [256, 556)
+    p.extend(np.ones((1, 10, 1, 8)), np.ones((1, 10, 1, 8)), tokens=np.arange(10))
+    st.create_sequence(capacity=100)  # [556, 656): p cannot grow in place
+    z.free()
+    p.extend(np.full((1, 400, 1, 8), 2.0), np.full((1, 400, 1, 8), 3.0), tokens=np.arange(10, 410))
+    assert (start_of(st, p.id) % 256, p.capacity, st.stats().free_tokens) == (0, 410, 514)  # (a slide: 146)
+    assert np.array_equal(p.keys(0)[:, 0, 0], np.r_[np.ones(10), np.full(400, 2.0)])
+    st.create_sequence(capacity=400)

@@ -32,9 +32,9 @@ class Growth:
         Tried in order: grow in place into the free cells after the range; slide down into free
         cells before it (plus any after); move to a free range elsewhere, evicting for exactly
         ``needed`` if need be. Sizes tried: twice the capacity, then exactly ``needed``. A range
-        on a page unit (one that may lend its pages, docs/design.md §11) keeps to one where it can
-        without evicting anything: it slides or moves to a start on a unit first, and only then
-        as any range would.
+        on a page unit (one that may lend its pages, docs/design.md §11) of at least a unit keeps
+        to one where it can, at the size the order above picks and without evicting anything for
+        it: before a slide, a slide or a move to a start on a unit; before a move, a move to one.
         """
         start, cap = row[START], row[CAPACITY]
         new_cap = min(max(needed, 2 * cap), self.layout.max_tokens)
@@ -43,7 +43,7 @@ class Growth:
         before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
         after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
         wants = list(dict.fromkeys((new_cap, needed)))
-        u = self.unit_of(start)
+        unit = self.unit_of(start)
         for want in wants:
             if want - cap > room:
                 continue  # (a move: alloc's own check, below)
@@ -51,18 +51,20 @@ class Growth:
                 row[CAPACITY] = want
                 _crash.point("grow.extended")
                 return
-            if self._slide(row, want, keep, before, after, align=u):
-                return
-        # (loops, not any() over a generator: a Ctrl-C as an unfinished generator is closed would
-        # be printed and lost, and its frame would keep the row's view of the mapping alive)
-        for want in wants if u > 1 else ():
-            if self._move(row, want, keep, align=u):
-                return
-        for want in wants if u > 1 else ():
-            if want - cap <= room and self._slide(row, want, keep, before, after, align=1):
-                return
-        for want in wants:
-            if self._move(row, want, keep, evict=want == needed, protect=protect):
+            to = self._slide_to(row, want, keep, before, after, align=1)
+            if to < 0:
+                continue
+            if unit > 1 and want >= unit:
+                on_unit = self._slide_to(row, want, keep, before, after, align=unit)
+                if on_unit >= 0:
+                    self._slide(row, want, keep, on_unit)
+                    return
+                if self._move(row, want, keep, align=unit):
+                    return
+            self._slide(row, want, keep, to)
+            return
+        for want in wants:  # (alloc keeps to a unit where it can: ``was``)
+            if self._move(row, want, keep, evict=want == needed, protect=protect, was=start):
                 return
         raise CacheFullError(
             f"store {self.name!r}: sequence {row[ID]} needs {needed} token cells and no free range "
@@ -70,22 +72,23 @@ class Growth:
             "free or truncate sequences, or create the store with a larger max_tokens="
         )
 
-    def _slide(self, row: memoryview, want: int, keep: int, before: tuple[int, int], after: tuple[int, int], *,
-               align: int) -> bool:
-        """Slide the range down to ``want`` cells ending at most where the free cells after it end,
-        starting on a multiple of ``align``, if that keeps its first ``keep`` cells clear of their
+    @staticmethod
+    def _slide_to(row: memoryview, want: int, keep: int, before: tuple[int, int], after: tuple[int, int], *,
+                  align: int) -> int:
+        """Where the range could slide down to: ``want`` cells ending at most where the free cells
+        after it end, starting on a multiple of ``align``, its first ``keep`` cells clear of their
         copy: never over its own committed cells (nor over cells it lent:
-        tests/test_crash.py::test_random_kills...[shared] found it)."""
+        tests/test_crash.py::test_random_kills...[shared] found it). -1: nowhere."""
         start = row[START]
         end = start + row[CAPACITY] + after[1]
-        new_start = -(-max(before[0], end - want) // align) * align
-        if new_start + want > end or new_start + keep > start or row[FLAGS] & LENT:
-            return False
-        self.pages.reserve(new_start, keep)
-        self.pages.copy_cells(start, new_start, keep)  # (no overlap: the condition above)
+        to = -(-max(before[0], end - want) // align) * align
+        return -1 if to + want > end or to + keep > start or row[FLAGS] & LENT else to
+
+    def _slide(self, row: memoryview, want: int, keep: int, to: int) -> None:
+        self.pages.reserve(to, keep)
+        self.pages.copy_cells(row[START], to, keep)  # (no overlap: _slide_to)
         _crash.point("grow.slid")
-        row[START], row[CAPACITY] = new_start, want
-        return True
+        row[START], row[CAPACITY] = to, want
 
     def _move(self, row: memoryview, want: int, keep: int, **where: Any) -> bool:
         """Move the sequence's first ``keep`` cells to a fresh range of ``want`` (``where``: how
