@@ -760,8 +760,8 @@ def test_a_prompt_that_grows_keeps_to_a_page_unit_and_lends_again(make_store, ro
 
 
 def test_a_prompt_with_no_range_on_a_page_unit_grows_anyway(make_store, monkeypatch):
-    """Where no range on a page unit is free, a growing prompt slides or moves as any sequence
-    does (it copies at its reuses), rather than evict or fail."""
+    """Where the free range first fit picks holds no range on a page unit, a growing prompt moves
+    as any sequence does (it copies at its reuses), rather than evict or fail."""
     st = make_store(layers=L, kv_heads=H, head_dim=D, dtype="int8", max_tokens=16384, max_seqs=32)
     u = engine_of(st).page_unit
     ones = np.ones((L, 5, H, D))
@@ -770,17 +770,18 @@ def test_a_prompt_with_no_range_on_a_page_unit_grows_anyway(make_store, monkeypa
     d = st.create_sequence(capacity=300, prefix=p)
     d.extend(np.ones((L, 300, H, D)), np.ones((L, 300, H, D)), tokens=p)
     st.create_sequence(capacity=300).extend(ones, ones, tokens=np.arange(5))
-    e = engine_of(st)
-    real, asked = e.arena._place, []
+    from shmkv._engine.placement import arena
 
-    def place(gaps, capacity, align):
-        asked.append(align)
-        return None if align > 1 else real(gaps, capacity, align)  # (none on a unit)
+    asked = []
 
-    monkeypatch.setattr(e.arena, "_place", place)
+    def on_unit(gaps, fit, capacity, unit):
+        asked.append(unit)
+        return fit  # (the free range first fit picks holds it on no unit)
+
+    monkeypatch.setattr(arena, "_on_unit", on_unit)
     d.extend(np.ones((L, 100, H, D)), np.ones((L, 100, H, D)), tokens=np.arange(5000, 5100))
     monkeypatch.undo()
-    assert asked[:2] == [u, 1]  # on a unit first, then anywhere
+    assert asked == [u]  # the move was asked to keep to a unit
     assert start_of(st, d.id) % u != 0 and len(d) == 400
     assert np.array_equal(d.tokens, np.r_[p, np.arange(5000, 5100)])
 
@@ -845,3 +846,32 @@ def test_keeping_to_a_page_unit_costs_no_cells(make_store):
     assert (start_of(st, p.id) % 256, p.capacity, st.stats().free_tokens) == (0, 410, 514)  # (a slide: 146)
     assert np.array_equal(p.keys(0)[:, 0, 0], np.r_[np.ones(10), np.full(400, 2.0)])
     st.create_sequence(capacity=400)
+
+
+@pytest.mark.parametrize("op", ["remove", "shift_left", "copy_prefix"])
+def test_a_move_keeps_to_a_unit_only_inside_the_free_range_first_fit_picks(make_store, op):
+    """A moved prompt's new range starts on a unit only inside the free range first fit picks:
+    a later, larger free range is never split for it (a 2600-cell create still fits, with
+    nothing evicted). float16 1x8: a 256-cell unit; free: [301, 700), [701, 3500), [3501, ...)."""
+    st = make_store(layers=1, kv_heads=1, head_dim=8, dtype="float16", max_tokens=4096, max_seqs=6)
+    kv = np.arange(80, dtype=np.float64).reshape(1, 10, 1, 8)
+    s = st.create_sequence(capacity=300, prefix=np.arange(10))  # [0, 300): on a unit
+    s.extend(kv, kv, tokens=np.arange(10))
+    one = st.create_sequence(capacity=1)  # 300
+    one.extend(np.full((1, 1, 1, 8), 7.0), np.full((1, 1, 1, 8), 7.0), tokens=[99])
+    f = st.create_sequence(capacity=399)  # [301, 700)
+    st.create_sequence(capacity=1)  # 700
+    g = st.create_sequence(capacity=2799)  # [701, 3500)
+    st.create_sequence(capacity=1)  # 3500
+    f.free()
+    g.free()
+    if op == "remove":
+        s.remove(0, 5)
+    elif op == "shift_left":
+        s.shift_left(5)
+    else:
+        st.copy_prefix(one.id, s.id, 1)
+    assert 301 <= start_of(st, s.id) < 700  # (no unit in [301, 700) holds 300 cells)
+    s.finish()
+    st.create_sequence(capacity=2600)
+    assert st.stats().evictions == 0

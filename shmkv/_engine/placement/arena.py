@@ -174,13 +174,13 @@ class Arena:
         ``evict``: evict finished sequences (least recently used first, never row ``protect``,
         or the rows of a tuple) when no free range is large enough. ``populate``: see Pages.reserve;
         ``stage``: see Pages.stage. ``align``: the range starts on a multiple of it. ``was``: the
-        start of the range this one replaces (a move): on a page unit where one is free without
-        evicting anything, when that one starts on a unit (``unit_of``)."""
+        start of the range this one replaces (a move): when that one starts on a page unit
+        (``unit_of``), the new one does too if the free range first fit picks holds it there."""
         gaps = self.free_ranges(taken)
+        fit = self._place(gaps, capacity, align)
         unit = self.unit_of(was) if was >= 0 else 1
-        fit = self._place(gaps, capacity, unit) if unit > align and capacity >= unit else None
-        if fit is None:
-            fit = self._place(gaps, capacity, align)
+        if fit is not None and unit > align and capacity >= unit:
+            fit = _on_unit(gaps, fit, capacity, unit)
         if fit is None and evict and self._evict(capacity, 0, protect, align, taken):
             gaps = self.free_ranges(taken)
             fit = self._place(gaps, capacity, align)
@@ -374,6 +374,17 @@ def fits(arena: Arena, capacity: int, align: int) -> bool:
     """Whether a free row and ``capacity`` free cells starting on a multiple of ``align`` (and
     room for them under ``max_tokens``) exist now, without evicting anything."""
     return arena._first_free_row(0) >= 0 and arena._place(arena.free_ranges(), capacity, align) is not None
+
+
+def _on_unit(gaps: list[tuple[int, int]], fit: int, capacity: int, unit: int) -> int:
+    """``fit`` moved up to a multiple of ``unit`` inside its own free range when ``capacity``
+    cells fit there, else ``fit``: a range that may lend keeps to a unit where first fit puts
+    it, never splitting a later free range (the cells before it stay free)."""
+    for start, size in gaps:
+        if start <= fit < start + size:
+            on = -(-fit // unit) * unit
+            return on if on + capacity <= start + size else fit
+    return fit
 
 
 def _first_fit(gaps: list[tuple[int, int]], capacity: int, align: int) -> int | None:

@@ -33,8 +33,8 @@ class Growth:
         cells before it (plus any after); move to a free range elsewhere, evicting for exactly
         ``needed`` if need be. Sizes tried: twice the capacity, then exactly ``needed``. A range
         on a page unit (one that may lend its pages, docs/design.md §11) of at least a unit keeps
-        to one where it can, at the size the order above picks and without evicting anything for
-        it: before a slide, a slide or a move to a start on a unit; before a move, a move to one.
+        to one where it can, at the size and in the free cells the order above picks: a slide
+        to a start on a unit, a move to one inside the free range first fit picks (``was``).
         """
         start, cap = row[START], row[CAPACITY]
         new_cap = min(max(needed, 2 * cap), self.layout.max_tokens)
@@ -54,13 +54,9 @@ class Growth:
             to = self._slide_to(row, want, keep, before, after, align=1)
             if to < 0:
                 continue
-            if unit > 1 and want >= unit:
+            if unit > 1 and want >= unit:  # (on a unit, in the same free cells, if they hold it there)
                 on_unit = self._slide_to(row, want, keep, before, after, align=unit)
-                if on_unit >= 0:
-                    self._slide(row, want, keep, on_unit)
-                    return
-                if self._move(row, want, keep, align=unit):
-                    return
+                to = on_unit if on_unit >= 0 else to
             self._slide(row, want, keep, to)
             return
         for want in wants:  # (alloc keeps to a unit where it can: ``was``)
@@ -81,7 +77,12 @@ class Growth:
         tests/test_crash.py::test_random_kills...[shared] found it). -1: nowhere."""
         start = row[START]
         end = start + row[CAPACITY] + after[1]
-        to = -(-max(before[0], end - want) // align) * align
+        if align == 1:
+            to = max(before[0], end - want)
+        else:  # (the highest start on a unit from which it fits with its kept cells clear)
+            to = min(end - want, start - keep) // align * align
+            if to < before[0]:
+                return -1
         return -1 if to + want > end or to + keep > start or row[FLAGS] & LENT else to
 
     def _slide(self, row: memoryview, want: int, keep: int, to: int) -> None:
