@@ -549,8 +549,11 @@ def test_a_reader_thread_beside_borrows_and_unshares(make_store):
 def _invariants(store) -> str | None:
     """No two live ranges overlap; a span's cells, and those a truncated borrower keeps taken
     (``SPAN_TAKEN``), are in no live range but their owner's (the row at the span's first cell,
-    borrowing nothing, at least that long: it never writes them)."""
-    from shmkv._engine.table.header import CAPACITY, ID, LENGTH, LIVE, SPAN_CELLS, SPAN_PHYS, SPAN_TAKEN, STATE
+    borrowing nothing, at least that long: it never writes them; or shorter and still flagged
+    LENT: a lender that truncated below what it lent with no free range to move to, which writes
+    nothing past its length until it moves, tests/test_sharing_lenders.py)."""
+    from shmkv._engine.table.header import (CAPACITY, FLAGS, ID, LENGTH, LENT, LIVE, SPAN_CELLS, SPAN_PHYS,
+                                            SPAN_TAKEN, STATE)
 
     t = engine_of(store).table_np
     live = t[t[:, STATE] == LIVE]
@@ -566,7 +569,7 @@ def _invariants(store) -> str | None:
             xs, xe = int(x[START]), int(x[START] + x[CAPACITY])
             if x[ID] == r[ID] or xe <= p or xs >= p + m:
                 continue
-            if not (xs == p and not x[SPAN_CELLS] and x[LENGTH] >= m):
+            if not (xs == p and not x[SPAN_CELLS] and (x[LENGTH] >= m or x[FLAGS] & LENT)):
                 return f"span [{p}, {p + m}) of {r[ID]} overlaps sequence {x[ID]} [{xs}, {xe}) of length {x[LENGTH]}"
     return None
 
