@@ -79,7 +79,7 @@ _PARTS = frozenset((
     "room", "settle", "any_owed", "before_appends", "file_copier", "write_new", "reserve_window",
     "free_tokens", "free_ranges", "alloc", "new_row", "free_row", "wcell", "index_blocks", "unindexing",
     "set_encoder", "drop_encoder", "lend", "borrow", "lent_end", "move_lender",
-    "shared_cells", "held_cells", "retained_cells", "committed_held", "relocate",
+    "shared_cells", "held_cells", "retained_cells", "committed_held", "relocate", "unit_for",
 ))
 _LAZY = _READER | _PARTS
 
@@ -183,14 +183,14 @@ class Engine(Attachment):
         snapshot_rows = SnapshotRows(hdr=self.hdr, table_np=t, row=self.row, shares=self.shares,
                                      reading=journal.reading, settled_row=journal.settled_row)
         growth = Growth(name=name, layout=layout, arena=arena, pages=pages)
-        (self.pages, self.arena, self.growth, self.spans, self.snapshot_rows, self.relocate,
+        (self.pages, self.arena, self.growth, self.spans, self.snapshot_rows, self.relocate, self.unit_for,
          self.room, self.settle, self.any_owed, self.before_appends,
          self.file_copier, self.write_new, self.reserve_window,
          self.free_tokens, self.free_ranges, self.alloc, self.new_row, self.free_row, self.wcell,
          self.index_blocks, self.unindexing, self.set_encoder, self.drop_encoder,
          self.lend, self.borrow, self.lent_end, self.move_lender,
          self.shared_cells, self.held_cells, self.retained_cells, self.committed_held) = (
-            pages, arena, growth, spans, snapshot_rows, growth.relocate,
+            pages, arena, growth, spans, snapshot_rows, growth.relocate, arena.unit_for,
             pages.room, pages.settle, pages.any_owed, pages.before_appends,
             pages.file_copier, pages.write_new, pages.reserve_window,
             arena.free_tokens, arena.free_ranges, arena.alloc, arena.new_row, arena.free_row, arena.wcell,

@@ -238,6 +238,11 @@ class Port(Protocol):
         see Arena.alloc) and reserve the pages of its first ``fill`` (default: all)."""
         ...
 
+    def unit_for(self, cells: int, start: int) -> int:
+        """What a range of ``cells`` that may lend its pages starts on where it can (Arena.unit_for;
+        ``start`` 0 for a new range)."""
+        ...
+
     def reserve_window(self, slot: int) -> None:
         """Reserve a slot's window buffers."""
         ...

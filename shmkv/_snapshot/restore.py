@@ -212,8 +212,7 @@ def _place(core: Port, cap: int, length: int, taken: list[tuple[int, int]], stag
     a prompt (a range on a page unit may lend its pages to later reuses, docs/design.md §11).
     From a file the arrays arrive through the descriptor, which allocates (Pages.stage); the
     pages past ``length`` are reserved as writes need them."""
-    tries = [(c, a) for c in dict.fromkeys((cap, max(1, length)))
-             for a in dict.fromkeys((core.page_unit if core.shares.on and c >= core.page_unit else 1, 1))]
+    tries = [(c, a) for c in dict.fromkeys((cap, max(1, length))) for a in dict.fromkeys((core.unit_for(c, 0), 1))]
     for c, align in tries[:-1]:
         try:
             return c, core.alloc(c, taken, stage=stage, fill=length, align=align)

@@ -70,8 +70,7 @@ def _create(store: Owner, e: Engine, capacity: int, *, prefix: Any, tier: Any, p
         # a range shorter than a unit never lends: no alignment waste)
         # (not when sharing is off; a fork's child too, ``protect``: its parent's row; it borrows
         # through copy_prefix)
-        align = e.page_unit if e.shares.on and (toks is not None or protect >= 0) and max(capacity, n) >= e.page_unit \
-            else 1
+        align = e.unit_for(max(capacity, n), 0) if toks is not None or protect >= 0 else 1
         phys, m, owner = e.lend(donor, n) if n else (0, 0, -1)
         if align > 1 and not fits(e.arena, max(capacity, n), align) and fits(e.arena, max(capacity, n), 1):
             # only an unaligned range fits: take it and copy the prefix rather than evict

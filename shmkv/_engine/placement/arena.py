@@ -66,11 +66,12 @@ class Arena:
         self._reserve, self._stage, self.reserve_window = pages.reserve, pages.stage, pages.reserve_window
         self._page_unit_reserve = pages.page_unit_reserve
 
-    def unit_of(self, start: int) -> int:
-        """What a range that replaces the one at ``start`` starts on where it can: the page unit
-        when that one starts on a unit and the store lends pages (a range that may lend them,
-        docs/design.md §11), else 1."""
-        return 1 if start % self._unit else self._unit
+    def unit_for(self, cells: int, start: int) -> int:
+        """What a range of ``cells`` that replaces the one at ``start`` starts on where it can:
+        the page unit when the store lends pages, the range holds a unit or more and the one it
+        replaces started on a unit (a range that may lend them, docs/design.md §11), else 1."""
+        u = self._unit
+        return u if cells >= u and not start % u else 1
 
     def free_tokens(self, gaps: list[tuple[int, int]]) -> int:
         """Cells new ranges may still take, of the free ranges ``gaps``: ``max_tokens`` less
@@ -175,11 +176,11 @@ class Arena:
         or the rows of a tuple) when no free range is large enough. ``populate``: see Pages.reserve;
         ``stage``: see Pages.stage. ``align``: the range starts on a multiple of it. ``was``: the
         start of the range this one replaces (a move): when that one starts on a page unit
-        (``unit_of``), the new one does too if the free range first fit picks holds it there."""
+        (``unit_for``), the new one does too if the free range first fit picks holds it there."""
         gaps = self.free_ranges(taken)
         fit = self._place(gaps, capacity, align)
-        unit = self.unit_of(was) if was >= 0 else 1
-        if fit is not None and unit > align and capacity >= unit:
+        unit = self.unit_for(capacity, was) if was >= 0 else 1
+        if fit is not None and unit > align:
             fit = _on_unit(gaps, fit, capacity, unit)
         if fit is None and evict and self._evict(capacity, 0, protect, align, taken):
             gaps = self.free_ranges(taken)

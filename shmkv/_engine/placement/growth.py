@@ -24,7 +24,7 @@ class Growth:
     def __init__(self, *, name: str, layout: Layout, arena: Arena, pages: Pages) -> None:
         self.name, self.layout, self.pages = name, layout, pages
         self.alloc, self.free_ranges, self.free_tokens = arena.alloc, arena.free_ranges, arena.free_tokens
-        self.unit_of = arena.unit_of
+        self.unit_for = arena.unit_for
 
     def relocate(self, slot: int, row: memoryview, needed: int, keep: int, protect: int = -1) -> None:
         """Give a sequence at least ``needed`` cells, keeping its first ``keep`` (lock held, row changing).
@@ -43,7 +43,6 @@ class Growth:
         before = next((g for g in gaps if g[0] + g[1] == start), (start, 0))
         after = next((g for g in gaps if g[0] == start + cap), (start + cap, 0))
         wants = list(dict.fromkeys((new_cap, needed)))
-        unit = self.unit_of(start)
         for want in wants:
             if want - cap > room:
                 continue  # (a move: alloc's own check, below)
@@ -54,7 +53,8 @@ class Growth:
             to = self._slide_to(row, want, keep, before, after, align=1)
             if to < 0:
                 continue
-            if unit > 1 and want >= unit:  # (on a unit, in the same free cells, if they hold it there)
+            unit = self.unit_for(want, start)
+            if unit > 1:  # (on a unit, in the same free cells, if they hold it there)
                 on_unit = self._slide_to(row, want, keep, before, after, align=unit)
                 to = on_unit if on_unit >= 0 else to
             self._slide(row, want, keep, to)
